@@ -1,0 +1,45 @@
+"""outbox-celery: a transactional outbox for PostgreSQL and Celery.
+
+Write events in your business transaction with :func:`enqueue`; an :class:`Outbox` bound to
+your Celery app claims them with leases, delivers each through one Celery task and finalizes
+it with a fenced update, at least once.
+"""
+
+from __future__ import annotations
+
+from .backoff import Backoff
+from .config import OutboxConfig, TableName
+from .errors import (
+    ConfigurationError,
+    Defer,
+    OutboxError,
+    PermanentError,
+    ProducerError,
+    RetryableError,
+)
+from .message import Message, Status
+from .migrations import migrate
+from .producer import Event, enqueue, enqueue_many
+from .store import Claimed, Store
+
+__all__ = [
+    "Backoff",
+    "Claimed",
+    "ConfigurationError",
+    "Defer",
+    "Event",
+    "Message",
+    "OutboxConfig",
+    "OutboxError",
+    "PermanentError",
+    "ProducerError",
+    "RetryableError",
+    "Status",
+    "Store",
+    "TableName",
+    "enqueue",
+    "enqueue_many",
+    "migrate",
+]
+
+__version__ = "0.1.0"

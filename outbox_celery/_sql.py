@@ -1,0 +1,48 @@
+"""Loads the named SQL files shipped in ``outbox_celery/sql`` (once per process)."""
+
+from __future__ import annotations
+
+import functools
+import re
+from importlib import resources
+
+from psycopg import sql
+
+from .config import TableName
+
+_NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
+
+INDEX_SUFFIXES = {
+    "pending_idx": "_pending_idx",
+    "lease_idx": "_lease_idx",
+    "ordered_idx": "_ordered_idx",
+    "done_idx": "_done_idx",
+    "dead_idx": "_dead_idx",
+}
+
+
+@functools.cache
+def read(name: str) -> str:
+    """The text of ``sql/<name>`` inside the package."""
+    return resources.files("outbox_celery").joinpath("sql", name).read_text(encoding="utf-8")
+
+
+@functools.cache
+def named(filename: str) -> dict[str, str]:
+    """Split a ``-- name: x`` annotated file into ``{x: text}``."""
+    text = read(filename)
+    parts = _NAME.split(text)
+    # parts = [preamble, name1, body1, name2, body2, ...]
+    queries: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        queries[name] = body.strip().rstrip(";")
+    return queries
+
+
+def compose(text: str, table: TableName) -> sql.Composed:
+    """Bind the table (and its index names) as quoted identifiers into ``text``."""
+    idents: dict[str, sql.Composable] = {"table": table.identifier()}
+    idents.update({k: table.index_name(v) for k, v in INDEX_SUFFIXES.items()})
+    used = {k: v for k, v in idents.items() if "{" + k + "}" in text}
+    # SQL(...) marks the file text as trusted: it ships with the package, never user input.
+    return sql.SQL(text).format(**used)

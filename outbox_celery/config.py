@@ -1,0 +1,237 @@
+"""Settings of an outbox, in one frozen dataclass with every default documented here.
+
+Every field can also come from the Celery configuration as ``outbox_<field>`` (for example
+``app.conf.outbox_lease = 30``); keyword arguments to :class:`~outbox_celery.Outbox` win.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from psycopg import sql
+
+from .errors import ConfigurationError
+
+__all__ = ["OutboxConfig", "TableName"]
+
+# Leaves room under PostgreSQL's 63-byte identifier limit for the index-name suffixes.
+_MAX_TABLE_NAME = 40
+_PART = re.compile(r"^[^\x00\"]{1," + str(_MAX_TABLE_NAME) + r"}$")
+
+
+@dataclass(frozen=True, slots=True)
+class TableName:
+    """A validated, optionally schema-qualified table name.
+
+    ``"outbox"`` or ``"events.outbox"``. Both parts are always quoted as identifiers, never
+    spliced into SQL text. A dot separates schema from name, so names themselves cannot contain
+    one.
+    """
+
+    name: str
+    schema: str | None = None
+
+    @classmethod
+    def parse(cls, value: str | TableName) -> TableName:
+        """Parse ``"name"`` or ``"schema.name"``; raise :class:`ConfigurationError` if invalid."""
+        if isinstance(value, TableName):
+            return value
+        if not isinstance(value, str):
+            raise ConfigurationError(f"table must be a string, got {type(value).__name__}")
+        parts = value.split(".")
+        if len(parts) > 2 or not all(_PART.match(p) for p in parts):
+            raise ConfigurationError(
+                f"invalid table name {value!r}: use 'name' or 'schema.name', each 1-"
+                f"{_MAX_TABLE_NAME} characters, no quotes or NUL"
+            )
+        if len(parts) == 2:
+            return cls(name=parts[1], schema=parts[0])
+        return cls(name=parts[0])
+
+    @property
+    def qualified(self) -> str:
+        """The name as the user wrote it (used in logs, lock names and idempotency keys)."""
+        return f"{self.schema}.{self.name}" if self.schema else self.name
+
+    def identifier(self, suffix: str = "") -> sql.Identifier:
+        """The table (or a sibling object named ``<name><suffix>``) as a quoted identifier."""
+        if self.schema:
+            return sql.Identifier(self.schema, self.name + suffix)
+        return sql.Identifier(self.name + suffix)
+
+    def index_name(self, suffix: str) -> sql.Identifier:
+        """An index name (never schema-qualified in CREATE INDEX)."""
+        return sql.Identifier(self.name + suffix)
+
+    def __str__(self) -> str:
+        return self.qualified
+
+
+def _seconds(value: Any, name: str, *, allow_zero: bool = False) -> float:
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigurationError(f"{name} must be seconds (number or timedelta), got {value!r}")
+    seconds = float(value)
+    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+_SECONDS_FIELDS = (
+    "lease",
+    "claim_interval",
+    "claim_budget",
+    "backoff_base",
+    "backoff_cap",
+    "max_defer_age",
+    "unroutable_delay",
+    "publish_timeout",
+    "retention",
+)
+_INT_FIELDS = (
+    "batch_size",
+    "max_attempts",
+    "max_in_flight",
+    "min_in_flight",
+    "max_payload_bytes",
+    "pool_max_size",
+    "retention_batch_size",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxConfig:
+    """Every knob of an outbox. Seconds may be given as ``timedelta``.
+
+    :ivar dsn: PostgreSQL connection string (libpq format or URI). Required by workers.
+    :ivar table: outbox table, ``"name"`` or ``"schema.name"``. Default ``"outbox"``.
+    :ivar lease: seconds a claim owns a row before another claim may take it. Default 60. The
+        delivery task's time limit is set below it and its Celery ``expires`` at its end.
+    :ivar batch_size: rows claimed per claim transaction. Default 200.
+    :ivar max_attempts: handler runs before a message goes ``dead``. Default 12.
+    :ivar claim_interval: seconds between beat-triggered claim runs (sub-second allowed).
+        Default 1.0.
+    :ivar claim_budget: seconds one claim run may keep claiming while batches come back full.
+        Default ``max(claim_interval, 1.0)``.
+    :ivar max_in_flight: hard upper bound of claimed-but-unfinished rows. Default 1000.
+    :ivar min_in_flight: the in-flight bound never adapts below this. Default ``batch_size``
+        (capped by ``max_in_flight``).
+    :ivar adaptive_in_flight: when true (default) the bound follows measured throughput:
+        ``finished in the last lease / 2`` clamped to ``[min_in_flight, max_in_flight]``, so
+        that whatever is handed to Celery can start within half a lease.
+    :ivar backoff_base: seconds; full-jitter window after attempt ``n`` is
+        ``min(backoff_cap, backoff_base * 2**n)``. Default 1.0.
+    :ivar backoff_cap: seconds; upper bound of the backoff window. Default 300.
+    :ivar max_defer_age: seconds since ``created_at`` after which a ``Defer`` makes the message
+        ``dead`` instead. Default 7 days.
+    :ivar max_payload_bytes: largest JSON payload accepted by ``enqueue``. Default 1 MiB.
+    :ivar claim_queue: Celery queue of the claim (and retention) task. Default ``"outbox.claim"``.
+    :ivar default_queue: queue for event types registered without one. Default ``"outbox"``.
+    :ivar unroutable_delay: seconds a message waits when a worker has no handler for its event
+        type (attempt refunded). Default 60.
+    :ivar publish_timeout: seconds a claim run waits on the broker per publish before giving the
+        unpublished rows back. Default 5.
+    :ivar pool_max_size: psycopg pool size per worker process. Default 4.
+    :ivar retention: seconds after which ``done`` rows are purged by the retention beat task;
+        ``None`` disables it. Default 7 days.
+    :ivar retention_batch_size: rows deleted per purge transaction. Default 5000.
+    :ivar configure_celery: apply recommended Celery settings (prefetch 1, Redis visibility
+        timeout above the lease) where the user has not set them. Default true.
+    """
+
+    dsn: str | None = None
+    table: TableName = field(default_factory=lambda: TableName("outbox"))
+    lease: float = 60.0
+    batch_size: int = 200
+    max_attempts: int = 12
+    claim_interval: float = 1.0
+    claim_budget: float | None = None
+    max_in_flight: int = 1000
+    min_in_flight: int | None = None
+    adaptive_in_flight: bool = True
+    backoff_base: float = 1.0
+    backoff_cap: float = 300.0
+    max_defer_age: float = 7 * 24 * 3600.0
+    max_payload_bytes: int = 1024 * 1024
+    claim_queue: str = "outbox.claim"
+    default_queue: str = "outbox"
+    unroutable_delay: float = 60.0
+    publish_timeout: float = 5.0
+    pool_max_size: int = 4
+    retention: float | None = 7 * 24 * 3600.0
+    retention_batch_size: int = 5000
+    configure_celery: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "table", TableName.parse(self.table))
+        for name in _SECONDS_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in ("claim_budget", "retention"):
+                continue
+            set_(self, name, _seconds(value, name))
+        for name in _INT_FIELDS:
+            _positive_int(getattr(self, name), name)
+        if self.min_in_flight is not None:
+            _positive_int(self.min_in_flight, "min_in_flight")
+        if self.backoff_cap < self.backoff_base:
+            raise ConfigurationError("backoff_cap must be >= backoff_base")
+        if self.claim_interval >= self.lease:
+            raise ConfigurationError("claim_interval must be shorter than lease")
+        if self.dsn is not None and not isinstance(self.dsn, str):
+            raise ConfigurationError("dsn must be a string")
+        for name in ("claim_queue", "default_queue"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigurationError(f"{name} must be a non-empty string")
+
+    @property
+    def effective_claim_budget(self) -> float:
+        """The claim run's time budget in seconds."""
+        return self.claim_budget if self.claim_budget is not None else max(self.claim_interval, 1.0)
+
+    @property
+    def effective_min_in_flight(self) -> int:
+        """The lower bound of the adaptive in-flight limit."""
+        floor = self.min_in_flight if self.min_in_flight is not None else self.batch_size
+        return min(floor, self.max_in_flight)
+
+    @property
+    def task_time_limit(self) -> float:
+        """Hard time limit of a delivery task: safely below the lease."""
+        return max(1.0, self.lease * 0.9)
+
+    def replace(self, **changes: Any) -> OutboxConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_mapping(cls, conf: Mapping[str, Any], **overrides: Any) -> OutboxConfig:
+        """Build from ``outbox_*`` keys of a Celery configuration plus explicit overrides."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - names
+        if unknown:
+            raise ConfigurationError(f"unknown outbox setting(s): {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {}
+        for name in names:
+            key = f"outbox_{name}"
+            try:
+                present = key in conf
+            except TypeError:  # pragma: no cover - exotic mappings
+                present = False
+            if present and conf[key] is not None:
+                values[name] = conf[key]
+        values.update({k: v for k, v in overrides.items()})
+        return cls(**values)

@@ -1,0 +1,81 @@
+"""Exceptions raised by outbox-celery and by the handlers it calls.
+
+Handlers translate what their downstream said into one of three outcomes:
+
+* :class:`RetryableError` -- try again later (full-jitter backoff, or the delay it carries,
+  e.g. an HTTP 429 ``Retry-After``). The attempt counts.
+* :class:`PermanentError` -- never going to work; the message goes ``dead`` for a human.
+* :class:`Defer` -- not an error: "not yet" (a business precondition is missing). The message
+  goes back to ``pending`` after ``delay`` and the attempt is refunded.
+
+Any other exception is recorded in ``last_error``, surfaces as a failed Celery task, and the
+message comes back through its lease: it is not silently classified as transient.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+__all__ = [
+    "ConfigurationError",
+    "Defer",
+    "OutboxError",
+    "PermanentError",
+    "ProducerError",
+    "RetryableError",
+]
+
+
+def _seconds(delay: float | timedelta | None, *, name: str) -> float | None:
+    if delay is None:
+        return None
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    if seconds != seconds or seconds < 0:  # NaN or negative
+        raise ValueError(f"{name} must be a non-negative number of seconds, got {delay!r}")
+    return seconds
+
+
+class OutboxError(Exception):
+    """Root of every exception defined by outbox-celery."""
+
+
+class ConfigurationError(OutboxError, ValueError):
+    """A setting has an invalid value or settings contradict each other."""
+
+
+class ProducerError(OutboxError, ValueError):
+    """An enqueue was refused; nothing was written."""
+
+
+class RetryableError(OutboxError):
+    """The delivery failed but may succeed later.
+
+    :param message: what went wrong, stored in ``last_error``.
+    :param delay: seconds (or a :class:`~datetime.timedelta`) to wait before the next attempt,
+        overriding the backoff policy (for example an HTTP ``Retry-After``). ``None`` uses the
+        outbox's full-jitter backoff.
+    """
+
+    def __init__(self, message: str = "retryable error", *, delay: float | timedelta | None = None):
+        super().__init__(message)
+        self.delay: float | None = _seconds(delay, name="delay")
+
+
+class PermanentError(OutboxError):
+    """The delivery can never succeed; the message goes ``dead`` with this error."""
+
+
+class Defer(OutboxError):  # noqa: N818 - it is an outcome, not an error
+    """Deliver later without spending an attempt (a business "not yet").
+
+    :param delay: seconds (or a :class:`~datetime.timedelta`) before the message is claimable
+        again.
+    :param reason: stored in ``last_error`` so operators can see why it waits.
+    """
+
+    def __init__(self, delay: float | timedelta, reason: str = "deferred"):
+        super().__init__(reason)
+        seconds = _seconds(delay, name="delay")
+        assert seconds is not None
+        self.delay: float = seconds
+        self.reason = reason

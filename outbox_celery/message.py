@@ -1,0 +1,66 @@
+"""What handlers receive: :class:`Message`, and the row :class:`Status`."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+__all__ = ["Message", "Status"]
+
+
+class Status(enum.StrEnum):
+    """Life cycle of an outbox row (see docs/design.md)."""
+
+    PENDING = "pending"
+    PROCESSING = "processing"
+    DONE = "done"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One outbox event, as handed to a handler after a successful fenced start.
+
+    :ivar id: the outbox row id.
+    :ivar event_type: the routing key of the event, e.g. ``"order.created"``.
+    :ivar aggregate_type: the kind of business object, e.g. ``"order"``.
+    :ivar aggregate_id: the business object's id, as text.
+    :ivar payload: the decoded JSON payload.
+    :ivar attempts: handler runs so far, this one included (1 on the first run).
+    :ivar created_at: when the producer's transaction wrote the row (database clock).
+    :ivar lease_version: the fencing token of the claim this run belongs to.
+    :ivar ordering_key: set for ordered messages; ``None`` otherwise.
+    :ivar idempotency_key: stable across every redelivery of this message; send it downstream
+        (an ``Idempotency-Key`` header, a message id) so the receiver can de-duplicate.
+    """
+
+    id: int
+    event_type: str
+    aggregate_type: str
+    aggregate_id: str
+    payload: Any
+    attempts: int
+    created_at: datetime
+    lease_version: int
+    ordering_key: str | None
+    idempotency_key: str
+    _extend: Callable[[float], bool] | None = field(default=None, repr=False, compare=False)
+
+    def extend_lease(self, seconds: float) -> bool:
+        """Ask for ``seconds`` more of lease from now (database clock), fenced.
+
+        Returns ``False`` when the lease was lost (another claim superseded this one): the
+        handler should stop, its result will not be recorded. Note that Celery's task time
+        limit is not extended.
+        """
+        if self._extend is None:
+            raise RuntimeError("this message is not bound to a running delivery")
+        return self._extend(seconds)
+
+
+def idempotency_key(table: str, outbox_id: int) -> str:
+    """The stable idempotency key of message ``outbox_id`` in ``table``."""
+    return f"{table}:{outbox_id}"

@@ -1,0 +1,139 @@
+"""Versioned, idempotent schema management shipped inside the package.
+
+``migrate(conn, table)`` brings one outbox table to the current version:
+
+* a fresh database gets ``sql/schema.sql`` (the current schema in one piece) and every version
+  recorded;
+* an existing table gets the missing files of ``sql/migrations/`` applied in order;
+* applying twice changes nothing.
+
+Versions are recorded per table in ``outbox_celery_migrations``, created in the outbox table's
+schema. Concurrent migrators serialize on an advisory lock.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from . import _sql
+from .config import TableName
+from .errors import OutboxError
+
+__all__ = ["Migration", "MigrationError", "applied_versions", "available", "migrate", "pending"]
+
+_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+_LEDGER = "outbox_celery_migrations"
+
+
+class MigrationError(OutboxError):
+    """The schema cannot be brought up to date safely."""
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """One numbered file of ``sql/migrations``."""
+
+    version: int
+    name: str
+    filename: str
+
+    @property
+    def text(self) -> str:
+        return _sql.read(f"migrations/{self.filename}")
+
+
+def available() -> list[Migration]:
+    """Every migration shipped with the package, in order."""
+    folder = resources.files("outbox_celery").joinpath("sql", "migrations")
+    found = []
+    for entry in folder.iterdir():
+        m = _FILE.match(entry.name)
+        if m:
+            found.append(Migration(int(m.group(1)), m.group(2), entry.name))
+    return sorted(found, key=lambda m: m.version)
+
+
+def _ledger(table: TableName) -> sql.Identifier:
+    return sql.Identifier(table.schema, _LEDGER) if table.schema else sql.Identifier(_LEDGER)
+
+
+def _table_exists(conn: psycopg.Connection[Any], table: TableName) -> bool:
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [table.identifier().as_string(conn)]).fetchone()
+    return bool(row and row[0])
+
+
+def _ledger_exists(conn: psycopg.Connection[Any], table: TableName) -> bool:
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [_ledger(table).as_string(conn)]).fetchone()
+    return bool(row and row[0])
+
+
+def applied_versions(conn: psycopg.Connection[Any], table: str | TableName = "outbox") -> list[int]:
+    """Versions recorded for ``table`` (empty when never migrated)."""
+    t = TableName.parse(table)
+    if not _ledger_exists(conn, t):
+        return []
+    rows = conn.execute(
+        sql.SQL("SELECT version FROM {} WHERE table_name = %s ORDER BY version").format(_ledger(t)),
+        [t.name],
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def pending(conn: psycopg.Connection[Any], table: str | TableName = "outbox") -> list[Migration]:
+    """Migrations not yet applied to ``table``."""
+    done = set(applied_versions(conn, table))
+    return [m for m in available() if m.version not in done]
+
+
+def migrate(
+    conn: psycopg.Connection[Any], table: str | TableName = "outbox", *, fresh_schema: bool = True
+) -> list[int]:
+    """Bring ``table`` to the current schema; return the versions applied now.
+
+    Runs in one transaction (PostgreSQL DDL is transactional): either every step lands or none.
+    ``fresh_schema=False`` builds a new table by replaying every migration instead of using
+    ``schema.sql`` (the migration test compares both).
+    """
+    t = TableName.parse(table)
+    with conn.transaction():
+        conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+            [f"outbox_celery:migrate:{t.qualified}"],
+        )
+        if t.schema:
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(t.schema)))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} ("
+                " table_name text NOT NULL,"
+                " version integer NOT NULL,"
+                " name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now(),"
+                " PRIMARY KEY (table_name, version))"
+            ).format(_ledger(t))
+        )
+        done = set(applied_versions(conn, t))
+        todo = [m for m in available() if m.version not in done]
+        if not todo:
+            return []
+        exists = _table_exists(conn, t)
+        if not done and exists:
+            raise MigrationError(
+                f"table {t.qualified} exists but has no recorded outbox-celery migrations; "
+                "refusing to guess its schema"
+            )
+        if not done and fresh_schema:
+            conn.execute(_sql.compose(_sql.read("schema.sql"), t))
+        else:
+            for m in todo:
+                conn.execute(_sql.compose(m.text, t))
+        insert = sql.SQL("INSERT INTO {} (table_name, version, name) VALUES (%s, %s, %s)").format(_ledger(t))
+        for m in todo:
+            conn.execute(insert, [t.name, m.version, m.name])
+        return [m.version for m in todo]

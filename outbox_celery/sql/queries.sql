@@ -1,0 +1,229 @@
+-- Named queries of the dispatcher. Loaded once by outbox_celery.store; "{table}" is replaced by
+-- the quoted table identifier (psycopg.sql), every value is a bound parameter.
+-- All time comparisons use the database clock (now()); worker clocks are never trusted.
+
+-- name: insert
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at)
+VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::jsonb, %(ordering_key)s,
+        now() + make_interval(secs => %(delay)s))
+RETURNING id;
+
+-- name: insert_many
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at)
+SELECT u.event_type, u.aggregate_type, u.aggregate_id, u.payload::jsonb, u.ordering_key,
+       now() + make_interval(secs => u.delay)
+FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_ids)s::text[],
+            %(payloads)s::text[], %(ordering_keys)s::text[], %(delays)s::float8[])
+     WITH ORDINALITY AS u(event_type, aggregate_type, aggregate_id, payload, ordering_key, delay, n)
+ORDER BY u.n
+RETURNING id;
+
+-- name: lock_key
+-- Serializes producers of one ordering key until commit, so id order equals commit order.
+SELECT pg_advisory_xact_lock(hashtextextended(%(lock_name)s, 0));
+
+-- name: try_claim_lock
+-- One claim run per table at a time: keeps the in-flight bound exact.
+SELECT pg_try_advisory_lock(hashtextextended(%(lock_name)s, 0));
+
+-- name: claim_unlock
+SELECT pg_advisory_unlock(hashtextextended(%(lock_name)s, 0));
+
+-- name: count_in_flight
+SELECT count(*) FROM {table} WHERE status = 'processing';
+
+-- name: count_recent_done
+-- Rows finished in the last window, counted up to a cap so the cost stays bounded.
+SELECT count(*) FROM (
+    SELECT 1 FROM {table}
+    WHERE status = 'done' AND done_at > now() - make_interval(secs => %(window)s)
+    LIMIT %(cap)s
+) AS recent;
+
+-- name: reap
+-- Expired leases whose attempts are exhausted go dead (DESIGN invariant 5).
+WITH doomed AS (
+    SELECT id FROM {table}
+    WHERE status = 'processing' AND lease_until <= now() AND attempts >= %(max_attempts)s
+    ORDER BY lease_until
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'dead',
+    lease_until = NULL,
+    last_error = 'attempts exhausted: lease expired after attempt ' || o.attempts
+                 || ' of ' || %(max_attempts)s::int || ' without a result (worker lost or timed out)'
+                 || coalesce('; last error: ' || o.last_error, '')
+FROM doomed
+WHERE o.id = doomed.id
+RETURNING o.id, o.lease_version, o.event_type;
+
+-- name: claim_expired
+-- Rows whose lease ran out with attempts left: re-claimed with a new fencing token.
+WITH picked AS (
+    SELECT id FROM {table}
+    WHERE status = 'processing' AND lease_until <= now() AND attempts < %(max_attempts)s
+      AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+    ORDER BY lease_until
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+SET lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease)s),
+    lease_version = o.lease_version + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until;
+
+-- name: claim_pending
+WITH picked AS (
+    SELECT id FROM {table}
+    WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()
+      AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+    ORDER BY available_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease)s),
+    lease_version = o.lease_version + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until;
+
+-- name: claim_heads
+-- Ordered rows: only the lowest unfinished id of each key is claimable (DESIGN invariant 9).
+-- The recursive CTE is a skip scan over the ordered partial index: one probe per key that has
+-- unfinished messages, whatever their number. A dead head blocks its key and nothing else.
+WITH RECURSIVE heads AS (
+    (SELECT ordering_key, id FROM {table}
+     WHERE ordering_key IS NOT NULL AND status <> 'done'
+     ORDER BY ordering_key, id
+     LIMIT 1)
+    UNION ALL
+    SELECT nxt.ordering_key, nxt.id
+    FROM heads,
+    LATERAL (
+        SELECT ordering_key, id FROM {table}
+        WHERE ordering_key > heads.ordering_key AND ordering_key IS NOT NULL AND status <> 'done'
+        ORDER BY ordering_key, id
+        LIMIT 1
+    ) AS nxt
+),
+picked AS (
+    SELECT o.id FROM {table} AS o
+    JOIN heads ON heads.id = o.id
+    WHERE o.status = 'pending' AND o.available_at <= now()
+      AND (%(event_types)s::text[] IS NULL OR o.event_type = ANY(%(event_types)s::text[]))
+    ORDER BY o.available_at, o.id
+    LIMIT %(limit)s
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease)s),
+    lease_version = o.lease_version + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until;
+
+-- name: start
+-- The fenced start: the worker is about to run the handler. Counts the attempt here, not at
+-- claim, because a broker hop sits between the two (DESIGN invariant 3).
+UPDATE {table}
+SET attempts = attempts + 1,
+    lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
+WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+  AND attempts < %(max_attempts)s
+RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
+          lease_version, ordering_key;
+
+-- name: start_exhausted
+-- A redelivered task whose row already spent every attempt (e.g. it kills its worker).
+UPDATE {table}
+SET status = 'dead',
+    lease_until = NULL,
+    last_error = 'attempts exhausted: ' || attempts || ' handler run(s) of ' || %(max_attempts)s::int
+                 || ' started without a result' || coalesce('; last error: ' || last_error, '')
+WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+  AND attempts >= %(max_attempts)s
+RETURNING id;
+
+-- name: finish_done
+UPDATE {table}
+SET status = 'done', done_at = now(), lease_until = NULL
+WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+RETURNING id;
+
+-- name: finish_retry
+-- Retryable failure: back to pending after the delay, the attempt kept; dead at the limit.
+UPDATE {table}
+SET status = CASE WHEN attempts >= %(max_attempts)s THEN 'dead' ELSE 'pending' END,
+    available_at = CASE WHEN attempts >= %(max_attempts)s THEN available_at
+                        ELSE now() + make_interval(secs => %(delay)s) END,
+    lease_until = NULL,
+    last_error = CASE WHEN attempts >= %(max_attempts)s
+                      THEN 'attempts exhausted (' || attempts || ' of ' || %(max_attempts)s::int
+                           || '): ' || %(error)s
+                      ELSE %(error)s END
+WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+RETURNING id, status;
+
+-- name: finish_defer
+-- Business "not yet": the attempt is refunded; dead once it would wait past max_defer_age.
+UPDATE {table}
+SET status = CASE WHEN now() + make_interval(secs => %(delay)s)
+                       > created_at + make_interval(secs => %(max_age)s)
+                  THEN 'dead' ELSE 'pending' END,
+    attempts = greatest(attempts - 1, 0),
+    available_at = now() + make_interval(secs => %(delay)s),
+    lease_until = NULL,
+    last_error = CASE WHEN now() + make_interval(secs => %(delay)s)
+                           > created_at + make_interval(secs => %(max_age)s)
+                      THEN 'deferred past max_defer_age: ' || %(reason)s
+                      ELSE 'deferred: ' || %(reason)s END
+WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+RETURNING id, status;
+
+-- name: finish_dead
+UPDATE {table}
+SET status = 'dead', lease_until = NULL, last_error = %(error)s
+WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+RETURNING id;
+
+-- name: record_error
+-- Unexpected exception: keep the error, leave the row to come back through its lease.
+UPDATE {table}
+SET last_error = %(error)s
+WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+RETURNING id;
+
+-- name: release
+-- Claimed rows that never reached a worker (publish failed): pending now, no attempt spent.
+UPDATE {table} AS o
+SET status = 'pending', available_at = now(), lease_until = NULL
+FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS r(id, version)
+WHERE o.id = r.id AND o.lease_version = r.version AND o.status = 'processing'
+RETURNING o.id;
+
+-- name: postpone
+-- A worker has no handler for this event type: wait, attempt refunded, never dead by surprise.
+UPDATE {table}
+SET status = 'pending',
+    attempts = greatest(attempts - 1, 0),
+    available_at = now() + make_interval(secs => %(delay)s),
+    lease_until = NULL,
+    last_error = %(error)s
+WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+RETURNING id;
+
+-- name: extend_lease
+UPDATE {table}
+SET lease_until = greatest(lease_until, now() + make_interval(secs => %(seconds)s))
+WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+RETURNING lease_until;

@@ -1,0 +1,35 @@
+-- The current schema in one piece, for fresh installs. tests/integration/test_migrations.py
+-- proves that applying every file in migrations/ in order yields exactly this.
+CREATE TABLE {table} (
+    id            bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_type    text        NOT NULL CHECK (event_type <> ''),
+    aggregate_type text       NOT NULL,
+    aggregate_id  text        NOT NULL,
+    payload       jsonb       NOT NULL,
+    ordering_key  text,
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    status        text        NOT NULL DEFAULT 'pending'
+                  CHECK (status IN ('pending', 'processing', 'done', 'dead')),
+    available_at  timestamptz NOT NULL DEFAULT now(),
+    attempts      integer     NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    lease_owner   text,
+    lease_until   timestamptz,
+    lease_version bigint      NOT NULL DEFAULT 0,
+    last_error    text,
+    done_at       timestamptz
+) WITH (
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 1
+);
+CREATE INDEX {pending_idx} ON {table} (available_at, id)
+    WHERE status = 'pending' AND ordering_key IS NULL;
+CREATE INDEX {lease_idx} ON {table} (lease_until)
+    WHERE status = 'processing';
+CREATE INDEX {ordered_idx} ON {table} (ordering_key, id)
+    WHERE ordering_key IS NOT NULL AND status <> 'done';
+CREATE INDEX {done_idx} ON {table} (done_at)
+    WHERE status = 'done';
+CREATE INDEX {dead_idx} ON {table} (id)
+    WHERE status = 'dead';

@@ -1,0 +1,391 @@
+"""The only place the dispatcher's SQL runs.
+
+Every method takes a psycopg connection. Methods that own a transaction (claim, start, the
+finalizers) open it themselves with ``conn.transaction()``, so they work on pooled autocommit
+connections; the producer's insert runs inside the caller's transaction instead.
+
+Each finalizer is fenced: it changes the row only when ``status = 'processing'`` and the
+``lease_version`` still matches the claim the caller came from, and returns whether it won.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from . import _sql
+from .config import TableName
+from .message import Message, idempotency_key
+
+__all__ = ["Claimed", "Store"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A row handed out by a claim: what the delivery task needs to carry."""
+
+    id: int
+    lease_version: int
+    event_type: str
+    lease_until: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """What one claim transaction did."""
+
+    claimed: list[Claimed]
+    reaped: int
+
+
+class Store:
+    """Named queries bound to one outbox table.
+
+    :param table: ``"name"``, ``"schema.name"`` or a :class:`~outbox_celery.config.TableName`.
+    """
+
+    def __init__(self, table: str | TableName = "outbox") -> None:
+        self.table = TableName.parse(table)
+        self._q: dict[str, sql.Composed] = {
+            name: _sql.compose(text, self.table) for name, text in _sql.named("queries.sql").items()
+        }
+        self._stats: Counter[str] = Counter()
+        self._stats_lock = threading.Lock()
+
+    # -- observability -------------------------------------------------------------------------
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self._stats[key] += n
+
+    def get_stats(self) -> dict[str, int]:
+        """Counters of this process: claims, fenced outcomes, lost leases."""
+        with self._stats_lock:
+            return dict(self._stats)
+
+    def _lost(self, op: str, outbox_id: int, version: int) -> bool:
+        self._count("lost_leases")
+        logger.warning(
+            "lost lease: %s of outbox id %s version %s changed nothing",
+            op,
+            outbox_id,
+            version,
+            extra={
+                "outbox_id": outbox_id,
+                "lease_version": version,
+                "outcome": "lost_lease",
+                "operation": op,
+                "outbox_table": self.table.qualified,
+            },
+        )
+        return False
+
+    # -- producer ------------------------------------------------------------------------------
+
+    def lock_keys(self, conn: psycopg.Connection[Any], keys: Iterable[str]) -> None:
+        """Take the per-key producer locks (sorted, so two producers never deadlock)."""
+        for key in sorted(set(keys)):
+            conn.execute(self._q["lock_key"], {"lock_name": self._key_lock_name(key)})
+
+    def _key_lock_name(self, key: str) -> str:
+        return f"outbox_celery:key:{self.table.qualified}:{key}"
+
+    def insert(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> int:
+        """Insert one validated row in the caller's transaction."""
+        cur = conn.execute(self._q["insert"], row)
+        result = cur.fetchone()
+        assert result is not None
+        return int(result[0])
+
+    def insert_many(self, conn: psycopg.Connection[Any], rows: Sequence[dict[str, Any]]) -> list[int]:
+        """Insert validated rows with one statement; ids come back in input order."""
+        params = {
+            "event_types": [r["event_type"] for r in rows],
+            "aggregate_types": [r["aggregate_type"] for r in rows],
+            "aggregate_ids": [r["aggregate_id"] for r in rows],
+            "payloads": [r["payload"] for r in rows],
+            "ordering_keys": [r["ordering_key"] for r in rows],
+            "delays": [r["delay"] for r in rows],
+        }
+        cur = conn.execute(self._q["insert_many"], params)
+        # Identity values are drawn in the ORDER BY n order of the insert, so sorting the
+        # returned ids restores input order.
+        return sorted(int(r[0]) for r in cur.fetchall())
+
+    # -- claim ---------------------------------------------------------------------------------
+
+    def try_claim_lock(self, conn: psycopg.Connection[Any]) -> bool:
+        """Session-level advisory lock: one claim run per table at a time."""
+        row = conn.execute(self._q["try_claim_lock"], {"lock_name": self._claim_lock_name}).fetchone()
+        return bool(row and row[0])
+
+    def claim_unlock(self, conn: psycopg.Connection[Any]) -> None:
+        """Release :meth:`try_claim_lock`."""
+        conn.execute(self._q["claim_unlock"], {"lock_name": self._claim_lock_name})
+
+    @property
+    def _claim_lock_name(self) -> str:
+        return f"outbox_celery:claim:{self.table.qualified}"
+
+    def in_flight(self, conn: psycopg.Connection[Any]) -> int:
+        """Rows claimed and not finished (``processing``)."""
+        row = conn.execute(self._q["count_in_flight"]).fetchone()
+        return int(row[0]) if row else 0
+
+    def recent_done(self, conn: psycopg.Connection[Any], *, window: float, cap: int) -> int:
+        """Rows finished ``done`` in the last ``window`` seconds, counted up to ``cap``."""
+        row = conn.execute(self._q["count_recent_done"], {"window": window, "cap": cap}).fetchone()
+        return int(row[0]) if row else 0
+
+    def claim(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        limit: int,
+        lease: float,
+        owner: str,
+        max_attempts: int,
+        event_types: Sequence[str] | None = None,
+    ) -> ClaimResult:
+        """Reap and claim up to ``limit`` rows in one short transaction, then commit.
+
+        Order: expired leases with attempts left first (they have waited longest), then ordered
+        heads and unordered pending rows share what is left, so neither starves the other.
+        Rows whose attempts are exhausted and whose lease expired go ``dead`` (the reap).
+        """
+        if limit < 1:
+            return ClaimResult([], 0)
+        base = {
+            "lease": lease,
+            "owner": owner,
+            "max_attempts": max_attempts,
+            "event_types": list(event_types) if event_types is not None else None,
+        }
+        claimed: list[Claimed] = []
+        with conn.transaction():
+            reaped = conn.execute(self._q["reap"], {"max_attempts": max_attempts, "limit": 1000})
+            reaped_rows = reaped.fetchall()
+            for row in reaped_rows:
+                logger.warning(
+                    "outbox id %s went dead: attempts exhausted and lease expired",
+                    row[0],
+                    extra={
+                        "outbox_id": row[0],
+                        "lease_version": row[1],
+                        "event_type": row[2],
+                        "outcome": "dead",
+                        "outbox_table": self.table.qualified,
+                    },
+                )
+            claimed += self._claim_one(conn, "claim_expired", base, limit)
+            room = limit - len(claimed)
+            if room > 0:
+                claimed += self._claim_one(conn, "claim_heads", base, max(1, (room + 1) // 2))
+            room = limit - len(claimed)
+            if room > 0:
+                claimed += self._claim_one(conn, "claim_pending", base, room)
+            room = limit - len(claimed)
+            if room > 0 and len(claimed) > 0:
+                # Pending rows ran short: let ordered heads use the rest of the batch.
+                claimed += self._claim_one(conn, "claim_heads", base, room)
+        self._count("claimed", len(claimed))
+        self._count("reaped", len(reaped_rows))
+        return ClaimResult(claimed, len(reaped_rows))
+
+    def _claim_one(
+        self, conn: psycopg.Connection[Any], query: str, base: dict[str, Any], limit: int
+    ) -> list[Claimed]:
+        cur = conn.execute(self._q[query], {**base, "limit": limit})
+        return [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in cur.fetchall()]
+
+    def release(self, conn: psycopg.Connection[Any], claims: Sequence[Claimed]) -> int:
+        """Give unpublished claims back: ``pending`` now, no attempt spent (invariant 12)."""
+        if not claims:
+            return 0
+        with conn.transaction():
+            cur = conn.execute(
+                self._q["release"],
+                {"ids": [c.id for c in claims], "versions": [c.lease_version for c in claims]},
+            )
+            n = len(cur.fetchall())
+        self._count("released", n)
+        return n
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def start(
+        self,
+        conn: psycopg.Connection[Any],
+        outbox_id: int,
+        version: int,
+        *,
+        lease: float,
+        max_attempts: int,
+    ) -> Message | None:
+        """The fenced start: count the attempt, extend the lease, return the message.
+
+        ``None`` when the claim is stale (version superseded, row finished or released), and
+        also when the row already spent every attempt, in which case it goes ``dead``.
+        """
+        params = {"id": outbox_id, "version": version, "lease": lease, "max_attempts": max_attempts}
+        with conn.transaction():
+            cur = conn.cursor(row_factory=dict_row)
+            row = cur.execute(self._q["start"], params).fetchone()
+            if row is None:
+                exhausted = conn.execute(self._q["start_exhausted"], params).fetchone()
+        if row is None:
+            if exhausted is not None:
+                self._count("dead")
+                logger.error(
+                    "outbox id %s went dead: attempts exhausted before this run",
+                    outbox_id,
+                    extra={
+                        "outbox_id": outbox_id,
+                        "lease_version": version,
+                        "outcome": "dead",
+                        "outbox_table": self.table.qualified,
+                    },
+                )
+            else:
+                self._count("stale_starts")
+            return None
+        self._count("started")
+        payload = row["payload"]
+        if isinstance(payload, str):  # pragma: no cover - only without the jsonb loader
+            payload = json.loads(payload)
+        return Message(
+            id=int(row["id"]),
+            event_type=row["event_type"],
+            aggregate_type=row["aggregate_type"],
+            aggregate_id=row["aggregate_id"],
+            payload=payload,
+            attempts=int(row["attempts"]),
+            created_at=row["created_at"],
+            lease_version=int(row["lease_version"]),
+            ordering_key=row["ordering_key"],
+            idempotency_key=idempotency_key(self.table.qualified, int(row["id"])),
+        )
+
+    def _fenced(self, conn: psycopg.Connection[Any], op: str, params: dict[str, Any]) -> Any:
+        with conn.transaction():
+            row = conn.execute(self._q[op], params).fetchone()
+        if row is None:
+            return self._lost(op, params["id"], params["version"])
+        return row
+
+    def done(self, conn: psycopg.Connection[Any], outbox_id: int, version: int) -> bool:
+        """Fenced: ``processing`` -> ``done``."""
+        won = self._fenced(conn, "finish_done", {"id": outbox_id, "version": version})
+        if won:
+            self._count("done")
+        return bool(won)
+
+    def retry(
+        self,
+        conn: psycopg.Connection[Any],
+        outbox_id: int,
+        version: int,
+        *,
+        delay: float,
+        error: str,
+        max_attempts: int,
+    ) -> str | None:
+        """Fenced retryable failure. Returns the new status (``pending``/``dead``) or ``None``."""
+        row = self._fenced(
+            conn,
+            "finish_retry",
+            {
+                "id": outbox_id,
+                "version": version,
+                "delay": delay,
+                "error": error,
+                "max_attempts": max_attempts,
+            },
+        )
+        if not row:
+            return None
+        status = str(row[1])
+        self._count("dead" if status == "dead" else "retried")
+        return status
+
+    def defer(
+        self,
+        conn: psycopg.Connection[Any],
+        outbox_id: int,
+        version: int,
+        *,
+        delay: float,
+        reason: str,
+        max_age: float,
+    ) -> str | None:
+        """Fenced defer, attempt refunded. Returns the new status or ``None`` if lost."""
+        row = self._fenced(
+            conn,
+            "finish_defer",
+            {
+                "id": outbox_id,
+                "version": version,
+                "delay": delay,
+                "reason": reason,
+                "max_age": max_age,
+            },
+        )
+        if not row:
+            return None
+        status = str(row[1])
+        self._count("dead" if status == "dead" else "deferred")
+        return status
+
+    def dead(self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, error: str) -> bool:
+        """Fenced: ``processing`` -> ``dead`` with ``error``."""
+        won = bool(self._fenced(conn, "finish_dead", {"id": outbox_id, "version": version, "error": error}))
+        if won:
+            self._count("dead")
+        return won
+
+    def record_error(
+        self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, error: str
+    ) -> bool:
+        """Fenced: store ``error`` and leave the row to return through its lease."""
+        won = bool(self._fenced(conn, "record_error", {"id": outbox_id, "version": version, "error": error}))
+        if won:
+            self._count("errors")
+        return won
+
+    def postpone(
+        self,
+        conn: psycopg.Connection[Any],
+        outbox_id: int,
+        version: int,
+        *,
+        delay: float,
+        error: str,
+    ) -> bool:
+        """Fenced: back to pending after ``delay`` with the attempt refunded (no handler here)."""
+        return bool(
+            self._fenced(
+                conn,
+                "postpone",
+                {"id": outbox_id, "version": version, "delay": delay, "error": error},
+            )
+        )
+
+    def extend_lease(
+        self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, seconds: float
+    ) -> bool:
+        """Fenced: ``lease_until = max(lease_until, now() + seconds)``."""
+        return bool(
+            self._fenced(conn, "extend_lease", {"id": outbox_id, "version": version, "seconds": seconds})
+        )
