@@ -20,9 +20,15 @@ from .errors import ConfigurationError
 
 __all__ = ["OutboxConfig", "TableName"]
 
-# Leaves room under PostgreSQL's 63-byte identifier limit for the index-name suffixes.
+# Leaves room under PostgreSQL's 63-byte identifier limit for the index-name suffixes. The
+# limit is in bytes (PostgreSQL silently truncates longer identifiers), so it is checked on
+# the UTF-8 encoding, not on the number of characters.
 _MAX_TABLE_NAME = 40
-_PART = re.compile(r"^[^\x00\"]{1," + str(_MAX_TABLE_NAME) + r"}$")
+_PART = re.compile(r"[^\x00\"]{1," + str(_MAX_TABLE_NAME) + r"}")
+
+
+def _valid_part(part: str) -> bool:
+    return _PART.fullmatch(part) is not None and len(part.encode("utf-8")) <= _MAX_TABLE_NAME
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +51,10 @@ class TableName:
         if not isinstance(value, str):
             raise ConfigurationError(f"table must be a string, got {type(value).__name__}")
         parts = value.split(".")
-        if len(parts) > 2 or not all(_PART.match(p) for p in parts):
+        if len(parts) > 2 or not all(_valid_part(p) for p in parts):
             raise ConfigurationError(
                 f"invalid table name {value!r}: use 'name' or 'schema.name', each 1-"
-                f"{_MAX_TABLE_NAME} characters, no quotes or NUL"
+                f"{_MAX_TABLE_NAME} bytes in UTF-8, no quotes or NUL"
             )
         if len(parts) == 2:
             return cls(name=parts[1], schema=parts[0])
@@ -98,14 +104,12 @@ _SECONDS_FIELDS = (
     "backoff_cap",
     "max_defer_age",
     "unroutable_delay",
-    "publish_timeout",
     "retention",
 )
 _INT_FIELDS = (
     "batch_size",
     "max_attempts",
     "max_in_flight",
-    "min_in_flight",
     "max_payload_bytes",
     "pool_max_size",
     "retention_batch_size",
@@ -142,8 +146,6 @@ class OutboxConfig:
     :ivar default_queue: queue for event types registered without one. Default ``"outbox"``.
     :ivar unroutable_delay: seconds a message waits when a worker has no handler for its event
         type (attempt refunded). Default 60.
-    :ivar publish_timeout: seconds a claim run waits on the broker per publish before giving the
-        unpublished rows back. Default 5.
     :ivar pool_max_size: psycopg pool size per worker process. Default 4.
     :ivar retention: seconds after which ``done`` rows are purged by the retention beat task;
         ``None`` disables it. Default 7 days.
@@ -169,7 +171,6 @@ class OutboxConfig:
     claim_queue: str = "outbox.claim"
     default_queue: str = "outbox"
     unroutable_delay: float = 60.0
-    publish_timeout: float = 5.0
     pool_max_size: int = 4
     retention: float | None = 7 * 24 * 3600.0
     retention_batch_size: int = 5000

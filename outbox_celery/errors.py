@@ -14,6 +14,7 @@ message comes back through its lease: it is not silently classified as transient
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 __all__ = [
@@ -30,8 +31,9 @@ def _seconds(delay: float | timedelta | None, *, name: str) -> float | None:
     if delay is None:
         return None
     seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-    if seconds != seconds or seconds < 0:  # NaN or negative
-        raise ValueError(f"{name} must be a non-negative number of seconds, got {delay!r}")
+    # NaN, infinity (no interval can hold it: the finalize would fail in PostgreSQL) or negative
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{name} must be a non-negative, finite number of seconds, got {delay!r}")
     return seconds
 
 

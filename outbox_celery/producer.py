@@ -7,9 +7,11 @@ so both functions refuse a connection in autocommit mode outside a transaction b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -28,6 +30,10 @@ MAX_EVENT_TYPE_LENGTH = 200
 MAX_AGGREGATE_LENGTH = 200
 
 _stores: dict[str, Store] = {}
+
+# json.dumps writes NUL as the escape \u0000 (jsonb refuses it) and a literal backslash as \\,
+# so only a \u0000 preceded by an even number of backslashes is a NUL.
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def _store(table: str | TableName) -> Store:
@@ -69,12 +75,13 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
     aggregate_type = _text(event.aggregate_type, "aggregate_type", MAX_AGGREGATE_LENGTH)
     aggregate_id = _text(event.aggregate_id, "aggregate_id", MAX_AGGREGATE_LENGTH)
     try:
-        payload = json.dumps(event.payload, allow_nan=False, separators=(",", ":"))
+        payload = json.dumps(event.payload, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+        # Raises on a lone surrogate, which jsonb would refuse inside the caller's transaction.
+        size = len(payload.encode("utf-8"))
     except (TypeError, ValueError) as exc:
         raise ProducerError(f"payload of {event_type!r} is not JSON-serializable: {exc}") from exc
-    if "\\u0000" in payload:
+    if _NUL_ESCAPE.search(payload):
         raise ProducerError("payload must not contain NUL characters (jsonb rejects them)")
-    size = len(payload.encode("utf-8"))
     if size > max_payload_bytes:
         raise ProducerError(
             f"payload of {event_type!r} is {size} bytes as JSON; the limit is {max_payload_bytes}"
@@ -120,6 +127,21 @@ def _check_transaction(conn: psycopg.Connection[Any], allow_autocommit: bool) ->
         )
 
 
+@contextlib.contextmanager
+def _atomic(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """A transaction of our own only when ``allow_autocommit`` let an autocommit write through.
+
+    Otherwise a key lock taken in autocommit would be released before the insert commits and
+    id order could differ from commit order. Inside the caller's transaction nothing is added
+    (no savepoint).
+    """
+    if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+        with conn.transaction():
+            yield
+    else:
+        yield
+
+
 def enqueue(
     conn: psycopg.Connection[Any],
     *,
@@ -154,9 +176,10 @@ def enqueue(
     row = _row(event, max_payload_bytes)
     _check_transaction(conn, allow_autocommit)
     store = _store(table)
-    if row["ordering_key"] is not None:
-        store.lock_keys(conn, [row["ordering_key"]])
-    return store.insert(conn, row)
+    with _atomic(conn):
+        if row["ordering_key"] is not None:
+            store.lock_keys(conn, [row["ordering_key"]])
+        return store.insert(conn, row)
 
 
 def enqueue_many(
@@ -190,6 +213,7 @@ def enqueue_many(
         return []
     store = _store(table)
     keys = [r["ordering_key"] for r in rows if r["ordering_key"] is not None]
-    if keys:
-        store.lock_keys(conn, keys)
-    return store.insert_many(conn, rows)
+    with _atomic(conn):
+        if keys:
+            store.lock_keys(conn, keys)
+        return store.insert_many(conn, rows)

@@ -49,7 +49,7 @@ def embedded_postgres(data_dir: str | os.PathLike[str]) -> Iterator[str]:
 
     path = Path(data_dir).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    server: Any = ep.get_server(path, cleanup_mode="stop")
+    server: Any = ep.get_server(path, cleanup_mode="stop")  # type: ignore[attr-defined]
     try:
         yield str(server.get_uri())
     finally:

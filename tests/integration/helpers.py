@@ -1,0 +1,98 @@
+"""Small helpers shared by the integration tests: insert rows, read what PostgreSQL holds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from outbox_celery import Event, Store, TableName, enqueue_many
+
+# Generous default lease for claims that must not expire during a test.
+LONG = 60.0
+# Short lease for tests that let leases expire (every comparison uses the database clock).
+SHORT = 0.3
+# A little more than SHORT: after sleeping this long a SHORT lease has expired.
+PAST_SHORT = 0.45
+
+Connect = Callable[[], psycopg.Connection[Any]]
+
+
+def add(
+    conn: psycopg.Connection[Any],
+    n: int = 1,
+    *,
+    table: str = "outbox",
+    event_type: str = "thing.happened",
+    key: str | None = None,
+    delay: float | None = None,
+    payload: Callable[[int], Any] | None = None,
+) -> list[int]:
+    """Commit ``n`` events (``payload(i)`` or ``{"i": i}``); ``key`` makes them ordered."""
+    events = [
+        Event(
+            event_type=event_type,
+            payload=payload(i) if payload else {"i": i},
+            aggregate_type="thing",
+            aggregate_id=str(i),
+            ordering_key=key,
+            delay=delay,
+        )
+        for i in range(n)
+    ]
+    with conn.transaction():
+        return enqueue_many(conn, events, table=table)
+
+
+def fetch(conn: psycopg.Connection[Any], table: str, outbox_id: int) -> dict[str, Any]:
+    """One row as PostgreSQL holds it, plus seconds from the database's now() to its times."""
+    query = sql.SQL(
+        "SELECT *, extract(epoch FROM available_at - now())::float8 AS available_in,"
+        " extract(epoch FROM lease_until - now())::float8 AS lease_in"
+        " FROM {} WHERE id = %s"
+    ).format(TableName.parse(table).identifier())
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(query, [outbox_id]).fetchone()
+    assert row is not None, f"row {outbox_id} is gone"
+    return row
+
+
+def fetch_all(conn: psycopg.Connection[Any], table: str) -> list[dict[str, Any]]:
+    """Every row, by id, with the same computed columns as :func:`fetch`."""
+    query = sql.SQL(
+        "SELECT *, extract(epoch FROM available_at - now())::float8 AS available_in,"
+        " extract(epoch FROM lease_until - now())::float8 AS lease_in"
+        " FROM {} ORDER BY id"
+    ).format(TableName.parse(table).identifier())
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(query).fetchall()
+
+
+def stable(row: dict[str, Any]) -> dict[str, Any]:
+    """A row without the columns computed against now(), for before/after comparisons."""
+    return {k: v for k, v in row.items() if k not in ("available_in", "lease_in")}
+
+
+def count(conn: psycopg.Connection[Any], table: str, where: str = "true") -> int:
+    """``SELECT count(*)`` with a literal condition written by the test itself."""
+    query = sql.SQL("SELECT count(*) FROM {} WHERE " + where).format(TableName.parse(table).identifier())
+    row = conn.execute(query).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def claim_ids(
+    store: Store,
+    conn: psycopg.Connection[Any],
+    *,
+    limit: int = 100,
+    lease: float = LONG,
+    max_attempts: int = 5,
+    owner: str = "test",
+) -> list[int]:
+    """Ids of one claim, in the order the claim returned them."""
+    result = store.claim(conn, limit=limit, lease=lease, owner=owner, max_attempts=max_attempts)
+    return [c.id for c in result.claimed]

@@ -1,0 +1,86 @@
+"""Handler outcomes: RetryableError (optional delay), PermanentError, Defer (delay, reason)."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import pytest
+
+from outbox_celery import (
+    ConfigurationError,
+    Defer,
+    OutboxError,
+    PermanentError,
+    ProducerError,
+    RetryableError,
+)
+from outbox_celery.migrations import MigrationError
+
+
+def test_every_exception_shares_one_root() -> None:
+    for exc in (ConfigurationError, ProducerError, RetryableError, PermanentError, Defer, MigrationError):
+        assert issubclass(exc, OutboxError)
+
+
+def test_bad_input_errors_are_value_errors() -> None:
+    assert issubclass(ConfigurationError, ValueError)
+    assert issubclass(ProducerError, ValueError)
+
+
+def test_retryable_error_without_delay_leaves_backoff_to_the_policy() -> None:
+    exc = RetryableError("HTTP 503")
+    assert exc.delay is None
+    assert str(exc) == "HTTP 503"
+
+
+def test_retryable_error_has_a_default_message() -> None:
+    assert str(RetryableError()) == "retryable error"
+
+
+@pytest.mark.parametrize(
+    ("delay", "seconds"),
+    [(0, 0.0), (30, 30.0), (2.5, 2.5), (timedelta(minutes=2), 120.0), (timedelta(0), 0.0)],
+)
+def test_retryable_error_carries_a_retry_after_delay(delay: float | timedelta, seconds: float) -> None:
+    exc = RetryableError("HTTP 429", delay=delay)
+    assert exc.delay == seconds
+    assert isinstance(exc.delay, float)
+
+
+@pytest.mark.parametrize("delay", [-1, -0.001, timedelta(seconds=-5), math.nan, math.inf])
+def test_retryable_error_refuses_a_negative_or_non_finite_delay(delay: float | timedelta) -> None:
+    with pytest.raises(ValueError, match="delay"):
+        RetryableError("x", delay=delay)
+
+
+def test_retryable_error_delay_is_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        RetryableError("x", 5)  # type: ignore[misc]
+
+
+def test_permanent_error_keeps_its_message() -> None:
+    assert str(PermanentError("HTTP 400: bad address")) == "HTTP 400: bad address"
+
+
+@pytest.mark.parametrize(("delay", "seconds"), [(60, 60.0), (0.5, 0.5), (timedelta(hours=1), 3600.0)])
+def test_defer_carries_delay_and_reason(delay: float | timedelta, seconds: float) -> None:
+    exc = Defer(delay, "payment not captured yet")
+    assert exc.delay == seconds
+    assert exc.reason == "payment not captured yet"
+    assert str(exc) == "payment not captured yet"
+
+
+def test_defer_has_a_default_reason() -> None:
+    assert Defer(1).reason == "deferred"
+
+
+@pytest.mark.parametrize("delay", [-1, timedelta(seconds=-1), math.nan, math.inf, -math.inf])
+def test_defer_refuses_a_negative_or_non_finite_delay(delay: float | timedelta) -> None:
+    with pytest.raises(ValueError, match="delay"):
+        Defer(delay)
+
+
+def test_defer_requires_a_delay() -> None:
+    with pytest.raises(TypeError):
+        Defer()  # type: ignore[call-arg]
