@@ -1,0 +1,348 @@
+"""Claims, leases and the fencing token (DESIGN invariants 1, 2, 3, 4, 5, 12)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox_celery import Store
+
+from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, claim_ids, count, fetch, fetch_all, stable
+
+
+def test_invariant_1_concurrent_claims_never_return_the_same_row(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Connect
+) -> None:
+    ids = add(conn, 600, table=table)
+    workers = 4
+    barrier = threading.Barrier(workers)
+    got: list[list[int]] = [[] for _ in range(workers)]
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            c = connect()
+            barrier.wait(timeout=10)
+            while True:
+                batch = claim_ids(store, c, limit=7, owner=f"w{n}")
+                if not batch:
+                    return
+                got[n] += batch
+        except BaseException as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    everything = [i for batch in got for i in batch]
+    assert len(everything) == len(set(everything)), "a row was handed to two claims"
+    assert sorted(everything) == ids
+    # Contended for real: more than one worker won rows.
+    assert sum(1 for batch in got if batch) > 1
+    rows = fetch_all(conn, table)
+    assert all(r["status"] == "processing" and r["lease_version"] == 1 for r in rows)
+    owners = {r["id"]: r["lease_owner"] for r in rows}
+    for n, batch in enumerate(got):
+        assert all(owners[i] == f"w{n}" for i in batch)
+
+
+def test_invariant_2_a_row_whose_lease_has_not_expired_is_never_claimed(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Connect
+) -> None:
+    ids = add(conn, 20, table=table)
+    short = claim_ids(store, conn, limit=10, lease=SHORT)
+    long = claim_ids(store, conn, limit=10, lease=LONG)
+    assert sorted(short + long) == ids
+    other = connect()
+    assert claim_ids(store, other) == []
+    time.sleep(PAST_SHORT)
+    # Only the expired half comes back; the live leases are untouched.
+    assert sorted(claim_ids(store, other, lease=LONG)) == sorted(short)
+    assert claim_ids(store, other) == []
+    for i in long:
+        row = fetch(conn, table, i)
+        assert row["lease_version"] == 1
+        assert row["lease_in"] > 50
+
+
+def test_invariant_2_a_started_row_is_not_claimable_while_its_extended_lease_runs(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    [c] = store.claim(conn, limit=1, lease=SHORT, owner="a", max_attempts=5).claimed
+    # The start extends the short claim lease to the handler's lease.
+    assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=5) is not None
+    time.sleep(PAST_SHORT)
+    assert claim_ids(store, conn) == []
+    assert fetch(conn, table, i)["lease_version"] == 1
+
+
+def test_invariant_3_every_claim_increments_lease_version_and_every_start_increments_attempts(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    row = fetch(conn, table, i)
+    assert (row["status"], row["lease_version"], row["attempts"]) == ("pending", 0, 0)
+    for n in range(1, 4):
+        [c] = store.claim(conn, limit=5, lease=SHORT, owner=f"claim{n}", max_attempts=5).claimed
+        assert c.lease_version == n
+        row = fetch(conn, table, i)
+        assert (row["status"], row["lease_version"], row["attempts"]) == ("processing", n, n - 1)
+        assert row["lease_owner"] == f"claim{n}"
+        assert c.lease_until == row["lease_until"]
+        msg = store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=5)
+        assert msg is not None
+        assert (msg.id, msg.lease_version, msg.attempts) == (i, n, n)
+        row = fetch(conn, table, i)
+        assert (row["lease_version"], row["attempts"]) == (n, n)
+        time.sleep(PAST_SHORT)
+
+
+def test_invariant_3_start_extends_the_lease_and_returns_the_message(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table, payload=lambda _: {"order": 7, "lines": ["a", "ü"]})
+    [c] = store.claim(conn, limit=1, lease=5, owner="a", max_attempts=5).claimed
+    assert 3 < fetch(conn, table, i)["lease_in"] <= 5
+    msg = store.start(conn, i, c.lease_version, lease=120, max_attempts=5)
+    assert msg is not None
+    assert 115 < fetch(conn, table, i)["lease_in"] <= 120
+    assert msg.payload == {"order": 7, "lines": ["a", "ü"]}
+    assert (msg.event_type, msg.aggregate_type, msg.aggregate_id) == ("thing.happened", "thing", "0")
+    assert msg.idempotency_key == f"{store.table.qualified}:{i}"
+    # A start never shortens a lease.
+    assert store.start(conn, i, c.lease_version, lease=1, max_attempts=5) is not None
+    assert fetch(conn, table, i)["lease_in"] > 110
+
+
+def test_invariant_4_a_stale_owner_changes_nothing_and_says_so(
+    conn: psycopg.Connection[Any],
+    store: Store,
+    table: str,
+    connect: Connect,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    [i] = add(conn, table=table)
+    [old] = store.claim(conn, limit=1, lease=SHORT, owner="stale", max_attempts=5).claimed
+    assert store.start(conn, i, old.lease_version, lease=SHORT, max_attempts=5) is not None
+    time.sleep(PAST_SHORT)
+    fresh = connect()
+    [new] = store.claim(fresh, limit=1, lease=LONG, owner="fresh", max_attempts=5).claimed
+    assert (new.id, new.lease_version) == (i, old.lease_version + 1)
+    before = stable(fetch(conn, table, i))
+    lost_before = store.get_stats().get("lost_leases", 0)
+
+    v = old.lease_version
+    with caplog.at_level(logging.WARNING, logger="outbox_celery.store"):
+        assert store.start(conn, i, v, lease=LONG, max_attempts=5) is None
+        assert store.done(conn, i, v) is False
+        assert store.retry(conn, i, v, delay=0, error="x", max_attempts=5) is None
+        assert store.defer(conn, i, v, delay=0, reason="x", max_age=3600) is None
+        assert store.dead(conn, i, v, error="x") is False
+        assert store.record_error(conn, i, v, error="x") is False
+        assert store.extend_lease(conn, i, v, seconds=600) is False
+        assert store.postpone(conn, i, v, delay=0, error="x") is False
+        assert store.release(conn, [old]) == 0
+
+    assert stable(fetch(conn, table, i)) == before
+    assert store.get_stats()["lost_leases"] - lost_before == 7
+    lost = [r for r in caplog.records if "lost lease" in r.getMessage()]
+    assert len(lost) == 7
+    assert all(getattr(r, "outbox_id", None) == i and getattr(r, "lease_version", None) == v for r in lost)
+    # The current owner still wins.
+    assert store.start(fresh, i, new.lease_version, lease=LONG, max_attempts=5) is not None
+    assert store.done(fresh, i, new.lease_version) is True
+    assert fetch(conn, table, i)["status"] == "done"
+
+
+def test_invariant_4_finalizing_a_finished_row_again_changes_nothing(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    [c] = store.claim(conn, limit=1, lease=LONG, owner="a", max_attempts=5).claimed
+    assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert store.done(conn, i, c.lease_version) is True
+    before = stable(fetch(conn, table, i))
+    # A redelivered task with the same (id, version) after the row is done.
+    assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=5) is None
+    assert store.done(conn, i, c.lease_version) is False
+    assert store.dead(conn, i, c.lease_version, error="late") is False
+    assert store.retry(conn, i, c.lease_version, delay=0, error="late", max_attempts=5) is None
+    assert stable(fetch(conn, table, i)) == before
+
+
+def test_invariant_5_exhausted_attempts_go_dead_at_the_next_claim_and_are_never_claimed_again(
+    conn: psycopg.Connection[Any], store: Store, table: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    [i] = add(conn, table=table)
+    [healthy] = add(conn, table=table)
+    for n in range(1, 4):
+        result = store.claim(conn, limit=10, lease=SHORT, owner="w", max_attempts=3)
+        assert i in [c.id for c in result.claimed]
+        version = next(c.lease_version for c in result.claimed if c.id == i)
+        # The handler starts and its worker dies: no finalize.
+        assert store.start(conn, i, version, lease=SHORT, max_attempts=3) is not None
+        assert fetch(conn, table, i)["attempts"] == n
+        time.sleep(PAST_SHORT)
+    with caplog.at_level(logging.WARNING, logger="outbox_celery.store"):
+        result = store.claim(conn, limit=10, lease=SHORT, owner="w", max_attempts=3)
+    assert result.reaped == 1
+    assert i not in [c.id for c in result.claimed]
+    row = fetch(conn, table, i)
+    assert row["status"] == "dead"
+    assert row["attempts"] == 3
+    assert row["lease_until"] is None
+    assert "attempts exhausted" in row["last_error"]
+    assert "3 of 3" in row["last_error"]
+    assert any("went dead" in r.getMessage() for r in caplog.records)
+    # The healthy neighbour was claimed each time but never started: no attempt spent, not dead.
+    assert fetch(conn, table, healthy)["status"] == "processing"
+    assert fetch(conn, table, healthy)["attempts"] == 0
+    time.sleep(PAST_SHORT)
+    for _ in range(3):
+        assert i not in claim_ids(store, conn, lease=SHORT, max_attempts=3)
+    assert fetch(conn, table, i)["status"] == "dead"
+
+
+def test_invariant_5_an_expired_lease_with_attempts_left_is_reclaimed(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    [c] = store.claim(conn, limit=1, lease=SHORT, owner="a", max_attempts=3).claimed
+    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=3) is not None
+    store.record_error(conn, i, c.lease_version, error="ZeroDivisionError: boom")
+    time.sleep(PAST_SHORT)
+    result = store.claim(conn, limit=1, lease=LONG, owner="b", max_attempts=3)
+    assert result.reaped == 0
+    assert [(x.id, x.lease_version) for x in result.claimed] == [(i, 2)]
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"], row["lease_owner"]) == ("processing", 1, "b")
+    assert row["last_error"] == "ZeroDivisionError: boom"
+
+
+def test_invariant_5_a_redelivered_start_after_the_last_attempt_makes_the_row_dead(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    [c] = store.claim(conn, limit=1, lease=LONG, owner="a", max_attempts=1).claimed
+    assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=1) is not None
+    # The handler killed its worker; the broker redelivers the same task (acks late).
+    assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=1) is None
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"]) == ("dead", 1)
+    assert "attempts exhausted" in row["last_error"]
+    assert row["lease_until"] is None
+
+
+def test_invariant_3_a_claim_whose_start_never_happens_spends_no_attempt(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    # More lost tasks than max_attempts: the message must not go dead for the broker's sins.
+    for n in range(1, 5):
+        assert claim_ids(store, conn, lease=SHORT, max_attempts=3) == [i]
+        row = fetch(conn, table, i)
+        assert (row["status"], row["lease_version"], row["attempts"]) == ("processing", n, 0)
+        time.sleep(PAST_SHORT)
+    [c] = store.claim(conn, limit=1, lease=LONG, owner="a", max_attempts=3).claimed
+    msg = store.start(conn, i, c.lease_version, lease=LONG, max_attempts=3)
+    assert msg is not None
+    assert msg.attempts == 1
+
+
+def test_invariant_12_release_puts_rows_back_to_pending_at_once_without_spending_an_attempt(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    ids = add(conn, 5, table=table)
+    claims = store.claim(conn, limit=10, lease=LONG, owner="a", max_attempts=3).claimed
+    assert sorted(c.id for c in claims) == ids
+    # The broker refused the first three tasks.
+    assert store.release(conn, claims[:3]) == 3
+    released = {c.id for c in claims[:3]}
+    for i in ids:
+        row = fetch(conn, table, i)
+        if i in released:
+            assert row["status"] == "pending"
+            assert row["lease_until"] is None
+            assert row["available_in"] <= 0
+            assert row["attempts"] == 0
+        else:
+            assert row["status"] == "processing"
+    # Claimable again at once, with a new fencing token; the old one is dead.
+    again = store.claim(conn, limit=10, lease=LONG, owner="b", max_attempts=3).claimed
+    assert sorted(c.id for c in again) == sorted(released)
+    assert all(c.lease_version == 2 for c in again)
+    assert store.release(conn, claims[:3]) == 0
+    assert store.release(conn, []) == 0
+    assert count(conn, table, "status = 'processing'") == 5
+
+
+def test_extend_lease_is_fenced(conn: psycopg.Connection[Any], store: Store, table: str) -> None:
+    [i] = add(conn, table=table)
+    [c] = store.claim(conn, limit=1, lease=SHORT, owner="a", max_attempts=3).claimed
+    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=3) is not None
+    assert store.extend_lease(conn, i, c.lease_version, seconds=90) is True
+    assert 85 < fetch(conn, table, i)["lease_in"] <= 90
+    # Never shortens.
+    assert store.extend_lease(conn, i, c.lease_version, seconds=1) is True
+    assert fetch(conn, table, i)["lease_in"] > 85
+    assert claim_ids(store, conn, max_attempts=3) == []
+    assert store.extend_lease(conn, i, c.lease_version + 1, seconds=300) is False
+    assert fetch(conn, table, i)["lease_in"] <= 90
+    assert store.done(conn, i, c.lease_version) is True
+    assert store.extend_lease(conn, i, c.lease_version, seconds=300) is False
+    assert fetch(conn, table, i)["lease_until"] is None
+
+
+def test_an_extended_lease_outlives_the_claim_lease(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    [c] = store.claim(conn, limit=1, lease=SHORT, owner="a", max_attempts=3).claimed
+    assert store.extend_lease(conn, i, c.lease_version, seconds=LONG)
+    time.sleep(PAST_SHORT)
+    assert claim_ids(store, conn, max_attempts=3) == []
+    assert store.done(conn, i, c.lease_version) is True
+
+
+def test_claim_respects_limit_and_event_type_filter(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    mails = add(conn, 5, table=table, event_type="mail.send")
+    hooks = add(conn, 5, table=table, event_type="webhook.post")
+    result = store.claim(conn, limit=3, lease=LONG, owner="a", max_attempts=3, event_types=["mail.send"])
+    assert [c.id for c in result.claimed] == mails[:3]
+    assert all(c.event_type == "mail.send" for c in result.claimed)
+    assert store.claim(conn, limit=0, lease=LONG, owner="a", max_attempts=3).claimed == []
+    rest = claim_ids(store, conn, limit=100)
+    assert sorted(rest) == sorted(mails[3:] + hooks)
+
+
+def test_claim_takes_due_rows_oldest_first_and_skips_future_ones(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    later = add(conn, 3, table=table, delay=SHORT)
+    now = add(conn, 3, table=table)
+    assert claim_ids(store, conn, limit=2) == now[:2]
+    assert claim_ids(store, conn) == now[2:]
+    time.sleep(PAST_SHORT)
+    assert claim_ids(store, conn) == later
+
+
+def test_claim_counts_are_reported(conn: psycopg.Connection[Any], table: str) -> None:
+    store = Store(table)
+    add(conn, 4, table=table)
+    claims = store.claim(conn, limit=3, lease=LONG, owner="a", max_attempts=3).claimed
+    assert store.in_flight(conn) == 3
+    store.release(conn, claims[:1])
+    assert store.get_stats()["claimed"] == 3
+    assert store.get_stats()["released"] == 1
+    assert store.in_flight(conn) == 2
