@@ -1,16 +1,545 @@
-"""Operator-side queries: stats, dead letters, retention. (Being written; see issue 4.)"""
+"""Operator-side queries: stats, dead letters (list, show, requeue, skip) and retention.
+
+What the ``outbox-celery`` CLI, the Prometheus collector and the retention beat task run. The
+SQL lives in ``sql/admin.sql``; every function takes a psycopg connection and a table name.
+
+Writes say how many rows they changed and refuse ambiguous or wrong input with
+:class:`AdminError` before anything changes. Batched writes (:func:`purge_done`,
+:func:`requeue_all`) run each batch in its own short transaction, so they need a connection
+that is not inside a transaction already.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
+import re
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg import pq, sql
+from psycopg.rows import dict_row
 
+from . import _sql
 from .config import TableName
+from .errors import OutboxError
+
+__all__ = [
+    "AdminError",
+    "AttemptsBucket",
+    "DeadMessage",
+    "EventTypeStats",
+    "Stats",
+    "count_dead",
+    "count_purgeable",
+    "format_duration",
+    "get_message",
+    "list_dead",
+    "parse_duration",
+    "purge_done",
+    "requeue",
+    "requeue_all",
+    "skip",
+    "stats",
+]
+
+logger = logging.getLogger(__name__)
+
+# last_error keeps what it had behind the operator's prefix; the SQL truncates to this much.
+MAX_REASON_LENGTH = 1000
+
+
+class AdminError(OutboxError, ValueError):
+    """An operator command was refused; nothing was changed."""
+
+
+# -- durations ---------------------------------------------------------------------------------
+
+_UNITS = {"w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+_DURATION = re.compile(r"(?:\d+(?:\.\d+)?[wdhms])+")
+_PART = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: a number and a unit, or several (``7d``, ``12h``, ``1h30m``, ``1w``).
+
+    Units: ``w`` weeks, ``d`` days, ``h`` hours, ``m`` minutes, ``s`` seconds. A bare number is
+    refused (is ``7`` seconds or days?). Raises :class:`ValueError` with a one-line message.
+    """
+    value = text.strip().lower() if isinstance(text, str) else ""
+    if not _DURATION.fullmatch(value):
+        raise ValueError(
+            f"malformed duration {text!r}: use a number and a unit (w, d, h, m, s), "
+            "e.g. 7d, 12h, 30m, 45s, 1w"
+        )
+    seconds = sum(float(n) * _UNITS[unit] for n, unit in _PART.findall(value))
+    if not math.isfinite(seconds):
+        raise ValueError(f"duration {text!r} is too large")
+    return seconds
+
+
+def format_duration(seconds: float | None) -> str:
+    """A short human form of ``seconds``: ``45s``, ``12m 5s``, ``5h``, ``3d 4h``; ``-`` for None."""
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    for size, unit, sub_size, sub_unit in ((86400, "d", 3600, "h"), (3600, "h", 60, "m"), (60, "m", 1, "s")):
+        if s >= size:
+            rest = s % size // sub_size
+            return f"{s // size}{unit} {rest}{sub_unit}" if rest else f"{s // size}{unit}"
+    return f"{s}s"
+
+
+# -- queries -----------------------------------------------------------------------------------
+
+
+@functools.cache
+def _queries(table: TableName) -> dict[str, sql.Composed]:
+    return {name: _sql.compose(text, table) for name, text in _sql.named("admin.sql").items()}
+
+
+def _q(table: str | TableName, name: str) -> sql.Composed:
+    return _queries(TableName.parse(table))[name]
+
+
+def _outside_transaction(conn: psycopg.Connection[Any], what: str) -> None:
+    if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+        raise AdminError(
+            f"{what} runs each batch in its own short transaction; "
+            "pass a connection that is not inside a transaction"
+        )
+
+
+def _ids(ids: Sequence[int]) -> list[int]:
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 1:
+            raise AdminError(f"invalid message id {i!r}")
+        out.append(i)
+    return sorted(set(out))
+
+
+# -- stats -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EventTypeStats:
+    """Live (not done) messages of one event type.
+
+    :ivar ready: pending messages claimable now (due, and in turn for ordered ones).
+    :ivar oldest_pending_age: seconds since ``created_at`` of its oldest pending message.
+    :ivar has_handler: whether the loaded app has a handler for it (``None``: not known).
+    """
+
+    event_type: str
+    pending: int
+    ready: int
+    processing: int
+    dead: int
+    oldest_pending_age: float | None
+    has_handler: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptsBucket:
+    """How many live messages have spent exactly ``attempts`` handler runs, per status."""
+
+    attempts: int
+    pending: int
+    processing: int
+    dead: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """A snapshot of one outbox table (one statement, so the figures agree with each other).
+
+    :ivar counts: rows per status (``pending``, ``processing``, ``done``, ``dead``).
+    :ivar ready: pending rows claimable now: ``available_at`` has come and, for ordered rows,
+        the row is the head of its key.
+    :ivar scheduled: pending rows whose ``available_at`` is still ahead (a delay, a backoff, a
+        defer). Pending rows neither ready nor scheduled wait behind the head of their key.
+    :ivar oldest_pending_age: seconds since ``created_at`` of the oldest pending row
+        (end-to-end latency, including intended delays); ``None`` when nothing is pending.
+    :ivar oldest_ready_wait: seconds the oldest claimable row has waited past its
+        ``available_at`` without being claimed (the dispatcher's lag); ``None`` when none.
+    :ivar oldest_processing_age: seconds since ``created_at`` of the oldest processing row.
+    :ivar expired_leases: processing rows whose lease ran out (worker lost or stuck; the next
+        claim takes them back, or reaps them to dead when out of attempts).
+    :ivar blocked_keys: ordering keys whose head (lowest unfinished id) is dead.
+    :ivar blocked_messages: messages waiting behind those dead heads.
+    :ivar attempts: the attempts histogram of live rows.
+    :ivar event_types: live rows per event type.
+    :ivar unroutable: pending event types with no handler (only when handlers were given).
+    """
+
+    table: str
+    now: datetime
+    counts: dict[str, int]
+    ready: int
+    scheduled: int
+    oldest_pending_age: float | None
+    oldest_ready_wait: float | None
+    oldest_processing_age: float | None
+    expired_leases: int
+    blocked_keys: int
+    blocked_messages: int
+    attempts: list[AttemptsBucket]
+    event_types: list[EventTypeStats]
+    unroutable: list[str] | None = field(default=None)
+
+    @property
+    def dead(self) -> int:
+        """Rows in ``dead`` (waiting for a human)."""
+        return self.counts["dead"]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (``now`` as ISO 8601)."""
+        d = asdict(self)
+        d["now"] = self.now.isoformat()
+        return d
+
+
+def stats(
+    conn: psycopg.Connection[Any],
+    table: str | TableName = "outbox",
+    *,
+    handlers: Collection[str] | None = None,
+    timeout: float | None = None,
+) -> Stats:
+    """Take a :class:`Stats` snapshot of ``table``.
+
+    :param handlers: event types that have a handler; when given, pending event types missing
+        from it are reported in :attr:`Stats.unroutable`.
+    :param timeout: a statement timeout in seconds (the Prometheus collector sets one so a
+        slow database never hangs a scrape).
+    """
+    t = TableName.parse(table)
+    with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+        if timeout is not None:
+            cur.execute("SELECT set_config('statement_timeout', %s, true)", [f"{int(timeout * 1000)}ms"])
+        row = cur.execute(_q(t, "stats")).fetchone()
+    assert row is not None
+    known = set(handlers) if handlers is not None else None
+    types = [
+        EventTypeStats(
+            event_type=e["event_type"],
+            pending=int(e["pending"]),
+            ready=int(e["ready"]),
+            processing=int(e["processing"]),
+            dead=int(e["dead"]),
+            oldest_pending_age=e["oldest_pending_age"],
+            has_handler=None if known is None else e["event_type"] in known,
+        )
+        for e in row["event_types"]
+    ]
+    unroutable = None
+    if known is not None:
+        unroutable = [e.event_type for e in types if e.pending and not e.has_handler]
+    return Stats(
+        table=t.qualified,
+        now=row["now"],
+        counts={s: int(row[s]) for s in ("pending", "processing", "done", "dead")},
+        ready=int(row["ready"]),
+        scheduled=int(row["scheduled"]),
+        oldest_pending_age=row["oldest_pending_age"],
+        oldest_ready_wait=row["oldest_ready_wait"],
+        oldest_processing_age=row["oldest_processing_age"],
+        expired_leases=int(row["expired_leases"]),
+        blocked_keys=int(row["blocked_keys"]),
+        blocked_messages=int(row["blocked_messages"]),
+        attempts=[AttemptsBucket(**{k: int(v) for k, v in a.items()}) for a in row["attempts"]],
+        event_types=types,
+        unroutable=unroutable,
+    )
+
+
+# -- dead letters ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DeadMessage:
+    """One row of :func:`list_dead`.
+
+    :ivar age: seconds since ``created_at``.
+    :ivar waiting_behind: messages of its ordering key after it that are not done (what it
+        blocks if it is the head); 0 for unordered messages.
+    """
+
+    id: int
+    event_type: str
+    aggregate_type: str
+    aggregate_id: str
+    ordering_key: str | None
+    attempts: int
+    created_at: datetime
+    age: float
+    last_error: str | None
+    waiting_behind: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        d = asdict(self)
+        d["created_at"] = self.created_at.isoformat()
+        return d
+
+
+def _dead_filters(
+    event_type: str | None,
+    aggregate_type: str | None,
+    aggregate_id: str | None,
+    older_than: float | None,
+    newer_than: float | None,
+) -> dict[str, Any]:
+    return {
+        "event_type": event_type,
+        "aggregate_type": aggregate_type,
+        "aggregate_id": aggregate_id,
+        "older_than": older_than,
+        "newer_than": newer_than,
+    }
+
+
+def list_dead(
+    conn: psycopg.Connection[Any],
+    table: str | TableName = "outbox",
+    *,
+    event_type: str | None = None,
+    aggregate_type: str | None = None,
+    aggregate_id: str | None = None,
+    older_than: float | None = None,
+    newer_than: float | None = None,
+    after: int = 0,
+    limit: int = 50,
+) -> list[DeadMessage]:
+    """Dead messages by id, filtered; page with ``after`` = the last id of the previous page.
+
+    ``older_than``/``newer_than`` are seconds since ``created_at``.
+    """
+    if limit < 1:
+        raise AdminError("limit must be at least 1")
+    params = _dead_filters(event_type, aggregate_type, aggregate_id, older_than, newer_than)
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(_q(table, "dead_list"), {**params, "after": after, "limit": limit}).fetchall()
+    return [
+        DeadMessage(**{**r, "id": int(r["id"]), "waiting_behind": int(r["waiting_behind"])}) for r in rows
+    ]
+
+
+def count_dead(
+    conn: psycopg.Connection[Any],
+    table: str | TableName = "outbox",
+    *,
+    event_type: str | None = None,
+    aggregate_type: str | None = None,
+    aggregate_id: str | None = None,
+    older_than: float | None = None,
+    newer_than: float | None = None,
+) -> int:
+    """How many dead messages match the filters of :func:`list_dead`."""
+    params = _dead_filters(event_type, aggregate_type, aggregate_id, older_than, newer_than)
+    row = conn.execute(_q(table, "dead_count"), params).fetchone()
+    return int(row[0]) if row else 0
+
+
+def get_message(
+    conn: psycopg.Connection[Any], table: str | TableName, outbox_id: int
+) -> dict[str, Any] | None:
+    """Every column of one message (any status) plus what explains its state, or ``None``.
+
+    Extra keys: ``now``, ``age`` (seconds since created), ``available_in`` and
+    ``lease_expires_in`` (seconds from now, negative when past), ``key_head`` (lowest unfinished
+    id of its ordering key) and ``waiting_behind`` (unfinished messages after it in its key).
+    """
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(_q(table, "show"), {"id": outbox_id}).fetchone()
+    if row is not None:
+        row["waiting_behind"] = int(row["waiting_behind"])
+    return row
+
+
+def _check_statuses(
+    conn: psycopg.Connection[Any], table: str | TableName, ids: list[int], allowed: tuple[str, ...], verb: str
+) -> None:
+    """Lock ``ids`` and refuse (raise) unless every one exists with an allowed status."""
+    found = {int(r[0]): str(r[1]) for r in conn.execute(_q(table, "lock_ids"), {"ids": ids}).fetchall()}
+    missing = [i for i in ids if i not in found]
+    if missing:
+        raise AdminError(f"no message with id {', '.join(map(str, missing))} in {TableName.parse(table)}")
+    wrong = [f"{i} is {found[i]}" for i in ids if found[i] not in allowed]
+    if wrong:
+        past = {"requeue": "requeued", "skip": "skipped"}.get(verb, verb)
+        raise AdminError(
+            f"cannot {verb}: message {'; '.join(wrong)} (only {' or '.join(allowed)} messages can be {past})"
+        )
+
+
+def _reason(reason: str | None, *, required: bool) -> str | None:
+    if reason is None or not reason.strip():
+        if required:
+            raise AdminError("a reason is required")
+        return None
+    if "\x00" in reason:
+        raise AdminError("the reason must not contain NUL characters")
+    return reason.strip()[:MAX_REASON_LENGTH]
+
+
+def requeue(
+    conn: psycopg.Connection[Any],
+    table: str | TableName,
+    ids: Sequence[int],
+    *,
+    reason: str | None = None,
+) -> list[int]:
+    """Dead -> pending now, attempts reset, the previous error kept behind a prefix.
+
+    All or nothing: if any id is unknown or not dead, :class:`AdminError` is raised and nothing
+    changes. Returns the requeued ids.
+    """
+    wanted = _ids(ids)
+    if not wanted:
+        raise AdminError("no message ids given")
+    why = _reason(reason, required=False)
+    with conn.transaction():
+        _check_statuses(conn, table, wanted, ("dead",), "requeue")
+        rows = conn.execute(_q(table, "requeue_ids"), {"ids": wanted, "reason": why}).fetchall()
+    done = sorted(int(r[0]) for r in rows)
+    logger.warning(
+        "operator requeued %s dead message(s)",
+        len(done),
+        extra={"outcome": "requeued", "outbox_ids": done, "outbox_table": str(TableName.parse(table))},
+    )
+    return done
+
+
+def requeue_all(
+    conn: psycopg.Connection[Any],
+    table: str | TableName = "outbox",
+    *,
+    event_type: str | None = None,
+    reason: str | None = None,
+    batch_size: int = 1000,
+) -> int:
+    """Requeue every dead message (of ``event_type``), in batches; returns how many.
+
+    Each batch is its own short transaction; the loop moves forward by id, so a message that
+    dies again while it runs is not requeued twice.
+    """
+    _outside_transaction(conn, "requeue --all")
+    if batch_size < 1:
+        raise AdminError("batch_size must be at least 1")
+    why = _reason(reason, required=False)
+    total, after = 0, 0
+    while True:
+        with conn.transaction():
+            rows = conn.execute(
+                _q(table, "requeue_batch"),
+                {"after": after, "event_type": event_type, "reason": why, "limit": batch_size},
+            ).fetchall()
+        total += len(rows)
+        if len(rows) < batch_size:
+            break
+        after = max(int(r[0]) for r in rows)
+    logger.warning(
+        "operator requeued %s dead message(s)",
+        total,
+        extra={"outcome": "requeued", "event_type": event_type, "outbox_table": str(TableName.parse(table))},
+    )
+    return total
+
+
+def skip(
+    conn: psycopg.Connection[Any],
+    table: str | TableName,
+    ids: Sequence[int],
+    *,
+    reason: str,
+) -> list[int]:
+    """Mark dead (or pending) messages done without delivering them, recording ``reason``.
+
+    Used to unblock an ordered key whose head can never be delivered. Processing messages are
+    refused (a worker holds them). All or nothing, like :func:`requeue`.
+    """
+    wanted = _ids(ids)
+    if not wanted:
+        raise AdminError("no message ids given")
+    why = _reason(reason, required=True)
+    with conn.transaction():
+        _check_statuses(conn, table, wanted, ("dead", "pending"), "skip")
+        rows = conn.execute(_q(table, "skip_ids"), {"ids": wanted, "reason": why}).fetchall()
+    done = sorted(int(r[0]) for r in rows)
+    logger.warning(
+        "operator skipped %s message(s): %s",
+        len(done),
+        why,
+        extra={"outcome": "skipped", "outbox_ids": done, "outbox_table": str(TableName.parse(table))},
+    )
+    return done
+
+
+# -- retention ---------------------------------------------------------------------------------
+
+
+def _cutoff(conn: psycopg.Connection[Any], table: str | TableName, older_than: float) -> datetime:
+    if isinstance(older_than, bool) or not math.isfinite(older_than) or older_than < 0:
+        raise AdminError(f"older_than must be a non-negative number of seconds, got {older_than!r}")
+    row = conn.execute(_q(table, "purge_cutoff"), {"older_than": float(older_than)}).fetchone()
+    assert row is not None
+    cutoff: datetime = row[0]
+    return cutoff
+
+
+def count_purgeable(conn: psycopg.Connection[Any], table: str | TableName, *, older_than: float) -> int:
+    """How many ``done`` rows finished more than ``older_than`` seconds ago (a dry run)."""
+    cutoff = _cutoff(conn, table, older_than)
+    row = conn.execute(_q(table, "purge_count"), {"cutoff": cutoff}).fetchone()
+    return int(row[0]) if row else 0
 
 
 def purge_done(
-    conn: psycopg.Connection[Any], table: str | TableName, *, older_than: float, batch_size: int
+    conn: psycopg.Connection[Any],
+    table: str | TableName,
+    *,
+    older_than: float,
+    batch_size: int,
+    max_batches: int | None = None,
 ) -> int:
-    """Delete ``done`` rows older than ``older_than`` seconds in batches; return rows deleted."""
-    raise NotImplementedError
+    """Delete ``done`` rows older than ``older_than`` seconds in batches; return rows deleted.
+
+    Only ``done`` rows whose ``done_at`` is before ``now() - older_than`` (fixed when the run
+    starts) are deleted; pending, processing and dead rows are never touched. Each batch of at
+    most ``batch_size`` rows is its own short transaction (``FOR UPDATE SKIP LOCKED``, so two
+    purges never wait on each other), hence ``conn`` must not be inside a transaction.
+    ``max_batches`` bounds the run; the next run continues.
+    """
+    _outside_transaction(conn, "purge")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise AdminError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    cutoff = _cutoff(conn, table, older_than)
+    query = _q(table, "purge_batch")
+    total = batches = 0
+    while max_batches is None or batches < max_batches:
+        with conn.transaction():
+            n = conn.execute(query, {"cutoff": cutoff, "limit": batch_size}).rowcount
+        total += n
+        batches += 1
+        if n < batch_size:
+            break
+    if total:
+        logger.info(
+            "outbox purge: deleted %s done row(s) older than %s in %s batch(es)",
+            total,
+            format_duration(older_than),
+            batches,
+            extra={
+                "outcome": "purged",
+                "deleted": total,
+                "batches": batches,
+                "outbox_table": str(TableName.parse(table)),
+            },
+        )
+    return total

@@ -1,0 +1,826 @@
+"""The ``outbox-celery`` command line: see, steer and maintain an outbox without writing SQL.
+
+::
+
+    outbox-celery [--dsn DSN] [--table NAME] [-A module:outbox] COMMAND ...
+
+    migrate [--check]                    schema up to date (--check: exit 1 when behind)
+    stats [--json]                       depth, ages, leases, attempts, event types
+    dead list [filters] [--json]         dead messages, paged by id
+    dead show ID [--json]                one message (any status) and why it waits
+    dead requeue ID... | --all           back to pending now, attempts reset
+    dead skip ID... --reason TEXT        done on purpose (unblocks an ordered key)
+    purge --older-than 7d [--dry-run]    delete old done rows in short batches
+    metrics [--port 9808]                Prometheus exporter
+
+Also ``python -m outbox_celery`` and, inside Celery's own CLI, ``celery -A proj outbox ...``.
+The database comes from ``--dsn`` or ``OUTBOX_DSN``, else from the loaded Outbox; the table from
+``--table`` or ``OUTBOX_TABLE``, else the Outbox's, else ``outbox``. Passwords are never printed.
+User errors print one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
+from types import FrameType, ModuleType
+from typing import TYPE_CHECKING, Any
+
+import click
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from . import admin, migrations
+from .config import TableName
+from .errors import OutboxError
+from .testing import redact
+
+if TYPE_CHECKING:
+    from .celery_app import Outbox
+
+__all__ = ["celery_outbox", "cli", "main"]
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0].strip() if text else type(exc).__name__
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    """Option callback: ``7d``, ``12h``, ``30m``, ``45s``, ``1w``, ``1h30m`` -> seconds."""
+    if value is None:
+        return None
+    try:
+        return admin.parse_duration(value)
+    except ValueError as exc:
+        raise click.ClickException(f"{param.opts[0]}: {exc}") from None
+
+
+def _message_id(value: str) -> int:
+    try:
+        n = int(value, 10)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise click.ClickException(f"invalid message id {value!r}: expected a positive integer")
+    return n
+
+
+def _message_ids(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Argument callback: one id or a tuple of ids, each a positive integer."""
+    if isinstance(value, tuple):
+        return tuple(_message_id(v) for v in value)
+    return _message_id(value)
+
+
+def _load_object(spec: str) -> Any:
+    """Import ``module[:attr.path]``; the current directory is importable, as with ``celery -A``."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name:
+        raise click.ClickException(f"invalid --app {spec!r}: use module.path:attribute")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise click.ClickException(
+            f"cannot import {module_name!r}: {type(exc).__name__}: {_first_line(exc)}"
+        ) from None
+    for part in filter(None, attr.split(".")):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise click.ClickException(f"{module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def _outboxes_in(modules: Sequence[ModuleType], app: Any = None) -> list[Outbox]:
+    from .celery_app import Outbox
+
+    found: dict[int, Outbox] = {}
+    for module in modules:
+        for value in list(vars(module).values()):
+            if isinstance(value, Outbox) and (app is None or value.app is app):
+                found[id(value)] = value
+    return list(found.values())
+
+
+def _resolve_outbox(spec: str) -> Outbox:
+    """The Outbox named by ``spec``: an Outbox, a Celery app or a module holding exactly one."""
+    from celery import Celery
+
+    from .celery_app import Outbox
+
+    obj = _load_object(spec)
+    if isinstance(obj, Outbox):
+        return obj
+    if isinstance(obj, ModuleType):
+        candidates = _outboxes_in([obj])
+    elif isinstance(obj, Celery):
+        candidates = _outboxes_in(list(sys.modules.values()), app=obj)
+    else:
+        raise click.ClickException(f"{spec!r} is a {type(obj).__name__}, not an Outbox")
+    if len(candidates) != 1:
+        what = "no Outbox" if not candidates else f"{len(candidates)} Outbox objects"
+        raise click.ClickException(f"{spec!r} holds {what}; name one as module:attribute")
+    return candidates[0]
+
+
+class Target:
+    """What a command acts on: a database, a table and, optionally, an Outbox (its handlers)."""
+
+    def __init__(
+        self,
+        *,
+        dsn: str | None,
+        table: str | None,
+        app_spec: str | None = None,
+        outbox_finder: Callable[[], Outbox | None] | None = None,
+    ) -> None:
+        self._dsn = dsn
+        self._table = table
+        self._app_spec = app_spec
+        self._finder = outbox_finder
+        self._outbox: Outbox | None = None
+        self._loaded = False
+
+    @property
+    def outbox(self) -> Outbox | None:
+        """The loaded Outbox (``-A``), or ``None``."""
+        if not self._loaded:
+            self._loaded = True
+            if self._app_spec:
+                self._outbox = _resolve_outbox(self._app_spec)
+            elif self._finder is not None:
+                self._outbox = self._finder()
+        return self._outbox
+
+    @property
+    def dsn(self) -> str:
+        """``--dsn``/``OUTBOX_DSN``, else the Outbox's; a one-line error when there is none."""
+        dsn = self._dsn or (self.outbox.config.dsn if self.outbox is not None else None)
+        if not dsn:
+            raise click.ClickException(
+                "no database: pass --dsn or set OUTBOX_DSN (or -A module:outbox with a dsn)"
+            )
+        return dsn
+
+    @property
+    def table(self) -> TableName:
+        """``--table``/``OUTBOX_TABLE``, else the Outbox's, else ``outbox``."""
+        if self._table:
+            return TableName.parse(self._table)
+        if self.outbox is not None:
+            return self.outbox.config.table
+        return TableName("outbox")
+
+    @property
+    def handlers(self) -> set[str] | None:
+        """Event types with a handler, when an Outbox is loaded."""
+        return set(self.outbox.handlers) if self.outbox is not None else None
+
+    @property
+    def where(self) -> str:
+        """``table on <dsn without password>``, safe to print."""
+        return f"table {self.table.qualified} on {redact(self.dsn)}"
+
+    def scrub(self, text: str) -> str:
+        """``text`` with the DSN's password (if any) masked."""
+        dsn = self._dsn
+        if not dsn and self._outbox is not None:
+            dsn = self._outbox.config.dsn
+        try:
+            password = conninfo_to_dict(dsn).get("password") if dsn else None
+        except psycopg.Error:
+            password = None
+        if password:
+            text = text.replace(str(password), "***")
+        return text
+
+    @contextlib.contextmanager
+    def connect(self) -> Iterator[psycopg.Connection[Any]]:
+        """An autocommit connection (10 s connect timeout unless the DSN sets one)."""
+        dsn = self.dsn
+        try:
+            params = conninfo_to_dict(dsn)
+        except psycopg.Error:
+            # The parser's message may quote the DSN, password included: never show it.
+            raise click.ClickException("invalid DSN: it could not be parsed (not shown)") from None
+        extra: dict[str, Any] = {"autocommit": True}
+        if "connect_timeout" not in params:
+            extra["connect_timeout"] = 10
+        if "application_name" not in params:
+            extra["application_name"] = "outbox-celery-cli"
+        try:
+            conn = psycopg.connect(dsn, **extra)
+        except psycopg.Error as exc:
+            raise click.ClickException(
+                self.scrub(f"cannot connect to {redact(dsn)}: {_first_line(exc)}")
+            ) from None
+        with conn:
+            yield conn
+
+
+pass_target = click.make_pass_decorator(Target)
+
+
+class _Group(click.Group):
+    """Turns library and database errors into one-line ``Error:`` messages (exit 1)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (OutboxError, psycopg.Error) as exc:
+            message = _first_line(exc)
+            if isinstance(exc, psycopg.errors.UndefinedTable):
+                message += "; is the schema installed? run `outbox-celery migrate`"
+            target = ctx.find_object(Target)
+            if target is not None:
+                message = target.scrub(message)
+            raise click.ClickException(message) from None
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=_json_default, ensure_ascii=False))
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
+    """A plain text table; columns whose index is in ``right`` are right-aligned."""
+    cells = [[str(h) for h in headers]] + [["-" if v is None else str(v) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for r in cells:
+        parts = [r[i].rjust(widths[i]) if i in right else r[i].ljust(widths[i]) for i in range(len(r))]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _short(text: str | None, width: int = 60) -> str:
+    if not text:
+        return "-"
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+# -- the group ---------------------------------------------------------------------------------
+
+_TARGET_OPTIONS = [
+    click.option(
+        "--dsn",
+        envvar="OUTBOX_DSN",
+        metavar="DSN",
+        help="PostgreSQL connection string (env OUTBOX_DSN). Default: the loaded Outbox's dsn.",
+    ),
+    click.option(
+        "--table",
+        envvar="OUTBOX_TABLE",
+        metavar="NAME",
+        help="Outbox table, 'name' or 'schema.name' (env OUTBOX_TABLE). Default: the Outbox's, or outbox.",
+    ),
+]
+
+
+def _target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(_TARGET_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@_target_options
+@click.option(
+    "-A",
+    "--app",
+    "app_spec",
+    envvar="OUTBOX_APP",
+    metavar="MODULE[:ATTR]",
+    help="Load an Outbox (e.g. proj.tasks:outbox) for its dsn, table and handlers (env OUTBOX_APP).",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Show the library's log records on stderr.")
+@click.version_option(package_name="outbox-celery", prog_name="outbox-celery")
+@click.pass_context
+def cli(ctx: click.Context, dsn: str | None, table: str | None, app_spec: str | None, verbose: bool) -> None:
+    """See, steer and maintain a transactional outbox (PostgreSQL + Celery)."""
+    _setup_logging(verbose)
+    ctx.obj = Target(dsn=dsn, table=table, app_spec=app_spec)
+
+
+def _setup_logging(verbose: bool) -> None:
+    """Commands print their own one-line results; library records only with --verbose.
+
+    Without a handler Python's last-resort handler would print the library's warnings (an
+    operator's requeue, say) a second time on stderr.
+    """
+    root = logging.getLogger("outbox_celery")
+    if verbose:
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.setLevel(logging.INFO)
+    else:
+        handler = logging.NullHandler()
+    root.addHandler(handler)
+
+
+@cli.command()
+@click.option("--check", is_flag=True, help="Change nothing; exit 1 when migrations are pending.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def migrate(target: Target, check: bool, as_json: bool) -> None:
+    """Create or upgrade the outbox table (idempotent)."""
+    table = target.table
+    with target.connect() as conn:
+        if check:
+            todo = migrations.pending(conn, table)
+            current = migrations.applied_versions(conn, table)
+            if as_json:
+                _echo_json(
+                    {
+                        "table": table.qualified,
+                        "up_to_date": not todo,
+                        "applied": current,
+                        "pending": [m.version for m in todo],
+                    }
+                )
+            elif todo:
+                names = ", ".join(f"{m.version:04d}_{m.name}" for m in todo)
+                click.echo(f"schema of {table.qualified} is behind: pending {names}")
+            else:
+                click.echo(f"schema of {table.qualified} is up to date (version {max(current)})")
+            if todo:
+                raise SystemExit(1)
+            return
+        applied = migrations.migrate(conn, table)
+        current = migrations.applied_versions(conn, table)
+    if as_json:
+        _echo_json({"table": table.qualified, "applied_now": applied, "applied": current})
+    elif applied:
+        click.echo(
+            f"migrated {table.qualified}: applied version(s) {', '.join(map(str, applied))}; "
+            f"now at version {max(current)}"
+        )
+    else:
+        click.echo(f"{table.qualified} is already up to date (version {max(current)})")
+
+
+def _attention(s: admin.Stats) -> list[str]:
+    """What needs a human now, as short phrases (the figures that should be zero)."""
+    items = []
+    if s.dead:
+        items.append(f"{s.dead} dead (outbox-celery dead list)")
+    if s.blocked_keys:
+        items.append(f"{s.blocked_keys} ordered key(s) blocked by a dead head")
+    if s.expired_leases:
+        items.append(f"{s.expired_leases} expired lease(s) (workers lost or stuck?)")
+    if s.unroutable:
+        items.append(f"no handler for {', '.join(s.unroutable)}")
+    return items
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def stats(target: Target, as_json: bool) -> None:
+    """Health at a glance: depth, ages, leases, attempts, event types.
+
+    With -A, pending event types that have no handler are reported as unroutable.
+    """
+    handlers = target.handlers
+    with target.connect() as conn:
+        s = admin.stats(conn, target.table, handlers=handlers)
+    if as_json:
+        _echo_json(s.as_dict())
+        return
+    fd = admin.format_duration
+    click.echo(f"outbox {target.where}")
+    click.echo(f"database time {s.now:%Y-%m-%d %H:%M:%S %Z}")
+    click.echo(f"attention: {'; '.join(_attention(s)) or 'none'}")
+    click.echo("")
+    in_order = s.counts["pending"] - s.ready - s.scheduled
+    notes = {
+        "pending": f"{s.ready} ready now, {s.scheduled} scheduled later (delay/backoff/defer), "
+        f"{in_order} waiting behind their ordering key's head",
+        "processing": f"{s.expired_leases} with an expired lease",
+        "dead": "need a human: outbox-celery dead list" if s.dead else "",
+        "done": "purged by retention",
+    }
+    rows = [(st, s.counts[st], notes[st]) for st in ("pending", "processing", "dead", "done")]
+    click.echo(_table(["status", "messages", ""], rows, right=[1]))
+    click.echo("")
+    facts = [
+        ("oldest pending (since created)", fd(s.oldest_pending_age)),
+        ("oldest ready wait (claimable, not claimed)", fd(s.oldest_ready_wait)),
+        ("oldest processing (since created)", fd(s.oldest_processing_age)),
+        ("expired leases", s.expired_leases),
+        (
+            "ordered keys blocked by a dead head",
+            f"{s.blocked_keys} ({s.blocked_messages} message(s) waiting)",
+        ),
+    ]
+    for label, value in facts:
+        click.echo(f"{label + ':':<46}{value}")
+    click.echo("")
+    if s.attempts:
+        click.echo("attempts histogram (live messages)")
+        click.echo(
+            _table(
+                ["attempts", "pending", "processing", "dead"],
+                [(a.attempts, a.pending, a.processing, a.dead) for a in s.attempts],
+                right=[0, 1, 2, 3],
+            )
+        )
+        click.echo("")
+    if s.event_types:
+        headers = ["event type", "pending", "ready", "processing", "dead", "oldest pending"]
+        if handlers is not None:
+            headers.append("handler")
+        rows2: list[list[Any]] = []
+        for e in s.event_types:
+            r: list[Any] = [e.event_type, e.pending, e.ready, e.processing, e.dead, fd(e.oldest_pending_age)]
+            if handlers is not None:
+                r.append("yes" if e.has_handler else "NO")
+            rows2.append(r)
+        click.echo(_table(headers, rows2, right=[1, 2, 3, 4]))
+        click.echo("")
+    else:
+        click.echo("no live messages (nothing pending, processing or dead)")
+    if s.unroutable is None:
+        click.echo("unroutable: unknown (pass -A module:outbox to check event types against the handlers)")
+    elif s.unroutable:
+        click.echo(f"unroutable (pending, no handler): {', '.join(s.unroutable)}")
+    else:
+        click.echo("unroutable: none")
+
+
+# -- dead letters ------------------------------------------------------------------------------
+
+
+@cli.group(cls=_Group)
+def dead() -> None:
+    """Dead letters: list, show, requeue, skip."""
+
+
+@dead.command("list")
+@click.option("--event-type", help="Only this event type.")
+@click.option("--aggregate-type", help="Only this aggregate type.")
+@click.option("--aggregate-id", help="Only this aggregate id.")
+@click.option(
+    "--older-than",
+    metavar="DURATION",
+    callback=_duration,
+    help="Created more than this long ago (7d, 12h...).",
+)
+@click.option("--newer-than", metavar="DURATION", callback=_duration, help="Created less than this long ago.")
+@click.option("--limit", type=click.IntRange(1, 10000), default=50, show_default=True, help="Page size.")
+@click.option("--after", type=click.IntRange(0), default=0, help="Page after this id (the last one shown).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def dead_list(
+    target: Target,
+    event_type: str | None,
+    aggregate_type: str | None,
+    aggregate_id: str | None,
+    older_than: float | None,
+    newer_than: float | None,
+    limit: int,
+    after: int,
+    as_json: bool,
+) -> None:
+    """Dead messages, oldest id first, with their last error."""
+    filters: dict[str, Any] = {
+        "event_type": event_type,
+        "aggregate_type": aggregate_type,
+        "aggregate_id": aggregate_id,
+        "older_than": older_than,
+        "newer_than": newer_than,
+    }
+    with target.connect() as conn:
+        rows = admin.list_dead(conn, target.table, after=after, limit=limit, **filters)
+        total = admin.count_dead(conn, target.table, **filters)
+    next_after = rows[-1].id if rows and len(rows) == limit else None
+    if as_json:
+        _echo_json({"total": total, "messages": [r.as_dict() for r in rows], "next_after": next_after})
+        return
+    if not rows:
+        if after and total:
+            click.echo(f"no more dead messages after id {after} ({total} match)")
+        elif any(v is not None for v in filters.values()):
+            click.echo("no dead messages match these filters")
+        else:
+            click.echo("no dead messages")
+        return
+    click.echo(
+        _table(
+            ["id", "event type", "aggregate", "attempts", "age", "blocks", "last error"],
+            [
+                (
+                    r.id,
+                    r.event_type,
+                    f"{r.aggregate_type}:{r.aggregate_id}",
+                    r.attempts,
+                    admin.format_duration(r.age),
+                    r.waiting_behind if r.ordering_key is not None else "-",
+                    _short(r.last_error),
+                )
+                for r in rows
+            ],
+            right=[0, 3, 5],
+        )
+    )
+    more = f"; next page: --after {next_after}" if next_after is not None else ""
+    click.echo(f"{len(rows)} shown of {total} matching dead message(s){more}")
+
+
+@dead.command("show")
+@click.argument("outbox_id", metavar="ID", callback=_message_ids)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
+    """One message (any status) and why it waits.
+
+    Payload, attempts, lease, last error and, for an ordered message, its key's head.
+    """
+    with target.connect() as conn:
+        row = admin.get_message(conn, target.table, outbox_id)
+    if row is None:
+        raise click.ClickException(f"no message with id {outbox_id} in {target.table.qualified}")
+    if as_json:
+        _echo_json(row)
+        return
+    fd = admin.format_duration
+    status = row["status"]
+    lines = [
+        ("id", row["id"]),
+        ("status", status),
+        ("event type", row["event_type"]),
+        ("aggregate", f"{row['aggregate_type']}:{row['aggregate_id']}"),
+        ("created", f"{row['created_at']:%Y-%m-%d %H:%M:%S %Z} ({fd(row['age'])} ago)"),
+        ("attempts", row["attempts"]),
+        ("lease version", row["lease_version"]),
+    ]
+    if status == "pending":
+        wait = row["available_in"]
+        lines.append(("available", f"in {fd(wait)}" if wait > 0 else f"now (due {fd(-wait)} ago)"))
+    if status == "processing":
+        exp = row["lease_expires_in"]
+        lease = f"expires in {fd(exp)}" if exp is not None and exp > 0 else f"EXPIRED {fd(-(exp or 0))} ago"
+        lines.append(("lease", f"{lease}, owner {row['lease_owner'] or '-'}"))
+    if row["done_at"] is not None:
+        lines.append(("done at", f"{row['done_at']:%Y-%m-%d %H:%M:%S %Z}"))
+    if row["ordering_key"] is not None:
+        head = row["key_head"]
+        if head is None:
+            position = "every message of the key is done"
+        elif head == row["id"]:
+            position = f"head of its key; {row['waiting_behind']} message(s) wait behind it"
+        else:
+            position = f"waits behind id {head}, the head of its key"
+        lines.append(("ordering key", f"{row['ordering_key']} ({position})"))
+    for label, value in lines:
+        click.echo(f"{label + ':':<15}{value}")
+    click.echo("payload:")
+    click.echo(json.dumps(row["payload"], indent=2, ensure_ascii=False))
+    click.echo("last error:")
+    click.echo(row["last_error"] or "-")
+    if status == "dead":
+        click.echo("")
+        click.echo(
+            f"fix: outbox-celery dead requeue {row['id']}   |   "
+            f"outbox-celery dead skip {row['id']} --reason '...'"
+        )
+
+
+@dead.command("requeue")
+@click.argument("ids", metavar="[ID]...", nargs=-1, callback=_message_ids)
+@click.option("--all", "all_", is_flag=True, help="Every dead message (narrow with --event-type).")
+@click.option("--event-type", help="With --all: only dead messages of this event type.")
+@click.option("--reason", help="Recorded in last_error.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def dead_requeue(
+    target: Target,
+    ids: tuple[int, ...],
+    all_: bool,
+    event_type: str | None,
+    reason: str | None,
+    as_json: bool,
+) -> None:
+    """Deliver again: back to pending now, attempts reset.
+
+    The old error is kept in last_error behind a prefix.
+
+    Give ids, or --all. Unknown or not-dead ids refuse the whole command.
+    """
+    if ids and all_:
+        raise click.ClickException("give message ids or --all, not both")
+    if not ids and not all_:
+        raise click.ClickException("nothing to requeue: give message ids or --all")
+    if event_type is not None and not all_:
+        raise click.ClickException("--event-type filters --all; with ids it is not needed")
+    with target.connect() as conn:
+        if all_:
+            n = admin.requeue_all(conn, target.table, event_type=event_type, reason=reason)
+            changed: list[int] | None = None
+        else:
+            changed = admin.requeue(conn, target.table, ids, reason=reason)
+            n = len(changed)
+    if as_json:
+        _echo_json({"requeued": n, "ids": changed})
+        return
+    scope = f" of event type {event_type}" if event_type else ""
+    listed = f": {', '.join(map(str, changed))}" if changed else ""
+    click.echo(f"requeued {n} dead message(s){scope}{listed}")
+
+
+@dead.command("skip")
+@click.argument("ids", metavar="ID...", nargs=-1, callback=_message_ids)
+@click.option("--reason", help="Why it is skipped (required; recorded in last_error).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def dead_skip(target: Target, ids: tuple[int, ...], reason: str | None, as_json: bool) -> None:
+    """Never deliver: mark dead (or pending) messages done.
+
+    Unblocks an ordered key whose head can never be delivered. The reason is recorded.
+    """
+    if not ids:
+        raise click.ClickException("nothing to skip: give message ids")
+    if reason is None or not reason.strip():
+        raise click.ClickException("skip needs --reason TEXT (it is recorded in last_error)")
+    with target.connect() as conn:
+        changed = admin.skip(conn, target.table, ids, reason=reason)
+    if as_json:
+        _echo_json({"skipped": len(changed), "ids": changed})
+        return
+    click.echo(f"skipped {len(changed)} message(s): {', '.join(map(str, changed))}")
+
+
+# -- retention ---------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option(
+    "--older-than",
+    metavar="DURATION",
+    callback=_duration,
+    required=True,
+    help="Age of done rows to delete (7d, 12h...).",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 100_000),
+    default=5000,
+    show_default=True,
+    help="Rows per delete; each batch is its own short transaction.",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def purge(target: Target, older_than: float, batch_size: int, dry_run: bool, as_json: bool) -> None:
+    """Delete old done rows, in short batches (never any other status)."""
+    age = admin.format_duration(older_than)
+    with target.connect() as conn:
+        if dry_run:
+            n = admin.count_purgeable(conn, target.table, older_than=older_than)
+        else:
+            n = admin.purge_done(conn, target.table, older_than=older_than, batch_size=batch_size)
+    if as_json:
+        _echo_json(
+            {
+                "dry_run": dry_run,
+                "older_than_seconds": older_than,
+                ("would_delete" if dry_run else "deleted"): n,
+            }
+        )
+    elif dry_run:
+        click.echo(f"dry run: would delete {n} done message(s) older than {age}")
+    else:
+        click.echo(f"deleted {n} done message(s) older than {age}")
+
+
+# -- metrics -----------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--port", type=click.IntRange(0, 65535), default=9808, show_default=True, help="HTTP port.")
+@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--timeout",
+    metavar="DURATION",
+    callback=_duration,
+    default="10s",
+    show_default=True,
+    help="Stats query timeout.",
+)
+@click.option(
+    "--worker-metrics-dir",
+    metavar="DIR",
+    help="Also serve the delivery counters workers on this machine write there "
+    "(PROMETHEUS_MULTIPROC_DIR of workers that call track_deliveries).",
+)
+@pass_target
+def metrics(target: Target, port: int, addr: str, timeout: float, worker_metrics_dir: str | None) -> None:
+    """Prometheus exporter: serve http://ADDR:PORT/metrics until stopped."""
+    try:
+        from .metrics import OutboxCollector, start_exporter
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise click.ClickException(_first_line(exc)) from None
+    if worker_metrics_dir is not None and not os.path.isdir(worker_metrics_dir):
+        raise click.ClickException(f"--worker-metrics-dir {worker_metrics_dir!r} is not a directory")
+    dsn, table, handlers = target.dsn, target.table, target.handlers
+    try:
+        collector = OutboxCollector(dsn, table, handlers=handlers, timeout=timeout)
+    except ImportError as exc:
+        raise click.ClickException(_first_line(exc)) from None
+    try:
+        server, _registry = start_exporter(
+            collector, port=port, addr=addr, worker_metrics_dir=worker_metrics_dir
+        )
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {addr}:{port}: {exc.strerror or exc}") from None
+    stop = threading.Event()
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+    click.echo(f"serving metrics of {target.where} on http://{addr}:{server.server_port}/metrics", err=True)
+    try:
+        while not stop.wait(3600):
+            pass
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# -- entry points ------------------------------------------------------------------------------
+
+
+def _celery_outbox_finder(ctx: click.Context, name: str | None) -> Callable[[], Outbox | None]:
+    """Find the Outbox of the app ``celery -A`` loaded (optionally by its name)."""
+
+    def find() -> Outbox | None:
+        celery_ctx = ctx.find_root().obj
+        app = getattr(celery_ctx, "app", None)
+        if app is None:
+            return None
+        found = _outboxes_in(list(sys.modules.values()), app=app)
+        if not found:
+            # The Outbox may live in a module the app only imports lazily (``include``,
+            # ``autodiscover_tasks``): import them as a worker would, then look again.
+            try:
+                app.loader.import_default_modules()
+            except Exception as exc:
+                raise click.ClickException(
+                    f"cannot import the app's task modules: {type(exc).__name__}: {_first_line(exc)}"
+                ) from None
+            found = _outboxes_in(list(sys.modules.values()), app=app)
+        if name is not None:
+            found = [o for o in found if o.name == name]
+            if not found:
+                raise click.ClickException(f"no Outbox named {name!r} bound to app {app.main!r}")
+        if len(found) > 1:
+            names = ", ".join(sorted(o.name for o in found))
+            raise click.ClickException(
+                f"app {app.main!r} has several outboxes ({names}); pick one with --outbox"
+            )
+        return found[0] if found else None
+
+    return find
+
+
+@click.group("outbox", cls=_Group)
+@_target_options
+@click.option(
+    "--outbox", "outbox_name", metavar="NAME", help="Which Outbox of the app (by name) when it has several."
+)
+@click.pass_context
+def celery_outbox(ctx: click.Context, dsn: str | None, table: str | None, outbox_name: str | None) -> None:
+    """Operate the app's transactional outbox (same commands as outbox-celery)."""
+    _setup_logging(False)
+    ctx.obj = Target(dsn=dsn, table=table, outbox_finder=_celery_outbox_finder(ctx, outbox_name))
+
+
+for _name, _command in cli.commands.items():
+    celery_outbox.add_command(_command, _name)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the CLI (the ``outbox-celery`` console script and ``python -m outbox_celery``)."""
+    cli.main(args=list(argv) if argv is not None else None)

@@ -1,0 +1,306 @@
+"""Prometheus metrics of the outbox table: a collector to register, and a small exporter.
+
+Database-side gauges only (depth per status, oldest pending age, expired leases, dead and
+blocked messages, attempts); task-level metrics come from Flower (see docs/operations.md).
+
+``prometheus_client`` is an optional dependency (``pip install outbox-celery[metrics]``); it is
+imported when a collector is built, never when this module is imported.
+
+::
+
+    from prometheus_client import REGISTRY
+    from outbox_celery.metrics import OutboxCollector
+
+    REGISTRY.register(OutboxCollector("postgresql://...", "outbox"))
+    # or, inside a process that has an Outbox object (uses its pool and knows its handlers):
+    REGISTRY.register(OutboxCollector.from_outbox(outbox))
+
+Every scrape runs one read-only statement per table (:func:`outbox_celery.admin.stats`) under a
+statement timeout. When it fails, ``outbox_up`` is 0 and the table's other series are absent
+for that scrape, rather than stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from . import admin
+from .config import TableName
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.registry import CollectorRegistry
+
+    from .celery_app import Outbox
+
+__all__ = ["DEFAULT_PORT", "OutboxCollector", "start_exporter", "track_deliveries"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 9808
+
+ConnectionFactory = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
+
+_STATUSES = ("pending", "processing", "done", "dead")
+_LIVE = ("pending", "processing", "dead")
+
+
+def _import_prometheus() -> Any:
+    try:
+        import prometheus_client.core as core
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError(
+            "Prometheus metrics need prometheus_client: pip install 'outbox-celery[metrics]'"
+        ) from exc
+    return core
+
+
+class OutboxCollector:
+    """A Prometheus collector reporting the state of one or more outbox tables.
+
+    :param source: a DSN (a short-lived connection per scrape) or a callable returning a
+        context manager that yields a connection, e.g. a psycopg_pool ``pool.connection``.
+    :param table: a table name, or several (each series carries a ``table`` label).
+    :param handlers: event types that have a handler; when given, pending messages of other
+        event types are reported as ``<namespace>_unroutable_messages``.
+    :param namespace: prefix of every metric name. Default ``"outbox"``.
+    :param timeout: statement timeout of the stats query, seconds. Default 10.
+    :param connect_timeout: seconds to wait for a connection when ``source`` is a DSN.
+    """
+
+    def __init__(
+        self,
+        source: str | ConnectionFactory,
+        table: str | TableName | Sequence[str | TableName] = "outbox",
+        *,
+        handlers: Collection[str] | None = None,
+        namespace: str = "outbox",
+        timeout: float = 10.0,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        _import_prometheus()
+        tables = [table] if isinstance(table, str | TableName) else list(table)
+        self.tables = [TableName.parse(t) for t in tables]
+        if not self.tables:
+            raise ValueError("at least one table is needed")
+        self.handlers = frozenset(handlers) if handlers is not None else None
+        self.namespace = namespace
+        self.timeout = timeout
+        if isinstance(source, str):
+            dsn = source
+
+            def connect() -> AbstractContextManager[psycopg.Connection[Any]]:
+                return psycopg.connect(
+                    dsn,
+                    autocommit=True,
+                    connect_timeout=max(1, int(connect_timeout)),
+                    application_name="outbox-celery-metrics",
+                )
+
+            self._connect: ConnectionFactory = connect
+        else:
+            self._connect = source
+
+    @classmethod
+    def from_outbox(cls, outbox: Outbox, **kwargs: Any) -> OutboxCollector:
+        """A collector over ``outbox``'s table, pool and handlers (keyword arguments pass on)."""
+        kwargs.setdefault("handlers", set(outbox.handlers))
+        return cls(outbox.connection, outbox.config.table, **kwargs)
+
+    # -- the families --------------------------------------------------------------------------
+
+    def _families(self) -> dict[str, GaugeMetricFamily]:
+        core = _import_prometheus()
+        ns = self.namespace
+        g = core.GaugeMetricFamily
+        fams: dict[str, GaugeMetricFamily] = {
+            "up": g(
+                f"{ns}_up", "1 if the last stats query of the table succeeded, else 0.", labels=["table"]
+            ),
+            "messages": g(f"{ns}_messages", "Rows per status.", labels=["table", "status"]),
+            "ready": g(
+                f"{ns}_ready_messages",
+                "Pending rows whose available_at has come (claimable now).",
+                labels=["table"],
+            ),
+            "oldest_pending": g(
+                f"{ns}_oldest_pending_age_seconds",
+                "Seconds since created_at of the oldest pending row (0 when none).",
+                labels=["table"],
+            ),
+            "oldest_ready": g(
+                f"{ns}_oldest_ready_wait_seconds",
+                "Seconds the oldest claimable row has waited past its available_at (0 when none).",
+                labels=["table"],
+            ),
+            "oldest_processing": g(
+                f"{ns}_oldest_processing_age_seconds",
+                "Seconds since created_at of the oldest processing row (0 when none).",
+                labels=["table"],
+            ),
+            "expired": g(
+                f"{ns}_expired_leases",
+                "Processing rows whose lease has expired (worker lost or stuck).",
+                labels=["table"],
+            ),
+            "blocked_keys": g(
+                f"{ns}_blocked_keys", "Ordering keys whose head message is dead.", labels=["table"]
+            ),
+            "blocked_messages": g(
+                f"{ns}_blocked_messages",
+                "Messages waiting behind a dead head of their ordering key.",
+                labels=["table"],
+            ),
+            "type_messages": g(
+                f"{ns}_event_type_messages",
+                "Live rows (pending, processing, dead) per event type.",
+                labels=["table", "event_type", "status"],
+            ),
+            "type_oldest": g(
+                f"{ns}_event_type_oldest_pending_age_seconds",
+                "Seconds since created_at of the oldest pending row of the event type.",
+                labels=["table", "event_type"],
+            ),
+            "attempts": g(
+                f"{ns}_attempts_messages",
+                "Live rows per number of attempts spent (the attempts histogram).",
+                labels=["table", "attempts", "status"],
+            ),
+            "duration": g(f"{ns}_stats_duration_seconds", "Seconds the stats query took.", labels=["table"]),
+        }
+        if self.handlers is not None:
+            fams["unroutable"] = g(
+                f"{ns}_unroutable_messages",
+                "Pending rows of an event type that has no registered handler.",
+                labels=["table", "event_type"],
+            )
+        return fams
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """The metric families, without touching the database (used at registration)."""
+        yield from self._families().values()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """Query each table and yield its gauges."""
+        fams = self._families()
+        for table in self.tables:
+            name = table.qualified
+            started = time.monotonic()
+            try:
+                with self._connect() as conn:
+                    s = admin.stats(conn, table, handlers=self.handlers, timeout=self.timeout)
+            except Exception as exc:
+                logger.warning(
+                    "outbox metrics: stats of %s failed: %s",
+                    name,
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                    extra={"outbox_table": name},
+                )
+                fams["up"].add_metric([name], 0)
+                continue
+            fams["up"].add_metric([name], 1)
+            fams["duration"].add_metric([name], time.monotonic() - started)
+            self._add(fams, name, s)
+        yield from fams.values()
+
+    @staticmethod
+    def _add(fams: dict[str, GaugeMetricFamily], name: str, s: admin.Stats) -> None:
+        for status in _STATUSES:
+            fams["messages"].add_metric([name, status], s.counts[status])
+        fams["ready"].add_metric([name], s.ready)
+        fams["oldest_pending"].add_metric([name], s.oldest_pending_age or 0.0)
+        fams["oldest_ready"].add_metric([name], s.oldest_ready_wait or 0.0)
+        fams["oldest_processing"].add_metric([name], s.oldest_processing_age or 0.0)
+        fams["expired"].add_metric([name], s.expired_leases)
+        fams["blocked_keys"].add_metric([name], s.blocked_keys)
+        fams["blocked_messages"].add_metric([name], s.blocked_messages)
+        for e in s.event_types:
+            for status in _LIVE:
+                fams["type_messages"].add_metric([name, e.event_type, status], getattr(e, status))
+            if e.pending:
+                fams["type_oldest"].add_metric([name, e.event_type], e.oldest_pending_age or 0.0)
+            if "unroutable" in fams and e.pending and e.has_handler is False:
+                fams["unroutable"].add_metric([name, e.event_type], e.pending)
+        for a in s.attempts:
+            for status in _LIVE:
+                fams["attempts"].add_metric([name, str(a.attempts), status], getattr(a, status))
+
+
+def start_exporter(
+    collector: OutboxCollector,
+    *,
+    port: int = DEFAULT_PORT,
+    addr: str = "0.0.0.0",
+    worker_metrics_dir: str | None = None,
+) -> tuple[Any, CollectorRegistry]:
+    """Serve ``/metrics`` for ``collector`` on ``addr:port`` from a daemon thread.
+
+    The registry holds only this collector (no Python process metrics) and, with
+    ``worker_metrics_dir``, the counters that workers on this machine wrote there in
+    prometheus_client's multiprocess mode (see :func:`track_deliveries`). Returns the HTTP
+    server (call ``shutdown()`` to stop it) and the registry.
+    """
+    _import_prometheus()
+    from prometheus_client import start_http_server
+    from prometheus_client.multiprocess import MultiProcessCollector
+    from prometheus_client.registry import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(collector)
+    if worker_metrics_dir is not None:
+        MultiProcessCollector(registry, path=worker_metrics_dir)  # type: ignore[no-untyped-call]
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server, registry
+
+
+def track_deliveries(
+    outbox: Outbox, *, registry: CollectorRegistry | None = None, namespace: str = "outbox"
+) -> Counter:
+    """Count the deliveries this worker finishes: ``<namespace>_deliveries_total``.
+
+    Optional and worker-side: call it in the module your workers load (after the
+    :class:`~outbox_celery.celery_app.Outbox` is built). Labels: ``table``, ``event_type`` and
+    ``outcome``, the delivery task's result (``done``, ``retry``, ``defer``, ``dead``,
+    ``stale``, ``lost_lease``, ``unroutable``) or ``error`` when the handler raised something
+    unclassified. ``lost_lease`` is the fencing at work: a finalize that came too late.
+
+    A prefork worker counts in each pool process: run the worker with
+    ``PROMETHEUS_MULTIPROC_DIR`` set (an empty directory, before it starts) and serve the
+    counters with ``outbox-celery metrics --worker-metrics-dir DIR`` on the same machine (or
+    your own ``MultiProcessCollector``). With ``--pool solo`` or threads, registering into a
+    registry you already serve is enough.
+    """
+    _import_prometheus()
+    from celery import signals
+    from prometheus_client import REGISTRY
+    from prometheus_client import Counter as _Counter
+
+    counter = _Counter(
+        f"{namespace}_deliveries",
+        "Outbox deliveries finished by workers, per event type and outcome.",
+        ["table", "event_type", "outcome"],
+        registry=registry if registry is not None else REGISTRY,
+    )
+    task_name = outbox.deliver_task.name
+
+    def on_postrun(
+        sender: Any = None, task: Any = None, retval: Any = None, state: str | None = None, **kwargs: Any
+    ) -> None:
+        task = task or sender
+        if getattr(task, "name", None) != task_name:
+            return
+        # The publisher puts the event type in a message header, which Celery exposes on the
+        # request; the task's arguments are only (id, lease_version).
+        event_type = getattr(getattr(task, "request", None), "outbox_event_type", None) or "unknown"
+        outcome = str(retval) if state == "SUCCESS" else "error"
+        counter.labels(outbox.config.table.qualified, str(event_type), outcome).inc()
+
+    signals.task_postrun.connect(on_postrun, weak=False)
+    return counter

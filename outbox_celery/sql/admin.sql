@@ -1,0 +1,217 @@
+-- Operator-side named queries (outbox_celery.admin): stats, dead letters, retention.
+-- "{table}" is replaced by the quoted table identifier (psycopg.sql); every value is a bound
+-- parameter. All time comparisons use the database clock (now()).
+--
+-- Live rows (not done) are few and done rows are history, so every query reaches rows through
+-- the schema's partial indexes: pending unordered (pending_idx), ordered not done (ordered_idx),
+-- processing (lease_idx), dead (dead_idx), done by done_at (done_idx). Nothing here scans the
+-- whole table except the done count, an index-only scan of done_idx.
+
+-- name: stats
+-- One statement, so every figure comes from the same snapshot. The four branches of "live" are
+-- disjoint and together hold every row that is not done.
+WITH live AS MATERIALIZED (
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until
+    FROM {table} WHERE status = 'pending' AND ordering_key IS NULL
+    UNION ALL
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until
+    FROM {table} WHERE ordering_key IS NOT NULL AND status <> 'done'
+    UNION ALL
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until
+    FROM {table} WHERE status = 'processing' AND ordering_key IS NULL
+    UNION ALL
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until
+    FROM {table} WHERE status = 'dead' AND ordering_key IS NULL
+),
+-- The head of an ordered key is its lowest id that is not done: only the head is claimable
+-- (a pending row behind it waits its turn), and a dead head blocks its key.
+heads AS (
+    SELECT DISTINCT ON (ordering_key) ordering_key, id, status
+    FROM live
+    WHERE ordering_key IS NOT NULL
+    ORDER BY ordering_key, id
+),
+marked AS (
+    SELECT live.*,
+           (live.status = 'pending' AND live.available_at <= now()
+            AND (live.ordering_key IS NULL OR heads.id = live.id)) AS ready
+    FROM live LEFT JOIN heads ON heads.ordering_key = live.ordering_key
+),
+by_type AS (
+    SELECT event_type,
+           count(*) FILTER (WHERE status = 'pending') AS pending,
+           count(*) FILTER (WHERE ready) AS ready,
+           count(*) FILTER (WHERE status = 'processing') AS processing,
+           count(*) FILTER (WHERE status = 'dead') AS dead,
+           extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8
+               AS oldest_pending_age
+    FROM marked
+    GROUP BY event_type
+),
+by_attempts AS (
+    SELECT attempts,
+           count(*) FILTER (WHERE status = 'pending') AS pending,
+           count(*) FILTER (WHERE status = 'processing') AS processing,
+           count(*) FILTER (WHERE status = 'dead') AS dead
+    FROM live
+    GROUP BY attempts
+),
+blocked AS (
+    SELECT heads.ordering_key, count(*) - 1 AS waiting
+    FROM heads JOIN live ON live.ordering_key = heads.ordering_key
+    WHERE heads.status = 'dead'
+    GROUP BY heads.ordering_key
+)
+SELECT
+    now() AS now,
+    (SELECT count(*) FROM live WHERE status = 'pending') AS pending,
+    (SELECT count(*) FROM marked WHERE ready) AS ready,
+    (SELECT count(*) FROM live WHERE status = 'pending' AND available_at > now()) AS scheduled,
+    (SELECT count(*) FROM live WHERE status = 'processing') AS processing,
+    (SELECT count(*) FROM live WHERE status = 'dead') AS dead,
+    (SELECT count(*) FROM {table} WHERE status = 'done') AS done,
+    (SELECT count(*) FROM live WHERE status = 'processing' AND lease_until <= now()) AS expired_leases,
+    (SELECT extract(epoch FROM now() - min(created_at))::float8
+     FROM live WHERE status = 'pending') AS oldest_pending_age,
+    (SELECT extract(epoch FROM now() - min(available_at))::float8
+     FROM marked WHERE ready) AS oldest_ready_wait,
+    (SELECT extract(epoch FROM now() - min(created_at))::float8
+     FROM live WHERE status = 'processing') AS oldest_processing_age,
+    (SELECT count(*) FROM blocked) AS blocked_keys,
+    (SELECT coalesce(sum(waiting), 0) FROM blocked) AS blocked_messages,
+    (SELECT coalesce(json_agg(json_build_object(
+                'event_type', event_type, 'pending', pending, 'ready', ready,
+                'processing', processing, 'dead', dead, 'oldest_pending_age', oldest_pending_age)
+            ORDER BY event_type), '[]'::json)
+     FROM by_type) AS event_types,
+    (SELECT coalesce(json_agg(json_build_object(
+                'attempts', attempts, 'pending', pending, 'processing', processing, 'dead', dead)
+            ORDER BY attempts), '[]'::json)
+     FROM by_attempts) AS attempts;
+
+-- name: dead_list
+-- Keyset paging by id (dead_idx). Age filters use created_at: a dead row records no dead time.
+-- waiting_behind: messages of the same ordering key after this one that are not done.
+SELECT d.id, d.event_type, d.aggregate_type, d.aggregate_id, d.ordering_key, d.attempts,
+       d.created_at, extract(epoch FROM now() - d.created_at)::float8 AS age, d.last_error,
+       CASE WHEN d.ordering_key IS NULL THEN 0 ELSE (
+           SELECT count(*) FROM {table} AS b
+           WHERE b.ordering_key = d.ordering_key AND b.status <> 'done' AND b.id > d.id
+       ) END AS waiting_behind
+FROM {table} AS d
+WHERE d.status = 'dead'
+  AND d.id > %(after)s
+  AND (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)
+  AND (%(aggregate_type)s::text IS NULL OR d.aggregate_type = %(aggregate_type)s::text)
+  AND (%(aggregate_id)s::text IS NULL OR d.aggregate_id = %(aggregate_id)s::text)
+  AND (%(older_than)s::float8 IS NULL
+       OR d.created_at <= now() - make_interval(secs => %(older_than)s::float8))
+  AND (%(newer_than)s::float8 IS NULL
+       OR d.created_at > now() - make_interval(secs => %(newer_than)s::float8))
+ORDER BY d.id
+LIMIT %(limit)s;
+
+-- name: dead_count
+SELECT count(*) FROM {table} AS d
+WHERE d.status = 'dead'
+  AND (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)
+  AND (%(aggregate_type)s::text IS NULL OR d.aggregate_type = %(aggregate_type)s::text)
+  AND (%(aggregate_id)s::text IS NULL OR d.aggregate_id = %(aggregate_id)s::text)
+  AND (%(older_than)s::float8 IS NULL
+       OR d.created_at <= now() - make_interval(secs => %(older_than)s::float8))
+  AND (%(newer_than)s::float8 IS NULL
+       OR d.created_at > now() - make_interval(secs => %(newer_than)s::float8));
+
+-- name: show
+-- One message of any status, with what explains its wait: times relative to now() and, for an
+-- ordered message, the head of its key and how many messages wait behind it.
+SELECT o.id, o.status, o.event_type, o.aggregate_type, o.aggregate_id, o.ordering_key,
+       o.payload, o.attempts, o.created_at, o.available_at, o.lease_owner, o.lease_until,
+       o.lease_version, o.last_error, o.done_at,
+       now() AS now,
+       extract(epoch FROM now() - o.created_at)::float8 AS age,
+       extract(epoch FROM o.available_at - now())::float8 AS available_in,
+       extract(epoch FROM o.lease_until - now())::float8 AS lease_expires_in,
+       CASE WHEN o.ordering_key IS NULL THEN NULL ELSE (
+           SELECT min(h.id) FROM {table} AS h
+           WHERE h.ordering_key = o.ordering_key AND h.status <> 'done'
+       ) END AS key_head,
+       CASE WHEN o.ordering_key IS NULL THEN 0 ELSE (
+           SELECT count(*) FROM {table} AS b
+           WHERE b.ordering_key = o.ordering_key AND b.status <> 'done' AND b.id > o.id
+       ) END AS waiting_behind
+FROM {table} AS o
+WHERE o.id = %(id)s;
+
+-- name: lock_ids
+-- The operator's explicit ids, locked in id order (two operators never deadlock) so that the
+-- check and the change see the same rows.
+SELECT id, status FROM {table} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE;
+
+-- name: requeue_ids
+-- Dead -> pending, claimable now, attempts reset; the previous error is kept behind a prefix.
+-- lease_version is never reset: it is the fencing token and only ever grows.
+UPDATE {table}
+SET status = 'pending',
+    attempts = 0,
+    available_at = now(),
+    lease_until = NULL,
+    last_error = left('requeued by operator' || coalesce(': ' || %(reason)s::text, '')
+                      || ' (attempts were ' || attempts || ')'
+                      || coalesce('; previous error: ' || last_error, ''), 8000)
+WHERE id = ANY(%(ids)s::bigint[]) AND status = 'dead'
+RETURNING id;
+
+-- name: requeue_batch
+-- One bounded batch of "requeue --all": ids above the previous batch, so nothing is requeued
+-- twice even if it dies again while the loop runs.
+WITH picked AS (
+    SELECT id FROM {table}
+    WHERE status = 'dead' AND id > %(after)s
+      AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'pending',
+    attempts = 0,
+    available_at = now(),
+    lease_until = NULL,
+    last_error = left('requeued by operator' || coalesce(': ' || %(reason)s::text, '')
+                      || ' (attempts were ' || o.attempts || ')'
+                      || coalesce('; previous error: ' || o.last_error, ''), 8000)
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id;
+
+-- name: skip_ids
+-- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded. In SET,
+-- "status" still reads the old value.
+UPDATE {table}
+SET status = 'done',
+    done_at = now(),
+    lease_until = NULL,
+    last_error = left('skipped by operator: ' || %(reason)s::text || ' (was ' || status
+                      || ', attempts ' || attempts || ')'
+                      || coalesce('; previous error: ' || last_error, ''), 8000)
+WHERE id = ANY(%(ids)s::bigint[]) AND status IN ('dead', 'pending')
+RETURNING id;
+
+-- name: purge_cutoff
+-- Fixed once per purge run, so the run has a bounded amount of work.
+SELECT now() - make_interval(secs => %(older_than)s::float8);
+
+-- name: purge_count
+SELECT count(*) FROM {table} WHERE status = 'done' AND done_at < %(cutoff)s;
+
+-- name: purge_batch
+-- One short transaction per batch: locks at most "limit" rows, for milliseconds.
+DELETE FROM {table}
+WHERE id IN (
+    SELECT id FROM {table}
+    WHERE status = 'done' AND done_at < %(cutoff)s
+    ORDER BY done_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+);

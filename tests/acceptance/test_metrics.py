@@ -1,0 +1,269 @@
+"""Prometheus metrics: the exporter scraped over HTTP, and the collector in a user's registry."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import yaml
+from celery import Celery
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from psycopg import sql
+
+from outbox_celery import Event, TableName, enqueue_many, migrate
+from outbox_celery.celery_app import Outbox
+from outbox_celery.metrics import OutboxCollector
+from outbox_celery.testing import free_port
+
+SETTLE = 60.0  # seconds; bounds waiting for the exporter, never asserts speed
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def _env(dsn: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_") or k.startswith("OUTBOX_TEST_")}
+    if dsn is not None:
+        env["OUTBOX_DSN"] = dsn
+    return env
+
+
+def add(
+    conn: psycopg.Connection[Any], n: int, *, table: str, event_type: str, key: str | None = None
+) -> list[int]:
+    events = [Event(event_type, {"n": i}, "order", str(i), ordering_key=key) for i in range(n)]
+    with conn.transaction():
+        return enqueue_many(conn, events, table=table)
+
+
+def update(conn: psycopg.Connection[Any], table: str, ids: list[int], assignments: str) -> None:
+    """``UPDATE ... SET <assignments>`` for ``ids`` (assignments are written by the test)."""
+    query = sql.SQL("UPDATE {} SET " + assignments + " WHERE id = ANY(%s)")
+    conn.execute(query.format(TableName.parse(table).identifier()), [ids])
+
+
+def counts(conn: psycopg.Connection[Any], table: str) -> dict[str, int]:
+    query = sql.SQL("SELECT status, count(*) FROM {} GROUP BY status").format(
+        TableName.parse(table).identifier()
+    )
+    found = dict(conn.execute(query).fetchall())
+    return {s: int(found.get(s, 0)) for s in ("pending", "processing", "done", "dead")}
+
+
+def parse(text: str) -> Samples:
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    key = (name, frozenset(labels.items()))
+    assert key in samples, f"no sample {name}{labels}; have {sorted(k[0] for k in samples)}"
+    return samples[key]
+
+
+@pytest.fixture
+def exporter(migrated_dsn: str, tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen[bytes], Path]]:
+    """``python -m outbox_celery metrics`` on a free port, in its own process group."""
+    port = free_port()
+    log = tmp_path / "exporter.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "outbox_celery", "metrics", "--port", str(port), "--addr", "127.0.0.1"],
+            env=_env(migrated_dsn),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield port, proc, log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def scrape(port: int, proc: subprocess.Popen[bytes], log: Path) -> str:
+    """GET /metrics, waiting for the exporter to listen (bounded)."""
+    deadline = time.monotonic() + SETTLE
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+                assert response.status == 200
+                return str(response.read().decode("utf-8"))
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(
+                    f"exporter not serving (exit {proc.poll()}):\n{log.read_text()}"
+                ) from None
+            time.sleep(0.1)
+
+
+def test_exporter_metrics_page_matches_the_table(
+    exporter: tuple[int, subprocess.Popen[bytes], Path], conn: psycopg.Connection[Any], table: str
+) -> None:
+    port, proc, log = exporter
+    orders = add(conn, 5, table=table, event_type="order.created")
+    update(
+        conn,
+        table,
+        orders[:1],
+        "created_at = now() - interval '2 hours', available_at = now() - interval '1 hour'",
+    )
+    mails = add(conn, 4, table=table, event_type="mail.sent")
+    update(conn, table, mails[:2], "status = 'done', done_at = now()")
+    update(conn, table, mails[2:3], "status = 'dead', attempts = 3, last_error = 'x'")
+    update(
+        conn,
+        table,
+        mails[3:],
+        "status = 'processing', attempts = 1, lease_until = now() - interval '5 seconds'",
+    )
+    keyed = add(conn, 3, table=table, event_type="invoice.sent", key="k")
+    update(conn, table, keyed[:1], "status = 'dead', attempts = 2")
+
+    samples = parse(scrape(port, proc, log))
+    truth = counts(conn, table)
+    assert truth == {"pending": 7, "processing": 1, "done": 2, "dead": 2}
+    assert value(samples, "outbox_up", table=table) == 1
+    for status, n in truth.items():
+        assert value(samples, "outbox_messages", table=table, status=status) == n
+    assert value(samples, "outbox_ready_messages", table=table) == 5
+    assert 7200 <= value(samples, "outbox_oldest_pending_age_seconds", table=table) < 7300
+    assert 3600 <= value(samples, "outbox_oldest_ready_wait_seconds", table=table) < 3700
+    assert value(samples, "outbox_expired_leases", table=table) == 1
+    assert value(samples, "outbox_blocked_keys", table=table) == 1
+    assert value(samples, "outbox_blocked_messages", table=table) == 2
+    assert (
+        value(samples, "outbox_event_type_messages", table=table, event_type="mail.sent", status="dead") == 1
+    )
+    assert (
+        value(samples, "outbox_event_type_messages", table=table, event_type="invoice.sent", status="pending")
+        == 2
+    )
+    assert value(samples, "outbox_attempts_messages", table=table, attempts="3", status="dead") == 1
+    # Without handlers the exporter cannot tell what is unroutable: no such series.
+    assert not [k for k in samples if k[0] == "outbox_unroutable_messages"]
+
+    # The next scrape follows the table.
+    update(conn, table, orders[1:3], "status = 'dead'")
+    update(conn, table, mails[3:], "lease_until = now() + interval '1 minute'")
+    samples = parse(scrape(port, proc, log))
+    assert value(samples, "outbox_messages", table=table, status="dead") == counts(conn, table)["dead"] == 4
+    assert value(samples, "outbox_messages", table=table, status="pending") == 5
+    assert value(samples, "outbox_expired_leases", table=table) == 0
+
+    # SIGTERM stops it cleanly.
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=SETTLE) == 0
+    assert "serving metrics of table" in log.read_text()
+    assert "password" not in log.read_text() or "password=***" in log.read_text()
+
+
+def test_exporter_refuses_a_busy_port_with_one_line(migrated_dsn: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "outbox_celery", "metrics", "--port", str(port), "--addr", "127.0.0.1"],
+            env=_env(migrated_dsn),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"Error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
+
+
+def test_collector_in_a_users_registry_reports_several_tables(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    migrate(conn, "billing.outbox")
+    add(conn, 2, table=table, event_type="order.created")
+    dead = add(conn, 3, table="billing.outbox", event_type="invoice.sent")
+    update(conn, "billing.outbox", dead, "status = 'dead'")
+
+    registry = CollectorRegistry()
+    registry.register(OutboxCollector(migrated_dsn, [table, "billing.outbox"]))
+    assert registry.get_sample_value("outbox_messages", {"table": table, "status": "pending"}) == 2
+    assert registry.get_sample_value("outbox_messages", {"table": table, "status": "dead"}) == 0
+    assert registry.get_sample_value("outbox_messages", {"table": "billing.outbox", "status": "dead"}) == 3
+    assert registry.get_sample_value("outbox_up", {"table": "billing.outbox"}) == 1
+    # Exposition works and every family appears once.
+    text = generate_latest(registry).decode()
+    assert text.count("# TYPE outbox_messages gauge") == 1
+
+
+def test_collector_reports_down_instead_of_failing_the_scrape() -> None:
+    registry = CollectorRegistry()
+    # Registering never touches the database.
+    registry.register(OutboxCollector("postgresql://nobody:pw@127.0.0.1:1/none", "outbox", connect_timeout=1))
+    samples = parse(generate_latest(registry).decode())
+    assert value(samples, "outbox_up", table="outbox") == 0
+    assert not [k for k in samples if k[0] == "outbox_messages"]
+
+
+def test_collector_from_an_outbox_knows_its_handlers(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    add(conn, 2, table=table, event_type="order.created")
+    add(conn, 3, table=table, event_type="invoice.sent")
+    app = Celery("metrics-test", broker="memory://", set_as_current=False)
+    outbox = Outbox(app, dsn=migrated_dsn, table=table)
+    outbox.handler("order.created")(lambda message: None)
+    try:
+        registry = CollectorRegistry()
+        registry.register(OutboxCollector.from_outbox(outbox, namespace="shop_outbox"))
+        assert (
+            registry.get_sample_value(
+                "shop_outbox_unroutable_messages", {"table": table, "event_type": "invoice.sent"}
+            )
+            == 3
+        )
+        assert (
+            registry.get_sample_value(
+                "shop_outbox_unroutable_messages", {"table": table, "event_type": "order.created"}
+            )
+            is None
+        )
+        assert registry.get_sample_value("shop_outbox_messages", {"table": table, "status": "pending"}) == 5
+    finally:
+        outbox.close()
+
+
+def test_the_documented_metrics_and_alert_rules_match_the_collector() -> None:
+    """docs/operations.md lists every metric, and its alert rules only use metrics that exist."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    collector = OutboxCollector("postgresql://nobody@127.0.0.1:1/none", "outbox", handlers=set())
+    gauges = {family.name for family in collector.describe()}
+    known = gauges | {"outbox_deliveries_total"}  # the optional worker-side counter
+
+    gauges_section = doc.split("### Gauges", 1)[1].split("\n#", 1)[0]
+    documented = set(re.findall(r"^\| `(outbox_[a-z_]+)` \|", gauges_section, re.M))
+    assert documented == gauges
+
+    blocks = re.findall(r"```yaml\n(.*?)```", doc, re.S)
+    rules = [rule for block in blocks for group in yaml.safe_load(block)["groups"] for rule in group["rules"]]
+    assert len(rules) >= 5
+    for rule in rules:
+        used = set(re.findall(r"\boutbox_[a-z_]+", rule["expr"]))
+        assert used, rule
+        assert used <= known, f"{rule['alert']} uses unknown metric(s) {used - known}"
