@@ -14,9 +14,9 @@ from outbox_celery import Event, Store, TableName, enqueue_many
 # Generous default lease for claims that must not expire during a test.
 LONG = 60.0
 # Short lease for tests that let leases expire (every comparison uses the database clock).
-SHORT = 0.3
+SHORT = 0.2
 # A little more than SHORT: after sleeping this long a SHORT lease has expired.
-PAST_SHORT = 0.45
+PAST_SHORT = 0.3
 
 Connect = Callable[[], psycopg.Connection[Any]]
 

@@ -23,12 +23,13 @@ def test_invariant_1_concurrent_claims_never_return_the_same_row(
     barrier = threading.Barrier(workers)
     got: list[list[int]] = [[] for _ in range(workers)]
     errors: list[BaseException] = []
+    deadline = time.monotonic() + 30
 
     def worker(n: int) -> None:
         try:
             c = connect()
             barrier.wait(timeout=10)
-            while True:
+            while time.monotonic() < deadline:
                 batch = claim_ids(store, c, limit=7, owner=f"w{n}")
                 if not batch:
                     return
@@ -58,14 +59,17 @@ def test_invariant_2_a_row_whose_lease_has_not_expired_is_never_claimed(
     conn: psycopg.Connection[Any], store: Store, table: str, connect: Connect
 ) -> None:
     ids = add(conn, 20, table=table)
-    short = claim_ids(store, conn, limit=10, lease=SHORT)
     long = claim_ids(store, conn, limit=10, lease=LONG)
+    short = claim_ids(store, conn, limit=10, lease=SHORT)
     assert sorted(short + long) == ids
     other = connect()
-    assert claim_ids(store, other) == []
+    # Nothing is claimable until the short leases run out (a slow machine may already be there).
+    again = claim_ids(store, other)
+    assert set(again) <= set(short)
     time.sleep(PAST_SHORT)
-    # Only the expired half comes back; the live leases are untouched.
-    assert sorted(claim_ids(store, other, lease=LONG)) == sorted(short)
+    again += claim_ids(store, other)
+    # Only the expired half comes back, once; the live leases are untouched.
+    assert sorted(again) == sorted(short)
     assert claim_ids(store, other) == []
     for i in long:
         row = fetch(conn, table, i)
@@ -329,12 +333,12 @@ def test_claim_respects_limit_and_event_type_filter(
 def test_claim_takes_due_rows_oldest_first_and_skips_future_ones(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
-    later = add(conn, 3, table=table, delay=SHORT)
+    later = add(conn, 3, table=table, delay=LONG)
     now = add(conn, 3, table=table)
     assert claim_ids(store, conn, limit=2) == now[:2]
     assert claim_ids(store, conn) == now[2:]
-    time.sleep(PAST_SHORT)
-    assert claim_ids(store, conn) == later
+    assert claim_ids(store, conn) == []
+    assert all(fetch(conn, table, i)["status"] == "pending" for i in later)
 
 
 def test_claim_counts_are_reported(conn: psycopg.Connection[Any], table: str) -> None:

@@ -131,7 +131,10 @@ def test_enqueue_validates_before_touching_the_connection() -> None:
 
 
 def test_enqueue_many_names_the_bad_message() -> None:
-    messages: list[Any] = [event(), {"event_type": "x", "payload": 1, "aggregate_type": "a", "aggregate_id": ""}]
+    messages: list[Any] = [
+        event(),
+        {"event_type": "x", "payload": 1, "aggregate_type": "a", "aggregate_id": ""},
+    ]
     with pytest.raises(ProducerError, match="message 1: aggregate_id must not be empty"):
         enqueue_many(None, messages)  # type: ignore[arg-type]
 

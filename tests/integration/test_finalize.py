@@ -1,0 +1,187 @@
+"""Fenced finalizers: done, retryable, defer, permanent (DESIGN invariants 6, 7, 8)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox_celery import Claimed, Store
+
+from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, fetch
+
+
+def started(conn: psycopg.Connection[Any], store: Store, outbox_id: int, max_attempts: int = 5) -> Claimed:
+    """Claim ``outbox_id`` (the only due row) and start it."""
+    [c] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=max_attempts).claimed
+    assert c.id == outbox_id
+    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=max_attempts) is not None
+    return c
+
+
+@pytest.mark.parametrize("table", ["outbox", "events.Out Box"])
+def test_done_finishes_the_row_for_good(conn: psycopg.Connection[Any], store: Store, table: str) -> None:
+    [i] = add(conn, table=table)
+    c = started(conn, store, i)
+    assert store.done(conn, i, c.lease_version) is True
+    row = fetch(conn, table, i)
+    assert row["status"] == "done"
+    assert row["lease_until"] is None
+    assert row["done_at"] is not None
+    assert row["attempts"] == 1
+    assert claim_ids(store, conn) == []
+    assert store.get_stats()["done"] == 1
+
+
+def test_invariant_6_retryable_keeps_the_attempt_and_backs_off_by_the_database_clock(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    c = started(conn, store, i)
+    status = store.retry(conn, i, c.lease_version, delay=30, error="HTTP 503", max_attempts=5)
+    assert status == "pending"
+    row = fetch(conn, table, i)
+    assert row["status"] == "pending"
+    assert row["attempts"] == 1
+    assert 28 < row["available_in"] <= 30
+    assert row["lease_until"] is None
+    assert row["last_error"] == "HTTP 503"
+    assert claim_ids(store, conn) == []
+    assert store.get_stats()["retried"] == 1
+
+
+def test_invariant_6_retry_delay_is_honored_then_the_next_attempt_counts(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    c = started(conn, store, i)
+    # An HTTP 429 Retry-After, here a short one.
+    assert store.retry(conn, i, c.lease_version, delay=SHORT, error="HTTP 429", max_attempts=5) == "pending"
+    time.sleep(PAST_SHORT)
+    [c2] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+    assert (c2.id, c2.lease_version) == (i, 2)
+    msg = store.start(conn, i, c2.lease_version, lease=LONG, max_attempts=5)
+    assert msg is not None
+    assert msg.attempts == 2
+
+
+def test_invariant_6_retryable_goes_dead_at_max_attempts(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    for attempt in (1, 2):
+        c = started(conn, store, i, max_attempts=3)
+        assert (
+            store.retry(conn, i, c.lease_version, delay=0, error=f"e{attempt}", max_attempts=3) == "pending"
+        )
+        assert fetch(conn, table, i)["attempts"] == attempt
+    c = started(conn, store, i, max_attempts=3)
+    assert store.retry(conn, i, c.lease_version, delay=0, error="HTTP 502", max_attempts=3) == "dead"
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"]) == ("dead", 3)
+    assert row["last_error"].startswith("attempts exhausted (3 of 3)")
+    assert row["last_error"].endswith("HTTP 502")
+    assert row["lease_until"] is None
+    assert claim_ids(store, conn, max_attempts=3) == []
+
+
+def test_invariant_7_defer_refunds_the_attempt_and_waits(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    c = started(conn, store, i)
+    assert fetch(conn, table, i)["attempts"] == 1
+    assert (
+        store.defer(conn, i, c.lease_version, delay=45, reason="payment pending", max_age=3600) == "pending"
+    )
+    row = fetch(conn, table, i)
+    assert row["status"] == "pending"
+    assert row["attempts"] == 0
+    assert 43 < row["available_in"] <= 45
+    assert row["last_error"] == "deferred: payment pending"
+    assert row["lease_until"] is None
+    assert claim_ids(store, conn) == []
+    assert store.get_stats()["deferred"] == 1
+
+
+def test_invariant_7_defers_never_use_up_attempts(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    for _ in range(4):
+        c = started(conn, store, i, max_attempts=2)
+        assert store.defer(conn, i, c.lease_version, delay=0, reason="not yet", max_age=3600) == "pending"
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"], row["lease_version"]) == ("pending", 0, 4)
+
+
+def test_invariant_7_defer_past_max_defer_age_goes_dead(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    c = started(conn, store, i)
+    assert store.defer(conn, i, c.lease_version, delay=120, reason="no stock", max_age=60) == "dead"
+    row = fetch(conn, table, i)
+    assert row["status"] == "dead"
+    assert row["last_error"] == "deferred past max_defer_age: no stock"
+    assert row["lease_until"] is None
+    assert claim_ids(store, conn) == []
+
+
+def test_invariant_7_max_defer_age_counts_from_created_at(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    time.sleep(PAST_SHORT)
+    c = started(conn, store, i)
+    # A zero delay still lands past created_at + max_age: the message is older than that.
+    assert store.defer(conn, i, c.lease_version, delay=0, reason="still no stock", max_age=SHORT) == "dead"
+    assert fetch(conn, table, i)["status"] == "dead"
+
+
+def test_invariant_8_permanent_failure_is_dead_and_never_claimed(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    c = started(conn, store, i)
+    assert store.dead(conn, i, c.lease_version, error="HTTP 400: no such mailbox") is True
+    row = fetch(conn, table, i)
+    assert (row["status"], row["last_error"]) == ("dead", "HTTP 400: no such mailbox")
+    assert row["lease_until"] is None
+    assert store.get_stats()["dead"] == 1
+    [other] = add(conn, table=table)
+    # Later claims (and reaps) take the other row and never the dead one.
+    assert claim_ids(store, conn, lease=SHORT) == [other]
+    time.sleep(PAST_SHORT)
+    assert claim_ids(store, conn, lease=SHORT) == [other]
+    assert fetch(conn, table, i)["status"] == "dead"
+    assert fetch(conn, table, i)["lease_version"] == 1
+
+
+def test_record_error_keeps_the_row_processing_until_its_lease_returns_it(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    [c] = store.claim(conn, limit=1, lease=SHORT, owner="w", max_attempts=5).claimed
+    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=5) is not None
+    assert store.record_error(conn, i, c.lease_version, error="KeyError: 'x'") is True
+    row = fetch(conn, table, i)
+    assert (row["status"], row["last_error"], row["attempts"]) == ("processing", "KeyError: 'x'", 1)
+    time.sleep(PAST_SHORT)
+    assert claim_ids(store, conn) == [i]
+    assert fetch(conn, table, i)["lease_version"] == 2
+
+
+def test_postpone_waits_with_the_attempt_refunded(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    c = started(conn, store, i)
+    assert store.postpone(conn, i, c.lease_version, delay=60, error="no handler for thing.happened") is True
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"]) == ("pending", 0)
+    assert 58 < row["available_in"] <= 60
+    assert row["last_error"] == "no handler for thing.happened"
+    assert claim_ids(store, conn) == []

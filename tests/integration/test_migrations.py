@@ -1,0 +1,287 @@
+"""Schema management: idempotent, versioned, and migrations replayed == schema.sql."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_celery import Store, TableName, _sql, migrate
+from outbox_celery.migrations import MigrationError, applied_versions, available, pending
+from outbox_celery.testing import temporary_database
+
+from .helpers import add, claim_ids
+
+
+def _oid(conn: psycopg.Connection[Any], table: TableName) -> int:
+    row = conn.execute("SELECT to_regclass(%s)::oid", [table.identifier().as_string(conn)]).fetchone()
+    assert row is not None and row[0] is not None, f"{table} does not exist"
+    return int(row[0])
+
+
+def schema_dump(conn: psycopg.Connection[Any], table: str | TableName) -> dict[str, Any]:
+    """Everything PostgreSQL knows about the table's shape, with its own name taken out.
+
+    Columns (order, type, default, nullability, identity), constraints, indexes (as
+    pg_get_indexdef renders them), storage options, the identity sequence, triggers, comments.
+    """
+    t = TableName.parse(table)
+    oid = _oid(conn, t)
+    spellings = conn.execute(
+        "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname), c.oid::regclass::text"
+        " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s",
+        [oid],
+    ).fetchone()
+    assert spellings is not None
+
+    def norm(text: Any) -> Any:
+        if not isinstance(text, str):
+            return text
+        # The table as PostgreSQL prints it (qualified or not), then its bare name inside
+        # derived names (indexes, constraints); quoting differs between names, so drop it.
+        for spelling in (*spellings, t.name):
+            text = text.replace(spelling, "<t>")
+        return text.replace('"', "")
+
+    columns = conn.execute(
+        "SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.attidentity,"
+        " a.attgenerated, pg_get_expr(d.adbin, d.adrelid), a.attcollation::regcollation::text,"
+        " col_description(a.attrelid, a.attnum)"
+        " FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum"
+        " WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
+        [oid],
+    ).fetchall()
+    constraints = conn.execute(
+        "SELECT conname, contype, pg_get_constraintdef(oid), condeferrable, convalidated"
+        " FROM pg_constraint WHERE conrelid = %s",
+        [oid],
+    ).fetchall()
+    indexes = conn.execute(
+        "SELECT c.relname, pg_get_indexdef(i.indexrelid), i.indisunique, i.indisprimary, c.reloptions"
+        " FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = %s",
+        [oid],
+    ).fetchall()
+    table_row = conn.execute(
+        "SELECT relkind, relpersistence, reloptions, relrowsecurity, relreplident,"
+        " obj_description(oid, 'pg_class') FROM pg_class WHERE oid = %s",
+        [oid],
+    ).fetchone()
+    sequence = conn.execute(
+        "SELECT s.seqtypid::regtype::text, s.seqstart, s.seqincrement, s.seqmax, s.seqmin, s.seqcache,"
+        " s.seqcycle FROM pg_sequence s"
+        " WHERE s.seqrelid = pg_get_serial_sequence(%s, 'id')::regclass",
+        [t.identifier().as_string(conn)],
+    ).fetchall()
+    triggers = conn.execute(
+        "SELECT tgname, pg_get_triggerdef(oid) FROM pg_trigger WHERE tgrelid = %s AND NOT tgisinternal",
+        [oid],
+    ).fetchall()
+    return {
+        "columns": [tuple(norm(v) for v in r) for r in columns],
+        "constraints": sorted(tuple(norm(v) for v in r) for r in constraints),
+        "indexes": sorted(tuple(norm(v) for v in r) for r in indexes),
+        "table": table_row,
+        "sequence": sequence,
+        "triggers": sorted(tuple(norm(v) for v in r) for r in triggers),
+    }
+
+
+def test_every_shipped_migration_is_numbered_in_sequence() -> None:
+    versions = [m.version for m in available()]
+    assert versions == list(range(1, len(versions) + 1))
+    assert all(m.text.strip() for m in available())
+
+
+def test_migrate_twice_changes_nothing(conn: psycopg.Connection[Any], table: str) -> None:
+    # The `conn` fixture migrated once already.
+    everything = [m.version for m in available()]
+    assert applied_versions(conn, table) == everything
+    assert pending(conn, table) == []
+    before = schema_dump(conn, table)
+    ledger = conn.execute("SELECT * FROM outbox_celery_migrations ORDER BY version").fetchall()
+    assert migrate(conn, table) == []
+    assert migrate(conn, table, fresh_schema=False) == []
+    assert schema_dump(conn, table) == before
+    assert conn.execute("SELECT * FROM outbox_celery_migrations ORDER BY version").fetchall() == ledger
+
+
+def test_a_fresh_install_records_every_version(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        assert applied_versions(c, "outbox") == []
+        assert [m.version for m in pending(c, "outbox")] == [m.version for m in available()]
+        assert migrate(c, "outbox") == [m.version for m in available()]
+        names = c.execute("SELECT version, name FROM outbox_celery_migrations ORDER BY version").fetchall()
+        assert names == [(m.version, m.name) for m in available()]
+
+
+@pytest.mark.parametrize("table", ["events.outbox", "Out Box", "My Schema.Out Box", "select"])
+def test_odd_and_schema_qualified_names_migrate_and_work(conn: psycopg.Connection[Any], table: str) -> None:
+    t = TableName.parse(table)
+    assert applied_versions(conn, table) == [m.version for m in available()]
+    indexes = {
+        r[0]
+        for r in conn.execute(
+            "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+            " WHERE i.indrelid = to_regclass(%s)",
+            [t.identifier().as_string(conn)],
+        ).fetchall()
+    }
+    assert indexes == {t.name + s for s in ("_pkey", *_sql.INDEX_SUFFIXES.values())}
+    if t.schema:
+        # The ledger lives next to the table, and nothing leaked into public.
+        assert conn.execute(
+            "SELECT to_regclass(%s) IS NOT NULL",
+            [sql.Identifier(t.schema, "outbox_celery_migrations").as_string(conn)],
+        ).fetchone() == (True,)
+        assert conn.execute("SELECT to_regclass('public.outbox_celery_migrations')").fetchone() == (None,)
+    store = Store(table)
+    ids = add(conn, 3, table=table)
+    assert claim_ids(store, conn) == ids
+    assert migrate(conn, table) == []
+
+
+def test_tables_of_the_same_name_in_different_schemas_are_migrated_separately(
+    conn: psycopg.Connection[Any],
+) -> None:
+    everything = [m.version for m in available()]
+    assert migrate(conn, "events.outbox") == everything
+    assert migrate(conn, "archive.outbox") == everything
+    assert migrate(conn, "events.other") == everything
+    assert migrate(conn, "Outbox") == everything  # quoted: not the same as outbox
+    [i] = add(conn, table="events.outbox")
+    assert claim_ids(Store("outbox"), conn) == []
+    assert claim_ids(Store("archive.outbox"), conn) == []
+    assert claim_ids(Store("events.outbox"), conn) == [i]
+
+
+def test_a_pre_existing_unrecorded_table_is_refused(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE outbox (id bigint PRIMARY KEY, body text)")
+        with pytest.raises(MigrationError, match="no recorded outbox-celery migrations"):
+            migrate(c, "outbox")
+        # Nothing was done: not even the ledger stayed behind, and the table is untouched.
+        assert c.execute("SELECT to_regclass('outbox_celery_migrations')").fetchone() == (None,)
+        columns = c.execute(
+            "SELECT attname FROM pg_attribute"
+            " WHERE attrelid = 'outbox'::regclass AND attnum > 0 ORDER BY attnum"
+        ).fetchall()
+        assert columns == [("id",), ("body",)]
+
+
+def test_concurrent_migrators_apply_each_version_once(dsn: str) -> None:
+    results: list[list[int]] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(3)
+
+    def run() -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True) as c:
+                barrier.wait(10)
+                results.append(migrate(c, "events.outbox"))
+        except BaseException as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert sorted(results) == [[], [], [m.version for m in available()]]
+
+
+# -- replaying every migration gives exactly schema.sql ------------------------------------
+
+
+def _replay_up_to(conn: psycopg.Connection[Any], table: str, version: int) -> None:
+    """Build ``table`` as an old release did: migrations up to ``version``, recorded."""
+    t = TableName.parse(table)
+    migrate(conn, f"{t.schema}.scratch" if t.schema else "scratch")  # creates the ledger
+    ledger = (
+        sql.Identifier(t.schema, "outbox_celery_migrations")
+        if t.schema
+        else sql.Identifier("outbox_celery_migrations")
+    )
+    with conn.transaction():
+        for m in available():
+            if m.version <= version:
+                conn.execute(_sql.compose(m.text, t))
+                conn.execute(
+                    sql.SQL("INSERT INTO {} (table_name, version, name) VALUES (%s, %s, %s)").format(ledger),
+                    [t.name, m.version, m.name],
+                )
+
+
+PAIRS = [
+    # (fresh install, replayed), in two different databases
+    ("outbox", "outbox", True),
+    ("events.Fresh Box", "other.replayed_box", True),
+    # ... and side by side in one database
+    ("outbox", "Replayed Box", False),
+]
+
+
+@pytest.mark.parametrize(("fresh", "replayed", "two_databases"), PAIRS)
+def test_applying_every_migration_in_order_yields_exactly_the_fresh_schema(
+    dsn: str, server_dsn: str, fresh: str, replayed: str, two_databases: bool
+) -> None:
+    with psycopg.connect(dsn, autocommit=True) as c1:
+        assert migrate(c1, fresh) == [m.version for m in available()]
+        expected = schema_dump(c1, fresh)
+        if two_databases:
+            with temporary_database(server_dsn) as other, psycopg.connect(other, autocommit=True) as c2:
+                assert migrate(c2, replayed, fresh_schema=False) == [m.version for m in available()]
+                got = schema_dump(c2, replayed)
+        else:
+            assert migrate(c1, replayed, fresh_schema=False) == [m.version for m in available()]
+            got = schema_dump(c1, replayed)
+    assert got == expected
+    assert len(expected["indexes"]) == 1 + len(_sql.INDEX_SUFFIXES)
+    assert expected["table"][2], "autovacuum settings missing"
+
+
+@pytest.mark.parametrize("version", [m.version for m in available()][:-1] or [0])
+def test_upgrading_from_an_older_release_yields_exactly_the_fresh_schema(
+    conn: psycopg.Connection[Any], table: str, version: int
+) -> None:
+    _replay_up_to(conn, "events.upgraded", version)
+    assert applied_versions(conn, "events.upgraded") == list(range(1, version + 1))
+    assert migrate(conn, "events.upgraded") == [m.version for m in available() if m.version > version]
+    assert schema_dump(conn, "events.upgraded") == schema_dump(conn, table)
+
+
+MUTATIONS: list[tuple[str, str]] = [
+    ("drop index", "DROP INDEX {schema}.{pending_idx}"),
+    ("other default", "ALTER TABLE {table} ALTER COLUMN attempts SET DEFAULT 1"),
+    ("nullable", "ALTER TABLE {table} ALTER COLUMN ordering_key SET NOT NULL"),
+    ("other type", "ALTER TABLE {table} ALTER COLUMN lease_owner TYPE varchar(100)"),
+    ("storage option", "ALTER TABLE {table} RESET (autovacuum_vacuum_threshold)"),
+    ("constraint", "ALTER TABLE {table} DROP CONSTRAINT {check}"),
+    (
+        "index predicate",
+        "DROP INDEX {schema}.{pending_idx}; CREATE INDEX {pending_idx} ON {table} (available_at, id)",
+    ),
+    ("extra column", "ALTER TABLE {table} ADD COLUMN extra int"),
+]
+
+
+@pytest.mark.parametrize(("what", "ddl"), MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_the_schema_comparison_notices_a_difference(
+    conn: psycopg.Connection[Any], table: str, what: str, ddl: str
+) -> None:
+    # Guards the guard: if schema_dump missed such a change, the test above would prove nothing.
+    migrate(conn, "events.twin", fresh_schema=False)
+    assert schema_dump(conn, "events.twin") == schema_dump(conn, table)
+    twin = TableName.parse("events.twin")
+    conn.execute(
+        sql.SQL(ddl).format(
+            table=twin.identifier(),
+            schema=sql.Identifier("events"),
+            pending_idx=twin.index_name("_pending_idx"),
+            check=sql.Identifier("twin_attempts_check"),
+        )
+    )
+    assert schema_dump(conn, "events.twin") != schema_dump(conn, table), what

@@ -1,0 +1,173 @@
+"""EXPLAIN regression on the hot queries: claim cost must stay flat as history grows.
+
+A table with 50k finished rows, an ordered backlog (20k messages over 5k keys) and a little
+unordered and expired work must be claimed, started and finalized through indexes: a
+sequential scan of the outbox table in any of these plans is a regression.
+
+Two plans are checked per query: the custom plan (parameters known), and the plan a prepared
+statement settles on, since psycopg prepares a query after a few executions and PostgreSQL then
+weighs a generic plan against the custom ones. That second plan is taken from the plan cache
+after six executions rather than forced with ``plan_cache_mode = force_generic_plan``: a forced
+generic claim guesses its LIMIT at 10% of the due rows and may hash-join through a sequential
+scan, a plan PostgreSQL only adopts when its estimated cost is below the custom plans' (a small
+table), and which is not what runs here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_celery import Store, migrate
+from outbox_celery.testing import temporary_database
+
+TABLE = "events.Out Box"
+
+LOAD = """
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, status, done_at, attempts,
+                     lease_version, ordering_key, created_at, available_at)
+SELECT 'e', 'a', g::text, '{{"n": 1}}', 'done', now() - make_interval(secs => g), 1, 1,
+       CASE WHEN g % 4 = 0 THEN 'key' || (g % 500) END, now() - interval '2 days',
+       now() - interval '2 days'
+FROM generate_series(1, 50000) AS g;
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload)
+SELECT 'e', 'a', g::text, '{{}}' FROM generate_series(1, 200) AS g;
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key)
+SELECT 'e', 'a', g::text, '{{}}', 'key' || (g % 5000) FROM generate_series(1, 20000) AS g;
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, status, lease_until,
+                     lease_version, attempts)
+SELECT 'e', 'a', g::text, '{{}}', 'processing', now() - interval '1 minute', 1, g % 3
+FROM generate_series(1, 30) AS g;
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, status, last_error)
+SELECT 'e', 'a', g::text, '{{}}', 'dead', 'x' FROM generate_series(1, 30) AS g;
+"""
+
+# A live row for the by-id queries: one of the 200 pending ones after the 50k done rows.
+LIVE_ID = 50_100
+PARAMS: dict[str, Any] = {
+    "lease": 60.0,
+    "owner": "worker-1",
+    "max_attempts": 12,
+    "event_types": None,
+    "limit": 200,
+    "id": LIVE_ID,
+    "version": 1,
+    "delay": 1.5,
+    "error": "HTTP 503",
+    "reason": "not yet",
+    "max_age": 604800.0,
+    "seconds": 30.0,
+    "ids": [LIVE_ID, LIVE_ID + 1],
+    "versions": [1, 1],
+    "commit_mode": None,
+    "window": 60.0,
+    "cap": 1000,
+}
+
+HOT = [
+    "claim_pending",
+    "claim_expired",
+    "claim_heads",
+    "reap",
+    "start",
+    "start_exhausted",
+    "finish_done",
+    "finish_retry",
+    "finish_defer",
+    "finish_dead",
+    "record_error",
+    "postpone",
+    "extend_lease",
+    "release",
+    "count_in_flight",
+]
+
+
+@pytest.fixture(scope="module")
+def history(server_dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """A database whose outbox holds a long history and a backlog, analyzed."""
+    with (
+        temporary_database(server_dsn, prefix="outbox_plans") as db,
+        psycopg.connect(db, autocommit=True) as c,
+    ):
+        c.prepare_threshold = None  # our own PREPAREs only
+        migrate(c, TABLE)
+        store = Store(TABLE)
+        c.execute(sql.SQL(LOAD).format(table=store.table.identifier()))
+        c.execute(sql.SQL("ANALYZE {}").format(store.table.identifier()))
+        yield c
+
+
+def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _nodes(child)
+
+
+def _scans(explain: Any) -> list[tuple[str, str | None]]:
+    """(node type, index name) of every node that reads the outbox table."""
+    [top] = explain
+    name = Store(TABLE).table.name
+    return [
+        (n["Node Type"], n.get("Index Name"))
+        for n in _nodes(top["Plan"])
+        if n.get("Relation Name") == name and n["Node Type"] != "ModifyTable"
+    ]
+
+
+def _custom_plan(conn: psycopg.Connection[Any], query: sql.Composed) -> Any:
+    row = conn.execute(sql.SQL("EXPLAIN (FORMAT JSON) ") + query, PARAMS).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def _prepared_plan(conn: psycopg.Connection[Any], name: str, query: sql.Composed) -> Any:
+    # PREPARE needs $n placeholders; the named parameters become positional in first-use order.
+    order: list[str] = []
+
+    def positional(m: re.Match[str]) -> str:
+        if m.group(1) not in order:
+            order.append(m.group(1))
+        return f"${order.index(m.group(1)) + 1}"
+
+    text = re.sub(r"%\((\w+)\)s", positional, query.as_string(conn))
+    statement = sql.Identifier(f"plan_{name}")
+    conn.execute(sql.SQL("PREPARE {} AS ").format(statement) + sql.SQL(text))  # type: ignore[arg-type]
+    explain = sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE {}").format(statement)
+    if order:
+        explain += sql.SQL("({})").format(sql.SQL(", ").join(sql.Literal(PARAMS[n]) for n in order))
+    try:
+        # Five custom plans, then PostgreSQL prices the generic plan and keeps the cheaper.
+        for _ in range(6):
+            conn.execute(explain)
+        row = conn.execute(explain).fetchone()
+    finally:
+        conn.execute(sql.SQL("DEALLOCATE {}").format(statement))
+    assert row is not None
+    return row[0]
+
+
+@pytest.mark.parametrize("plan", ["custom", "prepared"])
+@pytest.mark.parametrize("name", HOT)
+def test_hot_queries_never_scan_the_whole_outbox_table(
+    history: psycopg.Connection[Any], name: str, plan: str
+) -> None:
+    query = Store(TABLE)._q[name]
+    explain = _custom_plan(history, query) if plan == "custom" else _prepared_plan(history, name, query)
+    scans = _scans(explain)
+    assert scans, f"{name}: the plan does not read the outbox table at all?"
+    assert all(node != "Seq Scan" for node, _ in scans), f"{name} ({plan} plan): {scans}"
+    assert any(index is not None for _, index in scans), f"{name} ({plan} plan): {scans}"
+
+
+def test_claim_heads_walks_the_ordered_index_instead_of_reading_every_key(
+    history: psycopg.Connection[Any],
+) -> None:
+    scans = _scans(_custom_plan(history, Store(TABLE)._q["claim_heads"]))
+    ordered_idx = Store(TABLE).table.name + "_ordered_idx"
+    assert [index for _, index in scans].count(ordered_idx) >= 2, scans
