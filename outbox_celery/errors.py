@@ -27,13 +27,17 @@ __all__ = [
 ]
 
 
+# make_interval() overflows silently on PostgreSQL 15 for absurd values; nothing real waits this long.
+MAX_DELAY_SECONDS = 100 * 365 * 86400.0
+
+
 def _seconds(delay: float | timedelta | None, *, name: str) -> float | None:
     if delay is None:
         return None
     seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
     # NaN, infinity (no interval can hold it: the finalize would fail in PostgreSQL) or negative
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{name} must be a non-negative, finite number of seconds, got {delay!r}")
+    if not math.isfinite(seconds) or seconds < 0 or seconds > MAX_DELAY_SECONDS:
+        raise ValueError(f"{name} must be a finite number of seconds between 0 and 100 years, got {delay!r}")
     return seconds
 
 

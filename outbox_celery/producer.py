@@ -20,7 +20,7 @@ import psycopg
 from psycopg import pq
 
 from .config import TableName
-from .errors import ProducerError
+from .errors import MAX_DELAY_SECONDS, ProducerError
 from .store import Store
 
 __all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "Event", "enqueue", "enqueue_many"]
@@ -93,8 +93,9 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
         or not isinstance(seconds, int | float)
         or not math.isfinite(seconds)
         or seconds < 0
+        or seconds > MAX_DELAY_SECONDS
     ):
-        raise ProducerError(f"delay must be a non-negative number of seconds, got {delay!r}")
+        raise ProducerError(f"delay must be a number of seconds between 0 and 100 years, got {delay!r}")
     key: str | None = None
     if event.ordering_key is not None:
         key = _text(event.ordering_key, "ordering_key", 2 * MAX_AGGREGATE_LENGTH + 1)

@@ -169,7 +169,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"aggregate_type": "a" * 201}, "aggregate_type is 201 characters"),
     ({"aggregate_id": ""}, "aggregate_id must not be empty"),
     ({"aggregate_id": "9" * 201}, "aggregate_id is 201 characters"),
-    ({"delay": -1}, "delay must be a non-negative"),
+    ({"delay": -1}, "delay must be a number of seconds between 0"),
 ]
 
 

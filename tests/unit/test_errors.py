@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,7 @@ from outbox_celery import (
     ProducerError,
     RetryableError,
 )
+from outbox_celery.errors import MAX_DELAY_SECONDS
 from outbox_celery.migrations import MigrationError
 
 
@@ -84,3 +86,11 @@ def test_defer_refuses_a_negative_or_non_finite_delay(delay: float | timedelta) 
 def test_defer_requires_a_delay() -> None:
     with pytest.raises(TypeError):
         Defer()  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("cls", [lambda d: RetryableError("x", delay=d), lambda d: Defer(d)])
+def test_absurd_delays_are_refused_before_postgresql_overflows(cls: Any) -> None:
+    # make_interval(secs => 1e15) silently wraps negative on PostgreSQL 15: a row would be due now.
+    with pytest.raises(ValueError, match="100 years"):
+        cls(1e15)
+    cls(MAX_DELAY_SECONDS)
