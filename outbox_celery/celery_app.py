@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 import psycopg
@@ -32,6 +32,45 @@ F = TypeVar("F", bound=Handler)
 # Pools inherited across fork() are never touched (closing them would talk on the parent's
 # sockets) nor garbage collected (their finalizer would wait on threads that did not survive).
 _ORPHANED_POOLS: list[ConnectionPool[Any]] = []
+
+
+def _loaded_conf(app: Celery) -> Any:
+    """``app.conf``, loaded: a pending configuration only shows what was set before loading."""
+    if not getattr(app, "configured", True):
+        with suppress(KeyError):
+            app.conf["broker_url"]  # reading any key loads the configuration
+    return app.conf
+
+
+def _user_set(conf: Any, key: str) -> bool:
+    """Whether ``key`` was set by the user, not just left at Celery's default."""
+    maps = getattr(conf, "maps", None)
+    if not maps:
+        return key in conf
+    to_keys = getattr(conf, "_to_keys", None)
+    keys = to_keys(key) if callable(to_keys) else (key,)
+    # The last map holds Celery's defaults; the others are what the app was configured with.
+    return any(k in m for m in maps[:-1] for k in keys)
+
+
+def _is_redis(url: Any) -> bool:
+    return str(url or "").startswith(("redis", "rediss", "sentinel"))
+
+
+def _routers(routes: Any) -> tuple[Any, ...]:
+    """``task_routes`` as a tuple of routers (it may be one router or a sequence of them)."""
+    if routes is None:
+        return ()
+    if isinstance(routes, list | tuple):
+        return tuple(routes)
+    return (routes,)
+
+
+# Pools where Celery cannot enforce task time limits (gevent enforces them at the handler's next
+# cooperative switch).
+_POOLS_WITHOUT_TIME_LIMITS = ("solo", "threads", "thread", "eventlet")
+# Pools whose tasks run concurrently in one process, sharing its connection pool.
+_POOLS_SHARING_ONE_PROCESS = ("threads", "thread", "gevent", "eventlet")
 
 
 class Outbox:
@@ -72,7 +111,10 @@ class Outbox:
         if getattr(app, "configured", False):
             self._configure_app()
         else:
-            app.on_after_configure.connect(self._on_after_configure, weak=False)
+            # Not on_after_configure: Celery's signals swallow a receiver's exceptions, so a bad
+            # setting would leave beat without a claim entry. Pending defaults run inside the
+            # configuration load and their errors reach whoever loads it (worker, beat, caller).
+            app.add_defaults(self._configure_hook)
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -80,7 +122,7 @@ class Outbox:
     def config(self) -> OutboxConfig:
         """The resolved settings (keyword arguments > Celery ``outbox_*`` > defaults)."""
         if self._config is None:
-            self._config = OutboxConfig.from_mapping(self.app.conf, **self._settings)
+            self._config = OutboxConfig.from_mapping(_loaded_conf(self.app), **self._settings)
         return self._config
 
     @property
@@ -133,17 +175,28 @@ class Outbox:
         names += [s.queue for s in self._handlers.values() if s.queue]
         return list(dict.fromkeys(names))
 
-    def _on_after_configure(self, sender: Any = None, **kwargs: Any) -> None:
+    def _configure_hook(self) -> dict[str, Any]:
         self._configure_app()
+        return {}
 
     def _configure_app(self) -> None:
         cfg = self.config
         conf = self.app.conf
+        # Manual calls (``outbox.deliver_task.delay(...)``, ``claim_task.delay()``) land on the
+        # outbox's queues too; the user's own task_routes are consulted first.
+        conf.task_routes = (
+            *_routers(conf.task_routes),
+            {
+                f"{self.name}.claim": {"queue": cfg.claim_queue},
+                f"{self.name}.purge": {"queue": cfg.claim_queue},
+                f"{self.name}.deliver": {"queue": cfg.default_queue},
+            },
+        )
         schedule = dict(conf.beat_schedule or {})
         schedule.setdefault(
             f"{self.name}-claim",
             {
-                "task": self.claim_task.name,
+                "task": f"{self.name}.claim",
                 "schedule": cfg.claim_interval,
                 # A stalled beat or worker must not pile claims up: each expires after one tick.
                 "options": {"queue": cfg.claim_queue, "expires": cfg.claim_interval},
@@ -153,7 +206,7 @@ class Outbox:
             schedule.setdefault(
                 f"{self.name}-purge",
                 {
-                    "task": self.purge_task.name,
+                    "task": f"{self.name}.purge",
                     "schedule": min(600.0, max(60.0, cfg.retention / 10)),
                     "options": {"queue": cfg.claim_queue, "expires": 60.0},
                 },
@@ -161,19 +214,39 @@ class Outbox:
         conf.beat_schedule = schedule
         if not cfg.configure_celery:
             return
-        changes: dict[str, Any] = conf.changes or {}
-        if "worker_prefetch_multiplier" not in changes:
+        applied = []
+        if not _user_set(conf, "worker_prefetch_multiplier"):
             # Reserved-but-unstarted deliveries sit in a worker while their lease runs.
             conf.worker_prefetch_multiplier = 1
-        if str(conf.broker_url or "").startswith(("redis", "rediss")):
+            applied.append("worker_prefetch_multiplier=1")
+        if _is_redis(conf.broker_url):
             options = dict(conf.broker_transport_options or {})
             if "visibility_timeout" not in options:
                 # Redis redelivers unacked (acks_late) messages after this; it must exceed the lease.
                 options["visibility_timeout"] = max(3600.0, cfg.lease * 4)
                 conf.broker_transport_options = options
+                applied.append(
+                    f"broker_transport_options.visibility_timeout={options['visibility_timeout']:g}"
+                )
+        if applied:
+            logger.debug("outbox applied Celery settings: %s", ", ".join(applied))
 
-    def check_worker_settings(self) -> list[str]:
-        """Return warnings for Celery settings that work against the outbox (and log them)."""
+    def check_worker_settings(
+        self,
+        *,
+        pool: str | None = None,
+        concurrency: int | None = None,
+        queues: Collection[str] | None = None,
+    ) -> list[str]:
+        """Return warnings for Celery settings that work against the outbox (and log them).
+
+        Run by every worker at start-up (``worker_init``) with its pool, concurrency and queues.
+
+        :param pool: the worker's pool (``prefork``, ``solo``, ``threads``, ``gevent``...).
+        :param concurrency: the worker's concurrency.
+        :param queues: the queues the worker consumes; the pool checks only concern workers that
+            consume a delivery queue (not, say, a solo worker on the claim queue alone).
+        """
         cfg = self.config
         conf = self.app.conf
         problems = []
@@ -182,7 +255,7 @@ class Outbox:
                 f"worker_prefetch_multiplier={conf.worker_prefetch_multiplier}: reserved deliveries "
                 "wait in the worker while their lease runs; use 1"
             )
-        if str(conf.broker_url or "").startswith(("redis", "rediss")):
+        if _is_redis(conf.broker_url):
             vt = (conf.broker_transport_options or {}).get("visibility_timeout", 3600)
             if vt <= cfg.lease:
                 problems.append(
@@ -193,6 +266,38 @@ class Outbox:
             problems.append(
                 f"task_time_limit={conf.task_time_limit}s is not below the lease ({cfg.lease}s); "
                 "outbox deliveries use their own limit below the lease"
+            )
+        kind = (pool or "").split(":", 1)[0].rsplit(".", 1)[-1].lower()
+        delivery_queues = {cfg.default_queue, *(s.queue for s in self._handlers.values() if s.queue)}
+        delivers = queues is None or bool(set(queues) & delivery_queues)
+        if delivers and kind in _POOLS_WITHOUT_TIME_LIMITS:
+            problems.append(
+                f"the {kind} pool does not enforce task time limits: a handler may outlive its "
+                f"lease ({cfg.lease}s), be delivered again elsewhere, and its own finalize is then "
+                "fenced off (lost lease); keep handlers well below the lease or extend it"
+            )
+        if delivers and kind == "solo" and str(conf.broker_url or "").startswith(("amqp", "pyamqp")):
+            problems.append(
+                "the solo pool on RabbitMQ can sit idle for seconds between late-acked messages "
+                "(seen with Celery 5.7), so deliveries may expire before they start; use prefork "
+                "for delivery queues (a solo worker on the claim queue alone is fine)"
+            )
+        if delivers and kind == "solo" and concurrency and concurrency > 1:
+            problems.append(
+                f"the solo pool runs one task at a time but prefetches concurrency ({concurrency}) "
+                "x worker_prefetch_multiplier messages: deliveries wait behind the running one "
+                "while their leases run (and RabbitMQ hands them to this worker, not an idle "
+                "one); start it with -c 1"
+            )
+        if (
+            delivers
+            and kind in _POOLS_SHARING_ONE_PROCESS
+            and concurrency
+            and concurrency > cfg.pool_max_size
+        ):
+            problems.append(
+                f"pool_max_size={cfg.pool_max_size} is below the {kind} pool's concurrency "
+                f"({concurrency}): its tasks share one connection pool and would wait for it"
             )
         for p in problems:
             logger.warning("outbox settings: %s", p)
@@ -249,8 +354,17 @@ class Outbox:
     def _on_shutdown(self, **kwargs: Any) -> None:
         self.close()
 
-    def _on_worker_init(self, **kwargs: Any) -> None:
-        self.check_worker_settings()
+    def _on_worker_init(self, sender: Any = None, **kwargs: Any) -> None:
+        if getattr(sender, "app", self.app) is not self.app:
+            return  # another app's worker in this process
+        pool_cls = getattr(sender, "pool_cls", None)
+        pool = pool_cls if isinstance(pool_cls, str) else getattr(pool_cls, "__module__", None)
+        queues: list[str] | None = None
+        with suppress(Exception):  # best effort: only narrows which checks apply
+            queues = list(self.app.amqp.queues.consume_from or {})
+        self.check_worker_settings(
+            pool=pool, concurrency=getattr(sender, "concurrency", None), queues=queues or None
+        )
 
     def _connect_signals(self) -> None:
         signals.worker_process_init.connect(self._after_fork, weak=False)
@@ -264,7 +378,9 @@ class Outbox:
     def _register_tasks(self) -> None:
         outbox = self
 
-        @self.app.task(name=f"{self.name}.claim", ignore_result=True, acks_late=False)
+        # shared=False: these tasks close over this Outbox; they must not be copied into every
+        # other app created in the process (Celery's default for decorated tasks).
+        @self.app.task(name=f"{self.name}.claim", ignore_result=True, acks_late=False, shared=False)
         def claim() -> dict[str, Any]:
             """Reap, claim and publish (triggered by beat every ``claim_interval``)."""
             return outbox.claim().as_dict()
@@ -276,12 +392,13 @@ class Outbox:
             # A lost worker acks its message: the row comes back through its lease, fenced.
             reject_on_worker_lost=False,
             max_retries=0,
+            shared=False,
         )
         def deliver(outbox_id: int, lease_version: int) -> str:
             """Deliver one outbox row (fenced start, handler, fenced finalize)."""
             return outbox.dispatcher.deliver(int(outbox_id), int(lease_version))
 
-        @self.app.task(name=f"{self.name}.purge", ignore_result=True)
+        @self.app.task(name=f"{self.name}.purge", ignore_result=True, shared=False)
         def purge() -> int:
             """Delete ``done`` rows older than ``retention`` in bounded batches."""
             return outbox.purge()
@@ -301,6 +418,14 @@ class Outbox:
         """
         cfg = self.config
         sent = 0
+        # Hard limit below the lease; the soft one lets the handler see SoftTimeLimitExceeded
+        # (recorded in last_error) shortly before.
+        # Celery takes fractional seconds here (the stubs say int): short leases need them.
+        hard_limit = round(cfg.task_time_limit, 3)
+        limits: dict[str, Any] = {
+            "time_limit": hard_limit,
+            "soft_time_limit": round(max(hard_limit * 0.9, hard_limit - 1.0), 3),
+        }
         retry_policy = {
             "max_retries": 1,
             "interval_start": 0.0,
@@ -315,8 +440,7 @@ class Outbox:
                         task_id=self.task_id(c),
                         queue=self.queue_for(c.event_type),
                         expires=c.lease_until,
-                        time_limit=int(cfg.task_time_limit),
-                        soft_time_limit=max(1, int(cfg.task_time_limit) - 1),
+                        **limits,
                         shadow=f"{self.name}.deliver[{c.event_type}]",
                         headers={"outbox_event_type": c.event_type},
                         producer=producer,

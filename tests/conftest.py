@@ -41,9 +41,11 @@ def server_dsn() -> Iterator[str]:
     if configured:
         yield configured
         return
-    with tempfile.TemporaryDirectory(prefix="outbox-pg-") as tmp:
-        with embedded_postgres(Path(tmp) / "data") as dsn:
-            yield dsn
+    with (
+        tempfile.TemporaryDirectory(prefix="outbox-pg-") as tmp,
+        embedded_postgres(Path(tmp) / "data") as dsn,
+    ):
+        yield dsn
 
 
 @pytest.fixture

@@ -1,0 +1,265 @@
+"""The Celery app the acceptance tests run in real workers, and its scripted handler.
+
+A test describes the app with an :class:`AppSpec` (DSN, broker, outbox settings, event type ->
+queue routes, extra Celery settings); :meth:`AppSpec.env` turns it into the environment of a
+``celery -A support.worker_app`` subprocess, which rebuilds the same app with
+:func:`build_app`. The test process can build the very same app in-process (to publish by hand,
+run a claim, inspect routing).
+
+Every handler is :func:`scripted`: what it does is written in the message's payload, so one
+worker serves every situation a test needs::
+
+    {"mode": "ok"}                          return (delivered)
+    {"mode": "retry", "times": 2}           RetryableError on attempts 1-2, then ok
+    {"mode": "retry", "delay": 3600}        RetryableError(delay=3600) on every attempt
+    {"mode": "permanent"}                   PermanentError
+    {"mode": "defer", "delay": 3600}        Defer(3600)
+    {"mode": "error"}                       an unclassified RuntimeError
+    {"mode": "kill", "times": 1}            SIGKILL its own process on attempt 1, then ok
+    {"mode": "sleep", "seconds": 0.5}       sleep, then ok
+    {"mode": "stall"}                       on attempt 1, wait until another run finished the
+                                            row under a newer lease, then return (a late,
+                                            fenced finalize)
+    {"mode": "extend", "seconds": 30}       extend its own lease, record whether it won
+
+Each run inserts a row into ``handler_calls`` before acting (so a run that kills its process is
+still seen) and stamps ``finished_at``/``result`` when it returns or raises. Celery's
+``task_retry`` and ``task_failure`` signals are recorded into ``celery_signals`` by the worker
+module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psycopg
+from celery import Celery, current_task
+from psycopg import sql
+
+from outbox_celery import Defer, Message, PermanentError, RetryableError, TableName
+from outbox_celery.celery_app import Outbox
+
+ENV_VAR = "OUTBOX_TEST_APP"
+
+CALLS_DDL = """
+CREATE TABLE IF NOT EXISTS handler_calls (
+    n             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    outbox_id     bigint      NOT NULL,
+    event_type    text        NOT NULL,
+    attempts      integer     NOT NULL,
+    lease_version bigint      NOT NULL,
+    idempotency_key text      NOT NULL,
+    pid           integer     NOT NULL,
+    hostname      text,
+    routing_key   text,
+    in_flight     integer,
+    started_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    finished_at   timestamptz,
+    result        text
+);
+CREATE TABLE IF NOT EXISTS celery_signals (
+    n         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    signal    text        NOT NULL,
+    task_name text,
+    task_id   text,
+    pid       integer     NOT NULL,
+    detail    text,
+    at        timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+"""
+
+# How long a "stall" handler waits for the newer run before giving up (a test bound, not a
+# behaviour under test).
+STALL_LIMIT = 60.0
+
+
+@dataclass
+class AppSpec:
+    """Everything the test app is built from; travels to workers as JSON in ``OUTBOX_TEST_APP``.
+
+    :ivar dsn: the test database.
+    :ivar broker_url: the Celery broker.
+    :ivar outbox: keyword arguments of :class:`~outbox_celery.celery_app.Outbox`
+        (``lease``, ``claim_interval``, ``claim_queue``...).
+    :ivar routes: event type -> queue (``None``: the outbox's default queue); one scripted
+        handler is registered per event type.
+    :ivar celery: extra Celery settings, loaded with ``config_from_object`` as a user would.
+    :ivar via_celery_conf: give the outbox settings as ``outbox_*`` Celery settings instead of
+        keyword arguments.
+    """
+
+    dsn: str
+    broker_url: str
+    outbox: dict[str, Any] = field(default_factory=dict)
+    routes: dict[str, str | None] = field(default_factory=dict)
+    celery: dict[str, Any] = field(default_factory=dict)
+    via_celery_conf: bool = False
+
+    def to_json(self) -> str:
+        """The spec as JSON."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> AppSpec:
+        """Inverse of :meth:`to_json`."""
+        return cls(**json.loads(text))
+
+    @classmethod
+    def from_env(cls) -> AppSpec:
+        """The spec a test put in this process's environment."""
+        text = os.environ.get(ENV_VAR)
+        if not text:
+            raise RuntimeError(f"{ENV_VAR} is not set: this module is started by the acceptance tests")
+        return cls.from_json(text)
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that carry this spec to a worker or beat process."""
+        return {ENV_VAR: self.to_json()}
+
+    @property
+    def table(self) -> str:
+        """The outbox table of this app."""
+        return str(self.outbox.get("table", "outbox"))
+
+
+def build_app(spec: AppSpec) -> tuple[Celery, Outbox]:
+    """A Celery app and its outbox, configured the way a user's project module would be."""
+    app = Celery("outbox_acceptance", broker=spec.broker_url, set_as_current=False)
+    conf: dict[str, Any] = {
+        "broker_connection_retry_on_startup": True,
+        "worker_hijack_root_logger": True,
+        # No remote control (pidbox) traffic between the tests' workers; it also keeps a solo
+        # worker on RabbitMQ from stalling at "Stopping Control" during warm shutdown.
+        "worker_enable_remote_control": False,
+        "task_default_queue": f"{spec.outbox.get('default_queue', 'outbox')}.celery",
+        **spec.celery,
+    }
+    if spec.via_celery_conf:
+        conf.update({f"outbox_{k}": v for k, v in spec.outbox.items()})
+        app.config_from_object(conf)
+        outbox = Outbox(app, dsn=spec.dsn)
+    else:
+        app.config_from_object(conf)
+        outbox = Outbox(app, dsn=spec.dsn, **spec.outbox)
+    for event_type, queue in spec.routes.items():
+        outbox.handler(event_type, queue=queue)(scripted(outbox))
+    return app, outbox
+
+
+def create_tables(conn: psycopg.Connection[Any]) -> None:
+    """Create ``handler_calls`` and ``celery_signals`` (before any worker starts)."""
+    conn.execute(CALLS_DDL)
+
+
+def scripted(outbox: Outbox) -> Any:
+    """The handler every test event type uses: it does what its payload says."""
+
+    def handler(message: Message) -> None:
+        payload = message.payload if isinstance(message.payload, dict) else {}
+        mode = str(payload.get("mode", "ok"))
+        times = payload.get("times")
+        active = times is None or message.attempts <= int(times)
+        call = _record_start(outbox, message)
+        try:
+            result = _act(outbox, message, mode if active else "ok", payload)
+        except BaseException as exc:
+            _record_end(outbox, call, f"raised {type(exc).__name__}")
+            raise
+        _record_end(outbox, call, result)
+
+    handler.__name__ = "scripted_handler"
+    return handler
+
+
+def _act(outbox: Outbox, message: Message, mode: str, payload: dict[str, Any]) -> str:
+    if mode == "ok":
+        return "ok"
+    if mode == "retry":
+        delay = payload.get("delay")
+        raise RetryableError(f"scripted retry on attempt {message.attempts}", delay=delay)
+    if mode == "permanent":
+        raise PermanentError("scripted permanent failure")
+    if mode == "defer":
+        raise Defer(float(payload.get("delay", 60)), reason="scripted defer")
+    if mode == "error":
+        raise RuntimeError("scripted unexpected error")
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)  # pragma: no cover - the signal is delivered first
+        return "survived"
+    if mode == "sleep":
+        time.sleep(float(payload.get("seconds", 0.5)))
+        return "ok"
+    if mode == "stall":
+        return _stall(outbox, message)
+    if mode == "extend":
+        won = message.extend_lease(float(payload.get("seconds", 30)))
+        return f"extended={won}"
+    raise ValueError(f"unknown scripted mode {mode!r}")
+
+
+def _stall(outbox: Outbox, message: Message) -> str:
+    """Outlive the lease: wait until a newer claim of this row has finished it."""
+    query = sql.SQL("SELECT status, lease_version FROM {} WHERE id = %s").format(
+        TableName.parse(outbox.config.table).identifier()
+    )
+    deadline = time.monotonic() + STALL_LIMIT
+    while time.monotonic() < deadline:
+        with outbox.connection() as conn:
+            row = conn.execute(query, [message.id]).fetchone()
+        if row and row[0] == "done" and int(row[1]) > message.lease_version:
+            return "stalled past a newer run"
+        time.sleep(0.1)
+    return "stall timed out"
+
+
+def _record_start(outbox: Outbox, message: Message) -> int:
+    request = getattr(current_task, "request", None)
+    hostname = getattr(request, "hostname", None)
+    delivery = getattr(request, "delivery_info", None) or {}
+    in_flight = sql.SQL("(SELECT count(*) FROM {} WHERE status = 'processing')").format(
+        TableName.parse(outbox.config.table).identifier()
+    )
+    query = sql.SQL(
+        "INSERT INTO handler_calls (outbox_id, event_type, attempts, lease_version, idempotency_key,"
+        " pid, hostname, routing_key, in_flight) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, {}) RETURNING n"
+    ).format(in_flight)
+    with outbox.connection() as conn:
+        row = conn.execute(
+            query,
+            [
+                message.id,
+                message.event_type,
+                message.attempts,
+                message.lease_version,
+                message.idempotency_key,
+                os.getpid(),
+                hostname,
+                delivery.get("routing_key"),
+            ],
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _record_end(outbox: Outbox, call: int, result: str) -> None:
+    with outbox.connection() as conn:
+        conn.execute(
+            "UPDATE handler_calls SET finished_at = clock_timestamp(), result = %s WHERE n = %s",
+            [result, call],
+        )
+
+
+def record_signal(outbox: Outbox, name: str, task_name: str | None, task_id: str | None, detail: str) -> None:
+    """Write one Celery signal occurrence into ``celery_signals``."""
+    with outbox.connection() as conn:
+        conn.execute(
+            "INSERT INTO celery_signals (signal, task_name, task_id, pid, detail)"
+            " VALUES (%s, %s, %s, %s, %s)",
+            [name, task_name, task_id, os.getpid(), detail[:2000]],
+        )
