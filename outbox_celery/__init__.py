@@ -8,6 +8,7 @@ it with a fenced update, at least once.
 from __future__ import annotations
 
 from .backoff import Backoff
+from .celery_app import Outbox
 from .config import OutboxConfig, TableName
 from .errors import (
     ConfigurationError,
@@ -29,6 +30,7 @@ __all__ = [
     "Defer",
     "Event",
     "Message",
+    "Outbox",
     "OutboxConfig",
     "OutboxError",
     "PermanentError",

@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Handler)
 
+# Retention: at most this many batches of ``retention_batch_size`` per beat-triggered run.
+PURGE_MAX_BATCHES_PER_RUN = 20
+
 # Pools inherited across fork() are never touched (closing them would talk on the parent's
 # sockets) nor garbage collected (their finalizer would wait on threads that did not survive).
 _ORPHANED_POOLS: list[ConnectionPool[Any]] = []
@@ -474,7 +477,15 @@ class Outbox:
         from .admin import purge_done
 
         with self.connection() as conn:
-            return purge_done(conn, cfg.table, older_than=cfg.retention, batch_size=cfg.retention_batch_size)
+            # Bounded per run: the purge shares the claim queue and must not hold it for long;
+            # the next run (every few minutes) continues where this one stopped.
+            return purge_done(
+                conn,
+                cfg.table,
+                older_than=cfg.retention,
+                batch_size=cfg.retention_batch_size,
+                max_batches=PURGE_MAX_BATCHES_PER_RUN,
+            )
 
 
 __all__ += ["Outcome"]
