@@ -1,0 +1,1 @@
+"""Benchmarks of outbox-celery: ``python -m benchmarks`` (``make bench``); see docs/performance.md."""

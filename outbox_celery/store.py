@@ -2,7 +2,12 @@
 
 Every method takes a psycopg connection. Methods that own a transaction (claim, start, the
 finalizers) open it themselves with ``conn.transaction()``, so they work on pooled autocommit
-connections; the producer's insert runs inside the caller's transaction instead.
+connections; the producer's insert runs inside the caller's transaction instead. The fenced start
+and the finalizers are single statements: on an autocommit connection outside a transaction they
+run as their own implicit transaction, which saves the ``BEGIN`` and ``COMMIT`` round trips.
+
+The fenced start and ``done`` commit with ``synchronous_commit = off`` when the store owns the
+transaction (see :class:`Store`); everything else, the claim above all, commits durably.
 
 Each finalizer is fenced: it changes the row only when ``status = 'processing'`` and the
 ``lease_version`` still matches the claim the caller came from, and returns whether it won.
@@ -10,17 +15,19 @@ Each finalizer is fenced: it changes the row only when ``status = 'processing'``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 from psycopg.rows import dict_row
 
 from . import _sql
@@ -54,15 +61,46 @@ class Store:
     """Named queries bound to one outbox table.
 
     :param table: ``"name"``, ``"schema.name"`` or a :class:`~outbox_celery.config.TableName`.
+    :param relaxed_commit: commit the fenced start and ``done`` with ``synchronous_commit = off``
+        when the store owns the transaction (an autocommit connection outside a transaction).
+        Default true. Only a PostgreSQL crash can lose such a commit (the WAL writer flushes it
+        within about three ``wal_writer_delay``), and losing one means at most a redelivery after
+        the lease: a lost ``done`` leaves the row ``processing`` until its lease ends, a lost
+        start leaves one handler run uncounted. Any later claim that sees the row commits
+        durably and, WAL being sequential, flushes the earlier relaxed commit with it, so
+        ordering and fencing hold across a crash. The claim itself always commits durably: its
+        new ``lease_version`` goes out in published tasks and must never be rolled back.
     """
 
-    def __init__(self, table: str | TableName = "outbox") -> None:
+    def __init__(self, table: str | TableName = "outbox", *, relaxed_commit: bool = True) -> None:
         self.table = TableName.parse(table)
+        self.relaxed_commit = relaxed_commit
         self._q: dict[str, sql.Composed] = {
             name: _sql.compose(text, self.table) for name, text in _sql.named("queries.sql").items()
         }
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
+
+    # -- transactions --------------------------------------------------------------------------
+
+    @staticmethod
+    def _owns_transaction(conn: psycopg.Connection[Any]) -> bool:
+        return bool(conn.autocommit) and conn.info.transaction_status == pq.TransactionStatus.IDLE
+
+    def _single_statement(self, conn: psycopg.Connection[Any]) -> AbstractContextManager[Any]:
+        """The transaction around one fenced statement.
+
+        On an autocommit connection outside a transaction block the statement is its own
+        transaction already; ``BEGIN``/``COMMIT`` around it would cost two round trips and change
+        nothing. In any other state the statement joins (or opens) a transaction as before.
+        """
+        if self._owns_transaction(conn):
+            return contextlib.nullcontext()
+        return conn.transaction()
+
+    def _commit_mode(self, conn: psycopg.Connection[Any]) -> str | None:
+        """``"off"`` where a relaxed commit is allowed; ``None`` keeps the session's setting."""
+        return "off" if self.relaxed_commit and self._owns_transaction(conn) else None
 
     # -- observability -------------------------------------------------------------------------
 
@@ -175,6 +213,7 @@ class Store:
         }
         claimed: list[Claimed] = []
         with conn.transaction():
+            conn.execute(self._q["claim_settings"])
             reaped = conn.execute(self._q["reap"], {"max_attempts": max_attempts, "limit": 1000})
             reaped_rows = reaped.fetchall()
             for row in reaped_rows:
@@ -239,13 +278,20 @@ class Store:
         ``None`` when the claim is stale (version superseded, row finished or released), and
         also when the row already spent every attempt, in which case it goes ``dead``.
         """
-        params = {"id": outbox_id, "version": version, "lease": lease, "max_attempts": max_attempts}
-        with conn.transaction():
+        params = {
+            "id": outbox_id,
+            "version": version,
+            "lease": lease,
+            "max_attempts": max_attempts,
+            "commit_mode": self._commit_mode(conn),
+        }
+        with self._single_statement(conn):
             cur = conn.cursor(row_factory=dict_row)
             row = cur.execute(self._q["start"], params).fetchone()
-            if row is None:
-                exhausted = conn.execute(self._q["start_exhausted"], params).fetchone()
         if row is None:
+            # Its own statement: it re-checks the fence, whatever happened in between.
+            with self._single_statement(conn):
+                exhausted = conn.execute(self._q["start_exhausted"], params).fetchone()
             if exhausted is not None:
                 self._count("dead")
                 logger.error(
@@ -279,7 +325,7 @@ class Store:
         )
 
     def _fenced(self, conn: psycopg.Connection[Any], op: str, params: dict[str, Any]) -> Any:
-        with conn.transaction():
+        with self._single_statement(conn):
             row = conn.execute(self._q[op], params).fetchone()
         if row is None:
             return self._lost(op, params["id"], params["version"])
@@ -287,7 +333,11 @@ class Store:
 
     def done(self, conn: psycopg.Connection[Any], outbox_id: int, version: int) -> bool:
         """Fenced: ``processing`` -> ``done``."""
-        won = self._fenced(conn, "finish_done", {"id": outbox_id, "version": version})
+        won = self._fenced(
+            conn,
+            "finish_done",
+            {"id": outbox_id, "version": version, "commit_mode": self._commit_mode(conn)},
+        )
         if won:
             self._count("done")
         return bool(won)

@@ -1,0 +1,653 @@
+"""``python -m benchmarks`` (``make bench``): every figure beside a baseline measured in the same run.
+
+Sections (``--only`` picks some):
+
+* ``plain``: the plain dispatcher loop (no Celery), current store beside the store before #6, and
+  what the database sees per delivered message (round trips, transactions).
+* ``e2e``: end-to-end outbox messages/s beside bare Celery no-op tasks/s, same broker, pool,
+  concurrency and prefetch, per broker (Redis, RabbitMQ), interleaved and repeated.
+* ``latency``: commit -> handler start percentiles at half the measured outbox maximum.
+* ``claim``: claim batch latency and rows/s with little and with much history.
+* ``wins`` (opt-in): end-to-end variants: the store before #6, prefetch 4, early acks.
+* ``profile`` (opt-in): py-spy on an end-to-end run; where the time goes.
+* ``soak`` (opt-in, ``--soak N``): worker and claim-process memory over N messages.
+
+Results are printed as tables and written as JSON to ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from .claimcost import ClaimCost, build_table, measure_claim_cost
+from .measure import percentile
+from .pipeline import Pipeline, PipelineResult, drop_table
+from .plain import PlainResult, run_plain
+from .profiling import Profiler
+from .report import Report
+from .services import Services, services
+from .variants import make_store
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SECTIONS = ("plain", "e2e", "latency", "claim", "wins", "profile", "soak")
+DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="outbox-celery benchmarks: each figure beside a baseline measured in the same run.",
+    )
+    p.add_argument("--dsn", help="PostgreSQL server (maintenance DB); a throw-away database is created on it")
+    p.add_argument(
+        "--redis-url", help="Redis broker (default: 127.0.0.1:6379/15 if reachable, else embedded)"
+    )
+    p.add_argument(
+        "--amqp-url", help="RabbitMQ broker (default: guest@127.0.0.1:5672 if reachable, else skipped)"
+    )
+    p.add_argument(
+        "--brokers",
+        default="redis,rabbitmq",
+        help="brokers for the end-to-end runs (default: redis,rabbitmq)",
+    )
+    p.add_argument("--only", help=f"comma-separated sections among {', '.join(SECTIONS)}")
+    p.add_argument(
+        "--wins", action="store_true", help="also run end-to-end variants (store before #6, prefetch 4, acks)"
+    )
+    p.add_argument("--profile", action="store_true", help="also profile an end-to-end run with py-spy")
+    p.add_argument(
+        "--soak", type=int, metavar="N", help="also run N messages end to end and watch memory (100000)"
+    )
+    p.add_argument(
+        "-n", "--messages", type=int, default=5000, help="messages per end-to-end run (default 5000)"
+    )
+    p.add_argument(
+        "--repeat", type=int, default=2, help="interleaved bare/outbox pairs per broker (default 2)"
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=2, help="worker concurrency, both pipelines (default 2)"
+    )
+    p.add_argument(
+        "--prefetch", type=int, default=1, help="worker prefetch multiplier, both pipelines (default 1)"
+    )
+    p.add_argument("--pool", default="prefork", help="worker pool, both pipelines (default prefork)")
+    p.add_argument(
+        "--claim-interval", type=float, default=1.0, help="outbox claim_interval, seconds (default 1.0)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=2000, help="unmeasured messages before each end-to-end run (2000)"
+    )
+    p.add_argument("--batch-size", type=int, default=200, help="outbox batch_size (default 200)")
+    p.add_argument(
+        "--producer-batch", type=int, default=100, help="events per producer transaction (default 100)"
+    )
+    p.add_argument(
+        "--plain-messages", type=int, default=5000, help="messages per plain-loop run (default 5000)"
+    )
+    p.add_argument("--latency-duration", type=float, default=20.0, help="seconds of steady load (default 20)")
+    p.add_argument(
+        "--latency-intervals", default="1.0,0.1", help="claim intervals of the latency runs (default 1.0,0.1)"
+    )
+    p.add_argument(
+        "--latency-load",
+        type=float,
+        default=0.5,
+        help="offered load as a share of the measured maximum (0.5)",
+    )
+    p.add_argument("--claim-small", type=int, default=10_000, help="finished rows in the small table (10k)")
+    p.add_argument("--claim-large", type=int, default=1_000_000, help="finished rows in the large table (1M)")
+    p.add_argument("--claim-pending", type=int, default=100_000, help="pending rows in both tables (100k)")
+    p.add_argument("--claim-batches", type=int, default=50, help="timed claim batches per table (50)")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every default section")
+    p.add_argument(
+        "--json", type=Path, help="write results here (default benchmarks/results/bench-<time>.json)"
+    )
+    return p
+
+
+def _sections(args: argparse.Namespace) -> list[str]:
+    chosen = list(DEFAULT_SECTIONS)
+    if args.only:
+        chosen = [s.strip() for s in args.only.split(",") if s.strip()]
+        unknown = set(chosen) - set(SECTIONS)
+        if unknown:
+            raise SystemExit(f"unknown section(s): {', '.join(sorted(unknown))}")
+    if args.wins and "wins" not in chosen:
+        chosen.append("wins")
+    if args.profile and "profile" not in chosen:
+        chosen.append("profile")
+    if args.soak and "soak" not in chosen:
+        chosen.append("soak")
+    return chosen
+
+
+def _brokers(args: argparse.Namespace, svc: Services) -> list[tuple[str, str]]:
+    out = []
+    for name in (b.strip() for b in args.brokers.split(",") if b.strip()):
+        if name == "redis":
+            out.append(("redis", svc.redis_url))
+        elif name in ("rabbitmq", "amqp"):
+            if svc.amqp_url:
+                out.append(("rabbitmq", svc.amqp_url))
+        else:
+            raise SystemExit(f"unknown broker {name!r}: use redis and/or rabbitmq")
+    return out
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+class Bench:
+    """One invocation: services, settings, results."""
+
+    def __init__(self, args: argparse.Namespace, svc: Services, workdir: Path, report: Report) -> None:
+        self.args = args
+        self.svc = svc
+        self.workdir = workdir
+        self.report = report
+        self.pipeline = Pipeline(svc.dsn, workdir, concurrency=args.concurrency, pool=args.pool)
+        self.results: dict[str, Any] = {}
+        self.max_rate: dict[str, float] = {}
+
+    def _outbox(self, broker_url: str, n: int, **kw: Any) -> PipelineResult:
+        a = self.args
+        kw.setdefault("prefetch", a.prefetch)
+        return self.pipeline.outbox(
+            broker_url,
+            n,
+            claim_interval=kw.pop("claim_interval", a.claim_interval),
+            batch_size=a.batch_size,
+            producer_batch=a.producer_batch,
+            warmup=a.warmup,
+            **kw,
+        )
+
+    def _bare(self, broker_url: str, n: int, **kw: Any) -> PipelineResult:
+        kw.setdefault("prefetch", self.args.prefetch)
+        return self.pipeline.bare(broker_url, n, warmup=min(self.args.warmup, 1000), **kw)
+
+    # -- sections ------------------------------------------------------------------------------
+
+    def plain(self) -> None:
+        a = self.args
+        rows: list[PlainResult] = []
+        for label, variant in (
+            ("current", ""),
+            ("before-6", "legacy"),
+            ("current-2", ""),
+            ("before-6-2", "legacy"),
+        ):
+            rows.append(
+                run_plain(
+                    self.svc.dsn,
+                    a.plain_messages,
+                    label=label,
+                    store=make_store(f"bench_plain_{label.replace('-', '_')}", variant),
+                    batch_size=a.batch_size,
+                )
+            )
+        current = _median([r.rate for r in rows if not r.label.startswith("before")])
+        before = _median([r.rate for r in rows if r.label.startswith("before")])
+        traced = {
+            label: run_plain(
+                self.svc.dsn,
+                min(1000, a.plain_messages),
+                label=f"trace-{label}",
+                store=make_store(f"bench_plain_trace_{label.replace('-', '_')}", variant),
+                batch_size=a.batch_size,
+                trace=True,
+            )
+            for label, variant in (("current", ""), ("before-6", "legacy"))
+        }
+        self.results["plain"] = {
+            "runs": [asdict(r) | {"rate": r.rate} for r in rows],
+            "traced": {k: asdict(v) for k, v in traced.items()},
+            "rate_current": current,
+            "rate_before": before,
+        }
+        self.max_rate["plain"] = current
+        t = self.report.table(
+            "Plain dispatcher loop (1 process: claim -> no-op publish -> start -> no-op -> done; no Celery)",
+            ["figure", "value", "baseline", "ratio"],
+        )
+        t.row(
+            "messages/s, store of #6 vs store before #6",
+            f"{current:,.0f}",
+            f"{before:,.0f}",
+            f"{current / before:.2f}x",
+        )
+        cur, old = traced["current"], traced["before-6"]
+        t.row(
+            "DB round trips per delivered message",
+            f"{cur.per_msg['round_trips']:.2f}",
+            f"{old.per_msg['round_trips']:.2f}",
+            f"{cur.per_msg['round_trips'] / old.per_msg['round_trips']:.2f}x",
+        )
+        t.row(
+            "transactions (xact_commit) per delivered message",
+            f"{cur.per_msg['transactions']:.2f}",
+            f"{old.per_msg['transactions']:.2f}",
+            "",
+        )
+        t.note(
+            "round trips by step, per message (#6 | before): "
+            + ", ".join(
+                f"{k} {cur.round_trips_by_step.get(k, 0):.3f}|{old.round_trips_by_step.get(k, 0):.3f}"
+                for k in sorted(set(cur.round_trips_by_step) | set(old.round_trips_by_step))
+            )
+        )
+        t.note(
+            f"{a.plain_messages} messages per run, batch_size {a.batch_size}, runs interleaved twice; "
+            "the traced runs (1000 messages) count round trips from libpq's protocol trace"
+        )
+
+    def e2e(self) -> None:
+        a = self.args
+        out: dict[str, Any] = {}
+        t = self.report.table(
+            f"End to end vs bare Celery ({a.messages} messages, {a.pool} x{a.concurrency}, "
+            f"prefetch {a.prefetch}, producer and workers at the same time)",
+            ["broker", "outbox msg/s", "bare Celery msg/s", "ratio", "target >= 0.8x"],
+        )
+        for broker, url in _brokers(a, self.svc):
+            bare: list[PipelineResult] = []
+            outbox: list[PipelineResult] = []
+            for _ in range(a.repeat):
+                bare.append(self._bare(url, a.messages))
+                outbox.append(self._outbox(url, a.messages))
+            b = _median([r.rate for r in bare])
+            o = _median([r.rate for r in outbox])
+            self.max_rate[broker] = o
+            ratio = o / b
+            t.row(broker, f"{o:,.0f}", f"{b:,.0f}", f"{ratio:.2f}x", "met" if ratio >= 0.8 else "MISSED")
+            out[broker] = {
+                "bare": [asdict(r) | {"rate": r.rate} for r in bare],
+                "outbox": [asdict(r) | {"rate": r.rate} for r in outbox],
+                "bare_rate": b,
+                "outbox_rate": o,
+                "ratio": ratio,
+            }
+        self.results["e2e"] = out
+        if "plain" in self.max_rate and "redis" in self.max_rate:
+            t.note(
+                f"plain loop {self.max_rate['plain']:,.0f} msg/s vs outbox over Celery+Redis "
+                f"{self.max_rate['redis']:,.0f} msg/s: the Celery hop costs "
+                f"{self.max_rate['plain'] / self.max_rate['redis']:.1f}x"
+            )
+        t.note(
+            f"runs alternate bare/outbox, {a.repeat} of each, medians shown; outbox claim_interval "
+            f"{a.claim_interval}s, batch_size {a.batch_size}, producer commits {a.producer_batch} events per "
+            "transaction"
+        )
+        cpu = self.report.table(
+            "CPU ms per message by process (median run; 2 cores = 2000 ms of CPU per second)",
+            ["pipeline", "broker", "roles (ms/msg)", "total"],
+        )
+        for broker, data in out.items():
+            for kind in ("bare", "outbox"):
+                runs = data[kind]
+                mid = sorted(runs, key=lambda r: r["rate"])[len(runs) // 2]
+                roles = mid["cpu_ms_per_msg"]
+                cpu.row(
+                    kind,
+                    broker,
+                    ", ".join(f"{k} {v:.2f}" for k, v in roles.items()),
+                    f"{sum(v for k, v in roles.items() if '.' not in k):.2f}",
+                )
+            mid = sorted(data["outbox"], key=lambda r: r["rate"])[len(data["outbox"]) // 2]
+            db = mid["db_per_msg"]
+            cpu.note(
+                f"{broker}: database per message (warm-up included): {db['xact_commit']:.2f} transactions, "
+                f"{db['tup_updated']:.2f} row updates, {db['tup_inserted']:.2f} inserts"
+            )
+
+    def latency(self) -> None:
+        a = self.args
+        url = self.svc.redis_url
+        top = self.max_rate.get("redis")
+        if top is None:
+            top = self._outbox(url, a.messages).rate
+            self.max_rate["redis"] = top
+        rate = max(1.0, round(top * a.latency_load))
+        intervals = [float(x) for x in a.latency_intervals.split(",") if x.strip()]
+        out = []
+        legs_text: list[str] = []
+        t = self.report.table(
+            f"Latency commit -> handler start (Redis, {rate:,.0f} msg/s offered = {a.latency_load:.0%} "
+            f"of the measured {top:,.0f}, one event per transaction, {a.latency_duration:.0f}s each)",
+            ["claim_interval", "p50", "p90", "p99", "max", "baseline: interval + 100 ms", "target p99"],
+        )
+        for interval in intervals:
+            r = self._outbox(url, 0, rate=rate, duration=a.latency_duration, claim_interval=interval)
+            legs = r.extra["latency_s"]
+            lat = legs["total"]
+            steady = sorted(lat[len(lat) // 10 :])  # the first tenth settles in
+            p50, p90, p99 = (percentile(steady, q) for q in (0.5, 0.9, 0.99))
+            wait = sorted(legs["claim_wait"][len(lat) // 10 :])
+            hop = sorted(legs["hop"][len(lat) // 10 :])
+            bound = interval + 0.1
+            out.append(
+                {
+                    "claim_interval": interval,
+                    "offered_rate": rate,
+                    "measured_max": top,
+                    "achieved_rate": r.rate,
+                    "p50": p50,
+                    "p90": p90,
+                    "p99": p99,
+                    "max": steady[-1],
+                    "messages": len(lat),
+                    "producer_late": r.extra.get("producer_late"),
+                    "cpu_ms_per_msg": r.cpu_ms_per_msg,
+                    "claim_wait": {q: percentile(wait, q) for q in (0.5, 0.9, 0.99)},
+                    "hop": {q: percentile(hop, q) for q in (0.5, 0.9, 0.99)},
+                }
+            )
+            legs_text.append(
+                f"{interval * 1000:,.0f} ms: commit -> published p50/p99 "
+                f"{percentile(wait, 0.5) * 1000:,.0f}/{percentile(wait, 0.99) * 1000:,.0f} ms, "
+                f"published -> handler start p50/p99 "
+                f"{percentile(hop, 0.5) * 1000:,.0f}/{percentile(hop, 0.99) * 1000:,.0f} ms"
+            )
+            t.row(
+                f"{interval * 1000:,.0f} ms",
+                f"{p50 * 1000:,.0f} ms",
+                f"{p90 * 1000:,.0f} ms",
+                f"{p99 * 1000:,.0f} ms",
+                f"{steady[-1] * 1000:,.0f} ms",
+                f"{bound * 1000:,.0f} ms",
+                "met" if p99 <= bound else f"MISSED by {(p99 - bound) * 1000:,.0f} ms",
+            )
+        self.results["latency"] = out
+        for line in legs_text:
+            t.note(line)
+        t.note(
+            "commit time taken by the producer right after COMMIT returns, start time by the handler; "
+            "the first tenth of each run is left out"
+        )
+
+    def claim(self) -> None:
+        a = self.args
+        results: dict[str, ClaimCost] = {}
+        for size in (a.claim_small, a.claim_large):
+            table = f"bench_claim_{size}"
+            built = build_table(self.svc.dsn, table, history=size, pending=a.claim_pending)
+            try:
+                for label, variant in (("current", ""), ("before-6", "legacy")):
+                    results[f"{size}-{label}"] = measure_claim_cost(
+                        self.svc.dsn,
+                        history=size,
+                        pending=a.claim_pending,
+                        batch_size=a.batch_size,
+                        batches=a.claim_batches,
+                        variant=variant,
+                        table=table,
+                        built=built,
+                    )
+            finally:
+                drop_table(self.svc.dsn, table)
+        self.results["claim"] = {k: v.as_dict() for k, v in results.items()}
+        small, large = results[f"{a.claim_small}-current"], results[f"{a.claim_large}-current"]
+        old_small, old_large = results[f"{a.claim_small}-before-6"], results[f"{a.claim_large}-before-6"]
+        t = self.report.table(
+            f"Claim cost vs history ({a.claim_pending:,} pending; batches of {a.batch_size}; "
+            f"{a.claim_batches} timed batches)",
+            [
+                "figure",
+                f"{a.claim_large:,} history",
+                f"{a.claim_small:,} history (baseline)",
+                "ratio",
+                "target",
+            ],
+        )
+        ratio = large.median_ms / small.median_ms
+        t.row(
+            "claim transaction, median ms",
+            f"{large.median_ms:.2f}",
+            f"{small.median_ms:.2f}",
+            f"{ratio:.2f}x",
+            "met (<= 1.5x)" if ratio <= 1.5 else "MISSED (> 1.5x)",
+        )
+        t.row("claim transaction, p90 ms", f"{large.p90_ms:.2f}", f"{small.p90_ms:.2f}", "", "")
+        slowest = a.batch_size / max(large.median_ms, small.median_ms) * 1000
+        t.row(
+            "rows/s (from median batch)",
+            f"{a.batch_size / large.median_ms * 1000:,.0f}",
+            f"{a.batch_size / small.median_ms * 1000:,.0f}",
+            "",
+            "met (>= 20,000)" if slowest >= 20_000 else "MISSED (< 20,000)",
+        )
+        t.row("rows/s (all batches, mean)", f"{large.rows_per_s:,.0f}", f"{small.rows_per_s:,.0f}", "", "")
+        t.row(
+            "whole claim run (lock, bound, claim, unlock), median ms",
+            f"{large.run_median_ms:.2f}",
+            f"{small.run_median_ms:.2f}",
+            f"{large.run_median_ms / small.run_median_ms:.2f}x",
+            "",
+        )
+        t.row(
+            "store before #6 (JIT left on): claim median ms",
+            f"{old_large.median_ms:.2f}",
+            f"{old_small.median_ms:.2f}",
+            f"{old_large.median_ms / old_small.median_ms:.2f}x",
+            "",
+        )
+        t.note(
+            f"table sizes: {large.table_mb:,.0f} MiB (built in {large.fill_seconds:.0f}s) and "
+            f"{small.table_mb:,.0f} MiB; 1% of the history is dead; claimed batches are marked done "
+            "between timings (untimed) so in-flight stays small"
+        )
+
+    def wins(self) -> None:
+        a = self.args
+        url = self.svc.redis_url
+        plan: list[tuple[str, Callable[[], PipelineResult]]] = [
+            ("outbox", lambda: self._outbox(url, a.messages)),
+            ("outbox, store before #6", lambda: self._outbox(url, a.messages, variant="legacy")),
+            ("outbox, prefetch 4", lambda: self._outbox(url, a.messages, prefetch=4)),
+            ("outbox, acks early", lambda: self._outbox(url, a.messages, variant="acks_early")),
+            ("bare", lambda: self._bare(url, a.messages)),
+            ("bare, prefetch 4", lambda: self._bare(url, a.messages, prefetch=4)),
+        ]
+        runs: dict[str, list[PipelineResult]] = {name: [] for name, _ in plan}
+        for _ in range(a.repeat):
+            for name, run in plan:
+                runs[name].append(run())
+        med = {k: _median([r.rate for r in v]) for k, v in runs.items()}
+        self.results["wins"] = {k: [asdict(r) | {"rate": r.rate} for r in v] for k, v in runs.items()}
+        t = self.report.table(
+            f"Measured wins, end to end on Redis ({a.messages} messages, prefetch {a.prefetch} unless said, "
+            f"medians of {a.repeat})",
+            ["change", "msg/s", "baseline", "baseline msg/s", "ratio"],
+        )
+        for name, base in (
+            ("outbox", "outbox, store before #6"),
+            ("outbox, prefetch 4", "outbox"),
+            ("outbox, acks early", "outbox"),
+            ("bare, prefetch 4", "bare"),
+            ("outbox", "bare"),
+            ("outbox, prefetch 4", "bare, prefetch 4"),
+        ):
+            t.row(name, f"{med[name]:,.0f}", base, f"{med[base]:,.0f}", f"{med[name] / med[base]:.2f}x")
+        for name, v in runs.items():
+            cpu = sorted(v, key=lambda r: r.rate)[len(v) // 2].cpu_ms_per_msg
+            t.note(f"{name}: CPU ms/msg " + ", ".join(f"{k} {x:.2f}" for k, x in cpu.items()))
+
+    def profile(self) -> None:
+        a = self.args
+        profiler = Profiler(RESULTS)
+        if not profiler.available:
+            self.report.text("profile: py-spy is not installed (pip install py-spy); skipped")
+            return
+        r = self._outbox(self.svc.redis_url, a.messages, attach=profiler.attach)
+        summaries = profiler.stop()
+        self.results["profile"] = {"rate_under_profiler": r.rate, "roles": [s.as_dict() for s in summaries]}
+        for s in summaries:
+            t = self.report.table(
+                f"Profile: {s.role} ({s.busy_samples} busy samples, {s.idle_samples} idle left out): "
+                "where the busy time goes",
+                ["share", "bucket (by the sampled frame itself)"],
+            )
+            for name, pct in s.buckets:
+                t.row(f"{pct:5.1f}%", name)
+            t2 = self.report.table(f"Profile: {s.role}, top functions", ["self", "function"])
+            for f, pct in s.self_top[:12]:
+                t2.row(f"{pct:5.1f}%", f)
+            t3 = self.report.table(
+                f"Profile: {s.role}, inclusive (event-loop frames above 90% left out)",
+                ["incl", "function (and below)"],
+            )
+            for f, pct in [x for x in s.inclusive_top if x[1] < 90][:15]:
+                t3.row(f"{pct:5.1f}%", f)
+        self.report.text(
+            f"py-spy raw stacks: {RESULTS}/profile-*.raw.txt (rate under the profiler {r.rate:,.0f} msg/s)"
+        )
+
+    def soak(self) -> None:
+        a = self.args
+        n = a.soak or 100_000
+        r = self._outbox(self.svc.redis_url, n, sample_rss=True)
+        samples = r.rss["samples"]
+        base = next(s for s in samples if s[0] >= n // 10)
+        end = samples[-1]
+        growth_d = (end[1] - base[1]) / base[1]
+        growth_c = (end[2] - base[2]) / base[2]
+        self.results["soak"] = {
+            "n": n,
+            "rate": r.rate,
+            "samples": samples,
+            "growth_deliver": growth_d,
+            "growth_claim": growth_c,
+        }
+        t = self.report.table(
+            f"Memory over {n:,} messages end to end (Redis, {r.rate:,.0f} msg/s)",
+            [
+                "process",
+                f"RSS at {base[0]:,} done (baseline)",
+                f"RSS at {end[0]:,} done",
+                "growth",
+                "target < 10%",
+            ],
+        )
+        t.row(
+            "delivery worker (main + pool)",
+            f"{base[1] / 2**20:.1f} MiB",
+            f"{end[1] / 2**20:.1f} MiB",
+            f"{growth_d:+.1%}",
+            "met" if growth_d < 0.1 else "MISSED",
+        )
+        t.row(
+            "claim worker",
+            f"{base[2] / 2**20:.1f} MiB",
+            f"{end[2] / 2**20:.1f} MiB",
+            f"{growth_c:+.1%}",
+            "met" if growth_c < 0.1 else "MISSED",
+        )
+
+
+def _apply_quick(args: argparse.Namespace) -> None:
+    args.messages = min(args.messages, 1000)
+    args.repeat = 1
+    args.plain_messages = min(args.plain_messages, 1000)
+    args.latency_duration = min(args.latency_duration, 5.0)
+    args.warmup = min(args.warmup, 500)
+    args.claim_small = min(args.claim_small, 2000)
+    args.claim_large = min(args.claim_large, 20_000)
+    args.claim_pending = min(args.claim_pending, 20_000)
+    args.claim_batches = min(args.claim_batches, 10)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the chosen sections, print the tables, write the JSON."""
+    args = _parser().parse_args(argv)
+    if args.quick:
+        _apply_quick(args)
+    chosen = _sections(args)
+    report = Report(sys.stdout)
+    started = time.monotonic()
+    RESULTS.mkdir(exist_ok=True)
+    meta: dict[str, Any] = {
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_before": os.getloadavg(),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "sections": chosen,
+    }
+    with (
+        tempfile.TemporaryDirectory(prefix="outbox-bench-") as tmp,
+        services(
+            Path(tmp),
+            dsn=args.dsn,
+            redis_url=args.redis_url,
+            amqp_url=args.amqp_url,
+            want_amqp="rabbitmq" in args.brokers or "amqp" in args.brokers,
+        ) as svc,
+    ):
+        with psycopg.connect(svc.dsn) as conn:
+            version = conn.execute("SHOW server_version").fetchone()
+        meta["services"] = svc.describe()
+        meta["postgresql_version"] = version[0] if version else "?"
+        report.text(
+            "outbox-celery benchmarks  "
+            + "  ".join(f"{k}: {v}" for k, v in meta["services"].items())
+            + f"\nPostgreSQL {meta['postgresql_version']}, {os.cpu_count()} CPUs, load average "
+            + " ".join(f"{x:.2f}" for x in os.getloadavg())
+            + f", sections: {', '.join(chosen)}"
+        )
+        bench = Bench(args, svc, Path(tmp), report)
+        steps: dict[str, Callable[[], None]] = {
+            "plain": bench.plain,
+            "e2e": bench.e2e,
+            "latency": bench.latency,
+            "claim": bench.claim,
+            "wins": bench.wins,
+            "profile": bench.profile,
+            "soak": bench.soak,
+        }
+        failures = 0
+        for name in chosen:
+            t0 = time.monotonic()
+            try:
+                steps[name]()
+            except Exception as exc:  # report and go on: one broken section must not hide the rest
+                failures += 1
+                report.text(f"section {name} FAILED: {type(exc).__name__}: {exc}")
+                bench.results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            meta.setdefault("section_seconds", {})[name] = round(time.monotonic() - t0, 1)
+    meta["seconds"] = round(time.monotonic() - started, 1)
+    meta["load_after"] = os.getloadavg()
+    out = args.json or RESULTS / f"bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"meta": meta, "results": bench.results}, indent=2, default=str))
+    report.flush()
+    report.text(
+        f"total {meta['seconds']:.0f}s; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    report.text(f"results: {out}")
+    return 1 if failures else 0
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    # SIGTERM unwinds like Ctrl-C, so every started process group is stopped on the way out.
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _terminate)
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The outbox pipeline under test: an :class:`~outbox_celery.celery_app.Outbox` with a no-op handler.
+
+Configured by the runner through ``BENCH_*`` environment variables (broker, DSN, table, queues,
+prefetch, claim interval, batch size). ``BENCH_VARIANT`` selects labelled, benchmark-only
+variants used to measure a change against what it replaced in the same run (see
+:mod:`benchmarks.variants`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from outbox_celery import Message
+from outbox_celery.celery_app import Outbox
+
+from . import hooks, variants
+
+app = Celery("bench_outbox", broker=os.environ.get("BENCH_BROKER_URL", "memory://"))
+app.conf.update(
+    worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH", "1")),
+    task_ignore_result=True,
+    worker_send_task_events=False,
+    broker_connection_retry_on_startup=True,
+    beat_schedule={},
+)
+
+outbox = Outbox(
+    app,
+    name="bench",
+    dsn=os.environ.get("BENCH_DSN"),
+    table=os.environ.get("BENCH_TABLE", "outbox"),
+    claim_queue=os.environ.get("BENCH_CLAIM_QUEUE", "bench.claim"),
+    default_queue=os.environ.get("BENCH_QUEUE", "bench.deliver"),
+    claim_interval=float(os.environ.get("BENCH_CLAIM_INTERVAL", "1.0")),
+    batch_size=int(os.environ.get("BENCH_BATCH_SIZE", "200")),
+    retention=None,
+)
+
+
+@outbox.handler("bench.noop")
+def noop(message: Message) -> None:
+    """Do nothing (records its start time in latency runs)."""
+    hooks.record_start(message.id)
+
+
+variants.apply(outbox, os.environ.get("BENCH_VARIANT", ""))
+hooks.time_publish(outbox)
+hooks.install()

@@ -1,0 +1,84 @@
+"""Worker-side instrumentation shared by the bare and the outbox Celery apps.
+
+Configured through environment variables set by the benchmark runner:
+
+* ``BENCH_COUNTER``: path of the :class:`~benchmarks.counter.CompletionCounter` file; every
+  finished task is counted in ``task_postrun``.
+* ``BENCH_READY``: a file written once the worker is ready to consume.
+* ``BENCH_LATENCY_DIR``: handlers append ``"<id> <time.time()>"`` lines here (latency runs only).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from celery import signals
+
+from .counter import CompletionCounter
+
+__all__ = ["install", "record_published", "record_start", "time_publish"]
+
+_counter: CompletionCounter | None = None
+_latency_file: IO[str] | None = None
+_latency_pid = 0
+
+
+def _on_postrun(**kwargs: Any) -> None:
+    if _counter is not None:
+        _counter.hit(time.time())
+
+
+def _on_ready(**kwargs: Any) -> None:
+    ready = os.environ.get("BENCH_READY")
+    if ready:
+        Path(ready).write_text(str(os.getpid()))
+
+
+def install() -> None:
+    """Connect the signals (idempotent; call at import of a benchmark app module)."""
+    global _counter
+    path = os.environ.get("BENCH_COUNTER")
+    if path and _counter is None:
+        _counter = CompletionCounter(path)
+    signals.task_postrun.connect(_on_postrun, weak=False, dispatch_uid="bench-postrun")
+    signals.worker_ready.connect(_on_ready, weak=False, dispatch_uid="bench-ready")
+
+
+def record_start(outbox_id: int) -> None:
+    """Note when a handler started, for the commit -> handler start latency."""
+    global _latency_file, _latency_pid
+    folder = os.environ.get("BENCH_LATENCY_DIR")
+    if not folder:
+        return
+    now = time.time()
+    if _latency_file is None or _latency_pid != os.getpid():
+        _latency_pid = os.getpid()
+        _latency_file = open(Path(folder) / f"start-{_latency_pid}.txt", "a", buffering=1)  # noqa: SIM115
+    _latency_file.write(f"{outbox_id} {now:.6f}\n")
+
+
+def record_published(ids: list[int]) -> None:
+    """Note when a claim run finished publishing ``ids`` (latency runs only)."""
+    folder = os.environ.get("BENCH_LATENCY_DIR")
+    if not folder or not ids:
+        return
+    now = time.time()
+    with open(Path(folder) / f"published-{os.getpid()}.txt", "a") as f:
+        f.write("".join(f"{i} {now:.6f}\n" for i in ids))
+
+
+def time_publish(outbox: Any) -> None:
+    """Benchmark-only: wrap ``outbox.publish`` to note publish times in latency runs."""
+    if not os.environ.get("BENCH_LATENCY_DIR"):
+        return
+    publish = outbox.publish
+
+    def timed(claims: Any) -> int:
+        sent = int(publish(claims))
+        record_published([c.id for c in claims[:sent]])
+        return sent
+
+    outbox.publish = timed

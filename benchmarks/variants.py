@@ -1,0 +1,74 @@
+"""Benchmark-only variants, clearly labelled, to measure a change beside what it replaced.
+
+Nothing here is used by the library. A variant spec is a comma-separated list of names:
+
+* ``explicit_tx``: ``BEGIN``/``COMMIT`` around the fenced start and every finalizer (the store
+  before the round-trip change of #6).
+* ``durable``: the fenced start and ``done`` commit with ``synchronous_commit`` on
+  (``Store(relaxed_commit=False)``).
+* ``claim_jit``: the claim transaction leaves ``jit`` at the server's setting (before #6 it
+  did; on a large table the ordered heads' query then pays for JIT compilation on every claim).
+* ``legacy``: all of the above, i.e. the store as it was before #6.
+* ``acks_early``: the delivery task acknowledges its message when the worker receives it
+  instead of after it ran (``acks_late=False``); a worker lost mid-task then leaves the row to
+  come back through its lease, as it does anyway. Measured only: the library keeps acks late.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox_celery import Store, TableName
+
+__all__ = ["ExplicitTransactionStore", "apply", "make_store", "parse"]
+
+ALIASES = {"legacy": ("explicit_tx", "durable", "claim_jit")}
+KNOWN = {"explicit_tx", "durable", "claim_jit", "acks_early"}
+
+
+class ExplicitTransactionStore(Store):
+    """Benchmark-only: every fenced statement wrapped in ``BEGIN``/``COMMIT`` (before #6)."""
+
+    def _single_statement(self, conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[Any]:
+        return conn.transaction()
+
+
+def parse(spec: str) -> set[str]:
+    """The set of variant names in ``spec`` (aliases expanded); raise on unknown names."""
+    names: set[str] = set()
+    for name in filter(None, (s.strip() for s in spec.split(","))):
+        expanded = ALIASES.get(name, (name,))
+        unknown = set(expanded) - KNOWN
+        if unknown:
+            raise ValueError(f"unknown benchmark variant(s) {sorted(unknown)}")
+        names.update(expanded)
+    return names
+
+
+def make_store(table: str | TableName, spec: str) -> Store:
+    """A store with the variants of ``spec`` applied."""
+    names = parse(spec)
+    cls = ExplicitTransactionStore if "explicit_tx" in names else Store
+    store = cls(table, relaxed_commit="durable" not in names)
+    if "claim_jit" in names:
+        # Benchmark-only: the claim transaction's first statement no longer turns JIT off.
+        store._q["claim_settings"] = sql.Composed([sql.SQL("SELECT 1")])
+    return store
+
+
+def apply(outbox: Any, spec: str) -> None:
+    """Patch one benchmark process's ``Outbox`` (workers) to use the variants of ``spec``."""
+    names = parse(spec)
+    if names & {"explicit_tx", "durable", "claim_jit"}:
+        from outbox_celery.dispatch import Dispatcher
+
+        # Benchmark-only: replace the Outbox's dispatcher with one bound to the variant store.
+        outbox._dispatcher = Dispatcher(
+            outbox.config, outbox.connection, outbox._handlers, store=make_store(outbox.config.table, spec)
+        )
+    if "acks_early" in names:
+        outbox.deliver_task.acks_late = False
