@@ -150,6 +150,9 @@ class OutboxConfig:
     :ivar retention: seconds after which ``done`` rows are purged by the retention beat task;
         ``None`` disables it. Default 7 days.
     :ivar retention_batch_size: rows deleted per purge transaction. Default 5000.
+    :ivar relaxed_commit: commit the fenced start and ``done`` with ``synchronous_commit = off``
+        (only a PostgreSQL crash can lose them, which costs at most a redelivery after the lease;
+        claims always commit durably). Default true.
     :ivar configure_celery: apply recommended Celery settings (prefetch 1, Redis visibility
         timeout above the lease) where the user has not set them. Default true.
     """
@@ -174,6 +177,7 @@ class OutboxConfig:
     pool_max_size: int = 4
     retention: float | None = 7 * 24 * 3600.0
     retention_batch_size: int = 5000
+    relaxed_commit: bool = True
     configure_celery: bool = True
 
     def __post_init__(self) -> None:

@@ -128,7 +128,7 @@ class Dispatcher:
         self.config = config
         self.connection = connection
         self.handlers = handlers
-        self.store = store or Store(config.table)
+        self.store = store or Store(config.table, relaxed_commit=config.relaxed_commit)
         self.backoff = Backoff(config.backoff_base, config.backoff_cap)
 
     # -- claim side ----------------------------------------------------------------------------

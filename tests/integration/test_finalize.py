@@ -185,3 +185,34 @@ def test_postpone_waits_with_the_attempt_refunded(
     assert 58 < row["available_in"] <= 60
     assert row["last_error"] == "no handler for thing.happened"
     assert claim_ids(store, conn) == []
+
+
+def test_relaxed_commit_applies_to_start_and_done_only_when_the_store_owns_the_transaction(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    relaxed, durable = Store(table), Store(table, relaxed_commit=False)
+    assert relaxed._commit_mode(conn) == "off"
+    assert durable._commit_mode(conn) is None
+    with conn.transaction():
+        # Inside the caller's transaction the caller decides how it commits.
+        assert relaxed._commit_mode(conn) is None
+    [i] = add(conn, table=table)
+    [c] = relaxed.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+    with conn.transaction():
+        # The statement sets synchronous_commit for its own transaction only.
+        params = {"id": i, "version": c.lease_version, "lease": LONG, "max_attempts": 5}
+        conn.execute(relaxed._q["start"], {**params, "commit_mode": "off"})
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+    assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+    assert fetch(conn, table, i)["attempts"] == 1
+
+
+def test_dispatcher_store_follows_the_relaxed_commit_setting() -> None:
+    from outbox_celery import OutboxConfig
+    from outbox_celery.dispatch import Dispatcher
+
+    def no_connection() -> Any:
+        raise AssertionError("not used")
+
+    assert Dispatcher(OutboxConfig(), no_connection, {}).store.relaxed_commit is True
+    assert Dispatcher(OutboxConfig(relaxed_commit=False), no_connection, {}).store.relaxed_commit is False
