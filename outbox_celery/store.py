@@ -134,11 +134,14 @@ class Store:
 
     def lock_keys(self, conn: psycopg.Connection[Any], keys: Iterable[str]) -> None:
         """Take the per-key producer locks (sorted, so two producers never deadlock)."""
+        table = self._regclass(conn)
         for key in sorted(set(keys)):
-            conn.execute(self._q["lock_key"], {"lock_name": self._key_lock_name(key)})
+            conn.execute(self._q["lock_key"], {"table": table, "key": key})
 
-    def _key_lock_name(self, key: str) -> str:
-        return f"outbox_celery:key:{self.table.qualified}:{key}"
+    def _regclass(self, conn: psycopg.Connection[Any]) -> str:
+        # The quoted name, resolved to the table's oid in SQL: lock names then do not depend on
+        # how the table was spelled ("outbox" or "public.outbox").
+        return self.table.identifier().as_string(conn)
 
     def insert(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> int:
         """Insert one validated row in the caller's transaction."""
@@ -166,16 +169,12 @@ class Store:
 
     def try_claim_lock(self, conn: psycopg.Connection[Any]) -> bool:
         """Session-level advisory lock: one claim run per table at a time."""
-        row = conn.execute(self._q["try_claim_lock"], {"lock_name": self._claim_lock_name}).fetchone()
+        row = conn.execute(self._q["try_claim_lock"], {"table": self._regclass(conn)}).fetchone()
         return bool(row and row[0])
 
     def claim_unlock(self, conn: psycopg.Connection[Any]) -> None:
         """Release :meth:`try_claim_lock`."""
-        conn.execute(self._q["claim_unlock"], {"lock_name": self._claim_lock_name})
-
-    @property
-    def _claim_lock_name(self) -> str:
-        return f"outbox_celery:claim:{self.table.qualified}"
+        conn.execute(self._q["claim_unlock"], {"table": self._regclass(conn)})
 
     def in_flight(self, conn: psycopg.Connection[Any]) -> int:
         """Rows claimed and not finished (``processing``)."""

@@ -20,14 +20,18 @@ RETURNING id;
 
 -- name: lock_key
 -- Serializes producers of one ordering key until commit, so id order equals commit order.
-SELECT pg_advisory_xact_lock(hashtextextended(%(lock_name)s, 0));
+-- The lock is named after the table's oid, so "outbox" and "public.outbox" share it.
+SELECT pg_advisory_xact_lock(hashtextextended(
+    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || %(key)s, 0));
 
 -- name: try_claim_lock
 -- One claim run per table at a time: keeps the in-flight bound exact.
-SELECT pg_try_advisory_lock(hashtextextended(%(lock_name)s, 0));
+SELECT pg_try_advisory_lock(hashtextextended(
+    'outbox_celery:claim:' || %(table)s::regclass::oid::text, 0));
 
 -- name: claim_unlock
-SELECT pg_advisory_unlock(hashtextextended(%(lock_name)s, 0));
+SELECT pg_advisory_unlock(hashtextextended(
+    'outbox_celery:claim:' || %(table)s::regclass::oid::text, 0));
 
 -- name: count_in_flight
 SELECT count(*) FROM {table} WHERE status = 'processing';

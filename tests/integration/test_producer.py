@@ -392,3 +392,25 @@ def test_invariant_9_an_autocommit_ordered_enqueue_still_holds_its_key_until_com
         assert "id" in result
     assert result["id"] < mine
     assert lower == 1
+
+
+def test_invariant_9_the_key_lock_does_not_depend_on_how_the_table_is_spelled(
+    conn: psycopg.Connection[Any], connect: Connect
+) -> None:
+    done = threading.Event()
+    result: dict[str, Any] = {}
+    other = connect()
+
+    def run() -> None:
+        with other.transaction():
+            result["id"] = enqueue(other, payload={}, table="public.outbox", ordered=True, **ORDER)
+        done.set()
+
+    with conn.transaction():
+        first = enqueue(conn, payload={}, table="outbox", ordered=True, **ORDER)
+        t = threading.Thread(target=run)
+        t.start()
+        assert not done.wait(0.5), "a producer spelling the table 'public.outbox' did not wait"
+    assert done.wait(10)
+    t.join(10)
+    assert first < result["id"]
