@@ -176,3 +176,23 @@ def test_outcomes_map_to_states_on_the_solo_pool_configured_from_celery_settings
     assert "scripted unexpected error" in failure["detail"]
     assert signals(harness.conn, "task_retry") == []
     assert "the solo pool does not enforce task time limits" in worker.log()
+
+
+def test_the_threads_pool_shares_one_connection_pool_and_delivers_each_message_once(
+    harness: Harness,
+) -> None:
+    """Threads share the process's psycopg pool (thread-safe); more threads than connections wait."""
+    harness.configure(lease=30.0)
+    ids = harness.enqueue(200)
+    worker = harness.worker(pool="threads", concurrency=8)
+    harness.beat()
+    harness.wait_finished(200)
+
+    rows = harness.rows()
+    assert {r["status"] for r in rows} == {"done"}
+    assert all(r["attempts"] == 1 for r in rows)
+    seen = calls(harness.conn)
+    assert Counter(c["outbox_id"] for c in seen) == dict.fromkeys(ids, 1)
+    # The threads pool runs handlers in the worker's own process.
+    assert {c["pid"] for c in seen} == {worker.pid}
+    assert "pool_max_size=4 is below the thread pool's concurrency (8)" in worker.log()
