@@ -22,13 +22,13 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import psutil
 import psycopg
 import pytest
-import redis
 from psycopg.rows import dict_row
+from support.brokers import fresh_redis_db
 
 from outbox_celery.testing import embedded_postgres, free_port
 
@@ -38,18 +38,6 @@ ROOT = Path(__file__).resolve().parents[2]
 EVENTS_PER_ORDER = 6
 # Seconds; generous bounds for a loaded 2-core machine. They bound waiting, never assert speed.
 RUN_TIMEOUT = 240.0
-
-
-def _redis_db(url: str, db: int) -> str:
-    """``url`` on a Redis database number of this test's own, emptied first: the example's queue
-    names are fixed, and no task left by an earlier run may reach this run's workers."""
-    url = urlunsplit(urlsplit(url)._replace(path=f"/{db}"))
-    client = redis.Redis.from_url(url)
-    try:
-        client.flushdb()
-    finally:
-        client.close()
-    return url
 
 
 def _env(**changes: str | None) -> dict[str, str]:
@@ -290,7 +278,7 @@ def test_demo_delivers_each_event_once_in_effect_despite_redeliveries(
             "--invoice-every",
             "4",
         ],
-        _env(OUTBOX_DSN=dsn, CELERY_BROKER_URL=_redis_db(redis_url, 11)),
+        _env(OUTBOX_DSN=dsn, CELERY_BROKER_URL=fresh_redis_db(redis_url, 11)),
     )
     rc = run.wait()
     assert rc == 0, run.output
@@ -374,7 +362,7 @@ def test_demo_interrupted_leaves_nothing_running(
     run = _start(
         demo_runs,
         ["--orders", "5000", "--no-flower", "--state-dir", str(tmp_path / "state")],
-        _env(OUTBOX_DSN=dsn, CELERY_BROKER_URL=_redis_db(redis_url, redis_db)),
+        _env(OUTBOX_DSN=dsn, CELERY_BROKER_URL=fresh_redis_db(redis_url, redis_db)),
     )
     # Interrupt it in full flight: orders being pushed, deliveries under way.
     run.wait_for_line(lambda s: " done " in s and "done 0 " not in s, timeout=150)

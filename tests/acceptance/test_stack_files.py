@@ -23,15 +23,15 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import psutil
 import psycopg
 import pytest
-import redis
 import yaml
 from celery import Celery
 from honcho.environ import parse_procfile
+from support.brokers import fresh_redis_db
 
 from outbox_celery.testing import free_port
 
@@ -249,18 +249,6 @@ def test_ports_and_environment_agree() -> None:
     assert "5555" in " ".join(services["flower"]["healthcheck"]["test"])
 
 
-def _redis_db(url: str, db: int) -> str:
-    """``url`` on a Redis database number of this test's own, emptied first (the example's queue
-    names are fixed)."""
-    url = urlunsplit(urlsplit(url)._replace(path=f"/{db}"))
-    client = redis.Redis.from_url(url)
-    try:
-        client.flushdb()
-    finally:
-        client.close()
-    return url
-
-
 def _get_json(url: str) -> Any:
     import json
 
@@ -298,7 +286,7 @@ def honcho(dsn: str, redis_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]
     env.update({k: str(v) for k, v in ports.items()})
     env.update(
         OUTBOX_DSN=dsn,
-        CELERY_BROKER_URL=_redis_db(redis_url, 13),
+        CELERY_BROKER_URL=fresh_redis_db(redis_url, 13),
         CELERY_BEAT_SCHEDULE=str(tmp_path / "celerybeat-schedule"),
         # `python` and `celery` in the Procfile are this environment's.
         PATH=os.pathsep.join([bindir, env.get("PATH", "")]),

@@ -142,3 +142,22 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.crash()
+
+
+def fresh_redis_db(url: str, db: int) -> str:
+    """``url`` moved to Redis database ``db``, emptied first.
+
+    For tests that run the example stack, whose queue names are fixed: no task left by an earlier
+    run may reach this run's workers.
+    """
+    from urllib.parse import urlsplit, urlunsplit
+
+    import redis
+
+    url = urlunsplit(urlsplit(url)._replace(path=f"/{db}"))
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    return url
