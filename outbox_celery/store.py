@@ -133,10 +133,8 @@ class Store:
     # -- producer ------------------------------------------------------------------------------
 
     def lock_keys(self, conn: psycopg.Connection[Any], keys: Iterable[str]) -> None:
-        """Take the per-key producer locks (sorted, so two producers never deadlock)."""
-        table = self._regclass(conn)
-        for key in sorted(set(keys)):
-            conn.execute(self._q["lock_key"], {"table": table, "key": key})
+        """Take the per-key producer locks, all in one statement (sorted: no deadlocks)."""
+        conn.execute(self._q["lock_keys"], {"table": self._regclass(conn), "keys": list(keys)})
 
     def _regclass(self, conn: psycopg.Connection[Any]) -> str:
         # The quoted name, resolved to the table's oid in SQL: lock names then do not depend on

@@ -18,11 +18,13 @@ FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_id
 ORDER BY u.n
 RETURNING id;
 
--- name: lock_key
--- Serializes producers of one ordering key until commit, so id order equals commit order.
--- The lock is named after the table's oid, so "outbox" and "public.outbox" share it.
-SELECT pg_advisory_xact_lock(hashtextextended(
-    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || %(key)s, 0));
+-- name: lock_keys
+-- Serializes producers of an ordering key until commit, so id order equals commit order. One
+-- round trip for every key of a batch, taken in sorted order so two producers never deadlock.
+-- The locks are named after the table's oid, so "outbox" and "public.outbox" share them.
+SELECT count(pg_advisory_xact_lock(hashtextextended(
+    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || k, 0)))
+FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k) ORDER BY k) AS sorted_keys;
 
 -- name: try_claim_lock
 -- One claim run per table at a time: keeps the in-flight bound exact.
