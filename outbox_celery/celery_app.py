@@ -172,11 +172,15 @@ class Outbox:
         return (spec.queue if spec and spec.queue else None) or self.config.default_queue
 
     @property
+    def delivery_queues(self) -> list[str]:
+        """Every queue delivery tasks are routed to (default queue first)."""
+        names = [self.config.default_queue] + [s.queue for s in self._handlers.values() if s.queue]
+        return list(dict.fromkeys(names))
+
+    @property
     def queues(self) -> list[str]:
         """Every queue this outbox publishes to (claim queue first)."""
-        names = [self.config.claim_queue, self.config.default_queue]
-        names += [s.queue for s in self._handlers.values() if s.queue]
-        return list(dict.fromkeys(names))
+        return list(dict.fromkeys([self.config.claim_queue, *self.delivery_queues]))
 
     def _configure_hook(self) -> dict[str, Any]:
         self._configure_app()
@@ -271,8 +275,7 @@ class Outbox:
                 "outbox deliveries use their own limit below the lease"
             )
         kind = (pool or "").split(":", 1)[0].rsplit(".", 1)[-1].lower()
-        delivery_queues = {cfg.default_queue, *(s.queue for s in self._handlers.values() if s.queue)}
-        delivers = queues is None or bool(set(queues) & delivery_queues)
+        delivers = queues is None or bool(set(queues) & set(self.delivery_queues))
         if delivers and kind in _POOLS_WITHOUT_TIME_LIMITS:
             problems.append(
                 f"the {kind} pool does not enforce task time limits: a handler may outlive its "
