@@ -62,9 +62,15 @@ if not settings.configured:
     )
     django.setup()
 
+import uuid  # noqa: E402
+
+import psycopg  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 from django.db import connections  # noqa: E402
+from psycopg import sql  # noqa: E402
 from psycopg.conninfo import conninfo_to_dict  # noqa: E402
+
+from outbox_celery.testing import temporary_database, with_dbname  # noqa: E402
 
 
 def point_default_at(dsn: str) -> None:
@@ -92,8 +98,30 @@ def django_dsn(dsn: str) -> Iterator[str]:
         connections.close_all()
 
 
+@pytest.fixture(scope="session")
+def django_template(server_dsn: str) -> Iterator[str]:
+    """A database after ``manage.py migrate``, migrated once per session and copied per test."""
+    with temporary_database(server_dsn, prefix="outbox_django_template") as template:
+        point_default_at(template)
+        call_command("migrate", run_syncdb=True, verbosity=0)
+        connections.close_all()  # CREATE DATABASE ... TEMPLATE needs it unused
+        yield str(conninfo_to_dict(template)["dbname"])
+
+
 @pytest.fixture
-def django_db(django_dsn: str) -> str:
+def django_db(server_dsn: str, django_template: str) -> Iterator[str]:
     """A fresh database after ``manage.py migrate`` (Django's tables and the outbox table)."""
-    call_command("migrate", run_syncdb=True, verbosity=0)
-    return django_dsn
+    name = f"outbox_test_{uuid.uuid4().hex[:12]}"
+    create = sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+        sql.Identifier(name), sql.Identifier(django_template)
+    )
+    with psycopg.connect(server_dsn, autocommit=True) as admin:
+        admin.execute(create)
+    dsn = with_dbname(server_dsn, name)
+    point_default_at(dsn)
+    try:
+        yield dsn
+    finally:
+        connections.close_all()
+        with psycopg.connect(server_dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))

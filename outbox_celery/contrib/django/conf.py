@@ -27,6 +27,16 @@ def outbox_table() -> TableName:
     return TableName.parse(getattr(settings, "CELERY_OUTBOX_TABLE", None) or "outbox")
 
 
+def model_db_table() -> str:
+    """``db_table`` of the model over the table (``CELERY_OUTBOX_TABLE``).
+
+    Django quotes ``db_table`` as one identifier; for ``schema.name`` this spelling makes it
+    ``"schema"."name"``.
+    """
+    table = outbox_table()
+    return f'{table.schema}"."{table.name}' if table.schema else table.name
+
+
 def outbox_database() -> str:
     """``OUTBOX_DATABASE``: the alias in ``DATABASES`` that holds the outbox table (``"default"``)."""
     alias = getattr(settings, "OUTBOX_DATABASE", None) or DEFAULT_DB_ALIAS

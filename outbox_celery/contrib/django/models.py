@@ -13,15 +13,9 @@ from typing import Any, NoReturn
 
 from django.db import models
 
-from .conf import outbox_table
+from .conf import model_db_table
 
 __all__ = ["OutboxMessage", "Status"]
-
-
-def _db_table() -> str:
-    table = outbox_table()
-    # Django quotes db_table as one identifier; this spelling makes it "schema"."name".
-    return f'{table.schema}"."{table.name}' if table.schema else table.name
 
 
 class Status(models.TextChoices):
@@ -62,7 +56,7 @@ class OutboxMessage(models.Model):
 
     class Meta:
         managed = False
-        db_table = _db_table()
+        db_table = model_db_table()
         verbose_name = "outbox message"
         verbose_name_plural = "outbox messages"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from django.db import migrations, models
 
+from outbox_celery.contrib.django.conf import model_db_table
 from outbox_celery.contrib.django.migration import backwards, forwards
 
 
@@ -24,6 +25,13 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name="OutboxMessage",
             fields=[("id", models.BigAutoField(primary_key=True, serialize=False))],
-            options={"managed": False},
+            options={
+                "managed": False,
+                # The configured name, read when migrations load: the state always matches
+                # the model, whatever CELERY_OUTBOX_TABLE says (an unmanaged rename is a no-op).
+                "db_table": model_db_table(),
+                "verbose_name": "outbox message",
+                "verbose_name_plural": "outbox messages",
+            },
         ),
     ]
