@@ -232,7 +232,8 @@ def test_the_list_never_counts_the_whole_table(client: Client, pg: psycopg.Conne
         " SELECT 'bulk', 'o', i::text, '{}', 'dead' FROM generate_series(1, 1500) AS i"
     )
     pg.execute("ANALYZE outbox")
-    for query in ({}, {"status": "dead"}, {"status": "all"}, {"event_type": "bulk"}):
+    # _facets: Django 5's "Show counts" would count the table once per filter choice.
+    for query in ({}, {"status": "dead"}, {"status": "all"}, {"event_type": "bulk"}, {"_facets": "1"}):
         with CaptureQueriesContext(connection) as queries:
             ids = listed(client.get(_url(**query)))
         assert len(ids) == 50 and ids[0] > ids[-1]

@@ -281,6 +281,9 @@ class OutboxMessageAdmin(_ModelAdmin):
     sortable_by = ()
     ordering = ("-id",)
     show_full_result_count = False
+    # Django 5's per-choice facet counts would count the whole table once per filter choice.
+    if hasattr(admin, "ShowFacets"):
+        show_facets = admin.ShowFacets.NEVER
     paginator = EstimatedCountPaginator
     actions = ["requeue_dead", "skip_messages"]
     change_list_template = "admin/outbox_celery/outboxmessage/change_list.html"
@@ -395,7 +398,7 @@ class OutboxMessageAdmin(_ModelAdmin):
     @admin.display(description="last error")
     def error_excerpt(self, obj: OutboxMessage) -> str:
         text = (obj.last_error or "").splitlines()[0] if obj.last_error else ""
-        return text[:80] + ("…" if len(text) > 80 else "")
+        return text[:60] + ("…" if len(text) > 60 else "")
 
     # -- detail ----------------------------------------------------------------------------------
 
