@@ -135,6 +135,20 @@ def test_filter_choices_list_live_event_types_and_blocked_keys(client: Client, s
     assert "order:2 (blocked)" in page
 
 
+def test_a_rows_ordering_key_links_to_every_message_of_its_key(
+    client: Client, shop: dict[str, int], pg: psycopg.Connection[Any]
+) -> None:
+    (odd,) = add(pg, Event("x", {}, "a", 1, ordering_key="tenant #1 & co"))
+    page = client.get(_url()).content.decode()
+    link = re.search(r'<a href="\?(ordering_key=tenant[^"]*)">tenant #1 &amp; co</a>', page)
+    assert link is not None, page
+    assert listed(client.get(_url() + "?" + link.group(1).replace("&amp;", "&"))) == [odd]
+    link = re.search(r'<a href="\?(ordering_key=order[^"]*)">order:2</a>', page)
+    assert link is not None
+    expected = [shop["behind"], shop["dead_head"]]
+    assert listed(client.get(_url() + "?" + link.group(1).replace("&amp;", "&"))) == expected
+
+
 def test_the_detail_page_explains_a_dead_message_and_edits_nothing(
     client: Client, shop: dict[str, int]
 ) -> None:
@@ -197,6 +211,18 @@ def test_skip_asks_for_a_reason_then_unblocks_the_key(
         "skipped by operator: refunded by hand (Django admin user ops)"
     )
     assert listed(client.get(_url(blocked="heads"))) == []
+
+
+def test_the_detail_page_is_never_stale(client: Client, shop: dict[str, int]) -> None:
+    assert (
+        "head of its key; 1 unfinished message(s) after it"
+        in client.get(_detail(shop["dead_head"])).content.decode()
+    )
+    assert "Skipped 1" in _act(client, "skip_messages", [shop["behind"]], confirm="yes", reason="obsolete")
+    assert (
+        "head of its key; 0 unfinished message(s) after it"
+        in client.get(_detail(shop["dead_head"])).content.decode()
+    )
 
 
 def test_skip_refuses_a_processing_message(

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+from urllib.parse import urlencode
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -386,7 +387,8 @@ class OutboxMessageAdmin(_ModelAdmin):
     def ordering_key_link(self, obj: OutboxMessage) -> str:
         if obj.ordering_key is None:
             return "-"
-        return format_html('<a href="?ordering_key={}&status=all">{}</a>', obj.ordering_key, obj.ordering_key)
+        query = urlencode({"ordering_key": obj.ordering_key, "status": StatusFilter.ALL})
+        return format_html('<a href="?{}">{}</a>', query, obj.ordering_key)
 
     @admin.display(description="blocks")
     def blocks(self, obj: OutboxMessage) -> str:
@@ -414,12 +416,12 @@ class OutboxMessageAdmin(_ModelAdmin):
         return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', obj.last_error)
 
     def _explained(self, obj: OutboxMessage) -> dict[str, Any]:
-        cache: dict[int, dict[str, Any]] = self.__dict__.setdefault("_explain_cache", {})
-        if obj.pk not in cache:
-            row = core_admin.get_message(_psycopg(self.using), outbox_table(), obj.pk)
-            cache.clear()
-            cache[obj.pk] = row or {}
-        return cache[obj.pk]
+        # Kept on the instance, which lives for one request (the ModelAdmin is shared).
+        explained: dict[str, Any] | None = getattr(obj, "_outbox_explained", None)
+        if explained is None:
+            explained = core_admin.get_message(_psycopg(self.using), outbox_table(), obj.pk) or {}
+            obj._outbox_explained = explained  # type: ignore[attr-defined]
+        return explained
 
     @admin.display(description="state")
     def state(self, obj: OutboxMessage) -> str:
