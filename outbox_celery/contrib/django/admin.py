@@ -17,9 +17,9 @@
 from __future__ import annotations
 
 import json
-from urllib.parse import urlencode
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 import psycopg
 from django import forms
