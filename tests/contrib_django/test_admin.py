@@ -6,6 +6,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import django
 import psycopg
 import pytest
 from django.contrib.auth.models import User
@@ -258,8 +259,10 @@ def test_the_list_never_counts_the_whole_table(client: Client, pg: psycopg.Conne
         " SELECT 'bulk', 'o', i::text, '{}', 'dead' FROM generate_series(1, 1500) AS i"
     )
     pg.execute("ANALYZE outbox")
-    # _facets: Django 5's "Show counts" would count the table once per filter choice.
-    for query in ({}, {"status": "dead"}, {"status": "all"}, {"event_type": "bulk"}, {"_facets": "1"}):
+    pages: list[dict[str, str]] = [{}, {"status": "dead"}, {"status": "all"}, {"event_type": "bulk"}]
+    if django.VERSION >= (5, 0):  # Django 5's "Show counts" would count the table per filter choice
+        pages.append({"_facets": "1"})
+    for query in pages:
         with CaptureQueriesContext(connection) as queries:
             ids = listed(client.get(_url(**query)))
         assert len(ids) == 50 and ids[0] > ids[-1]
