@@ -1,0 +1,1 @@
+"""Integrations with frameworks: :mod:`outbox_celery.contrib.django`."""

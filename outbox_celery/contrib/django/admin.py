@@ -1,0 +1,519 @@
+"""The outbox in Django's admin, fit for a table with millions of rows.
+
+* No full ``COUNT(*)``: :class:`EstimatedCountPaginator` counts exactly up to a cap and above
+  it takes PostgreSQL's estimate (``EXPLAIN``); ``show_full_result_count`` is off.
+* Every filter reaches rows through the schema's partial indexes: the default view is the live
+  messages (pending, processing, dead; done rows are history), the status filter picks one
+  partial index, and the event type, ordering key, age and blocked filters narrow that set.
+  Columns are not sortable (a sort on millions of rows is a full scan); the order is newest id
+  first (the primary key).
+* Requeue and skip call :func:`outbox_celery.admin.requeue` and :func:`outbox_celery.admin.skip`:
+  the same semantics, row locks and all-or-nothing refusals as ``outbox-celery dead requeue`` and
+  ``outbox-celery dead skip``.
+* Nothing is editable: no add, no change form (the detail page is read-only), no delete (the
+  retention task purges done rows; live rows are never deleted).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
+
+import psycopg
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.views.main import ChangeList
+from django.core.paginator import Paginator
+from django.db import connections
+from django.db.models import Case, Count, Exists, IntegerField, OuterRef, Q, QuerySet, Subquery, Value, When
+from django.db.models.functions import Coalesce, Now
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.utils.functional import cached_property
+from django.utils.html import format_html
+
+from ... import admin as core_admin
+from .conf import outbox_database, outbox_table
+from .models import OutboxMessage, Status
+
+__all__ = ["EstimatedCountPaginator", "OutboxMessageAdmin"]
+
+# Exact counts up to this many rows (a bounded scan); above it, the planner's estimate.
+EXACT_COUNT_LIMIT = 1000
+# Actions take explicit ids; larger sets belong to `outbox-celery dead requeue --all`.
+MAX_ACTION_ROWS = 1000
+
+
+def _psycopg(using: str) -> psycopg.Connection[Any]:
+    wrapper = connections[using]
+    wrapper.ensure_connection()
+    conn: psycopg.Connection[Any] = wrapper.connection
+    return conn
+
+
+# -- which rows: every condition below matches the predicate of a partial index ---------------
+
+
+def status_q(status: str) -> Q:
+    """Rows of one status, written so PostgreSQL can use the partial indexes.
+
+    Pending rows live in two indexes (unordered: ``pending_idx``; ordered: ``ordered_idx``), so
+    the condition names both arms; a bare ``status = 'pending'`` would scan the table.
+    """
+    if status == Status.PENDING:
+        return Q(status=status, ordering_key__isnull=True) | Q(status=status, ordering_key__isnull=False)
+    return Q(status=status)
+
+
+def live_q() -> Q:
+    """Rows not done (pending, processing, dead): a bitmap OR of the partial indexes."""
+    return status_q(Status.PENDING) | Q(status=Status.PROCESSING) | Q(status=Status.DEAD)
+
+
+def _earlier_unfinished() -> QuerySet[OutboxMessage]:
+    return OutboxMessage.objects.filter(
+        ordering_key=OuterRef("ordering_key"), id__lt=OuterRef("id"), ordering_key__isnull=False
+    ).exclude(status=Status.DONE)
+
+
+def blocked_heads_q() -> Q:
+    """Dead messages at the head of their ordering key: each one holds its key (invariant 9)."""
+    return Q(status=Status.DEAD, ordering_key__isnull=False) & ~Q(Exists(_earlier_unfinished()))
+
+
+class StatusFilter(admin.SimpleListFilter):
+    """Live messages by default; one status, or everything including done."""
+
+    title = "status"
+    parameter_name = "status"
+    ALL = "all"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [
+            (Status.PENDING, "pending"),
+            (Status.PROCESSING, "processing"),
+            (Status.DEAD, "dead"),
+            (Status.DONE, "done"),
+            (self.ALL, "all, including done"),
+        ]
+
+    def choices(self, changelist: Any) -> Any:
+        yield {
+            "selected": self.value() is None,
+            "query_string": changelist.get_query_string(remove=[self.parameter_name]),
+            "display": "live (not done)",
+        }
+        for lookup, title in self.lookup_choices:
+            yield {
+                "selected": self.value() == str(lookup),
+                "query_string": changelist.get_query_string({self.parameter_name: lookup}),
+                "display": title,
+            }
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset.filter(live_q())
+        if value == self.ALL:
+            return queryset
+        if value in Status.values:
+            return queryset.filter(status_q(value))
+        return queryset.none()
+
+
+class EventTypeFilter(admin.SimpleListFilter):
+    """Event types of the live messages (listed from the partial indexes, never the history)."""
+
+    title = "event type"
+    parameter_name = "event_type"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        types = (
+            model_admin.get_queryset(request)
+            .filter(live_q())
+            .order_by()
+            .values_list("event_type", flat=True)
+            .distinct()
+        )
+        found = sorted(set(types[:100]))
+        value = self.value()
+        if value and value not in found:  # a done-only type reached by URL stays selectable
+            found.append(value)
+        return [(t, t) for t in found]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        return queryset.filter(event_type=self.value()) if self.value() else queryset
+
+
+class OrderingKeyFilter(admin.SimpleListFilter):
+    """Blocked ordering keys (dead head) are listed; any key can be reached from a row's link."""
+
+    title = "ordering key (blocked keys listed)"
+    parameter_name = "ordering_key"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        keys = list(
+            model_admin.get_queryset(request)
+            .filter(blocked_heads_q())
+            .order_by("id")
+            .values_list("ordering_key", flat=True)[:20]
+        )
+        choices = [(k, f"{k} (blocked)") for k in keys]
+        value = self.value()
+        if value and value not in keys:  # a key reached from a row's link stays selectable
+            choices.append((value, value))
+        return choices
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        return queryset.filter(ordering_key=self.value()) if self.value() else queryset
+
+
+class BlockedFilter(admin.SimpleListFilter):
+    """Dead heads that block their ordering key."""
+
+    title = "ordered delivery"
+    parameter_name = "blocked"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("heads", "dead heads blocking their key")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        return queryset.filter(blocked_heads_q()) if self.value() == "heads" else queryset
+
+
+class AgeFilter(admin.SimpleListFilter):
+    """Age since ``created_at``, measured with the database clock (``now()``)."""
+
+    title = "age"
+    parameter_name = "age"
+    AGES = {
+        "lt1h": ("newer than 1 hour", timedelta(hours=1), False),
+        "gt5m": ("older than 5 minutes", timedelta(minutes=5), True),
+        "gt1h": ("older than 1 hour", timedelta(hours=1), True),
+        "gt1d": ("older than 1 day", timedelta(days=1), True),
+        "gt7d": ("older than 7 days", timedelta(days=7), True),
+    }
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(k, v[0]) for k, v in self.AGES.items()]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        choice = self.AGES.get(self.value() or "")
+        if choice is None:
+            return queryset
+        _, age, older = choice
+        if older:
+            return queryset.filter(created_at__lte=Now() - age)
+        return queryset.filter(created_at__gt=Now() - age)
+
+
+if TYPE_CHECKING:
+    _ModelAdmin = admin.ModelAdmin[OutboxMessage]
+    _Paginator = Paginator[Any]
+else:  # Django's classes are not subscriptable at run time (django-stubs makes them generic)
+    _ModelAdmin = admin.ModelAdmin
+    _Paginator = Paginator
+
+
+# -- counting -----------------------------------------------------------------------------------
+
+
+class EstimatedCountPaginator(_Paginator):
+    """Exact up to :data:`EXACT_COUNT_LIMIT` rows, PostgreSQL's estimate above (never a full count)."""
+
+    @cached_property
+    def count(self) -> int:
+        qs: QuerySet[Any] = self.object_list  # type: ignore[assignment]
+        exact = int(qs[: EXACT_COUNT_LIMIT + 1].count())
+        if exact <= EXACT_COUNT_LIMIT:
+            return exact
+        return max(exact, self._estimate(qs))
+
+    @staticmethod
+    def _estimate(qs: QuerySet[Any]) -> int:
+        compiler = qs.order_by().query.get_compiler(using=qs.db)
+        text, params = compiler.as_sql()
+        with connections[qs.db].cursor() as cur:
+            # The statement is the ORM's own, with its parameters bound: nothing external is spliced.
+            cur.execute("EXPLAIN (FORMAT JSON) " + text, params)
+            plan = cur.fetchone()[0]
+        if isinstance(plan, str):
+            plan = json.loads(plan)
+        return int(plan[0]["Plan"]["Plan Rows"])
+
+
+class OutboxChangeList(ChangeList):
+    """Skips the unfiltered count Django would otherwise run for "N total"."""
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        self.full_result_count = None
+
+
+class SkipForm(forms.Form):
+    """The reason a skip requires (recorded in ``last_error``)."""
+
+    reason = forms.CharField(max_length=core_admin.MAX_REASON_LENGTH, strip=True)
+
+
+@admin.register(OutboxMessage)
+class OutboxMessageAdmin(_ModelAdmin):
+    """List, filter and explain outbox messages; requeue or skip dead ones."""
+
+    list_display = (
+        "id",
+        "event_type",
+        "status_badge",
+        "attempts",
+        "aggregate",
+        "ordering_key_link",
+        "blocks",
+        "created_at",
+        "available_at",
+        "error_excerpt",
+    )
+    list_display_links = ("id", "event_type")
+    list_filter = (StatusFilter, EventTypeFilter, OrderingKeyFilter, BlockedFilter, AgeFilter)
+    list_per_page = 50
+    list_max_show_all = 200
+    sortable_by = ()
+    ordering = ("-id",)
+    show_full_result_count = False
+    # Django 5's per-choice facet counts would count the whole table once per filter choice.
+    if hasattr(admin, "ShowFacets"):
+        show_facets = admin.ShowFacets.NEVER
+    paginator = EstimatedCountPaginator
+    actions = ["requeue_dead", "skip_messages"]
+    change_list_template = "admin/outbox_celery/outboxmessage/change_list.html"
+    fieldsets = (
+        (None, {"fields": ("id", "event_type", "status", "state", "aggregate_type", "aggregate_id")}),
+        ("Payload", {"fields": ("payload_json",)}),
+        ("Delivery", {"fields": ("attempts", "last_error_text", "available_at", "created_at", "done_at")}),
+        ("Lease", {"fields": ("lease_owner", "lease_until", "lease_version")}),
+        ("Ordering", {"fields": ("ordering_key", "key_position")}),
+    )
+    readonly_fields = (
+        "id",
+        "event_type",
+        "status",
+        "state",
+        "aggregate_type",
+        "aggregate_id",
+        "payload_json",
+        "attempts",
+        "last_error_text",
+        "available_at",
+        "created_at",
+        "done_at",
+        "lease_owner",
+        "lease_until",
+        "lease_version",
+        "ordering_key",
+        "key_position",
+    )
+
+    # -- where and how ---------------------------------------------------------------------------
+
+    @property
+    def using(self) -> str:
+        """The alias holding the table (``OUTBOX_DATABASE``)."""
+        return outbox_database()
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxMessage]:
+        waiting = (
+            OutboxMessage.objects.using(self.using)
+            .filter(ordering_key=OuterRef("ordering_key"), id__gt=OuterRef("id"), ordering_key__isnull=False)
+            .exclude(status=Status.DONE)
+            .order_by()
+            .values("ordering_key")
+            .annotate(n=Count("*"))
+            .values("n")
+        )
+        return (
+            super()
+            .get_queryset(request)
+            .using(self.using)
+            .annotate(
+                # Only dead ordered rows can block a key: the subquery runs for those alone.
+                waiting_behind=Case(
+                    When(
+                        status=Status.DEAD,
+                        ordering_key__isnull=False,
+                        then=Coalesce(Subquery(waiting, output_field=IntegerField()), Value(0)),
+                    ),
+                    default=Value(0),
+                    output_field=IntegerField(),
+                )
+            )
+        )
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return OutboxChangeList
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # The list's actions need "change"; a message's page is read-only (no form, no save).
+        return obj is None and super().has_change_permission(request, obj)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> Any:
+        context = dict(extra_context or {})
+        try:
+            context["outbox_stats"] = core_admin.stats(_psycopg(self.using), outbox_table(), timeout=2.0)
+        except psycopg.Error as exc:  # a slow or failing summary must not hide the list
+            context["outbox_stats_error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        context["outbox_table"] = str(outbox_table())
+        return super().changelist_view(request, extra_context=context)
+
+    # -- columns ---------------------------------------------------------------------------------
+
+    @admin.display(description="status")
+    def status_badge(self, obj: OutboxMessage) -> str:
+        colors = {"pending": "#447e9b", "processing": "#b07d00", "done": "#3a7d44", "dead": "#ba2121"}
+        return format_html('<b style="color:{}">{}</b>', colors.get(obj.status, "inherit"), obj.status)
+
+    @admin.display(description="aggregate")
+    def aggregate(self, obj: OutboxMessage) -> str:
+        return f"{obj.aggregate_type}:{obj.aggregate_id}"
+
+    @admin.display(description="ordering key")
+    def ordering_key_link(self, obj: OutboxMessage) -> str:
+        if obj.ordering_key is None:
+            return "-"
+        query = urlencode({"ordering_key": obj.ordering_key, "status": StatusFilter.ALL})
+        return format_html('<a href="?{}">{}</a>', query, obj.ordering_key)
+
+    @admin.display(description="blocks")
+    def blocks(self, obj: OutboxMessage) -> str:
+        n = int(getattr(obj, "waiting_behind", 0) or 0)
+        if obj.status != Status.DEAD or obj.ordering_key is None:
+            return "-"
+        return format_html('<b style="color:#ba2121">{} waiting</b>', n) if n else "0"
+
+    @admin.display(description="last error")
+    def error_excerpt(self, obj: OutboxMessage) -> str:
+        text = (obj.last_error or "").splitlines()[0] if obj.last_error else ""
+        return text[:60] + ("…" if len(text) > 60 else "")
+
+    # -- detail ----------------------------------------------------------------------------------
+
+    @admin.display(description="payload")
+    def payload_json(self, obj: OutboxMessage) -> str:
+        text = json.dumps(obj.payload, indent=2, ensure_ascii=False, sort_keys=True)
+        return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', text)
+
+    @admin.display(description="last error")
+    def last_error_text(self, obj: OutboxMessage) -> str:
+        if not obj.last_error:
+            return "-"
+        return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', obj.last_error)
+
+    def _explained(self, obj: OutboxMessage) -> dict[str, Any]:
+        # Kept on the instance, which lives for one request (the ModelAdmin is shared).
+        explained: dict[str, Any] | None = getattr(obj, "_outbox_explained", None)
+        if explained is None:
+            explained = core_admin.get_message(_psycopg(self.using), outbox_table(), obj.pk) or {}
+            obj._outbox_explained = explained  # type: ignore[attr-defined]
+        return explained
+
+    @admin.display(description="state")
+    def state(self, obj: OutboxMessage) -> str:
+        row = self._explained(obj)
+        fmt = core_admin.format_duration
+        if obj.status == Status.PENDING:
+            wait = row.get("available_in") or 0
+            if obj.ordering_key is not None and row.get("key_head") not in (None, obj.pk):
+                return f"waits behind message #{row['key_head']} of its ordering key"
+            return f"claimable in {fmt(wait)}" if wait > 0 else "claimable now"
+        if obj.status == Status.PROCESSING:
+            left = row.get("lease_expires_in")
+            if left is not None and left <= 0:
+                return f"lease expired {fmt(-left)} ago: the next claim takes it back (or reaps it)"
+            return f"leased to {obj.lease_owner or '?'} for {fmt(left)} more"
+        if obj.status == Status.DEAD:
+            behind = int(row.get("waiting_behind") or 0)
+            blocking = (
+                f"; blocks {behind} message(s) of its ordering key" if obj.ordering_key and behind else ""
+            )
+            return f"dead after {obj.attempts} attempt(s): requeue or skip it{blocking}"
+        return "done"
+
+    @admin.display(description="position in its key")
+    def key_position(self, obj: OutboxMessage) -> str:
+        if obj.ordering_key is None:
+            return "not ordered"
+        row = self._explained(obj)
+        head = row.get("key_head")
+        behind = int(row.get("waiting_behind") or 0)
+        where = "head of its key" if head == obj.pk else ("done" if head is None else f"behind #{head}")
+        return f"{where}; {behind} unfinished message(s) after it"
+
+    # -- actions ---------------------------------------------------------------------------------
+
+    def _ids(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> list[int] | None:
+        ids = list(queryset.order_by().values_list("id", flat=True)[: MAX_ACTION_ROWS + 1])
+        if len(ids) > MAX_ACTION_ROWS:
+            self.message_user(
+                request,
+                f"at most {MAX_ACTION_ROWS} messages per action; for more use "
+                "`outbox-celery dead requeue --all` (batched)",
+                messages.ERROR,
+            )
+            return None
+        return ids
+
+    def _who(self, request: HttpRequest) -> str:
+        user = getattr(request, "user", None)
+        return f"Django admin user {user.get_username()}" if user is not None else "Django admin"
+
+    @admin.action(description="Requeue selected dead messages", permissions=["change"])
+    def requeue_dead(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
+        """Dead -> pending now, attempts reset; refuses the whole selection if one is not dead."""
+        ids = self._ids(request, queryset)
+        if ids is None:
+            return
+        try:
+            done = core_admin.requeue(_psycopg(self.using), outbox_table(), ids, reason=self._who(request))
+        except core_admin.AdminError as exc:
+            self.message_user(request, f"nothing requeued: {exc}", messages.ERROR)
+            return
+        self.message_user(request, f"requeued {len(done)} message(s): {_id_list(done)}", messages.SUCCESS)
+
+    @admin.action(description="Skip selected messages (mark done without delivery)…", permissions=["change"])
+    def skip_messages(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> HttpResponse | None:
+        """Dead or pending -> done with a reason, after a confirmation page that asks for it."""
+        ids = self._ids(request, queryset)
+        if ids is None:
+            return None
+        form = SkipForm(request.POST if "confirm" in request.POST else None)
+        if "confirm" in request.POST and form.is_valid():
+            reason = f"{form.cleaned_data['reason']} ({self._who(request)})"
+            try:
+                done = core_admin.skip(_psycopg(self.using), outbox_table(), ids, reason=reason)
+            except core_admin.AdminError as exc:
+                self.message_user(request, f"nothing skipped: {exc}", messages.ERROR)
+                return None
+            self.message_user(request, f"skipped {len(done)} message(s): {_id_list(done)}", messages.SUCCESS)
+            return None
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Skip messages without delivering them",
+            "opts": self.model._meta,
+            "messages_to_skip": queryset.order_by("id")[:MAX_ACTION_ROWS],
+            "ids": ids,
+            "form": form,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/outbox_celery/outboxmessage/skip_confirmation.html", context)
+
+
+def _id_list(ids: list[int]) -> str:
+    shown = ", ".join(f"#{i}" for i in ids[:20])
+    return shown + (f" and {len(ids) - 20} more" if len(ids) > 20 else "")

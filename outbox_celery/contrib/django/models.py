@@ -1,0 +1,72 @@
+"""An unmanaged, read-only model over the outbox table, for the admin and for queries.
+
+The table belongs to the library (created by :func:`outbox_celery.migrate`); Django never
+creates, alters or writes it. Rows change state only through the library's fenced SQL
+(claim, finalize, the operator functions of :mod:`outbox_celery.admin`): saving or deleting a
+model instance raises, because an ORM write would bypass the lease fence (invariant 4).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, NoReturn
+
+from django.db import models
+
+from .conf import model_db_table
+
+__all__ = ["OutboxMessage", "Status"]
+
+
+class Status(models.TextChoices):
+    """The four states of a message (docs/design.md)."""
+
+    PENDING = "pending"
+    PROCESSING = "processing"
+    DONE = "done"
+    DEAD = "dead"
+
+
+class ReadOnlyError(Exception):
+    """An ORM write to the outbox table was attempted."""
+
+
+class OutboxMessage(models.Model):
+    """One row of the outbox table (``CELERY_OUTBOX_TABLE``)."""
+
+    id: models.BigAutoField[int, int] = models.BigAutoField(primary_key=True)
+    event_type: models.TextField[str, str] = models.TextField()
+    aggregate_type: models.TextField[str, str] = models.TextField()
+    aggregate_id: models.TextField[str, str] = models.TextField()
+    payload: models.JSONField[Any, Any] = models.JSONField()
+    ordering_key: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
+    created_at: models.DateTimeField[datetime, datetime] = models.DateTimeField()
+    status: models.TextField[str, str] = models.TextField(choices=Status.choices)
+    available_at: models.DateTimeField[datetime, datetime] = models.DateTimeField()
+    attempts: models.IntegerField[int, int] = models.IntegerField()
+    lease_owner: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
+    lease_until: models.DateTimeField[datetime | None, datetime | None] = models.DateTimeField(
+        null=True, blank=True
+    )
+    lease_version: models.BigIntegerField[int, int] = models.BigIntegerField()
+    last_error: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
+    done_at: models.DateTimeField[datetime | None, datetime | None] = models.DateTimeField(
+        null=True, blank=True
+    )
+
+    class Meta:
+        managed = False
+        db_table = model_db_table()
+        verbose_name = "outbox message"
+        verbose_name_plural = "outbox messages"
+
+    def __str__(self) -> str:
+        return f"#{self.pk} {self.event_type} ({self.status})"
+
+    def save(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refuse: rows change only through the library's fenced SQL."""
+        raise ReadOnlyError("outbox rows are written by outbox_celery.enqueue and the dispatcher only")
+
+    def delete(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refuse: done rows are purged by retention, live rows are never deleted."""
+        raise ReadOnlyError("outbox rows are purged by the retention task (outbox-celery purge)")
