@@ -195,10 +195,9 @@ class Dispatcher:
         run.in_flight_limit = limit = self.in_flight_limit(conn)
         while True:
             room = limit - self.store.in_flight(conn)
-            if room <= 0:
-                run.stopped_by = "in_flight_bound"
-                return
-            want = min(cfg.batch_size, room)
+            # A full bound stops new claims only: the reap and the re-claim of expired leases
+            # run anyway, or lost tasks would hold the outbox still (DESIGN invariant 16).
+            want = max(0, min(cfg.batch_size, room))
             result = self.store.claim(
                 conn,
                 limit=want,
@@ -206,6 +205,7 @@ class Dispatcher:
                 owner=owner,
                 max_attempts=cfg.max_attempts,
                 event_types=event_types,
+                expired_limit=cfg.batch_size,
             )
             run.batches += 1
             run.reaped += result.reaped
@@ -228,6 +228,9 @@ class Dispatcher:
                         extra={"outcome": "released", "released": len(unpublished)},
                     )
                     return
+            if want == 0:
+                run.stopped_by = "in_flight_bound"
+                return
             if len(result.claimed) < want:
                 run.stopped_by = "drained"
                 return

@@ -175,7 +175,7 @@ class Store:
         conn.execute(self._q["claim_unlock"], {"table": self._regclass(conn)})
 
     def in_flight(self, conn: psycopg.Connection[Any]) -> int:
-        """Rows claimed and not finished (``processing``)."""
+        """Live leases: rows ``processing`` whose lease has not run out (DESIGN invariant 16)."""
         row = conn.execute(self._q["count_in_flight"]).fetchone()
         return int(row[0]) if row else 0
 
@@ -193,15 +193,20 @@ class Store:
         owner: str,
         max_attempts: int,
         event_types: Sequence[str] | None = None,
+        expired_limit: int | None = None,
     ) -> ClaimResult:
         """Reap and claim up to ``limit`` rows in one short transaction, then commit.
 
         Order: expired leases with attempts left first (they have waited longest), then ordered
         heads and unordered pending rows share what is left, so neither starves the other.
         Rows whose attempts are exhausted and whose lease expired go ``dead`` (the reap).
+
+        The reap and the re-claim of expired leases (up to ``expired_limit``, default ``limit``)
+        run even when ``limit`` is 0: the in-flight bound counts live leases only, and expired
+        ones must come back whatever it says (DESIGN invariants 10, 16).
         """
-        if limit < 1:
-            return ClaimResult([], 0)
+        limit = max(0, limit)
+        expired_limit = limit if expired_limit is None else max(0, expired_limit)
         base = {
             "lease": lease,
             "owner": owner,
@@ -225,7 +230,8 @@ class Store:
                         "outbox_table": self.table.qualified,
                     },
                 )
-            claimed += self._claim_one(conn, "claim_expired", base, limit)
+            if expired_limit > 0:
+                claimed += self._claim_one(conn, "claim_expired", base, expired_limit)
             room = limit - len(claimed)
             if room > 0:
                 claimed += self._claim_one(conn, "claim_heads", base, max(1, (room + 1) // 2))

@@ -36,7 +36,10 @@ SELECT pg_advisory_unlock(hashtextextended(
     'outbox_celery:claim:' || %(table)s::regclass::oid::text, 0));
 
 -- name: count_in_flight
-SELECT count(*) FROM {table} WHERE status = 'processing';
+-- Live leases only (DESIGN invariant 16): a row whose lease ran out holds no worker, so a lost
+-- task (no consumer, flushed broker, a deploy with every delivery worker down) never fills the
+-- bound; the claim takes such rows back whatever the bound says.
+SELECT count(*) FROM {table} WHERE status = 'processing' AND lease_until > now();
 
 -- name: count_recent_done
 -- Rows finished in the last window, counted up to a cap so the cost stays bounded.
