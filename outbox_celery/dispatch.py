@@ -72,6 +72,8 @@ class ClaimRun:
     published: int = 0
     released: int = 0
     reaped: int = 0
+    lost: int = 0
+    unroutable: int = 0
     batches: int = 0
     in_flight_limit: int = 0
     skipped: bool = False
@@ -86,6 +88,8 @@ class ClaimRun:
             "published": self.published,
             "released": self.released,
             "reaped": self.reaped,
+            "lost": self.lost,
+            "unroutable": self.unroutable,
             "batches": self.batches,
             "in_flight_limit": self.in_flight_limit,
             "skipped": self.skipped,
@@ -170,7 +174,7 @@ class Dispatcher:
             finally:
                 self.store.claim_unlock(conn)
         run.seconds = time.monotonic() - started
-        if run.claimed or run.reaped or run.released:
+        if run.claimed or run.reaped or run.released or run.lost or run.unroutable:
             logger.info(
                 "outbox claim run: claimed=%s published=%s released=%s reaped=%s in %.3fs",
                 run.claimed,
@@ -206,9 +210,12 @@ class Dispatcher:
                 max_attempts=cfg.max_attempts,
                 event_types=event_types,
                 expired_limit=cfg.batch_size,
+                unroutable_delay=cfg.unroutable_delay,
             )
             run.batches += 1
             run.reaped += result.reaped
+            run.lost += result.lost
+            run.unroutable += result.unroutable
             run.claimed += len(result.claimed)
             if result.claimed:
                 published = 0

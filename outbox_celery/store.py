@@ -55,6 +55,10 @@ class ClaimResult:
 
     claimed: list[Claimed]
     reaped: int
+    #: Expired claims whose task never started, given back to pending with a growing delay.
+    lost: int = 0
+    #: Expired leases of event types the claimer has no handler for, given back as unroutable.
+    unroutable: int = 0
 
 
 class Store:
@@ -194,6 +198,7 @@ class Store:
         max_attempts: int,
         event_types: Sequence[str] | None = None,
         expired_limit: int | None = None,
+        unroutable_delay: float = 60.0,
     ) -> ClaimResult:
         """Reap and claim up to ``limit`` rows in one short transaction, then commit.
 
@@ -203,7 +208,9 @@ class Store:
 
         The reap and the re-claim of expired leases (up to ``expired_limit``, default ``limit``)
         run even when ``limit`` is 0: the in-flight bound counts live leases only, and expired
-        ones must come back whatever it says (DESIGN invariants 10, 16).
+        ones must come back whatever it says (DESIGN invariants 10, 16). Expired claims whose
+        task never started (lost) and expired leases of event types not in ``event_types``
+        (unroutable, after ``unroutable_delay``) go back to ``pending`` first, no attempt spent.
         """
         limit = max(0, limit)
         expired_limit = limit if expired_limit is None else max(0, expired_limit)
@@ -216,6 +223,7 @@ class Store:
         claimed: list[Claimed] = []
         with conn.transaction():
             conn.execute(self._q["claim_settings"])
+            lost, unroutable = self._release_expired(conn, base, lease, unroutable_delay)
             reaped = conn.execute(self._q["reap"], {"max_attempts": max_attempts, "limit": 1000})
             reaped_rows = reaped.fetchall()
             for row in reaped_rows:
@@ -244,7 +252,50 @@ class Store:
                 claimed += self._claim_one(conn, "claim_heads", base, room)
         self._count("claimed", len(claimed))
         self._count("reaped", len(reaped_rows))
-        return ClaimResult(claimed, len(reaped_rows))
+        self._count("lost_tasks", lost)
+        self._count("unroutable", unroutable)
+        return ClaimResult(claimed, len(reaped_rows), lost, unroutable)
+
+    def _release_expired(
+        self, conn: psycopg.Connection[Any], base: dict[str, Any], lease: float, unroutable_delay: float
+    ) -> tuple[int, int]:
+        """Lost claims and unroutable expired leases back to pending (no attempt spent)."""
+        params = {**base, "limit": 1000, "lease": lease, "unroutable_delay": unroutable_delay}
+        rows = conn.execute(self._q["release_expired"], params).fetchall()
+        lost: Counter[str] = Counter()
+        unroutable: Counter[str] = Counter()
+        for _id, _version, event_type, routable, _unstarted in rows:
+            (lost if routable else unroutable)[str(event_type)] += 1
+        for event_type, n in sorted(lost.items()):
+            most = max(int(r[4]) for r in rows if r[2] == event_type and r[3])
+            logger.warning(
+                "outbox: %s claim(s) of %r expired without a worker starting them (up to %s in a "
+                "row); back to pending after a delay, no attempt spent. Does its queue have a consumer?",
+                n,
+                event_type,
+                most,
+                extra={
+                    "event_type": event_type,
+                    "outcome": "lost_task",
+                    "released": n,
+                    "unstarted_claims": most,
+                    "outbox_table": self.table.qualified,
+                },
+            )
+        for event_type, n in sorted(unroutable.items()):
+            logger.warning(
+                "outbox: %s expired lease(s) of %r, which has no handler here: back to pending as "
+                "unroutable, no attempt spent",
+                n,
+                event_type,
+                extra={
+                    "event_type": event_type,
+                    "outcome": "unroutable",
+                    "released": n,
+                    "outbox_table": self.table.qualified,
+                },
+            )
+        return sum(lost.values()), sum(unroutable.values())
 
     def _claim_one(
         self, conn: psycopg.Connection[Any], query: str, base: dict[str, Any], limit: int

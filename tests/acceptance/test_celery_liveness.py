@@ -15,12 +15,13 @@ from collections import Counter
 import pytest
 from support.db import calls, statuses
 
-from acceptance.conftest import Harness
+from acceptance.conftest import DEFAULT_EVENT, Harness
 
 pytestmark = pytest.mark.slow
 
 BOUND = 10
 LEASE = 2.0
+ORPHAN = "orphan.event"
 
 
 def _attempts_match_handler_runs(harness: Harness) -> None:
@@ -53,3 +54,33 @@ def test_invariant_16_a_deploy_outage_of_several_leases_does_not_stop_the_outbox
     assert {r["status"] for r in rows} == {"done"}
     _attempts_match_handler_runs(harness)
     assert max(r["lease_version"] for r in rows) > 1, "no lease expired: the outage was not seen"
+
+
+def test_invariant_16_an_event_type_whose_queue_has_no_consumer_does_not_freeze_the_others(
+    harness: Harness,
+) -> None:
+    # The orphan's rows are older, so the claim hands them out first, again and again; nobody
+    # consumes their queue. The other event type must still be delivered, and the orphan's rows
+    # must spend no attempt and never go dead.
+    harness.configure(
+        routes={DEFAULT_EVENT: None, ORPHAN: harness.q("outbox.orphan")},
+        lease=LEASE,
+        max_in_flight=BOUND,
+        batch_size=BOUND,
+        adaptive_in_flight=False,
+    )
+    orphans = harness.enqueue(3 * BOUND, event_type=ORPHAN)
+    ids = harness.enqueue(6 * BOUND)
+    harness.worker([harness.claim_queue, harness.default_queue])
+    harness.beat()
+
+    def delivered() -> bool:
+        done = {r["id"] for r in harness.rows() if r["status"] == "done"}
+        return done >= set(ids)
+
+    harness.wait(delivered, timeout=60.0, what="every message of the consumed queue delivered")
+    by_id = {r["id"]: r for r in harness.rows()}
+    assert {by_id[i]["status"] for i in orphans} <= {"pending", "processing"}
+    assert {by_id[i]["attempts"] for i in orphans} == {0}
+    assert max(by_id[i]["lease_version"] for i in orphans) >= 1
+    _attempts_match_handler_runs(harness)
