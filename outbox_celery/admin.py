@@ -133,6 +133,10 @@ class EventTypeStats:
     :ivar ready: pending messages claimable now (due, and in turn for ordered ones).
     :ivar oldest_pending_age: seconds since ``created_at`` of its oldest pending message.
     :ivar has_handler: whether the loaded app has a handler for it (``None``: not known).
+    :ivar unstarted: pending or processing messages claimed since their last start without a
+        worker starting them (their tasks were lost: a queue with no consumer, a flushed
+        broker, tasks expired in a queue). A live lease's own claim does not count yet.
+    :ivar unstarted_claims: the most such claims in a row of one of those messages.
     """
 
     event_type: str
@@ -142,6 +146,8 @@ class EventTypeStats:
     dead: int
     oldest_pending_age: float | None
     has_handler: bool | None = None
+    unstarted: int = 0
+    unstarted_claims: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +181,8 @@ class Stats:
     :ivar attempts: the attempts histogram of live rows.
     :ivar event_types: live rows per event type.
     :ivar unroutable: pending event types with no handler (only when handlers were given).
+    :ivar unstarted: messages whose latest claims' tasks never started, all event types (see
+        :attr:`EventTypeStats.unstarted`).
     """
 
     table: str
@@ -191,6 +199,7 @@ class Stats:
     attempts: list[AttemptsBucket]
     event_types: list[EventTypeStats]
     unroutable: list[str] | None = field(default=None)
+    unstarted: int = 0
 
     @property
     def dead(self) -> int:
@@ -234,6 +243,8 @@ def stats(
             dead=int(e["dead"]),
             oldest_pending_age=e["oldest_pending_age"],
             has_handler=None if known is None else e["event_type"] in known,
+            unstarted=int(e["unstarted"]),
+            unstarted_claims=int(e["unstarted_claims"]),
         )
         for e in row["event_types"]
     ]
@@ -255,6 +266,7 @@ def stats(
         attempts=[AttemptsBucket(**{k: int(v) for k, v in a.items()}) for a in row["attempts"]],
         event_types=types,
         unroutable=unroutable,
+        unstarted=int(row["unstarted"]),
     )
 
 

@@ -379,7 +379,18 @@ def migrate(target: Target, check: bool, as_json: bool) -> None:
         click.echo(f"{table.qualified} is already up to date (version {max(current)})")
 
 
-def _attention(s: admin.Stats) -> list[str]:
+def _unstarted_line(e: admin.EventTypeStats, outbox: Outbox | None) -> str:
+    """A queue with no consumer shows as claims nobody starts (DESIGN invariants 10, 16)."""
+    queue = "its queue"
+    if outbox is not None and e.event_type in outbox.handlers:
+        queue = f"queue {outbox.queue_for(e.event_type)!r}"
+    return (
+        f"event type {e.event_type!r}: {e.unstarted} message(s) claimed up to {e.unstarted_claims} "
+        f"time(s) without a worker starting them: does {queue} have a consumer?"
+    )
+
+
+def _attention(s: admin.Stats, outbox: Outbox | None = None) -> list[str]:
     """What needs a human now, as short phrases (the figures that should be zero)."""
     items = []
     if s.dead:
@@ -390,6 +401,7 @@ def _attention(s: admin.Stats) -> list[str]:
         items.append(f"{s.expired_leases} expired lease(s) (workers lost or stuck?)")
     if s.unroutable:
         items.append(f"no handler for {', '.join(s.unroutable)}")
+    items += [_unstarted_line(e, outbox) for e in s.event_types if e.unstarted]
     return items
 
 
@@ -410,7 +422,7 @@ def stats(target: Target, as_json: bool) -> None:
     fd = admin.format_duration
     click.echo(f"outbox {target.where}")
     click.echo(f"database time {s.now:%Y-%m-%d %H:%M:%S %Z}")
-    click.echo(f"attention: {'; '.join(_attention(s)) or 'none'}")
+    click.echo(f"attention: {'; '.join(_attention(s, target.outbox)) or 'none'}")
     click.echo("")
     in_order = s.counts["pending"] - s.ready - s.scheduled
     notes = {
@@ -447,16 +459,24 @@ def stats(target: Target, as_json: bool) -> None:
         )
         click.echo("")
     if s.event_types:
-        headers = ["event type", "pending", "ready", "processing", "dead", "oldest pending"]
+        headers = ["event type", "pending", "ready", "processing", "dead", "unstarted", "oldest pending"]
         if handlers is not None:
             headers.append("handler")
         rows2: list[list[Any]] = []
         for e in s.event_types:
-            r: list[Any] = [e.event_type, e.pending, e.ready, e.processing, e.dead, fd(e.oldest_pending_age)]
+            r: list[Any] = [
+                e.event_type,
+                e.pending,
+                e.ready,
+                e.processing,
+                e.dead,
+                e.unstarted,
+                fd(e.oldest_pending_age),
+            ]
             if handlers is not None:
                 r.append("yes" if e.has_handler else "NO")
             rows2.append(r)
-        click.echo(_table(headers, rows2, right=[1, 2, 3, 4]))
+        click.echo(_table(headers, rows2, right=[1, 2, 3, 4, 5]))
         click.echo("")
     else:
         click.echo("no live messages (nothing pending, processing or dead)")
