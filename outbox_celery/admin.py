@@ -377,16 +377,31 @@ def get_message(
 def _check_statuses(
     conn: psycopg.Connection[Any], table: str | TableName, ids: list[int], allowed: tuple[str, ...], verb: str
 ) -> None:
-    """Lock ``ids`` and refuse (raise) unless every one exists with an allowed status."""
-    found = {int(r[0]): str(r[1]) for r in conn.execute(_q(table, "lock_ids"), {"ids": ids}).fetchall()}
+    """Lock ``ids`` and refuse (raise) unless every one exists with an allowed status.
+
+    A ``processing`` row whose lease has expired is allowed too: no worker holds it (its task
+    was lost, or its event type has no handler any more). A live lease is refused.
+    """
+    rows = conn.execute(_q(table, "lock_ids"), {"ids": ids}).fetchall()
+    found = {int(r[0]): str(r[1]) for r in rows}
+    lease_in = {int(r[0]): r[2] for r in rows}
     missing = [i for i in ids if i not in found]
     if missing:
         raise AdminError(f"no message with id {', '.join(map(str, missing))} in {TableName.parse(table)}")
-    wrong = [f"{i} is {found[i]}" for i in ids if found[i] not in allowed]
+    live = [i for i in ids if found[i] == "processing" and (lease_in[i] is None or lease_in[i] > 0)]
+    if live:
+        raise AdminError(
+            f"cannot {verb}: message {', '.join(map(str, live))} is processing under a live lease "
+            f"(ends in {format_duration(math.ceil(max(lease_in[i] or 0.0 for i in live)))}; "
+            "a worker may be running it): "
+            "try again once the lease has expired"
+        )
+    wrong = [f"{i} is {found[i]}" for i in ids if found[i] not in (*allowed, "processing")]
     if wrong:
         past = {"requeue": "requeued", "skip": "skipped"}.get(verb, verb)
         raise AdminError(
-            f"cannot {verb}: message {'; '.join(wrong)} (only {' or '.join(allowed)} messages can be {past})"
+            f"cannot {verb}: message {'; '.join(wrong)} (only {' or '.join(allowed)} messages, "
+            f"or processing ones whose lease expired, can be {past})"
         )
 
 
@@ -409,6 +424,8 @@ def requeue(
 ) -> list[int]:
     """Dead -> pending now, attempts reset, the previous error kept behind a prefix.
 
+    A ``processing`` message whose lease has expired is requeued the same way (its task was
+    lost, or its event type lost its handler); one under a live lease is refused.
     All or nothing: if any id is unknown or not dead, :class:`AdminError` is raised and nothing
     changes. Returns the requeued ids.
     """
@@ -473,8 +490,9 @@ def skip(
 ) -> list[int]:
     """Mark dead (or pending) messages done without delivering them, recording ``reason``.
 
-    Used to unblock an ordered key whose head can never be delivered. Processing messages are
-    refused (a worker holds them). All or nothing, like :func:`requeue`.
+    Used to unblock an ordered key whose head can never be delivered. A ``processing`` message
+    is skipped only once its lease has expired (no worker holds it any more); under a live lease
+    it is refused. All or nothing, like :func:`requeue`.
     """
     wanted = _ids(ids)
     if not wanted:

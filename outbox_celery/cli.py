@@ -643,7 +643,8 @@ def dead_requeue(
 ) -> None:
     """Deliver again: back to pending now, attempts reset.
 
-    The old error is kept in last_error behind a prefix.
+    The old error is kept in last_error behind a prefix. Processing messages whose lease
+    expired (lost task, removed handler) can be requeued by id; live leases are refused.
 
     Give ids, or --all. Unknown or not-dead ids refuse the whole command.
     """
@@ -677,6 +678,7 @@ def dead_skip(target: Target, ids: tuple[int, ...], reason: str | None, as_json:
     """Never deliver: mark dead (or pending) messages done.
 
     Unblocks an ordered key whose head can never be delivered. The reason is recorded.
+    Processing messages whose lease expired can be skipped; live leases are refused.
     """
     if not ids:
         raise click.ClickException("nothing to skip: give message ids")

@@ -161,21 +161,28 @@ WHERE o.id = %(id)s;
 
 -- name: lock_ids
 -- The operator's explicit ids, locked in id order (two operators never deadlock) so that the
--- check and the change see the same rows.
-SELECT id, status FROM {table} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE;
+-- check and the change see the same rows. lease_in: seconds until a processing row's lease
+-- ends (<= 0: expired, no worker holds it any more).
+SELECT id, status, extract(epoch FROM lease_until - now())::float8 AS lease_in
+FROM {table} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE;
 
 -- name: requeue_ids
 -- Dead -> pending, claimable now, attempts reset; the previous error is kept behind a prefix.
--- lease_version is never reset: it is the fencing token and only ever grows.
+-- lease_version is never reset: it is the fencing token and only ever grows. A processing row
+-- whose lease expired (its task lost, its event type without a handler) may be requeued too
+-- (DESIGN invariant 10): no worker holds it, and a straggler's task is fenced off by status.
+-- The count of claims that never started starts again from zero.
 UPDATE {table}
 SET status = 'pending',
     attempts = 0,
     available_at = now(),
     lease_until = NULL,
+    started_version = lease_version,
     last_error = left('requeued by operator' || coalesce(': ' || %(reason)s::text, '')
                       || ' (attempts were ' || attempts || ')'
                       || coalesce('; previous error: ' || last_error, ''), 8000)
-WHERE id = ANY(%(ids)s::bigint[]) AND status = 'dead'
+WHERE id = ANY(%(ids)s::bigint[])
+  AND (status = 'dead' OR (status = 'processing' AND lease_until <= now()))
 RETURNING id;
 
 -- name: requeue_batch
@@ -194,6 +201,7 @@ SET status = 'pending',
     attempts = 0,
     available_at = now(),
     lease_until = NULL,
+    started_version = o.lease_version,
     last_error = left('requeued by operator' || coalesce(': ' || %(reason)s::text, '')
                       || ' (attempts were ' || o.attempts || ')'
                       || coalesce('; previous error: ' || o.last_error, ''), 8000)
@@ -203,7 +211,8 @@ RETURNING o.id;
 
 -- name: skip_ids
 -- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded. In SET,
--- "status" still reads the old value.
+-- "status" still reads the old value. A processing row whose lease expired may be skipped too
+-- (DESIGN invariant 10); a live lease never (a worker may be running it).
 UPDATE {table}
 SET status = 'done',
     done_at = now(),
@@ -211,7 +220,8 @@ SET status = 'done',
     last_error = left('skipped by operator: ' || %(reason)s::text || ' (was ' || status
                       || ', attempts ' || attempts || ')'
                       || coalesce('; previous error: ' || last_error, ''), 8000)
-WHERE id = ANY(%(ids)s::bigint[]) AND status IN ('dead', 'pending')
+WHERE id = ANY(%(ids)s::bigint[])
+  AND (status IN ('dead', 'pending') OR (status = 'processing' AND lease_until <= now()))
 RETURNING id;
 
 -- name: purge_cutoff

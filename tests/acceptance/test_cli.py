@@ -369,6 +369,36 @@ def test_dead_list_show_and_skip(migrated_dsn: str, conn: psycopg.Connection[Any
     assert claim(store, conn) == [keyed[1]]  # the key moves on
 
 
+def test_dead_requeue_and_skip_move_expired_processing_rows_and_refuse_live_ones(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    # Invariant 10: a processing row nobody holds any more (lease expired) is the operator's.
+    expired = add(conn, 2, table=table)
+    live = add(conn, 1, table=table)
+    update(
+        conn,
+        table,
+        expired,
+        "status = 'processing', lease_version = 1, lease_until = now() - interval '1 minute'",
+    )
+    update(
+        conn, table, live, "status = 'processing', lease_version = 1, lease_until = now() + interval '1 hour'"
+    )
+    before = snapshot(conn, table)
+    for args in (("requeue", str(expired[0]), str(live[0])), ("skip", str(live[0]), "--reason", "x")):
+        line = one_line_error(run("dead", *args, dsn=migrated_dsn))
+        assert f"message {live[0]} is processing under a live lease" in line
+    assert snapshot(conn, table) == before
+
+    out = ok(run("dead", "requeue", str(expired[0]), dsn=migrated_dsn))
+    assert out.strip() == f"requeued 1 dead message(s): {expired[0]}"
+    assert status_of(conn, table, expired[0])["status"] == "pending"
+    out = ok(run("dead", "skip", str(expired[1]), "--reason", "handler removed", dsn=migrated_dsn))
+    assert out.strip() == f"skipped 1 message(s): {expired[1]}"
+    assert status_of(conn, table, expired[1])["status"] == "done"
+    assert status_of(conn, table, live[0])["status"] == "processing"
+
+
 def test_requeue_of_an_ordered_dead_head_lets_its_key_move_again(
     migrated_dsn: str, conn: psycopg.Connection[Any], table: str
 ) -> None:
