@@ -304,7 +304,11 @@ class Store:
         return [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in cur.fetchall()]
 
     def release(self, conn: psycopg.Connection[Any], claims: Sequence[Claimed]) -> int:
-        """Give unpublished claims back: ``pending`` now, no attempt spent (invariant 12)."""
+        """Give unpublished claims back: ``pending`` now, no attempt spent (invariant 12).
+
+        A claim whose fenced start has run is left alone (a publish that raised although the
+        broker got the task): its worker holds the row. Returns how many rows went back.
+        """
         if not claims:
             return 0
         with conn.transaction():

@@ -272,10 +272,13 @@ RETURNING id;
 
 -- name: release
 -- Claimed rows that never reached a worker (publish failed): pending now, no attempt spent.
+-- Fenced on the start too: a publish can raise although the broker got the message, and a
+-- worker that already started this claim must keep its row (DESIGN invariants 4, 12).
 UPDATE {table} AS o
 SET status = 'pending', available_at = now(), lease_until = NULL
 FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS r(id, version)
 WHERE o.id = r.id AND o.lease_version = r.version AND o.status = 'processing'
+  AND o.started_version < r.version
 RETURNING o.id;
 
 -- name: postpone

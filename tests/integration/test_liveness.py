@@ -119,3 +119,22 @@ def test_invariant_10_a_lost_claim_of_an_unroutable_event_type_also_goes_back_as
     row = fetch(conn, table, gone)
     assert row["status"] == "pending"
     assert row["last_error"].startswith("unroutable:")
+
+
+def test_invariant_12_release_never_touches_a_claim_whose_fenced_start_has_run(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Any
+) -> None:
+    # The publish raised although the broker had taken the task, and a worker started it: the
+    # claim run's release must leave the row to that worker (invariant 4: its fence holds).
+    [started_row, unsent] = add(conn, 2, table=table)
+    claims = _claim(store, conn, lease=LONG).claimed
+    worker = connect()
+    msg = store.start(worker, started_row, claims[0].lease_version, lease=LONG, max_attempts=3)
+    assert msg is not None
+    assert store.release(conn, claims) == 1
+    row = fetch(conn, table, started_row)
+    assert (row["status"], row["attempts"], row["lease_version"]) == ("processing", 1, 1)
+    assert fetch(conn, table, unsent)["status"] == "pending"
+    # Not claimable again while its handler runs, and its worker's finalize wins.
+    assert claim_ids(store, conn) == [unsent]
+    assert store.done(worker, started_row, claims[0].lease_version) is True
