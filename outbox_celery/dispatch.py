@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 
@@ -28,6 +28,8 @@ from .store import Claimed, Store
 __all__ = ["ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 Handler = Callable[[Message], Any]
 ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
@@ -269,14 +271,15 @@ class Dispatcher:
         log.update(event_type=msg.event_type, attempt=msg.attempts)
         spec = self.handlers.get(msg.event_type)
         if spec is None:
-            with self.connection() as conn:
-                store.postpone(
-                    conn,
-                    outbox_id,
-                    lease_version,
-                    delay=cfg.unroutable_delay,
-                    error=f"unroutable: no handler for event type {msg.event_type!r} in this worker",
-                )
+            why = f"unroutable: no handler for event type {msg.event_type!r} in this worker"
+            self._fenced_write(
+                "postpone",
+                outbox_id,
+                lease_version,
+                lambda conn: store.postpone(
+                    conn, outbox_id, lease_version, delay=cfg.unroutable_delay, error=why
+                ),
+            )
             logger.warning(
                 "outbox id %s: no handler for %r here; postponed %.0fs",
                 outbox_id,
@@ -308,8 +311,13 @@ class Dispatcher:
         except BaseException as e:
             # Not classified by the handler: record it, let Celery report a failure, and let
             # the row come back through its lease. Never a silent "transient" retry.
-            with self.connection() as conn:
-                store.record_error(conn, outbox_id, lease_version, error=_error_text(e))
+            error = _error_text(e)
+            self._fenced_write(
+                "record_error",
+                outbox_id,
+                lease_version,
+                lambda conn: store.record_error(conn, outbox_id, lease_version, error=error),
+            )
             logger.error(
                 "outbox id %s handler raised %s; row returns after its lease",
                 outbox_id,
@@ -332,18 +340,43 @@ class Dispatcher:
         )
         return outcome
 
+    def _fenced_write(
+        self, op: str, outbox_id: int, version: int, write: Callable[[psycopg.Connection[Any]], T]
+    ) -> T:
+        """Run one fenced write; on a connection the server broke, once more on a fresh one.
+
+        A pooled connection may have been closed by the server while idle (a restart, a
+        failover, ``pg_terminate_backend``). Retrying is safe: the write is fenced on the claim's
+        ``lease_version`` and status, so whichever run lands first wins and a second changes
+        nothing (DESIGN invariant 4). Without the retry the outcome would be lost until the
+        lease ends, and the message delivered again.
+        """
+        try:
+            with self.connection() as conn:
+                return write(conn)
+        except psycopg.OperationalError as exc:
+            logger.warning(
+                "outbox id %s: %s failed on a broken connection (%s); retrying once on a fresh one",
+                outbox_id,
+                op,
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                extra={"outbox_id": outbox_id, "lease_version": version, "operation": op},
+            )
+        with self.connection() as conn:
+            return write(conn)
+
     def _finish(self, kind: str, outbox_id: int, version: int, **kw: Any) -> str:
         store = self.store
-        with self.connection() as conn:
-            if kind == "done":
-                return Outcome.DONE if store.done(conn, outbox_id, version) else Outcome.LOST_LEASE
-            if kind == "dead":
-                won = store.dead(conn, outbox_id, version, error=kw["error"])
-                return Outcome.DEAD if won else Outcome.LOST_LEASE
-            if kind == "retry":
-                status = store.retry(conn, outbox_id, version, **kw)
-            else:
-                status = store.defer(conn, outbox_id, version, **kw)
+        if kind == "done":
+            won = self._fenced_write(kind, outbox_id, version, lambda c: store.done(c, outbox_id, version))
+            return Outcome.DONE if won else Outcome.LOST_LEASE
+        if kind == "dead":
+            won = self._fenced_write(
+                kind, outbox_id, version, lambda c: store.dead(c, outbox_id, version, error=kw["error"])
+            )
+            return Outcome.DEAD if won else Outcome.LOST_LEASE
+        finalize = store.retry if kind == "retry" else store.defer
+        status = self._fenced_write(kind, outbox_id, version, lambda c: finalize(c, outbox_id, version, **kw))
         if status is None:
             return Outcome.LOST_LEASE
         if status == "dead":

@@ -12,8 +12,11 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
+from psycopg_pool import ConnectionPool
 
-from outbox_celery import Store
+from outbox_celery import OutboxConfig, RetryableError, Store
+from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
 
 from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, fetch
 
@@ -138,3 +141,53 @@ def test_invariant_12_release_never_touches_a_claim_whose_fenced_start_has_run(
     # Not claimable again while its handler runs, and its worker's finalize wins.
     assert claim_ids(store, conn) == [unsent]
     assert store.done(worker, started_row, claims[0].lease_version) is True
+
+
+def _terminate(admin: psycopg.Connection[Any], pid: int) -> None:
+    """End backend ``pid`` and wait until PostgreSQL no longer lists it."""
+    admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+    deadline = time.monotonic() + 10
+    while admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone():
+        assert time.monotonic() < deadline, f"backend {pid} did not end"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "outcome", "status"), [("ok", Outcome.DONE, "done"), ("retry", Outcome.RETRY, "pending")]
+)
+def test_invariant_4_a_finalize_on_a_connection_the_server_closed_is_retried_once_on_a_fresh_one(
+    migrated_dsn: str,
+    conn: psycopg.Connection[Any],
+    table: str,
+    connect: Any,
+    behaviour: str,
+    outcome: str,
+    status: str,
+) -> None:
+    # The pool holds one connection: the start and the finalize use it. While the handler runs,
+    # its backend is terminated (as a PostgreSQL restart or failover would while it sits idle in
+    # the pool). The fenced finalize fails on it, and is retried on a fresh connection: the
+    # outcome is recorded now instead of being lost until the lease ends.
+    [i] = add(conn, table=table)
+    admin = connect()
+    seen: list[int] = []
+    with ConnectionPool(migrated_dsn, min_size=1, max_size=1, kwargs={"autocommit": True}, open=True) as pool:
+
+        def handler(message: Any) -> None:
+            with pool.connection() as c:
+                seen.append(c.info.backend_pid)
+            _terminate(admin, seen[0])
+            if behaviour == "retry":
+                raise RetryableError("HTTP 503", delay=60)
+
+        config = OutboxConfig(table=table, lease=LONG)
+        dispatcher = Dispatcher(
+            config, pool.connection, {"thing.happened": HandlerSpec("thing.happened", handler, "q")}
+        )
+        [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+        assert dispatcher.deliver(i, c.lease_version) == outcome
+        with pool.connection() as c2:
+            assert c2.info.backend_pid != seen[0]
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"]) == (status, 1)
+    assert "lost_leases" not in dispatcher.store.get_stats()
