@@ -84,6 +84,7 @@ class Store:
         }
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
+        self._canonical: str | None = None
 
     # -- transactions --------------------------------------------------------------------------
 
@@ -144,6 +145,19 @@ class Store:
         # The quoted name, resolved to the table's oid in SQL: lock names then do not depend on
         # how the table was spelled ("outbox" or "public.outbox").
         return self.table.identifier().as_string(conn)
+
+    def canonical_name(self, conn: psycopg.Connection[Any]) -> str:
+        """``schema.name`` of the table as PostgreSQL resolves it, e.g. ``public.outbox``.
+
+        The base of every idempotency key (``public.outbox:42``): however the table was
+        spelled (``outbox``, ``public.outbox``), one message has one key. Resolved once per
+        Store, then cached.
+        """
+        if self._canonical is None:
+            row = conn.execute(self._q["canonical_name"], {"table": self._regclass(conn)}).fetchone()
+            assert row is not None
+            self._canonical = f"{row[0]}.{row[1]}"
+        return self._canonical
 
     def insert(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> int:
         """Insert one validated row in the caller's transaction."""
@@ -379,7 +393,7 @@ class Store:
             created_at=row["created_at"],
             lease_version=int(row["lease_version"]),
             ordering_key=row["ordering_key"],
-            idempotency_key=idempotency_key(self.table.qualified, int(row["id"])),
+            idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"])),
         )
 
     def _fenced(self, conn: psycopg.Connection[Any], op: str, params: dict[str, Any]) -> Any:

@@ -297,3 +297,10 @@ UPDATE {table}
 SET lease_until = greatest(lease_until, now() + make_interval(secs => %(seconds)s))
 WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
 RETURNING lease_until;
+
+-- name: canonical_name
+-- The table as PostgreSQL resolves it, schema included: the base of idempotency keys, so that
+-- "outbox" and "public.outbox" (one table) give every message one key (DESIGN invariant 11).
+SELECT n.nspname, c.relname
+FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+WHERE c.oid = %(table)s::regclass;

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
 
-from outbox_celery import OutboxConfig, RetryableError, Store
+from outbox_celery import OutboxConfig, RetryableError, Store, migrate
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
 
 from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, fetch
@@ -191,3 +191,26 @@ def test_invariant_4_a_finalize_on_a_connection_the_server_closed_is_retried_onc
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"]) == (status, 1)
     assert "lost_leases" not in dispatcher.store.get_stats()
+
+
+def test_invariant_11_one_message_has_one_idempotency_key_however_the_table_is_spelled(
+    conn: psycopg.Connection[Any], table: str, connect: Any
+) -> None:
+    # "outbox" and "public.outbox" are one table: before, they gave "outbox:42" and
+    # "public.outbox:42", so a receiver de-duplicating on the key saw two messages.
+    keys = []
+    for spelling in ("outbox", "public.outbox"):
+        store = Store(spelling)
+        [i] = add(conn, table=table)
+        [c] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=3).claimed
+        msg = store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=3)
+        assert msg is not None
+        keys.append(msg.idempotency_key)
+        assert msg.idempotency_key == f"public.outbox:{i}"
+    # Resolved by PostgreSQL, search_path included.
+    other = connect()
+    migrate(other, "events.outbox")
+    other.execute("SET search_path = events")
+    assert Store("outbox").canonical_name(other) == "events.outbox"
+    migrate(conn, "events.Out Box")
+    assert Store("events.Out Box").canonical_name(conn) == "events.Out Box"
