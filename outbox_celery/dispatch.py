@@ -271,23 +271,7 @@ class Dispatcher:
         log.update(event_type=msg.event_type, attempt=msg.attempts)
         spec = self.handlers.get(msg.event_type)
         if spec is None:
-            why = f"unroutable: no handler for event type {msg.event_type!r} in this worker"
-            self._fenced_write(
-                "postpone",
-                outbox_id,
-                lease_version,
-                lambda conn: store.postpone(
-                    conn, outbox_id, lease_version, delay=cfg.unroutable_delay, error=why
-                ),
-            )
-            logger.warning(
-                "outbox id %s: no handler for %r here; postponed %.0fs",
-                outbox_id,
-                msg.event_type,
-                cfg.unroutable_delay,
-                extra={**log, "outcome": Outcome.UNROUTABLE},
-            )
-            return Outcome.UNROUTABLE
+            return self._unroutable(msg, lease_version, log)
         msg = replace(msg, _extend=lambda seconds: self._extend(outbox_id, lease_version, seconds))
         started = time.monotonic()
         try:
@@ -311,13 +295,7 @@ class Dispatcher:
         except BaseException as e:
             # Not classified by the handler: record it, let Celery report a failure, and let
             # the row come back through its lease. Never a silent "transient" retry.
-            error = _error_text(e)
-            self._fenced_write(
-                "record_error",
-                outbox_id,
-                lease_version,
-                lambda conn: store.record_error(conn, outbox_id, lease_version, error=error),
-            )
+            self._record_error(outbox_id, lease_version, _error_text(e))
             logger.error(
                 "outbox id %s handler raised %s; row returns after its lease",
                 outbox_id,
@@ -339,6 +317,34 @@ class Dispatcher:
             extra={**log, "outcome": outcome, "duration_ms": round((time.monotonic() - started) * 1000, 1)},
         )
         return outcome
+
+    def _unroutable(self, msg: Message, version: int, log: dict[str, Any]) -> str:
+        """No handler for this event type in this worker: postpone, attempt refunded."""
+        delay = self.config.unroutable_delay
+        why = f"unroutable: no handler for event type {msg.event_type!r} in this worker"
+        self._fenced_write(
+            "postpone",
+            msg.id,
+            version,
+            lambda conn: self.store.postpone(conn, msg.id, version, delay=delay, error=why),
+        )
+        logger.warning(
+            "outbox id %s: no handler for %r here; postponed %.0fs",
+            msg.id,
+            msg.event_type,
+            delay,
+            extra={**log, "outcome": Outcome.UNROUTABLE},
+        )
+        return Outcome.UNROUTABLE
+
+    def _record_error(self, outbox_id: int, version: int, error: str) -> None:
+        """Keep an unclassified error; the row comes back through its lease."""
+        self._fenced_write(
+            "record_error",
+            outbox_id,
+            version,
+            lambda conn: self.store.record_error(conn, outbox_id, version, error=error),
+        )
 
     def _fenced_write(
         self, op: str, outbox_id: int, version: int, write: Callable[[psycopg.Connection[Any]], T]
