@@ -601,6 +601,11 @@ def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
         exp = row["lease_expires_in"]
         lease = f"expires in {fd(exp)}" if exp is not None and exp > 0 else f"EXPIRED {fd(-(exp or 0))} ago"
         lines.append(("lease", f"{lease}, owner {row['lease_owner'] or '-'}"))
+    unstarted = int(row.get("unstarted_claims") or 0)
+    if status in ("pending", "processing") and unstarted:
+        # Claims whose task no worker started (DESIGN invariants 10, 16): a live lease's own
+        # claim may still start; more than that means tasks were lost.
+        lines.append(("unstarted", f"{unstarted} claim(s) since a worker last started it"))
     if row["done_at"] is not None:
         lines.append(("done at", f"{row['done_at']:%Y-%m-%d %H:%M:%S %Z}"))
     if row["ordering_key"] is not None:
@@ -618,7 +623,8 @@ def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
     click.echo(json.dumps(row["payload"], indent=2, ensure_ascii=False))
     click.echo("last error:")
     click.echo(row["last_error"] or "-")
-    if status == "dead":
+    expired = status == "processing" and (row["lease_expires_in"] or 0) <= 0
+    if status == "dead" or expired:
         click.echo("")
         click.echo(
             f"fix: outbox-celery dead requeue {row['id']}   |   "

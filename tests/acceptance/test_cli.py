@@ -303,6 +303,11 @@ def test_stats_shows_messages_whose_tasks_never_start_and_asks_about_their_queue
     assert f"{line}: does queue 'outbox' have a consumer?" in human
     assert "invoice.sent': " not in human
 
+    shown = ok(run("dead", "show", str(lost[0]), dsn=migrated_dsn))
+    assert "unstarted:     2 claim(s) since a worker last started it" in shown
+    shown = ok(run("dead", "show", str(expired[0]), dsn=migrated_dsn))
+    assert f"fix: outbox-celery dead requeue {expired[0]}" in shown
+
 
 def test_dead_list_show_and_skip(migrated_dsn: str, conn: psycopg.Connection[Any], table: str) -> None:
     store = Store(table)
