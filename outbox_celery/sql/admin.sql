@@ -11,31 +11,25 @@
 -- One statement, so every figure comes from the same snapshot. The four branches of "live" are
 -- disjoint and together hold every row that is not done.
 WITH live AS MATERIALIZED (
-    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until, head
     FROM {table} WHERE status = 'pending' AND ordering_key IS NULL
     UNION ALL
-    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until, head
     FROM {table} WHERE ordering_key IS NOT NULL AND status <> 'done'
     UNION ALL
-    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until, head
     FROM {table} WHERE status = 'processing' AND ordering_key IS NULL
     UNION ALL
-    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until, head
     FROM {table} WHERE status = 'dead' AND ordering_key IS NULL
 ),
--- The head of an ordered key is its lowest id that is not done: only the head is claimable
--- (a pending row behind it waits its turn), and a dead head blocks its key.
-heads AS (
-    SELECT DISTINCT ON (ordering_key) ordering_key, id, status
-    FROM live
-    WHERE ordering_key IS NOT NULL
-    ORDER BY ordering_key, id
-),
+-- Only the head of an ordered key (flagged, see queries.sql claim_heads) is claimable: a pending
+-- row behind it waits its turn, and a dead head blocks its key. No per-key grouping is needed.
 marked AS (
     SELECT live.*,
            (live.status = 'pending' AND live.available_at <= now()
-            AND (live.ordering_key IS NULL OR heads.id = live.id)) AS ready
-    FROM live LEFT JOIN heads ON heads.ordering_key = live.ordering_key
+            AND (live.ordering_key IS NULL OR live.head)) AS ready
+    FROM live
 ),
 by_type AS (
     SELECT event_type,
@@ -56,11 +50,12 @@ by_attempts AS (
     FROM live
     GROUP BY attempts
 ),
+-- Keys whose head is dead, and the unfinished messages waiting behind each.
 blocked AS (
-    SELECT heads.ordering_key, count(*) - 1 AS waiting
-    FROM heads JOIN live ON live.ordering_key = heads.ordering_key
-    WHERE heads.status = 'dead'
-    GROUP BY heads.ordering_key
+    SELECT d.ordering_key, count(w.id) AS waiting
+    FROM live AS d LEFT JOIN live AS w ON w.ordering_key = d.ordering_key AND w.id > d.id
+    WHERE d.status = 'dead' AND d.head AND d.ordering_key IS NOT NULL
+    GROUP BY d.ordering_key
 )
 SELECT
     now() AS now,
@@ -185,6 +180,16 @@ FROM picked
 WHERE o.id = picked.id
 RETURNING o.id;
 
+-- name: lock_keys_of_ids
+-- Before a skip: the producers' key locks (queries.sql lock_keys) of every ordered message among
+-- the ids, in sorted order, so the head moved by settle_heads sees every message of those keys
+-- committed so far and no producer commits one until the skip does (DESIGN invariant 9).
+SELECT count(pg_advisory_xact_lock(hashtextextended(
+    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || k, 0)))
+FROM (SELECT DISTINCT ordering_key AS k FROM {table}
+      WHERE id = ANY(%(ids)s::bigint[]) AND ordering_key IS NOT NULL
+      ORDER BY 1) AS sorted_keys;
+
 -- name: skip_ids
 -- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded. In SET,
 -- "status" still reads the old value.
@@ -196,7 +201,20 @@ SET status = 'done',
                       || ', attempts ' || attempts || ')'
                       || coalesce('; previous error: ' || last_error, ''), 8000)
 WHERE id = ANY(%(ids)s::bigint[]) AND status IN ('dead', 'pending')
-RETURNING id;
+RETURNING id, ordering_key;
+
+-- name: settle_heads
+-- After a skip, under the keys' locks: the lowest unfinished message of each key becomes its head
+-- (a no-op when it already is, e.g. a processing head while a message behind it was skipped).
+UPDATE {table} AS o
+SET head = true
+FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
+     LATERAL (SELECT id FROM {table}
+              WHERE ordering_key = keys.k AND status <> 'done'
+              ORDER BY id
+              LIMIT 1) AS first
+WHERE o.id = first.id AND NOT o.head
+RETURNING o.id;
 
 -- name: purge_cutoff
 -- Fixed once per purge run, so the run has a bounded amount of work.

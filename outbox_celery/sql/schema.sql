@@ -16,7 +16,8 @@ CREATE TABLE {table} (
     lease_until   timestamptz,
     lease_version bigint      NOT NULL DEFAULT 0,
     last_error    text,
-    done_at       timestamptz
+    done_at       timestamptz,
+    head          boolean     NOT NULL DEFAULT false
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_threshold = 1000,
@@ -29,6 +30,8 @@ CREATE INDEX {lease_idx} ON {table} (lease_until)
     WHERE status = 'processing';
 CREATE INDEX {ordered_idx} ON {table} (ordering_key, id)
     WHERE ordering_key IS NOT NULL AND status <> 'done';
+CREATE INDEX {heads_idx} ON {table} (available_at, id)
+    WHERE status = 'pending' AND head;
 CREATE INDEX {done_idx} ON {table} (done_at)
     WHERE status = 'done';
 CREATE INDEX {dead_idx} ON {table} (id)
