@@ -12,6 +12,8 @@ Sections (``--only`` picks some):
   unordered claim and the claim before #10; enqueue cost of ordered beside unordered events.
 * ``wins`` (opt-in): end-to-end variants: the store before #6, prefetch 4, early acks.
 * ``profile`` (opt-in): py-spy on an end-to-end run; where the time goes.
+* ``ordered`` (opt-in): end to end, ``--ordered-keys`` keys x 2 ordered events drained beside
+  the same number of unordered events (Redis), with the inversions counted.
 * ``soak`` (opt-in, ``--soak N``): worker and claim-process memory over N messages.
 
 Results are printed as tables and written as JSON to ``benchmarks/results/``.
@@ -55,7 +57,7 @@ from .services import Services, services
 from .variants import make_store
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("plain", "e2e", "latency", "claim", "wins", "profile", "soak")
+SECTIONS = ("plain", "e2e", "latency", "claim", "wins", "profile", "soak", "ordered")
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 
 
@@ -139,6 +141,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--claim-before-batches", type=int, default=3, help="timed claims before #10 per keys case (3)"
+    )
+    p.add_argument(
+        "--ordered-keys",
+        type=int,
+        default=50_000,
+        help="keys of the ordered end-to-end run, 2 events each (50k)",
     )
     p.add_argument("--enqueue-n", type=int, default=500, help="timed enqueue transactions per kind (500)")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every default section")
@@ -577,6 +585,42 @@ class Bench:
             )
         t.note("enqueue call: key lock (ordered) + insert; transaction: BEGIN to COMMIT, durable commit")
 
+    def ordered(self) -> None:
+        """End to end (#10): keys x 2 ordered events beside as many unordered ones, on Redis."""
+        a = self.args
+        n = 2 * a.ordered_keys
+        url = self.svc.redis_url
+        runs: dict[str, list[PipelineResult]] = {"unordered": [], "ordered": []}
+        for _ in range(a.repeat):
+            runs["unordered"].append(self._outbox(url, n))
+            runs["ordered"].append(self._outbox(url, n, ordered_keys=a.ordered_keys))
+        u = _median([r.rate for r in runs["unordered"]])
+        o = _median([r.rate for r in runs["ordered"]])
+        inversions = sum(int(r.extra.get("inversions") or 0) for r in runs["ordered"])
+        self.results["ordered"] = {k: [asdict(r) | {"rate": r.rate} for r in v] for k, v in runs.items()} | {
+            "ratio": o / u,
+            "inversions": inversions,
+        }
+        t = self.report.table(
+            f"Ordered drain end to end ({a.ordered_keys:,} keys x 2 events = {n:,} messages; Redis; "
+            f"{a.pool} x{a.concurrency}; {a.repeat} run(s) each, interleaved, medians)",
+            ["figure", "ordered", "unordered (baseline)", "ratio", "target"],
+        )
+        t.row(
+            "messages/s",
+            f"{o:,.0f}",
+            f"{u:,.0f}",
+            f"{o / u:.2f}x",
+            "met (>= 0.9x)" if o / u >= 0.9 else "MISSED (< 0.9x)",
+        )
+        t.row(
+            "inversions (same key, done out of id order)",
+            str(inversions),
+            "-",
+            "",
+            "met (0)" if not inversions else "MISSED",
+        )
+
     def wins(self) -> None:
         a = self.args
         url = self.svc.redis_url
@@ -747,6 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "wins": bench.wins,
             "profile": bench.profile,
             "soak": bench.soak,
+            "ordered": bench.ordered,
         }
         failures = 0
         for name in chosen:

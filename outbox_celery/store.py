@@ -243,13 +243,18 @@ class Store:
                 )
             claimed += self._claim_one(conn, "claim_expired", base, limit)
             room = limit - len(claimed)
+            heads_short = False
             if room > 0:
-                claimed += self._claim_one(conn, "claim_heads", base, max(1, (room + 1) // 2))
+                share = max(1, (room + 1) // 2)
+                heads = self._claim_one(conn, "claim_heads", base, share)
+                # Fewer heads than asked: no other head is claimable now, do not ask again.
+                heads_short = len(heads) < share
+                claimed += heads
             room = limit - len(claimed)
             if room > 0:
                 claimed += self._claim_one(conn, "claim_pending", base, room)
             room = limit - len(claimed)
-            if room > 0 and len(claimed) > 0:
+            if room > 0 and len(claimed) > 0 and not heads_short:
                 # Pending rows ran short: let ordered heads use the rest of the batch.
                 claimed += self._claim_one(conn, "claim_heads", base, room)
         self._count("claimed", len(claimed))

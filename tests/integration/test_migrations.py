@@ -331,6 +331,9 @@ def test_0004_flags_the_head_of_every_key_and_keeps_every_ordering_rule(
         sql.SQL("SELECT id FROM {} WHERE head AND status <> 'done' ORDER BY id").format(upgraded.identifier())
     ).fetchall()
     assert [r[0] for r in heads] == [2, 5, 7, 9]
+    # stats reads the flags: D's head and one unordered row are ready; A is blocked, 2 waiting.
+    s = admin.stats(conn, upgraded)
+    assert (s.ready, s.blocked_keys, s.blocked_messages) == (2, 1, 2)
     store = Store(upgraded)
     # The expired head comes back first with a new token and keeps its place; D's head and the
     # unordered rows are claimable; A (dead head) and B (live lease) stay blocked (invariant 9).
