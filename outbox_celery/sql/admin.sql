@@ -50,12 +50,15 @@ by_attempts AS (
     FROM live
     GROUP BY attempts
 ),
--- Keys whose head is dead, and the unfinished messages waiting behind each.
+-- Keys whose head is dead, and the unfinished messages waiting behind each: read from the dead
+-- heads (dead_idx) and, per dead head, its key's range of the ordered index; O(dead heads +
+-- messages waiting behind them), not O(backlog).
 blocked AS (
-    SELECT d.ordering_key, count(w.id) AS waiting
-    FROM live AS d LEFT JOIN live AS w ON w.ordering_key = d.ordering_key AND w.id > d.id
+    SELECT d.ordering_key,
+           (SELECT count(*) FROM {table} AS w
+            WHERE w.ordering_key = d.ordering_key AND w.status <> 'done' AND w.id > d.id) AS waiting
+    FROM {table} AS d
     WHERE d.status = 'dead' AND d.head AND d.ordering_key IS NOT NULL
-    GROUP BY d.ordering_key
 )
 SELECT
     now() AS now,
