@@ -67,7 +67,7 @@ SELECT count(*) FROM (
 
 -- name: claim_settings
 -- First statement of every claim transaction. Once a churned table's statistics price the
--- ordered heads' skip scan above jit_above_cost, every claim pays for JIT compilation (measured
+-- claim's queries (then the ordered heads' skip scan, before #10) above jit_above_cost, every claim pays for JIT compilation (measured
 -- by benchmarks/: 15-250 ms per 200-row claim instead of 3-6 ms); these queries never profit.
 SET LOCAL jit = off;
 
