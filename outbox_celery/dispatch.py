@@ -312,7 +312,7 @@ class Dispatcher:
             )
             raise
         else:
-            outcome = self._finish("done", outbox_id, lease_version)
+            outcome = self._finish("done", outbox_id, lease_version, ordered=msg.ordering_key is not None)
         logger.info(
             "outbox id %s %s -> %s",
             outbox_id,
@@ -326,7 +326,7 @@ class Dispatcher:
         store = self.store
         with self.connection() as conn:
             if kind == "done":
-                return Outcome.DONE if store.done(conn, outbox_id, version) else Outcome.LOST_LEASE
+                return Outcome.DONE if store.done(conn, outbox_id, version, **kw) else Outcome.LOST_LEASE
             if kind == "dead":
                 won = store.dead(conn, outbox_id, version, error=kw["error"])
                 return Outcome.DEAD if won else Outcome.LOST_LEASE

@@ -349,19 +349,27 @@ class Store:
             return self._lost(op, params["id"], params["version"])
         return row
 
-    def done(self, conn: psycopg.Connection[Any], outbox_id: int, version: int) -> bool:
+    def done(
+        self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, ordered: bool | None = None
+    ) -> bool:
         """Fenced: ``processing`` -> ``done``; an ordered head hands its key to the next message.
 
         Unordered rows finish in one statement, as cheap as before ordered heads were explicit.
-        When that statement changes nothing the row is ordered (or the lease is lost), and the
-        ordered done runs: in one transaction, the key lock first (the producers' lock), then the
-        fenced done and the head's move in one statement whose snapshot follows the lock, so a
-        producer committing a message of the key meanwhile is either seen or waits (invariant 9).
+        An ordered row's done is one transaction: the key lock first (the producers' lock), then
+        the fenced done and the head's move in one statement whose snapshot follows the lock, so
+        a producer committing a message of the key meanwhile is either seen or waits
+        (invariant 9).
+
+        :param ordered: whether the row has an ordering key, when the caller knows (the worker
+            does, from the fenced start): it saves the statement that does not apply. ``None``
+            tries the unordered statement first and the ordered done when it changed nothing.
         """
         params = {"id": outbox_id, "version": version, "commit_mode": self._commit_mode(conn)}
-        with self._single_statement(conn):
-            won = conn.execute(self._q["finish_done"], params).fetchone() is not None
-        if not won:
+        won = False
+        if not ordered:
+            with self._single_statement(conn):
+                won = conn.execute(self._q["finish_done"], params).fetchone() is not None
+        if not won and ordered is not False:
             with conn.transaction():
                 conn.execute(self._q["lock_key_of"], {"table": self._regclass(conn), "id": outbox_id})
                 won = conn.execute(self._q["finish_done_head"], params).fetchone() is not None

@@ -462,3 +462,19 @@ def test_invariant_9_producers_and_finalizers_racing_on_few_keys_never_lose_or_d
     for k in keys:
         ids = [i for key, i in finished if key == k]
         assert ids == sorted(ids), k
+
+
+@pytest.mark.parametrize("ordered", [None, True])
+def test_invariant_9_a_head_s_done_hands_its_key_on_whether_or_not_the_caller_says_it_is_ordered(
+    conn: psycopg.Connection[Any], store: Store, table: str, ordered: bool | None
+) -> None:
+    a = add(conn, 3, table=table, key="A")
+    [u] = add(conn, table=table)
+    claims = {c.id: c for c in store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed}
+    assert sorted(claims) == [a[0], u]
+    assert store.done(conn, u, claims[u].lease_version, ordered=False if ordered else None) is True
+    assert store.done(conn, a[0], claims[a[0]].lease_version, ordered=ordered) is True
+    # A second done of the same claim is a lost lease, and moves nothing further.
+    assert store.done(conn, a[0], claims[a[0]].lease_version, ordered=ordered) is False
+    heads_consistent(conn, table)
+    assert claim_ids(store, conn) == [a[1]]
