@@ -535,6 +535,8 @@ class Bench:
                 "p90 ms",
                 "unordered claim median ms (baseline)",
                 "before #10 median ms",
+                "heads statement: ms, buffers",
+                "before #10: ms, buffers",
                 "target",
             ],
         )
@@ -547,13 +549,18 @@ class Bench:
                 f"{r.p90_ms:.2f}",
                 f"{base:.2f}",
                 f"{r.before_median_ms:.1f}" if r.before_ms else "-",
+                f"{r.heads_plan[0]:.2f}, {r.heads_plan[1]:,}",
+                f"{r.before_plan[0]:.1f}, {r.before_plan[1]:,}" if r.before_ms else "-",
                 "met (<= 10 ms)" if r.median_ms <= 10 else "MISSED (> 10 ms)",
             )
         t.note(
             "in-flight keys hold only their head (processing, live lease); the other keys share the "
             "rest, ids interleaved. Claimed heads go done and hand their key on between timings "
             f"(untimed). 'before #10': the skip-scan claim on the same rows, {a.claim_before_batches} "
-            f"timed claims. With 10 keys a claim can return 10 rows only. History built in "
+            "timed claims. 'heads statement': the ordered claim statement alone, half a batch, "
+            "EXPLAIN (ANALYZE, BUFFERS), rolled back: server time and shared buffers touched, "
+            "which the machine's load does not change. With 10 keys a claim can return 10 rows only. "
+            f"History built in "
             f"{history_seconds:.0f}s ({history_mb:,.0f} MiB); each case loaded in "
             + ", ".join(f"{r.load_seconds:.0f}s" for r in results)
         )

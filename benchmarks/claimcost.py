@@ -233,6 +233,11 @@ class KeysCost:
     batch_ms: list[float] = field(default_factory=list)
     claimed: list[int] = field(default_factory=list)
     before_ms: list[float] = field(default_factory=list)
+    # The heads statement alone, from EXPLAIN (ANALYZE, BUFFERS) in a rolled-back transaction:
+    # (server execution ms, shared buffers touched), now and before #10. Buffers do not depend
+    # on the machine's load: flat buffers across cases is O(batch) shown directly.
+    heads_plan: tuple[float, int] = (float("nan"), 0)
+    before_plan: tuple[float, int] = (float("nan"), 0)
 
     @property
     def median_ms(self) -> float:
@@ -266,7 +271,27 @@ class KeysCost:
             "batch_ms_p90": round(self.p90_ms, 3),
             "rows_per_claim": self.rows_per_claim,
             "before_10_ms_median": round(self.before_median_ms, 3),
+            "heads_statement_ms": round(self.heads_plan[0], 3),
+            "heads_statement_buffers": self.heads_plan[1],
+            "before_10_heads_statement_ms": round(self.before_plan[0], 3),
+            "before_10_heads_statement_buffers": self.before_plan[1],
         }
+
+
+def _heads_plan(conn: psycopg.Connection[Any], store: Any, limit: int) -> tuple[float, int]:
+    """Server execution ms and shared buffers of one heads claim, rolled back."""
+    params = {"lease": 600, "owner": "bench", "event_types": ["bench.noop"], "limit": limit}
+    with conn.transaction(force_rollback=True):
+        conn.execute("SET LOCAL jit = off")
+        row = conn.execute(
+            sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + store._q["claim_heads"], params
+        ).fetchone()
+    assert row is not None
+    [top] = row[0]
+    plan = top["Plan"]
+    return float(top["Execution Time"]), int(plan.get("Shared Hit Blocks", 0)) + int(
+        plan.get("Shared Read Blocks", 0)
+    )
 
 
 def build_history(dsn: str, table: str, *, history: int) -> tuple[float, float]:
@@ -372,8 +397,11 @@ def measure_keys(
             ms, claimed = one(store)
             result.batch_ms.append(ms)
             result.claimed.append(len(claimed))
+        _heads_plan(conn, store, batch_size // 2)  # warm
+        result.heads_plan = _heads_plan(conn, store, batch_size // 2)
         before = make_store(table, "skip_scan")
         if before_batches:
+            result.before_plan = _heads_plan(conn, before, batch_size // 2)
             one(before)  # its plan cached too
         for _ in range(before_batches):
             result.before_ms.append(one(before)[0])
