@@ -7,9 +7,13 @@ Sections (``--only`` picks some):
 * ``e2e``: end-to-end outbox messages/s beside bare Celery no-op tasks/s, same broker, pool,
   concurrency and prefetch, per broker (Redis, RabbitMQ), interleaved and repeated.
 * ``latency``: commit -> handler start percentiles at half the measured outbox maximum.
-* ``claim``: claim batch latency and rows/s with little and with much history.
+* ``claim``: claim batch latency and rows/s with little and with much history; the ordered claim
+  as the number of ordering keys grows (10 to 200,000, and most heads in flight) beside the
+  unordered claim and the claim before #10; enqueue cost of ordered beside unordered events.
 * ``wins`` (opt-in): end-to-end variants: the store before #6, prefetch 4, early acks.
 * ``profile`` (opt-in): py-spy on an end-to-end run; where the time goes.
+* ``ordered`` (opt-in): end to end, ``--ordered-keys`` keys x 2 ordered events drained beside
+  the same number of unordered events (Redis), with the inversions counted.
 * ``soak`` (opt-in, ``--soak N``): worker and claim-process memory over N messages.
 
 Results are printed as tables and written as JSON to ``benchmarks/results/``.
@@ -34,7 +38,16 @@ from typing import Any
 
 import psycopg
 
-from .claimcost import ClaimCost, build_table, measure_claim_cost
+from .claimcost import (
+    ENQUEUE_KINDS,
+    ClaimCost,
+    KeysCost,
+    build_history,
+    build_table,
+    measure_claim_cost,
+    measure_enqueue,
+    measure_keys,
+)
 from .measure import percentile
 from .pipeline import Pipeline, PipelineResult, drop_table
 from .plain import PlainResult, run_plain
@@ -44,7 +57,7 @@ from .services import Services, services
 from .variants import make_store
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("plain", "e2e", "latency", "claim", "wins", "profile", "soak")
+SECTIONS = ("plain", "e2e", "latency", "claim", "wins", "profile", "soak", "ordered")
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 
 
@@ -113,6 +126,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--claim-large", type=int, default=1_000_000, help="finished rows in the large table (1M)")
     p.add_argument("--claim-pending", type=int, default=100_000, help="pending rows in both tables (100k)")
     p.add_argument("--claim-batches", type=int, default=50, help="timed claim batches per table (50)")
+    p.add_argument(
+        "--claim-keys",
+        default="10,1000,50000,200000",
+        help="ordering keys of the keys dimension, comma-separated (10,1000,50000,200000)",
+    )
+    p.add_argument(
+        "--claim-ordered", type=int, default=100_000, help="unfinished ordered rows per keys case (100k)"
+    )
+    p.add_argument(
+        "--claim-in-flight",
+        default="49000/50000",
+        help="heads in flight / keys of the blocked case, empty to leave it out (49000/50000)",
+    )
+    p.add_argument(
+        "--claim-before-batches", type=int, default=3, help="timed claims before #10 per keys case (3)"
+    )
+    p.add_argument(
+        "--ordered-keys",
+        type=int,
+        default=50_000,
+        help="keys of the ordered end-to-end run, 2 events each (50k)",
+    )
+    p.add_argument("--enqueue-n", type=int, default=500, help="timed enqueue transactions per kind (500)")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every default section")
     p.add_argument(
         "--json", type=Path, help="write results here (default benchmarks/results/bench-<time>.json)"
@@ -453,6 +489,144 @@ class Bench:
             f"{small.table_mb:,.0f} MiB; 1% of the history is dead; claimed batches are marked done "
             "between timings (untimed) so in-flight stays small"
         )
+        self.claim_keys(large)
+
+    def claim_keys(self, unordered: ClaimCost | None) -> None:
+        """The keys dimension (#10) and the enqueue cost, on one table with the large history."""
+        a = self.args
+        table = "bench_claim_keys"
+        cases: list[tuple[str, int, int, int]] = []
+        for k in (int(x) for x in a.claim_keys.split(",") if x.strip()):
+            cases.append((f"{k:,} keys", k, max(a.claim_ordered, k), 0))
+        if a.claim_in_flight:
+            busy, keys = (int(x) for x in a.claim_in_flight.split("/"))
+            cases.append((f"{keys:,} keys, {busy:,} heads in flight", keys, a.claim_ordered, busy))
+        history_seconds, history_mb = build_history(self.svc.dsn, table, history=a.claim_large)
+        results: list[KeysCost] = []
+        try:
+            for label, keys, rows, busy in cases:
+                results.append(
+                    measure_keys(
+                        self.svc.dsn,
+                        table,
+                        label=label,
+                        keys=keys,
+                        rows=rows,
+                        in_flight=busy,
+                        batch_size=a.batch_size,
+                        batches=a.claim_batches,
+                        before_batches=a.claim_before_batches,
+                    )
+                )
+            enq = measure_enqueue(self.svc.dsn, table, n=a.enqueue_n)
+        finally:
+            drop_table(self.svc.dsn, table)
+        self.results["claim_keys"] = [r.as_dict() for r in results]
+        self.results["enqueue"] = enq.as_dict()
+        base = unordered.median_ms if unordered else float("nan")
+        t = self.report.table(
+            f"Ordered claim vs number of keys ({a.claim_large:,} rows of history; batches of {a.batch_size}; "
+            f"{a.claim_batches} timed claims per case)",
+            [
+                "case",
+                "unfinished ordered rows",
+                "rows/claim",
+                "claim median ms",
+                "p90 ms",
+                "unordered claim median ms (baseline)",
+                "before #10 median ms",
+                "heads statement: ms, buffers",
+                "before #10: ms, buffers",
+                "target",
+            ],
+        )
+        for r in results:
+            t.row(
+                r.label,
+                f"{r.rows:,}",
+                f"{r.rows_per_claim:.0f}",
+                f"{r.median_ms:.2f}",
+                f"{r.p90_ms:.2f}",
+                f"{base:.2f}",
+                f"{r.before_median_ms:.1f}" if r.before_ms else "-",
+                f"{r.heads_plan[0]:.2f}, {r.heads_plan[1]:,}",
+                f"{r.before_plan[0]:.1f}, {r.before_plan[1]:,}" if r.before_ms else "-",
+                "met (<= 10 ms)" if r.median_ms <= 10 else "MISSED (> 10 ms)",
+            )
+        t.note(
+            "in-flight keys hold only their head (processing, live lease); the other keys share the "
+            "rest, ids interleaved. Claimed heads go done and hand their key on between timings "
+            f"(untimed). 'before #10': the skip-scan claim on the same rows, {a.claim_before_batches} "
+            "timed claims. 'heads statement': the ordered claim statement alone, half a batch, "
+            "EXPLAIN (ANALYZE, BUFFERS), rolled back: server time and shared buffers touched, "
+            "which the machine's load does not change. With 10 keys a claim can return 10 rows only. "
+            f"History built in "
+            f"{history_seconds:.0f}s ({history_mb:,.0f} MiB); each case loaded in "
+            + ", ".join(f"{r.load_seconds:.0f}s" for r in results)
+        )
+        t = self.report.table(
+            f"Enqueue cost, ordered beside unordered ({a.enqueue_n} transactions per kind, interleaved, "
+            f"on the table above: {a.claim_large:,} rows of history, last keys case loaded)",
+            [
+                "kind",
+                "enqueue call median us",
+                "transaction median us",
+                "ratio to unordered (call)",
+                "target",
+            ],
+        )
+        u = enq.median("statement", "unordered")
+        ub = enq.median("statement", "batch of 100 unordered")
+        for kind in ENQUEUE_KINDS:
+            ref = ub if kind.startswith("batch") else u
+            ratio = enq.median("statement", kind) / ref
+            target = ""
+            if "ordered" in kind and "unordered" not in kind and "before" not in kind:
+                target = "met (<= 1.5x)" if ratio <= 1.5 else "MISSED (> 1.5x)"
+            t.row(
+                kind,
+                f"{enq.median('statement', kind):,.0f}",
+                f"{enq.median('transaction', kind):,.0f}",
+                f"{ratio:.2f}x",
+                target,
+            )
+        t.note("enqueue call: key lock (ordered) + insert; transaction: BEGIN to COMMIT, durable commit")
+
+    def ordered(self) -> None:
+        """End to end (#10): keys x 2 ordered events beside as many unordered ones, on Redis."""
+        a = self.args
+        n = 2 * a.ordered_keys
+        url = self.svc.redis_url
+        runs: dict[str, list[PipelineResult]] = {"unordered": [], "ordered": []}
+        for _ in range(a.repeat):
+            runs["unordered"].append(self._outbox(url, n))
+            runs["ordered"].append(self._outbox(url, n, ordered_keys=a.ordered_keys))
+        u = _median([r.rate for r in runs["unordered"]])
+        o = _median([r.rate for r in runs["ordered"]])
+        inversions = sum(int(r.extra.get("inversions") or 0) for r in runs["ordered"])
+        self.results["ordered"] = {k: [asdict(r) | {"rate": r.rate} for r in v] for k, v in runs.items()} | {
+            "ratio": o / u,
+            "inversions": inversions,
+        }
+        t = self.report.table(
+            f"Ordered drain end to end ({a.ordered_keys:,} keys x 2 events = {n:,} messages; Redis; "
+            f"{a.pool} x{a.concurrency}; {a.repeat} run(s) each, interleaved, medians)",
+            ["figure", "ordered", "unordered (baseline)", "ratio", "target"],
+        )
+        t.row(
+            "messages/s",
+            f"{o:,.0f}",
+            f"{u:,.0f}",
+            f"{o / u:.2f}x",
+            "met (>= 0.9x)" if o / u >= 0.9 else "MISSED (< 0.9x)",
+        )
+        t.row(
+            "inversions (same key, done out of id order)",
+            str(inversions),
+            "-",
+            "",
+            "met (0)" if not inversions else "MISSED",
+        )
 
     def wins(self) -> None:
         a = self.args
@@ -571,6 +745,10 @@ def _apply_quick(args: argparse.Namespace) -> None:
     args.claim_large = min(args.claim_large, 20_000)
     args.claim_pending = min(args.claim_pending, 20_000)
     args.claim_batches = min(args.claim_batches, 10)
+    args.claim_keys = "10,1000,5000"
+    args.claim_ordered = min(args.claim_ordered, 10_000)
+    args.claim_in_flight = "4900/5000"
+    args.enqueue_n = min(args.enqueue_n, 100)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -620,6 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "wins": bench.wins,
             "profile": bench.profile,
             "soak": bench.soak,
+            "ordered": bench.ordered,
         }
         failures = 0
         for name in chosen:

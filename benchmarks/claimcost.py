@@ -216,3 +216,290 @@ def measure_claim_cost(
     if own:
         drop_table(dsn, table)
     return result
+
+
+# -- the keys dimension (#10): ordered claims as the number of ordering keys grows ---------------
+
+
+@dataclass
+class KeysCost:
+    """Ordered claim timings with ``rows`` unfinished ordered rows over ``keys`` keys."""
+
+    label: str
+    keys: int
+    rows: int
+    in_flight: int
+    load_seconds: float
+    batch_ms: list[float] = field(default_factory=list)
+    claimed: list[int] = field(default_factory=list)
+    before_ms: list[float] = field(default_factory=list)
+    # The heads statement alone, from EXPLAIN (ANALYZE, BUFFERS) in a rolled-back transaction:
+    # (server execution ms, shared buffers touched), now and before #10. Buffers do not depend
+    # on the machine's load: flat buffers across cases is O(batch) shown directly.
+    heads_plan: tuple[float, int] = (float("nan"), 0)
+    before_plan: tuple[float, int] = (float("nan"), 0)
+
+    @property
+    def median_ms(self) -> float:
+        """Median claim transaction latency."""
+        return statistics.median(self.batch_ms)
+
+    @property
+    def p90_ms(self) -> float:
+        """90th percentile claim transaction latency."""
+        return percentile(sorted(self.batch_ms), 0.9)
+
+    @property
+    def rows_per_claim(self) -> float:
+        """Median rows a claim returned (one per key at most: 10 keys give 10 rows)."""
+        return statistics.median(self.claimed)
+
+    @property
+    def before_median_ms(self) -> float:
+        """Median claim latency with the claim before #10 (skip scan over every key)."""
+        return statistics.median(self.before_ms) if self.before_ms else float("nan")
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "label": self.label,
+            "keys": self.keys,
+            "rows": self.rows,
+            "in_flight": self.in_flight,
+            "load_seconds": round(self.load_seconds, 2),
+            "batch_ms_median": round(self.median_ms, 3),
+            "batch_ms_p90": round(self.p90_ms, 3),
+            "rows_per_claim": self.rows_per_claim,
+            "before_10_ms_median": round(self.before_median_ms, 3),
+            "heads_statement_ms": round(self.heads_plan[0], 3),
+            "heads_statement_buffers": self.heads_plan[1],
+            "before_10_heads_statement_ms": round(self.before_plan[0], 3),
+            "before_10_heads_statement_buffers": self.before_plan[1],
+        }
+
+
+def _heads_plan(conn: psycopg.Connection[Any], store: Any, limit: int) -> tuple[float, int]:
+    """Server execution ms and shared buffers of one heads claim, rolled back."""
+    params = {"lease": 600, "owner": "bench", "event_types": ["bench.noop"], "limit": limit}
+    with conn.transaction(force_rollback=True):
+        conn.execute("SET LOCAL jit = off")
+        row = conn.execute(
+            sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + store._q["claim_heads"], params
+        ).fetchone()
+    assert row is not None
+    [top] = row[0]
+    plan = top["Plan"]
+    return float(top["Execution Time"]), int(plan.get("Shared Hit Blocks", 0)) + int(
+        plan.get("Shared Read Blocks", 0)
+    )
+
+
+def build_history(dsn: str, table: str, *, history: int) -> tuple[float, float]:
+    """Create ``table`` with ``history`` finished rows only; return (seconds, MiB)."""
+    return build_table(dsn, table, history=history, pending=0)
+
+
+def load_ordered(conn: psycopg.Connection[Any], table: str, *, keys: int, rows: int, in_flight: int) -> float:
+    """Replace the ordered rows of ``table``: ``rows`` unfinished over ``keys`` keys.
+
+    ``in_flight`` keys hold only their head, ``processing`` under a live lease; the other keys
+    share the remaining rows, inserted round robin so that their ids interleave as in real use.
+    Heads are flagged as migration 0004 does. Returns the seconds spent (vacuum included).
+    """
+    ident = TableName.parse(table).identifier()
+    started = time.perf_counter()
+    conn.execute(sql.SQL("DELETE FROM {} WHERE ordering_key IS NOT NULL").format(ident))
+    free = keys - in_flight
+    per_key = max(1, (rows - in_flight) // free)
+    conn.execute(
+        sql.SQL(
+            "INSERT INTO {} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at)"
+            " SELECT 'bench.noop', 'bench', g::text, jsonb_build_object('i', g),"
+            "        'k' || ((g - 1) %% %(free)s), now() - interval '1 second'"
+            " FROM generate_series(1, %(n)s::int) AS g"
+        ).format(ident),
+        {"free": free, "n": free * per_key},
+    )
+    if in_flight:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (event_type, aggregate_type, aggregate_id, payload, ordering_key, status,"
+                " attempts, lease_owner, lease_until, lease_version, head)"
+                " SELECT 'bench.noop', 'bench', g::text, jsonb_build_object('i', g), 'f' || g, 'processing',"
+                "        1, 'bench', now() + interval '1 day', 1, true"
+                " FROM generate_series(1, %(n)s::int) AS g"
+            ).format(ident),
+            {"n": in_flight},
+        )
+    conn.execute(
+        sql.SQL(
+            "UPDATE {t} AS o SET head = true"
+            " FROM (SELECT DISTINCT ON (ordering_key) id FROM {t}"
+            "       WHERE ordering_key IS NOT NULL AND status <> 'done' ORDER BY ordering_key, id) AS h"
+            " WHERE o.id = h.id AND NOT o.head"
+        ).format(t=ident)
+    )
+    conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(ident))
+    return time.perf_counter() - started
+
+
+def _finish_ordered(conn: psycopg.Connection[Any], table: str, claimed: Sequence[Claimed]) -> None:
+    """Untimed: the claimed heads go done and hand their keys on, as the ordered done does."""
+    conn.execute(
+        sql.SQL(
+            "WITH fin AS (UPDATE {t} SET status = 'done', done_at = now(), lease_until = NULL"
+            "             WHERE id = ANY(%s) RETURNING id, ordering_key),"
+            " nxt AS (SELECT n.id FROM fin, LATERAL (SELECT id FROM {t} WHERE ordering_key = fin.ordering_key"
+            "         AND status <> 'done' AND id > fin.id ORDER BY id LIMIT 1) AS n)"
+            " UPDATE {t} AS o SET head = true FROM nxt WHERE o.id = nxt.id"
+        ).format(t=TableName.parse(table).identifier()),
+        [[c.id for c in claimed]],
+    )
+
+
+def measure_keys(
+    dsn: str,
+    table: str,
+    *,
+    label: str,
+    keys: int,
+    rows: int,
+    in_flight: int = 0,
+    batch_size: int = 200,
+    batches: int = 50,
+    before_batches: int = 3,
+) -> KeysCost:
+    """Load ``table`` (built by :func:`build_history`) with one keys case and time claims.
+
+    The current claim (:meth:`Store.claim`) is timed ``batches`` times; the claim before #10
+    (benchmark variant ``skip_scan``) ``before_batches`` times on the same rows, as its baseline.
+    """
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        result = KeysCost(
+            label, keys, rows, in_flight, load_ordered(conn, table, keys=keys, rows=rows, in_flight=in_flight)
+        )
+
+        def one(store: Any) -> tuple[float, list[Claimed]]:
+            t = time.perf_counter()
+            claimed = store.claim(
+                conn, limit=batch_size, lease=600, owner="bench", max_attempts=12, event_types=["bench.noop"]
+            ).claimed
+            ms = (time.perf_counter() - t) * 1000
+            if not claimed:
+                raise RuntimeError(f"{label}: the claim returned nothing")
+            _finish_ordered(conn, table, claimed)
+            return ms, claimed
+
+        store = make_store(table, "")
+        for _ in range(5):  # warm-up: plans cached, pages in shared buffers
+            one(store)
+        for _ in range(batches):
+            ms, claimed = one(store)
+            result.batch_ms.append(ms)
+            result.claimed.append(len(claimed))
+        _heads_plan(conn, store, batch_size // 2)  # warm
+        result.heads_plan = _heads_plan(conn, store, batch_size // 2)
+        before = make_store(table, "skip_scan")
+        if before_batches:
+            result.before_plan = _heads_plan(conn, before, batch_size // 2)
+            one(before)  # its plan cached too
+        for _ in range(before_batches):
+            result.before_ms.append(one(before)[0])
+    return result
+
+
+# -- enqueue cost: ordered beside unordered (#10) ------------------------------------------------
+
+
+@dataclass
+class EnqueueCost:
+    """Per-transaction enqueue timings, microseconds, by kind."""
+
+    statement_us: dict[str, list[float]] = field(default_factory=dict)
+    transaction_us: dict[str, list[float]] = field(default_factory=dict)
+
+    def median(self, what: str, kind: str) -> float:
+        """Median of ``statement`` (the enqueue call) or ``transaction`` (with its commit)."""
+        values = self.statement_us if what == "statement" else self.transaction_us
+        return statistics.median(values[kind])
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            kind: {
+                "enqueue_us_median": round(self.median("statement", kind), 1),
+                "transaction_us_median": round(self.median("transaction", kind), 1),
+            }
+            for kind in self.statement_us
+        }
+
+
+ENQUEUE_KINDS = (
+    "unordered",
+    "ordered, before #10 (no head probe)",
+    "ordered, new key",
+    "ordered, key with a backlog",
+    "batch of 100 unordered",
+    "batch of 100 ordered",
+)
+
+
+def measure_enqueue(dsn: str, table: str, *, n: int = 500) -> EnqueueCost:
+    """Time ``n`` enqueue transactions of each kind, interleaved, on ``table`` as it stands."""
+    from outbox_celery import Event, _sql, enqueue, enqueue_many, producer
+
+    # Benchmark-only: the insert as it was before #10 (no head flag), run by the same enqueue().
+    store = producer._store(table)
+    current_insert = store._q["insert"]
+    before_insert = _sql.compose(
+        "INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at)"
+        " VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::jsonb, %(ordering_key)s,"
+        " now() + make_interval(secs => %(delay)s)) RETURNING id",
+        store.table,
+    )
+    result = EnqueueCost({k: [] for k in ENQUEUE_KINDS}, {k: [] for k in ENQUEUE_KINDS})
+    with psycopg.connect(dsn) as conn:
+        one = {
+            "event_type": "bench.enqueue",
+            "payload": {"order": 1, "total": "9.99"},
+            "aggregate_type": "order",
+        }
+
+        def run(kind: str, i: int) -> None:
+            t0 = time.perf_counter()
+            with conn.transaction():
+                t1 = time.perf_counter()
+                if kind == "unordered":
+                    enqueue(conn, aggregate_id=i, table=table, **one)  # type: ignore[arg-type]
+                elif kind.startswith("ordered, before"):
+                    store._q["insert"] = before_insert
+                    try:
+                        enqueue(conn, aggregate_id=f"old{i}", ordered=True, table=table, **one)  # type: ignore[arg-type]
+                    finally:
+                        store._q["insert"] = current_insert
+                elif kind == "ordered, new key":
+                    enqueue(conn, aggregate_id=f"new{i}", ordered=True, table=table, **one)  # type: ignore[arg-type]
+                elif kind == "ordered, key with a backlog":
+                    enqueue(conn, aggregate_id="busy", ordered=True, table=table, **one)  # type: ignore[arg-type]
+                else:
+                    ordered = kind.endswith("ordered") and not kind.endswith("unordered")
+                    enqueue_many(
+                        conn,
+                        [
+                            Event("bench.enqueue", {"j": j}, "order", f"b{i}-{j}", ordered=ordered)
+                            for j in range(100)
+                        ],
+                        table=table,
+                    )
+                t2 = time.perf_counter()
+            t3 = time.perf_counter()
+            result.statement_us[kind].append((t2 - t1) * 1e6)
+            result.transaction_us[kind].append((t3 - t0) * 1e6)
+
+        for i in range(20):  # warm-up
+            for kind in ENQUEUE_KINDS:
+                run(kind, -i - 1)
+        for i in range(n):
+            for kind in ENQUEUE_KINDS if i % 10 == 0 else ENQUEUE_KINDS[:4]:
+                run(kind, i)
+    return result

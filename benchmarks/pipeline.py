@@ -232,6 +232,7 @@ class Pipeline:
         sample_rss: bool = False,
         rate: float | None = None,
         duration: float = 20.0,
+        ordered_keys: int = 0,
     ) -> PipelineResult:
         """The outbox: a producer process committing events, beat, a claim worker, delivery workers.
 
@@ -262,6 +263,7 @@ class Pipeline:
             "BENCH_BATCH_SIZE": str(batch_size),
             "BENCH_PRODUCER_BATCH": str(producer_batch),
             "BENCH_VARIANT": variant,
+            "BENCH_ORDERED_KEYS": str(ordered_keys),
         }
         latency_dir = self.workdir / f"{run}.latency"
         measured_env = dict(env)
@@ -345,6 +347,13 @@ class Pipeline:
                         )
                     ).fetchall()
                 )
+                # Ordered runs (#10): pairs of one key whose done order differs from id order.
+                inversions = admin.execute(
+                    sql.SQL(
+                        "SELECT count(*) FROM {t} AS a JOIN {t} AS b"
+                        " ON a.ordering_key = b.ordering_key AND a.id < b.id AND a.done_at >= b.done_at"
+                    ).format(t=TableName.parse(table).identifier())
+                ).fetchone()
                 procs.stop_all()
                 time.sleep(0.5)  # exiting backends flush their statistics
                 pg1 = pg_counters(admin)
@@ -373,7 +382,7 @@ class Pipeline:
                 "warmup": warmup,
                 "variant": variant or "current",
             },
-            extra={"status": status},
+            extra={"status": status, "inversions": inversions[0] if inversions else None},
         )
         if status.get("done", 0) != n + warmup:
             raise RuntimeError(f"outbox run finished with rows {status}, expected {n + warmup} done")

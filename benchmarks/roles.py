@@ -55,12 +55,19 @@ def _produce() -> dict[str, Any]:
             return _produce_paced(conn, table, rate, float(os.environ["BENCH_DURATION"]))
         n = int(os.environ["BENCH_N"])
         batch = int(os.environ.get("BENCH_PRODUCER_BATCH", "100"))
+        keys = int(os.environ.get("BENCH_ORDERED_KEYS", "0"))  # 0: unordered events
         started, cpu = time.time(), time.process_time()
         sent = 0
         while sent < n:
             size = min(batch, n - sent)
             events = [
-                Event("bench.noop", {"i": sent + j}, aggregate_type="bench", aggregate_id=sent + j)
+                Event(
+                    "bench.noop",
+                    {"i": sent + j},
+                    aggregate_type="bench",
+                    aggregate_id=sent + j,
+                    ordering_key=f"k{(sent + j) % keys}" if keys else None,
+                )
                 for j in range(size)
             ]
             with conn.transaction():

@@ -9,6 +9,8 @@ Nothing here is used by the library. A variant spec is a comma-separated list of
 * ``claim_jit``: the claim transaction leaves ``jit`` at the server's setting (before #6 it
   did; on a large table the ordered heads' query then pays for JIT compilation on every claim).
 * ``legacy``: all of the above, i.e. the store as it was before #6.
+* ``skip_scan``: the ordered claim before #10, a recursive skip scan that probes every key with
+  unfinished messages on every claim (the baseline of the claim benchmark's keys dimension).
 * ``acks_early``: the delivery task acknowledges its message when the worker receives it
   instead of after it ran (``acks_late=False``); a worker lost mid-task then leaves the row to
   come back through its lease, as it does anyway. Measured only: the library keeps acks late.
@@ -22,12 +24,48 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_celery import Store, TableName
+from outbox_celery import Store, TableName, _sql
 
 __all__ = ["ExplicitTransactionStore", "apply", "make_store", "parse"]
 
 ALIASES = {"legacy": ("explicit_tx", "durable", "claim_jit")}
-KNOWN = {"explicit_tx", "durable", "claim_jit", "acks_early"}
+KNOWN = {"explicit_tx", "durable", "claim_jit", "acks_early", "skip_scan"}
+
+# Benchmark-only: the claim_heads query as it was before #10 (it ignores the head flag).
+SKIP_SCAN_CLAIM_HEADS = """
+WITH RECURSIVE heads AS (
+    (SELECT ordering_key, id FROM {table}
+     WHERE ordering_key IS NOT NULL AND status <> 'done'
+     ORDER BY ordering_key, id
+     LIMIT 1)
+    UNION ALL
+    SELECT nxt.ordering_key, nxt.id
+    FROM heads,
+    LATERAL (
+        SELECT ordering_key, id FROM {table}
+        WHERE ordering_key > heads.ordering_key AND ordering_key IS NOT NULL AND status <> 'done'
+        ORDER BY ordering_key, id
+        LIMIT 1
+    ) AS nxt
+),
+picked AS (
+    SELECT o.id FROM {table} AS o
+    JOIN heads ON heads.id = o.id
+    WHERE o.status = 'pending' AND o.available_at <= now()
+      AND (%(event_types)s::text[] IS NULL OR o.event_type = ANY(%(event_types)s::text[]))
+    ORDER BY o.available_at, o.id
+    LIMIT %(limit)s
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease)s),
+    lease_version = o.lease_version + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until
+"""
 
 
 class ExplicitTransactionStore(Store):
@@ -57,6 +95,8 @@ def make_store(table: str | TableName, spec: str) -> Store:
     if "claim_jit" in names:
         # Benchmark-only: the claim transaction's first statement no longer turns JIT off.
         store._q["claim_settings"] = sql.Composed([sql.SQL("SELECT 1")])
+    if "skip_scan" in names:
+        store._q["claim_heads"] = _sql.compose(SKIP_SCAN_CLAIM_HEADS, store.table)
     return store
 
 

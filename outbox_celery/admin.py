@@ -499,8 +499,15 @@ def skip(
         raise AdminError("no message ids given")
     why = _reason(reason, required=True)
     with conn.transaction():
+        # Key locks before row locks, as producers and the ordered done take them (invariant 9).
+        regclass = TableName.parse(table).identifier().as_string(conn)
+        conn.execute(_q(table, "lock_keys_of_ids"), {"table": regclass, "ids": wanted})
         _check_statuses(conn, table, wanted, ("dead", "pending"), "skip")
         rows = conn.execute(_q(table, "skip_ids"), {"ids": wanted, "reason": why}).fetchall()
+        keys = sorted({str(r[1]) for r in rows if r[1] is not None})
+        if keys:
+            # Its own statement: it sees the skip and every message of the keys committed so far.
+            conn.execute(_q(table, "settle_heads"), {"keys": keys})
     done = sorted(int(r[0]) for r in rows)
     logger.warning(
         "operator skipped %s message(s): %s",

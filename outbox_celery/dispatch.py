@@ -308,7 +308,7 @@ class Dispatcher:
             )
             raise
         else:
-            outcome = self._finish("done", outbox_id, lease_version)
+            outcome = self._finish("done", outbox_id, lease_version, ordered=msg.ordering_key is not None)
         logger.info(
             "outbox id %s %s -> %s",
             outbox_id,
@@ -374,7 +374,7 @@ class Dispatcher:
     def _finish(self, kind: str, outbox_id: int, version: int, **kw: Any) -> str:
         store = self.store
         if kind == "done":
-            won = self._fenced_write(kind, outbox_id, version, lambda c: store.done(c, outbox_id, version))
+            won = self._fenced_write(kind, outbox_id, version, lambda c: store.done(c, outbox_id, version, **kw))
             return Outcome.DONE if won else Outcome.LOST_LEASE
         if kind == "dead":
             won = self._fenced_write(

@@ -32,6 +32,7 @@ from psycopg.rows import dict_row
 
 from . import _sql
 from .config import TableName
+from .errors import ProducerError
 from .message import Message, idempotency_key
 
 __all__ = ["Claimed", "Store"]
@@ -138,8 +139,23 @@ class Store:
     # -- producer ------------------------------------------------------------------------------
 
     def lock_keys(self, conn: psycopg.Connection[Any], keys: Iterable[str]) -> None:
-        """Take the per-key producer locks, all in one statement (sorted: no deadlocks)."""
-        conn.execute(self._q["lock_keys"], {"table": self._regclass(conn), "keys": list(keys)})
+        """Take the per-key producer locks, all in one statement (sorted: no deadlocks).
+
+        :raises ProducerError: the transaction is not ``READ COMMITTED``. The insert that follows
+            decides whether the new row is its key's head from what its statement sees; under
+            repeatable read or serializable the snapshot predates the lock, so it could miss a
+            message of the key committed meanwhile (two heads) or a head finished meanwhile
+            (a key with none). Refused before anything is written.
+        """
+        params = {"table": self._regclass(conn), "keys": list(keys)}
+        row = conn.execute(self._q["lock_keys"], params).fetchone()
+        if row is not None and row[1] != "read committed":
+            raise ProducerError(
+                f"ordered events need a READ COMMITTED transaction, this one is {row[1]}: the "
+                "head of an ordering key is decided under the key lock, which a snapshot taken "
+                "earlier cannot see (DESIGN invariant 9); enqueue unordered events or use "
+                "read committed for this transaction"
+            )
 
     def _regclass(self, conn: psycopg.Connection[Any]) -> str:
         # The quoted name, resolved to the table's oid in SQL: lock names then do not depend on
@@ -255,13 +271,18 @@ class Store:
             if expired_limit > 0:
                 claimed += self._claim_one(conn, "claim_expired", base, expired_limit)
             room = limit - len(claimed)
+            heads_short = False
             if room > 0:
-                claimed += self._claim_one(conn, "claim_heads", base, max(1, (room + 1) // 2))
+                share = max(1, (room + 1) // 2)
+                heads = self._claim_one(conn, "claim_heads", base, share)
+                # Fewer heads than asked: no other head is claimable now, do not ask again.
+                heads_short = len(heads) < share
+                claimed += heads
             room = limit - len(claimed)
             if room > 0:
                 claimed += self._claim_one(conn, "claim_pending", base, room)
             room = limit - len(claimed)
-            if room > 0 and len(claimed) > 0:
+            if room > 0 and len(claimed) > 0 and not heads_short:
                 # Pending rows ran short: let ordered heads use the rest of the batch.
                 claimed += self._claim_one(conn, "claim_heads", base, room)
         self._count("claimed", len(claimed))
@@ -403,16 +424,34 @@ class Store:
             return self._lost(op, params["id"], params["version"])
         return row
 
-    def done(self, conn: psycopg.Connection[Any], outbox_id: int, version: int) -> bool:
-        """Fenced: ``processing`` -> ``done``."""
-        won = self._fenced(
-            conn,
-            "finish_done",
-            {"id": outbox_id, "version": version, "commit_mode": self._commit_mode(conn)},
-        )
-        if won:
-            self._count("done")
-        return bool(won)
+    def done(
+        self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, ordered: bool | None = None
+    ) -> bool:
+        """Fenced: ``processing`` -> ``done``; an ordered head hands its key to the next message.
+
+        Unordered rows finish in one statement, as cheap as before ordered heads were explicit.
+        An ordered row's done is one transaction: the key lock first (the producers' lock), then
+        the fenced done and the head's move in one statement whose snapshot follows the lock, so
+        a producer committing a message of the key meanwhile is either seen or waits
+        (invariant 9).
+
+        :param ordered: whether the row has an ordering key, when the caller knows (the worker
+            does, from the fenced start): it saves the statement that does not apply. ``None``
+            tries the unordered statement first and the ordered done when it changed nothing.
+        """
+        params = {"id": outbox_id, "version": version, "commit_mode": self._commit_mode(conn)}
+        won = False
+        if not ordered:
+            with self._single_statement(conn):
+                won = conn.execute(self._q["finish_done"], params).fetchone() is not None
+        if not won and ordered is not False:
+            with conn.transaction():
+                conn.execute(self._q["lock_key_of"], {"table": self._regclass(conn), "id": outbox_id})
+                won = conn.execute(self._q["finish_done_head"], params).fetchone() is not None
+        if not won:
+            return self._lost("finish_done", outbox_id, version)
+        self._count("done")
+        return True
 
     def retry(
         self,

@@ -12,33 +12,27 @@
 -- disjoint and together hold every row that is not done.
 WITH live AS MATERIALIZED (
     SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
-           lease_version - started_version AS unstarted_claims
+           lease_version - started_version AS unstarted_claims, head
     FROM {table} WHERE status = 'pending' AND ordering_key IS NULL
     UNION ALL
     SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
-           lease_version - started_version AS unstarted_claims
+           lease_version - started_version AS unstarted_claims, head
     FROM {table} WHERE ordering_key IS NOT NULL AND status <> 'done'
     UNION ALL
     SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
-           lease_version - started_version AS unstarted_claims
+           lease_version - started_version AS unstarted_claims, head
     FROM {table} WHERE status = 'processing' AND ordering_key IS NULL
     UNION ALL
     SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
-           lease_version - started_version AS unstarted_claims
+           lease_version - started_version AS unstarted_claims, head
     FROM {table} WHERE status = 'dead' AND ordering_key IS NULL
 ),
--- The head of an ordered key is its lowest id that is not done: only the head is claimable
--- (a pending row behind it waits its turn), and a dead head blocks its key.
-heads AS (
-    SELECT DISTINCT ON (ordering_key) ordering_key, id, status
-    FROM live
-    WHERE ordering_key IS NOT NULL
-    ORDER BY ordering_key, id
-),
+-- Only the head of an ordered key (flagged, see queries.sql claim_heads) is claimable: a pending
+-- row behind it waits its turn, and a dead head blocks its key. No per-key grouping is needed.
 marked AS (
     SELECT live.*,
            (live.status = 'pending' AND live.available_at <= now()
-            AND (live.ordering_key IS NULL OR heads.id = live.id)) AS ready,
+            AND (live.ordering_key IS NULL OR live.head)) AS ready,
            -- Claims since the last fenced start whose task never started (DESIGN invariants
            -- 10, 16); a live lease's own claim may still start, so it does not count yet.
            CASE WHEN live.status = 'pending' THEN live.unstarted_claims
@@ -46,7 +40,7 @@ marked AS (
                 THEN live.unstarted_claims - 1
                 WHEN live.status = 'processing' THEN live.unstarted_claims
                 ELSE 0 END AS lost_claims
-    FROM live LEFT JOIN heads ON heads.ordering_key = live.ordering_key
+    FROM live
 ),
 by_type AS (
     SELECT event_type,
@@ -69,11 +63,15 @@ by_attempts AS (
     FROM live
     GROUP BY attempts
 ),
+-- Keys whose head is dead, and the unfinished messages waiting behind each: read from the dead
+-- heads (dead_idx) and, per dead head, its key's range of the ordered index; O(dead heads +
+-- messages waiting behind them), not O(backlog).
 blocked AS (
-    SELECT heads.ordering_key, count(*) - 1 AS waiting
-    FROM heads JOIN live ON live.ordering_key = heads.ordering_key
-    WHERE heads.status = 'dead'
-    GROUP BY heads.ordering_key
+    SELECT d.ordering_key,
+           (SELECT count(*) FROM {table} AS w
+            WHERE w.ordering_key = d.ordering_key AND w.status <> 'done' AND w.id > d.id) AS waiting
+    FROM {table} AS d
+    WHERE d.status = 'dead' AND d.head AND d.ordering_key IS NOT NULL
 )
 SELECT
     now() AS now,
@@ -209,6 +207,16 @@ FROM picked
 WHERE o.id = picked.id
 RETURNING o.id;
 
+-- name: lock_keys_of_ids
+-- Before a skip: the producers' key locks (queries.sql lock_keys) of every ordered message among
+-- the ids, in sorted order, so the head moved by settle_heads sees every message of those keys
+-- committed so far and no producer commits one until the skip does (DESIGN invariant 9).
+SELECT count(pg_advisory_xact_lock(hashtextextended(
+    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || k, 0)))
+FROM (SELECT DISTINCT ordering_key AS k FROM {table}
+      WHERE id = ANY(%(ids)s::bigint[]) AND ordering_key IS NOT NULL
+      ORDER BY 1) AS sorted_keys;
+
 -- name: skip_ids
 -- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded. In SET,
 -- "status" still reads the old value. A processing row whose lease expired may be skipped too
@@ -222,7 +230,20 @@ SET status = 'done',
                       || coalesce('; previous error: ' || last_error, ''), 8000)
 WHERE id = ANY(%(ids)s::bigint[])
   AND (status IN ('dead', 'pending') OR (status = 'processing' AND lease_until <= now()))
-RETURNING id;
+RETURNING id, ordering_key;
+
+-- name: settle_heads
+-- After a skip, under the keys' locks: the lowest unfinished message of each key becomes its head
+-- (a no-op when it already is, e.g. a processing head while a message behind it was skipped).
+UPDATE {table} AS o
+SET head = true
+FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
+     LATERAL (SELECT id FROM {table}
+              WHERE ordering_key = keys.k AND status <> 'done'
+              ORDER BY id
+              LIMIT 1) AS first
+WHERE o.id = first.id AND NOT o.head
+RETURNING o.id;
 
 -- name: purge_cutoff
 -- Fixed once per purge run, so the run has a bounded amount of work.

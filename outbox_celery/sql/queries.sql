@@ -3,15 +3,30 @@
 -- All time comparisons use the database clock (now()); worker clocks are never trusted.
 
 -- name: insert
-INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at)
+-- An ordered row is its key's head when no other message of the key is unfinished (DESIGN
+-- invariant 9). Read under the producer's key lock, taken by an earlier statement, so this
+-- statement's snapshot already holds every commit of that key (read committed; see lock_keys).
+-- For an unordered row the AND stops at false and the probe never runs.
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
+                     head)
 VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::jsonb, %(ordering_key)s,
-        now() + make_interval(secs => %(delay)s))
+        now() + make_interval(secs => %(delay)s),
+        %(ordering_key)s::text IS NOT NULL AND NOT EXISTS (
+            SELECT 1 FROM {table}
+            WHERE ordering_key = %(ordering_key)s::text AND status <> 'done'))
 RETURNING id;
 
 -- name: insert_many
-INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at)
+-- As insert; within the batch only the first row of a key (lowest n, hence lowest id) can be
+-- its head, and only if the key has no unfinished message already.
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
+                     head)
 SELECT u.event_type, u.aggregate_type, u.aggregate_id, u.payload::jsonb, u.ordering_key,
-       now() + make_interval(secs => u.delay)
+       now() + make_interval(secs => u.delay),
+       u.ordering_key IS NOT NULL
+       AND row_number() OVER (PARTITION BY u.ordering_key ORDER BY u.n) = 1
+       AND NOT EXISTS (SELECT 1 FROM {table} AS o
+                       WHERE o.ordering_key = u.ordering_key AND o.status <> 'done')
 FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_ids)s::text[],
             %(payloads)s::text[], %(ordering_keys)s::text[], %(delays)s::float8[])
      WITH ORDINALITY AS u(event_type, aggregate_type, aggregate_id, payload, ordering_key, delay, n)
@@ -22,8 +37,12 @@ RETURNING id;
 -- Serializes producers of an ordering key until commit, so id order equals commit order. One
 -- round trip for every key of a batch, taken in sorted order so two producers never deadlock.
 -- The locks are named after the table's oid, so "outbox" and "public.outbox" share them.
+-- The head finalizers (finish_done_head, admin skip) take the same locks. The isolation level
+-- comes back with it: insert decides the head from its statement's snapshot, which is taken
+-- after the lock only under read committed.
 SELECT count(pg_advisory_xact_lock(hashtextextended(
-    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || k, 0)))
+    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || k, 0))),
+       current_setting('transaction_isolation')
 FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k) ORDER BY k) AS sorted_keys;
 
 -- name: try_claim_lock
@@ -51,7 +70,7 @@ SELECT count(*) FROM (
 
 -- name: claim_settings
 -- First statement of every claim transaction. Once a churned table's statistics price the
--- ordered heads' skip scan above jit_above_cost, every claim pays for JIT compilation (measured
+-- claim's queries (then the ordered heads' skip scan, before #10) above jit_above_cost, every claim pays for JIT compilation (measured
 -- by benchmarks/: 15-250 ms per 200-row claim instead of 3-6 ms); these queries never profit.
 SET LOCAL jit = off;
 
@@ -152,32 +171,18 @@ WHERE o.id = picked.id
 RETURNING o.id, o.lease_version, o.event_type, o.lease_until;
 
 -- name: claim_heads
--- Ordered rows: only the lowest unfinished id of each key is claimable (DESIGN invariant 9).
--- The recursive CTE is a skip scan over the ordered partial index: one probe per key that has
--- unfinished messages, whatever their number. A dead head blocks its key and nothing else.
-WITH RECURSIVE heads AS (
-    (SELECT ordering_key, id FROM {table}
-     WHERE ordering_key IS NOT NULL AND status <> 'done'
-     ORDER BY ordering_key, id
-     LIMIT 1)
-    UNION ALL
-    SELECT nxt.ordering_key, nxt.id
-    FROM heads,
-    LATERAL (
-        SELECT ordering_key, id FROM {table}
-        WHERE ordering_key > heads.ordering_key AND ordering_key IS NOT NULL AND status <> 'done'
-        ORDER BY ordering_key, id
-        LIMIT 1
-    ) AS nxt
-),
-picked AS (
-    SELECT o.id FROM {table} AS o
-    JOIN heads ON heads.id = o.id
-    WHERE o.status = 'pending' AND o.available_at <= now()
-      AND (%(event_types)s::text[] IS NULL OR o.event_type = ANY(%(event_types)s::text[]))
-    ORDER BY o.available_at, o.id
+-- Ordered rows: only the head of each key (its lowest id not done, flagged "head") is claimable
+-- (DESIGN invariant 9). The pending heads are read in due order from their own partial index,
+-- so a claim costs O(batch) whatever the number of keys, the backlog behind the heads or the
+-- heads in flight (invariant 17). A dead, processing or retried head keeps its flag and so keeps
+-- its key blocked; only its done (finish_done_head) or an operator's skip moves the flag on.
+WITH picked AS (
+    SELECT id FROM {table}
+    WHERE status = 'pending' AND head AND available_at <= now()
+      AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+    ORDER BY available_at, id
     LIMIT %(limit)s
-    FOR UPDATE OF o SKIP LOCKED
+    FOR UPDATE SKIP LOCKED
 )
 UPDATE {table} AS o
 SET status = 'processing',
@@ -219,13 +224,54 @@ RETURNING id;
 
 -- name: finish_done
 -- commit_mode as in start: a lost done means a redelivery after the lease, nothing worse.
+-- Unordered rows only: an ordered head moves its key's head as it goes (finish_done_head). The
+-- extra predicate keeps this statement exactly as cheap as before for unordered rows.
 UPDATE {table}
 SET status = 'done', done_at = now(), lease_until = NULL
 FROM (SELECT set_config('synchronous_commit',
                         coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
                         true)) AS commit_mode
 WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+  AND ordering_key IS NULL
 RETURNING id;
+
+-- name: lock_key_of
+-- First statement of an ordered done: the producers' lock of the row's key (as lock_keys), so
+-- that the next statement's snapshot holds every message of the key committed so far and none
+-- can commit until the head has moved. Nothing is locked for an unordered row.
+SELECT pg_advisory_xact_lock(hashtextextended(
+    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || ordering_key, 0))
+FROM {table}
+WHERE id = %(id)s AND ordering_key IS NOT NULL;
+
+-- name: finish_done_head
+-- The fenced done of an ordered row, under its key lock (lock_key_of): the row goes done and the
+-- key's next unfinished message, if any, becomes its head in the same transaction, so a key is
+-- never without a claimable head nor with two (DESIGN invariant 9). The snapshot predates this
+-- statement's own update, hence "id > fin.id" to step over the row just finished.
+WITH fin AS (
+    UPDATE {table}
+    SET status = 'done', done_at = now(), lease_until = NULL
+    FROM (SELECT set_config('synchronous_commit',
+                            coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
+                            true)) AS commit_mode
+    WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+    RETURNING id, ordering_key, head
+),
+nxt AS (
+    SELECT n.id
+    FROM fin, LATERAL (
+        SELECT id FROM {table}
+        WHERE ordering_key = fin.ordering_key AND status <> 'done' AND id > fin.id
+        ORDER BY id
+        LIMIT 1
+    ) AS n
+    WHERE fin.head AND fin.ordering_key IS NOT NULL
+),
+moved AS (
+    UPDATE {table} AS o SET head = true FROM nxt WHERE o.id = nxt.id RETURNING o.id
+)
+SELECT fin.id, (SELECT o.id FROM moved AS o) FROM fin;
 
 -- name: finish_retry
 -- Retryable failure: back to pending after the delay, the attempt kept; dead at the limit.

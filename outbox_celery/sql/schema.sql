@@ -19,7 +19,8 @@ CREATE TABLE {table} (
     done_at       timestamptz,
     -- lease_version of the latest claim a worker started; lease_version - started_version
     -- counts claims whose task never started (lost tasks, DESIGN invariants 10, 16).
-    started_version bigint    NOT NULL DEFAULT 0
+    started_version bigint    NOT NULL DEFAULT 0,
+    head          boolean     NOT NULL DEFAULT false
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_threshold = 1000,
@@ -32,6 +33,8 @@ CREATE INDEX {lease_idx} ON {table} (lease_until)
     WHERE status = 'processing';
 CREATE INDEX {ordered_idx} ON {table} (ordering_key, id)
     WHERE ordering_key IS NOT NULL AND status <> 'done';
+CREATE INDEX {heads_idx} ON {table} (available_at, id)
+    WHERE status = 'pending' AND head;
 CREATE INDEX {done_idx} ON {table} (done_at)
     WHERE status = 'done';
 CREATE INDEX {dead_idx} ON {table} (id)

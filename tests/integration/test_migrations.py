@@ -9,7 +9,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Store, TableName, _sql, migrate
+from outbox_celery import Store, TableName, _sql, admin, migrate
 from outbox_celery.migrations import MigrationError, applied_versions, available, pending
 from outbox_celery.testing import temporary_database
 
@@ -346,3 +346,71 @@ def test_migration_3_started_version_from_the_previous_schema_with_rows_in_every
     assert after["expired_unstarted"] == ("pending", 4, 3)
     assert after["live_unstarted"] == ("processing", 1, 0)
     assert after["done"][0] == "done" and after["dead"][0] == "dead"
+
+
+# -- 0004: explicit ordered heads, from tables holding rows in every state ----------------------
+
+ROWS_BEFORE_0004 = """
+INSERT INTO {t} (event_type, aggregate_type, aggregate_id, payload, ordering_key, status,
+                 attempts, lease_version, lease_until, last_error, done_at)
+VALUES
+    -- key A: a done message, then a dead head with two messages waiting behind it
+    ('e', 'a', '1', '{{}}', 'A', 'done', 1, 1, NULL, NULL, now()),
+    ('e', 'a', '2', '{{}}', 'A', 'dead', 1, 1, NULL, 'HTTP 400', NULL),
+    ('e', 'a', '3', '{{}}', 'A', 'pending', 0, 0, NULL, NULL, NULL),
+    ('e', 'a', '4', '{{}}', 'A', 'pending', 0, 0, NULL, NULL, NULL),
+    -- key B: a head processing under a live lease, one message waiting
+    ('e', 'b', '5', '{{}}', 'B', 'processing', 1, 1, now() + interval '1 hour', NULL, NULL),
+    ('e', 'b', '6', '{{}}', 'B', 'pending', 0, 0, NULL, NULL, NULL),
+    -- key C: a head whose lease expired with attempts left, one message waiting
+    ('e', 'c', '7', '{{}}', 'C', 'processing', 1, 3, now() - interval '1 minute', NULL, NULL),
+    ('e', 'c', '8', '{{}}', 'C', 'pending', 0, 0, NULL, NULL, NULL),
+    -- key D: three pending messages, none claimed yet
+    ('e', 'd', '9', '{{}}', 'D', 'pending', 0, 0, NULL, NULL, NULL),
+    ('e', 'd', '10', '{{}}', 'D', 'pending', 0, 0, NULL, NULL, NULL),
+    ('e', 'd', '11', '{{}}', 'D', 'pending', 0, 0, NULL, NULL, NULL),
+    -- key E: finished
+    ('e', 'e', '12', '{{}}', 'E', 'done', 1, 1, NULL, NULL, now()),
+    -- unordered rows in every state
+    ('e', 'u', '13', '{{}}', NULL, 'pending', 0, 0, NULL, NULL, NULL),
+    ('e', 'u', '14', '{{}}', NULL, 'processing', 1, 1, now() + interval '1 hour', NULL, NULL),
+    ('e', 'u', '15', '{{}}', NULL, 'processing', 1, 1, now() - interval '1 minute', NULL, NULL),
+    ('e', 'u', '16', '{{}}', NULL, 'done', 1, 1, NULL, NULL, now()),
+    ('e', 'u', '17', '{{}}', NULL, 'dead', 1, 1, NULL, 'HTTP 400', NULL);
+"""
+
+
+def test_0004_flags_the_head_of_every_key_and_keeps_every_ordering_rule(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    upgraded = TableName.parse("events.upgraded")
+    _replay_up_to(conn, str(upgraded), 2)
+    conn.execute(sql.SQL(ROWS_BEFORE_0004).format(t=upgraded.identifier()))
+    assert migrate(conn, upgraded) == [m.version for m in available() if m.version > 2]
+    assert schema_dump(conn, upgraded) == schema_dump(conn, table)
+    heads = conn.execute(
+        sql.SQL("SELECT id FROM {} WHERE head AND status <> 'done' ORDER BY id").format(upgraded.identifier())
+    ).fetchall()
+    assert [r[0] for r in heads] == [2, 5, 7, 9]
+    # stats reads the flags: D's head and one unordered row are ready; A is blocked, 2 waiting.
+    s = admin.stats(conn, upgraded)
+    assert (s.ready, s.blocked_keys, s.blocked_messages) == (2, 1, 2)
+    store = Store(upgraded)
+    # The expired head comes back first with a new token and keeps its place; D's head and the
+    # unordered rows are claimable; A (dead head) and B (live lease) stay blocked (invariant 9).
+    claims = {c.id: c for c in store.claim(conn, limit=20, lease=60, owner="w", max_attempts=5).claimed}
+    assert sorted(claims) == [7, 9, 13, 15]
+    assert claims[7].lease_version == 4
+    assert claim_ids(store, conn) == []
+    for i in (7, 9):
+        assert store.done(conn, i, claims[i].lease_version) is True
+    assert sorted(claim_ids(store, conn)) == [8, 10]
+    assert admin.skip(conn, upgraded, [2], reason="obsolete") == [2]
+    assert claim_ids(store, conn) == [3]
+    # New messages of an upgraded key queue behind its head; of a finished key, lead it.
+    [e2] = add(conn, table=str(upgraded), key="E")
+    [b3] = add(conn, table=str(upgraded), key="B")
+    assert claim_ids(store, conn) == [e2]
+    assert store.done(conn, 5, 1) is True
+    assert claim_ids(store, conn) == [6]
+    assert b3 > 6

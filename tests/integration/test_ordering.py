@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Event, Store, enqueue_many
+from outbox_celery import Event, ProducerError, Store, TableName, admin, enqueue, enqueue_many
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, claim_ids, count, fetch
 
@@ -233,3 +233,250 @@ def test_invariant_9_ordered_heads_and_unordered_rows_share_a_batch(
     # Once unordered rows run out, heads fill the batch.
     rest = claim_ids(store, conn, limit=100)
     assert sorted(got + rest) == sorted(heads | set(unordered))
+
+
+# -- explicit heads (invariants 9 and 17): every race that could lose or double a head --------
+
+
+def heads_consistent(conn: psycopg.Connection[Any], table: str) -> None:
+    """Every key with unfinished messages has exactly one head among them: the lowest id."""
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT ordering_key, min(id), array_agg(id ORDER BY id) FILTER (WHERE head)"
+            " FROM {} WHERE ordering_key IS NOT NULL AND status <> 'done' GROUP BY 1"
+        ).format(TableName.parse(table).identifier())
+    ).fetchall()
+    assert [(k, [lowest]) for k, lowest, _ in rows] == [(k, flagged) for k, _, flagged in rows]
+
+
+def wait_for_advisory_waiter(conn: psycopg.Connection[Any], timeout: float = 3) -> None:
+    """Return once some session waits for an advisory lock (a key lock held elsewhere).
+
+    Bounded, and silent on timeout: the test's own assertions then say what went wrong.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        # pg_locks is cluster-wide: only this database's sessions count.
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        ).fetchone()
+        if row and row[0]:
+            return
+        time.sleep(0.02)
+
+
+def test_invariant_9_enqueue_many_with_several_messages_of_one_key_flags_only_the_first(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [old_a] = add(conn, table=table, key="A")
+    events = [
+        Event("e", {"n": n}, "t", n, ordering_key=k) for n, k in enumerate(["A", "B", "A", None, "B", "C"])
+    ]
+    with conn.transaction():
+        ids = enqueue_many(conn, events, table=table)
+    heads_consistent(conn, table)
+    # A already had an unfinished message: none of the batch is its head.
+    assert sorted(claim_ids(store, conn)) == sorted([old_a, ids[1], ids[3], ids[5]])
+    for i in (old_a, ids[1], ids[3], ids[5]):
+        assert store.done(conn, i, 1) is True
+    heads_consistent(conn, table)
+    assert sorted(claim_ids(store, conn)) == sorted([ids[0], ids[4]])
+
+
+def test_invariant_9_a_producer_committing_while_the_head_finishes_is_never_missed(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Connect
+) -> None:
+    # The producer holds the key lock with its message uncommitted; the head's done must wait
+    # for it, then hand the key to that message.
+    [a0] = add(conn, table=table, key="A")
+    [c] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    producer = connect()
+    with producer.transaction():
+        [a1] = enqueue_many(producer, [Event("e", {}, "t", 1, ordering_key="A")], table=table)
+        result: dict[str, bool] = {}
+        worker = threading.Thread(
+            target=lambda: result.update(won=store.done(connect(), c.id, c.lease_version))
+        )
+        worker.start()
+        wait_for_advisory_waiter(conn)
+    worker.join(timeout=10)
+    assert result == {"won": True}
+    heads_consistent(conn, table)
+    assert claim_ids(store, conn) == [a1]
+    assert a0 < a1
+
+
+def test_invariant_9_a_producer_waiting_while_the_head_finishes_sees_it_done(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Connect
+) -> None:
+    # The reverse order: the head's done holds the key lock uncommitted; the producer waits for
+    # it and its message becomes the key's head.
+    add(conn, table=table, key="A")
+    [c] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    worker = connect()
+    got: list[int] = []
+    with worker.transaction():
+        assert store.done(worker, c.id, c.lease_version) is True
+        producer = threading.Thread(target=lambda: got.extend(add(connect(), table=table, key="A")))
+        producer.start()
+        wait_for_advisory_waiter(conn)
+    producer.join(timeout=10)
+    assert len(got) == 1
+    heads_consistent(conn, table)
+    assert claim_ids(store, conn) == got
+
+
+def test_invariant_9_skipping_a_dead_head_while_a_producer_commits_hands_over_the_key(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Connect
+) -> None:
+    [a0] = add(conn, table=table, key="A")
+    [c] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    assert store.dead(conn, c.id, c.lease_version, error="HTTP 400") is True
+    operator = connect()
+    got: list[int] = []
+    with operator.transaction():
+        assert admin.skip(operator, table, [a0], reason="customer deleted") == [a0]
+        producer = threading.Thread(target=lambda: got.extend(add(connect(), table=table, key="A")))
+        producer.start()
+        wait_for_advisory_waiter(conn)
+    producer.join(timeout=10)
+    heads_consistent(conn, table)
+    assert claim_ids(store, conn) == got
+
+
+def test_invariant_9_skip_and_requeue_move_or_keep_the_head_as_the_key_needs(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    a = add(conn, 5, table=table, key="A")
+    [c] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    # A pending message behind a processing head is skipped: the head stays where it is.
+    assert admin.skip(conn, table, [a[1]], reason="obsolete") == [a[1]]
+    heads_consistent(conn, table)
+    assert claim_ids(store, conn) == []
+    assert store.dead(conn, c.id, c.lease_version, error="HTTP 400") is True
+    assert claim_ids(store, conn) == []
+    # Requeued, the dead head is the head again, ahead of everything behind it.
+    assert admin.requeue(conn, table, [a[0]]) == [a[0]]
+    heads_consistent(conn, table)
+    [c] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    assert c.id == a[0]
+    assert store.dead(conn, c.id, c.lease_version, error="HTTP 400") is True
+    # The dead head and the message after it skipped together: the next one is the head.
+    assert admin.skip(conn, table, [a[0], a[2]], reason="obsolete") == [a[0], a[2]]
+    heads_consistent(conn, table)
+    assert claim_ids(store, conn) == [a[3]]
+    assert store.done(conn, a[3], 1) is True
+    assert claim_ids(store, conn) == [a[4]]
+
+
+def test_invariant_9_done_rows_purged_never_disturb_the_heads(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    a = add(conn, 2, table=table, key="A")
+    assert store.done(conn, claim_ids(store, conn)[0], 1) is True
+    assert admin.purge_done(conn, table, older_than=0, batch_size=100) == 1
+    [a2] = add(conn, table=table, key="A")
+    heads_consistent(conn, table)
+    assert claim_ids(store, conn) == [a[1]]
+    assert store.done(conn, a[1], 1) is True
+    assert claim_ids(store, conn) == [a2]
+
+
+def test_invariant_9_ordered_enqueue_refuses_a_snapshot_older_than_its_key_lock(
+    conn: psycopg.Connection[Any], store: Store, table: str, migrated_dsn: str
+) -> None:
+    with psycopg.connect(migrated_dsn) as c:
+        c.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        with pytest.raises(ProducerError, match="READ COMMITTED"):
+            enqueue(
+                c, event_type="e", payload={}, aggregate_type="t", aggregate_id=1, ordered=True, table=table
+            )
+        c.rollback()
+        enqueue(c, event_type="e", payload={}, aggregate_type="t", aggregate_id=1, table=table)
+        c.commit()
+    assert count(conn, table) == 1
+
+
+def test_invariant_9_producers_and_finalizers_racing_on_few_keys_never_lose_or_double_a_head(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Connect
+) -> None:
+    keys = ["K0", "K1", "K2"]
+    produced: list[int] = []
+    finished: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    producing = threading.Event()
+    producing.set()
+
+    def producer(seed: int) -> None:
+        rnd = random.Random(seed)
+        try:
+            c = connect()
+            for _ in range(40):
+                events = [
+                    Event("e", {}, "t", 1, ordering_key=rnd.choice(keys)) for _ in range(rnd.randint(1, 3))
+                ]
+                with c.transaction():
+                    ids = enqueue_many(c, events, table=table)
+                with lock:
+                    produced.extend(ids)
+        except BaseException as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+
+    def worker() -> None:
+        try:
+            c = connect()
+            idle_since = time.monotonic()
+            while time.monotonic() - idle_since < 2:
+                claims = store.claim(c, limit=5, lease=LONG, owner="w", max_attempts=5).claimed
+                if not claims:
+                    if producing.is_set():
+                        idle_since = time.monotonic()
+                    time.sleep(0.01)
+                    continue
+                idle_since = time.monotonic()
+                for claim in claims:
+                    row = c.execute(
+                        sql.SQL("SELECT ordering_key FROM {} WHERE id = %s").format(store.table.identifier()),
+                        [claim.id],
+                    ).fetchone()
+                    assert row is not None
+                    with lock:
+                        finished.append((row[0], claim.id))
+                    assert store.done(c, claim.id, claim.lease_version) is True
+        except BaseException as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+
+    producers = [threading.Thread(target=producer, args=(n,)) for n in range(3)]
+    workers = [threading.Thread(target=worker) for _ in range(2)]
+    for t in producers + workers:
+        t.start()
+    for t in producers:
+        t.join(timeout=60)
+    producing.clear()
+    for t in workers:
+        t.join(timeout=60)
+    assert not errors
+    heads_consistent(conn, table)
+    # Nothing stuck behind a lost head, nothing finished twice, every key in id order.
+    assert sorted(i for _, i in finished) == sorted(produced)
+    for k in keys:
+        ids = [i for key, i in finished if key == k]
+        assert ids == sorted(ids), k
+
+
+@pytest.mark.parametrize("ordered", [None, True])
+def test_invariant_9_a_head_s_done_hands_its_key_on_whether_or_not_the_caller_says_it_is_ordered(
+    conn: psycopg.Connection[Any], store: Store, table: str, ordered: bool | None
+) -> None:
+    a = add(conn, 3, table=table, key="A")
+    [u] = add(conn, table=table)
+    claims = {c.id: c for c in store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed}
+    assert sorted(claims) == [a[0], u]
+    assert store.done(conn, u, claims[u].lease_version, ordered=False if ordered else None) is True
+    assert store.done(conn, a[0], claims[a[0]].lease_version, ordered=ordered) is True
+    # A second done of the same claim is a lost lease, and moves nothing further.
+    assert store.done(conn, a[0], claims[a[0]].lease_version, ordered=ordered) is False
+    heads_consistent(conn, table)
+    assert claim_ids(store, conn) == [a[1]]

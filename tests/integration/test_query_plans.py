@@ -45,6 +45,10 @@ SELECT 'e', 'a', g::text, '{{}}', 'processing', now() - interval '1 minute', 1, 
 FROM generate_series(1, 30) AS g;
 INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, status, last_error)
 SELECT 'e', 'a', g::text, '{{}}', 'dead', 'x' FROM generate_series(1, 30) AS g;
+UPDATE {table} AS o SET head = true
+FROM (SELECT DISTINCT ON (ordering_key) id FROM {table}
+      WHERE ordering_key IS NOT NULL AND status <> 'done' ORDER BY ordering_key, id) AS h
+WHERE o.id = h.id;
 """
 
 # A live row for the by-id queries: one of the 200 pending ones after the 50k done rows.
@@ -68,6 +72,12 @@ PARAMS: dict[str, Any] = {
     "window": 60.0,
     "cap": 1000,
     "unroutable_delay": 60.0,
+    "table": '"events"."Out Box"',
+    "event_type": "e",
+    "aggregate_type": "a",
+    "aggregate_id": "1",
+    "payload": "{}",
+    "ordering_key": "key7",
 }
 
 HOT = [
@@ -79,6 +89,9 @@ HOT = [
     "start",
     "start_exhausted",
     "finish_done",
+    "lock_key_of",
+    "finish_done_head",
+    "insert",
     "finish_retry",
     "finish_defer",
     "finish_dead",
@@ -167,9 +180,30 @@ def test_hot_queries_never_scan_the_whole_outbox_table(
     assert any(index is not None for _, index in scans), f"{name} ({plan} plan): {scans}"
 
 
-def test_claim_heads_walks_the_ordered_index_instead_of_reading_every_key(
+def test_invariant_17_claim_heads_reads_only_the_pending_heads_never_every_key(
     history: psycopg.Connection[Any],
 ) -> None:
-    scans = _scans(_custom_plan(history, Store(TABLE)._q["claim_heads"]))
-    ordered_idx = Store(TABLE).table.name + "_ordered_idx"
-    assert [index for _, index in scans].count(ordered_idx) >= 2, scans
+    # 5,000 keys hold 20,000 unfinished ordered messages: the claim reads the pending heads'
+    # partial index in due order and stops at its LIMIT, whatever the number of keys.
+    store = Store(TABLE)
+    scans = _scans(_custom_plan(history, store._q["claim_heads"]))
+    heads_idx = store.table.name + "_heads_idx"
+    assert [index for _, index in scans] == [heads_idx, store.table.name + "_pkey"], scans
+    with history.transaction(force_rollback=True):
+        row = history.execute(
+            sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + store._q["claim_heads"], {**PARAMS, "limit": 10}
+        ).fetchone()
+    assert row is not None
+    [top] = row[0]
+    read = [n for n in _nodes(top["Plan"]) if n.get("Index Name") == heads_idx]
+    assert read and all(n["Actual Rows"] <= 10 for n in read), read
+
+
+def test_an_ordered_insert_finds_its_keys_unfinished_messages_through_the_ordered_index(
+    history: psycopg.Connection[Any],
+) -> None:
+    store = Store(TABLE)
+    scans = _scans(_custom_plan(history, store._q["insert"]))
+    assert [index for _, index in scans] == [store.table.name + "_ordered_idx"], scans
+    scans = _scans(_custom_plan(history, store._q["finish_done_head"]))
+    assert store.table.name + "_ordered_idx" in [index for _, index in scans], scans
