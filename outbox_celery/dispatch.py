@@ -374,7 +374,9 @@ class Dispatcher:
     def _finish(self, kind: str, outbox_id: int, version: int, **kw: Any) -> str:
         store = self.store
         if kind == "done":
-            won = self._fenced_write(kind, outbox_id, version, lambda c: store.done(c, outbox_id, version, **kw))
+            won = self._fenced_write(
+                kind, outbox_id, version, lambda c: store.done(c, outbox_id, version, **kw)
+            )
             return Outcome.DONE if won else Outcome.LOST_LEASE
         if kind == "dead":
             won = self._fenced_write(
