@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import psycopg
@@ -109,6 +111,7 @@ class Outbox:
         self._pool: ConnectionPool[Any] | None = None
         self._pool_pid: int | None = None
         self._dispatcher: Dispatcher | None = None
+        self._last_drained: float | None = None
         self._register_tasks()
         self._connect_signals()
         if getattr(app, "configured", False):
@@ -205,8 +208,14 @@ class Outbox:
             {
                 "task": f"{self.name}.claim",
                 "schedule": cfg.claim_interval,
-                # A stalled beat or worker must not pile claims up: each expires after one tick.
-                "options": {"queue": cfg.claim_queue, "expires": cfg.claim_interval},
+                # Celery checks ``expires`` on the worker's clock (invariant 13): one tick would
+                # make a worker 1 s ahead of beat discard every claim, so it gets the skew
+                # allowance on top. Claims that pile up behind a stalled claim worker are
+                # coalesced by the claim task instead (and the claim lock makes any extra cheap).
+                "options": {
+                    "queue": cfg.claim_queue,
+                    "expires": cfg.claim_interval + cfg.max_clock_skew,
+                },
             },
         )
         if cfg.retention is not None:
@@ -389,7 +398,7 @@ class Outbox:
         @self.app.task(name=f"{self.name}.claim", ignore_result=True, acks_late=False, shared=False)
         def claim() -> dict[str, Any]:
             """Reap, claim and publish (triggered by beat every ``claim_interval``)."""
-            return outbox.claim().as_dict()
+            return outbox._claim_coalesced().as_dict()
 
         @self.app.task(
             name=f"{self.name}.deliver",
@@ -432,6 +441,7 @@ class Outbox:
             "time_limit": hard_limit,
             "soft_time_limit": round(max(hard_limit * 0.9, hard_limit - 1.0), 3),
         }
+        skew = timedelta(seconds=cfg.max_clock_skew)
         retry_policy = {
             "max_retries": 1,
             "interval_start": 0.0,
@@ -445,7 +455,9 @@ class Outbox:
                         (c.id, c.lease_version),
                         task_id=self.task_id(c),
                         queue=self.queue_for(c.event_type),
-                        expires=c.lease_until,
+                        # The fence decides staleness; ``expires`` only saves work, and since
+                        # the worker checks it on its own clock it needs the skew allowance.
+                        expires=c.lease_until + skew,
                         **limits,
                         shadow=f"{self.name}.deliver[{c.event_type}]",
                         headers={"outbox_event_type": c.event_type},
@@ -467,6 +479,22 @@ class Outbox:
     def claim(self) -> ClaimRun:
         """Run one claim (what the beat-triggered task does); usable without Celery workers."""
         return self.dispatcher.claim_and_publish(self.publish, owner=default_owner())
+
+    def _claim_coalesced(self) -> ClaimRun:
+        """The claim task's body: a claim run, unless this process just drained the table.
+
+        Claim tasks pile up behind a claim worker that was stopped or paused while beat kept
+        sending (their ``expires`` leaves minutes for clock skew). Run back to back they would
+        each claim an empty batch; a run that arrives within half a ``claim_interval`` of this
+        process's last run that found nothing more to claim returns at once. Durations are
+        measured on this process's monotonic clock, never compared with another's.
+        """
+        last = self._last_drained
+        if last is not None and time.monotonic() - last < self.config.claim_interval / 2:
+            return ClaimRun(skipped=True, stopped_by="coalesced")
+        run = self.claim()
+        self._last_drained = time.monotonic() if run.stopped_by == "drained" else None
+        return run
 
     def deliver(self, outbox_id: int, lease_version: int) -> str:
         """Deliver one row in this process (what the delivery task does)."""

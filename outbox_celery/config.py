@@ -105,6 +105,7 @@ _SECONDS_FIELDS = (
     "max_defer_age",
     "unroutable_delay",
     "retention",
+    "max_clock_skew",
 )
 _INT_FIELDS = (
     "batch_size",
@@ -153,6 +154,12 @@ class OutboxConfig:
     :ivar relaxed_commit: commit the fenced start and ``done`` with ``synchronous_commit = off``
         (only a PostgreSQL crash can lose them, which costs at most a redelivery after the lease;
         claims always commit durably). Default true.
+    :ivar max_clock_skew: seconds the wall clocks of workers and beat may be off from
+        PostgreSQL's (and from each other) without losing a claim or a delivery (invariant 13).
+        Celery checks ``expires`` on the receiving worker's own clock, so the claim task expires
+        ``claim_interval + max_clock_skew`` after beat sent it and a delivery task
+        ``max_clock_skew`` after its lease end; the fence, not ``expires``, decides whether a
+        task is stale. Default 300 (five minutes).
     :ivar configure_celery: apply recommended Celery settings (prefetch 1, Redis visibility
         timeout above the lease) where the user has not set them. Default true.
     """
@@ -179,6 +186,7 @@ class OutboxConfig:
     retention_batch_size: int = 5000
     relaxed_commit: bool = True
     configure_celery: bool = True
+    max_clock_skew: float = 300.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

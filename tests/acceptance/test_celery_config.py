@@ -64,7 +64,7 @@ def test_settings_come_from_celery_outbox_keys_and_keyword_arguments_win() -> No
     entry = app.conf.beat_schedule["outbox-claim"]
     assert entry["task"] == "outbox.claim"
     assert entry["schedule"] == 0.25
-    assert entry["options"] == {"queue": "cq", "expires": 0.25}
+    assert entry["options"] == {"queue": "cq", "expires": 0.25 + cfg.max_clock_skew}
 
 
 def test_settings_with_a_celery_namespace_django_style() -> None:
