@@ -96,6 +96,10 @@ def _positive_int(value: Any, name: str) -> int:
     return value
 
 
+# Shortest lease accepted: the delivery's hard time limit (0.9 * lease) stays below the lease
+# and the soft one below that, each by a margin a loaded worker can still honour.
+MIN_LEASE = 2.0
+
 _SECONDS_FIELDS = (
     "lease",
     "claim_interval",
@@ -123,8 +127,9 @@ class OutboxConfig:
 
     :ivar dsn: PostgreSQL connection string (libpq format or URI). Required by workers.
     :ivar table: outbox table, ``"name"`` or ``"schema.name"``. Default ``"outbox"``.
-    :ivar lease: seconds a claim owns a row before another claim may take it. Default 60. The
-        delivery task's time limit is set below it and its Celery ``expires`` at its end.
+    :ivar lease: seconds a claim owns a row before another claim may take it. Default 60; at
+        least 2 (shorter leases raise :class:`ConfigurationError`). The delivery task's hard time
+        limit is ``0.9 * lease`` and its Celery ``expires`` ``max_clock_skew`` after its end.
     :ivar batch_size: rows claimed per claim transaction. Default 200.
     :ivar max_attempts: handler runs before a message goes ``dead``. Default 12.
     :ivar claim_interval: seconds between beat-triggered claim runs (sub-second allowed).
@@ -204,6 +209,13 @@ class OutboxConfig:
             raise ConfigurationError("backoff_cap must be >= backoff_base")
         if self.claim_interval >= self.lease:
             raise ConfigurationError("claim_interval must be shorter than lease")
+        if self.lease < MIN_LEASE:
+            # The delivery's hard time limit (0.9 * lease) must end a handler before its lease
+            # does, with room for the fenced finalize; under 2 s there is none to speak of.
+            raise ConfigurationError(
+                f"lease must be at least {MIN_LEASE:g} s (got {self.lease:g} s): the delivery "
+                "task's time limits must fit below it"
+            )
         if self.dsn is not None and not isinstance(self.dsn, str):
             raise ConfigurationError("dsn must be a string")
         for name in ("claim_queue", "default_queue"):
@@ -223,8 +235,8 @@ class OutboxConfig:
 
     @property
     def task_time_limit(self) -> float:
-        """Hard time limit of a delivery task: safely below the lease."""
-        return max(1.0, self.lease * 0.9)
+        """Hard time limit of a delivery task: 0.9 * lease, always below the lease."""
+        return self.lease * 0.9
 
     def replace(self, **changes: Any) -> OutboxConfig:
         """A copy with ``changes`` applied (and validated)."""

@@ -189,3 +189,18 @@ def test_from_mapping_validates_values_from_the_celery_config() -> None:
 def test_min_in_flight_is_capped_by_max_in_flight() -> None:
     assert OutboxConfig(batch_size=500, max_in_flight=100).effective_min_in_flight == 100
     assert OutboxConfig(min_in_flight=10).effective_min_in_flight == 10
+
+
+@pytest.mark.parametrize("lease", [0.5, 1.0, 1.1, 1.99])
+def test_leases_too_short_for_a_time_limit_below_them_are_refused(lease: float) -> None:
+    """The hard time limit was max(1, 0.9 * lease): not below leases under ~1.1 s."""
+    with pytest.raises(ConfigurationError, match="lease must be at least 2 s"):
+        OutboxConfig(lease=lease, claim_interval=0.1)
+
+
+@pytest.mark.parametrize("lease", [2.0, 2.5, 4.0, 10.0, 60.0, 3600.0])
+def test_delivery_time_limits_are_always_below_the_lease(lease: float) -> None:
+    config = OutboxConfig(lease=lease, claim_interval=0.1)
+    hard = config.task_time_limit
+    soft = max(hard * 0.9, hard - 1.0)
+    assert 0 < soft < hard < lease
