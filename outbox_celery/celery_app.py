@@ -202,6 +202,12 @@ class Outbox:
                 f"{self.name}.deliver": {"queue": cfg.default_queue},
             },
         )
+        # A claim run holds the claim lock: one stuck in a hung publish must end (its rows are
+        # then released). Set on the task too, for claims sent by hand.
+        claim_soft, claim_hard = cfg.claim_time_limits
+        # Celery takes fractional seconds here (the stubs say int).
+        self.claim_task.soft_time_limit = claim_soft  # type: ignore[assignment]
+        self.claim_task.time_limit = claim_hard  # type: ignore[assignment]
         schedule = dict(conf.beat_schedule or {})
         schedule.setdefault(
             f"{self.name}-claim",
@@ -215,6 +221,8 @@ class Outbox:
                 "options": {
                     "queue": cfg.claim_queue,
                     "expires": cfg.claim_interval + cfg.max_clock_skew,
+                    "soft_time_limit": claim_soft,
+                    "time_limit": claim_hard,
                 },
             },
         )
@@ -244,6 +252,13 @@ class Outbox:
                 applied.append(
                     f"broker_transport_options.visibility_timeout={options['visibility_timeout']:g}"
                 )
+            for key in ("socket_timeout", "socket_connect_timeout"):
+                if key not in options:
+                    # Without it a publish on a half-open connection waits for a reply forever
+                    # while the claim run holds the claim lock.
+                    options[key] = cfg.broker_timeout
+                    conf.broker_transport_options = options
+                    applied.append(f"broker_transport_options.{key}={cfg.broker_timeout:g}")
         if applied:
             logger.debug("outbox applied Celery settings: %s", ", ".join(applied))
 

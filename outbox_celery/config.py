@@ -110,6 +110,8 @@ _SECONDS_FIELDS = (
     "unroutable_delay",
     "retention",
     "max_clock_skew",
+    "broker_timeout",
+    "claim_time_limit",
 )
 _INT_FIELDS = (
     "batch_size",
@@ -165,6 +167,15 @@ class OutboxConfig:
         ``claim_interval + max_clock_skew`` after beat sent it and a delivery task
         ``max_clock_skew`` after its lease end; the fence, not ``expires``, decides whether a
         task is stale. Default 300 (five minutes).
+    :ivar broker_timeout: seconds a broker connection may block on connect, read or write
+        before it fails: on Redis, ``socket_timeout`` and ``socket_connect_timeout`` of
+        ``broker_transport_options`` (set where you have not, with ``configure_celery``). A
+        publish that hangs (a half-open TCP connection) then fails and the claim run gives its
+        rows back to ``pending``. Default 10.
+    :ivar claim_time_limit: soft time limit of the claim task, in seconds; the hard one is 5 s
+        later. A claim run that outlives it stops publishing and releases what it had not
+        published (a backstop for brokers without socket timeouts). Default
+        ``claim budget + 3 * broker_timeout``.
     :ivar configure_celery: apply recommended Celery settings (prefetch 1, Redis visibility
         timeout above the lease) where the user has not set them. Default true.
     """
@@ -192,13 +203,15 @@ class OutboxConfig:
     relaxed_commit: bool = True
     configure_celery: bool = True
     max_clock_skew: float = 300.0
+    broker_timeout: float = 10.0
+    claim_time_limit: float | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "table", TableName.parse(self.table))
         for name in _SECONDS_FIELDS:
             value = getattr(self, name)
-            if value is None and name in ("claim_budget", "retention"):
+            if value is None and name in ("claim_budget", "retention", "claim_time_limit"):
                 continue
             set_(self, name, _seconds(value, name))
         for name in _INT_FIELDS:
@@ -226,6 +239,16 @@ class OutboxConfig:
     def effective_claim_budget(self) -> float:
         """The claim run's time budget in seconds."""
         return self.claim_budget if self.claim_budget is not None else max(self.claim_interval, 1.0)
+
+    @property
+    def claim_time_limits(self) -> tuple[float, float]:
+        """``(soft, hard)`` time limits of the claim task, in seconds."""
+        soft = self.claim_time_limit
+        if soft is None:
+            # A run claims for its budget, then each publish may block for a broker timeout
+            # (and once more on kombu's single retry, and on a reconnect).
+            soft = self.effective_claim_budget + 3 * self.broker_timeout
+        return soft, soft + 5.0
 
     @property
     def effective_min_in_flight(self) -> int:

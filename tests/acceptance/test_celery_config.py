@@ -64,7 +64,14 @@ def test_settings_come_from_celery_outbox_keys_and_keyword_arguments_win() -> No
     entry = app.conf.beat_schedule["outbox-claim"]
     assert entry["task"] == "outbox.claim"
     assert entry["schedule"] == 0.25
-    assert entry["options"] == {"queue": "cq", "expires": 0.25 + cfg.max_clock_skew}
+    soft, hard = cfg.claim_time_limits
+    assert entry["options"] == {
+        "queue": "cq",
+        "expires": 0.25 + cfg.max_clock_skew,
+        "soft_time_limit": soft,
+        "time_limit": hard,
+    }
+    assert (outbox.claim_task.soft_time_limit, outbox.claim_task.time_limit) == (soft, hard)
 
 
 def test_settings_with_a_celery_namespace_django_style() -> None:
@@ -160,6 +167,8 @@ def test_recommended_worker_settings_are_applied_where_unset() -> None:
     Outbox(app, lease=120)
     assert app.conf.worker_prefetch_multiplier == 1
     assert app.conf.broker_transport_options["visibility_timeout"] > 120
+    assert app.conf.broker_transport_options["socket_timeout"] == 10.0
+    assert app.conf.broker_transport_options["socket_connect_timeout"] == 10.0
     delivery = app.tasks["outbox.deliver"]
     assert delivery.acks_late is True
     assert delivery.max_retries == 0
@@ -175,7 +184,12 @@ def test_settings_the_user_chose_are_kept() -> None:
     )
     Outbox(app, lease=60)
     assert app.conf.worker_prefetch_multiplier == 2
-    assert app.conf.broker_transport_options == {"visibility_timeout": 7200, "socket_timeout": 3}
+    # Kept as chosen; only the missing connect timeout is added (= broker_timeout).
+    assert app.conf.broker_transport_options == {
+        "visibility_timeout": 7200,
+        "socket_timeout": 3,
+        "socket_connect_timeout": 10.0,
+    }
 
 
 def test_settings_set_on_app_conf_before_configuration_are_kept() -> None:
