@@ -112,6 +112,8 @@ class Outbox:
         self._pool_pid: int | None = None
         self._dispatcher: Dispatcher | None = None
         self._last_drained: float | None = None
+        self._publish_conn: Any = None
+        self._publish_conn_pid: int | None = None
         self._register_tasks()
         self._connect_signals()
         if getattr(app, "configured", False):
@@ -252,13 +254,6 @@ class Outbox:
                 applied.append(
                     f"broker_transport_options.visibility_timeout={options['visibility_timeout']:g}"
                 )
-            for key in ("socket_timeout", "socket_connect_timeout"):
-                if key not in options:
-                    # Without it a publish on a half-open connection waits for a reply forever
-                    # while the claim run holds the claim lock.
-                    options[key] = cfg.broker_timeout
-                    conf.broker_transport_options = options
-                    applied.append(f"broker_transport_options.{key}={cfg.broker_timeout:g}")
         if applied:
             logger.debug("outbox applied Celery settings: %s", ", ".join(applied))
 
@@ -373,6 +368,10 @@ class Outbox:
             if pool is not None and self._pool_pid == os.getpid():
                 pool.close()
             self._pool_pid = None
+            conn, self._publish_conn = self._publish_conn, None
+            if conn is not None and self._publish_conn_pid == os.getpid():
+                with suppress(Exception):
+                    conn.close()
 
     def _after_fork(self, **kwargs: Any) -> None:
         with self._lock:
@@ -464,7 +463,7 @@ class Outbox:
             "interval_max": 0.2,
         }
         try:
-            with self.app.producer_or_acquire() as producer:
+            with self._claim_producer() as producer:
                 for c in claims:
                     self.deliver_task.apply_async(
                         (c.id, c.lease_version),
@@ -490,6 +489,37 @@ class Outbox:
                 extra={"outcome": "publish_failed"},
             )
         return sent
+
+    @contextmanager
+    def _claim_producer(self) -> Iterator[Any]:
+        """A producer on this process's own broker connection for claim publishes.
+
+        Its socket timeouts (``broker_timeout``) make a publish that hangs on a half-open
+        connection fail, so the claim run releases its rows instead of holding the claim lock
+        forever. They apply to this connection only: the same timeouts on a worker's consuming
+        connection were seen to keep it from resuming after a Redis restart. A connection that
+        failed is closed and replaced at the next run, never reused.
+        """
+        pid = os.getpid()
+        conn = self._publish_conn
+        if conn is None or self._publish_conn_pid != pid:
+            timeout = self.config.broker_timeout
+            url = str(self.app.conf.broker_write_url or self.app.conf.broker_url or "")
+            options: dict[str, Any] = {}
+            if _is_redis(url):
+                options = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+            elif url.startswith(("amqp", "pyamqp")):
+                # A publishing connection only: read timeouts cannot starve a consumer here.
+                options = {"read_timeout": timeout, "write_timeout": timeout}
+            conn = self.app.connection_for_write(connect_timeout=timeout, transport_options=options)
+            self._publish_conn, self._publish_conn_pid = conn, pid
+        try:
+            yield self.app.amqp.Producer(conn, auto_declare=True)
+        except BaseException:
+            self._publish_conn = None
+            with suppress(Exception):
+                conn.close()
+            raise
 
     def claim(self) -> ClaimRun:
         """Run one claim (what the beat-triggered task does); usable without Celery workers."""

@@ -167,11 +167,11 @@ class OutboxConfig:
         ``claim_interval + max_clock_skew`` after beat sent it and a delivery task
         ``max_clock_skew`` after its lease end; the fence, not ``expires``, decides whether a
         task is stale. Default 300 (five minutes).
-    :ivar broker_timeout: seconds a broker connection may block on connect, read or write
-        before it fails: on Redis, ``socket_timeout`` and ``socket_connect_timeout`` of
-        ``broker_transport_options`` (set where you have not, with ``configure_celery``). A
-        publish that hangs (a half-open TCP connection) then fails and the claim run gives its
-        rows back to ``pending``. Default 10.
+    :ivar broker_timeout: seconds the claim's publishing connection may block on connect, read
+        or write before it fails (Redis ``socket_timeout``/``socket_connect_timeout``, py-amqp
+        ``read_timeout``/``write_timeout``, on that connection only). A publish that hangs (a
+        half-open TCP connection) then fails and the claim run gives its rows back to
+        ``pending``. Default 10.
     :ivar claim_time_limit: soft time limit of the claim task, in seconds; the hard one is 5 s
         later. A claim run that outlives it stops publishing and releases what it had not
         published (a backstop for brokers without socket timeouts). Default

@@ -167,8 +167,8 @@ def test_recommended_worker_settings_are_applied_where_unset() -> None:
     Outbox(app, lease=120)
     assert app.conf.worker_prefetch_multiplier == 1
     assert app.conf.broker_transport_options["visibility_timeout"] > 120
-    assert app.conf.broker_transport_options["socket_timeout"] == 10.0
-    assert app.conf.broker_transport_options["socket_connect_timeout"] == 10.0
+    # Socket timeouts go to the claim's own publishing connection, not to every consumer.
+    assert "socket_timeout" not in app.conf.broker_transport_options
     delivery = app.tasks["outbox.deliver"]
     assert delivery.acks_late is True
     assert delivery.max_retries == 0
@@ -184,12 +184,7 @@ def test_settings_the_user_chose_are_kept() -> None:
     )
     Outbox(app, lease=60)
     assert app.conf.worker_prefetch_multiplier == 2
-    # Kept as chosen; only the missing connect timeout is added (= broker_timeout).
-    assert app.conf.broker_transport_options == {
-        "visibility_timeout": 7200,
-        "socket_timeout": 3,
-        "socket_connect_timeout": 10.0,
-    }
+    assert app.conf.broker_transport_options == {"visibility_timeout": 7200, "socket_timeout": 3}
 
 
 def test_settings_set_on_app_conf_before_configuration_are_kept() -> None:

@@ -47,7 +47,6 @@ def test_invariant_12_a_hung_publish_times_out_and_releases_its_rows(
         h.configure(broker_timeout=1.0)
         h.enqueue(5)
         outbox = h.outbox
-        outbox.app.connection_for_write().ensure_connection(max_retries=1)  # through the proxy
         proxy.freeze()
         result: list[ClaimRun] = []
         runner = threading.Thread(target=lambda: result.append(outbox.claim()), daemon=True)
