@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from celery import Celery, signals
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from .config import OutboxConfig
@@ -30,6 +31,10 @@ __all__ = ["Outbox"]
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Handler)
+
+# Where the DSN comes from when neither ``Outbox(dsn=...)`` nor ``outbox_dsn`` sets it (the CLI
+# reads the same variable).
+DSN_ENV = "OUTBOX_DSN"
 
 # Retention: at most this many batches of ``retention_batch_size`` per beat-triggered run.
 PURGE_MAX_BATCHES_PER_RUN = 20
@@ -130,8 +135,24 @@ class Outbox:
     def config(self) -> OutboxConfig:
         """The resolved settings (keyword arguments > Celery ``outbox_*`` > defaults)."""
         if self._config is None:
-            self._config = OutboxConfig.from_mapping(_loaded_conf(self.app), **self._settings)
+            config = OutboxConfig.from_mapping(_loaded_conf(self.app), **self._settings)
+            if config.dsn is None and os.environ.get(DSN_ENV):
+                # Read from the environment, the DSN never enters app.conf, which `celery
+                # report` and `celery inspect conf` print (Celery masks only names it knows).
+                config = config.replace(dsn=os.environ[DSN_ENV])
+            self._config = config
         return self._config
+
+    def _dsn_exposed(self) -> bool:
+        """Whether a DSN with a password sits in the Celery configuration (printed by Celery)."""
+        if "dsn" in self._settings or not self.config.dsn:
+            return False
+        if not _user_set(self.app.conf, "outbox_dsn"):
+            return False
+        try:
+            return bool(conninfo_to_dict(self.config.dsn).get("password"))
+        except psycopg.Error:
+            return True  # unparseable: assume the worst
 
     @property
     def store(self) -> Store:
@@ -293,6 +314,13 @@ class Outbox:
                 f"task_time_limit={conf.task_time_limit}s is not below the lease ({cfg.lease}s); "
                 "outbox deliveries use their own limit below the lease"
             )
+        if self._dsn_exposed():
+            problems.append(
+                "outbox_dsn in the Celery configuration holds a password, and `celery report` and "
+                "`celery inspect conf` print it (Celery masks only setting names it knows): set "
+                f"{DSN_ENV} in the environment, pass Outbox(app, dsn=...), or keep the password in "
+                "PGPASSWORD or a passfile"
+            )
         kind = (pool or "").split(":", 1)[0].rsplit(".", 1)[-1].lower()
         delivers = queues is None or bool(set(queues) & set(self.delivery_queues))
         if delivers and kind in _POOLS_WITHOUT_TIME_LIMITS:
@@ -342,7 +370,8 @@ class Outbox:
                     dsn = self.config.dsn
                     if not dsn:
                         raise ConfigurationError(
-                            "no DSN: pass Outbox(app, dsn=...) or set outbox_dsn in the Celery config"
+                            f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn "
+                            "in the Celery config"
                         )
                     self._pool = ConnectionPool(
                         dsn,

@@ -127,7 +127,11 @@ _INT_FIELDS = (
 class OutboxConfig:
     """Every knob of an outbox. Seconds may be given as ``timedelta``.
 
-    :ivar dsn: PostgreSQL connection string (libpq format or URI). Required by workers.
+    :ivar dsn: PostgreSQL connection string (libpq format or URI). Required by workers. When
+        neither ``Outbox(dsn=...)`` nor ``outbox_dsn`` gives one, :class:`~outbox_celery.Outbox`
+        reads the ``OUTBOX_DSN`` environment variable. A password in ``outbox_dsn`` is printed
+        by ``celery report`` and ``celery inspect conf``; the variable, the keyword, or a
+        password in ``PGPASSWORD`` / a passfile keep it out.
     :ivar table: outbox table, ``"name"`` or ``"schema.name"``. Default ``"outbox"``.
     :ivar lease: seconds a claim owns a row before another claim may take it. Default 60; at
         least 2 (shorter leases raise :class:`ConfigurationError`). The delivery task's hard time
