@@ -379,6 +379,10 @@ class Outbox:
                         max_size=self.config.pool_max_size,
                         kwargs={"autocommit": True, "application_name": f"outbox-celery:{self.name}"},
                         name=f"outbox-{self.name}",
+                        # A connection the server closed while it sat idle (restart, failover,
+                        # pg_terminate_backend) is replaced before use, not handed to a delivery
+                        # whose fenced finalize would then fail (one round trip per checkout).
+                        check=ConnectionPool.check_connection,
                         open=True,
                     )
                     self._pool_pid = pid
