@@ -377,7 +377,12 @@ class Outbox:
                         dsn,
                         min_size=1,
                         max_size=self.config.pool_max_size,
-                        kwargs={"autocommit": True, "application_name": f"outbox-celery:{self.name}"},
+                        kwargs={
+                            "autocommit": True,
+                            "application_name": f"outbox-celery:{self.name}",
+                            # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
+                            "prepare_threshold": self.config.prepare_threshold,
+                        },
                         name=f"outbox-{self.name}",
                         # A connection the server closed while it sat idle (restart, failover,
                         # pg_terminate_backend) is replaced before use, not handed to a delivery

@@ -180,6 +180,12 @@ class OutboxConfig:
         later. A claim run that outlives it stops publishing and releases what it had not
         published (a backstop for brokers without socket timeouts). Default
         ``claim budget + 3 * broker_timeout``.
+    :ivar prepare_threshold: psycopg's ``prepare_threshold`` for the pool's connections: a
+        query executed this many times on a connection becomes a server-side prepared
+        statement. ``None`` disables them, as PgBouncer in transaction pooling needs before 1.21
+        (from 1.21 on, PgBouncer's ``max_prepared_statements`` lets them work). ``None`` counts
+        in the Celery configuration too (``outbox_prepare_threshold = None``). Default 5
+        (psycopg's).
     :ivar configure_celery: apply recommended Celery settings (prefetch 1, Redis visibility
         timeout above the lease) where the user has not set them. Default true.
     """
@@ -209,6 +215,7 @@ class OutboxConfig:
     max_clock_skew: float = 300.0
     broker_timeout: float = 10.0
     claim_time_limit: float | None = None
+    prepare_threshold: int | None = 5
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -220,6 +227,18 @@ class OutboxConfig:
             set_(self, name, _seconds(value, name))
         for name in _INT_FIELDS:
             _positive_int(getattr(self, name), name)
+        if self.pool_max_size < 2:
+            # A claim run holds two: one keeps the claim lock's transaction open, the other
+            # commits the claims.
+            raise ConfigurationError(f"pool_max_size must be at least 2, got {self.pool_max_size}")
+        if self.prepare_threshold is not None and (
+            isinstance(self.prepare_threshold, bool)
+            or not isinstance(self.prepare_threshold, int)
+            or self.prepare_threshold < 0
+        ):
+            raise ConfigurationError(
+                f"prepare_threshold must be None or an integer >= 0, got {self.prepare_threshold!r}"
+            )
         if self.min_in_flight is not None:
             _positive_int(self.min_in_flight, "min_in_flight")
         if self.backoff_cap < self.backoff_base:
@@ -283,7 +302,8 @@ class OutboxConfig:
                 present = key in conf
             except TypeError:  # pragma: no cover - exotic mappings
                 present = False
-            if present and conf[key] is not None:
+            # None is a value of its own for prepare_threshold (disabled), not "unset".
+            if present and (conf[key] is not None or name == "prepare_threshold"):
                 values[name] = conf[key]
         values.update({k: v for k, v in overrides.items()})
         return cls(**values)

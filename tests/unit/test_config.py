@@ -145,6 +145,10 @@ def test_config_is_frozen() -> None:
         {"min_in_flight": 0},
         {"max_payload_bytes": 0},
         {"pool_max_size": 0},
+        {"pool_max_size": 1},
+        {"prepare_threshold": -1},
+        {"prepare_threshold": True},
+        {"prepare_threshold": "5"},
         {"retention_batch_size": 0},
         {"backoff_base": 10.0, "backoff_cap": 5.0},
         {"claim_interval": 60.0, "lease": 60.0},
@@ -204,3 +208,11 @@ def test_delivery_time_limits_are_always_below_the_lease(lease: float) -> None:
     hard = config.task_time_limit
     soft = max(hard * 0.9, hard - 1.0)
     assert 0 < soft < hard < lease
+
+
+def test_prepare_threshold_none_disables_prepared_statements_also_from_celery_conf() -> None:
+    assert OutboxConfig().prepare_threshold == 5
+    assert OutboxConfig(prepare_threshold=None).prepare_threshold is None
+    conf = {"outbox_prepare_threshold": None}
+    assert OutboxConfig.from_mapping(conf).prepare_threshold is None
+    assert OutboxConfig.from_mapping({"outbox_prepare_threshold": 0}).prepare_threshold == 0
