@@ -112,6 +112,7 @@ _SECONDS_FIELDS = (
     "max_clock_skew",
     "broker_timeout",
     "claim_time_limit",
+    "handler_time_limit",
 )
 _INT_FIELDS = (
     "batch_size",
@@ -186,6 +187,14 @@ class OutboxConfig:
         (from 1.21 on, PgBouncer's ``max_prepared_statements`` lets them work). ``None`` counts
         in the Celery configuration too (``outbox_prepare_threshold = None``). Default 5
         (psycopg's).
+    :ivar lease_heartbeat: extend the lease automatically while a handler runs (every third of
+        a lease, fenced, from a thread; it stops when the lease is lost or the handler ends), so
+        handlers may run longer than one lease. The delivery's hard time limit is then
+        ``handler_time_limit`` instead of ``0.9 * lease``, and the heartbeat stops extending
+        once a handler has run that long. Default false.
+    :ivar handler_time_limit: with ``lease_heartbeat``, the delivery task's hard time limit in
+        seconds (soft: ``max(0.9 * hard, hard - 1)``). Default ``10 * lease``. Only allowed
+        with ``lease_heartbeat`` (without it the limit is ``0.9 * lease``).
     :ivar configure_celery: apply recommended Celery settings (prefetch 1, Redis visibility
         timeout above the lease) where the user has not set them. Default true.
     """
@@ -216,17 +225,31 @@ class OutboxConfig:
     broker_timeout: float = 10.0
     claim_time_limit: float | None = None
     prepare_threshold: int | None = 5
+    lease_heartbeat: bool = False
+    handler_time_limit: float | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "table", TableName.parse(self.table))
         for name in _SECONDS_FIELDS:
             value = getattr(self, name)
-            if value is None and name in ("claim_budget", "retention", "claim_time_limit"):
+            if value is None and name in (
+                "claim_budget",
+                "retention",
+                "claim_time_limit",
+                "handler_time_limit",
+            ):
                 continue
             set_(self, name, _seconds(value, name))
         for name in _INT_FIELDS:
             _positive_int(getattr(self, name), name)
+        if not isinstance(self.lease_heartbeat, bool):
+            raise ConfigurationError(f"lease_heartbeat must be true or false, got {self.lease_heartbeat!r}")
+        if self.handler_time_limit is not None and not self.lease_heartbeat:
+            raise ConfigurationError(
+                "handler_time_limit needs lease_heartbeat: without it the delivery's time limit "
+                "is 0.9 * lease, so that the lease outlives the handler"
+            )
         if self.pool_max_size < 2:
             # A claim run holds two: one keeps the claim lock's transaction open, the other
             # commits the claims.
@@ -281,7 +304,14 @@ class OutboxConfig:
 
     @property
     def task_time_limit(self) -> float:
-        """Hard time limit of a delivery task: 0.9 * lease, always below the lease."""
+        """Hard time limit of a delivery task.
+
+        ``0.9 * lease``, always below the lease; with ``lease_heartbeat`` the heartbeat keeps
+        the lease ahead of the handler instead, and the limit is ``handler_time_limit``
+        (default ``10 * lease``).
+        """
+        if self.lease_heartbeat:
+            return self.handler_time_limit if self.handler_time_limit is not None else 10 * self.lease
         return self.lease * 0.9
 
     def replace(self, **changes: Any) -> OutboxConfig:

@@ -22,6 +22,7 @@ import psycopg
 from .backoff import Backoff
 from .config import OutboxConfig
 from .errors import Defer, PermanentError, RetryableError
+from .heartbeat import lease_heartbeat
 from .message import Message
 from .store import Claimed, Store
 
@@ -279,7 +280,8 @@ class Dispatcher:
         msg = replace(msg, _extend=lambda seconds: self._extend(outbox_id, lease_version, seconds))
         started = time.monotonic()
         try:
-            spec.fn(msg)
+            with lease_heartbeat(cfg, msg.extend_lease, log=log):  # no-op unless configured
+                spec.fn(msg)
         except Defer as d:
             outcome = self._finish(
                 "defer", outbox_id, lease_version, delay=d.delay, reason=d.reason, max_age=cfg.max_defer_age

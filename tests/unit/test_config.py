@@ -216,3 +216,23 @@ def test_prepare_threshold_none_disables_prepared_statements_also_from_celery_co
     conf = {"outbox_prepare_threshold": None}
     assert OutboxConfig.from_mapping(conf).prepare_threshold is None
     assert OutboxConfig.from_mapping({"outbox_prepare_threshold": 0}).prepare_threshold == 0
+
+
+def test_with_the_lease_heartbeat_the_time_limit_is_the_handler_time_limit() -> None:
+    assert OutboxConfig(lease=30).task_time_limit == 27.0
+    assert OutboxConfig(lease=30, lease_heartbeat=True).task_time_limit == 300.0
+    config = OutboxConfig(lease=30, lease_heartbeat=True, handler_time_limit=timedelta(hours=1))
+    assert config.task_time_limit == 3600.0
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"handler_time_limit": 100.0},
+        {"lease_heartbeat": "yes"},
+        {"lease_heartbeat": True, "handler_time_limit": 0},
+    ],
+)
+def test_bad_heartbeat_settings_raise_configuration_error(changes: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError):
+        OutboxConfig(**changes)
