@@ -8,6 +8,7 @@ claims or deliveries; every message must still be delivered, once per lease.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -53,3 +54,21 @@ def test_invariant_13_a_delivery_worker_ahead_of_the_claim_worker_still_delivers
     h.beat()
     h.wait_finished(40, timeout=60)
     assert {c["outbox_id"] for c in calls(h.conn)} == set(ids)
+
+
+def test_claim_tasks_piled_up_behind_a_stalled_claim_worker_are_coalesced(
+    harness_factory: HarnessFactory, redis_url: str
+) -> None:
+    """Their ``expires`` leaves minutes for skew, so claims queue up while a claim worker is
+    stopped; run back to back after it drained the table, they return at once."""
+    h: Harness = harness_factory(redis_url)
+    h.configure(claim_interval=1.0)
+    claim = h.outbox.claim_task
+    first = claim.run()
+    assert first["stopped_by"] == "drained" and not first["skipped"]
+    piled = [claim.run() for _ in range(5)]
+    assert [r["stopped_by"] for r in piled] == ["coalesced"] * 5
+    h.enqueue(3)
+    time.sleep(0.6)  # half an interval later the next one claims again
+    again = claim.run()
+    assert again["claimed"] == 3 and again["stopped_by"] == "drained"
