@@ -534,9 +534,10 @@ class Outbox:
 
         Its socket timeouts (``broker_timeout``) make a publish that hangs on a half-open
         connection fail, so the claim run releases its rows instead of holding the claim lock
-        forever. They apply to this connection only: the same timeouts on a worker's consuming
-        connection were seen to keep it from resuming after a Redis restart. A connection that
-        failed is closed and replaced at the next run, never reused.
+        forever. They apply to this connection only, not to ``broker_transport_options``: there
+        they would reach every connection of the app, the workers' consuming ones included,
+        whose liveness kombu's own health checks handle. A connection that failed is closed and
+        replaced at the next run, never reused.
         """
         pid = os.getpid()
         conn = self._publish_conn
