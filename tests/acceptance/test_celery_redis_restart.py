@@ -40,7 +40,7 @@ def test_kombu_requirement_excludes_versions_that_stop_consuming_after_a_redis_r
 
 @pytest.mark.xfail(
     strict=False,
-    reason="kombu 5.7.0 still leaves the worker consuming nothing after the restart in 2 of 3 runs "
+    reason="kombu 5.7.0 still leaves the worker consuming nothing after the restart in 3 of 4 runs "
     '(it logs "Couldn\'t ack" during the outage and nothing after); an upstream Redis-transport bug',
 )
 def test_invariant_10_the_same_worker_resumes_consuming_after_redis_restarts(
