@@ -20,7 +20,7 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -35,6 +35,10 @@ from .config import TableName
 from .message import Message, idempotency_key
 
 __all__ = ["Claimed", "Store"]
+
+# A producer's statement and the plan that yields them (see Store.write_plan).
+Statement = tuple[sql.Composed, dict[str, Any]]
+WritePlan = Generator[Statement, list[tuple[Any, ...]], list[int]]
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +140,7 @@ class Store:
         """Take the per-key producer locks, all in one statement (sorted: no deadlocks)."""
         conn.execute(self._q["lock_keys"], {"table": self._regclass(conn), "keys": list(keys)})
 
-    def _regclass(self, conn: psycopg.Connection[Any]) -> str:
+    def _regclass(self, conn: psycopg.Connection[Any] | None) -> str:
         # The quoted name, resolved to the table's oid in SQL: lock names then do not depend on
         # how the table was spelled ("outbox" or "public.outbox").
         return self.table.identifier().as_string(conn)
@@ -150,7 +154,14 @@ class Store:
 
     def insert_many(self, conn: psycopg.Connection[Any], rows: Sequence[dict[str, Any]]) -> list[int]:
         """Insert validated rows with one statement; ids come back in input order."""
-        params = {
+        cur = conn.execute(self._q["insert_many"], self._many_params(rows))
+        # Identity values are drawn in the ORDER BY n order of the insert, so sorting the
+        # returned ids restores input order.
+        return sorted(int(r[0]) for r in cur.fetchall())
+
+    @staticmethod
+    def _many_params(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return {
             "event_types": [r["event_type"] for r in rows],
             "aggregate_types": [r["aggregate_type"] for r in rows],
             "aggregate_ids": [r["aggregate_id"] for r in rows],
@@ -158,10 +169,23 @@ class Store:
             "ordering_keys": [r["ordering_key"] for r in rows],
             "delays": [r["delay"] for r in rows],
         }
-        cur = conn.execute(self._q["insert_many"], params)
-        # Identity values are drawn in the ORDER BY n order of the insert, so sorting the
-        # returned ids restores input order.
-        return sorted(int(r[0]) for r in cur.fetchall())
+
+    def write_plan(self, rows: Sequence[dict[str, Any]]) -> WritePlan:
+        """The producer's statements for validated rows, as a plan without I/O.
+
+        Yields ``(query, params)`` for the key locks (invariant 9), then the insert; the caller
+        executes each in its own transaction and sends back the rows it returned; the plan
+        returns the ids in input order. One plan serves every kind of producer connection
+        (psycopg 3 sync and async, psycopg2, SQLAlchemy), so locks and inserts cannot diverge.
+        """
+        keys = [r["ordering_key"] for r in rows if r["ordering_key"] is not None]
+        if keys:
+            yield self._q["lock_keys"], {"table": self._regclass(None), "keys": keys}
+        if len(rows) == 1:
+            result = yield self._q["insert"], dict(rows[0])
+            return [int(result[0][0])]
+        result = yield self._q["insert_many"], self._many_params(rows)
+        return sorted(int(r[0]) for r in result)
 
     # -- claim ---------------------------------------------------------------------------------
 
