@@ -18,6 +18,7 @@ INDEX_SUFFIXES = {
     "ordered_idx": "_ordered_idx",
     "done_idx": "_done_idx",
     "dead_idx": "_dead_idx",
+    "dedup_idx": "_dedup_idx",
 }
 
 

@@ -35,6 +35,7 @@ __all__ = [
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 MAX_EVENT_TYPE_LENGTH = 200
 MAX_AGGREGATE_LENGTH = 200
+MAX_DEDUP_KEY_LENGTH = 400
 
 _stores: dict[str, Store] = {}
 
@@ -62,6 +63,7 @@ class Event:
     ordered: bool = False
     delay: float | timedelta | None = None
     ordering_key: str | None = None
+    dedup_key: str | None = None
 
 
 def _text(value: Any, name: str, limit: int) -> str:
@@ -108,6 +110,11 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
         key = _text(event.ordering_key, "ordering_key", 2 * MAX_AGGREGATE_LENGTH + 1)
     elif event.ordered:
         key = f"{aggregate_type}:{aggregate_id}"
+    dedup_key = None
+    if event.dedup_key is not None:
+        if isinstance(event.dedup_key, int):  # a str only: 1 and "1" must not be two keys
+            raise ProducerError(f"dedup_key must be a string, got {type(event.dedup_key).__name__}")
+        dedup_key = _text(event.dedup_key, "dedup_key", MAX_DEDUP_KEY_LENGTH)
     return {
         "event_type": event_type,
         "aggregate_type": aggregate_type,
@@ -115,6 +122,8 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
         "payload": payload,
         "ordering_key": key,
         "delay": float(seconds),
+        "dedup_key": dedup_key,
+        "trace_context": None,
     }
 
 
@@ -204,6 +213,7 @@ def enqueue(
     ordering_key: str | None = None,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     allow_autocommit: bool = False,
+    dedup_key: str | None = None,
 ) -> int:
     """Insert one event in ``conn``'s current transaction and return its id.
 
@@ -222,10 +232,14 @@ def enqueue(
     :param table: outbox table, ``"name"`` or ``"schema.name"``.
     :param ordering_key: an explicit ordering key (implies ``ordered``).
     :param allow_autocommit: permit a write that commits on its own (defeats the pattern).
+    :param dedup_key: 1-400 characters. When a row with this key is already in the table
+        (committed, or written earlier in this transaction), nothing is inserted and that row's
+        id is returned; concurrent producers of one key end with exactly one row. The key is free
+        again once retention has purged its row (``done`` rows older than ``purge_older_than``).
     :raises ProducerError: bad input, an unsupported connection, or no transaction; nothing is
         written.
     """
-    event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key)
+    event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key, dedup_key)
     return _write(conn, [_row(event, max_payload_bytes)], table, allow_autocommit)[0]
 
 
@@ -259,13 +273,14 @@ async def enqueue_async(
     ordering_key: str | None = None,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     allow_autocommit: bool = False,
+    dedup_key: str | None = None,
 ) -> int:
     """:func:`enqueue` for asyncio: same arguments, validation, key locks and errors.
 
     :param conn: a psycopg 3 ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or
         ``AsyncConnection`` on the psycopg 3 driver (``postgresql+psycopg://``).
     """
-    event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key)
+    event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key, dedup_key)
     return (await _write_async(conn, [_row(event, max_payload_bytes)], table, allow_autocommit))[0]
 
 

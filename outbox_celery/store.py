@@ -28,10 +28,11 @@ from typing import Any
 
 import psycopg
 from psycopg import pq, sql
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 
 from . import _sql
 from .config import TableName
+from .errors import ProducerError
 from .message import Message, idempotency_key
 
 __all__ = ["Claimed", "Store"]
@@ -146,18 +147,24 @@ class Store:
         return self.table.identifier().as_string(conn)
 
     def insert(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> int:
-        """Insert one validated row in the caller's transaction."""
-        cur = conn.execute(self._q["insert"], row)
-        result = cur.fetchone()
-        assert result is not None
-        return int(result[0])
+        """Insert one validated row in the caller's transaction (no key lock)."""
+        return self._run(conn, self.write_plan([row], lock=False))[0]
 
     def insert_many(self, conn: psycopg.Connection[Any], rows: Sequence[dict[str, Any]]) -> list[int]:
-        """Insert validated rows with one statement; ids come back in input order."""
-        cur = conn.execute(self._q["insert_many"], self._many_params(rows))
-        # Identity values are drawn in the ORDER BY n order of the insert, so sorting the
-        # returned ids restores input order.
-        return sorted(int(r[0]) for r in cur.fetchall())
+        """Insert validated rows with one statement; ids come back in input order (no key lock)."""
+        return self._run(conn, self.write_plan(rows, lock=False))
+
+    @staticmethod
+    def _run(conn: psycopg.Connection[Any], plan: WritePlan) -> list[int]:
+        statement = next(plan)
+        while True:
+            with conn.cursor(row_factory=tuple_row) as cur:
+                rows = cur.execute(*statement).fetchall()
+            try:
+                statement = plan.send(rows)
+            except StopIteration as done:
+                ids: list[int] = done.value
+                return ids
 
     @staticmethod
     def _many_params(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -168,24 +175,43 @@ class Store:
             "payloads": [r["payload"] for r in rows],
             "ordering_keys": [r["ordering_key"] for r in rows],
             "delays": [r["delay"] for r in rows],
+            "dedup_keys": [r.get("dedup_key") for r in rows],
+            "trace_contexts": [r.get("trace_context") for r in rows],
         }
 
-    def write_plan(self, rows: Sequence[dict[str, Any]]) -> WritePlan:
+    def write_plan(self, rows: Sequence[dict[str, Any]], *, lock: bool = True) -> WritePlan:
         """The producer's statements for validated rows, as a plan without I/O.
 
-        Yields ``(query, params)`` for the key locks (invariant 9), then the insert; the caller
-        executes each in its own transaction and sends back the rows it returned; the plan
-        returns the ids in input order. One plan serves every kind of producer connection
-        (psycopg 3 sync and async, psycopg2, SQLAlchemy), so locks and inserts cannot diverge.
+        Yields ``(query, params)`` for the key locks (invariant 9), then the insert, then, when
+        a dedup key was already taken, the lookup of the row holding it; the caller executes
+        each in its transaction and sends back the rows it returned; the plan returns the ids
+        in input order. One plan serves every kind of producer connection (psycopg 3 sync and
+        async, psycopg2, SQLAlchemy), so locks and inserts cannot diverge.
         """
         keys = [r["ordering_key"] for r in rows if r["ordering_key"] is not None]
-        if keys:
+        if keys and lock:
             yield self._q["lock_keys"], {"table": self._regclass(None), "keys": keys}
         if len(rows) == 1:
-            result = yield self._q["insert"], dict(rows[0])
-            return [int(result[0][0])]
-        result = yield self._q["insert_many"], self._many_params(rows)
-        return sorted(int(r[0]) for r in result)
+            params = {"dedup_key": None, "trace_context": None, **rows[0]}
+            inserted = yield self._q["insert"], params
+        else:
+            inserted = yield self._q["insert_many"], self._many_params(rows)
+        # Identity values are drawn in input order (ORDER BY n), so sorting the ids of the
+        # inserted rows without a dedup key restores their input order.
+        plain = iter(sorted(int(i) for i, k in inserted if k is None))
+        by_key = {k: int(i) for i, k in inserted if k is not None}
+        missing = sorted({k for r in rows if (k := r.get("dedup_key")) is not None} - by_key.keys())
+        if missing:
+            # Taken before (or by a concurrent producer that committed while we waited on its
+            # row): the row that holds the key answers, and nothing new was written for it.
+            found = yield self._q["dedup_ids"], {"keys": missing}
+            by_key.update({k: int(i) for i, k in found})
+        gone = sorted({r["dedup_key"] for r in rows if r.get("dedup_key") is not None} - by_key.keys())
+        if gone:
+            # Only a purge between our insert and the lookup (or a REPEATABLE READ snapshot that
+            # cannot see the holder) gets here; the transaction can be retried.
+            raise ProducerError(f"dedup key(s) {gone} are held by rows this transaction cannot see; retry")
+        return [next(plain) if r.get("dedup_key") is None else by_key[r["dedup_key"]] for r in rows]
 
     # -- claim ---------------------------------------------------------------------------------
 

@@ -3,20 +3,32 @@
 -- All time comparisons use the database clock (now()); worker clocks are never trusted.
 
 -- name: insert
-INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at)
+-- A dedup key already in the table inserts nothing and returns no row (see dedup_ids).
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
+                     dedup_key, trace_context)
 VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::jsonb, %(ordering_key)s,
-        now() + make_interval(secs => %(delay)s))
-RETURNING id;
+        now() + make_interval(secs => %(delay)s), %(dedup_key)s, %(trace_context)s::jsonb)
+ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+RETURNING id, dedup_key;
 
 -- name: insert_many
-INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at)
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
+                     dedup_key, trace_context)
 SELECT u.event_type, u.aggregate_type, u.aggregate_id, u.payload::jsonb, u.ordering_key,
-       now() + make_interval(secs => u.delay)
+       now() + make_interval(secs => u.delay), u.dedup_key, u.trace_context::jsonb
 FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_ids)s::text[],
-            %(payloads)s::text[], %(ordering_keys)s::text[], %(delays)s::float8[])
-     WITH ORDINALITY AS u(event_type, aggregate_type, aggregate_id, payload, ordering_key, delay, n)
+            %(payloads)s::text[], %(ordering_keys)s::text[], %(delays)s::float8[],
+            %(dedup_keys)s::text[], %(trace_contexts)s::text[])
+     WITH ORDINALITY AS u(event_type, aggregate_type, aggregate_id, payload, ordering_key, delay,
+                          dedup_key, trace_context, n)
 ORDER BY u.n
-RETURNING id;
+ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+RETURNING id, dedup_key;
+
+-- name: dedup_ids
+-- The rows holding these dedup keys: inserted by an earlier (committed) transaction, by this
+-- one, or by a concurrent one that committed while the insert waited for it.
+SELECT id, dedup_key FROM {table} WHERE dedup_key = ANY(%(keys)s::text[]);
 
 -- name: lock_keys
 -- Serializes producers of an ordering key until commit, so id order equals commit order. One

@@ -16,7 +16,9 @@ CREATE TABLE {table} (
     lease_until   timestamptz,
     lease_version bigint      NOT NULL DEFAULT 0,
     last_error    text,
-    done_at       timestamptz
+    done_at       timestamptz,
+    dedup_key     text CHECK (dedup_key <> ''),
+    trace_context jsonb
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_threshold = 1000,
@@ -33,3 +35,5 @@ CREATE INDEX {done_idx} ON {table} (done_at)
     WHERE status = 'done';
 CREATE INDEX {dead_idx} ON {table} (id)
     WHERE status = 'dead';
+CREATE UNIQUE INDEX {dedup_idx} ON {table} (dedup_key)
+    WHERE dedup_key IS NOT NULL;
