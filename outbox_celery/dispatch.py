@@ -24,6 +24,7 @@ from .config import OutboxConfig
 from .errors import Defer, PermanentError, RetryableError
 from .message import Message
 from .store import Claimed, Store
+from .tracing import handler_span
 
 __all__ = ["ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome"]
 
@@ -278,7 +279,8 @@ class Dispatcher:
         msg = replace(msg, _extend=lambda seconds: self._extend(outbox_id, lease_version, seconds))
         started = time.monotonic()
         try:
-            spec.fn(msg)
+            with handler_span(msg):  # the producer's trace, when it had one (tracing.py)
+                spec.fn(msg)
         except Defer as d:
             outcome = self._finish(
                 "defer", outbox_id, lease_version, delay=d.delay, reason=d.reason, max_age=cfg.max_defer_age

@@ -35,6 +35,7 @@ class Message:
     :ivar ordering_key: set for ordered messages; ``None`` otherwise.
     :ivar idempotency_key: stable across every redelivery of this message; send it downstream
         (an ``Idempotency-Key`` header, a message id) so the receiver can de-duplicate.
+    :ivar trace_context: the producer's trace context, or ``None``.
     """
 
     id: int
@@ -48,6 +49,9 @@ class Message:
     ordering_key: str | None
     idempotency_key: str
     _extend: Callable[[float], bool] | None = field(default=None, repr=False, compare=False)
+    #: The producer's trace context (W3C ``traceparent``...), when it had one: see
+    #: :mod:`outbox_celery.tracing`.
+    trace_context: dict[str, str] | None = field(default=None, repr=False, compare=False)
 
     def extend_lease(self, seconds: float) -> bool:
         """Ask for ``seconds`` more of lease from now (database clock), fenced.

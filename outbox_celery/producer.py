@@ -22,6 +22,7 @@ from ._connections import IDLE, INERROR, _View, async_view, drive, drive_async, 
 from .config import TableName
 from .errors import MAX_DELAY_SECONDS, ProducerError
 from .store import Store
+from .tracing import capture
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -170,6 +171,14 @@ def _rows(messages: Iterable[Event | Mapping[str, Any]], max_payload_bytes: int)
     return rows
 
 
+def _trace(rows: list[dict[str, Any]]) -> None:
+    """Store the trace context current at enqueue with every row (none without OpenTelemetry)."""
+    context = capture()
+    if context is not None:
+        for row in rows:
+            row["trace_context"] = context
+
+
 def _write(
     conn: Any, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool
 ) -> list[int]:
@@ -178,6 +187,7 @@ def _write(
     _check_transaction(view, allow_autocommit)
     if not rows:
         return []
+    _trace(rows)
     plan = _store(table).write_plan(rows)
     if not _owns_transaction(view):
         return drive(view, plan)
@@ -193,6 +203,7 @@ async def _write_async(
     _check_transaction(view, allow_autocommit)
     if not rows:
         return []
+    _trace(rows)
     plan = _store(table).write_plan(rows)
     if not _owns_transaction(view):
         return await drive_async(view, plan)

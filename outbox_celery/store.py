@@ -369,6 +369,7 @@ class Store:
             lease_version=int(row["lease_version"]),
             ordering_key=row["ordering_key"],
             idempotency_key=idempotency_key(self.table.qualified, int(row["id"])),
+            trace_context=row.get("trace_context"),
         )
 
     def _fenced(self, conn: psycopg.Connection[Any], op: str, params: dict[str, Any]) -> Any:

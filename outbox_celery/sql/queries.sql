@@ -170,7 +170,7 @@ FROM (SELECT set_config('synchronous_commit',
 WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
   AND attempts < %(max_attempts)s
 RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
-          lease_version, ordering_key;
+          lease_version, ordering_key, trace_context;
 
 -- name: start_exhausted
 -- A redelivered task whose row already spent every attempt (e.g. it kills its worker).
