@@ -25,7 +25,7 @@ INDEX_SUFFIXES = {
 @functools.cache
 def read(name: str) -> str:
     """The text of ``sql/<name>`` inside the package."""
-    return resources.files("outbox_celery").joinpath("sql", name).read_text(encoding="utf-8")
+    return resources.files("outbox_celery").joinpath("sql", *name.split("/")).read_text(encoding="utf-8")
 
 
 @functools.cache
