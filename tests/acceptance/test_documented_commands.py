@@ -1,7 +1,9 @@
 """Every console command shown in README.md and docs/*.md is executed here, as written.
 
-A command is a ``$ ...`` line of any fenced block, or any line of a ``sh``/``bash``/``shell``
-block. Each document runs its commands in order in a shell, in a scratch directory holding the
+A command is a ``$ ...`` line of any fenced block, any line of a ``sh``/``bash``/``shell``
+block, or a line of a plain block that starts with ``outbox-celery``, ``celery``, ``python -m``
+or ``make`` (a listing of commands). Synopsis lines (``[OPTION]``, ``...``) are reported, not
+run. Each document runs its commands in order in a shell, in a scratch directory holding the
 project the README describes (``proj/outbox.py`` is the README's own Python block), against a
 fresh database of the test server and the test broker. Only the placeholders below are
 substituted (and printed); everything else runs verbatim:
@@ -10,12 +12,15 @@ substituted (and printed); everything else runs verbatim:
   say the CLI reads it;
 * ``redis://localhost:6379/0`` -> the test broker (never the shared Redis database 0).
 
-Long-running servers (``celery worker``, ``celery beat``) are run bounded: started, required to
-print their banner and stay up for a few seconds, then stopped with SIGTERM and required to exit
-cleanly. ``make`` targets
-that run for minutes are checked with ``make -n`` (the target exists) and their ``*_ARGS`` are
-parsed by the program's own argument parser; :data:`NOT_RUN` says why each is not run in full and
-the test prints it. A documented command that fails, or a new one nobody classified, fails here.
+A listed command that refers to data the fresh database does not hold (message ids, a
+directory, a busy port) passes when the CLI refuses it the documented way (exit 1, one
+``Error:`` line): it was parsed and understood; a usage error (exit 2) or a traceback fails.
+Long-running servers (``celery worker``, ``celery beat``, ``outbox-celery metrics``) are run
+bounded: started, required to print their banner and stay up for a few seconds, then stopped
+with SIGTERM and required to exit cleanly. ``make`` targets that run for minutes are checked
+with ``make -n`` (the target exists) and their ``*_ARGS`` are parsed by the program's own
+argument parser; :data:`NOT_RUN` says why each is not run in full and the test prints it. A
+documented command that fails, or a new one nobody classified, fails here.
 """
 
 from __future__ import annotations
@@ -43,13 +48,16 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_BLOCKS = {"sh", "bash", "shell"}
+LISTING_BLOCKS = {"", "text"}
+LISTED = {"outbox-celery", "celery", "make"}
 DOC_DSN = "postgresql://app@localhost/app"
 DOC_BROKER = "redis://localhost:6379/0"
 TIMEOUT = 120.0  # seconds; bounds a hung command, never asserts speed
 # The last line of each banner (their "ready" lines are INFO, below the default log level), and how
 # long the process must then stay up: it has connected to the broker and imported the project.
-READY = {"worker": "[queues]", "beat": ". maxinterval ->"}
+READY = {"worker": "[queues]", "beat": ". maxinterval ->", "metrics": "serving metrics of"}
 STAY_UP = 5.0
+REFUSED = "refused as documented (exit 1, one line): "
 
 # What a document's prose (not a console block) tells the reader to do before its commands.
 PREREQUISITES = {
@@ -73,6 +81,11 @@ class Command:
     document: str
     line: int
     text: str
+    listed: bool = False  # from a plain listing, not a ``$`` line or a shell block
+
+    @property
+    def synopsis(self) -> bool:
+        return self.listed and ("..." in self.text or " [" in self.text)
 
     @property
     def where(self) -> str:
@@ -90,13 +103,18 @@ def documented_commands(path: Path) -> list[Command]:
             continue
         if info is None:
             continue
+        listed = False
         if stripped.startswith("$ "):
             text = stripped[2:]
         elif info in SHELL_BLOCKS and stripped and not stripped.startswith("#"):
             text = stripped
+        elif info in LISTING_BLOCKS and (
+            stripped.split(" ")[0] in LISTED or stripped.startswith("python -m ")
+        ):
+            text, listed = stripped, True
         else:
             continue
-        commands.append(Command(path.relative_to(ROOT).as_posix(), number, text))
+        commands.append(Command(path.relative_to(ROOT).as_posix(), number, text, listed))
     return commands
 
 
@@ -131,7 +149,15 @@ def _env(dsn: str) -> dict[str, str]:
     return env
 
 
-def _run_server(command: str, kind: str, cwd: Path, env: dict[str, str]) -> str | None:
+def _refused(code: int | None, output: str) -> bool:
+    """The CLI's documented refusal: exit 1 and one ``Error:`` line (no usage error, no traceback)."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    return code == 1 and len(lines) == 1 and lines[0].startswith("Error: ")
+
+
+def _run_server(
+    command: str, kind: str, cwd: Path, env: dict[str, str], refusal_ok: bool = False
+) -> str | None:
     """Start a worker or beat, wait for its ready line, SIGTERM it; an error text or None."""
     log = cwd / f"{kind}.log"
     with log.open("wb") as out:
@@ -147,6 +173,8 @@ def _run_server(command: str, kind: str, cwd: Path, env: dict[str, str]) -> str 
         deadline = time.monotonic() + TIMEOUT
         while READY[kind] not in log.read_text(errors="replace"):
             if proc.poll() is not None:
+                if refusal_ok and _refused(proc.returncode, log.read_text(errors="replace")):
+                    return REFUSED + log.read_text(errors="replace").strip()
                 return f"exited {proc.returncode} before it was ready:\n{log.read_text()[-3000:]}"
             if time.monotonic() > deadline:
                 return f"not ready after {TIMEOUT:.0f} s:\n{log.read_text()[-3000:]}"
@@ -206,9 +234,13 @@ def _run(command: Command, cwd: Path, env: dict[str, str], dsn: str, broker: str
         return _check_make(command, env)
     if words[0] == "celery" and ("worker" in words or "beat" in words):
         return _run_server(text, "worker" if "worker" in words else "beat", cwd, env)
+    if words[0] == "outbox-celery" and "metrics" in words:
+        return _run_server(text, "metrics", cwd, env, refusal_ok=command.listed)
     result = subprocess.run(
         ["bash", "-c", text], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
     )
+    if command.listed and _refused(result.returncode, result.stderr):
+        return REFUSED + result.stderr.strip()
     if result.returncode != 0:
         return f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return None
@@ -260,8 +292,14 @@ def test_every_documented_command_works(
         assert error is None, f"prerequisite {text!r} of {document.name} failed: {error}"
         report.append(f"prerequisite from the prose: {text}")
     for command in commands:
+        if command.synopsis:
+            report.append(f"{command.where}: {command.text}\n    synopsis, not a command")
+            continue
         reason = _not_run_reason(command)
         error = _run(command, tmp_path, env, fresh_dsn, redis_url)
+        if error is not None and error.startswith(REFUSED):
+            report.append(f"{command.where}: {command.text}\n    ran, {error}")
+            continue
         verdict = "FAILED" if error else ("checked, not run: " + reason if reason else "ran")
         report.append(f"{command.where}: {command.text}\n    {verdict}")
         if error:
