@@ -20,7 +20,7 @@ from .errors import (
 )
 from .message import Message, Status
 from .migrations import migrate
-from .producer import Event, enqueue, enqueue_many
+from .producer import Event, enqueue, enqueue_async, enqueue_many, enqueue_many_async
 from .store import Claimed, Store
 
 __all__ = [
@@ -40,7 +40,9 @@ __all__ = [
     "Store",
     "TableName",
     "enqueue",
+    "enqueue_async",
     "enqueue_many",
+    "enqueue_many_async",
     "migrate",
 ]
 

@@ -19,13 +19,14 @@ INDEX_SUFFIXES = {
     "done_idx": "_done_idx",
     "dead_idx": "_dead_idx",
     "heads_idx": "_heads_idx",
+    "dedup_idx": "_dedup_idx",
 }
 
 
 @functools.cache
 def read(name: str) -> str:
     """The text of ``sql/<name>`` inside the package."""
-    return resources.files("outbox_celery").joinpath("sql", name).read_text(encoding="utf-8")
+    return resources.files("outbox_celery").joinpath("sql", *name.split("/")).read_text(encoding="utf-8")
 
 
 @functools.cache

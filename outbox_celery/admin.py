@@ -99,7 +99,10 @@ def format_duration(seconds: float | None) -> str:
 
 @functools.cache
 def _queries(table: TableName) -> dict[str, sql.Composed]:
-    return {name: _sql.compose(text, table) for name, text in _sql.named("admin.sql").items()}
+    # The operator's queries, plus the dispatcher's where an operator action must do exactly what
+    # the dispatcher does (settle_heads after a skip).
+    texts = {**_sql.named("queries.sql"), **_sql.named("admin.sql")}
+    return {name: _sql.compose(text, table) for name, text in texts.items()}
 
 
 def _q(table: str | TableName, name: str) -> sql.Composed:

@@ -25,6 +25,7 @@ from .config import OutboxConfig
 from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, Outcome, default_owner
 from .errors import ConfigurationError
 from .store import Claimed, Store
+from .tracing import task_headers
 
 __all__ = ["Outbox"]
 
@@ -512,7 +513,7 @@ class Outbox:
                         expires=c.lease_until + skew,
                         **limits,
                         shadow=f"{self.name}.deliver[{c.event_type}]",
-                        headers={"outbox_event_type": c.event_type},
+                        headers=task_headers({"outbox_event_type": c.event_type}),
                         producer=producer,
                         retry=True,
                         retry_policy=retry_policy,

@@ -2,7 +2,7 @@
 
 ::
 
-    outbox-celery [--dsn DSN] [--table NAME] [-A module:outbox] COMMAND ...
+    outbox-celery [--dsn DSN] [--table NAME] [-A module:outbox] COMMAND [--dsn DSN] [--table NAME] ...
 
     migrate [--check]                    schema up to date (--check: exit 1 when behind)
     stats [--json]                       depth, ages, leases, attempts, event types
@@ -155,6 +155,13 @@ class Target:
         self._outbox: Outbox | None = None
         self._loaded = False
 
+    def override(self, *, dsn: str | None = None, table: str | None = None) -> None:
+        """Replace the DSN or the table (options given after the command)."""
+        if dsn is not None:
+            self._dsn = dsn
+        if table is not None:
+            self._table = table
+
     @property
     def outbox(self) -> Outbox | None:
         """The loaded Outbox (``-A``), or ``None``."""
@@ -232,7 +239,34 @@ class Target:
             yield conn
 
 
-pass_target = click.make_pass_decorator(Target)
+_pass_target_object = click.make_pass_decorator(Target)
+
+
+def _override_target(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """Option callback: ``--dsn``/``--table`` given after the command beat the group's."""
+    if value is None:
+        return
+    target = ctx.find_object(Target)
+    if target is not None:
+        target.override(**{str(param.name): value})
+
+
+def pass_target(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Pass the :class:`Target` and accept ``--dsn``/``--table`` after the command too.
+
+    ``outbox-celery migrate --dsn ...`` is how most people type it (and how the README shows
+    it); the group's options (before the command) and the environment keep working.
+    """
+    fn = _pass_target_object(fn)
+    for name, what in (("--table", "Outbox table"), ("--dsn", "PostgreSQL connection string")):
+        fn = click.option(
+            name,
+            metavar=name.lstrip("-").upper() if name == "--dsn" else "NAME",
+            expose_value=False,
+            callback=_override_target,
+            help=f"{what}; same as the option before the command.",
+        )(fn)
+    return fn
 
 
 class _Group(click.Group):

@@ -25,6 +25,7 @@ from .errors import Defer, PermanentError, RetryableError
 from .heartbeat import lease_heartbeat
 from .message import Message
 from .store import Claimed, Store
+from .tracing import handler_span
 
 __all__ = ["ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome"]
 
@@ -277,7 +278,9 @@ class Dispatcher:
         msg = replace(msg, _extend=lambda seconds: self._extend(outbox_id, lease_version, seconds))
         started = time.monotonic()
         try:
-            with lease_heartbeat(cfg, msg.extend_lease, log=log):  # no-op unless configured
+            # The lease heartbeat is a no-op unless configured; the span continues the producer's
+            # trace when it had one (tracing.py).
+            with lease_heartbeat(cfg, msg.extend_lease, log=log), handler_span(msg):
                 spec.fn(msg)
         except Defer as d:
             outcome = self._finish(

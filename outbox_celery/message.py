@@ -38,6 +38,7 @@ class Message:
         ``<schema>.<table>:<id>`` with the table as PostgreSQL resolves it, e.g.
         ``public.outbox:42``, whether the outbox was configured as ``outbox`` or
         ``public.outbox``.
+    :ivar trace_context: the producer's trace context, or ``None``.
     """
 
     id: int
@@ -51,6 +52,9 @@ class Message:
     ordering_key: str | None
     idempotency_key: str
     _extend: Callable[[float], bool] | None = field(default=None, repr=False, compare=False)
+    #: The producer's trace context (W3C ``traceparent``...), when it had one: see
+    #: :mod:`outbox_celery.tracing`.
+    trace_context: dict[str, str] | None = field(default=None, repr=False, compare=False)
 
     def extend_lease(self, seconds: float) -> bool:
         """Ask for ``seconds`` more of lease from now (database clock), fenced.

@@ -14,6 +14,7 @@ schema. Concurrent migrators serialize on an advisory lock.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -25,7 +26,16 @@ from . import _sql
 from .config import TableName
 from .errors import OutboxError
 
-__all__ = ["Migration", "MigrationError", "applied_versions", "available", "migrate", "pending"]
+__all__ = [
+    "OUTBOX",
+    "Migration",
+    "MigrationError",
+    "MigrationSet",
+    "applied_versions",
+    "available",
+    "migrate",
+    "pending",
+]
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 _LEDGER = "outbox_celery_migrations"
@@ -42,25 +52,43 @@ class Migration:
     version: int
     name: str
     filename: str
+    folder: str = "migrations"
 
     @property
     def text(self) -> str:
-        return _sql.read(f"migrations/{self.filename}")
+        return _sql.read(f"{self.folder}/{self.filename}")
 
 
-def available() -> list[Migration]:
+@dataclass(frozen=True, slots=True)
+class MigrationSet:
+    """One kind of table the runner manages: its migrations, fresh schema and ledger.
+
+    The outbox table is :data:`OUTBOX`; the receiving side's inbox
+    (:mod:`outbox_celery.inbox`) has its own set and ledger.
+    """
+
+    folder: str
+    schema: str
+    ledger: str
+    compose: Callable[[str, TableName], sql.Composed]
+
+
+OUTBOX = MigrationSet("migrations", "schema.sql", _LEDGER, _sql.compose)
+
+
+def available(migrations: MigrationSet = OUTBOX) -> list[Migration]:
     """Every migration shipped with the package, in order."""
-    folder = resources.files("outbox_celery").joinpath("sql", "migrations")
+    folder = resources.files("outbox_celery").joinpath("sql", *migrations.folder.split("/"))
     found = []
     for entry in folder.iterdir():
         m = _FILE.match(entry.name)
         if m:
-            found.append(Migration(int(m.group(1)), m.group(2), entry.name))
+            found.append(Migration(int(m.group(1)), m.group(2), entry.name, migrations.folder))
     return sorted(found, key=lambda m: m.version)
 
 
-def _ledger(table: TableName) -> sql.Identifier:
-    return sql.Identifier(table.schema, _LEDGER) if table.schema else sql.Identifier(_LEDGER)
+def _ledger(table: TableName, name: str = _LEDGER) -> sql.Identifier:
+    return sql.Identifier(table.schema, name) if table.schema else sql.Identifier(name)
 
 
 def _table_exists(conn: psycopg.Connection[Any], table: TableName) -> bool:
@@ -68,31 +96,40 @@ def _table_exists(conn: psycopg.Connection[Any], table: TableName) -> bool:
     return bool(row and row[0])
 
 
-def _ledger_exists(conn: psycopg.Connection[Any], table: TableName) -> bool:
-    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [_ledger(table).as_string(conn)]).fetchone()
+def _ledger_exists(conn: psycopg.Connection[Any], ledger: sql.Identifier) -> bool:
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [ledger.as_string(conn)]).fetchone()
     return bool(row and row[0])
 
 
-def applied_versions(conn: psycopg.Connection[Any], table: str | TableName = "outbox") -> list[int]:
+def applied_versions(
+    conn: psycopg.Connection[Any], table: str | TableName = "outbox", *, migrations: MigrationSet = OUTBOX
+) -> list[int]:
     """Versions recorded for ``table`` (empty when never migrated)."""
     t = TableName.parse(table)
-    if not _ledger_exists(conn, t):
+    ledger = _ledger(t, migrations.ledger)
+    if not _ledger_exists(conn, ledger):
         return []
     rows = conn.execute(
-        sql.SQL("SELECT version FROM {} WHERE table_name = %s ORDER BY version").format(_ledger(t)),
+        sql.SQL("SELECT version FROM {} WHERE table_name = %s ORDER BY version").format(ledger),
         [t.name],
     ).fetchall()
     return [int(r[0]) for r in rows]
 
 
-def pending(conn: psycopg.Connection[Any], table: str | TableName = "outbox") -> list[Migration]:
+def pending(
+    conn: psycopg.Connection[Any], table: str | TableName = "outbox", *, migrations: MigrationSet = OUTBOX
+) -> list[Migration]:
     """Migrations not yet applied to ``table``."""
-    done = set(applied_versions(conn, table))
-    return [m for m in available() if m.version not in done]
+    done = set(applied_versions(conn, table, migrations=migrations))
+    return [m for m in available(migrations) if m.version not in done]
 
 
 def migrate(
-    conn: psycopg.Connection[Any], table: str | TableName = "outbox", *, fresh_schema: bool = True
+    conn: psycopg.Connection[Any],
+    table: str | TableName = "outbox",
+    *,
+    fresh_schema: bool = True,
+    migrations: MigrationSet = OUTBOX,
 ) -> list[int]:
     """Bring ``table`` to the current schema; return the versions applied now.
 
@@ -101,10 +138,12 @@ def migrate(
     ``schema.sql`` (the migration test compares both).
     """
     t = TableName.parse(table)
+    lock_scope = "" if migrations is OUTBOX else f"{migrations.ledger}:"
     with conn.transaction():
         conn.execute(
             "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-            [f"outbox_celery:migrate:{t.qualified}"],
+            # The outbox's lock name is unchanged from earlier releases; other sets add theirs.
+            [f"outbox_celery:migrate:{lock_scope}{t.qualified}"],
         )
         if t.schema:
             conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(t.schema)))
@@ -116,10 +155,10 @@ def migrate(
                 " name text NOT NULL,"
                 " applied_at timestamptz NOT NULL DEFAULT now(),"
                 " PRIMARY KEY (table_name, version))"
-            ).format(_ledger(t))
+            ).format(_ledger(t, migrations.ledger))
         )
-        done = set(applied_versions(conn, t))
-        todo = [m for m in available() if m.version not in done]
+        done = set(applied_versions(conn, t, migrations=migrations))
+        todo = [m for m in available(migrations) if m.version not in done]
         if not todo:
             return []
         exists = _table_exists(conn, t)
@@ -129,11 +168,13 @@ def migrate(
                 "refusing to guess its schema"
             )
         if not done and fresh_schema:
-            conn.execute(_sql.compose(_sql.read("schema.sql"), t))
+            conn.execute(migrations.compose(_sql.read(migrations.schema), t))
         else:
             for m in todo:
-                conn.execute(_sql.compose(m.text, t))
-        insert = sql.SQL("INSERT INTO {} (table_name, version, name) VALUES (%s, %s, %s)").format(_ledger(t))
+                conn.execute(migrations.compose(m.text, t))
+        insert = sql.SQL("INSERT INTO {} (table_name, version, name) VALUES (%s, %s, %s)").format(
+            _ledger(t, migrations.ledger)
+        )
         for m in todo:
             conn.execute(insert, [t.name, m.version, m.name])
         return [m.version for m in todo]

@@ -1,33 +1,42 @@
-"""Write events in the caller's transaction: :func:`enqueue` and :func:`enqueue_many`.
+"""Write events in the caller's transaction: :func:`enqueue` and :func:`enqueue_many`, and
+:func:`enqueue_async` / :func:`enqueue_many_async` for asyncio.
 
 The whole point of an outbox is that the event commits with the business data or not at all,
-so both functions refuse a connection in autocommit mode outside a transaction block unless
-``allow_autocommit=True`` is passed on purpose.
+so every function refuses a connection in autocommit mode outside a transaction block unless
+``allow_autocommit=True`` is passed on purpose. Every connection kind (psycopg 3, psycopg2,
+SQLAlchemy, sync or async) goes through the same validation, the same transaction check and the
+same statements (:meth:`Store.write_plan`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import psycopg
-from psycopg import pq
-
+from ._connections import IDLE, INERROR, _View, async_view, drive, drive_async, sync_view
 from .config import TableName
 from .errors import MAX_DELAY_SECONDS, ProducerError
 from .store import Store
+from .tracing import capture
 
-__all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "Event", "enqueue", "enqueue_many"]
+__all__ = [
+    "DEFAULT_MAX_PAYLOAD_BYTES",
+    "Event",
+    "enqueue",
+    "enqueue_async",
+    "enqueue_many",
+    "enqueue_many_async",
+]
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 MAX_EVENT_TYPE_LENGTH = 200
 MAX_AGGREGATE_LENGTH = 200
+MAX_DEDUP_KEY_LENGTH = 400
 
 _stores: dict[str, Store] = {}
 
@@ -55,6 +64,7 @@ class Event:
     ordered: bool = False
     delay: float | timedelta | None = None
     ordering_key: str | None = None
+    dedup_key: str | None = None
 
 
 def _text(value: Any, name: str, limit: int) -> str:
@@ -101,6 +111,11 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
         key = _text(event.ordering_key, "ordering_key", 2 * MAX_AGGREGATE_LENGTH + 1)
     elif event.ordered:
         key = f"{aggregate_type}:{aggregate_id}"
+    dedup_key = None
+    if event.dedup_key is not None:
+        if isinstance(event.dedup_key, int):  # a str only: 1 and "1" must not be two keys
+            raise ProducerError(f"dedup_key must be a string, got {type(event.dedup_key).__name__}")
+        dedup_key = _text(event.dedup_key, "dedup_key", MAX_DEDUP_KEY_LENGTH)
     return {
         "event_type": event_type,
         "aggregate_type": aggregate_type,
@@ -108,94 +123,38 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
         "payload": payload,
         "ordering_key": key,
         "delay": float(seconds),
+        "dedup_key": dedup_key,
+        "trace_context": None,
     }
 
 
-def _check_transaction(conn: psycopg.Connection[Any], allow_autocommit: bool) -> None:
-    if not isinstance(conn, psycopg.Connection):
-        raise ProducerError(
-            f"expected a psycopg 3 Connection, got {type(conn).__name__} "
-            "(Django/SQLAlchemy users: see docs/integrations.md)"
-        )
-    status = conn.info.transaction_status
-    if status == pq.TransactionStatus.INERROR:
+def _check_transaction(conn: Any, allow_autocommit: bool) -> _View:
+    """The connection's view, when it may take the write: in a transaction, or allowed not to be."""
+    view = conn if isinstance(conn, _View) else sync_view(conn)
+    if view.status == INERROR:
         raise ProducerError("the connection's transaction has failed; roll it back first")
-    if conn.autocommit and status == pq.TransactionStatus.IDLE and not allow_autocommit:
+    if view.autocommit and view.status == IDLE and not allow_autocommit:
         raise ProducerError(
             "connection is in autocommit mode outside a transaction: the event would commit "
-            "on its own, apart from your business data. Use `with conn.transaction():` or pass "
-            "allow_autocommit=True if that is really what you want"
+            "on its own, apart from your business data. Use `with conn.transaction():` "
+            "(SQLAlchemy: a non-AUTOCOMMIT engine) or pass allow_autocommit=True if that is "
+            "really what you want"
         )
+    return view
 
 
-@contextlib.contextmanager
-def _atomic(conn: psycopg.Connection[Any]) -> Iterator[None]:
-    """A transaction of our own only when ``allow_autocommit`` let an autocommit write through.
+def _owns_transaction(view: _View) -> bool:
+    """Whether ``allow_autocommit`` let an autocommit write through: then we open a transaction.
 
     Otherwise a key lock taken in autocommit would be released before the insert commits and
     id order could differ from commit order. Inside the caller's transaction nothing is added
     (no savepoint).
     """
-    if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
-        with conn.transaction():
-            yield
-    else:
-        yield
+    return view.autocommit and view.status == IDLE
 
 
-def enqueue(
-    conn: psycopg.Connection[Any],
-    *,
-    event_type: str,
-    payload: Any,
-    aggregate_type: str,
-    aggregate_id: str | int,
-    ordered: bool = False,
-    delay: float | timedelta | None = None,
-    table: str | TableName = "outbox",
-    ordering_key: str | None = None,
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-    allow_autocommit: bool = False,
-) -> int:
-    """Insert one event in ``conn``'s current transaction and return its id.
-
-    :param event_type: routes the event to its handler and queue; 1-200 characters.
-    :param payload: anything :func:`json.dumps` accepts (no NaN/Infinity), at most
-        ``max_payload_bytes`` once encoded.
-    :param aggregate_type: the kind of business object (``"order"``); 1-200 characters.
-    :param aggregate_id: its id; 1-200 characters.
-    :param ordered: deliver in commit order with the other ordered events of the same
-        ``aggregate_type:aggregate_id`` (or ``ordering_key``). Concurrent producers of one key
-        are serialized until commit, so id order equals commit order.
-    :param delay: not claimable before ``now() + delay`` (database clock).
-    :param table: outbox table, ``"name"`` or ``"schema.name"``.
-    :param ordering_key: an explicit ordering key (implies ``ordered``).
-    :param allow_autocommit: permit a write that commits on its own (defeats the pattern).
-    :raises ProducerError: bad input or no transaction; nothing is written.
-    """
-    event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key)
-    row = _row(event, max_payload_bytes)
-    _check_transaction(conn, allow_autocommit)
-    store = _store(table)
-    with _atomic(conn):
-        if row["ordering_key"] is not None:
-            store.lock_keys(conn, [row["ordering_key"]])
-        return store.insert(conn, row)
-
-
-def enqueue_many(
-    conn: psycopg.Connection[Any],
-    messages: Iterable[Event | Mapping[str, Any]],
-    *,
-    table: str | TableName = "outbox",
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-    allow_autocommit: bool = False,
-) -> list[int]:
-    """Insert many events with one statement; return their ids in input order.
-
-    ``messages`` holds :class:`Event` objects or mappings with :func:`enqueue`'s keywords.
-    Every event is validated before anything is written: one bad event refuses the batch.
-    """
+def _rows(messages: Iterable[Event | Mapping[str, Any]], max_payload_bytes: int) -> list[dict[str, Any]]:
+    """Validate every message before anything is written: one bad message refuses the batch."""
     rows = []
     for i, m in enumerate(messages):
         if isinstance(m, Mapping):
@@ -209,12 +168,140 @@ def enqueue_many(
             rows.append(_row(m, max_payload_bytes))
         except ProducerError as exc:
             raise ProducerError(f"message {i}: {exc}") from exc
-    _check_transaction(conn, allow_autocommit)
+    return rows
+
+
+def _trace(rows: list[dict[str, Any]]) -> None:
+    """Store the trace context current at enqueue with every row (none without OpenTelemetry)."""
+    context = capture()
+    if context is not None:
+        for row in rows:
+            row["trace_context"] = context
+
+
+def _write(
+    conn: Any, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool
+) -> list[int]:
+    """The one synchronous write path: check, key locks, insert (every connection kind)."""
+    view = sync_view(conn)
+    _check_transaction(view, allow_autocommit)
     if not rows:
         return []
-    store = _store(table)
-    keys = [r["ordering_key"] for r in rows if r["ordering_key"] is not None]
-    with _atomic(conn):
-        if keys:
-            store.lock_keys(conn, keys)
-        return store.insert_many(conn, rows)
+    _trace(rows)
+    plan = _store(table).write_plan(rows)
+    if not _owns_transaction(view):
+        return drive(view, plan)
+    with view.own_transaction():
+        return drive(view, plan)
+
+
+async def _write_async(
+    conn: Any, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool
+) -> list[int]:
+    """:func:`_write` for async connections: the same check and the same plan."""
+    view = await async_view(conn)
+    _check_transaction(view, allow_autocommit)
+    if not rows:
+        return []
+    _trace(rows)
+    plan = _store(table).write_plan(rows)
+    if not _owns_transaction(view):
+        return await drive_async(view, plan)
+    async with view.own_transaction():
+        return await drive_async(view, plan)
+
+
+def enqueue(
+    conn: Any,
+    *,
+    event_type: str,
+    payload: Any,
+    aggregate_type: str,
+    aggregate_id: str | int,
+    ordered: bool = False,
+    delay: float | timedelta | None = None,
+    table: str | TableName = "outbox",
+    ordering_key: str | None = None,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    allow_autocommit: bool = False,
+    dedup_key: str | None = None,
+) -> int:
+    """Insert one event in ``conn``'s current transaction and return its id.
+
+    :param conn: a psycopg 3 ``Connection``, a psycopg2 connection, or a SQLAlchemy 2
+        ``Session`` or ``Connection`` on the psycopg 3 or psycopg2 driver (a Session or
+        Connection that has not begun yet begins, as its next ``execute()`` would).
+    :param event_type: routes the event to its handler and queue; 1-200 characters.
+    :param payload: anything :func:`json.dumps` accepts (no NaN/Infinity), at most
+        ``max_payload_bytes`` once encoded.
+    :param aggregate_type: the kind of business object (``"order"``); 1-200 characters.
+    :param aggregate_id: its id; 1-200 characters.
+    :param ordered: deliver in commit order with the other ordered events of the same
+        ``aggregate_type:aggregate_id`` (or ``ordering_key``). Concurrent producers of one key
+        are serialized until commit, so id order equals commit order.
+    :param delay: not claimable before ``now() + delay`` (database clock).
+    :param table: outbox table, ``"name"`` or ``"schema.name"``.
+    :param ordering_key: an explicit ordering key (implies ``ordered``).
+    :param allow_autocommit: permit a write that commits on its own (defeats the pattern).
+    :param dedup_key: 1-400 characters. When a row with this key is already in the table
+        (committed, or written earlier in this transaction), nothing is inserted and that row's
+        id is returned; concurrent producers of one key end with exactly one row. The key is free
+        again once retention has purged its row (``done`` rows older than ``purge_older_than``).
+    :raises ProducerError: bad input, an unsupported connection, or no transaction; nothing is
+        written.
+    """
+    event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key, dedup_key)
+    return _write(conn, [_row(event, max_payload_bytes)], table, allow_autocommit)[0]
+
+
+def enqueue_many(
+    conn: Any,
+    messages: Iterable[Event | Mapping[str, Any]],
+    *,
+    table: str | TableName = "outbox",
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    allow_autocommit: bool = False,
+) -> list[int]:
+    """Insert many events with one statement; return their ids in input order.
+
+    ``conn`` is any connection :func:`enqueue` accepts. ``messages`` holds :class:`Event`
+    objects or mappings with :func:`enqueue`'s keywords. Every event is validated before
+    anything is written: one bad event refuses the batch.
+    """
+    return _write(conn, _rows(messages, max_payload_bytes), table, allow_autocommit)
+
+
+async def enqueue_async(
+    conn: Any,
+    *,
+    event_type: str,
+    payload: Any,
+    aggregate_type: str,
+    aggregate_id: str | int,
+    ordered: bool = False,
+    delay: float | timedelta | None = None,
+    table: str | TableName = "outbox",
+    ordering_key: str | None = None,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    allow_autocommit: bool = False,
+    dedup_key: str | None = None,
+) -> int:
+    """:func:`enqueue` for asyncio: same arguments, validation, key locks and errors.
+
+    :param conn: a psycopg 3 ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or
+        ``AsyncConnection`` on the psycopg 3 driver (``postgresql+psycopg://``).
+    """
+    event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key, dedup_key)
+    return (await _write_async(conn, [_row(event, max_payload_bytes)], table, allow_autocommit))[0]
+
+
+async def enqueue_many_async(
+    conn: Any,
+    messages: Iterable[Event | Mapping[str, Any]],
+    *,
+    table: str | TableName = "outbox",
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    allow_autocommit: bool = False,
+) -> list[int]:
+    """:func:`enqueue_many` for asyncio (connections as :func:`enqueue_async`)."""
+    return await _write_async(conn, _rows(messages, max_payload_bytes), table, allow_autocommit)

@@ -20,7 +20,7 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -28,7 +28,7 @@ from typing import Any
 
 import psycopg
 from psycopg import pq, sql
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 
 from . import _sql
 from .config import TableName
@@ -36,6 +36,10 @@ from .errors import ProducerError
 from .message import Message, idempotency_key
 
 __all__ = ["Claimed", "Store"]
+
+# A producer's statement and the plan that yields them (see Store.write_plan).
+Statement = tuple[sql.Composed, dict[str, Any]]
+WritePlan = Generator[Statement, list[tuple[Any, ...]], list[int]]
 
 logger = logging.getLogger(__name__)
 
@@ -141,23 +145,31 @@ class Store:
     def lock_keys(self, conn: psycopg.Connection[Any], keys: Iterable[str]) -> None:
         """Take the per-key producer locks, all in one statement (sorted: no deadlocks).
 
-        :raises ProducerError: the transaction is not ``READ COMMITTED``. The insert that follows
-            decides whether the new row is its key's head from what its statement sees; under
-            repeatable read or serializable the snapshot predates the lock, so it could miss a
-            message of the key committed meanwhile (two heads) or a head finished meanwhile
-            (a key with none). Refused before anything is written.
+        :raises ProducerError: the transaction is not ``READ COMMITTED`` (see
+            :meth:`_check_isolation`). Refused before anything is written.
         """
         params = {"table": self._regclass(conn), "keys": list(keys)}
-        row = conn.execute(self._q["lock_keys"], params).fetchone()
-        if row is not None and row[1] != "read committed":
+        self._check_isolation(conn.execute(self._q["lock_keys"], params).fetchall())
+
+    @staticmethod
+    def _check_isolation(locked: Sequence[Sequence[Any]]) -> None:
+        """Refuse ordered events outside ``READ COMMITTED`` (``locked``: lock_keys' rows).
+
+        The insert that follows the key locks decides whether the new row is its key's head from
+        what its statement sees; under repeatable read or serializable the snapshot predates the
+        lock, so it could miss a message of the key committed meanwhile (two heads) or a head
+        finished meanwhile (a key with none).
+        """
+        level = locked[0][1] if locked else "read committed"
+        if level != "read committed":
             raise ProducerError(
-                f"ordered events need a READ COMMITTED transaction, this one is {row[1]}: the "
+                f"ordered events need a READ COMMITTED transaction, this one is {level}: the "
                 "head of an ordering key is decided under the key lock, which a snapshot taken "
                 "earlier cannot see (DESIGN invariant 9); enqueue unordered events or use "
                 "read committed for this transaction"
             )
 
-    def _regclass(self, conn: psycopg.Connection[Any]) -> str:
+    def _regclass(self, conn: psycopg.Connection[Any] | None) -> str:
         # The quoted name, resolved to the table's oid in SQL: lock names then do not depend on
         # how the table was spelled ("outbox" or "public.outbox").
         return self.table.identifier().as_string(conn)
@@ -176,26 +188,77 @@ class Store:
         return self._canonical
 
     def insert(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> int:
-        """Insert one validated row in the caller's transaction."""
-        cur = conn.execute(self._q["insert"], row)
-        result = cur.fetchone()
-        assert result is not None
-        return int(result[0])
+        """Insert one validated row in the caller's transaction (no key lock)."""
+        return self._run(conn, self.write_plan([row], lock=False))[0]
 
     def insert_many(self, conn: psycopg.Connection[Any], rows: Sequence[dict[str, Any]]) -> list[int]:
-        """Insert validated rows with one statement; ids come back in input order."""
-        params = {
+        """Insert validated rows with one statement; ids come back in input order (no key lock)."""
+        return self._run(conn, self.write_plan(rows, lock=False))
+
+    @staticmethod
+    def _run(conn: psycopg.Connection[Any], plan: WritePlan) -> list[int]:
+        statement = next(plan)
+        while True:
+            with conn.cursor(row_factory=tuple_row) as cur:
+                rows = cur.execute(*statement).fetchall()
+            try:
+                statement = plan.send(rows)
+            except StopIteration as done:
+                ids: list[int] = done.value
+                return ids
+
+    @staticmethod
+    def _many_params(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return {
             "event_types": [r["event_type"] for r in rows],
             "aggregate_types": [r["aggregate_type"] for r in rows],
             "aggregate_ids": [r["aggregate_id"] for r in rows],
             "payloads": [r["payload"] for r in rows],
             "ordering_keys": [r["ordering_key"] for r in rows],
             "delays": [r["delay"] for r in rows],
+            "dedup_keys": [r.get("dedup_key") for r in rows],
+            "trace_contexts": [r.get("trace_context") for r in rows],
         }
-        cur = conn.execute(self._q["insert_many"], params)
-        # Identity values are drawn in the ORDER BY n order of the insert, so sorting the
-        # returned ids restores input order.
-        return sorted(int(r[0]) for r in cur.fetchall())
+
+    def write_plan(self, rows: Sequence[dict[str, Any]], *, lock: bool = True) -> WritePlan:
+        """The producer's statements for validated rows, as a plan without I/O.
+
+        Yields ``(query, params)`` for the key locks (invariant 9), then the insert, then, when
+        a dedup key was already taken, the lookup of the row holding it; the caller executes
+        each in its transaction and sends back the rows it returned; the plan returns the ids
+        in input order. One plan serves every kind of producer connection (psycopg 3 sync and
+        async, psycopg2, SQLAlchemy), so locks and inserts cannot diverge.
+        """
+        keys = [r["ordering_key"] for r in rows if r["ordering_key"] is not None]
+        if keys and lock:
+            locked = yield self._q["lock_keys"], {"table": self._regclass(None), "keys": keys}
+            self._check_isolation(locked)
+        if len(rows) == 1:
+            params = {"dedup_key": None, "trace_context": None, **rows[0]}
+            inserted = yield self._q["insert"], params
+        else:
+            inserted = yield self._q["insert_many"], self._many_params(rows)
+        # Identity values are drawn in input order (ORDER BY n), so sorting the ids of the
+        # inserted rows without a dedup key restores their input order.
+        plain = iter(sorted(int(i) for i, k in inserted if k is None))
+        by_key = {k: int(i) for i, k in inserted if k is not None}
+        missing = sorted({k for r in rows if (k := r.get("dedup_key")) is not None} - by_key.keys())
+        if missing:
+            # Taken before (or by a concurrent producer that committed while we waited on its
+            # row): the row that holds the key answers, and nothing new was written for it.
+            found = yield self._q["dedup_ids"], {"keys": missing}
+            by_key.update({k: int(i) for i, k in found})
+            dropped = sorted({r["ordering_key"] for r in rows if r.get("dedup_key") in missing} - {None})
+            if dropped and lock:
+                # A dropped row may have been its key's head candidate in the batch: hand the
+                # head to the key's lowest unfinished message, still under the key lock.
+                yield self._q["settle_heads"], {"keys": dropped}
+        gone = sorted({r["dedup_key"] for r in rows if r.get("dedup_key") is not None} - by_key.keys())
+        if gone:
+            # Only a purge between our insert and the lookup (or a REPEATABLE READ snapshot that
+            # cannot see the holder) gets here; the transaction can be retried.
+            raise ProducerError(f"dedup key(s) {gone} are held by rows this transaction cannot see; retry")
+        return [next(plain) if r.get("dedup_key") is None else by_key[r["dedup_key"]] for r in rows]
 
     # -- claim ---------------------------------------------------------------------------------
 
@@ -420,6 +483,7 @@ class Store:
             lease_version=int(row["lease_version"]),
             ordering_key=row["ordering_key"],
             idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"])),
+            trace_context=row.get("trace_context"),
         )
 
     def _fenced(self, conn: psycopg.Connection[Any], op: str, params: dict[str, Any]) -> Any:

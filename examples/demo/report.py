@@ -57,12 +57,13 @@ GROUP BY event_type ORDER BY event_type
 _MISSING_FROM_INBOX = """
 SELECT count(*) FROM {outbox} AS o
 WHERE o.aggregate_type = 'order' AND o.aggregate_id = ANY(%(aids)s::text[]) AND o.status = 'done'
-  AND NOT EXISTS (SELECT 1 FROM receiver.inbox AS i WHERE i.idempotency_key = %(key_prefix)s || o.id)
+  AND NOT EXISTS (SELECT 1 FROM receiver.webhook_inbox AS i WHERE i.idempotency_key = %(key_prefix)s || o.id)
 """
 
 _RECEIVER = """
 SELECT
-    (SELECT count(*) FROM receiver.inbox WHERE order_id = ANY(%(ids)s)) AS inbox,
+    (SELECT count(*) FROM receiver.webhook_inbox WHERE idempotency_key IN
+        (SELECT idempotency_key FROM receiver.requests WHERE order_id = ANY(%(ids)s))) AS inbox,
     (SELECT coalesce(sum(events), 0) FROM receiver.orders WHERE order_id = ANY(%(ids)s)) AS effects,
     (SELECT coalesce(sum(out_of_order), 0) FROM receiver.orders WHERE order_id = ANY(%(ids)s))
         AS out_of_order,

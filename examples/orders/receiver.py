@@ -2,10 +2,10 @@
 
 ``python -m examples.orders.receiver [--port 8080] [--throttle-every N] [--drop-every N]``
 
-``POST /webhooks`` with an ``Idempotency-Key`` header. In one transaction it inserts the key
-into ``receiver.inbox`` (``ON CONFLICT DO NOTHING``) and, only when the key is new, applies the
-effect (updates its view of the order in ``receiver.orders``). A redelivered event finds its
-key and changes nothing: at-least-once delivery, exactly-once effect.
+``POST /webhooks`` with an ``Idempotency-Key`` header. In one transaction it records the key
+in its inbox (:mod:`outbox_celery.inbox`, table ``receiver.webhook_inbox``) and, only when the
+key is new, applies the effect (updates its view of the order in ``receiver.orders``). A
+redelivered event finds its key and changes nothing: at-least-once delivery, exactly-once effect.
 
 Fault injection, to show what the outbox does about a misbehaving downstream (off by default):
 
@@ -31,9 +31,11 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from outbox_celery import inbox
+
 from . import settings
 from ._http import JsonHandler, serve
-from .schema import ensure_receiver_schema
+from .schema import INBOX_TABLE, ensure_receiver_schema
 
 __all__ = ["Receiver", "main"]
 
@@ -88,12 +90,7 @@ class Receiver:
                 self._log(conn, key, event, "throttled")
             return "throttled"
         with self.pool.connection() as conn, conn.transaction():
-            new = conn.execute(
-                "INSERT INTO receiver.inbox (idempotency_key, event_type, order_id) VALUES (%s, %s, %s)"
-                " ON CONFLICT (idempotency_key) DO NOTHING RETURNING 1",
-                [key, event["event_type"], event["order_id"]],
-            ).fetchone()
-            if new is None:
+            if not inbox.first_time(conn, key, event_type=event["event_type"], table=INBOX_TABLE):
                 outcome = "duplicate"
             else:
                 self._apply(conn, event)

@@ -12,10 +12,11 @@ from typing import Any
 import psycopg
 
 from outbox_celery import migrate
+from outbox_celery.inbox import migrate_inbox
 
 from . import settings
 
-__all__ = ["ensure_orders_schema", "ensure_receiver_schema"]
+__all__ = ["INBOX_TABLE", "ensure_orders_schema", "ensure_receiver_schema"]
 
 ORDERS_DDL = """
 CREATE TABLE IF NOT EXISTS orders (
@@ -35,16 +36,12 @@ CREATE TABLE IF NOT EXISTS orders (
 CREATE INDEX IF NOT EXISTS orders_source_idx ON orders (source);
 """
 
+# The transactional inbox: outbox_celery.inbox, one row per idempotency key written in the same
+# transaction as the effect, so a redelivered webhook finds its key and has no second effect.
+INBOX_TABLE = "receiver.webhook_inbox"
+
 RECEIVER_DDL = """
 CREATE SCHEMA IF NOT EXISTS receiver;
--- The transactional inbox: one row per idempotency key, written in the same transaction as the
--- effect, so a redelivered webhook finds its key and has no second effect.
-CREATE TABLE IF NOT EXISTS receiver.inbox (
-    idempotency_key text PRIMARY KEY,
-    event_type      text        NOT NULL,
-    order_id        bigint      NOT NULL,
-    received_at     timestamptz NOT NULL DEFAULT now()
-);
 -- The effect: the receiver's view of each order.
 CREATE TABLE IF NOT EXISTS receiver.orders (
     order_id     bigint PRIMARY KEY,
@@ -85,5 +82,6 @@ def ensure_orders_schema(conn: psycopg.Connection[Any]) -> list[int]:
 
 
 def ensure_receiver_schema(conn: psycopg.Connection[Any]) -> None:
-    """Create the receiver's inbox, effect and request-log tables."""
+    """Create the receiver's effect and request-log tables and migrate its inbox."""
     _locked_ddl(conn, "examples.orders:receiver-schema", RECEIVER_DDL)
+    migrate_inbox(conn, INBOX_TABLE)

@@ -232,19 +232,6 @@ WHERE id = ANY(%(ids)s::bigint[])
   AND (status IN ('dead', 'pending') OR (status = 'processing' AND lease_until <= now()))
 RETURNING id, ordering_key;
 
--- name: settle_heads
--- After a skip, under the keys' locks: the lowest unfinished message of each key becomes its head
--- (a no-op when it already is, e.g. a processing head while a message behind it was skipped).
-UPDATE {table} AS o
-SET head = true
-FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
-     LATERAL (SELECT id FROM {table}
-              WHERE ordering_key = keys.k AND status <> 'done'
-              ORDER BY id
-              LIMIT 1) AS first
-WHERE o.id = first.id AND NOT o.head
-RETURNING o.id;
-
 -- name: purge_cutoff
 -- Fixed once per purge run, so the run has a bounded amount of work.
 SELECT now() - make_interval(secs => %(older_than)s::float8);

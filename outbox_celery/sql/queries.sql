@@ -6,32 +6,45 @@
 -- An ordered row is its key's head when no other message of the key is unfinished (DESIGN
 -- invariant 9). Read under the producer's key lock, taken by an earlier statement, so this
 -- statement's snapshot already holds every commit of that key (read committed; see lock_keys).
--- For an unordered row the AND stops at false and the probe never runs.
+-- For an unordered row the AND stops at false and the probe never runs. A dedup key already in
+-- the table inserts nothing and returns no row (see dedup_ids).
 INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
-                     head)
+                     head, dedup_key, trace_context)
 VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::jsonb, %(ordering_key)s,
         now() + make_interval(secs => %(delay)s),
         %(ordering_key)s::text IS NOT NULL AND NOT EXISTS (
             SELECT 1 FROM {table}
-            WHERE ordering_key = %(ordering_key)s::text AND status <> 'done'))
-RETURNING id;
+            WHERE ordering_key = %(ordering_key)s::text AND status <> 'done'),
+        %(dedup_key)s, %(trace_context)s::jsonb)
+ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+RETURNING id, dedup_key;
 
 -- name: insert_many
 -- As insert; within the batch only the first row of a key (lowest n, hence lowest id) can be
--- its head, and only if the key has no unfinished message already.
+-- its head, and only if the key has no unfinished message already. Should that first row be
+-- dropped as a duplicate dedup key, the producer settles the key's head afterwards (settle_heads).
 INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
-                     head)
+                     head, dedup_key, trace_context)
 SELECT u.event_type, u.aggregate_type, u.aggregate_id, u.payload::jsonb, u.ordering_key,
        now() + make_interval(secs => u.delay),
        u.ordering_key IS NOT NULL
        AND row_number() OVER (PARTITION BY u.ordering_key ORDER BY u.n) = 1
        AND NOT EXISTS (SELECT 1 FROM {table} AS o
-                       WHERE o.ordering_key = u.ordering_key AND o.status <> 'done')
+                       WHERE o.ordering_key = u.ordering_key AND o.status <> 'done'),
+       u.dedup_key, u.trace_context::jsonb
 FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_ids)s::text[],
-            %(payloads)s::text[], %(ordering_keys)s::text[], %(delays)s::float8[])
-     WITH ORDINALITY AS u(event_type, aggregate_type, aggregate_id, payload, ordering_key, delay, n)
+            %(payloads)s::text[], %(ordering_keys)s::text[], %(delays)s::float8[],
+            %(dedup_keys)s::text[], %(trace_contexts)s::text[])
+     WITH ORDINALITY AS u(event_type, aggregate_type, aggregate_id, payload, ordering_key, delay,
+                          dedup_key, trace_context, n)
 ORDER BY u.n
-RETURNING id;
+ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+RETURNING id, dedup_key;
+
+-- name: dedup_ids
+-- The rows holding these dedup keys: inserted by an earlier (committed) transaction, by this
+-- one, or by a concurrent one that committed while the insert waited for it.
+SELECT id, dedup_key FROM {table} WHERE dedup_key = ANY(%(keys)s::text[]);
 
 -- name: lock_keys
 -- Serializes producers of an ordering key until commit, so id order equals commit order. One
@@ -206,7 +219,7 @@ FROM (SELECT set_config('synchronous_commit',
 WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
   AND attempts < %(max_attempts)s
 RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
-          lease_version, ordering_key;
+          lease_version, ordering_key, trace_context;
 
 -- name: start_exhausted
 -- A redelivered task whose row already spent every attempt (e.g. it kills its worker).
@@ -348,3 +361,17 @@ RETURNING lease_until;
 SELECT n.nspname, c.relname
 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
 WHERE c.oid = %(table)s::regclass;
+
+-- name: settle_heads
+-- After a skip (admin) or a batch insert that dropped a key's first row as a duplicate dedup
+-- key (producer), under the keys' locks: the lowest unfinished message of each key becomes its head
+-- (a no-op when it already is, e.g. a processing head while a message behind it was skipped).
+UPDATE {table} AS o
+SET head = true
+FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
+     LATERAL (SELECT id FROM {table}
+              WHERE ordering_key = keys.k AND status <> 'done'
+              ORDER BY id
+              LIMIT 1) AS first
+WHERE o.id = first.id AND NOT o.head
+RETURNING o.id;

@@ -20,7 +20,9 @@ CREATE TABLE {table} (
     -- lease_version of the latest claim a worker started; lease_version - started_version
     -- counts claims whose task never started (lost tasks, DESIGN invariants 10, 16).
     started_version bigint    NOT NULL DEFAULT 0,
-    head          boolean     NOT NULL DEFAULT false
+    head          boolean     NOT NULL DEFAULT false,
+    dedup_key     text CHECK (dedup_key <> ''),
+    trace_context jsonb
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_threshold = 1000,
@@ -39,3 +41,5 @@ CREATE INDEX {done_idx} ON {table} (done_at)
     WHERE status = 'done';
 CREATE INDEX {dead_idx} ON {table} (id)
     WHERE status = 'dead';
+CREATE UNIQUE INDEX {dedup_idx} ON {table} (dedup_key)
+    WHERE dedup_key IS NOT NULL;

@@ -161,6 +161,36 @@ def test_migrate_check_is_a_deploy_gate_and_migrate_is_idempotent(dsn: str) -> N
     assert report == {"table": "outbox", "up_to_date": True, "applied": versions, "pending": []}
 
 
+def test_dsn_and_table_after_the_command(dsn: str) -> None:
+    """``outbox-celery migrate --dsn ...`` (as the README shows it) works; after the command,
+    ``--dsn``/``--table`` win over the ones before it and over the environment."""
+    out = ok(
+        run("migrate", "--dsn", dsn, "--table", "after_cmd", dsn=None, command=[_script("outbox-celery")])
+    )
+    assert "migrated after_cmd" in out
+    wrong = "host=127.0.0.1 port=1 dbname=nowhere connect_timeout=2"
+    out = ok(
+        run(
+            "--dsn",
+            wrong,
+            "--table",
+            "before",
+            "stats",
+            "--json",
+            "--table",
+            "after_cmd",
+            "--dsn",
+            dsn,
+            dsn=wrong,
+        )
+    )
+    assert json.loads(out)["table"] == "after_cmd"
+    out = ok(run("dead", "list", "--table", "after_cmd", dsn=dsn))
+    assert "no dead messages" in out
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('outbox') IS NULL").fetchone() == (True,)
+
+
 # -- stats -------------------------------------------------------------------------------------
 
 

@@ -196,7 +196,9 @@ def _verify_database(dsn: str, summary: dict[str, Any], orders: int) -> dict[str
         # The inbox holds each delivered event's idempotency key exactly once (it is the
         # primary key), and nothing else for these orders.
         inbox = cur.execute(
-            "SELECT idempotency_key FROM receiver.inbox WHERE order_id = ANY(%s)", [ids]
+            "SELECT idempotency_key FROM receiver.webhook_inbox WHERE idempotency_key IN"
+            " (SELECT idempotency_key FROM receiver.requests WHERE order_id = ANY(%s))",
+            [ids],
         ).fetchall()
         assert sorted(r["idempotency_key"] for r in inbox) == sorted(keys)
 

@@ -361,7 +361,11 @@ def test_procfile_runs_the_stack_under_honcho(honcho: dict[str, Any], dsn: str) 
 
     _wait(delivered, 120, f"order {order}'s events to be delivered\n{log()}")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        keys = conn.execute("SELECT count(*) FROM receiver.inbox WHERE order_id = %s", [order]).fetchone()
+        keys = conn.execute(
+            "SELECT count(*) FROM receiver.webhook_inbox WHERE idempotency_key IN"
+            " (SELECT idempotency_key FROM receiver.requests WHERE order_id = %s)",
+            [order],
+        ).fetchone()
         assert keys == (6,)
     for child in psutil.Process(proc.pid).children(recursive=True):
         seen.setdefault(child.pid, child.create_time())

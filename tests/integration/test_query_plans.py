@@ -78,6 +78,8 @@ PARAMS: dict[str, Any] = {
     "aggregate_id": "1",
     "payload": "{}",
     "ordering_key": "key7",
+    "dedup_key": None,
+    "trace_context": None,
 }
 
 HOT = [

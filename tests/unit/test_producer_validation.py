@@ -38,6 +38,8 @@ def test_valid_event_becomes_a_row() -> None:
         "payload": '{"total":12.5,"items":[1,2]}',
         "ordering_key": None,
         "delay": 0.0,
+        "dedup_key": None,
+        "trace_context": None,
     }
 
 
@@ -104,6 +106,10 @@ def test_any_json_value_is_a_valid_payload(payload: Any) -> None:
         ({"delay": math.inf}, "delay must be a number of seconds between 0"),
         ({"delay": "5"}, "delay must be a number of seconds between 0"),
         ({"delay": True}, "delay must be a number of seconds between 0"),
+        ({"dedup_key": ""}, "dedup_key must not be empty"),
+        ({"dedup_key": "k" * 401}, "dedup_key is 401"),
+        ({"dedup_key": 7}, "dedup_key must be a string"),
+        ({"dedup_key": "a\x00b"}, "NUL"),
     ],
 )
 def test_bad_event_raises_producer_error(changes: dict[str, Any], match: str) -> None:

@@ -1,0 +1,152 @@
+"""The receiving side's half of exactly-once effects: an inbox of idempotency keys.
+
+The outbox delivers at least once (DESIGN invariant 11): a receiver may see a message twice.
+It gets exactly-once *effects* by recording the message's idempotency key in the same
+transaction as the effect, and applying the effect only the first time::
+
+    from outbox_celery import inbox
+
+    inbox.migrate_inbox(conn, "receiver.inbox")          # once, at deploy (own ledger)
+
+    with conn.transaction():                              # the receiver's own transaction
+        if inbox.first_time(conn, key, table="receiver.inbox"):
+            apply_the_effect(conn)                        # same transaction
+    # or: inbox.apply_once(conn, key, lambda: apply_the_effect(conn), table=...)
+
+Committed together or not at all: a redelivery after a commit finds the key and does nothing;
+after a rollback (or a crash) it applies the effect then. Concurrent deliveries of one key
+serialize on the key: the second waits for the first transaction and skips when it committed.
+
+Connections: the same kinds as :func:`~outbox_celery.enqueue` (psycopg 3, psycopg2, SQLAlchemy
+``Session``/``Connection``), in a transaction (autocommit is refused: the key would commit apart
+from the effect). Retention: :func:`purge_inbox` deletes keys older than a given age; a
+redelivery arriving after its key was purged would apply the effect again, so keep keys longer
+than the sender can redeliver (for an outbox sender: well beyond ``max_attempts`` retries with
+backoff and ``max_defer_age``; days, not minutes).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import pq, sql
+
+from . import _sql, migrations
+from ._connections import sync_view
+from .config import TableName
+from .errors import OutboxError
+from .producer import _check_transaction, _text
+
+__all__ = ["DEFAULT_TABLE", "INBOX", "apply_once", "first_time", "migrate_inbox", "purge_inbox"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TABLE = "outbox_inbox"
+MAX_KEY_LENGTH = 400
+
+
+def _compose(text: str, table: TableName) -> sql.Composed:
+    idents: dict[str, sql.Composable] = {
+        "table": table.identifier(),
+        "processed_idx": table.index_name("_processed_idx"),
+    }
+    # SQL(...) marks the file text as trusted: it ships with the package, never user input.
+    return sql.SQL(text).format(**{k: v for k, v in idents.items() if "{" + k + "}" in text})
+
+
+#: The inbox's migrations, fresh schema and ledger (``outbox_celery_inbox_migrations``), run by
+#: the same runner as the outbox's (:func:`outbox_celery.migrations.migrate`).
+INBOX = migrations.MigrationSet(
+    "inbox/migrations", "inbox/schema.sql", "outbox_celery_inbox_migrations", _compose
+)
+
+
+@functools.cache
+def _queries(table: str) -> dict[str, sql.Composed]:
+    t = TableName.parse(table)
+    return {name: _compose(text, t) for name, text in _sql.named("inbox/queries.sql").items()}
+
+
+def migrate_inbox(conn: psycopg.Connection[Any], table: str | TableName = DEFAULT_TABLE) -> list[int]:
+    """Create or upgrade the inbox table (idempotent); return the versions applied now."""
+    return migrations.migrate(conn, table, migrations=INBOX)
+
+
+def first_time(
+    conn: Any, key: str, *, event_type: str | None = None, table: str | TableName = DEFAULT_TABLE
+) -> bool:
+    """Record ``key`` in ``conn``'s current transaction; ``True`` the first time.
+
+    ``True``: apply the message's effect now, in this same transaction. ``False``: the key was
+    recorded by a committed transaction (or earlier in this one): skip the effect.
+
+    :param key: the message's idempotency key (``Message.idempotency_key``, an
+        ``Idempotency-Key`` header); 1-400 characters.
+    :param event_type: stored with the key, for people reading the table.
+    :raises ProducerError: bad key, unsupported connection, or no transaction.
+    """
+    key = _text(key, "idempotency key", MAX_KEY_LENGTH)
+    view = sync_view(conn)
+    _check_transaction(view, allow_autocommit=False)
+    query = _queries(str(TableName.parse(table)))["record"]
+    return bool(view.fetch((query, {"key": key, "event_type": event_type})))
+
+
+def apply_once(
+    conn: Any,
+    key: str,
+    effect: Callable[[], object],
+    *,
+    event_type: str | None = None,
+    table: str | TableName = DEFAULT_TABLE,
+) -> bool:
+    """Call ``effect()`` only if ``key`` is new (see :func:`first_time`); whether it was called.
+
+    ``effect`` runs in the caller's transaction; if it raises, roll that transaction back (the
+    ``with conn.transaction()`` block does) and the key is not recorded either.
+    """
+    if not first_time(conn, key, event_type=event_type, table=table):
+        return False
+    effect()
+    return True
+
+
+class InboxError(OutboxError):
+    """An inbox maintenance call was used wrongly."""
+
+
+def purge_inbox(
+    conn: psycopg.Connection[Any],
+    *,
+    older_than: float,
+    table: str | TableName = DEFAULT_TABLE,
+    batch_size: int = 5000,
+) -> int:
+    """Delete keys recorded more than ``older_than`` seconds ago (database clock); return how many.
+
+    Each batch is its own short transaction, so ``conn`` must not be inside one. A redelivery
+    of a purged key applies its effect again: see the module docstring for a safe age.
+    """
+    if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+        raise InboxError("purge_inbox runs each batch in its own transaction; pass a connection outside one")
+    if isinstance(older_than, bool) or not isinstance(older_than, int | float) or not older_than >= 0:
+        raise InboxError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InboxError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    query = _queries(str(TableName.parse(table)))["purge_batch"]
+    total = 0
+    while True:
+        with conn.transaction():
+            n = conn.execute(query, {"older_than": float(older_than), "limit": batch_size}).rowcount
+        total += n
+        if n < batch_size:
+            break
+    if total:
+        logger.info(
+            "inbox purge: deleted %s key(s)", total, extra={"deleted": total, "inbox_table": str(table)}
+        )
+    return total
