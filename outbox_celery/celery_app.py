@@ -21,6 +21,8 @@ from psycopg_pool import ConnectionPool
 from .config import OutboxConfig
 from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, Outcome, default_owner
 from .errors import ConfigurationError
+from .listener import Listener
+from .push import install_listener_step
 from .store import Claimed, Store
 
 __all__ = ["Outbox"]
@@ -109,8 +111,11 @@ class Outbox:
         self._pool: ConnectionPool[Any] | None = None
         self._pool_pid: int | None = None
         self._dispatcher: Dispatcher | None = None
+        #: The push listener running in this worker process, if any (docs/push.md).
+        self.listener: Listener | None = None
         self._register_tasks()
         self._connect_signals()
+        install_listener_step(self)
         if getattr(app, "configured", False):
             self._configure_app()
         else:

@@ -105,6 +105,7 @@ _SECONDS_FIELDS = (
     "max_defer_age",
     "unroutable_delay",
     "retention",
+    "listen_poll",
 )
 _INT_FIELDS = (
     "batch_size",
@@ -126,8 +127,8 @@ class OutboxConfig:
         delivery task's time limit is set below it and its Celery ``expires`` at its end.
     :ivar batch_size: rows claimed per claim transaction. Default 200.
     :ivar max_attempts: handler runs before a message goes ``dead``. Default 12.
-    :ivar claim_interval: seconds between beat-triggered claim runs (sub-second allowed).
-        Default 1.0.
+    :ivar claim_interval: seconds between beat-triggered claim runs (sub-second allowed): the
+        safety net behind the listener (``listen``). Default 5.0.
     :ivar claim_budget: seconds one claim run may keep claiming while batches come back full.
         Default ``max(claim_interval, 1.0)``.
     :ivar max_in_flight: hard upper bound of claimed-but-unfinished rows. Default 1000.
@@ -155,6 +156,13 @@ class OutboxConfig:
         claims always commit durably). Default true.
     :ivar configure_celery: apply recommended Celery settings (prefetch 1, Redis visibility
         timeout above the lease) where the user has not set them. Default true.
+    :ivar listen: run a listener in every worker that consumes ``claim_queue``: it LISTENs for
+        the producers' notifications and claims at once, in the worker's main process, and wakes
+        when a delayed row or a lease comes due. Default true. See docs/push.md.
+    :ivar listen_dsn: DSN of the listener's own connection when ``dsn`` points at a pooler in
+        transaction mode (LISTEN needs a session). Default ``None``: ``dsn``.
+    :ivar listen_poll: seconds the listener waits at most between claim runs when nothing wakes
+        it (no database work beyond one claim run; nothing goes through the broker). Default 1.0.
     """
 
     dsn: str | None = None
@@ -162,7 +170,7 @@ class OutboxConfig:
     lease: float = 60.0
     batch_size: int = 200
     max_attempts: int = 12
-    claim_interval: float = 1.0
+    claim_interval: float = 5.0
     claim_budget: float | None = None
     max_in_flight: int = 1000
     min_in_flight: int | None = None
@@ -179,6 +187,9 @@ class OutboxConfig:
     retention_batch_size: int = 5000
     relaxed_commit: bool = True
     configure_celery: bool = True
+    listen: bool = True
+    listen_dsn: str | None = None
+    listen_poll: float = 1.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -198,6 +209,8 @@ class OutboxConfig:
             raise ConfigurationError("claim_interval must be shorter than lease")
         if self.dsn is not None and not isinstance(self.dsn, str):
             raise ConfigurationError("dsn must be a string")
+        if self.listen_dsn is not None and not isinstance(self.listen_dsn, str):
+            raise ConfigurationError("listen_dsn must be a string")
         for name in ("claim_queue", "default_queue"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty string")

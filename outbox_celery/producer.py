@@ -156,6 +156,7 @@ def enqueue(
     ordering_key: str | None = None,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     allow_autocommit: bool = False,
+    notify: bool = True,
 ) -> int:
     """Insert one event in ``conn``'s current transaction and return its id.
 
@@ -171,6 +172,8 @@ def enqueue(
     :param table: outbox table, ``"name"`` or ``"schema.name"``.
     :param ordering_key: an explicit ordering key (implies ``ordered``).
     :param allow_autocommit: permit a write that commits on its own (defeats the pattern).
+    :param notify: wake the table's listeners at commit (``pg_notify``, see docs/push.md);
+        ``False`` leaves the event to the next claim run.
     :raises ProducerError: bad input or no transaction; nothing is written.
     """
     event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key)
@@ -180,7 +183,10 @@ def enqueue(
     with _atomic(conn):
         if row["ordering_key"] is not None:
             store.lock_keys(conn, [row["ordering_key"]])
-        return store.insert(conn, row)
+        outbox_id = store.insert(conn, row)
+        if notify:
+            store.notify(conn)
+        return outbox_id
 
 
 def enqueue_many(
@@ -190,11 +196,13 @@ def enqueue_many(
     table: str | TableName = "outbox",
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     allow_autocommit: bool = False,
+    notify: bool = True,
 ) -> list[int]:
     """Insert many events with one statement; return their ids in input order.
 
     ``messages`` holds :class:`Event` objects or mappings with :func:`enqueue`'s keywords.
     Every event is validated before anything is written: one bad event refuses the batch.
+    One notification wakes the listeners at commit unless ``notify=False`` (as in :func:`enqueue`).
     """
     rows = []
     for i, m in enumerate(messages):
@@ -217,4 +225,7 @@ def enqueue_many(
     with _atomic(conn):
         if keys:
             store.lock_keys(conn, keys)
-        return store.insert_many(conn, rows)
+        ids = store.insert_many(conn, rows)
+        if notify:
+            store.notify(conn)
+        return ids

@@ -436,3 +436,27 @@ class Store:
         return bool(
             self._fenced(conn, "extend_lease", {"id": outbox_id, "version": version, "seconds": seconds})
         )
+
+    # -- push (#11) ----------------------------------------------------------------------------
+
+    def notify(self, conn: psycopg.Connection[Any]) -> None:
+        """Signal this table's listeners when the caller's transaction commits."""
+        conn.execute(self._q["notify"], {"table": self._regclass(conn)})
+
+    def notify_channel(self, conn: psycopg.Connection[Any]) -> str:
+        """The channel :meth:`notify` signals on (``outbox_celery_<table oid>``)."""
+        row = conn.execute(self._q["notify_channel"], {"table": self._regclass(conn)}).fetchone()
+        assert row is not None
+        return str(row[0])
+
+    def listen(self, conn: psycopg.Connection[Any]) -> str:
+        """``LISTEN`` on this table's channel (a session-level setting); return the channel."""
+        channel = self.notify_channel(conn)
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        return channel
+
+    def next_due(self, conn: psycopg.Connection[Any], event_types: Sequence[str] | None) -> float | None:
+        """Seconds until a delayed row of ``event_types`` or a live lease comes due, or None."""
+        params = {"event_types": list(event_types) if event_types is not None else None}
+        row = conn.execute(self._q["next_due"], params).fetchone()
+        return None if row is None or row[0] is None else float(row[0])

@@ -248,3 +248,28 @@ UPDATE {table}
 SET lease_until = greatest(lease_until, now() + make_interval(secs => %(seconds)s))
 WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
 RETURNING lease_until;
+
+-- name: notify
+-- Push (#11): wakes this table's listeners once the producer's transaction commits (PostgreSQL
+-- delivers notifications only at commit and folds identical ones within a transaction). The
+-- channel is named after the table's oid, never after user text: at most 24 bytes, distinct
+-- per table, the same for "outbox" and "public.outbox".
+SELECT pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '');
+
+-- name: notify_channel
+-- The channel the notify query signals on; the listener LISTENs on it (as an identifier).
+SELECT 'outbox_celery_' || %(table)s::regclass::oid::text;
+
+-- name: next_due
+-- Seconds (database clock) until the next row of these event types becomes claimable: a
+-- delayed, backed-off or deferred pending row, or a live lease running out. NULL when nothing
+-- waits. Each branch is one probe of a partial index ordered by that time.
+SELECT extract(epoch FROM least(
+    (SELECT available_at FROM {table}
+     WHERE status = 'pending' AND ordering_key IS NULL AND available_at > now()
+       AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+     ORDER BY available_at, id LIMIT 1),
+    (SELECT lease_until FROM {table}
+     WHERE status = 'processing' AND lease_until > now()
+     ORDER BY lease_until LIMIT 1)
+) - now())::float8;
