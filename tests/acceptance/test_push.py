@@ -7,6 +7,7 @@ the listener: a lost wake-up leaves it pending and the test's bounded wait fails
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -151,3 +152,21 @@ def test_a_listener_that_cannot_connect_never_stops_beat_delivery(harness: Harne
     harness.wait_finished(5, SETTLE)
     worker.wait_for_log("reconnecting")
     assert _listeners(harness.conn) == []
+
+
+def test_a_claim_held_off_by_another_run_is_retried_once_that_run_ends(harness: Harness) -> None:
+    # Another claim run (here: this test's session holding the per-table claim lock, as a
+    # beat-triggered run in a pool process would) may have read the table before the notifying
+    # transaction committed. The listener must try again after it, not drop the wake-up.
+    harness.configure(listen_poll=HOUR)
+    harness.worker()
+    harness.wait(lambda: _listeners(harness.conn), what="listener connected")
+    with psycopg.connect(harness.dsn, autocommit=True) as other:
+        store = harness.outbox.store
+        assert store.try_claim_lock(other)
+        ids = _enqueue_one_per_transaction(harness, 3)
+        time.sleep(1.0)  # the listener wakes, finds the lock taken, and must not give up
+        assert statuses(harness.conn, harness.table)["pending"] == 3
+        store.claim_unlock(other)
+    harness.wait_finished(3)
+    assert sorted(c["outbox_id"] for c in calls(harness.conn)) == ids
