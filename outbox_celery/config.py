@@ -130,7 +130,8 @@ class OutboxConfig:
     :ivar claim_interval: seconds between beat-triggered claim runs (sub-second allowed): the
         safety net behind the listener (``listen``). Default 5.0.
     :ivar claim_budget: seconds one claim run may keep claiming while batches come back full.
-        Default ``max(claim_interval, 1.0)``.
+        Default 1.0 (the listener starts the next run at once; a beat-triggered run in a prefork
+        pool process must not hold it from deliveries for a whole ``claim_interval``).
     :ivar max_in_flight: hard upper bound of claimed-but-unfinished rows. Default 1000.
     :ivar min_in_flight: the in-flight bound never adapts below this. Default ``batch_size``
         (capped by ``max_in_flight``).
@@ -218,7 +219,7 @@ class OutboxConfig:
     @property
     def effective_claim_budget(self) -> float:
         """The claim run's time budget in seconds."""
-        return self.claim_budget if self.claim_budget is not None else max(self.claim_interval, 1.0)
+        return self.claim_budget if self.claim_budget is not None else 1.0
 
     @property
     def effective_min_in_flight(self) -> int:

@@ -143,6 +143,21 @@ def _atomic(conn: psycopg.Connection[Any]) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _notifying(conn: psycopg.Connection[Any], store: Store, notify: bool) -> Iterator[None]:
+    """Queue the commit-time notification (#11) in the same round trip as the insert.
+
+    In pipeline mode the notify statement is sent with what follows and the insert's result
+    brings both back: NOTIFY costs the producer no extra round trip.
+    """
+    if not notify:
+        yield
+        return
+    with conn.pipeline():
+        store.notify(conn)
+        yield
+
+
 def enqueue(
     conn: psycopg.Connection[Any],
     *,
@@ -180,13 +195,10 @@ def enqueue(
     row = _row(event, max_payload_bytes)
     _check_transaction(conn, allow_autocommit)
     store = _store(table)
-    with _atomic(conn):
+    with _atomic(conn), _notifying(conn, store, notify):
         if row["ordering_key"] is not None:
             store.lock_keys(conn, [row["ordering_key"]])
-        outbox_id = store.insert(conn, row)
-        if notify:
-            store.notify(conn)
-        return outbox_id
+        return store.insert(conn, row)
 
 
 def enqueue_many(
@@ -222,10 +234,7 @@ def enqueue_many(
         return []
     store = _store(table)
     keys = [r["ordering_key"] for r in rows if r["ordering_key"] is not None]
-    with _atomic(conn):
+    with _atomic(conn), _notifying(conn, store, notify):
         if keys:
             store.lock_keys(conn, keys)
-        ids = store.insert_many(conn, rows)
-        if notify:
-            store.notify(conn)
-        return ids
+        return store.insert_many(conn, rows)
