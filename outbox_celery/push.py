@@ -78,6 +78,8 @@ def install_listener_step(outbox: Outbox) -> None:
             listener, self.listener = self.listener, None
             if listener is not None:
                 listener.stop()
+                if outbox.listener is listener:
+                    outbox.listener = None
 
         def terminate(self, parent: Any) -> None:
             self.stop(parent)
