@@ -36,6 +36,7 @@ outbox = Outbox(
     claim_interval=float(os.environ.get("BENCH_CLAIM_INTERVAL", "1.0")),
     batch_size=int(os.environ.get("BENCH_BATCH_SIZE", "200")),
     retention=None,
+    listen=os.environ.get("BENCH_LISTEN", "1") == "1",
 )
 
 

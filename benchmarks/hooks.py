@@ -5,6 +5,7 @@ Configured through environment variables set by the benchmark runner:
 * ``BENCH_COUNTER``: path of the :class:`~benchmarks.counter.CompletionCounter` file; every
   finished task is counted in ``task_postrun``.
 * ``BENCH_READY``: a file written once the worker is ready to consume.
+* ``BENCH_CLAIM_COUNTER``: a line per claim task run (claims that went through the broker).
 * ``BENCH_LATENCY_DIR``: handlers append ``"<id> <time.time()>"`` lines here (latency runs only).
 """
 
@@ -26,9 +27,18 @@ _latency_file: IO[str] | None = None
 _latency_pid = 0
 
 
-def _on_postrun(**kwargs: Any) -> None:
-    if _counter is not None:
+def _on_postrun(sender: Any = None, **kwargs: Any) -> None:
+    # Deliveries only: on the README deployment claim tasks run in the same worker.
+    if _counter is not None and not str(getattr(sender, "name", "")).endswith((".claim", ".purge")):
         _counter.hit(time.time())
+
+
+def _on_prerun(sender: Any = None, **kwargs: Any) -> None:
+    # Claim tasks that came through the broker (beat's, or the push_broker variant's).
+    path = os.environ.get("BENCH_CLAIM_COUNTER")
+    if path and str(getattr(sender, "name", "")).endswith(".claim"):
+        with open(path, "a") as f:
+            f.write(f"{time.time():.6f}\n")
 
 
 def _on_ready(**kwargs: Any) -> None:
@@ -44,6 +54,7 @@ def install() -> None:
     if path and _counter is None:
         _counter = CompletionCounter(path)
     signals.task_postrun.connect(_on_postrun, weak=False, dispatch_uid="bench-postrun")
+    signals.task_prerun.connect(_on_prerun, weak=False, dispatch_uid="bench-prerun")
     signals.worker_ready.connect(_on_ready, weak=False, dispatch_uid="bench-ready")
 
 

@@ -233,6 +233,11 @@ class Pipeline:
         rate: float | None = None,
         duration: float = 20.0,
         ordered_keys: int = 0,
+        single_worker: bool = False,
+        listen: bool = True,
+        notify: bool = True,
+        delay: float = 0.0,
+        idle: float = 0.0,
     ) -> PipelineResult:
         """The outbox: a producer process committing events, beat, a claim worker, delivery workers.
 
@@ -243,6 +248,12 @@ class Pipeline:
         With ``rate``, the measured producer commits one event per transaction at that steady
         rate for ``duration`` seconds instead (``n`` is ignored) and the result carries the
         commit -> handler start latencies (``extra["latency_s"]``, in commit order).
+
+        ``single_worker`` runs the README's deployment instead: one prefork worker consuming the
+        claim and the delivery queue, plus beat. ``listen``/``notify`` switch push (#11) off on
+        the worker/producer side; ``delay`` gives every measured event that delay (the latency
+        is then measured from its ``available_at``); ``idle`` seconds are spent with no load
+        before the measured run, counting the claim tasks that went through the broker.
         """
         if rate is not None:
             n = int(rate * duration)
@@ -264,6 +275,9 @@ class Pipeline:
             "BENCH_PRODUCER_BATCH": str(producer_batch),
             "BENCH_VARIANT": variant,
             "BENCH_ORDERED_KEYS": str(ordered_keys),
+            "BENCH_LISTEN": "1" if listen else "0",
+            "BENCH_NOTIFY": "1" if notify else "0",
+            "BENCH_DELAY": str(delay),
         }
         latency_dir = self.workdir / f"{run}.latency"
         measured_env = dict(env)
@@ -278,11 +292,14 @@ class Pipeline:
         rss_samples: list[tuple[int, int, int]] = []
         try:
             with Processes(self.workdir) as procs, psycopg.connect(self.dsn, autocommit=True) as admin:
+                claim_runs = self.workdir / f"{run}.claims"
+                env["BENCH_CLAIM_COUNTER"] = str(claim_runs)
+                measured_env["BENCH_CLAIM_COUNTER"] = str(claim_runs)
                 deliver = self._worker(
                     procs,
                     app,
                     f"deliver-{run}",
-                    queue,
+                    f"{claim_queue},{queue}" if single_worker else queue,
                     {
                         **env,
                         "BENCH_COUNTER": str(counter.path),
@@ -291,23 +308,29 @@ class Pipeline:
                     pool=self.pool,
                     concurrency=self.concurrency,
                 )
-                claim = self._worker(
-                    procs,
-                    app,
-                    f"claim-{run}",
-                    claim_queue,
-                    {**env, "BENCH_READY": str(self.workdir / f"{run}.c")},
-                    pool="solo",
-                    concurrency=1,
-                )
-                wait_for(self.workdir / f"{run}.d", [deliver, claim], 60)
-                wait_for(self.workdir / f"{run}.c", [deliver, claim], 60)
+                if single_worker:
+                    claim = deliver
+                    wait_for(self.workdir / f"{run}.d", [deliver], 60)
+                else:
+                    claim = self._worker(
+                        procs,
+                        app,
+                        f"claim-{run}",
+                        claim_queue,
+                        {**env, "BENCH_READY": str(self.workdir / f"{run}.c")},
+                        pool="solo",
+                        concurrency=1,
+                    )
+                    wait_for(self.workdir / f"{run}.d", [deliver, claim], 60)
+                    wait_for(self.workdir / f"{run}.c", [deliver, claim], 60)
                 beat = procs.start(
                     f"beat-{run}",
                     celery_command(app, "beat", "-s", str(self.workdir / f"{run}.beat"), "-l", "WARNING"),
                     env,
                 )
                 roles = {"deliver": deliver, "claim": claim, "beat": beat}
+                if single_worker:
+                    roles = {"worker": deliver, "beat": beat}
                 watch = list(roles.values())
                 # Statistics before the warm-up and after every backend exited: backends report
                 # theirs with a delay (at most once a second, or after 10 s idle, or on exit).
@@ -316,6 +339,12 @@ class Pipeline:
                     self._load(procs, "produce", env, counter, warmup, watch)
                 else:
                     time.sleep(1.0)  # beat up, first (empty) claims done
+                idle_claims = None
+                if idle:
+                    time.sleep(1.0)  # the warm-up's last claims settle
+                    before = _count_lines(claim_runs)
+                    time.sleep(idle)
+                    idle_claims = _count_lines(claim_runs) - before
                 if attach is not None:
                     attach(roles)
                 cpu0 = {k: cpu_seconds(p.tree()) for k, p in roles.items()}
@@ -354,6 +383,16 @@ class Pipeline:
                         " ON a.ordering_key = b.ordering_key AND a.id < b.id AND a.done_at >= b.done_at"
                     ).format(t=TableName.parse(table).identifier())
                 ).fetchone()
+                available: dict[int, float] = {}
+                if delay and rate is not None:
+                    available = {
+                        int(i): float(t)
+                        for i, t in admin.execute(
+                            sql.SQL("SELECT id, extract(epoch FROM available_at)::float8 FROM {}").format(
+                                TableName.parse(table).identifier()
+                            )
+                        ).fetchall()
+                    }
                 procs.stop_all()
                 time.sleep(0.5)  # exiting backends flush their statistics
                 pg1 = pg_counters(admin)
@@ -381,18 +420,33 @@ class Pipeline:
                 "producer_batch": producer_batch,
                 "warmup": warmup,
                 "variant": variant or "current",
+                "single_worker": single_worker,
+                "listen": listen,
+                "notify": notify,
             },
-            extra={"status": status, "inversions": inversions[0] if inversions else None},
+            extra={
+                "status": status,
+                "inversions": inversions[0] if inversions else None,
+                "idle_seconds": idle,
+                "idle_claim_tasks": idle_claims,
+            },
         )
         if status.get("done", 0) != n + warmup:
             raise RuntimeError(f"outbox run finished with rows {status}, expected {n + warmup} done")
         if rss_samples:
             result.rss = {"samples": rss_samples}
         if rate is not None:
-            result.extra["latency_s"] = _latencies(latency_dir)
+            result.extra["latency_s"] = _latencies(latency_dir, available)
             result.extra["producer_late"] = summary.get("late", 0)
             result.extra["offered_rate"] = rate
         return result
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        return len(path.read_text().splitlines())
+    except FileNotFoundError:
+        return 0
 
 
 def _times(paths: list[Path]) -> dict[int, float]:
@@ -405,8 +459,11 @@ def _times(paths: list[Path]) -> dict[int, float]:
     return times
 
 
-def _latencies(folder: Path) -> dict[str, list[float]]:
+def _latencies(folder: Path, available: dict[int, float] | None = None) -> dict[str, list[float]]:
     """Per message, in commit order: commit -> handler start, and its two legs.
+
+    With ``available`` (delayed events: id -> ``available_at``), ``total`` and ``claim_wait``
+    are measured from ``available_at`` instead of the commit.
 
     ``claim_wait``: commit -> its claim run finished publishing; ``hop``: published -> handler
     start (broker, worker, fenced start).
@@ -418,6 +475,8 @@ def _latencies(folder: Path) -> dict[str, list[float]]:
     if missing:
         raise RuntimeError(f"{len(missing)} committed messages never started")
     order = sorted(commits, key=commits.__getitem__)
+    if available:
+        commits = {i: available[i] for i in commits}
     return {
         "total": [starts[i] - commits[i] for i in order],
         "claim_wait": [published[i] - commits[i] for i in order if i in published],

@@ -86,6 +86,8 @@ def _produce_paced(conn: Any, table: str, rate: float, duration: float) -> dict[
     t0 = time.monotonic()
     n = int(rate * duration)
     late = 0
+    notify = os.environ.get("BENCH_NOTIFY", "1") == "1"
+    delay = float(os.environ.get("BENCH_DELAY", "0")) or None
     for k in range(n):
         due = t0 + k / rate
         wait = due - time.monotonic()
@@ -101,6 +103,8 @@ def _produce_paced(conn: Any, table: str, rate: float, duration: float) -> dict[
                 aggregate_type="bench",
                 aggregate_id=k,
                 table=table,
+                notify=notify,
+                delay=delay,
             )
         lines.append(f"{outbox_id} {time.time():.6f}\n")
     finished = time.time()

@@ -14,6 +14,9 @@ Nothing here is used by the library. A variant spec is a comma-separated list of
 * ``acks_early``: the delivery task acknowledges its message when the worker receives it
   instead of after it ran (``acks_late=False``); a worker lost mid-task then leaves the row to
   come back through its lease, as it does anyway. Measured only: the library keeps acks late.
+* ``push_broker``: the listener (#11) sends the claim task through the broker on every wake-up
+  instead of running the claim in the worker's main process. Measured only: the library claims
+  in-process.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from outbox_celery import Store, TableName, _sql
 __all__ = ["ExplicitTransactionStore", "apply", "make_store", "parse"]
 
 ALIASES = {"legacy": ("explicit_tx", "durable", "claim_jit")}
-KNOWN = {"explicit_tx", "durable", "claim_jit", "acks_early", "skip_scan"}
+KNOWN = {"explicit_tx", "durable", "claim_jit", "acks_early", "skip_scan", "push_broker"}
 
 # Benchmark-only: the claim_heads query as it was before #10 (it ignores the head flag).
 SKIP_SCAN_CLAIM_HEADS = """
@@ -112,3 +115,20 @@ def apply(outbox: Any, spec: str) -> None:
         )
     if "acks_early" in names:
         outbox.deliver_task.acks_late = False
+    if "push_broker" in names:
+        from outbox_celery import push
+
+        make_listener = push.listener_for
+
+        def via_broker(ob: Any) -> Any:
+            listener = make_listener(ob)
+            cfg = ob.config
+
+            def send() -> None:
+                # Benchmark-only: one claim task per wake-up, through the broker.
+                ob.claim_task.apply_async(queue=cfg.claim_queue, expires=cfg.claim_interval)
+
+            listener.claim = send
+            return listener
+
+        push.listener_for = via_broker

@@ -24,6 +24,8 @@ from psycopg_pool import ConnectionPool
 from .config import OutboxConfig
 from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, Outcome, default_owner
 from .errors import ConfigurationError
+from .listener import Listener
+from .push import install_listener_step
 from .store import Claimed, Store
 from .tracing import task_headers
 
@@ -120,8 +122,11 @@ class Outbox:
         self._last_drained: float | None = None
         self._publish_conn: Any = None
         self._publish_conn_pid: int | None = None
+        #: The push listener running in this worker process, if any (docs/push.md).
+        self.listener: Listener | None = None
         self._register_tasks()
         self._connect_signals()
+        install_listener_step(self)
         if getattr(app, "configured", False):
             self._configure_app()
         else:

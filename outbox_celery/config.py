@@ -113,6 +113,7 @@ _SECONDS_FIELDS = (
     "broker_timeout",
     "claim_time_limit",
     "handler_time_limit",
+    "listen_poll",
 )
 _INT_FIELDS = (
     "batch_size",
@@ -139,10 +140,11 @@ class OutboxConfig:
         limit is ``0.9 * lease`` and its Celery ``expires`` ``max_clock_skew`` after its end.
     :ivar batch_size: rows claimed per claim transaction. Default 200.
     :ivar max_attempts: handler runs before a message goes ``dead``. Default 12.
-    :ivar claim_interval: seconds between beat-triggered claim runs (sub-second allowed).
-        Default 1.0.
+    :ivar claim_interval: seconds between beat-triggered claim runs (sub-second allowed): the
+        safety net behind the listener (``listen``). Default 5.0.
     :ivar claim_budget: seconds one claim run may keep claiming while batches come back full.
-        Default ``max(claim_interval, 1.0)``.
+        Default 1.0 (the listener starts the next run at once; a beat-triggered run in a prefork
+        pool process must not hold it from deliveries for a whole ``claim_interval``).
     :ivar max_in_flight: hard upper bound of claimed-but-unfinished rows. Default 1000.
     :ivar min_in_flight: the in-flight bound never adapts below this. Default ``batch_size``
         (capped by ``max_in_flight``).
@@ -197,6 +199,13 @@ class OutboxConfig:
         with ``lease_heartbeat`` (without it the limit is ``0.9 * lease``).
     :ivar configure_celery: apply recommended Celery settings (prefetch 1, Redis visibility
         timeout above the lease) where the user has not set them. Default true.
+    :ivar listen: run a listener in every worker that consumes ``claim_queue``: it LISTENs for
+        the producers' notifications and claims at once, in the worker's main process, and wakes
+        when a delayed row or a lease comes due. Default true. See docs/push.md.
+    :ivar listen_dsn: DSN of the listener's own connection when ``dsn`` points at a pooler in
+        transaction mode (LISTEN needs a session). Default ``None``: ``dsn``.
+    :ivar listen_poll: seconds the listener waits at most between claim runs when nothing wakes
+        it (no database work beyond one claim run; nothing goes through the broker). Default 1.0.
     """
 
     dsn: str | None = None
@@ -204,7 +213,7 @@ class OutboxConfig:
     lease: float = 60.0
     batch_size: int = 200
     max_attempts: int = 12
-    claim_interval: float = 1.0
+    claim_interval: float = 5.0
     claim_budget: float | None = None
     max_in_flight: int = 1000
     min_in_flight: int | None = None
@@ -227,6 +236,9 @@ class OutboxConfig:
     prepare_threshold: int | None = 5
     lease_heartbeat: bool = False
     handler_time_limit: float | None = None
+    listen: bool = True
+    listen_dsn: str | None = None
+    listen_poll: float = 1.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -277,6 +289,8 @@ class OutboxConfig:
             )
         if self.dsn is not None and not isinstance(self.dsn, str):
             raise ConfigurationError("dsn must be a string")
+        if self.listen_dsn is not None and not isinstance(self.listen_dsn, str):
+            raise ConfigurationError("listen_dsn must be a string")
         for name in ("claim_queue", "default_queue"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty string")
@@ -284,7 +298,7 @@ class OutboxConfig:
     @property
     def effective_claim_budget(self) -> float:
         """The claim run's time budget in seconds."""
-        return self.claim_budget if self.claim_budget is not None else max(self.claim_interval, 1.0)
+        return self.claim_budget if self.claim_budget is not None else 1.0
 
     @property
     def claim_time_limits(self) -> tuple[float, float]:

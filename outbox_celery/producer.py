@@ -180,7 +180,7 @@ def _trace(rows: list[dict[str, Any]]) -> None:
 
 
 def _write(
-    conn: Any, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool
+    conn: Any, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool, notify: bool
 ) -> list[int]:
     """The one synchronous write path: check, key locks, insert (every connection kind)."""
     view = sync_view(conn)
@@ -188,7 +188,7 @@ def _write(
     if not rows:
         return []
     _trace(rows)
-    plan = _store(table).write_plan(rows)
+    plan = _store(table).write_plan(rows, notify=notify)
     if not _owns_transaction(view):
         return drive(view, plan)
     with view.own_transaction():
@@ -196,7 +196,7 @@ def _write(
 
 
 async def _write_async(
-    conn: Any, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool
+    conn: Any, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool, notify: bool
 ) -> list[int]:
     """:func:`_write` for async connections: the same check and the same plan."""
     view = await async_view(conn)
@@ -204,7 +204,7 @@ async def _write_async(
     if not rows:
         return []
     _trace(rows)
-    plan = _store(table).write_plan(rows)
+    plan = _store(table).write_plan(rows, notify=notify)
     if not _owns_transaction(view):
         return await drive_async(view, plan)
     async with view.own_transaction():
@@ -225,6 +225,7 @@ def enqueue(
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     allow_autocommit: bool = False,
     dedup_key: str | None = None,
+    notify: bool = True,
 ) -> int:
     """Insert one event in ``conn``'s current transaction and return its id.
 
@@ -243,6 +244,8 @@ def enqueue(
     :param table: outbox table, ``"name"`` or ``"schema.name"``.
     :param ordering_key: an explicit ordering key (implies ``ordered``).
     :param allow_autocommit: permit a write that commits on its own (defeats the pattern).
+    :param notify: wake the table's listeners at commit (``pg_notify`` in the insert's own
+        statement, see docs/push.md); ``False`` leaves the event to the next claim run.
     :param dedup_key: 1-400 characters. When a row with this key is already in the table
         (committed, or written earlier in this transaction), nothing is inserted and that row's
         id is returned; concurrent producers of one key end with exactly one row. The key is free
@@ -251,7 +254,7 @@ def enqueue(
         written.
     """
     event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key, dedup_key)
-    return _write(conn, [_row(event, max_payload_bytes)], table, allow_autocommit)[0]
+    return _write(conn, [_row(event, max_payload_bytes)], table, allow_autocommit, notify)[0]
 
 
 def enqueue_many(
@@ -261,14 +264,16 @@ def enqueue_many(
     table: str | TableName = "outbox",
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     allow_autocommit: bool = False,
+    notify: bool = True,
 ) -> list[int]:
     """Insert many events with one statement; return their ids in input order.
 
     ``conn`` is any connection :func:`enqueue` accepts. ``messages`` holds :class:`Event`
     objects or mappings with :func:`enqueue`'s keywords. Every event is validated before
-    anything is written: one bad event refuses the batch.
+    anything is written: one bad event refuses the batch. One notification wakes the listeners
+    at commit unless ``notify=False`` (as in :func:`enqueue`).
     """
-    return _write(conn, _rows(messages, max_payload_bytes), table, allow_autocommit)
+    return _write(conn, _rows(messages, max_payload_bytes), table, allow_autocommit, notify)
 
 
 async def enqueue_async(
@@ -285,6 +290,7 @@ async def enqueue_async(
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     allow_autocommit: bool = False,
     dedup_key: str | None = None,
+    notify: bool = True,
 ) -> int:
     """:func:`enqueue` for asyncio: same arguments, validation, key locks and errors.
 
@@ -292,7 +298,7 @@ async def enqueue_async(
         ``AsyncConnection`` on the psycopg 3 driver (``postgresql+psycopg://``).
     """
     event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key, dedup_key)
-    return (await _write_async(conn, [_row(event, max_payload_bytes)], table, allow_autocommit))[0]
+    return (await _write_async(conn, [_row(event, max_payload_bytes)], table, allow_autocommit, notify))[0]
 
 
 async def enqueue_many_async(
@@ -302,6 +308,7 @@ async def enqueue_many_async(
     table: str | TableName = "outbox",
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     allow_autocommit: bool = False,
+    notify: bool = True,
 ) -> list[int]:
     """:func:`enqueue_many` for asyncio (connections as :func:`enqueue_async`)."""
-    return await _write_async(conn, _rows(messages, max_payload_bytes), table, allow_autocommit)
+    return await _write_async(conn, _rows(messages, max_payload_bytes), table, allow_autocommit, notify)

@@ -220,28 +220,33 @@ class Store:
             "trace_contexts": [r.get("trace_context") for r in rows],
         }
 
-    def write_plan(self, rows: Sequence[dict[str, Any]], *, lock: bool = True) -> WritePlan:
+    def write_plan(
+        self, rows: Sequence[dict[str, Any]], *, lock: bool = True, notify: bool = False
+    ) -> WritePlan:
         """The producer's statements for validated rows, as a plan without I/O.
 
         Yields ``(query, params)`` for the key locks (invariant 9), then the insert, then, when
         a dedup key was already taken, the lookup of the row holding it; the caller executes
         each in its transaction and sends back the rows it returned; the plan returns the ids
         in input order. One plan serves every kind of producer connection (psycopg 3 sync and
-        async, psycopg2, SQLAlchemy), so locks and inserts cannot diverge.
+        async, psycopg2, SQLAlchemy), so locks and inserts cannot diverge. With ``notify`` the
+        insert itself signals the table's listeners (they hear it at commit, #11): no extra
+        statement, no extra round trip.
         """
         keys = [r["ordering_key"] for r in rows if r["ordering_key"] is not None]
         if keys and lock:
             locked = yield self._q["lock_keys"], {"table": self._regclass(None), "keys": keys}
             self._check_isolation(locked)
+        wake = {"notify": notify, "table": self._regclass(None)}
         if len(rows) == 1:
-            params = {"dedup_key": None, "trace_context": None, **rows[0]}
+            params = {"dedup_key": None, "trace_context": None, **rows[0], **wake}
             inserted = yield self._q["insert"], params
         else:
-            inserted = yield self._q["insert_many"], self._many_params(rows)
+            inserted = yield self._q["insert_many"], {**self._many_params(rows), **wake}
         # Identity values are drawn in input order (ORDER BY n), so sorting the ids of the
         # inserted rows without a dedup key restores their input order.
-        plain = iter(sorted(int(i) for i, k in inserted if k is None))
-        by_key = {k: int(i) for i, k in inserted if k is not None}
+        plain = iter(sorted(int(i) for i, k, *_ in inserted if k is None))
+        by_key = {k: int(i) for i, k, *_ in inserted if k is not None}
         missing = sorted({k for r in rows if (k := r.get("dedup_key")) is not None} - by_key.keys())
         if missing:
             # Taken before (or by a concurrent producer that committed while we waited on its
@@ -619,3 +624,23 @@ class Store:
         return bool(
             self._fenced(conn, "extend_lease", {"id": outbox_id, "version": version, "seconds": seconds})
         )
+
+    # -- push (#11) ----------------------------------------------------------------------------
+
+    def notify_channel(self, conn: psycopg.Connection[Any]) -> str:
+        """The channel :meth:`notify` signals on (``outbox_celery_<table oid>``)."""
+        row = conn.execute(self._q["notify_channel"], {"table": self._regclass(conn)}).fetchone()
+        assert row is not None
+        return str(row[0])
+
+    def listen(self, conn: psycopg.Connection[Any]) -> str:
+        """``LISTEN`` on this table's channel (a session-level setting); return the channel."""
+        channel = self.notify_channel(conn)
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        return channel
+
+    def next_due(self, conn: psycopg.Connection[Any], event_types: Sequence[str] | None) -> float | None:
+        """Seconds until a delayed row of ``event_types`` or a live lease comes due, or None."""
+        params = {"event_types": list(event_types) if event_types is not None else None}
+        row = conn.execute(self._q["next_due"], params).fetchone()
+        return None if row is None or row[0] is None else float(row[0])

@@ -17,7 +17,13 @@ VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::jsonb
             WHERE ordering_key = %(ordering_key)s::text AND status <> 'done'),
         %(dedup_key)s, %(trace_context)s::jsonb)
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
-RETURNING id, dedup_key;
+RETURNING id, dedup_key,
+          -- Push (#11): wake this table's listeners at commit; evaluated once per statement (an
+          -- init plan), and only when a row was inserted. The channel is named after the table's
+          -- oid, never after user text: distinct per table, the same for "outbox" and "public.outbox".
+          (SELECT CASE WHEN %(notify)s::bool
+                       THEN pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL
+                  END) AS woke;
 
 -- name: insert_many
 -- As insert; within the batch only the first row of a key (lowest n, hence lowest id) can be
@@ -39,7 +45,13 @@ FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_id
                           dedup_key, trace_context, n)
 ORDER BY u.n
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
-RETURNING id, dedup_key;
+RETURNING id, dedup_key,
+          -- Push (#11): wake this table's listeners at commit; evaluated once per statement (an
+          -- init plan), and only when a row was inserted. The channel is named after the table's
+          -- oid, never after user text: distinct per table, the same for "outbox" and "public.outbox".
+          (SELECT CASE WHEN %(notify)s::bool
+                       THEN pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL
+                  END) AS woke;
 
 -- name: dedup_ids
 -- The rows holding these dedup keys: inserted by an earlier (committed) transaction, by this
@@ -375,3 +387,22 @@ FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
               LIMIT 1) AS first
 WHERE o.id = first.id AND NOT o.head
 RETURNING o.id;
+
+-- name: notify_channel
+-- The channel the producer's insert signals on (pg_notify in insert / insert_many); the
+-- listener LISTENs on it (as an identifier).
+SELECT 'outbox_celery_' || %(table)s::regclass::oid::text;
+
+-- name: next_due
+-- Seconds (database clock) until the next row of these event types becomes claimable: a
+-- delayed, backed-off or deferred pending row, or a live lease running out. NULL when nothing
+-- waits. Each branch is one probe of a partial index ordered by that time.
+SELECT extract(epoch FROM least(
+    (SELECT available_at FROM {table}
+     WHERE status = 'pending' AND ordering_key IS NULL AND available_at > now()
+       AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+     ORDER BY available_at, id LIMIT 1),
+    (SELECT lease_until FROM {table}
+     WHERE status = 'processing' AND lease_until > now()
+     ORDER BY lease_until LIMIT 1)
+) - now())::float8;

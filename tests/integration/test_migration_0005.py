@@ -63,8 +63,22 @@ def test_migration_0005_from_the_previous_schema_with_rows_in_every_state(
         version = 1 if status != "pending" else 0
         conn.execute(
             insert,
-            [str(i), key, status, attempts, version, lease, lease, status, status, status]
-            + [attempts, version, key, status],
+            [
+                str(i),
+                key,
+                status,
+                attempts,
+                version,
+                lease,
+                lease,
+                status,
+                status,
+                status,
+                attempts,
+                version,
+                key,
+                status,
+            ],
         )
     before = _rows(conn)
 

@@ -80,6 +80,7 @@ PARAMS: dict[str, Any] = {
     "ordering_key": "key7",
     "dedup_key": None,
     "trace_context": None,
+    "notify": False,
 }
 
 HOT = [

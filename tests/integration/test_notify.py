@@ -1,0 +1,99 @@
+"""Push (#11), producer side: what enqueue signals, on which channel, and when."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox_celery import Event, Store, enqueue, enqueue_many, migrate
+
+from .helpers import Connect
+
+ORDER = {"event_type": "order.created", "aggregate_type": "order", "aggregate_id": "42", "payload": {}}
+
+
+def _listen(conn: psycopg.Connection[Any], table: str) -> str:
+    return Store(table).listen(conn)
+
+
+def _received(conn: psycopg.Connection[Any], wait: float = 0.3) -> list[str]:
+    """Channels of the notifications that arrive within ``wait`` seconds."""
+    return [n.channel for n in conn.notifies(timeout=wait)]
+
+
+def test_one_notification_per_transaction_and_only_at_commit(
+    conn: psycopg.Connection[Any], table: str, connect: Connect
+) -> None:
+    listener = connect()
+    channel = _listen(listener, table)
+    with conn.transaction():
+        enqueue(conn, table=table, **ORDER)
+        enqueue(conn, table=table, **ORDER)
+        enqueue_many(conn, [Event(**ORDER), Event(**ORDER)], table=table)
+        assert _received(listener) == [], "notified before commit"
+    # PostgreSQL folds identical notifications of one transaction: three calls, one wake-up.
+    assert _received(listener) == [channel]
+    with conn.transaction(force_rollback=True):
+        enqueue(conn, table=table, **ORDER)
+    assert _received(listener) == [], "a rolled-back enqueue must not wake anyone"
+
+
+def test_notify_false_sends_nothing(conn: psycopg.Connection[Any], table: str, connect: Connect) -> None:
+    listener = connect()
+    _listen(listener, table)
+    with conn.transaction():
+        enqueue(conn, table=table, notify=False, **ORDER)
+        enqueue_many(conn, [Event(**ORDER)], table=table, notify=False)
+    assert _received(listener) == []
+
+
+def test_another_tables_notifications_do_not_wake_this_one(
+    conn: psycopg.Connection[Any], table: str, connect: Connect, migrated_dsn: str
+) -> None:
+    migrate(conn, "events.other")
+    listener = connect()
+    mine = _listen(listener, table)
+    with conn.transaction():
+        enqueue(conn, table="events.other", **ORDER)
+    assert _received(listener) == []
+    with conn.transaction():
+        enqueue(conn, table=table, **ORDER)
+    assert _received(listener) == [mine]
+
+
+def test_channel_is_named_after_the_table_oid_whatever_the_spelling(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    oid = conn.execute(
+        sql.SQL("SELECT {}::regclass::oid").format(sql.Literal(Store(table).table.qualified))
+    ).fetchone()
+    assert oid is not None
+    assert Store(table).notify_channel(conn) == f"outbox_celery_{oid[0]}"
+    assert Store(f"public.{table}").notify_channel(conn) == f"outbox_celery_{oid[0]}"
+
+
+def test_a_table_name_that_needs_quoting_gets_a_plain_channel(
+    conn: psycopg.Connection[Any], connect: Connect
+) -> None:
+    weird = 'Out"box; LISTEN x'.replace('"', "")  # quotes are refused by TableName itself
+    migrate(conn, weird)
+    listener = connect()
+    channel = _listen(listener, weird)
+    assert channel.startswith("outbox_celery_") and channel[len("outbox_celery_") :].isdigit()
+    with conn.transaction():
+        enqueue(conn, table=weird, **ORDER)
+    assert _received(listener) == [channel]
+
+
+def test_next_due_reports_delayed_rows_in_database_seconds(conn: psycopg.Connection[Any], table: str) -> None:
+    store = Store(table)
+    assert store.next_due(conn, ["order.created"]) is None
+    with conn.transaction():
+        enqueue(conn, table=table, delay=30, **ORDER)
+        enqueue(conn, table=table, delay=5, **{**ORDER, "event_type": "not.mine"})
+    due = store.next_due(conn, ["order.created"])
+    assert due is not None and 25 < due <= 30
+    due_any = store.next_due(conn, None)
+    assert due_any is not None and 0 < due_any <= 5
