@@ -163,10 +163,10 @@ def test_a_claim_held_off_by_another_run_is_retried_once_that_run_ends(harness: 
     harness.wait(lambda: _listeners(harness.conn), what="listener connected")
     with psycopg.connect(harness.dsn, autocommit=True) as other:
         store = harness.outbox.store
-        assert store.try_claim_lock(other)
-        ids = _enqueue_one_per_transaction(harness, 3)
-        time.sleep(1.0)  # the listener wakes, finds the lock taken, and must not give up
-        assert statuses(harness.conn, harness.table)["pending"] == 3
-        store.claim_unlock(other)
+        with other.transaction():  # the claim lock lives as long as this transaction
+            assert store.try_claim_lock(other)
+            ids = _enqueue_one_per_transaction(harness, 3)
+            time.sleep(1.0)  # the listener wakes, finds the lock taken, and must not give up
+            assert statuses(harness.conn, harness.table)["pending"] == 3
     harness.wait_finished(3)
     assert sorted(c["outbox_id"] for c in calls(harness.conn)) == ids
