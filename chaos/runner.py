@@ -313,9 +313,9 @@ class Run:
         if self.faketime is None:
             self.skip(name, "faketime not installed (Debian package faketime)")
             return
+        # Restart first, then measure: the window counts deliveries by skewed workers only.
+        self.restart_workers(("claim", *DELIVERY_WORKERS), skew=skew)
         with self.fault(name, window=True) as f:
-            # Restart first, then measure: the window counts deliveries by skewed workers only.
-            self.restart_workers(("claim", *DELIVERY_WORKERS), skew=skew)
             time.sleep(self.p.window_leases * self.p.lease)
             f.detail = f"claim and delivery workers at {skew} for {self.p.window_leases:g} leases"
         self.restart_workers(("claim", *DELIVERY_WORKERS))
@@ -333,8 +333,8 @@ class Run:
         bouncer = PgBouncer(self.procs, self.state_dir / "pgbouncer", self.pg.dsn)
         bouncer.start()
         try:
+            self.restart_workers(("claim", *DELIVERY_WORKERS), dsn=bouncer.dsn)
             with self.fault("pgbouncer", window=True) as f:
-                self.restart_workers(("claim", *DELIVERY_WORKERS), dsn=bouncer.dsn)
                 time.sleep(self.p.window_leases * self.p.lease)
                 leases = self.p.window_leases
                 f.detail = f"every worker through pgbouncer (transaction pooling) for {leases:g} leases"
@@ -382,7 +382,14 @@ class Run:
         try:
             time.sleep(5)
             for name in faults:
-                getattr(self, f"f_{name}")()
+                try:
+                    getattr(self, f"f_{name}")()
+                except (OSError, RuntimeError, TimeoutError, psycopg.Error) as exc:
+                    # Could not inject it (a worker that never came back is a finding too).
+                    clock = time.strftime("%H:%M:%S", time.gmtime())
+                    text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    self.faults.append(FaultRecord(name, time.monotonic() - self.start, clock, error=text))
+                    _log(self.start, f"fault {name} FAILED: {text}")
             while not producer.done:
                 time.sleep(0.5)
             drain_start = time.monotonic()

@@ -188,14 +188,11 @@ class PgBouncer:
     @property
     def dsn(self) -> str:
         """The DSN clients use to reach the database through pgbouncer."""
-        return make_conninfo(
-            "",
-            host="127.0.0.1",
-            port=str(self.port),
-            dbname="chaos",
-            user=str(self.target.get("user") or "postgres"),
-            password=str(self.target.get("password") or ""),
-        )
+        parts = {"host": "127.0.0.1", "port": str(self.port), "dbname": "chaos"}
+        parts["user"] = str(self.target.get("user") or "postgres")
+        if self.target.get("password"):
+            parts["password"] = str(self.target["password"])
+        return make_conninfo("", **parts)
 
     def start(self) -> None:
         """Write the configuration (mode 0600: it may hold a password) and start pgbouncer."""
@@ -223,7 +220,10 @@ class PgBouncer:
         argv = [binary, str(ini)]
         if os.geteuid() == 0:
             # pgbouncer refuses to run as root; it reads its configuration before dropping to -u.
-            argv = [binary, "-u", "nobody", str(ini)]
+            # A Unix socket in a private directory (the embedded server's) needs its owner.
+            host = str(target.get("host") or "")
+            user = pwd.getpwuid(Path(host).stat().st_uid).pw_name if host.startswith("/") else "nobody"
+            argv = [binary, "-u", user, str(ini)]
         self.child = self.procs.start("pgbouncer", argv)
         wait_connectable(self.dsn, 30)
 
