@@ -94,6 +94,9 @@ FAULTS = (
     "pgbouncer",
 )
 
+# Faults that run the workers differently for a window; consecutive ones chain their restarts.
+WINDOW_FAULTS = ("clock_ahead", "clock_behind", "pgbouncer")
+
 
 class Interrupted(Exception):  # noqa: N818 - a request, not an error
     """SIGTERM or SIGHUP: stop everything and exit."""
@@ -127,6 +130,9 @@ class Run:
         self.faults: list[FaultRecord] = []
         self.start = time.monotonic()
         self.faketime = shutil.which("faketime")
+        # Workers run skewed or through pgbouncer (the window faults) until ensure_normal().
+        self.altered = False
+        self.bouncer: PgBouncer | None = None
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -315,10 +321,10 @@ class Run:
             return
         # Restart first, then measure: the window counts deliveries by skewed workers only.
         self.restart_workers(("claim", *DELIVERY_WORKERS), skew=skew)
+        self.altered = True
         with self.fault(name, window=True) as f:
             time.sleep(self.p.window_leases * self.p.lease)
             f.detail = f"claim and delivery workers at {skew} for {self.p.window_leases:g} leases"
-        self.restart_workers(("claim", *DELIVERY_WORKERS))
 
     def f_clock_ahead(self) -> None:
         self._clock("clock_ahead", "+5s")
@@ -330,17 +336,23 @@ class Run:
         if PgBouncer.available() is None:
             self.skip("pgbouncer", "pgbouncer not installed (Debian package pgbouncer)")
             return
-        bouncer = PgBouncer(self.procs, self.state_dir / "pgbouncer", self.pg.dsn)
-        bouncer.start()
-        try:
-            self.restart_workers(("claim", *DELIVERY_WORKERS), dsn=bouncer.dsn)
-            with self.fault("pgbouncer", window=True) as f:
-                time.sleep(self.p.window_leases * self.p.lease)
-                leases = self.p.window_leases
-                f.detail = f"every worker through pgbouncer (transaction pooling) for {leases:g} leases"
+        self.bouncer = PgBouncer(self.procs, self.state_dir / "pgbouncer", self.pg.dsn)
+        self.bouncer.start()
+        self.restart_workers(("claim", *DELIVERY_WORKERS), dsn=self.bouncer.dsn)
+        self.altered = True
+        with self.fault("pgbouncer", window=True) as f:
+            time.sleep(self.p.window_leases * self.p.lease)
+            leases = self.p.window_leases
+            f.detail = f"every worker through pgbouncer (transaction pooling) for {leases:g} leases"
+
+    def ensure_normal(self) -> None:
+        """Workers back on the real clock and the direct DSN after the window faults."""
+        if self.altered:
             self.restart_workers(("claim", *DELIVERY_WORKERS))
-        finally:
-            bouncer.stop()
+            self.altered = False
+        if self.bouncer is not None:
+            self.bouncer.stop()
+            self.bouncer = None
 
     # -- the run -----------------------------------------------------------------------------
 
@@ -355,9 +367,9 @@ class Run:
             "deploy_outage": p.outage_leases * p.lease + 6 + p.settle * 2,
             "backend_kills": p.backend_kills + p.settle,
             "pg_restart": 5 + p.settle * 2,
-            "clock_ahead": p.window_leases * p.lease + 12,
-            "clock_behind": p.window_leases * p.lease + 12,
-            "pgbouncer": p.window_leases * p.lease + 12,
+            "clock_ahead": p.window_leases * p.lease + 8,
+            "clock_behind": p.window_leases * p.lease + 8,
+            "pgbouncer": p.window_leases * p.lease + 8,
         }
         return 5 + sum(cost[f] for f in faults)
 
@@ -383,6 +395,8 @@ class Run:
             time.sleep(5)
             for name in faults:
                 try:
+                    if name not in WINDOW_FAULTS:
+                        self.ensure_normal()
                     getattr(self, f"f_{name}")()
                 except (OSError, RuntimeError, TimeoutError, psycopg.Error) as exc:
                     # Could not inject it (a worker that never came back is a finding too).
@@ -390,6 +404,7 @@ class Run:
                     text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                     self.faults.append(FaultRecord(name, time.monotonic() - self.start, clock, error=text))
                     _log(self.start, f"fault {name} FAILED: {text}")
+            self.ensure_normal()
             while not producer.done:
                 time.sleep(0.5)
             drain_start = time.monotonic()
