@@ -19,10 +19,9 @@ from celery import Celery
 from outbox_celery import Defer, Message, PermanentError, RetryableError
 from outbox_celery.celery_app import Outbox
 
-__all__ = ["PERMANENT_ERROR", "app", "outbox", "record"]
+from .workload import PERMANENT_ERROR
 
-# The text a permanent message's handler raises; the end check looks for it in last_error.
-PERMANENT_ERROR = "chaos: permanent failure"
+__all__ = ["app", "outbox", "record"]
 
 app = Celery("chaos", broker=os.environ.get("CHAOS_BROKER_URL", "memory://"))
 app.conf.update(

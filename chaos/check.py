@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .app import PERMANENT_ERROR
-from .workload import HEALTHY
+from .workload import HEALTHY, PERMANENT_ERROR
 
 __all__ = ["FaultRecord", "Verdict", "check", "render"]
 

@@ -11,10 +11,12 @@ import argparse
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -354,6 +356,19 @@ class Run:
             self.bouncer.stop()
             self.bouncer = None
 
+    def claim_runs(self, last: int = 40) -> str:
+        """What stopped the last claim runs, from the claim worker's log.
+
+        The first thing to look at when the outbox stopped (``in_flight_bound``...).
+        """
+        log = self.logs / "claim.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        reasons = re.findall(r"'stopped_by': '(\w+)'", text)[-last:]
+        if not reasons:
+            return "none logged"
+        counts = Counter(reasons).most_common()
+        return f"last {len(reasons)} stopped by " + ", ".join(f"{r} {n}" for r, n in counts)
+
     # -- the run -----------------------------------------------------------------------------
 
     def planned_seconds(self, faults: list[str]) -> float:
@@ -446,6 +461,7 @@ class Run:
                 else f"NOT DRAINED within {self.p.drain_timeout:.0f} s",
             ),
             ("duplicates", f"{verdict.duplicates}"),
+            ("last claim runs", self.claim_runs()),
             ("logs", str(self.logs)),
         ]
         return verdict, facts

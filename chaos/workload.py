@@ -14,7 +14,10 @@ from outbox_celery.producer import enqueue_many
 
 from .services import connect
 
-__all__ = ["HEALTHY", "KINDS", "Producer", "plan"]
+__all__ = ["HEALTHY", "KINDS", "PERMANENT_ERROR", "Producer", "plan"]
+
+# The text a permanent message's handler raises; the end check looks for it in last_error.
+PERMANENT_ERROR = "chaos: permanent failure"
 
 # kind -> share of the messages. Every kind but "permanent" must end done.
 KINDS: dict[str, float] = {
