@@ -49,6 +49,8 @@ outbox = Outbox(
     unroutable_delay=2.0,
     pool_max_size=2,
     retention=None,
+    # Settings a fault needs (the pgbouncer window's prepare_threshold), as JSON.
+    **json.loads(os.environ.get("CHAOS_OUTBOX_SETTINGS") or "{}"),
 )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import re
@@ -24,6 +25,7 @@ from typing import Any
 
 import psycopg
 
+from outbox_celery.config import OutboxConfig
 from outbox_celery.migrations import migrate
 from outbox_celery.testing import redact
 
@@ -99,6 +101,15 @@ FAULTS = (
 # Faults that run the workers differently for a window; consecutive ones chain their restarts.
 WINDOW_FAULTS = ("clock_ahead", "clock_behind", "pgbouncer")
 
+# What docs/celery.md tells PgBouncer users to set (transaction pooling; a pgbouncer older than
+# 1.21 cannot keep prepared statements across server sessions). Where the library has no such
+# setting yet, nothing is passed and the window shows what happens without it.
+PGBOUNCER_SETTINGS = (
+    json.dumps({"prepare_threshold": None})
+    if "prepare_threshold" in OutboxConfig.__dataclass_fields__
+    else None
+)
+
 
 class Interrupted(Exception):  # noqa: N818 - a request, not an error
     """SIGTERM or SIGHUP: stop everything and exit."""
@@ -148,7 +159,9 @@ class Run:
             "CHAOS_MARKERS": str(self.markers),
         }
 
-    def start_worker(self, name: str, *, dsn: str | None = None, skew: str | None = None) -> Child:
+    def start_worker(
+        self, name: str, *, dsn: str | None = None, skew: str | None = None, settings: str | None = None
+    ) -> Child:
         """Start worker ``name`` (``claim`` or a delivery worker) and wait until it consumes."""
         celery = [sys.executable, "-m", "celery", "-A", "chaos.app", "worker", "-l", "INFO"]
         celery += ["-n", f"{name}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat"]
@@ -157,6 +170,8 @@ class Run:
         else:
             celery += ["-Q", "chaos.deliver", "-P", "prefork", "-c", "2"]
         env = self._env(dsn)
+        if settings:
+            env["CHAOS_OUTBOX_SETTINGS"] = settings
         if skew:
             assert self.faketime is not None
             # Only the wall clock moves: Celery's timers run on the monotonic clock.
@@ -187,13 +202,18 @@ class Run:
         self.beat.wait_for_log("beat: Starting...", 60)
 
     def restart_workers(
-        self, names: tuple[str, ...], *, dsn: str | None = None, skew: str | None = None
+        self,
+        names: tuple[str, ...],
+        *,
+        dsn: str | None = None,
+        skew: str | None = None,
+        settings: str | None = None,
     ) -> None:
         """Warm-restart ``names`` with another DSN or a shifted clock (``None``: the normal ones)."""
         for name in names:
             self.stop_worker(name)
         for name in names:
-            self.start_worker(name, dsn=dsn, skew=skew)
+            self.start_worker(name, dsn=dsn, skew=skew, settings=settings)
 
     # -- database ----------------------------------------------------------------------------
 
@@ -340,7 +360,7 @@ class Run:
             return
         self.bouncer = PgBouncer(self.procs, self.state_dir / "pgbouncer", self.pg.dsn)
         self.bouncer.start()
-        self.restart_workers(("claim", *DELIVERY_WORKERS), dsn=self.bouncer.dsn)
+        self.restart_workers(("claim", *DELIVERY_WORKERS), dsn=self.bouncer.dsn, settings=PGBOUNCER_SETTINGS)
         self.altered = True
         with self.fault("pgbouncer", window=True) as f:
             time.sleep(self.p.window_leases * self.p.lease)
