@@ -90,13 +90,17 @@ class Child:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(10)
 
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the leader (Celery's warm shutdown), wait ``grace`` seconds, SIGKILL the group."""
+    def terminate(self) -> None:
+        """SIGTERM the leader (Celery's warm shutdown) without waiting."""
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(grace)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the leader, wait up to ``grace`` seconds, then SIGKILL what is left of the group."""
+        self.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(grace)
         # Pool children can outlive their leader: always sweep the group.
         if _group_alive(self.pid):
             self.kill()

@@ -163,35 +163,61 @@ class Run:
         self, name: str, *, dsn: str | None = None, skew: str | None = None, settings: str | None = None
     ) -> Child:
         """Start worker ``name`` (``claim`` or a delivery worker) and wait until it consumes."""
-        celery = [sys.executable, "-m", "celery", "-A", "chaos.app", "worker", "-l", "INFO"]
-        celery += ["-n", f"{name}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat"]
-        if name == "claim":
-            celery += ["-Q", "chaos.claim", "-P", "solo", "-c", "1"]
-        else:
-            celery += ["-Q", "chaos.deliver", "-P", "prefork", "-c", "2"]
-        env = self._env(dsn)
-        if settings:
-            env["CHAOS_OUTBOX_SETTINGS"] = settings
-        if skew:
-            assert self.faketime is not None
-            # Only the wall clock moves: Celery's timers run on the monotonic clock.
-            celery = [self.faketime, "-f", skew, *celery]
-            env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"
-        log = self.logs / f"{name}.log"
-        offset = log.stat().st_size if log.exists() else 0
-        child = self.procs.start(name, celery, env)
-        child.wait_for_log("ready.", 60, after=offset)
-        self.workers[name] = child
-        return child
+        return self.start_workers((name,), dsn=dsn, skew=skew, settings=settings)[0]
+
+    def start_workers(
+        self,
+        names: tuple[str, ...],
+        *,
+        dsn: str | None = None,
+        skew: str | None = None,
+        settings: str | None = None,
+    ) -> list[Child]:
+        """Start workers ``names`` side by side, then wait until every one consumes.
+
+        ``dsn``, ``skew`` (a faketime offset such as ``+5s``) and ``settings`` (JSON of extra
+        Outbox settings) replace the normal ones.
+        """
+        started: list[tuple[Child, int]] = []
+        for name in names:
+            celery = [sys.executable, "-m", "celery", "-A", "chaos.app", "worker", "-l", "INFO"]
+            celery += ["-n", f"{name}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+            if name == "claim":
+                celery += ["-Q", "chaos.claim", "-P", "solo", "-c", "1"]
+            else:
+                celery += ["-Q", "chaos.deliver", "-P", "prefork", "-c", "2"]
+            env = self._env(dsn)
+            if settings:
+                env["CHAOS_OUTBOX_SETTINGS"] = settings
+            if skew:
+                assert self.faketime is not None
+                # Only the wall clock moves: Celery's timers run on the monotonic clock.
+                celery = [self.faketime, "-f", skew, *celery]
+                env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"
+            log = self.logs / f"{name}.log"
+            offset = log.stat().st_size if log.exists() else 0
+            child = self.procs.start(name, celery, env)
+            self.workers[name] = child
+            started.append((child, offset))
+        for child, offset in started:
+            child.wait_for_log("ready.", 90, after=offset)
+        return [child for child, _ in started]
+
+    def stop_workers(self, names: tuple[str, ...], *, kill: bool = False) -> None:
+        """Warm shutdown (or SIGKILL) of workers ``names``, side by side."""
+        children = [self.workers.pop(name) for name in names]
+        for child in children:
+            if kill:
+                child.kill()
+            else:
+                child.terminate()
+        for child in children:
+            child.stop(grace=self.p.lease * 2)
+            self.procs.forget(child)
 
     def stop_worker(self, name: str, *, kill: bool = False) -> None:
         """Warm shutdown (or SIGKILL) of worker ``name``."""
-        child = self.workers.pop(name)
-        if kill:
-            child.kill()
-        else:
-            child.stop(grace=self.p.lease * 2)
-        self.procs.forget(child)
+        self.stop_workers((name,), kill=kill)
 
     def start_beat(self) -> None:
         """Start celery beat (never skewed: the schedule's clock is the reference)."""
@@ -210,10 +236,8 @@ class Run:
         settings: str | None = None,
     ) -> None:
         """Warm-restart ``names`` with another DSN or a shifted clock (``None``: the normal ones)."""
-        for name in names:
-            self.stop_worker(name)
-        for name in names:
-            self.start_worker(name, dsn=dsn, skew=skew, settings=settings)
+        self.stop_workers(names)
+        self.start_workers(names, dsn=dsn, skew=skew, settings=settings)
 
     # -- database ----------------------------------------------------------------------------
 
@@ -233,6 +257,11 @@ class Run:
         """Rows per status."""
         return {s: int(n) for s, n in self.query("SELECT status, count(*) FROM outbox GROUP BY 1")}
 
+    def claimable(self) -> int:
+        """Pending rows a claim could take right now (not waiting out a backoff or a delay)."""
+        rows = self.query("SELECT count(*) FROM outbox WHERE status = 'pending' AND available_at <= now()")
+        return int(rows[0][0])
+
     def done(self) -> int:
         """Rows done so far."""
         return self.counts().get("done", 0)
@@ -243,11 +272,13 @@ class Run:
     def fault(self, name: str, *, window: bool = False) -> Iterator[FaultRecord]:
         """Record fault ``name``: its start, length and the rows delivered meanwhile.
 
-        With ``window`` the workers stay up throughout, so a backlog with nothing delivered is
-        a stall and a violation.
+        With ``window`` the workers stay up throughout, so nothing delivered while rows were
+        claimable at its start (pending, not waiting out a backoff or delay) is a stall and a
+        violation.
         """
         record = FaultRecord(name, time.monotonic() - self.start, time.strftime("%H:%M:%S", time.gmtime()))
         before = self.counts()
+        claimable = self.claimable() if window else 0
         _log(self.start, f"fault {name} ...")
         began = time.monotonic()
         try:
@@ -256,9 +287,8 @@ class Run:
             record.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         record.seconds = time.monotonic() - began
         record.delivered = self.done() - before.get("done", 0)
-        backlog = before.get("pending", 0) + before.get("processing", 0)
-        if window and record.delivered == 0 and backlog > 0:
-            record.error = (record.error or "") + f"stalled: 0 delivered with {backlog} waiting"
+        if window and record.delivered == 0 and claimable > 0:
+            record.error = (record.error or "") + f"stalled: 0 delivered with {claimable} claimable"
         _log(self.start, f"fault {name}: {record.detail} delivered={record.delivered} {record.error or ''}")
         self.faults.append(record)
 
@@ -307,11 +337,9 @@ class Run:
     def f_deploy_outage(self) -> None:
         with self.fault("deploy_outage") as f:
             down = self.p.outage_leases * self.p.lease
-            for name in DELIVERY_WORKERS:
-                self.stop_worker(name)
+            self.stop_workers(DELIVERY_WORKERS)
             time.sleep(down)
-            for name in DELIVERY_WORKERS:
-                self.start_worker(name)
+            self.start_workers(DELIVERY_WORKERS)
             f.detail = (
                 f"every delivery worker down {down:.0f} s ({self.p.outage_leases:g} leases), claims running"
             )
@@ -414,9 +442,7 @@ class Run:
         with connect(self.pg.dsn) as conn:
             migrate(conn)
         self.start_beat()
-        self.start_worker("claim")
-        for name in DELIVERY_WORKERS:
-            self.start_worker(name)
+        self.start_workers(("claim", *DELIVERY_WORKERS))
         seconds = self.planned_seconds(faults)
         events = plan(self.p.messages, self.p.keys, self.seed, self.p.slow_max)
         producer = Producer(self.pg.dsn, events, seconds * 0.9)
