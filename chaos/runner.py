@@ -565,4 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, Interrupted):
         print("interrupted: every process was stopped", file=sys.stderr)
         return 130
+    except (OSError, RuntimeError, TimeoutError, psycopg.Error) as exc:
+        # Setting up (PostgreSQL, Redis, the first workers) failed: nothing to judge.
+        print(f"chaos: the run could not start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     return 1 if verdict is None or verdict.violations else 0
