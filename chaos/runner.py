@@ -191,9 +191,9 @@ class Run:
                 env["CHAOS_OUTBOX_SETTINGS"] = settings
             if skew:
                 assert self.faketime is not None
-                # Only the wall clock moves: Celery's timers run on the monotonic clock.
+                # The monotonic clock is shifted too, consistently within each process (with
+                # FAKETIME_DONT_FAKE_MONOTONIC=1 libfaketime makes time.sleep() fail with EINVAL).
                 celery = [self.faketime, "-f", skew, *celery]
-                env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"
             log = self.logs / f"{name}.log"
             offset = log.stat().st_size if log.exists() else 0
             child = self.procs.start(name, celery, env)
