@@ -133,6 +133,10 @@ class EventTypeStats:
     :ivar ready: pending messages claimable now (due, and in turn for ordered ones).
     :ivar oldest_pending_age: seconds since ``created_at`` of its oldest pending message.
     :ivar has_handler: whether the loaded app has a handler for it (``None``: not known).
+    :ivar unstarted: pending or processing messages claimed since their last start without a
+        worker starting them (their tasks were lost: a queue with no consumer, a flushed
+        broker, tasks expired in a queue). A live lease's own claim does not count yet.
+    :ivar unstarted_claims: the most such claims in a row of one of those messages.
     """
 
     event_type: str
@@ -142,6 +146,8 @@ class EventTypeStats:
     dead: int
     oldest_pending_age: float | None
     has_handler: bool | None = None
+    unstarted: int = 0
+    unstarted_claims: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +181,8 @@ class Stats:
     :ivar attempts: the attempts histogram of live rows.
     :ivar event_types: live rows per event type.
     :ivar unroutable: pending event types with no handler (only when handlers were given).
+    :ivar unstarted: messages whose latest claims' tasks never started, all event types (see
+        :attr:`EventTypeStats.unstarted`).
     """
 
     table: str
@@ -191,6 +199,7 @@ class Stats:
     attempts: list[AttemptsBucket]
     event_types: list[EventTypeStats]
     unroutable: list[str] | None = field(default=None)
+    unstarted: int = 0
 
     @property
     def dead(self) -> int:
@@ -234,6 +243,8 @@ def stats(
             dead=int(e["dead"]),
             oldest_pending_age=e["oldest_pending_age"],
             has_handler=None if known is None else e["event_type"] in known,
+            unstarted=int(e["unstarted"]),
+            unstarted_claims=int(e["unstarted_claims"]),
         )
         for e in row["event_types"]
     ]
@@ -255,6 +266,7 @@ def stats(
         attempts=[AttemptsBucket(**{k: int(v) for k, v in a.items()}) for a in row["attempts"]],
         event_types=types,
         unroutable=unroutable,
+        unstarted=int(row["unstarted"]),
     )
 
 
@@ -365,16 +377,31 @@ def get_message(
 def _check_statuses(
     conn: psycopg.Connection[Any], table: str | TableName, ids: list[int], allowed: tuple[str, ...], verb: str
 ) -> None:
-    """Lock ``ids`` and refuse (raise) unless every one exists with an allowed status."""
-    found = {int(r[0]): str(r[1]) for r in conn.execute(_q(table, "lock_ids"), {"ids": ids}).fetchall()}
+    """Lock ``ids`` and refuse (raise) unless every one exists with an allowed status.
+
+    A ``processing`` row whose lease has expired is allowed too: no worker holds it (its task
+    was lost, or its event type has no handler any more). A live lease is refused.
+    """
+    rows = conn.execute(_q(table, "lock_ids"), {"ids": ids}).fetchall()
+    found = {int(r[0]): str(r[1]) for r in rows}
+    lease_in = {int(r[0]): r[2] for r in rows}
     missing = [i for i in ids if i not in found]
     if missing:
         raise AdminError(f"no message with id {', '.join(map(str, missing))} in {TableName.parse(table)}")
-    wrong = [f"{i} is {found[i]}" for i in ids if found[i] not in allowed]
+    live = [i for i in ids if found[i] == "processing" and (lease_in[i] is None or lease_in[i] > 0)]
+    if live:
+        raise AdminError(
+            f"cannot {verb}: message {', '.join(map(str, live))} is processing under a live lease "
+            f"(ends in {format_duration(math.ceil(max(lease_in[i] or 0.0 for i in live)))}; "
+            "a worker may be running it): "
+            "try again once the lease has expired"
+        )
+    wrong = [f"{i} is {found[i]}" for i in ids if found[i] not in (*allowed, "processing")]
     if wrong:
         past = {"requeue": "requeued", "skip": "skipped"}.get(verb, verb)
         raise AdminError(
-            f"cannot {verb}: message {'; '.join(wrong)} (only {' or '.join(allowed)} messages can be {past})"
+            f"cannot {verb}: message {'; '.join(wrong)} (only {' or '.join(allowed)} messages, "
+            f"or processing ones whose lease expired, can be {past})"
         )
 
 
@@ -397,6 +424,8 @@ def requeue(
 ) -> list[int]:
     """Dead -> pending now, attempts reset, the previous error kept behind a prefix.
 
+    A ``processing`` message whose lease has expired is requeued the same way (its task was
+    lost, or its event type lost its handler); one under a live lease is refused.
     All or nothing: if any id is unknown or not dead, :class:`AdminError` is raised and nothing
     changes. Returns the requeued ids.
     """
@@ -461,8 +490,9 @@ def skip(
 ) -> list[int]:
     """Mark dead (or pending) messages done without delivering them, recording ``reason``.
 
-    Used to unblock an ordered key whose head can never be delivered. Processing messages are
-    refused (a worker holds them). All or nothing, like :func:`requeue`.
+    Used to unblock an ordered key whose head can never be delivered. A ``processing`` message
+    is skipped only once its lease has expired (no worker holds it any more); under a live lease
+    it is refused. All or nothing, like :func:`requeue`.
     """
     wanted = _ids(ids)
     if not wanted:

@@ -379,7 +379,18 @@ def migrate(target: Target, check: bool, as_json: bool) -> None:
         click.echo(f"{table.qualified} is already up to date (version {max(current)})")
 
 
-def _attention(s: admin.Stats) -> list[str]:
+def _unstarted_line(e: admin.EventTypeStats, outbox: Outbox | None) -> str:
+    """A queue with no consumer shows as claims nobody starts (DESIGN invariants 10, 16)."""
+    queue = "its queue"
+    if outbox is not None and e.event_type in outbox.handlers:
+        queue = f"queue {outbox.queue_for(e.event_type)!r}"
+    return (
+        f"event type {e.event_type!r}: {e.unstarted} message(s) claimed up to {e.unstarted_claims} "
+        f"time(s) without a worker starting them: does {queue} have a consumer?"
+    )
+
+
+def _attention(s: admin.Stats, outbox: Outbox | None = None) -> list[str]:
     """What needs a human now, as short phrases (the figures that should be zero)."""
     items = []
     if s.dead:
@@ -390,6 +401,7 @@ def _attention(s: admin.Stats) -> list[str]:
         items.append(f"{s.expired_leases} expired lease(s) (workers lost or stuck?)")
     if s.unroutable:
         items.append(f"no handler for {', '.join(s.unroutable)}")
+    items += [_unstarted_line(e, outbox) for e in s.event_types if e.unstarted]
     return items
 
 
@@ -410,7 +422,7 @@ def stats(target: Target, as_json: bool) -> None:
     fd = admin.format_duration
     click.echo(f"outbox {target.where}")
     click.echo(f"database time {s.now:%Y-%m-%d %H:%M:%S %Z}")
-    click.echo(f"attention: {'; '.join(_attention(s)) or 'none'}")
+    click.echo(f"attention: {'; '.join(_attention(s, target.outbox)) or 'none'}")
     click.echo("")
     in_order = s.counts["pending"] - s.ready - s.scheduled
     notes = {
@@ -447,16 +459,24 @@ def stats(target: Target, as_json: bool) -> None:
         )
         click.echo("")
     if s.event_types:
-        headers = ["event type", "pending", "ready", "processing", "dead", "oldest pending"]
+        headers = ["event type", "pending", "ready", "processing", "dead", "unstarted", "oldest pending"]
         if handlers is not None:
             headers.append("handler")
         rows2: list[list[Any]] = []
         for e in s.event_types:
-            r: list[Any] = [e.event_type, e.pending, e.ready, e.processing, e.dead, fd(e.oldest_pending_age)]
+            r: list[Any] = [
+                e.event_type,
+                e.pending,
+                e.ready,
+                e.processing,
+                e.dead,
+                e.unstarted,
+                fd(e.oldest_pending_age),
+            ]
             if handlers is not None:
                 r.append("yes" if e.has_handler else "NO")
             rows2.append(r)
-        click.echo(_table(headers, rows2, right=[1, 2, 3, 4]))
+        click.echo(_table(headers, rows2, right=[1, 2, 3, 4, 5]))
         click.echo("")
     else:
         click.echo("no live messages (nothing pending, processing or dead)")
@@ -581,6 +601,11 @@ def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
         exp = row["lease_expires_in"]
         lease = f"expires in {fd(exp)}" if exp is not None and exp > 0 else f"EXPIRED {fd(-(exp or 0))} ago"
         lines.append(("lease", f"{lease}, owner {row['lease_owner'] or '-'}"))
+    unstarted = int(row.get("unstarted_claims") or 0)
+    if status in ("pending", "processing") and unstarted:
+        # Claims whose task no worker started (DESIGN invariants 10, 16): a live lease's own
+        # claim may still start; more than that means tasks were lost.
+        lines.append(("unstarted", f"{unstarted} claim(s) since a worker last started it"))
     if row["done_at"] is not None:
         lines.append(("done at", f"{row['done_at']:%Y-%m-%d %H:%M:%S %Z}"))
     if row["ordering_key"] is not None:
@@ -598,7 +623,8 @@ def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
     click.echo(json.dumps(row["payload"], indent=2, ensure_ascii=False))
     click.echo("last error:")
     click.echo(row["last_error"] or "-")
-    if status == "dead":
+    expired = status == "processing" and (row["lease_expires_in"] or 0) <= 0
+    if status == "dead" or expired:
         click.echo("")
         click.echo(
             f"fix: outbox-celery dead requeue {row['id']}   |   "
@@ -623,7 +649,8 @@ def dead_requeue(
 ) -> None:
     """Deliver again: back to pending now, attempts reset.
 
-    The old error is kept in last_error behind a prefix.
+    The old error is kept in last_error behind a prefix. Processing messages whose lease
+    expired (lost task, removed handler) can be requeued by id; live leases are refused.
 
     Give ids, or --all. Unknown or not-dead ids refuse the whole command.
     """
@@ -657,6 +684,7 @@ def dead_skip(target: Target, ids: tuple[int, ...], reason: str | None, as_json:
     """Never deliver: mark dead (or pending) messages done.
 
     Unblocks an ordered key whose head can never be delivered. The reason is recorded.
+    Processing messages whose lease expired can be skipped; live leases are refused.
     """
     if not ids:
         raise click.ClickException("nothing to skip: give message ids")

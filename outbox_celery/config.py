@@ -62,7 +62,7 @@ class TableName:
 
     @property
     def qualified(self) -> str:
-        """The name as the user wrote it (used in logs, lock names and idempotency keys)."""
+        """The name as the user wrote it (used in logs and task ids)."""
         return f"{self.schema}.{self.name}" if self.schema else self.name
 
     def identifier(self, suffix: str = "") -> sql.Identifier:

@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 
@@ -28,6 +28,8 @@ from .store import Claimed, Store
 __all__ = ["ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 Handler = Callable[[Message], Any]
 ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
@@ -72,6 +74,8 @@ class ClaimRun:
     published: int = 0
     released: int = 0
     reaped: int = 0
+    lost: int = 0
+    unroutable: int = 0
     batches: int = 0
     in_flight_limit: int = 0
     skipped: bool = False
@@ -86,6 +90,8 @@ class ClaimRun:
             "published": self.published,
             "released": self.released,
             "reaped": self.reaped,
+            "lost": self.lost,
+            "unroutable": self.unroutable,
             "batches": self.batches,
             "in_flight_limit": self.in_flight_limit,
             "skipped": self.skipped,
@@ -170,7 +176,7 @@ class Dispatcher:
             finally:
                 self.store.claim_unlock(conn)
         run.seconds = time.monotonic() - started
-        if run.claimed or run.reaped or run.released:
+        if run.claimed or run.reaped or run.released or run.lost or run.unroutable:
             logger.info(
                 "outbox claim run: claimed=%s published=%s released=%s reaped=%s in %.3fs",
                 run.claimed,
@@ -195,10 +201,9 @@ class Dispatcher:
         run.in_flight_limit = limit = self.in_flight_limit(conn)
         while True:
             room = limit - self.store.in_flight(conn)
-            if room <= 0:
-                run.stopped_by = "in_flight_bound"
-                return
-            want = min(cfg.batch_size, room)
+            # A full bound stops new claims only: the reap and the re-claim of expired leases
+            # run anyway, or lost tasks would hold the outbox still (DESIGN invariant 16).
+            want = max(0, min(cfg.batch_size, room))
             result = self.store.claim(
                 conn,
                 limit=want,
@@ -206,9 +211,13 @@ class Dispatcher:
                 owner=owner,
                 max_attempts=cfg.max_attempts,
                 event_types=event_types,
+                expired_limit=cfg.batch_size,
+                unroutable_delay=cfg.unroutable_delay,
             )
             run.batches += 1
             run.reaped += result.reaped
+            run.lost += result.lost
+            run.unroutable += result.unroutable
             run.claimed += len(result.claimed)
             if result.claimed:
                 published = 0
@@ -228,6 +237,9 @@ class Dispatcher:
                         extra={"outcome": "released", "released": len(unpublished)},
                     )
                     return
+            if want == 0:
+                run.stopped_by = "in_flight_bound"
+                return
             if len(result.claimed) < want:
                 run.stopped_by = "drained"
                 return
@@ -259,22 +271,7 @@ class Dispatcher:
         log.update(event_type=msg.event_type, attempt=msg.attempts)
         spec = self.handlers.get(msg.event_type)
         if spec is None:
-            with self.connection() as conn:
-                store.postpone(
-                    conn,
-                    outbox_id,
-                    lease_version,
-                    delay=cfg.unroutable_delay,
-                    error=f"unroutable: no handler for event type {msg.event_type!r} in this worker",
-                )
-            logger.warning(
-                "outbox id %s: no handler for %r here; postponed %.0fs",
-                outbox_id,
-                msg.event_type,
-                cfg.unroutable_delay,
-                extra={**log, "outcome": Outcome.UNROUTABLE},
-            )
-            return Outcome.UNROUTABLE
+            return self._unroutable(msg, lease_version, log)
         msg = replace(msg, _extend=lambda seconds: self._extend(outbox_id, lease_version, seconds))
         started = time.monotonic()
         try:
@@ -298,8 +295,7 @@ class Dispatcher:
         except BaseException as e:
             # Not classified by the handler: record it, let Celery report a failure, and let
             # the row come back through its lease. Never a silent "transient" retry.
-            with self.connection() as conn:
-                store.record_error(conn, outbox_id, lease_version, error=_error_text(e))
+            self._record_error(outbox_id, lease_version, _error_text(e))
             logger.error(
                 "outbox id %s handler raised %s; row returns after its lease",
                 outbox_id,
@@ -322,18 +318,71 @@ class Dispatcher:
         )
         return outcome
 
+    def _unroutable(self, msg: Message, version: int, log: dict[str, Any]) -> str:
+        """No handler for this event type in this worker: postpone, attempt refunded."""
+        delay = self.config.unroutable_delay
+        why = f"unroutable: no handler for event type {msg.event_type!r} in this worker"
+        self._fenced_write(
+            "postpone",
+            msg.id,
+            version,
+            lambda conn: self.store.postpone(conn, msg.id, version, delay=delay, error=why),
+        )
+        logger.warning(
+            "outbox id %s: no handler for %r here; postponed %.0fs",
+            msg.id,
+            msg.event_type,
+            delay,
+            extra={**log, "outcome": Outcome.UNROUTABLE},
+        )
+        return Outcome.UNROUTABLE
+
+    def _record_error(self, outbox_id: int, version: int, error: str) -> None:
+        """Keep an unclassified error; the row comes back through its lease."""
+        self._fenced_write(
+            "record_error",
+            outbox_id,
+            version,
+            lambda conn: self.store.record_error(conn, outbox_id, version, error=error),
+        )
+
+    def _fenced_write(
+        self, op: str, outbox_id: int, version: int, write: Callable[[psycopg.Connection[Any]], T]
+    ) -> T:
+        """Run one fenced write; on a connection the server broke, once more on a fresh one.
+
+        A pooled connection may have been closed by the server while idle (a restart, a
+        failover, ``pg_terminate_backend``). Retrying is safe: the write is fenced on the claim's
+        ``lease_version`` and status, so whichever run lands first wins and a second changes
+        nothing (DESIGN invariant 4). Without the retry the outcome would be lost until the
+        lease ends, and the message delivered again.
+        """
+        try:
+            with self.connection() as conn:
+                return write(conn)
+        except psycopg.OperationalError as exc:
+            logger.warning(
+                "outbox id %s: %s failed on a broken connection (%s); retrying once on a fresh one",
+                outbox_id,
+                op,
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                extra={"outbox_id": outbox_id, "lease_version": version, "operation": op},
+            )
+        with self.connection() as conn:
+            return write(conn)
+
     def _finish(self, kind: str, outbox_id: int, version: int, **kw: Any) -> str:
         store = self.store
-        with self.connection() as conn:
-            if kind == "done":
-                return Outcome.DONE if store.done(conn, outbox_id, version) else Outcome.LOST_LEASE
-            if kind == "dead":
-                won = store.dead(conn, outbox_id, version, error=kw["error"])
-                return Outcome.DEAD if won else Outcome.LOST_LEASE
-            if kind == "retry":
-                status = store.retry(conn, outbox_id, version, **kw)
-            else:
-                status = store.defer(conn, outbox_id, version, **kw)
+        if kind == "done":
+            won = self._fenced_write(kind, outbox_id, version, lambda c: store.done(c, outbox_id, version))
+            return Outcome.DONE if won else Outcome.LOST_LEASE
+        if kind == "dead":
+            won = self._fenced_write(
+                kind, outbox_id, version, lambda c: store.dead(c, outbox_id, version, error=kw["error"])
+            )
+            return Outcome.DEAD if won else Outcome.LOST_LEASE
+        finalize = store.retry if kind == "retry" else store.defer
+        status = self._fenced_write(kind, outbox_id, version, lambda c: finalize(c, outbox_id, version, **kw))
         if status is None:
             return Outcome.LOST_LEASE
         if status == "dead":

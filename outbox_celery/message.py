@@ -34,7 +34,10 @@ class Message:
     :ivar lease_version: the fencing token of the claim this run belongs to.
     :ivar ordering_key: set for ordered messages; ``None`` otherwise.
     :ivar idempotency_key: stable across every redelivery of this message; send it downstream
-        (an ``Idempotency-Key`` header, a message id) so the receiver can de-duplicate.
+        (an ``Idempotency-Key`` header, a message id) so the receiver can de-duplicate. It is
+        ``<schema>.<table>:<id>`` with the table as PostgreSQL resolves it, e.g.
+        ``public.outbox:42``, whether the outbox was configured as ``outbox`` or
+        ``public.outbox``.
     """
 
     id: int
@@ -62,5 +65,9 @@ class Message:
 
 
 def idempotency_key(table: str, outbox_id: int) -> str:
-    """The stable idempotency key of message ``outbox_id`` in ``table``."""
+    """The stable idempotency key of message ``outbox_id`` in ``table``.
+
+    ``table`` is the schema-qualified name as PostgreSQL resolves it (``public.outbox``, see
+    :meth:`~outbox_celery.store.Store.canonical_name`), so each message has exactly one key.
+    """
     return f"{table}:{outbox_id}"

@@ -174,6 +174,12 @@ class OutboxCollector:
                 labels=["table", "attempts", "status"],
             ),
             "duration": g(f"{ns}_stats_duration_seconds", "Seconds the stats query took.", labels=["table"]),
+            "unstarted": g(
+                f"{ns}_unstarted_messages",
+                "Live rows of the event type claimed since their last start without a worker starting"
+                " them (lost tasks: a queue with no consumer, a flushed broker).",
+                labels=["table", "event_type"],
+            ),
         }
         if self.handlers is not None:
             fams["unroutable"] = g(
@@ -224,6 +230,8 @@ class OutboxCollector:
         for e in s.event_types:
             for status in _LIVE:
                 fams["type_messages"].add_metric([name, e.event_type, status], getattr(e, status))
+            # Every event type, zeros included: an alert on "> 0 for 5 minutes" needs the series.
+            fams["unstarted"].add_metric([name, e.event_type], e.unstarted)
             if e.pending:
                 fams["type_oldest"].add_metric([name, e.event_type], e.oldest_pending_age or 0.0)
             if "unroutable" in fams and e.pending and e.has_handler is False:

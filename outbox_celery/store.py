@@ -55,6 +55,10 @@ class ClaimResult:
 
     claimed: list[Claimed]
     reaped: int
+    #: Expired claims whose task never started, given back to pending with a growing delay.
+    lost: int = 0
+    #: Expired leases of event types the claimer has no handler for, given back as unroutable.
+    unroutable: int = 0
 
 
 class Store:
@@ -80,6 +84,7 @@ class Store:
         }
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
+        self._canonical: str | None = None
 
     # -- transactions --------------------------------------------------------------------------
 
@@ -141,6 +146,19 @@ class Store:
         # how the table was spelled ("outbox" or "public.outbox").
         return self.table.identifier().as_string(conn)
 
+    def canonical_name(self, conn: psycopg.Connection[Any]) -> str:
+        """``schema.name`` of the table as PostgreSQL resolves it, e.g. ``public.outbox``.
+
+        The base of every idempotency key (``public.outbox:42``): however the table was
+        spelled (``outbox``, ``public.outbox``), one message has one key. Resolved once per
+        Store, then cached.
+        """
+        if self._canonical is None:
+            row = conn.execute(self._q["canonical_name"], {"table": self._regclass(conn)}).fetchone()
+            assert row is not None
+            self._canonical = f"{row[0]}.{row[1]}"
+        return self._canonical
+
     def insert(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> int:
         """Insert one validated row in the caller's transaction."""
         cur = conn.execute(self._q["insert"], row)
@@ -175,7 +193,7 @@ class Store:
         conn.execute(self._q["claim_unlock"], {"table": self._regclass(conn)})
 
     def in_flight(self, conn: psycopg.Connection[Any]) -> int:
-        """Rows claimed and not finished (``processing``)."""
+        """Live leases: rows ``processing`` whose lease has not run out (DESIGN invariant 16)."""
         row = conn.execute(self._q["count_in_flight"]).fetchone()
         return int(row[0]) if row else 0
 
@@ -193,15 +211,23 @@ class Store:
         owner: str,
         max_attempts: int,
         event_types: Sequence[str] | None = None,
+        expired_limit: int | None = None,
+        unroutable_delay: float = 60.0,
     ) -> ClaimResult:
         """Reap and claim up to ``limit`` rows in one short transaction, then commit.
 
         Order: expired leases with attempts left first (they have waited longest), then ordered
         heads and unordered pending rows share what is left, so neither starves the other.
         Rows whose attempts are exhausted and whose lease expired go ``dead`` (the reap).
+
+        The reap and the re-claim of expired leases (up to ``expired_limit``, default ``limit``)
+        run even when ``limit`` is 0: the in-flight bound counts live leases only, and expired
+        ones must come back whatever it says (DESIGN invariants 10, 16). Expired claims whose
+        task never started (lost) and expired leases of event types not in ``event_types``
+        (unroutable, after ``unroutable_delay``) go back to ``pending`` first, no attempt spent.
         """
-        if limit < 1:
-            return ClaimResult([], 0)
+        limit = max(0, limit)
+        expired_limit = limit if expired_limit is None else max(0, expired_limit)
         base = {
             "lease": lease,
             "owner": owner,
@@ -211,6 +237,7 @@ class Store:
         claimed: list[Claimed] = []
         with conn.transaction():
             conn.execute(self._q["claim_settings"])
+            lost, unroutable = self._release_expired(conn, base, lease, unroutable_delay)
             reaped = conn.execute(self._q["reap"], {"max_attempts": max_attempts, "limit": 1000})
             reaped_rows = reaped.fetchall()
             for row in reaped_rows:
@@ -225,7 +252,8 @@ class Store:
                         "outbox_table": self.table.qualified,
                     },
                 )
-            claimed += self._claim_one(conn, "claim_expired", base, limit)
+            if expired_limit > 0:
+                claimed += self._claim_one(conn, "claim_expired", base, expired_limit)
             room = limit - len(claimed)
             if room > 0:
                 claimed += self._claim_one(conn, "claim_heads", base, max(1, (room + 1) // 2))
@@ -238,7 +266,50 @@ class Store:
                 claimed += self._claim_one(conn, "claim_heads", base, room)
         self._count("claimed", len(claimed))
         self._count("reaped", len(reaped_rows))
-        return ClaimResult(claimed, len(reaped_rows))
+        self._count("lost_tasks", lost)
+        self._count("unroutable", unroutable)
+        return ClaimResult(claimed, len(reaped_rows), lost, unroutable)
+
+    def _release_expired(
+        self, conn: psycopg.Connection[Any], base: dict[str, Any], lease: float, unroutable_delay: float
+    ) -> tuple[int, int]:
+        """Lost claims and unroutable expired leases back to pending (no attempt spent)."""
+        params = {**base, "limit": 1000, "lease": lease, "unroutable_delay": unroutable_delay}
+        rows = conn.execute(self._q["release_expired"], params).fetchall()
+        lost: Counter[str] = Counter()
+        unroutable: Counter[str] = Counter()
+        for _id, _version, event_type, routable, _unstarted in rows:
+            (lost if routable else unroutable)[str(event_type)] += 1
+        for event_type, n in sorted(lost.items()):
+            most = max(int(r[4]) for r in rows if r[2] == event_type and r[3])
+            logger.warning(
+                "outbox: %s claim(s) of %r expired without a worker starting them (up to %s in a "
+                "row); back to pending after a delay, no attempt spent. Does its queue have a consumer?",
+                n,
+                event_type,
+                most,
+                extra={
+                    "event_type": event_type,
+                    "outcome": "lost_task",
+                    "released": n,
+                    "unstarted_claims": most,
+                    "outbox_table": self.table.qualified,
+                },
+            )
+        for event_type, n in sorted(unroutable.items()):
+            logger.warning(
+                "outbox: %s expired lease(s) of %r, which has no handler here: back to pending as "
+                "unroutable, no attempt spent",
+                n,
+                event_type,
+                extra={
+                    "event_type": event_type,
+                    "outcome": "unroutable",
+                    "released": n,
+                    "outbox_table": self.table.qualified,
+                },
+            )
+        return sum(lost.values()), sum(unroutable.values())
 
     def _claim_one(
         self, conn: psycopg.Connection[Any], query: str, base: dict[str, Any], limit: int
@@ -247,7 +318,11 @@ class Store:
         return [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in cur.fetchall()]
 
     def release(self, conn: psycopg.Connection[Any], claims: Sequence[Claimed]) -> int:
-        """Give unpublished claims back: ``pending`` now, no attempt spent (invariant 12)."""
+        """Give unpublished claims back: ``pending`` now, no attempt spent (invariant 12).
+
+        A claim whose fenced start has run is left alone (a publish that raised although the
+        broker got the task): its worker holds the row. Returns how many rows went back.
+        """
         if not claims:
             return 0
         with conn.transaction():
@@ -318,7 +393,7 @@ class Store:
             created_at=row["created_at"],
             lease_version=int(row["lease_version"]),
             ordering_key=row["ordering_key"],
-            idempotency_key=idempotency_key(self.table.qualified, int(row["id"])),
+            idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"])),
         )
 
     def _fenced(self, conn: psycopg.Connection[Any], op: str, params: dict[str, Any]) -> Any:

@@ -14,6 +14,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from examples.orders import settings
+from outbox_celery import Store
 
 __all__ = ["EVENTS_PER_ORDER", "Check", "Snapshot", "checks", "snapshot"]
 
@@ -121,7 +122,11 @@ def snapshot(conn: psycopg.Connection[Any], source: str, *, full: bool = False) 
         cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
         first = cur.execute(_RUN_ORDERS, {"source": source}).fetchone()
         ids: list[int] = list(first["coalesce"]) if first else []
-        params = {"ids": ids, "aids": [str(i) for i in ids], "key_prefix": f"{settings.OUTBOX_TABLE}:"}
+        params = {
+            "ids": ids,
+            "aids": [str(i) for i in ids],
+            "key_prefix": f"{Store(settings.OUTBOX_TABLE).canonical_name(conn)}:",
+        }
         row = cur.execute(sql.SQL(_OUTBOX).format(outbox=outbox), params).fetchone()
         receiver = cur.execute(_RECEIVER, params).fetchone()
         snap = Snapshot(orders=len(ids))

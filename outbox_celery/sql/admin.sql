@@ -11,16 +11,20 @@
 -- One statement, so every figure comes from the same snapshot. The four branches of "live" are
 -- disjoint and together hold every row that is not done.
 WITH live AS MATERIALIZED (
-    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
+           lease_version - started_version AS unstarted_claims
     FROM {table} WHERE status = 'pending' AND ordering_key IS NULL
     UNION ALL
-    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
+           lease_version - started_version AS unstarted_claims
     FROM {table} WHERE ordering_key IS NOT NULL AND status <> 'done'
     UNION ALL
-    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
+           lease_version - started_version AS unstarted_claims
     FROM {table} WHERE status = 'processing' AND ordering_key IS NULL
     UNION ALL
-    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
+           lease_version - started_version AS unstarted_claims
     FROM {table} WHERE status = 'dead' AND ordering_key IS NULL
 ),
 -- The head of an ordered key is its lowest id that is not done: only the head is claimable
@@ -34,7 +38,14 @@ heads AS (
 marked AS (
     SELECT live.*,
            (live.status = 'pending' AND live.available_at <= now()
-            AND (live.ordering_key IS NULL OR heads.id = live.id)) AS ready
+            AND (live.ordering_key IS NULL OR heads.id = live.id)) AS ready,
+           -- Claims since the last fenced start whose task never started (DESIGN invariants
+           -- 10, 16); a live lease's own claim may still start, so it does not count yet.
+           CASE WHEN live.status = 'pending' THEN live.unstarted_claims
+                WHEN live.status = 'processing' AND live.lease_until > now()
+                THEN live.unstarted_claims - 1
+                WHEN live.status = 'processing' THEN live.unstarted_claims
+                ELSE 0 END AS lost_claims
     FROM live LEFT JOIN heads ON heads.ordering_key = live.ordering_key
 ),
 by_type AS (
@@ -44,7 +55,9 @@ by_type AS (
            count(*) FILTER (WHERE status = 'processing') AS processing,
            count(*) FILTER (WHERE status = 'dead') AS dead,
            extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8
-               AS oldest_pending_age
+               AS oldest_pending_age,
+           count(*) FILTER (WHERE lost_claims > 0) AS unstarted,
+           coalesce(max(lost_claims), 0) AS unstarted_claims
     FROM marked
     GROUP BY event_type
 ),
@@ -77,11 +90,13 @@ SELECT
      FROM marked WHERE ready) AS oldest_ready_wait,
     (SELECT extract(epoch FROM now() - min(created_at))::float8
      FROM live WHERE status = 'processing') AS oldest_processing_age,
+    (SELECT count(*) FROM marked WHERE lost_claims > 0) AS unstarted,
     (SELECT count(*) FROM blocked) AS blocked_keys,
     (SELECT coalesce(sum(waiting), 0) FROM blocked) AS blocked_messages,
     (SELECT coalesce(json_agg(json_build_object(
                 'event_type', event_type, 'pending', pending, 'ready', ready,
-                'processing', processing, 'dead', dead, 'oldest_pending_age', oldest_pending_age)
+                'processing', processing, 'dead', dead, 'oldest_pending_age', oldest_pending_age,
+                'unstarted', unstarted, 'unstarted_claims', unstarted_claims)
             ORDER BY event_type), '[]'::json)
      FROM by_type) AS event_types,
     (SELECT coalesce(json_agg(json_build_object(
@@ -128,6 +143,7 @@ WHERE d.status = 'dead'
 SELECT o.id, o.status, o.event_type, o.aggregate_type, o.aggregate_id, o.ordering_key,
        o.payload, o.attempts, o.created_at, o.available_at, o.lease_owner, o.lease_until,
        o.lease_version, o.last_error, o.done_at,
+       o.lease_version - o.started_version AS unstarted_claims,
        now() AS now,
        extract(epoch FROM now() - o.created_at)::float8 AS age,
        extract(epoch FROM o.available_at - now())::float8 AS available_in,
@@ -145,21 +161,28 @@ WHERE o.id = %(id)s;
 
 -- name: lock_ids
 -- The operator's explicit ids, locked in id order (two operators never deadlock) so that the
--- check and the change see the same rows.
-SELECT id, status FROM {table} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE;
+-- check and the change see the same rows. lease_in: seconds until a processing row's lease
+-- ends (<= 0: expired, no worker holds it any more).
+SELECT id, status, extract(epoch FROM lease_until - now())::float8 AS lease_in
+FROM {table} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE;
 
 -- name: requeue_ids
 -- Dead -> pending, claimable now, attempts reset; the previous error is kept behind a prefix.
--- lease_version is never reset: it is the fencing token and only ever grows.
+-- lease_version is never reset: it is the fencing token and only ever grows. A processing row
+-- whose lease expired (its task lost, its event type without a handler) may be requeued too
+-- (DESIGN invariant 10): no worker holds it, and a straggler's task is fenced off by status.
+-- The count of claims that never started starts again from zero.
 UPDATE {table}
 SET status = 'pending',
     attempts = 0,
     available_at = now(),
     lease_until = NULL,
+    started_version = lease_version,
     last_error = left('requeued by operator' || coalesce(': ' || %(reason)s::text, '')
                       || ' (attempts were ' || attempts || ')'
                       || coalesce('; previous error: ' || last_error, ''), 8000)
-WHERE id = ANY(%(ids)s::bigint[]) AND status = 'dead'
+WHERE id = ANY(%(ids)s::bigint[])
+  AND (status = 'dead' OR (status = 'processing' AND lease_until <= now()))
 RETURNING id;
 
 -- name: requeue_batch
@@ -178,6 +201,7 @@ SET status = 'pending',
     attempts = 0,
     available_at = now(),
     lease_until = NULL,
+    started_version = o.lease_version,
     last_error = left('requeued by operator' || coalesce(': ' || %(reason)s::text, '')
                       || ' (attempts were ' || o.attempts || ')'
                       || coalesce('; previous error: ' || o.last_error, ''), 8000)
@@ -187,7 +211,8 @@ RETURNING o.id;
 
 -- name: skip_ids
 -- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded. In SET,
--- "status" still reads the old value.
+-- "status" still reads the old value. A processing row whose lease expired may be skipped too
+-- (DESIGN invariant 10); a live lease never (a worker may be running it).
 UPDATE {table}
 SET status = 'done',
     done_at = now(),
@@ -195,7 +220,8 @@ SET status = 'done',
     last_error = left('skipped by operator: ' || %(reason)s::text || ' (was ' || status
                       || ', attempts ' || attempts || ')'
                       || coalesce('; previous error: ' || last_error, ''), 8000)
-WHERE id = ANY(%(ids)s::bigint[]) AND status IN ('dead', 'pending')
+WHERE id = ANY(%(ids)s::bigint[])
+  AND (status IN ('dead', 'pending') OR (status = 'processing' AND lease_until <= now()))
 RETURNING id;
 
 -- name: purge_cutoff

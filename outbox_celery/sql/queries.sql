@@ -36,7 +36,10 @@ SELECT pg_advisory_unlock(hashtextextended(
     'outbox_celery:claim:' || %(table)s::regclass::oid::text, 0));
 
 -- name: count_in_flight
-SELECT count(*) FROM {table} WHERE status = 'processing';
+-- Live leases only (DESIGN invariant 16): a row whose lease ran out holds no worker, so a lost
+-- task (no consumer, flushed broker, a deploy with every delivery worker down) never fills the
+-- bound; the claim takes such rows back whatever the bound says.
+SELECT count(*) FROM {table} WHERE status = 'processing' AND lease_until > now();
 
 -- name: count_recent_done
 -- Rows finished in the last window, counted up to a cap so the cost stays bounded.
@@ -51,6 +54,44 @@ SELECT count(*) FROM (
 -- ordered heads' skip scan above jit_above_cost, every claim pays for JIT compilation (measured
 -- by benchmarks/: 15-250 ms per 200-row claim instead of 3-6 ms); these queries never profit.
 SET LOCAL jit = off;
+
+-- name: release_expired
+-- Expired leases that must not be re-claimed at once (DESIGN invariants 10, 16), back to
+-- pending with no attempt spent:
+-- * a claim whose task never started (lease_version > started_version: lost in the broker,
+--   expired in a queue, or sent to a queue with no consumer) waits one lease, then two, four...
+--   up to 16 leases as such claims repeat, so a queue nobody consumes takes a shrinking share of
+--   the in-flight bound, while a one-off loss (a flushed broker, a deploy) costs one lease;
+-- * an event type the claimer has no handler for (removed by a deploy) waits unroutable_delay,
+--   marked unroutable, instead of staying processing for good.
+-- A started claim of a known event type is left to claim_expired (its worker died mid-handler).
+WITH decided AS (
+    SELECT id, (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+               AS routable
+    FROM {table}
+    WHERE status = 'processing' AND lease_until <= now()
+      AND (started_version < lease_version
+           OR NOT (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[])))
+    ORDER BY lease_until
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'pending',
+    lease_until = NULL,
+    available_at = now() + make_interval(secs => CASE
+        WHEN decided.routable
+        THEN %(lease)s * power(2, least(greatest(o.lease_version - o.started_version - 1, 0), 4))
+        ELSE %(unroutable_delay)s END),
+    last_error = CASE
+        WHEN decided.routable OR o.last_error LIKE 'unroutable:%%' THEN o.last_error
+        ELSE left('unroutable: no handler for event type ' || quote_literal(o.event_type)
+                  || ' in the claiming app; lease expired'
+                  || coalesce('; last error: ' || o.last_error, ''), 8000) END
+FROM decided
+WHERE o.id = decided.id
+RETURNING o.id, o.lease_version, o.event_type, decided.routable,
+          o.lease_version - o.started_version AS unstarted_claims;
 
 -- name: reap
 -- Expired leases whose attempts are exhausted go dead (DESIGN invariant 5).
@@ -72,10 +113,13 @@ WHERE o.id = doomed.id
 RETURNING o.id, o.lease_version, o.event_type;
 
 -- name: claim_expired
--- Rows whose lease ran out with attempts left: re-claimed with a new fencing token.
+-- Rows whose lease ran out with attempts left after their worker started them (it died or hung
+-- mid-handler): re-claimed with a new fencing token. Claims that never started go through
+-- release_expired instead.
 WITH picked AS (
     SELECT id FROM {table}
     WHERE status = 'processing' AND lease_until <= now() AND attempts < %(max_attempts)s
+      AND started_version = lease_version
       AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
     ORDER BY lease_until
     LIMIT %(limit)s
@@ -151,6 +195,7 @@ RETURNING o.id, o.lease_version, o.event_type, o.lease_until;
 -- the current setting): see Store's relaxed_commit for why losing it costs at most a redelivery.
 UPDATE {table}
 SET attempts = attempts + 1,
+    started_version = lease_version,
     lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
 FROM (SELECT set_config('synchronous_commit',
                         coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
@@ -165,6 +210,7 @@ RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, creat
 UPDATE {table}
 SET status = 'dead',
     lease_until = NULL,
+    started_version = lease_version,
     last_error = 'attempts exhausted: ' || attempts || ' handler run(s) of ' || %(max_attempts)s::int
                  || ' started without a result' || coalesce('; last error: ' || last_error, '')
 WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
@@ -226,10 +272,13 @@ RETURNING id;
 
 -- name: release
 -- Claimed rows that never reached a worker (publish failed): pending now, no attempt spent.
+-- Fenced on the start too: a publish can raise although the broker got the message, and a
+-- worker that already started this claim must keep its row (DESIGN invariants 4, 12).
 UPDATE {table} AS o
 SET status = 'pending', available_at = now(), lease_until = NULL
 FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS r(id, version)
 WHERE o.id = r.id AND o.lease_version = r.version AND o.status = 'processing'
+  AND o.started_version < r.version
 RETURNING o.id;
 
 -- name: postpone
@@ -248,3 +297,10 @@ UPDATE {table}
 SET lease_until = greatest(lease_until, now() + make_interval(secs => %(seconds)s))
 WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
 RETURNING lease_until;
+
+-- name: canonical_name
+-- The table as PostgreSQL resolves it, schema included: the base of idempotency keys, so that
+-- "outbox" and "public.outbox" (one table) give every message one key (DESIGN invariant 11).
+SELECT n.nspname, c.relname
+FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+WHERE c.oid = %(table)s::regclass;

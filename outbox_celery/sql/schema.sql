@@ -16,7 +16,10 @@ CREATE TABLE {table} (
     lease_until   timestamptz,
     lease_version bigint      NOT NULL DEFAULT 0,
     last_error    text,
-    done_at       timestamptz
+    done_at       timestamptz,
+    -- lease_version of the latest claim a worker started; lease_version - started_version
+    -- counts claims whose task never started (lost tasks, DESIGN invariants 10, 16).
+    started_version bigint    NOT NULL DEFAULT 0
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_threshold = 1000,

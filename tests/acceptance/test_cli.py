@@ -253,7 +253,7 @@ def test_stats_with_an_app_reports_event_types_that_have_no_handler(
     )
     assert "unroutable (pending, no handler): invoice.sent" in human
     assert "attention: no handler for invoice.sent" in human
-    assert re.search(r"^invoice\.sent\s+3\s+3\s+0\s+0\s+\S+\s+NO$", human, re.M), human
+    assert re.search(r"^invoice\.sent\s+3\s+3\s+0\s+0\s+0\s+\S+\s+NO$", human, re.M), human
 
     # The same through Celery's own command line.
     celery = [_script("celery"), "-A", "cli_test_app"]
@@ -266,6 +266,47 @@ def test_stats_with_an_app_reports_event_types_that_have_no_handler(
 
 
 # -- dead letters ------------------------------------------------------------------------------
+
+
+def test_stats_shows_messages_whose_tasks_never_start_and_asks_about_their_queue(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str, tmp_path: Path
+) -> None:
+    # Invariants 10, 16: a queue with no consumer shows as claims no worker ever starts.
+    lost = add(conn, 3, table=table, event_type="order.created")
+    update(conn, table, lost, "lease_version = 2")  # claimed twice, never started, now pending
+    expired = add(conn, 1, table=table, event_type="order.created")
+    update(
+        conn,
+        table,
+        expired,
+        "status = 'processing', lease_version = 1, lease_until = now() - interval '1 minute'",
+    )
+    # A live lease whose task may still start is not counted (yet), nor a started one.
+    live = add(conn, 2, table=table, event_type="invoice.sent")
+    update(
+        conn, table, live, "status = 'processing', lease_version = 1, lease_until = now() + interval '1 hour'"
+    )
+    update(conn, table, live[:1], "started_version = 1, attempts = 1")
+
+    s = json.loads(ok(run("stats", "--json", dsn=migrated_dsn)))
+    assert s["unstarted"] == 4
+    types = {e["event_type"]: e for e in s["event_types"]}
+    assert (types["order.created"]["unstarted"], types["order.created"]["unstarted_claims"]) == (4, 2)
+    assert (types["invoice.sent"]["unstarted"], types["invoice.sent"]["unstarted_claims"]) == (0, 0)
+
+    line = "event type 'order.created': 4 message(s) claimed up to 2 time(s) without a worker starting them"
+    human = ok(run("stats", dsn=migrated_dsn))
+    assert f"{line}: does its queue have a consumer?" in human
+    (tmp_path / "cli_test_app.py").write_text(textwrap.dedent(APP_MODULE))
+    app_env = {"CLI_TEST_APP_DSN": migrated_dsn, "CLI_TEST_APP_TABLE": table}
+    human = ok(run("-A", "cli_test_app:outbox", "stats", dsn=None, cwd=tmp_path, **app_env))
+    assert f"{line}: does queue 'outbox' have a consumer?" in human
+    assert "invoice.sent': " not in human
+
+    shown = ok(run("dead", "show", str(lost[0]), dsn=migrated_dsn))
+    assert "unstarted:     2 claim(s) since a worker last started it" in shown
+    shown = ok(run("dead", "show", str(expired[0]), dsn=migrated_dsn))
+    assert f"fix: outbox-celery dead requeue {expired[0]}" in shown
 
 
 def test_dead_list_show_and_skip(migrated_dsn: str, conn: psycopg.Connection[Any], table: str) -> None:
@@ -331,6 +372,36 @@ def test_dead_list_show_and_skip(migrated_dsn: str, conn: psycopg.Connection[Any
         "skipped by operator: invoice voided by finance (was dead, attempts 1)"
     )
     assert claim(store, conn) == [keyed[1]]  # the key moves on
+
+
+def test_dead_requeue_and_skip_move_expired_processing_rows_and_refuse_live_ones(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    # Invariant 10: a processing row nobody holds any more (lease expired) is the operator's.
+    expired = add(conn, 2, table=table)
+    live = add(conn, 1, table=table)
+    update(
+        conn,
+        table,
+        expired,
+        "status = 'processing', lease_version = 1, lease_until = now() - interval '1 minute'",
+    )
+    update(
+        conn, table, live, "status = 'processing', lease_version = 1, lease_until = now() + interval '1 hour'"
+    )
+    before = snapshot(conn, table)
+    for args in (("requeue", str(expired[0]), str(live[0])), ("skip", str(live[0]), "--reason", "x")):
+        line = one_line_error(run("dead", *args, dsn=migrated_dsn))
+        assert f"message {live[0]} is processing under a live lease" in line
+    assert snapshot(conn, table) == before
+
+    out = ok(run("dead", "requeue", str(expired[0]), dsn=migrated_dsn))
+    assert out.strip() == f"requeued 1 dead message(s): {expired[0]}"
+    assert status_of(conn, table, expired[0])["status"] == "pending"
+    out = ok(run("dead", "skip", str(expired[1]), "--reason", "handler removed", dsn=migrated_dsn))
+    assert out.strip() == f"skipped 1 message(s): {expired[1]}"
+    assert status_of(conn, table, expired[1])["status"] == "done"
+    assert status_of(conn, table, live[0])["status"] == "processing"
 
 
 def test_requeue_of_an_ordered_dead_head_lets_its_key_move_again(

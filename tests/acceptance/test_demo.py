@@ -191,7 +191,7 @@ def _verify_database(dsn: str, summary: dict[str, Any], orders: int) -> dict[str
         deferred_types = {e["event_type"] for e in events if e["lease_version"] > e["attempts"]}
         assert deferred_types <= {"order.shipped"}, deferred_types
         assert {e["status"] for e in events} == {"done"}, [e for e in events if e["status"] != "done"]
-        keys = {f"outbox:{e['id']}" for e in events}
+        keys = {f"public.outbox:{e['id']}" for e in events}
 
         # The inbox holds each delivered event's idempotency key exactly once (it is the
         # primary key), and nothing else for these orders.

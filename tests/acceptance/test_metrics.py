@@ -249,6 +249,20 @@ def test_collector_from_an_outbox_knows_its_handlers(
         outbox.close()
 
 
+def test_collector_reports_messages_whose_tasks_never_started_per_event_type(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    # Invariants 10, 16: claims nobody starts (a queue with no consumer) are visible as a gauge.
+    lost = add(conn, 2, table=table, event_type="order.created")
+    update(conn, table, lost, "lease_version = 3")
+    add(conn, 1, table=table, event_type="invoice.sent")
+    registry = CollectorRegistry()
+    registry.register(OutboxCollector(migrated_dsn, table))
+    got = registry.get_sample_value
+    assert got("outbox_unstarted_messages", {"table": table, "event_type": "order.created"}) == 2
+    assert got("outbox_unstarted_messages", {"table": table, "event_type": "invoice.sent"}) == 0
+
+
 def test_the_documented_metrics_and_alert_rules_match_the_collector() -> None:
     """docs/operations.md lists every metric, and its alert rules only use metrics that exist."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()

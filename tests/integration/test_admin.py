@@ -438,3 +438,42 @@ def test_retention_task_purges_per_config_and_is_scheduled_by_default(
 )
 def test_durations_format_for_humans(seconds: float | None, text: str) -> None:
     assert admin.format_duration(seconds) == text
+
+
+def test_invariant_10_requeue_and_skip_take_expired_processing_rows_and_refuse_live_leases(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    # A task lost for good, or an event type whose handler a deploy removed: the row sits in
+    # processing with an expired lease and no worker. The operator can move it; a live lease,
+    # which a worker may be running, is refused with one line and nothing changes.
+    [lost, skipped, live] = add(conn, 3, table=table)
+    expired = store.claim(conn, limit=2, lease=SHORT, owner="t", max_attempts=5).claimed
+    assert [c.id for c in expired] == [lost, skipped]
+    [held] = store.claim(conn, limit=1, lease=LONG, owner="t", max_attempts=5).claimed
+    assert held.id == live
+    time.sleep(PAST_SHORT)
+    before = [stable(r) for r in fetch_all(conn, table)]
+    for action in (
+        lambda: admin.requeue(conn, table, [lost, live]),
+        lambda: admin.skip(conn, table, [skipped, live], reason="x"),
+    ):
+        with pytest.raises(admin.AdminError) as refused:
+            action()
+        message = str(refused.value)
+        assert f"message {live} is processing under a live lease" in message
+        assert "\n" not in message
+    assert [stable(r) for r in fetch_all(conn, table)] == before
+
+    assert admin.requeue(conn, table, [lost], reason="queue fixed") == [lost]
+    row = fetch(conn, table, lost)
+    assert (row["status"], row["attempts"], row["lease_until"]) == ("pending", 0, None)
+    assert row["started_version"] == row["lease_version"] == 1
+    assert row["last_error"] == "requeued by operator: queue fixed (attempts were 0)"
+    assert admin.skip(conn, table, [skipped], reason="obsolete") == [skipped]
+    row = fetch(conn, table, skipped)
+    assert row["status"] == "done"
+    assert row["last_error"] == "skipped by operator: obsolete (was processing, attempts 0)"
+    # The lost tasks, should they still arrive, are stale.
+    for c in expired:
+        assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is None
+    assert claim_ids(store, conn) == [lost]

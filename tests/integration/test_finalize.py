@@ -154,6 +154,8 @@ def test_invariant_8_permanent_failure_is_dead_and_never_claimed(
     [other] = add(conn, table=table)
     # Later claims (and reaps) take the other row and never the dead one.
     assert claim_ids(store, conn, lease=SHORT) == [other]
+    # Started, then its worker died: the next claim takes it straight back.
+    assert store.start(conn, other, 1, lease=SHORT, max_attempts=5) is not None
     time.sleep(PAST_SHORT)
     assert claim_ids(store, conn, lease=SHORT) == [other]
     assert fetch(conn, table, i)["status"] == "dead"

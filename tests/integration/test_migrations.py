@@ -285,3 +285,64 @@ def test_the_schema_comparison_notices_a_difference(
         )
     )
     assert schema_dump(conn, "events.twin") != schema_dump(conn, table), what
+
+
+def test_migration_3_started_version_from_the_previous_schema_with_rows_in_every_state(
+    conn: psycopg.Connection[Any],
+) -> None:
+    # Invariants 10, 16: after the upgrade a processing claim with no attempt yet counts as lost
+    # (its task never started), any other row as started, so expired leases behave as before
+    # except that certainly-lost claims wait out a delay instead of being re-claimed at once.
+    _replay_up_to(conn, "events.upgraded", 2)
+    t = TableName.parse("events.upgraded")
+    insert = sql.SQL(
+        "INSERT INTO {} (event_type, aggregate_type, aggregate_id, payload, ordering_key, status,"
+        " attempts, lease_version, lease_until, done_at, last_error)"
+        " VALUES ('e', 'a', %s, '{{}}', %s, %s, %s, %s, now() + make_interval(secs => %s), %s, %s)"
+        " RETURNING id"
+    ).format(t.identifier())
+    states = {
+        # name: (ordering_key, status, attempts, lease_version, lease seconds from now, done_at, error)
+        "pending": (None, "pending", 1, 2, None, None, "HTTP 503"),
+        "pending_ordered": ("k1", "pending", 0, 0, None, None, None),
+        "live_unstarted": (None, "processing", 0, 1, 60, None, None),
+        "live_started": ("k2", "processing", 2, 3, 60, None, None),
+        "expired_unstarted": (None, "processing", 0, 4, -60, None, None),
+        "expired_started": (None, "processing", 1, 2, -60, None, None),
+        "done": (None, "done", 1, 1, None, "2026-01-01T00:00:00Z", None),
+        "dead": ("k3", "dead", 3, 3, None, None, "HTTP 400"),
+    }
+    ids: dict[str, int] = {}
+    for name, (key, status, attempts, version, lease, done_at, error) in states.items():
+        row = conn.execute(insert, [name, key, status, attempts, version, lease, done_at, error]).fetchone()
+        assert row is not None
+        ids[name] = int(row[0])
+    assert migrate(conn, "events.upgraded") == [m.version for m in available() if m.version > 2]
+
+    def started_versions() -> dict[str, tuple[str, int, int]]:
+        got = conn.execute(
+            sql.SQL("SELECT aggregate_id, status, lease_version, started_version FROM {}").format(
+                t.identifier()
+            )
+        ).fetchall()
+        return {r[0]: (r[1], int(r[2]), int(r[3])) for r in got}
+
+    assert started_versions() == {
+        "pending": ("pending", 2, 2),
+        "pending_ordered": ("pending", 0, 0),
+        "live_unstarted": ("processing", 1, 0),
+        "live_started": ("processing", 3, 3),
+        "expired_unstarted": ("processing", 4, 3),
+        "expired_started": ("processing", 2, 2),
+        "done": ("done", 1, 0),
+        "dead": ("dead", 3, 3),
+    }
+    result = Store("events.upgraded").claim(conn, limit=10, lease=60.0, owner="w", max_attempts=5)
+    assert sorted(c.id for c in result.claimed) == sorted(
+        [ids["expired_started"], ids["pending"], ids["pending_ordered"]]
+    )
+    assert result.lost == 1
+    after = started_versions()
+    assert after["expired_unstarted"] == ("pending", 4, 3)
+    assert after["live_unstarted"] == ("processing", 1, 0)
+    assert after["done"][0] == "done" and after["dead"][0] == "dead"

@@ -210,6 +210,8 @@ def test_invariant_9_an_expired_or_released_head_comes_back_before_its_successor
 ) -> None:
     a = add(conn, 2, table=table, key="A")
     assert claim_ids(store, conn, lease=SHORT) == [a[0]]
+    # Its worker starts it and dies (a claim that never started waits out a delay instead).
+    assert store.start(conn, a[0], 1, lease=SHORT, max_attempts=5) is not None
     time.sleep(PAST_SHORT)
     claims = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
     assert [(c.id, c.lease_version) for c in claims] == [(a[0], 2)]

@@ -67,6 +67,7 @@ PARAMS: dict[str, Any] = {
     "commit_mode": None,
     "window": 60.0,
     "cap": 1000,
+    "unroutable_delay": 60.0,
 }
 
 HOT = [
@@ -74,6 +75,7 @@ HOT = [
     "claim_expired",
     "claim_heads",
     "reap",
+    "release_expired",
     "start",
     "start_exhausted",
     "finish_done",
