@@ -10,12 +10,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import psycopg
 from celery import Celery, signals
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from .config import OutboxConfig
@@ -28,6 +31,10 @@ __all__ = ["Outbox"]
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Handler)
+
+# Where the DSN comes from when neither ``Outbox(dsn=...)`` nor ``outbox_dsn`` sets it (the CLI
+# reads the same variable).
+DSN_ENV = "OUTBOX_DSN"
 
 # Retention: at most this many batches of ``retention_batch_size`` per beat-triggered run.
 PURGE_MAX_BATCHES_PER_RUN = 20
@@ -109,6 +116,9 @@ class Outbox:
         self._pool: ConnectionPool[Any] | None = None
         self._pool_pid: int | None = None
         self._dispatcher: Dispatcher | None = None
+        self._last_drained: float | None = None
+        self._publish_conn: Any = None
+        self._publish_conn_pid: int | None = None
         self._register_tasks()
         self._connect_signals()
         if getattr(app, "configured", False):
@@ -125,8 +135,24 @@ class Outbox:
     def config(self) -> OutboxConfig:
         """The resolved settings (keyword arguments > Celery ``outbox_*`` > defaults)."""
         if self._config is None:
-            self._config = OutboxConfig.from_mapping(_loaded_conf(self.app), **self._settings)
+            config = OutboxConfig.from_mapping(_loaded_conf(self.app), **self._settings)
+            if config.dsn is None and os.environ.get(DSN_ENV):
+                # Read from the environment, the DSN never enters app.conf, which `celery
+                # report` and `celery inspect conf` print (Celery masks only names it knows).
+                config = config.replace(dsn=os.environ[DSN_ENV])
+            self._config = config
         return self._config
+
+    def _dsn_exposed(self) -> bool:
+        """Whether a DSN with a password sits in the Celery configuration (printed by Celery)."""
+        if "dsn" in self._settings or not self.config.dsn:
+            return False
+        if not _user_set(self.app.conf, "outbox_dsn"):
+            return False
+        try:
+            return bool(conninfo_to_dict(self.config.dsn).get("password"))
+        except psycopg.Error:
+            return True  # unparseable: assume the worst
 
     @property
     def store(self) -> Store:
@@ -199,14 +225,28 @@ class Outbox:
                 f"{self.name}.deliver": {"queue": cfg.default_queue},
             },
         )
+        # A claim run holds the claim lock: one stuck in a hung publish must end (its rows are
+        # then released). Set on the task too, for claims sent by hand.
+        claim_soft, claim_hard = cfg.claim_time_limits
+        # Celery takes fractional seconds here (the stubs say int).
+        self.claim_task.soft_time_limit = claim_soft  # type: ignore[assignment]
+        self.claim_task.time_limit = claim_hard  # type: ignore[assignment]
         schedule = dict(conf.beat_schedule or {})
         schedule.setdefault(
             f"{self.name}-claim",
             {
                 "task": f"{self.name}.claim",
                 "schedule": cfg.claim_interval,
-                # A stalled beat or worker must not pile claims up: each expires after one tick.
-                "options": {"queue": cfg.claim_queue, "expires": cfg.claim_interval},
+                # Celery checks ``expires`` on the worker's clock (invariant 13): one tick would
+                # make a worker 1 s ahead of beat discard every claim, so it gets the skew
+                # allowance on top. Claims that pile up behind a stalled claim worker are
+                # coalesced by the claim task instead (and the claim lock makes any extra cheap).
+                "options": {
+                    "queue": cfg.claim_queue,
+                    "expires": cfg.claim_interval + cfg.max_clock_skew,
+                    "soft_time_limit": claim_soft,
+                    "time_limit": claim_hard,
+                },
             },
         )
         if cfg.retention is not None:
@@ -274,6 +314,13 @@ class Outbox:
                 f"task_time_limit={conf.task_time_limit}s is not below the lease ({cfg.lease}s); "
                 "outbox deliveries use their own limit below the lease"
             )
+        if self._dsn_exposed():
+            problems.append(
+                "outbox_dsn in the Celery configuration holds a password, and `celery report` and "
+                "`celery inspect conf` print it (Celery masks only setting names it knows): set "
+                f"{DSN_ENV} in the environment, pass Outbox(app, dsn=...), or keep the password in "
+                "PGPASSWORD or a passfile"
+            )
         kind = (pool or "").split(":", 1)[0].rsplit(".", 1)[-1].lower()
         delivers = queues is None or bool(set(queues) & set(self.delivery_queues))
         if delivers and kind in _POOLS_WITHOUT_TIME_LIMITS:
@@ -323,14 +370,24 @@ class Outbox:
                     dsn = self.config.dsn
                     if not dsn:
                         raise ConfigurationError(
-                            "no DSN: pass Outbox(app, dsn=...) or set outbox_dsn in the Celery config"
+                            f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn "
+                            "in the Celery config"
                         )
                     self._pool = ConnectionPool(
                         dsn,
                         min_size=1,
                         max_size=self.config.pool_max_size,
-                        kwargs={"autocommit": True, "application_name": f"outbox-celery:{self.name}"},
+                        kwargs={
+                            "autocommit": True,
+                            "application_name": f"outbox-celery:{self.name}",
+                            # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
+                            "prepare_threshold": self.config.prepare_threshold,
+                        },
                         name=f"outbox-{self.name}",
+                        # A connection the server closed while it sat idle (restart, failover,
+                        # pg_terminate_backend) is replaced before use, not handed to a delivery
+                        # whose fenced finalize would then fail (one round trip per checkout).
+                        check=ConnectionPool.check_connection,
                         open=True,
                     )
                     self._pool_pid = pid
@@ -349,6 +406,10 @@ class Outbox:
             if pool is not None and self._pool_pid == os.getpid():
                 pool.close()
             self._pool_pid = None
+            conn, self._publish_conn = self._publish_conn, None
+            if conn is not None and self._publish_conn_pid == os.getpid():
+                with suppress(Exception):
+                    conn.close()
 
     def _after_fork(self, **kwargs: Any) -> None:
         with self._lock:
@@ -389,7 +450,7 @@ class Outbox:
         @self.app.task(name=f"{self.name}.claim", ignore_result=True, acks_late=False, shared=False)
         def claim() -> dict[str, Any]:
             """Reap, claim and publish (triggered by beat every ``claim_interval``)."""
-            return outbox.claim().as_dict()
+            return outbox._claim_coalesced().as_dict()
 
         @self.app.task(
             name=f"{self.name}.deliver",
@@ -432,6 +493,7 @@ class Outbox:
             "time_limit": hard_limit,
             "soft_time_limit": round(max(hard_limit * 0.9, hard_limit - 1.0), 3),
         }
+        skew = timedelta(seconds=cfg.max_clock_skew)
         retry_policy = {
             "max_retries": 1,
             "interval_start": 0.0,
@@ -439,13 +501,15 @@ class Outbox:
             "interval_max": 0.2,
         }
         try:
-            with self.app.producer_or_acquire() as producer:
+            with self._claim_producer() as producer:
                 for c in claims:
                     self.deliver_task.apply_async(
                         (c.id, c.lease_version),
                         task_id=self.task_id(c),
                         queue=self.queue_for(c.event_type),
-                        expires=c.lease_until,
+                        # The fence decides staleness; ``expires`` only saves work, and since
+                        # the worker checks it on its own clock it needs the skew allowance.
+                        expires=c.lease_until + skew,
                         **limits,
                         shadow=f"{self.name}.deliver[{c.event_type}]",
                         headers={"outbox_event_type": c.event_type},
@@ -464,9 +528,57 @@ class Outbox:
             )
         return sent
 
+    @contextmanager
+    def _claim_producer(self) -> Iterator[Any]:
+        """A producer on this process's own broker connection for claim publishes.
+
+        Its socket timeouts (``broker_timeout``) make a publish that hangs on a half-open
+        connection fail, so the claim run releases its rows instead of holding the claim lock
+        forever. They apply to this connection only, not to ``broker_transport_options``: there
+        they would reach every connection of the app, the workers' consuming ones included,
+        whose liveness kombu's own health checks handle. A connection that failed is closed and
+        replaced at the next run, never reused.
+        """
+        pid = os.getpid()
+        conn = self._publish_conn
+        if conn is None or self._publish_conn_pid != pid:
+            timeout = self.config.broker_timeout
+            url = str(self.app.conf.broker_write_url or self.app.conf.broker_url or "")
+            options: dict[str, Any] = {}
+            if _is_redis(url):
+                options = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+            elif url.startswith(("amqp", "pyamqp")):
+                # A publishing connection only: read timeouts cannot starve a consumer here.
+                options = {"read_timeout": timeout, "write_timeout": timeout}
+            conn = self.app.connection_for_write(connect_timeout=timeout, transport_options=options)
+            self._publish_conn, self._publish_conn_pid = conn, pid
+        try:
+            yield self.app.amqp.Producer(conn, auto_declare=True)
+        except BaseException:
+            self._publish_conn = None
+            with suppress(Exception):
+                conn.close()
+            raise
+
     def claim(self) -> ClaimRun:
         """Run one claim (what the beat-triggered task does); usable without Celery workers."""
         return self.dispatcher.claim_and_publish(self.publish, owner=default_owner())
+
+    def _claim_coalesced(self) -> ClaimRun:
+        """The claim task's body: a claim run, unless this process just drained the table.
+
+        Claim tasks pile up behind a claim worker that was stopped or paused while beat kept
+        sending (their ``expires`` leaves minutes for clock skew). Run back to back they would
+        each claim an empty batch; a run that arrives within half a ``claim_interval`` of this
+        process's last run that found nothing more to claim returns at once. Durations are
+        measured on this process's monotonic clock, never compared with another's.
+        """
+        last = self._last_drained
+        if last is not None and time.monotonic() - last < self.config.claim_interval / 2:
+            return ClaimRun(skipped=True, stopped_by="coalesced")
+        run = self.claim()
+        self._last_drained = time.monotonic() if run.stopped_by == "drained" else None
+        return run
 
     def deliver(self, outbox_id: int, lease_version: int) -> str:
         """Deliver one row in this process (what the delivery task does)."""

@@ -96,6 +96,10 @@ def _positive_int(value: Any, name: str) -> int:
     return value
 
 
+# Shortest lease accepted: the delivery's hard time limit (0.9 * lease) stays below the lease
+# and the soft one below that, each by a margin a loaded worker can still honour.
+MIN_LEASE = 2.0
+
 _SECONDS_FIELDS = (
     "lease",
     "claim_interval",
@@ -105,6 +109,10 @@ _SECONDS_FIELDS = (
     "max_defer_age",
     "unroutable_delay",
     "retention",
+    "max_clock_skew",
+    "broker_timeout",
+    "claim_time_limit",
+    "handler_time_limit",
 )
 _INT_FIELDS = (
     "batch_size",
@@ -120,10 +128,15 @@ _INT_FIELDS = (
 class OutboxConfig:
     """Every knob of an outbox. Seconds may be given as ``timedelta``.
 
-    :ivar dsn: PostgreSQL connection string (libpq format or URI). Required by workers.
+    :ivar dsn: PostgreSQL connection string (libpq format or URI). Required by workers. When
+        neither ``Outbox(dsn=...)`` nor ``outbox_dsn`` gives one, :class:`~outbox_celery.Outbox`
+        reads the ``OUTBOX_DSN`` environment variable. A password in ``outbox_dsn`` is printed
+        by ``celery report`` and ``celery inspect conf``; the variable, the keyword, or a
+        password in ``PGPASSWORD`` / a passfile keep it out.
     :ivar table: outbox table, ``"name"`` or ``"schema.name"``. Default ``"outbox"``.
-    :ivar lease: seconds a claim owns a row before another claim may take it. Default 60. The
-        delivery task's time limit is set below it and its Celery ``expires`` at its end.
+    :ivar lease: seconds a claim owns a row before another claim may take it. Default 60; at
+        least 2 (shorter leases raise :class:`ConfigurationError`). The delivery task's hard time
+        limit is ``0.9 * lease`` and its Celery ``expires`` ``max_clock_skew`` after its end.
     :ivar batch_size: rows claimed per claim transaction. Default 200.
     :ivar max_attempts: handler runs before a message goes ``dead``. Default 12.
     :ivar claim_interval: seconds between beat-triggered claim runs (sub-second allowed).
@@ -153,6 +166,35 @@ class OutboxConfig:
     :ivar relaxed_commit: commit the fenced start and ``done`` with ``synchronous_commit = off``
         (only a PostgreSQL crash can lose them, which costs at most a redelivery after the lease;
         claims always commit durably). Default true.
+    :ivar max_clock_skew: seconds the wall clocks of workers and beat may be off from
+        PostgreSQL's (and from each other) without losing a claim or a delivery (invariant 13).
+        Celery checks ``expires`` on the receiving worker's own clock, so the claim task expires
+        ``claim_interval + max_clock_skew`` after beat sent it and a delivery task
+        ``max_clock_skew`` after its lease end; the fence, not ``expires``, decides whether a
+        task is stale. Default 300 (five minutes).
+    :ivar broker_timeout: seconds the claim's publishing connection may block on connect, read
+        or write before it fails (Redis ``socket_timeout``/``socket_connect_timeout``, py-amqp
+        ``read_timeout``/``write_timeout``, on that connection only). A publish that hangs (a
+        half-open TCP connection) then fails and the claim run gives its rows back to
+        ``pending``. Default 10.
+    :ivar claim_time_limit: soft time limit of the claim task, in seconds; the hard one is 5 s
+        later. A claim run that outlives it stops publishing and releases what it had not
+        published (a backstop for brokers without socket timeouts). Default
+        ``claim budget + 3 * broker_timeout``.
+    :ivar prepare_threshold: psycopg's ``prepare_threshold`` for the pool's connections: a
+        query executed this many times on a connection becomes a server-side prepared
+        statement. ``None`` disables them, as PgBouncer in transaction pooling needs before 1.21
+        (from 1.21 on, PgBouncer's ``max_prepared_statements`` lets them work). ``None`` counts
+        in the Celery configuration too (``outbox_prepare_threshold = None``). Default 5
+        (psycopg's).
+    :ivar lease_heartbeat: extend the lease automatically while a handler runs (every third of
+        a lease, fenced, from a thread; it stops when the lease is lost or the handler ends), so
+        handlers may run longer than one lease. The delivery's hard time limit is then
+        ``handler_time_limit`` instead of ``0.9 * lease``, and the heartbeat stops extending
+        once a handler has run that long. Default false.
+    :ivar handler_time_limit: with ``lease_heartbeat``, the delivery task's hard time limit in
+        seconds (soft: ``max(0.9 * hard, hard - 1)``). Default ``10 * lease``. Only allowed
+        with ``lease_heartbeat`` (without it the limit is ``0.9 * lease``).
     :ivar configure_celery: apply recommended Celery settings (prefetch 1, Redis visibility
         timeout above the lease) where the user has not set them. Default true.
     """
@@ -179,23 +221,60 @@ class OutboxConfig:
     retention_batch_size: int = 5000
     relaxed_commit: bool = True
     configure_celery: bool = True
+    max_clock_skew: float = 300.0
+    broker_timeout: float = 10.0
+    claim_time_limit: float | None = None
+    prepare_threshold: int | None = 5
+    lease_heartbeat: bool = False
+    handler_time_limit: float | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "table", TableName.parse(self.table))
         for name in _SECONDS_FIELDS:
             value = getattr(self, name)
-            if value is None and name in ("claim_budget", "retention"):
+            if value is None and name in (
+                "claim_budget",
+                "retention",
+                "claim_time_limit",
+                "handler_time_limit",
+            ):
                 continue
             set_(self, name, _seconds(value, name))
         for name in _INT_FIELDS:
             _positive_int(getattr(self, name), name)
+        if not isinstance(self.lease_heartbeat, bool):
+            raise ConfigurationError(f"lease_heartbeat must be true or false, got {self.lease_heartbeat!r}")
+        if self.handler_time_limit is not None and not self.lease_heartbeat:
+            raise ConfigurationError(
+                "handler_time_limit needs lease_heartbeat: without it the delivery's time limit "
+                "is 0.9 * lease, so that the lease outlives the handler"
+            )
+        if self.pool_max_size < 2:
+            # A claim run holds two: one keeps the claim lock's transaction open, the other
+            # commits the claims.
+            raise ConfigurationError(f"pool_max_size must be at least 2, got {self.pool_max_size}")
+        if self.prepare_threshold is not None and (
+            isinstance(self.prepare_threshold, bool)
+            or not isinstance(self.prepare_threshold, int)
+            or self.prepare_threshold < 0
+        ):
+            raise ConfigurationError(
+                f"prepare_threshold must be None or an integer >= 0, got {self.prepare_threshold!r}"
+            )
         if self.min_in_flight is not None:
             _positive_int(self.min_in_flight, "min_in_flight")
         if self.backoff_cap < self.backoff_base:
             raise ConfigurationError("backoff_cap must be >= backoff_base")
         if self.claim_interval >= self.lease:
             raise ConfigurationError("claim_interval must be shorter than lease")
+        if self.lease < MIN_LEASE:
+            # The delivery's hard time limit (0.9 * lease) must end a handler before its lease
+            # does, with room for the fenced finalize; under 2 s there is none to speak of.
+            raise ConfigurationError(
+                f"lease must be at least {MIN_LEASE:g} s (got {self.lease:g} s): the delivery "
+                "task's time limits must fit below it"
+            )
         if self.dsn is not None and not isinstance(self.dsn, str):
             raise ConfigurationError("dsn must be a string")
         for name in ("claim_queue", "default_queue"):
@@ -208,6 +287,16 @@ class OutboxConfig:
         return self.claim_budget if self.claim_budget is not None else max(self.claim_interval, 1.0)
 
     @property
+    def claim_time_limits(self) -> tuple[float, float]:
+        """``(soft, hard)`` time limits of the claim task, in seconds."""
+        soft = self.claim_time_limit
+        if soft is None:
+            # A run claims for its budget, then each publish may block for a broker timeout
+            # (and once more on kombu's single retry, and on a reconnect).
+            soft = self.effective_claim_budget + 3 * self.broker_timeout
+        return soft, soft + 5.0
+
+    @property
     def effective_min_in_flight(self) -> int:
         """The lower bound of the adaptive in-flight limit."""
         floor = self.min_in_flight if self.min_in_flight is not None else self.batch_size
@@ -215,8 +304,15 @@ class OutboxConfig:
 
     @property
     def task_time_limit(self) -> float:
-        """Hard time limit of a delivery task: safely below the lease."""
-        return max(1.0, self.lease * 0.9)
+        """Hard time limit of a delivery task.
+
+        ``0.9 * lease``, always below the lease; with ``lease_heartbeat`` the heartbeat keeps
+        the lease ahead of the handler instead, and the limit is ``handler_time_limit``
+        (default ``10 * lease``).
+        """
+        if self.lease_heartbeat:
+            return self.handler_time_limit if self.handler_time_limit is not None else 10 * self.lease
+        return self.lease * 0.9
 
     def replace(self, **changes: Any) -> OutboxConfig:
         """A copy with ``changes`` applied (and validated)."""
@@ -236,7 +332,8 @@ class OutboxConfig:
                 present = key in conf
             except TypeError:  # pragma: no cover - exotic mappings
                 present = False
-            if present and conf[key] is not None:
+            # None is a value of its own for prepare_threshold (disabled), not "unset".
+            if present and (conf[key] is not None or name == "prepare_threshold"):
                 values[name] = conf[key]
         values.update({k: v for k, v in overrides.items()})
         return cls(**values)

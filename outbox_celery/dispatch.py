@@ -22,6 +22,7 @@ import psycopg
 from .backoff import Backoff
 from .config import OutboxConfig
 from .errors import Defer, PermanentError, RetryableError
+from .heartbeat import lease_heartbeat
 from .message import Message
 from .store import Claimed, Store
 
@@ -166,15 +167,16 @@ class Dispatcher:
             logger.warning("outbox claim: no handlers registered, nothing to claim")
             run.stopped_by = "no_handlers"
             return run
-        with self.connection() as conn:
-            if not self.store.try_claim_lock(conn):
+        # The claim lock lives in a transaction held open on a connection of its own for the
+        # whole run (the claims commit on the other); its end releases the lock. Taken first, so
+        # a run that loses the race never holds a second pooled connection.
+        with self.connection() as lock_conn, lock_conn.transaction():
+            if not self.store.try_claim_lock(lock_conn):
                 run.skipped = True
                 run.stopped_by = "another_claim_running"
                 return run
-            try:
+            with self.connection() as conn:
                 self._claim_loop(conn, publish, run, owner, event_types, deadline)
-            finally:
-                self.store.claim_unlock(conn)
         run.seconds = time.monotonic() - started
         if run.claimed or run.reaped or run.released or run.lost or run.unroutable:
             logger.info(
@@ -275,7 +277,8 @@ class Dispatcher:
         msg = replace(msg, _extend=lambda seconds: self._extend(outbox_id, lease_version, seconds))
         started = time.monotonic()
         try:
-            spec.fn(msg)
+            with lease_heartbeat(cfg, msg.extend_lease, log=log):  # no-op unless configured
+                spec.fn(msg)
         except Defer as d:
             outcome = self._finish(
                 "defer", outbox_id, lease_version, delay=d.delay, reason=d.reason, max_age=cfg.max_defer_age

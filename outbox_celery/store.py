@@ -184,13 +184,18 @@ class Store:
     # -- claim ---------------------------------------------------------------------------------
 
     def try_claim_lock(self, conn: psycopg.Connection[Any]) -> bool:
-        """Session-level advisory lock: one claim run per table at a time."""
+        """Transaction-level advisory lock: one claim run per table at a time.
+
+        ``conn`` must be inside a transaction that the caller keeps open for the whole claim run
+        (on a connection of its own: the claims commit on another); ending that transaction
+        releases the lock. Nothing lives in the session, so it holds behind PgBouncer in
+        transaction pooling, where a session lock could be taken on one server connection and
+        "released" on another, leaving every later run skipped.
+        """
+        if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
+            raise RuntimeError("try_claim_lock needs an open transaction (conn.transaction())")
         row = conn.execute(self._q["try_claim_lock"], {"table": self._regclass(conn)}).fetchone()
         return bool(row and row[0])
-
-    def claim_unlock(self, conn: psycopg.Connection[Any]) -> None:
-        """Release :meth:`try_claim_lock`."""
-        conn.execute(self._q["claim_unlock"], {"table": self._regclass(conn)})
 
     def in_flight(self, conn: psycopg.Connection[Any]) -> int:
         """Live leases: rows ``processing`` whose lease has not run out (DESIGN invariant 16)."""

@@ -27,12 +27,10 @@ SELECT count(pg_advisory_xact_lock(hashtextextended(
 FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k) ORDER BY k) AS sorted_keys;
 
 -- name: try_claim_lock
--- One claim run per table at a time: keeps the in-flight bound exact.
-SELECT pg_try_advisory_lock(hashtextextended(
-    'outbox_celery:claim:' || %(table)s::regclass::oid::text, 0));
-
--- name: claim_unlock
-SELECT pg_advisory_unlock(hashtextextended(
+-- One claim run per table at a time: keeps the in-flight bound exact. Transaction-scoped: the
+-- caller holds the transaction open for the run and its end releases the lock, so no session
+-- state is involved (PgBouncer's transaction pooling may move sessions between transactions).
+SELECT pg_try_advisory_xact_lock(hashtextextended(
     'outbox_celery:claim:' || %(table)s::regclass::oid::text, 0));
 
 -- name: count_in_flight

@@ -64,7 +64,14 @@ def test_settings_come_from_celery_outbox_keys_and_keyword_arguments_win() -> No
     entry = app.conf.beat_schedule["outbox-claim"]
     assert entry["task"] == "outbox.claim"
     assert entry["schedule"] == 0.25
-    assert entry["options"] == {"queue": "cq", "expires": 0.25}
+    soft, hard = cfg.claim_time_limits
+    assert entry["options"] == {
+        "queue": "cq",
+        "expires": 0.25 + cfg.max_clock_skew,
+        "soft_time_limit": soft,
+        "time_limit": hard,
+    }
+    assert (outbox.claim_task.soft_time_limit, outbox.claim_task.time_limit) == (soft, hard)
 
 
 def test_settings_with_a_celery_namespace_django_style() -> None:
@@ -160,6 +167,8 @@ def test_recommended_worker_settings_are_applied_where_unset() -> None:
     Outbox(app, lease=120)
     assert app.conf.worker_prefetch_multiplier == 1
     assert app.conf.broker_transport_options["visibility_timeout"] > 120
+    # Socket timeouts go to the claim's own publishing connection, not to every consumer.
+    assert "socket_timeout" not in app.conf.broker_transport_options
     delivery = app.tasks["outbox.deliver"]
     assert delivery.acks_late is True
     assert delivery.max_retries == 0

@@ -1,8 +1,9 @@
 """What Celery really puts on the wire (DESIGN §4): read off the broker before any worker.
 
-Delivery tasks: deterministic id ``<table>:<id>:v<version>``, ``expires`` at the lease end,
-a shadow name per event type, readable args, time limits below the lease, routed to the event
-type's queue. The claim task: on the claim queue, expiring after one interval.
+Delivery tasks: deterministic id ``<table>:<id>:v<version>``, ``expires`` at the lease end plus the
+clock-skew allowance, a shadow name per event type, readable args, time limits below the lease,
+routed to the event type's queue. The claim task: on the claim queue, expiring after one interval
+plus the allowance.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def test_delivery_task_messages_carry_ids_expiry_names_and_routes(harness: Harne
         assert m.headers["shadow"] == f"outbox.deliver[{event_type}]"
         assert m.headers["argsrepr"] == repr((i, 1))
         assert m.headers["retries"] == 0
-        assert datetime.fromisoformat(m.headers["expires"]) == rows[i]["lease_until"]
+        # Invariant 13: the lease end plus the skew allowance (the fence decides staleness).
+        skew = timedelta(seconds=harness.outbox.config.max_clock_skew)
+        assert datetime.fromisoformat(m.headers["expires"]) == rows[i]["lease_until"] + skew
         hard, soft = m.headers["timelimit"]
         assert 0 < soft < hard < 45.0
         assert m.headers["outbox_event_type"] == event_type
@@ -49,7 +52,9 @@ def test_delivery_task_messages_carry_ids_expiry_names_and_routes(harness: Harne
     assert queue_length(harness.broker_url, harness.default_queue) == 0
 
 
-def test_beat_sends_the_claim_task_to_the_claim_queue_expiring_after_one_interval(harness: Harness) -> None:
+def test_beat_sends_the_claim_task_to_the_claim_queue_expiring_after_the_skew_allowance(
+    harness: Harness,
+) -> None:
     harness.configure(claim_interval=0.5)
     queue_length(harness.broker_url, harness.claim_queue)  # declared, as a worker would
     started = datetime.now(UTC)
@@ -61,7 +66,9 @@ def test_beat_sends_the_claim_task_to_the_claim_queue_expiring_after_one_interva
     for m in taken:
         assert m.headers["task"] == "outbox.claim"
         expires = datetime.fromisoformat(m.headers["expires"])
-        # Sent between start and now, expiring one interval after it was sent.
-        assert started < expires <= taken_at + timedelta(seconds=0.5)
+        # Sent between start and now, expiring one interval plus the skew allowance after it
+        # was sent (invariant 13: a worker whose clock is ahead of beat's still runs it).
+        allowance = timedelta(seconds=0.5 + harness.outbox.config.max_clock_skew)
+        assert started + allowance < expires <= taken_at + allowance
     first, second = (datetime.fromisoformat(m.headers["expires"]) for m in taken)
     assert second > first

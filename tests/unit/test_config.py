@@ -145,6 +145,10 @@ def test_config_is_frozen() -> None:
         {"min_in_flight": 0},
         {"max_payload_bytes": 0},
         {"pool_max_size": 0},
+        {"pool_max_size": 1},
+        {"prepare_threshold": -1},
+        {"prepare_threshold": True},
+        {"prepare_threshold": "5"},
         {"retention_batch_size": 0},
         {"backoff_base": 10.0, "backoff_cap": 5.0},
         {"claim_interval": 60.0, "lease": 60.0},
@@ -189,3 +193,46 @@ def test_from_mapping_validates_values_from_the_celery_config() -> None:
 def test_min_in_flight_is_capped_by_max_in_flight() -> None:
     assert OutboxConfig(batch_size=500, max_in_flight=100).effective_min_in_flight == 100
     assert OutboxConfig(min_in_flight=10).effective_min_in_flight == 10
+
+
+@pytest.mark.parametrize("lease", [0.5, 1.0, 1.1, 1.99])
+def test_leases_too_short_for_a_time_limit_below_them_are_refused(lease: float) -> None:
+    """The hard time limit was max(1, 0.9 * lease): not below leases under ~1.1 s."""
+    with pytest.raises(ConfigurationError, match="lease must be at least 2 s"):
+        OutboxConfig(lease=lease, claim_interval=0.1)
+
+
+@pytest.mark.parametrize("lease", [2.0, 2.5, 4.0, 10.0, 60.0, 3600.0])
+def test_delivery_time_limits_are_always_below_the_lease(lease: float) -> None:
+    config = OutboxConfig(lease=lease, claim_interval=0.1)
+    hard = config.task_time_limit
+    soft = max(hard * 0.9, hard - 1.0)
+    assert 0 < soft < hard < lease
+
+
+def test_prepare_threshold_none_disables_prepared_statements_also_from_celery_conf() -> None:
+    assert OutboxConfig().prepare_threshold == 5
+    assert OutboxConfig(prepare_threshold=None).prepare_threshold is None
+    conf = {"outbox_prepare_threshold": None}
+    assert OutboxConfig.from_mapping(conf).prepare_threshold is None
+    assert OutboxConfig.from_mapping({"outbox_prepare_threshold": 0}).prepare_threshold == 0
+
+
+def test_with_the_lease_heartbeat_the_time_limit_is_the_handler_time_limit() -> None:
+    assert OutboxConfig(lease=30).task_time_limit == 27.0
+    assert OutboxConfig(lease=30, lease_heartbeat=True).task_time_limit == 300.0
+    config = OutboxConfig(lease=30, lease_heartbeat=True, handler_time_limit=timedelta(hours=1))
+    assert config.task_time_limit == 3600.0
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"handler_time_limit": 100.0},
+        {"lease_heartbeat": "yes"},
+        {"lease_heartbeat": True, "handler_time_limit": 0},
+    ],
+)
+def test_bad_heartbeat_settings_raise_configuration_error(changes: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError):
+        OutboxConfig(**changes)
