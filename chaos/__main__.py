@@ -1,0 +1,9 @@
+"""``python -m chaos``: see :mod:`chaos.runner`."""
+
+from __future__ import annotations
+
+import sys
+
+from .runner import main
+
+sys.exit(main())

@@ -1,0 +1,124 @@
+"""The Celery app the chaos run's ``celery worker`` and ``celery beat`` processes load.
+
+``celery -A chaos.app worker|beat``, configured by the runner through ``CHAOS_*`` environment
+variables. One handler per message kind; each appends what it saw (row id, lease version,
+attempt, outcome, ordering key, pid) as one JSON line to ``CHAOS_SEEN``, which the end check
+compares with the table. A line is written with one ``O_APPEND`` write, so lines from many
+processes never interleave and the file's order is the order in which handlers ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from celery import Celery
+
+from outbox_celery import Defer, Message, PermanentError, RetryableError
+from outbox_celery.celery_app import Outbox
+
+from .workload import PERMANENT_ERROR
+
+__all__ = ["app", "outbox", "record"]
+
+app = Celery("chaos", broker=os.environ.get("CHAOS_BROKER_URL", "memory://"))
+app.conf.update(
+    task_ignore_result=True,
+    worker_send_task_events=False,
+    broker_connection_retry_on_startup=True,
+    # Keep reconnecting for as long as the broker is down (the broker restart fault).
+    broker_connection_max_retries=None,
+    worker_cancel_long_running_tasks_on_connection_loss=False,
+    beat_schedule={},
+)
+
+outbox = Outbox(
+    app,
+    name="chaos",
+    dsn=os.environ.get("CHAOS_DSN"),
+    claim_queue="chaos.claim",
+    default_queue="chaos.deliver",
+    lease=float(os.environ.get("CHAOS_LEASE", "3")),
+    claim_interval=float(os.environ.get("CHAOS_CLAIM_INTERVAL", "0.25")),
+    batch_size=100,
+    max_attempts=12,
+    backoff_base=0.2,
+    backoff_cap=2.0,
+    unroutable_delay=2.0,
+    pool_max_size=2,
+    retention=None,
+    # Settings a fault needs (the pgbouncer window's prepare_threshold), as JSON.
+    **json.loads(os.environ.get("CHAOS_OUTBOX_SETTINGS") or "{}"),
+)
+
+
+def record(message: Message, outcome: str) -> None:
+    """Append one line saying this handler run saw ``message`` and what it decided."""
+    line = json.dumps(
+        {
+            "id": message.id,
+            "v": message.lease_version,
+            "a": message.attempts,
+            "t": message.event_type,
+            "o": outcome,
+            "k": message.ordering_key,
+            "pid": os.getpid(),
+        },
+        separators=(",", ":"),
+    )
+    fd = os.open(os.environ["CHAOS_SEEN"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+@outbox.handler("chaos.ok")
+def ok(message: Message) -> None:
+    """Delivered at once."""
+    record(message, "ok")
+
+
+@outbox.handler("chaos.ordered")
+def ordered(message: Message) -> None:
+    """Delivered at once; the end check verifies that each key's messages ran in id order."""
+    record(message, "ok")
+
+
+@outbox.handler("chaos.retry")
+def retry(message: Message) -> None:
+    """Fails retryably until its attempt number passes ``payload["fail"]``."""
+    if message.attempts <= int(message.payload["fail"]):
+        record(message, "retry")
+        raise RetryableError("chaos: try again", delay=0.3)
+    record(message, "ok")
+
+
+@outbox.handler("chaos.permanent")
+def permanent(message: Message) -> None:
+    """Never works: must end ``dead`` with :data:`PERMANENT_ERROR`."""
+    record(message, "permanent")
+    raise PermanentError(PERMANENT_ERROR)
+
+
+@outbox.handler("chaos.defer")
+def defer(message: Message) -> None:
+    """Defers once (a marker file remembers it across processes), then is delivered.
+
+    A deferral refunds the attempt, so ``attempts`` cannot tell the first run from the next.
+    """
+    marker = Path(os.environ["CHAOS_MARKERS"]) / str(message.id)
+    if not marker.exists():
+        marker.touch()
+        record(message, "defer")
+        raise Defer(float(message.payload["delay"]), "chaos: not yet")
+    record(message, "ok")
+
+
+@outbox.handler("chaos.slow")
+def slow(message: Message) -> None:
+    """Takes a while (well below the time limit), so kills often catch it running."""
+    time.sleep(float(message.payload["sleep"]))
+    record(message, "ok")

@@ -1,0 +1,152 @@
+"""The end check: the outbox table against what the handlers recorded, and the summary table."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .workload import HEALTHY, PERMANENT_ERROR
+
+__all__ = ["FaultRecord", "Verdict", "check", "render"]
+
+
+@dataclass
+class FaultRecord:
+    """One injected (or skipped) fault and what the outbox did meanwhile."""
+
+    name: str
+    at: float  # seconds since the run started
+    clock: str  # UTC wall clock, HH:MM:SS
+    detail: str = ""
+    seconds: float = 0.0  # how long the fault lasted
+    delivered: int | None = None  # rows that became done during the fault (and its window)
+    skipped: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Verdict:
+    """Everything the end check found; ``violations`` empty means the run passed."""
+
+    rows: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+    by_kind: dict[str, Counter[str]] = field(default_factory=dict)
+    handler_runs: int = 0
+    duplicates: int = 0
+    duplicated_ids: int = 0
+    inversions: int = 0
+    stuck: list[int] = field(default_factory=list)
+    healthy_dead: list[tuple[int, str]] = field(default_factory=list)
+    permanent_wrong: list[tuple[int, str, str]] = field(default_factory=list)
+    never_seen: list[int] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+
+
+def _seen(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+    return out
+
+
+def check(rows: list[tuple[int, str, str, str | None, str | None]], seen_path: Path) -> Verdict:
+    """Judge the run from ``rows`` (id, event_type, status, ordering_key, last_error)."""
+    v = Verdict(rows=len(rows))
+    sightings = _seen(seen_path)
+    v.handler_runs = len(sightings)
+    delivered: Counter[int] = Counter(s["id"] for s in sightings if s["o"] == "ok")
+    v.duplicates = sum(n - 1 for n in delivered.values() if n > 1)
+    v.duplicated_ids = sum(1 for n in delivered.values() if n > 1)
+
+    by_kind: dict[str, Counter[str]] = defaultdict(Counter)
+    for row_id, event_type, status, _key, error in rows:
+        kind = event_type.removeprefix("chaos.")
+        by_kind[kind][status] += 1
+        v.by_status[status] = v.by_status.get(status, 0) + 1
+        if status not in ("done", "dead"):
+            v.stuck.append(row_id)
+        elif kind == "permanent":
+            if status != "dead" or PERMANENT_ERROR not in (error or ""):
+                v.permanent_wrong.append((row_id, status, (error or "")[:120]))
+        elif kind in HEALTHY and status == "dead":
+            v.healthy_dead.append((row_id, (error or "")[:120]))
+        elif status == "done" and delivered[row_id] == 0:
+            v.never_seen.append(row_id)
+    v.by_kind = dict(by_kind)
+
+    # Ordered keys: in the order handlers ran, an id below one already seen on its key is an
+    # inversion (a retry of the same head is not).
+    highest: dict[str, int] = {}
+    for s in sightings:
+        key = s.get("k")
+        if key is None:
+            continue
+        if s["id"] < highest.get(key, -1):
+            v.inversions += 1
+        highest[key] = max(highest.get(key, -1), s["id"])
+
+    if v.stuck:
+        v.violations.append(f"{len(v.stuck)} row(s) lost or stuck (not done/dead after the drain)")
+    if v.healthy_dead:
+        v.violations.append(f"{len(v.healthy_dead)} healthy message(s) dead")
+    if v.permanent_wrong:
+        v.violations.append(f"{len(v.permanent_wrong)} permanent message(s) not dead with their error")
+    if v.never_seen:
+        v.violations.append(f"{len(v.never_seen)} row(s) done without a successful handler run")
+    if v.inversions:
+        v.violations.append(f"{v.inversions} ordering inversion(s)")
+    return v
+
+
+def render(
+    v: Verdict,
+    faults: list[FaultRecord],
+    facts: list[tuple[str, str]],
+) -> str:
+    """The summary printed at the end of a run."""
+    lines: list[str] = []
+    width = max(len(k) for k, _ in facts) if facts else 10
+    lines.append("== chaos run ==")
+    for k, val in facts:
+        lines.append(f"  {k:<{width}}  {val}")
+    lines.append("")
+    lines.append("== faults ==")
+    lines.append(f"  {'t+s':>6}  {'utc':<8}  {'fault':<16}  {'lasted':>7}  {'delivered':>9}  detail")
+    for f in faults:
+        if f.skipped:
+            lines.append(
+                f"  {f.at:>6.1f}  {f.clock:<8}  {f.name:<16}  {'-':>7}  {'-':>9}  SKIPPED: {f.skipped}"
+            )
+            continue
+        got = "-" if f.delivered is None else str(f.delivered)
+        text = f.detail + (f"  ERROR: {f.error}" if f.error else "")
+        lines.append(f"  {f.at:>6.1f}  {f.clock:<8}  {f.name:<16}  {f.seconds:>6.1f}s  {got:>9}  {text}")
+    lines.append("")
+    lines.append("== outcome ==")
+    lines.append(f"  rows {v.rows}: " + ", ".join(f"{s} {n}" for s, n in sorted(v.by_status.items())))
+    for kind, counts in sorted(v.by_kind.items()):
+        lines.append(f"    {kind:<10} " + ", ".join(f"{s} {n}" for s, n in sorted(counts.items())))
+    lines.append(f"  handler runs {v.handler_runs}")
+    lines.append(f"  duplicates   {v.duplicates} extra successful run(s) over {v.duplicated_ids} message(s)")
+    lines.append(f"  inversions   {v.inversions}")
+    if v.stuck:
+        lines.append(f"  stuck ids    {v.stuck[:20]}{' ...' if len(v.stuck) > 20 else ''}")
+    for row_id, error in v.healthy_dead[:10]:
+        lines.append(f"  healthy dead {row_id}: {error}")
+    for row_id, status, error in v.permanent_wrong[:10]:
+        lines.append(f"  permanent    {row_id} {status}: {error}")
+    if v.never_seen:
+        lines.append(f"  never seen   {v.never_seen[:20]}")
+    lines.append("")
+    if v.violations:
+        lines.append("VERDICT: FAIL")
+        lines.extend(f"  - {text}" for text in v.violations)
+    else:
+        lines.append("VERDICT: PASS")
+    return "\n".join(lines)

@@ -1,0 +1,572 @@
+"""A chaos run: real beat and workers over a mixed workload, faults injected while it flows.
+
+The run owns every process it starts (Celery beat, a claim worker, two delivery workers, a
+Redis server without persistence, pgbouncer, an embedded PostgreSQL unless ``--dsn`` is given)
+and stops them all on the way out, whatever happens. See docs/chaos.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from outbox_celery.config import OutboxConfig
+from outbox_celery.migrations import migrate
+from outbox_celery.testing import redact
+
+from .check import FaultRecord, Verdict, check, render
+from .procs import Child, Supervisor, child_pids
+from .services import PgBouncer, Postgres, RedisServer, connect
+from .workload import Producer, plan
+
+__all__ = ["FAULTS", "Profile", "main"]
+
+ROOT = Path(__file__).resolve().parent.parent
+DELIVERY_WORKERS = ("w1", "w2")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes and durations of a run."""
+
+    messages: int
+    lease: float
+    claim_interval: float
+    settle: float  # seconds between faults
+    outage_leases: float  # deploy outage length, in leases
+    window_leases: float  # clock-skew and pgbouncer windows, in leases
+    drain_timeout: float
+    slow_max: float
+    keys: int
+    child_kills: int
+    backend_kills: int
+
+
+FULL = Profile(
+    messages=6000,
+    lease=3.0,
+    claim_interval=0.25,
+    settle=6.0,
+    outage_leases=4,
+    window_leases=5,
+    drain_timeout=240.0,
+    slow_max=1.0,
+    keys=8,
+    child_kills=6,
+    backend_kills=3,
+)
+SHORT = Profile(
+    messages=2000,
+    lease=2.0,
+    claim_interval=0.25,
+    settle=3.0,
+    outage_leases=3,
+    window_leases=4,
+    drain_timeout=90.0,
+    slow_max=0.5,
+    keys=6,
+    child_kills=3,
+    backend_kills=2,
+)
+
+# Every fault, in the order a run injects them.
+FAULTS = (
+    "child_kills",
+    "worker_kill",
+    "broker_restart",
+    "broker_flush",
+    "deploy_outage",
+    "backend_kills",
+    "pg_restart",
+    "clock_ahead",
+    "clock_behind",
+    "pgbouncer",
+)
+
+# Faults that run the workers differently for a window; consecutive ones chain their restarts.
+WINDOW_FAULTS = ("clock_ahead", "clock_behind", "pgbouncer")
+
+# What docs/celery.md tells PgBouncer users to set (transaction pooling; a pgbouncer older than
+# 1.21 cannot keep prepared statements across server sessions). Where the library has no such
+# setting yet, nothing is passed and the window shows what happens without it.
+PGBOUNCER_SETTINGS = (
+    json.dumps({"prepare_threshold": None})
+    if "prepare_threshold" in OutboxConfig.__dataclass_fields__
+    else None
+)
+
+
+class Interrupted(Exception):  # noqa: N818 - a request, not an error
+    """SIGTERM or SIGHUP: stop everything and exit."""
+
+
+def _log(start: float, text: str) -> None:
+    print(
+        f"[{time.strftime('%H:%M:%S', time.gmtime())} t+{time.monotonic() - start:6.1f}s] {text}", flush=True
+    )
+
+
+class Run:
+    """One chaos run over ``postgres`` (already created) with its own Redis and processes."""
+
+    def __init__(self, profile: Profile, postgres: Postgres, state_dir: Path, seed: int) -> None:
+        self.p = profile
+        self.pg = postgres
+        self.state_dir = state_dir
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.logs = state_dir / "logs"
+        self.seen = state_dir / "seen.jsonl"
+        self.markers = state_dir / "markers"
+        self.markers.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "OUTBOX_", "FAKETIME"))}
+        env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        self.procs = Supervisor(self.logs, env, ROOT)
+        self.redis = RedisServer(self.procs, state_dir / "redis")
+        self.workers: dict[str, Child] = {}
+        self.beat: Child | None = None
+        self.faults: list[FaultRecord] = []
+        self.start = time.monotonic()
+        self.faketime = shutil.which("faketime")
+        # Workers run skewed or through pgbouncer (the window faults) until ensure_normal().
+        self.altered = False
+        self.bouncer: PgBouncer | None = None
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def _env(self, dsn: str | None = None) -> dict[str, str]:
+        return {
+            "CHAOS_BROKER_URL": self.redis.url,
+            "CHAOS_DSN": dsn or self.pg.dsn,
+            "CHAOS_LEASE": str(self.p.lease),
+            "CHAOS_CLAIM_INTERVAL": str(self.p.claim_interval),
+            "CHAOS_SEEN": str(self.seen),
+            "CHAOS_MARKERS": str(self.markers),
+        }
+
+    def start_worker(
+        self, name: str, *, dsn: str | None = None, skew: str | None = None, settings: str | None = None
+    ) -> Child:
+        """Start worker ``name`` (``claim`` or a delivery worker) and wait until it consumes."""
+        return self.start_workers((name,), dsn=dsn, skew=skew, settings=settings)[0]
+
+    def start_workers(
+        self,
+        names: tuple[str, ...],
+        *,
+        dsn: str | None = None,
+        skew: str | None = None,
+        settings: str | None = None,
+    ) -> list[Child]:
+        """Start workers ``names`` side by side, then wait until every one consumes.
+
+        ``dsn``, ``skew`` (a faketime offset such as ``+5s``) and ``settings`` (JSON of extra
+        Outbox settings) replace the normal ones.
+        """
+        started: list[tuple[Child, int]] = []
+        for name in names:
+            celery = [sys.executable, "-m", "celery", "-A", "chaos.app", "worker", "-l", "INFO"]
+            celery += ["-n", f"{name}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+            if name == "claim":
+                celery += ["-Q", "chaos.claim", "-P", "solo", "-c", "1"]
+            else:
+                celery += ["-Q", "chaos.deliver", "-P", "prefork", "-c", "2"]
+            env = self._env(dsn)
+            if settings:
+                env["CHAOS_OUTBOX_SETTINGS"] = settings
+            if skew:
+                assert self.faketime is not None
+                # The monotonic clock is shifted too, consistently within each process (with
+                # FAKETIME_DONT_FAKE_MONOTONIC=1 libfaketime makes time.sleep() fail with EINVAL).
+                celery = [self.faketime, "-f", skew, *celery]
+            log = self.logs / f"{name}.log"
+            offset = log.stat().st_size if log.exists() else 0
+            child = self.procs.start(name, celery, env)
+            self.workers[name] = child
+            started.append((child, offset))
+        for child, offset in started:
+            child.wait_for_log("ready.", 90, after=offset)
+        return [child for child, _ in started]
+
+    def stop_workers(self, names: tuple[str, ...], *, kill: bool = False) -> None:
+        """Warm shutdown (or SIGKILL) of workers ``names``, side by side."""
+        children = [self.workers.pop(name) for name in names]
+        for child in children:
+            if kill:
+                child.kill()
+            else:
+                child.terminate()
+        for child in children:
+            child.stop(grace=self.p.lease * 2)
+            self.procs.forget(child)
+
+    def stop_worker(self, name: str, *, kill: bool = False) -> None:
+        """Warm shutdown (or SIGKILL) of worker ``name``."""
+        self.stop_workers((name,), kill=kill)
+
+    def start_beat(self) -> None:
+        """Start celery beat (never skewed: the schedule's clock is the reference)."""
+        argv = [sys.executable, "-m", "celery", "-A", "chaos.app", "beat", "-l", "INFO"]
+        argv += ["-s", str(self.state_dir / "beat-schedule"), "--pidfile", str(self.state_dir / "beat.pid")]
+        argv += ["--max-interval", "1"]
+        self.beat = self.procs.start("beat", argv, self._env())
+        self.beat.wait_for_log("beat: Starting...", 60)
+
+    def restart_workers(
+        self,
+        names: tuple[str, ...],
+        *,
+        dsn: str | None = None,
+        skew: str | None = None,
+        settings: str | None = None,
+    ) -> None:
+        """Warm-restart ``names`` with another DSN or a shifted clock (``None``: the normal ones)."""
+        self.stop_workers(names)
+        self.start_workers(names, dsn=dsn, skew=skew, settings=settings)
+
+    # -- database ----------------------------------------------------------------------------
+
+    def query(self, text: str) -> list[tuple[Any, ...]]:
+        """Run a read-only query of the run's own, retried while PostgreSQL is away."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with connect(self.pg.dsn) as conn:
+                    return conn.execute(text).fetchall()
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def counts(self) -> dict[str, int]:
+        """Rows per status."""
+        return {s: int(n) for s, n in self.query("SELECT status, count(*) FROM outbox GROUP BY 1")}
+
+    def claimable(self) -> int:
+        """Pending rows a claim could take right now (not waiting out a backoff or a delay)."""
+        rows = self.query("SELECT count(*) FROM outbox WHERE status = 'pending' AND available_at <= now()")
+        return int(rows[0][0])
+
+    def done(self) -> int:
+        """Rows done so far."""
+        return self.counts().get("done", 0)
+
+    # -- faults ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def fault(self, name: str, *, window: bool = False) -> Iterator[FaultRecord]:
+        """Record fault ``name``: its start, length and the rows delivered meanwhile.
+
+        With ``window`` the workers stay up throughout, so nothing delivered while rows were
+        claimable at its start (pending, not waiting out a backoff or delay) is a stall and a
+        violation.
+        """
+        record = FaultRecord(name, time.monotonic() - self.start, time.strftime("%H:%M:%S", time.gmtime()))
+        before = self.counts()
+        claimable = self.claimable() if window else 0
+        _log(self.start, f"fault {name} ...")
+        began = time.monotonic()
+        try:
+            yield record
+        except (OSError, RuntimeError, TimeoutError, psycopg.Error) as exc:
+            record.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        record.seconds = time.monotonic() - began
+        record.delivered = self.done() - before.get("done", 0)
+        if window and record.delivered == 0 and claimable > 0:
+            record.error = (record.error or "") + f"stalled: 0 delivered with {claimable} claimable"
+        _log(self.start, f"fault {name}: {record.detail} delivered={record.delivered} {record.error or ''}")
+        self.faults.append(record)
+
+    def skip(self, name: str, reason: str) -> None:
+        """Record that fault ``name`` was not injected, and why."""
+        clock = time.strftime("%H:%M:%S", time.gmtime())
+        self.faults.append(FaultRecord(name, time.monotonic() - self.start, clock, skipped=reason))
+        _log(self.start, f"fault {name} SKIPPED: {reason}")
+
+    def f_child_kills(self) -> None:
+        with self.fault("child_kills") as f:
+            killed = 0
+            for _ in range(self.p.child_kills):
+                name = self.rng.choice(DELIVERY_WORKERS)
+                pids = child_pids(self.workers[name].pid)
+                if pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(self.rng.choice(pids), signal.SIGKILL)
+                        killed += 1
+                time.sleep(1.5)
+            f.detail = f"SIGKILLed {killed} prefork children"
+            time.sleep(self.p.settle)
+
+    def f_worker_kill(self) -> None:
+        with self.fault("worker_kill") as f:
+            self.stop_worker("w1", kill=True)
+            time.sleep(1.0)
+            self.start_worker("w1")
+            f.detail = "SIGKILL of worker w1's whole process group, restarted"
+            time.sleep(self.p.settle)
+
+    def f_broker_restart(self) -> None:
+        with self.fault("broker_restart") as f:
+            self.redis.kill()
+            time.sleep(2.0)
+            self.redis.start()
+            f.detail = "redis-server SIGKILLed, 2 s down, restarted empty"
+            time.sleep(self.p.settle * 2)
+
+    def f_broker_flush(self) -> None:
+        with self.fault("broker_flush") as f:
+            self.redis.flush()
+            f.detail = "FLUSHALL"
+            time.sleep(self.p.settle)
+
+    def f_deploy_outage(self) -> None:
+        with self.fault("deploy_outage") as f:
+            down = self.p.outage_leases * self.p.lease
+            self.stop_workers(DELIVERY_WORKERS)
+            time.sleep(down)
+            self.start_workers(DELIVERY_WORKERS)
+            f.detail = (
+                f"every delivery worker down {down:.0f} s ({self.p.outage_leases:g} leases), claims running"
+            )
+            time.sleep(self.p.settle * 2)
+
+    def f_backend_kills(self) -> None:
+        with self.fault("backend_kills") as f:
+            killed = []
+            for _ in range(self.p.backend_kills):
+                killed.append(self.pg.terminate_backends())
+                time.sleep(1.0)
+            f.detail = f"pg_terminate_backend of the workers' sessions: {'+'.join(map(str, killed))}"
+            time.sleep(self.p.settle)
+
+    def f_pg_restart(self) -> None:
+        if not self.pg.restartable:
+            self.skip("pg_restart", "external --dsn: the run does not own the server")
+            return
+        with self.fault("pg_restart") as f:
+            self.pg.stop()
+            time.sleep(3.0)
+            self.pg.start()
+            f.detail = "embedded PostgreSQL fast shutdown, 3 s down, started"
+            time.sleep(self.p.settle * 2)
+
+    def _clock(self, name: str, skew: str) -> None:
+        if self.faketime is None:
+            self.skip(name, "faketime not installed (Debian package faketime)")
+            return
+        # Restart first, then measure: the window counts deliveries by skewed workers only.
+        self.restart_workers(("claim", *DELIVERY_WORKERS), skew=skew)
+        self.altered = True
+        with self.fault(name, window=True) as f:
+            time.sleep(self.p.window_leases * self.p.lease)
+            f.detail = f"claim and delivery workers at {skew} for {self.p.window_leases:g} leases"
+
+    def f_clock_ahead(self) -> None:
+        self._clock("clock_ahead", "+5s")
+
+    def f_clock_behind(self) -> None:
+        self._clock("clock_behind", "-5s")
+
+    def f_pgbouncer(self) -> None:
+        if PgBouncer.available() is None:
+            self.skip("pgbouncer", "pgbouncer not installed (Debian package pgbouncer)")
+            return
+        self.bouncer = PgBouncer(self.procs, self.state_dir / "pgbouncer", self.pg.dsn)
+        self.bouncer.start()
+        self.restart_workers(("claim", *DELIVERY_WORKERS), dsn=self.bouncer.dsn, settings=PGBOUNCER_SETTINGS)
+        self.altered = True
+        with self.fault("pgbouncer", window=True) as f:
+            time.sleep(self.p.window_leases * self.p.lease)
+            leases = self.p.window_leases
+            f.detail = f"every worker through pgbouncer (transaction pooling) for {leases:g} leases"
+
+    def ensure_normal(self) -> None:
+        """Workers back on the real clock and the direct DSN after the window faults."""
+        if self.altered:
+            self.restart_workers(("claim", *DELIVERY_WORKERS))
+            self.altered = False
+        if self.bouncer is not None:
+            self.bouncer.stop()
+            self.bouncer = None
+
+    def claim_runs(self, last: int = 40) -> str:
+        """What stopped the last claim runs, from the claim worker's log.
+
+        The first thing to look at when the outbox stopped (``in_flight_bound``...).
+        """
+        log = self.logs / "claim.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        reasons = re.findall(r"'stopped_by': '(\w+)'", text)[-last:]
+        if not reasons:
+            return "none logged"
+        counts = Counter(reasons).most_common()
+        return f"last {len(reasons)} stopped by " + ", ".join(f"{r} {n}" for r, n in counts)
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def planned_seconds(self, faults: list[str]) -> float:
+        """Roughly how long the fault schedule takes (the producer spreads messages over it)."""
+        p = self.p
+        cost = {
+            "child_kills": p.child_kills * 1.5 + p.settle,
+            "worker_kill": 4 + p.settle,
+            "broker_restart": 3 + p.settle * 2,
+            "broker_flush": p.settle,
+            "deploy_outage": p.outage_leases * p.lease + 6 + p.settle * 2,
+            "backend_kills": p.backend_kills + p.settle,
+            "pg_restart": 5 + p.settle * 2,
+            "clock_ahead": p.window_leases * p.lease + 8,
+            "clock_behind": p.window_leases * p.lease + 8,
+            "pgbouncer": p.window_leases * p.lease + 8,
+        }
+        return 5 + sum(cost[f] for f in faults)
+
+    def execute(self, faults: list[str]) -> tuple[Verdict, list[tuple[str, str]]]:
+        """Start everything, inject ``faults`` while messages flow, drain, check."""
+        self.redis.start()
+        with connect(self.pg.dsn) as conn:
+            migrate(conn)
+        self.start_beat()
+        self.start_workers(("claim", *DELIVERY_WORKERS))
+        seconds = self.planned_seconds(faults)
+        events = plan(self.p.messages, self.p.keys, self.seed, self.p.slow_max)
+        producer = Producer(self.pg.dsn, events, seconds * 0.9)
+        self.start = time.monotonic()
+        _log(
+            self.start,
+            f"producing {len(events)} messages over ~{seconds * 0.9:.0f} s; faults: {', '.join(faults)}",
+        )
+        producer.start()
+        try:
+            time.sleep(5)
+            for name in faults:
+                try:
+                    if name not in WINDOW_FAULTS:
+                        self.ensure_normal()
+                    getattr(self, f"f_{name}")()
+                except (OSError, RuntimeError, TimeoutError, psycopg.Error) as exc:
+                    # Could not inject it (a worker that never came back is a finding too).
+                    clock = time.strftime("%H:%M:%S", time.gmtime())
+                    text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    self.faults.append(FaultRecord(name, time.monotonic() - self.start, clock, error=text))
+                    _log(self.start, f"fault {name} FAILED: {text}")
+            self.ensure_normal()
+            while not producer.done:
+                time.sleep(0.5)
+            drain_start = time.monotonic()
+            _log(self.start, "all produced and injected; draining")
+            drained: float | None = None
+            last = 0.0
+            while time.monotonic() - drain_start < self.p.drain_timeout:
+                counts = self.counts()
+                if counts.get("pending", 0) + counts.get("processing", 0) == 0:
+                    drained = time.monotonic() - drain_start
+                    break
+                if time.monotonic() - last > 10:
+                    _log(self.start, f"draining: {counts}")
+                    last = time.monotonic()
+                time.sleep(1.0)
+        finally:
+            producer.stop()
+        total = time.monotonic() - self.start
+        rows = self.query("SELECT id, event_type, status, ordering_key, last_error FROM outbox ORDER BY id")
+        verdict = check([tuple(r) for r in rows], self.seen)
+        for f in self.faults:
+            if f.error:
+                verdict.violations.append(f"fault {f.name}: {f.error}")
+        facts = [
+            (
+                "messages",
+                f"{verdict.rows} rows ({len(events)} planned, {producer.failures} producer retries)",
+            ),
+            (
+                "profile",
+                f"lease {self.p.lease:g} s, claim every {self.p.claim_interval:g} s, seed {self.seed}",
+            ),
+            ("database", redact(self.pg.dsn) + ("" if self.pg.restartable else " (external)")),
+            ("run time", f"{total:.0f} s"),
+            (
+                "drain time",
+                f"{drained:.1f} s"
+                if drained is not None
+                else f"NOT DRAINED within {self.p.drain_timeout:.0f} s",
+            ),
+            ("duplicates", f"{verdict.duplicates}"),
+            ("last claim runs", self.claim_runs()),
+            ("logs", str(self.logs)),
+        ]
+        return verdict, facts
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m chaos", description="The outbox's chaos suite (docs/chaos.md)."
+    )
+    p.add_argument("--short", action="store_true", help="the CI variant: fewer messages, shorter faults")
+    p.add_argument("--dsn", default=None, help="PostgreSQL server to use (a fresh database is created on it)")
+    p.add_argument("--messages", type=int, default=None, help="override the profile's message count")
+    p.add_argument(
+        "--faults", default=",".join(FAULTS), help=f"comma-separated subset of: {', '.join(FAULTS)}"
+    )
+    p.add_argument("--seed", type=int, default=1, help="workload and fault seed (default 1)")
+    p.add_argument(
+        "--state-dir", default=str(ROOT / ".chaos"), help="logs, embedded PostgreSQL (default .chaos/)"
+    )
+    args = p.parse_args(argv)
+    unknown = set(args.faults.split(",")) - set(FAULTS) - {""}
+    if unknown:
+        p.error(f"unknown fault(s): {', '.join(sorted(unknown))}")
+    return args
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the suite; 0 when every check passed, 1 on a violation, 2 if the run could not run."""
+    args = _parse(argv)
+    profile = SHORT if args.short else FULL
+    if args.messages:
+        profile = replace(profile, messages=args.messages)
+    faults = [f for f in FAULTS if f in args.faults.split(",")]
+    state_dir = Path(args.state_dir).resolve()
+    run_dir = state_dir / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _on_signal)
+    dsn: str | None = args.dsn or None
+    verdict: Verdict | None = None
+    try:
+        with Postgres.open(dsn, state_dir) as pg:
+            run = Run(profile, pg, run_dir, args.seed)
+            try:
+                verdict, facts = run.execute(faults)
+            finally:
+                run.procs.stop_all()
+            print()
+            print(render(verdict, run.faults, facts), flush=True)
+    except (KeyboardInterrupt, Interrupted):
+        print("interrupted: every process was stopped", file=sys.stderr)
+        return 130
+    except (OSError, RuntimeError, TimeoutError, psycopg.Error) as exc:
+        # Setting up (PostgreSQL, Redis, the first workers) failed: nothing to judge.
+        print(f"chaos: the run could not start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    return 1 if verdict is None or verdict.violations else 0

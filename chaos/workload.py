@@ -1,0 +1,118 @@
+"""The messages of a chaos run: a deterministic mix, and the thread that enqueues it over time."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import psycopg
+
+from outbox_celery import Event
+from outbox_celery.producer import enqueue_many
+
+from .services import connect
+
+__all__ = ["HEALTHY", "KINDS", "PERMANENT_ERROR", "Producer", "plan"]
+
+# The text a permanent message's handler raises; the end check looks for it in last_error.
+PERMANENT_ERROR = "chaos: permanent failure"
+
+# kind -> share of the messages. Every kind but "permanent" must end done.
+KINDS: dict[str, float] = {
+    "ok": 0.62,
+    "retry": 0.10,
+    "permanent": 0.04,
+    "defer": 0.06,
+    "ordered": 0.12,
+    "slow": 0.06,
+}
+HEALTHY = frozenset(KINDS) - {"permanent"}
+
+
+def plan(count: int, keys: int, seed: int, slow_max: float) -> list[Event]:
+    """``count`` events in a shuffled, reproducible mix of :data:`KINDS`."""
+    rng = random.Random(seed)
+    kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=count)
+    events: list[Event] = []
+    for n, kind in enumerate(kinds):
+        payload: dict[str, object] = {"kind": kind, "n": n}
+        key: str | None = None
+        if kind == "retry":
+            payload["fail"] = rng.choice((1, 1, 2))
+        elif kind == "defer":
+            payload["delay"] = round(rng.uniform(0.3, 1.5), 2)
+        elif kind == "slow":
+            payload["sleep"] = round(rng.uniform(0.2, slow_max), 2)
+        elif kind == "ordered":
+            key = f"key-{rng.randrange(keys)}"
+        events.append(Event(f"chaos.{kind}", payload, "chaos", str(n), ordering_key=key))
+    return events
+
+
+@dataclass
+class Producer:
+    """Enqueues ``events`` in batches at a steady rate from a thread, through every fault.
+
+    A batch whose commit fails is retried on a new connection. If the commit did land before the
+    connection broke, the batch is written twice: harmless, the end check judges whatever rows
+    the table holds (and says how many there are).
+    """
+
+    dsn: str
+    events: list[Event]
+    seconds: float
+    batch: int = 25
+    produced: int = 0
+    failures: int = 0
+    finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-producer", daemon=True)
+
+    def start(self) -> None:
+        """Start producing."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop early (an interrupted run) and wait for the thread."""
+        self._stop.set()
+        self._thread.join(30)
+
+    @property
+    def done(self) -> bool:
+        """Whether every event was enqueued."""
+        return self.finished_at is not None
+
+    def _run(self) -> None:
+        begin = time.monotonic()
+        per_second = len(self.events) / max(self.seconds, 0.1)
+        conn: psycopg.Connection[object] | None = None
+        i = 0
+        while i < len(self.events) and not self._stop.is_set():
+            # Keep to the schedule: batch i is due at i / rate seconds after the start.
+            due = begin + i / per_second
+            if (delay := due - time.monotonic()) > 0:
+                self._stop.wait(delay)
+                continue
+            chunk = self.events[i : i + self.batch]
+            try:
+                if conn is None or conn.closed:
+                    conn = connect(self.dsn)
+                with conn.transaction():
+                    enqueue_many(conn, chunk)
+            except psycopg.Error:
+                # PostgreSQL restarting or our backend killed: wait a moment, then reconnect.
+                self.failures += 1
+                if conn is not None:
+                    conn.close()
+                conn = None
+                self._stop.wait(0.5)
+                continue
+            i += len(chunk)
+            self.produced = i
+        if conn is not None:
+            conn.close()
+        self.finished_at = time.monotonic()
