@@ -24,15 +24,20 @@ from .helpers import fetch
 
 ORDER = {"event_type": "order.created", "aggregate_type": "order", "aggregate_id": "42"}
 _EXPORTER = InMemorySpanExporter()
+_EXPORTING = False
 
 
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
     """The SDK installed once per process (OpenTelemetry allows one global provider)."""
+    global _EXPORTING
     if not isinstance(trace.get_tracer_provider(), TracerProvider):
-        provider = TracerProvider()
+        trace.set_tracer_provider(TracerProvider())
+    provider = trace.get_tracer_provider()
+    if not _EXPORTING and isinstance(provider, TracerProvider):
+        # Another test of this process may have installed the SDK first: export from it too.
         provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-        trace.set_tracer_provider(provider)
+        _EXPORTING = True
     _EXPORTER.clear()
     yield _EXPORTER
     _EXPORTER.clear()
