@@ -151,7 +151,6 @@ def _readme_project(tmp: Path, dsn: str, broker: str) -> None:
     (tmp / "proj" / "outbox.py").write_text(source)
 
 
-
 def _env(dsn: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "CELERY_"))}
     env["OUTBOX_DSN"] = dsn
