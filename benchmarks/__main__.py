@@ -795,7 +795,9 @@ class Bench:
         if not profiler.available:
             self.report.text("profile: py-spy is not installed (pip install py-spy); skipped")
             return
-        r = self._outbox(self.svc.redis_url, a.messages, attach=profiler.attach)
+        # The first deployment of --deployments (readme: the worker's main process claims too).
+        readme = [d.strip() for d in a.deployments.split(",") if d.strip()][:1] == ["readme"]
+        r = self._outbox(self.svc.redis_url, a.messages, attach=profiler.attach, single_worker=readme)
         summaries = profiler.stop()
         self.results["profile"] = {"rate_under_profiler": r.rate, "roles": [s.as_dict() for s in summaries]}
         for s in summaries:
