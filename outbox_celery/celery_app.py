@@ -557,8 +557,9 @@ class Outbox:
                             sent = queued
                 # Batched (Redis): nothing left this process before the pipeline ran, at the
                 # exit of the batch; a failure there counts none of the batch as sent, so all of
-                # its rows are released (any task that did reach the broker is then stale:
-                # its lease_version no longer matches, DESIGN invariant 4).
+                # its rows are released (any task that did reach the broker then finds its row
+                # pending, or claimed under a new lease_version: its fenced start refuses it,
+                # DESIGN invariant 4).
                 sent = queued
         except Exception as exc:
             logger.error(
