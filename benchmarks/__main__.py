@@ -65,6 +65,12 @@ from .variants import make_store
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ("plain", "e2e", "latency", "claim", "wins", "profile", "soak", "ordered")
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
+# The end-to-end deployments: a solo claim worker beside the delivery worker, and the README's
+# one worker consuming both queues (its main process claims on notifications, #11).
+DEPLOYMENTS = {
+    "split": "split (claim worker + delivery worker)",
+    "readme": "README (one worker -Q claim,deliver)",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,6 +109,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prefetch", type=int, default=1, help="worker prefetch multiplier, both pipelines (default 1)"
+    )
+    p.add_argument(
+        "--deployments",
+        default="split,readme",
+        help="end-to-end deployments: split (claim worker + delivery worker), readme (one worker)",
+    )
+    p.add_argument(
+        "--e2e-variants",
+        help="also run these benchmark variants (';'-separated specs, see benchmarks/variants.py) "
+        "in every deployment, interleaved",
     )
     p.add_argument("--pool", default="prefork", help="worker pool, both pipelines (default prefork)")
     p.add_argument(
@@ -305,29 +321,48 @@ class Bench:
     def e2e(self) -> None:
         a = self.args
         out: dict[str, Any] = {}
+        deployments = [d.strip() for d in a.deployments.split(",") if d.strip()]
+        unknown = set(deployments) - set(DEPLOYMENTS)
+        if unknown:
+            raise SystemExit(f"unknown deployment(s): {', '.join(sorted(unknown))}")
+        variants = [v.strip() for v in (a.e2e_variants or "").split(";") if v.strip()]
         t = self.report.table(
             f"End to end vs bare Celery ({a.messages} messages, {a.pool} x{a.concurrency}, "
             f"prefetch {a.prefetch}, producer and workers at the same time)",
-            ["broker", "outbox msg/s", "bare Celery msg/s", "ratio", "target >= 0.8x"],
+            ["broker", "deployment", "outbox msg/s", "bare Celery msg/s", "ratio", "target >= 0.8x"],
         )
         for broker, url in _brokers(a, self.svc):
             bare: list[PipelineResult] = []
-            outbox: list[PipelineResult] = []
+            outbox: dict[str, list[PipelineResult]] = {}
             for _ in range(a.repeat):
+                # Interleaved: bare, then every deployment (and variant) once, then again.
                 bare.append(self._bare(url, a.messages))
-                outbox.append(self._outbox(url, a.messages))
+                for dep in deployments:
+                    for variant in ["", *variants]:
+                        key = dep if not variant else f"{dep} [{variant}]"
+                        outbox.setdefault(key, []).append(
+                            self._outbox(url, a.messages, single_worker=dep == "readme", variant=variant)
+                        )
             b = _median([r.rate for r in bare])
-            o = _median([r.rate for r in outbox])
-            self.max_rate[broker] = o
-            ratio = o / b
-            t.row(broker, f"{o:,.0f}", f"{b:,.0f}", f"{ratio:.2f}x", "met" if ratio >= 0.8 else "MISSED")
-            out[broker] = {
-                "bare": [asdict(r) | {"rate": r.rate} for r in bare],
-                "outbox": [asdict(r) | {"rate": r.rate} for r in outbox],
-                "bare_rate": b,
-                "outbox_rate": o,
-                "ratio": ratio,
-            }
+            out[broker] = {"bare": [asdict(r) | {"rate": r.rate} for r in bare], "bare_rate": b}
+            for key, runs in outbox.items():
+                o = _median([r.rate for r in runs])
+                if key == deployments[0]:
+                    self.max_rate[broker] = o
+                ratio = o / b
+                t.row(
+                    broker,
+                    DEPLOYMENTS.get(key, key),
+                    f"{o:,.0f}",
+                    f"{b:,.0f}",
+                    f"{ratio:.2f}x",
+                    "met" if ratio >= 0.8 else "MISSED",
+                )
+                out[broker][key] = {
+                    "runs": [asdict(r) | {"rate": r.rate} for r in runs],
+                    "outbox_rate": o,
+                    "ratio": ratio,
+                }
         self.results["e2e"] = out
         if "plain" in self.max_rate and "redis" in self.max_rate:
             t.note(
@@ -336,17 +371,19 @@ class Bench:
                 f"{self.max_rate['plain'] / self.max_rate['redis']:.1f}x"
             )
         t.note(
-            f"runs alternate bare/outbox, {a.repeat} of each, medians shown; outbox claim_interval "
-            f"{a.claim_interval}s, batch_size {a.batch_size}, producer commits {a.producer_batch} events per "
-            "transaction"
+            f"runs alternate bare/outbox deployments, {a.repeat} of each, medians shown; "
+            "split: a solo claim worker and a delivery worker; readme: one worker -Q claim,deliver "
+            f"(the README's deployment); both with beat, claim_interval {a.claim_interval}s, "
+            f"batch_size {a.batch_size}, push on; producer commits {a.producer_batch} events per transaction"
         )
         cpu = self.report.table(
             "CPU ms per message by process (median run; 2 cores = 2000 ms of CPU per second)",
             ["pipeline", "broker", "roles (ms/msg)", "total"],
         )
         for broker, data in out.items():
-            for kind in ("bare", "outbox"):
-                runs = data[kind]
+            for kind, runs in [("bare", data["bare"])] + [
+                (k, v["runs"]) for k, v in data.items() if isinstance(v, dict) and "runs" in v
+            ]:
                 mid = sorted(runs, key=lambda r: r["rate"])[len(runs) // 2]
                 roles = mid["cpu_ms_per_msg"]
                 cpu.row(
@@ -355,12 +392,13 @@ class Bench:
                     ", ".join(f"{k} {v:.2f}" for k, v in roles.items()),
                     f"{sum(v for k, v in roles.items() if '.' not in k):.2f}",
                 )
-            mid = sorted(data["outbox"], key=lambda r: r["rate"])[len(data["outbox"]) // 2]
-            db = mid["db_per_msg"]
-            cpu.note(
-                f"{broker}: database per message (warm-up included): {db['xact_commit']:.2f} transactions, "
-                f"{db['tup_updated']:.2f} row updates, {db['tup_inserted']:.2f} inserts"
-            )
+                if kind != "bare":
+                    db = mid["db_per_msg"]
+                    cpu.note(
+                        f"{broker} {kind}: database per message (warm-up included): "
+                        f"{db['xact_commit']:.2f} transactions, {db['tup_updated']:.2f} row updates, "
+                        f"{db['tup_inserted']:.2f} inserts"
+                    )
 
     def _latency_run(self, url: str, rate: float, mode: dict[str, Any], **kw: Any) -> dict[str, Any]:
         """One paced run on the README deployment; percentiles of commit -> handler start."""
@@ -757,7 +795,9 @@ class Bench:
         if not profiler.available:
             self.report.text("profile: py-spy is not installed (pip install py-spy); skipped")
             return
-        r = self._outbox(self.svc.redis_url, a.messages, attach=profiler.attach)
+        # The first deployment of --deployments (readme: the worker's main process claims too).
+        readme = [d.strip() for d in a.deployments.split(",") if d.strip()][:1] == ["readme"]
+        r = self._outbox(self.svc.redis_url, a.messages, attach=profiler.attach, single_worker=readme)
         summaries = profiler.stop()
         self.results["profile"] = {"rate_under_profiler": r.rate, "roles": [s.as_dict() for s in summaries]}
         for s in summaries:

@@ -125,8 +125,8 @@ def summarize(role: str, raw: Path, top: int = 15) -> list[Summary]:
         parts = stack.split(";")
         depth = sum(1 for f in parts if f.startswith("process "))
         kind = role if depth <= 1 else f"{role} pool child"
-        if depth <= 1 and role == "deliver":
-            kind = "deliver main process"
+        if depth <= 1 and role in ("deliver", "worker"):
+            kind = f"{role} main process"
         tally = tallies.setdefault(kind, _Tally())
         frames = [_norm(f) for f in parts if not f.startswith("process ")]
         # A pool child blocked reading its next job from the parent is idle, not working.
@@ -158,9 +158,9 @@ class Profiler:
         return self.exe is not None
 
     def attach(self, roles: dict[str, Any]) -> None:
-        """Start one ``py-spy record`` per role in ``("deliver", "claim")``."""
+        """Start one ``py-spy record`` per role in ``("deliver", "claim")`` (or ``worker``)."""
         assert self.exe is not None
-        for role in ("deliver", "claim"):
+        for role in [r for r in ("deliver", "claim", "worker") if r in roles]:
             proc = roles[role]
             out = self.outdir / f"profile-{role}.raw.txt"
             spy = subprocess.Popen(

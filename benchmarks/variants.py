@@ -14,6 +14,12 @@ Nothing here is used by the library. A variant spec is a comma-separated list of
 * ``acks_early``: the delivery task acknowledges its message when the worker receives it
   instead of after it ran (``acks_late=False``); a worker lost mid-task then leaves the row to
   come back through its lease, as it does anyway. Measured only: the library keeps acks late.
+* ``publish_each``: the claim publishes every task on its own (one Redis round trip and one
+  Redis client per task) instead of one pipelined batch per claim batch (#12), and Celery
+  computes each task's ``argsrepr``.
+* ``bound_each_run``: every claim run recounts the adaptive in-flight bound (before #12 it did;
+  since, a bound computed within the last second is reused).
+* ``before-12``: both of the above (the claim path before #12).
 * ``push_broker``: the listener (#11) sends the claim task through the broker on every wake-up
   instead of running the claim in the worker's main process. Measured only: the library claims
   in-process.
@@ -31,8 +37,20 @@ from outbox_celery import Store, TableName, _sql
 
 __all__ = ["ExplicitTransactionStore", "apply", "make_store", "parse"]
 
-ALIASES = {"legacy": ("explicit_tx", "durable", "claim_jit")}
-KNOWN = {"explicit_tx", "durable", "claim_jit", "acks_early", "skip_scan", "push_broker"}
+ALIASES = {
+    "legacy": ("explicit_tx", "durable", "claim_jit"),
+    "before-12": ("publish_each", "bound_each_run"),
+}
+KNOWN = {
+    "explicit_tx",
+    "durable",
+    "claim_jit",
+    "acks_early",
+    "skip_scan",
+    "push_broker",
+    "publish_each",
+    "bound_each_run",
+}
 
 # Benchmark-only: the claim_heads query as it was before #10 (it ignores the head flag).
 SKIP_SCAN_CLAIM_HEADS = """
@@ -113,6 +131,27 @@ def apply(outbox: Any, spec: str) -> None:
         outbox._dispatcher = Dispatcher(
             outbox.config, outbox.connection, outbox._handlers, store=make_store(outbox.config.table, spec)
         )
+    if "publish_each" in names:
+        from outbox_celery import celery_app
+
+        @contextlib.contextmanager
+        def each(producer: Any, n: int) -> Any:
+            yield False  # Benchmark-only: every task published on its own, as before #12.
+
+        celery_app._publish_batch = each
+        deliver = outbox.deliver_task
+        apply_async = deliver.apply_async
+
+        def with_repr(*args: Any, **kw: Any) -> Any:
+            kw.pop("argsrepr", None)  # Benchmark-only: Celery's own repr of the arguments.
+            kw.pop("kwargsrepr", None)
+            return apply_async(*args, **kw)
+
+        deliver.apply_async = with_repr
+    if "bound_each_run" in names:
+        from outbox_celery import dispatch
+
+        dispatch.BOUND_REFRESH = 0.0  # Benchmark-only: recount the bound on every claim run.
     if "acks_early" in names:
         outbox.deliver_task.acks_late = False
     if "push_broker" in names:

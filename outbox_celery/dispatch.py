@@ -31,6 +31,11 @@ __all__ = ["ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome"]
 
 logger = logging.getLogger(__name__)
 
+# Seconds an adaptive in-flight bound is reused by later claim runs of the same process: it
+# follows throughput over a whole lease, so recounting it for every run adds statements, not
+# precision. Only the bound is reused; the rows in flight are counted on every batch.
+BOUND_REFRESH = 1.0
+
 T = TypeVar("T")
 
 Handler = Callable[[Message], Any]
@@ -138,6 +143,8 @@ class Dispatcher:
         self.handlers = handlers
         self.store = store or Store(config.table, relaxed_commit=config.relaxed_commit)
         self.backoff = Backoff(config.backoff_base, config.backoff_cap)
+        # The adaptive in-flight bound and when (monotonic) it was computed (in_flight_limit).
+        self._bound: tuple[float, int] | None = None
 
     # -- claim side ----------------------------------------------------------------------------
 
@@ -146,11 +153,19 @@ class Dispatcher:
         cfg = self.config
         if not cfg.adaptive_in_flight:
             return cfg.max_in_flight
+        now = time.monotonic()
+        cached = self._bound
+        if cached is not None and 0 <= now - cached[0] < BOUND_REFRESH:
+            # Push (#11) runs claims back to back, one per producer commit: a count over the
+            # last lease's finished rows changes little within a second, so it is reused.
+            return cached[1]
         floor = cfg.effective_min_in_flight
         # Rows finished in the last lease, halved: what was handed out can start within half a
         # lease at the throughput the workers just showed.
         recent = self.store.recent_done(conn, window=cfg.lease, cap=2 * cfg.max_in_flight)
-        return max(floor, min(cfg.max_in_flight, recent // 2))
+        limit = max(floor, min(cfg.max_in_flight, recent // 2))
+        self._bound = (now, limit)
+        return limit
 
     def claim_and_publish(self, publish: Publisher, *, owner: str | None = None) -> ClaimRun:
         """One claim run: claim batches while they come back full, within the time budget.
