@@ -22,7 +22,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from .config import OutboxConfig
-from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, Outcome, default_owner
+from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, default_owner
 from .errors import ConfigurationError
 from .listener import Listener
 from .push import install_listener_step
@@ -607,6 +607,3 @@ class Outbox:
                 batch_size=cfg.retention_batch_size,
                 max_batches=PURGE_MAX_BATCHES_PER_RUN,
             )
-
-
-__all__ += ["Outcome"]

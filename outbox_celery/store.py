@@ -33,7 +33,7 @@ from psycopg.rows import dict_row, tuple_row
 from . import _sql
 from .config import TableName
 from .errors import ProducerError
-from .message import Message, idempotency_key
+from .message import Message, Outcome, Status, idempotency_key
 
 __all__ = ["Claimed", "Store"]
 
@@ -124,7 +124,7 @@ class Store:
             return dict(self._stats)
 
     def _lost(self, op: str, outbox_id: int, version: int) -> bool:
-        self._count("lost_leases")
+        self._count(Outcome.LOST_LEASE.counter)
         logger.warning(
             "lost lease: %s of outbox id %s version %s changed nothing",
             op,
@@ -133,7 +133,7 @@ class Store:
             extra={
                 "outbox_id": outbox_id,
                 "lease_version": version,
-                "outcome": "lost_lease",
+                "outcome": Outcome.LOST_LEASE,
                 "operation": op,
                 "outbox_table": self.table.qualified,
             },
@@ -538,22 +538,8 @@ class Store:
         max_attempts: int,
     ) -> str | None:
         """Fenced retryable failure. Returns the new status (``pending``/``dead``) or ``None``."""
-        row = self._fenced(
-            conn,
-            "finish_retry",
-            {
-                "id": outbox_id,
-                "version": version,
-                "delay": delay,
-                "error": error,
-                "max_attempts": max_attempts,
-            },
-        )
-        if not row:
-            return None
-        status = str(row[1])
-        self._count("dead" if status == "dead" else "retried")
-        return status
+        params = {"delay": delay, "error": error, "max_attempts": max_attempts}
+        return self._reschedule(conn, "finish_retry", Outcome.RETRY, outbox_id, version, params)
 
     def defer(
         self,
@@ -566,28 +552,31 @@ class Store:
         max_age: float,
     ) -> str | None:
         """Fenced defer, attempt refunded. Returns the new status or ``None`` if lost."""
-        row = self._fenced(
-            conn,
-            "finish_defer",
-            {
-                "id": outbox_id,
-                "version": version,
-                "delay": delay,
-                "reason": reason,
-                "max_age": max_age,
-            },
-        )
+        params = {"delay": delay, "reason": reason, "max_age": max_age}
+        return self._reschedule(conn, "finish_defer", Outcome.DEFER, outbox_id, version, params)
+
+    def _reschedule(
+        self,
+        conn: psycopg.Connection[Any],
+        op: str,
+        outcome: Outcome,
+        outbox_id: int,
+        version: int,
+        params: dict[str, Any],
+    ) -> str | None:
+        """A fenced write back to ``pending`` that goes ``dead`` instead past its limit."""
+        row = self._fenced(conn, op, {"id": outbox_id, "version": version, **params})
         if not row:
             return None
         status = str(row[1])
-        self._count("dead" if status == "dead" else "deferred")
+        self._count(Outcome.DEAD.counter if status == Status.DEAD else outcome.counter)
         return status
 
     def dead(self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, error: str) -> bool:
         """Fenced: ``processing`` -> ``dead`` with ``error``."""
         won = bool(self._fenced(conn, "finish_dead", {"id": outbox_id, "version": version, "error": error}))
         if won:
-            self._count("dead")
+            self._count(Outcome.DEAD.counter)
         return won
 
     def record_error(
@@ -596,7 +585,7 @@ class Store:
         """Fenced: store ``error`` and leave the row to return through its lease."""
         won = bool(self._fenced(conn, "record_error", {"id": outbox_id, "version": version, "error": error}))
         if won:
-            self._count("errors")
+            self._count(Outcome.ERROR.counter)
         return won
 
     def postpone(
