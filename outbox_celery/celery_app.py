@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -21,10 +21,12 @@ from celery import Celery, signals
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
+from . import producer
 from .config import OutboxConfig
 from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, default_owner
 from .errors import ConfigurationError
 from .listener import Listener
+from .producer import Event
 from .push import install_listener_step
 from .store import Claimed, Store
 from .tracing import task_headers
@@ -585,6 +587,23 @@ class Outbox:
         run = self.claim()
         self._last_drained = time.monotonic() if run.stopped_by == "drained" else None
         return run
+
+    def enqueue(self, conn: Any, **event: Any) -> int:
+        """:func:`~outbox_celery.enqueue` into this outbox's ``table``, within ``max_payload_bytes``.
+
+        ``event`` takes :func:`~outbox_celery.enqueue`'s keywords (``event_type``, ``payload``,
+        ``aggregate_type``, ``aggregate_id``, ...); ``conn`` is any connection it accepts.
+        """
+        return producer.enqueue(conn, **self._producer_defaults(event))
+
+    def enqueue_many(
+        self, conn: Any, messages: Iterable[Event | Mapping[str, Any]], **options: Any
+    ) -> list[int]:
+        """:func:`~outbox_celery.enqueue_many` with this outbox's ``table`` and ``max_payload_bytes``."""
+        return producer.enqueue_many(conn, messages, **self._producer_defaults(options))
+
+    def _producer_defaults(self, options: dict[str, Any]) -> dict[str, Any]:
+        return {"table": self.config.table, "max_payload_bytes": self.config.max_payload_bytes, **options}
 
     def deliver(self, outbox_id: int, lease_version: int) -> str:
         """Deliver one row in this process (what the delivery task does)."""

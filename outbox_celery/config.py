@@ -156,7 +156,9 @@ class OutboxConfig:
     :ivar backoff_cap: seconds; upper bound of the backoff window. Default 300.
     :ivar max_defer_age: seconds since ``created_at`` after which a ``Defer`` makes the message
         ``dead`` instead. Default 7 days.
-    :ivar max_payload_bytes: largest JSON payload accepted by ``enqueue``. Default 1 MiB.
+    :ivar max_payload_bytes: largest JSON payload :meth:`Outbox.enqueue
+        <outbox_celery.celery_app.Outbox.enqueue>` and ``enqueue_many`` accept (the module-level
+        :func:`~outbox_celery.enqueue` takes its own ``max_payload_bytes``). Default 1 MiB.
     :ivar claim_queue: Celery queue of the claim (and retention) task. Default ``"outbox.claim"``.
     :ivar default_queue: queue for event types registered without one. Default ``"outbox"``.
     :ivar unroutable_delay: seconds a message waits when a worker has no handler for its event
