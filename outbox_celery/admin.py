@@ -25,6 +25,7 @@ from psycopg import pq, sql
 from psycopg.rows import dict_row
 
 from . import _sql
+from ._seconds import seconds
 from .config import TableName
 from .errors import OutboxError
 
@@ -525,9 +526,8 @@ def skip(
 
 
 def _cutoff(conn: psycopg.Connection[Any], table: str | TableName, older_than: float) -> datetime:
-    if isinstance(older_than, bool) or not math.isfinite(older_than) or older_than < 0:
-        raise AdminError(f"older_than must be a non-negative number of seconds, got {older_than!r}")
-    row = conn.execute(_q(table, "purge_cutoff"), {"older_than": float(older_than)}).fetchone()
+    older_than = seconds(older_than, "older_than", error=AdminError)
+    row = conn.execute(_q(table, "purge_cutoff"), {"older_than": older_than}).fetchone()
     assert row is not None
     cutoff: datetime = row[0]
     return cutoff

@@ -7,15 +7,14 @@ Every field can also come from the Celery configuration as ``outbox_<field>`` (f
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from psycopg import sql
 
+from ._seconds import seconds
 from .errors import ConfigurationError
 
 __all__ = ["OutboxConfig", "TableName"]
@@ -77,17 +76,6 @@ class TableName:
 
     def __str__(self) -> str:
         return self.qualified
-
-
-def _seconds(value: Any, name: str, *, allow_zero: bool = False) -> float:
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigurationError(f"{name} must be seconds (number or timedelta), got {value!r}")
-    seconds = float(value)
-    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
-        raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
-    return seconds
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -254,7 +242,7 @@ class OutboxConfig:
                 "handler_time_limit",
             ):
                 continue
-            set_(self, name, _seconds(value, name))
+            set_(self, name, seconds(value, name, error=ConfigurationError, positive=True))
         for name in _INT_FIELDS:
             _positive_int(getattr(self, name), name)
         if not isinstance(self.lease_heartbeat, bool):
