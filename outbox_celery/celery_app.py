@@ -18,12 +18,12 @@ from typing import Any, TypeVar
 
 import psycopg
 from celery import Celery, signals
-from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from . import producer
 from .config import OutboxConfig
 from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, default_owner
+from .dsn import password
 from .errors import ConfigurationError
 from .listener import Listener
 from .producer import Event
@@ -158,7 +158,7 @@ class Outbox:
         if not _user_set(self.app.conf, "outbox_dsn"):
             return False
         try:
-            return bool(conninfo_to_dict(self.config.dsn).get("password"))
+            return password(self.config.dsn) is not None
         except psycopg.Error:
             return True  # unparseable: assume the worst
 

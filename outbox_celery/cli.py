@@ -40,8 +40,8 @@ from psycopg.conninfo import conninfo_to_dict
 
 from . import admin, migrations
 from .config import TableName
+from .dsn import password, redact
 from .errors import OutboxError
-from .testing import redact
 
 if TYPE_CHECKING:
     from .celery_app import Outbox
@@ -208,11 +208,11 @@ class Target:
         if not dsn and self._outbox is not None:
             dsn = self._outbox.config.dsn
         try:
-            password = conninfo_to_dict(dsn).get("password") if dsn else None
+            secret = password(dsn) if dsn else None
         except psycopg.Error:
-            password = None
-        if password:
-            text = text.replace(str(password), "***")
+            secret = None
+        if secret:
+            text = text.replace(secret, "***")
         return text
 
     @contextlib.contextmanager

@@ -32,7 +32,8 @@ from typing import Any
 import psycopg
 
 from examples.orders import settings
-from outbox_celery.testing import free_port, redact
+from outbox_celery.dsn import redact
+from outbox_celery.testing import free_port
 
 from .processes import ChildExitedError, Supervisor
 from .report import EVENTS_PER_ORDER, Snapshot, checks, snapshot

@@ -1,0 +1,25 @@
+"""Connection strings made safe to print: the one place a DSN's password is looked up."""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+__all__ = ["password", "redact"]
+
+
+def password(dsn: str) -> str | None:
+    """The password ``dsn`` carries, if any; raises :class:`psycopg.ProgrammingError` if unparseable."""
+    value = conninfo_to_dict(dsn).get("password")
+    return str(value) if value else None
+
+
+def redact(dsn: str) -> str:
+    """``dsn`` with any password replaced, safe to print."""
+    try:
+        parts = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "<unparseable dsn>"
+    if parts.get("password"):
+        parts["password"] = "***"
+    return make_conninfo("", **parts)
