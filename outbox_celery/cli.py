@@ -879,8 +879,9 @@ def celery_outbox(ctx: click.Context, dsn: str | None, table: str | None, outbox
     ctx.obj = Target(dsn=dsn, table=table, outbox_finder=_celery_outbox_finder(ctx, outbox_name))
 
 
-for _name, _command in cli.commands.items():
-    celery_outbox.add_command(_command, _name)
+# One command table for both entry points: a command defined on ``cli`` anywhere, before or after
+# this line, is also a ``celery outbox`` command.
+celery_outbox.commands = cli.commands
 
 
 def main(argv: Sequence[str] | None = None) -> None:
