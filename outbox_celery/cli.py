@@ -557,7 +557,7 @@ def dead_list(
     as_json: bool,
 ) -> None:
     """Dead messages, oldest id first, with their last error."""
-    filters: dict[str, Any] = {
+    filters: admin.DeadFilters = {
         "event_type": event_type,
         "aggregate_type": aggregate_type,
         "aggregate_id": aggregate_id,
