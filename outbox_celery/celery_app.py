@@ -21,15 +21,17 @@ from celery import Celery, signals
 from psycopg_pool import ConnectionPool
 
 from . import producer
+from ._pool import ForkSafePool
 from .config import OutboxConfig
 from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, default_owner
-from .dsn import password
+from .dsn import DSN_ENV, password
 from .errors import ConfigurationError
 from .listener import Listener
 from .producer import Event
 from .push import install_listener_step
 from .store import Claimed, Store
 from .tracing import task_headers
+from .worker_settings import check_worker_settings, is_redis
 
 __all__ = ["Outbox"]
 
@@ -37,16 +39,9 @@ logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Handler)
 
-# Where the DSN comes from when neither ``Outbox(dsn=...)`` nor ``outbox_dsn`` sets it (the CLI
-# reads the same variable).
-DSN_ENV = "OUTBOX_DSN"
 
 # Retention: at most this many batches of ``retention_batch_size`` per beat-triggered run.
 PURGE_MAX_BATCHES_PER_RUN = 20
-
-# Pools inherited across fork() are never touched (closing them would talk on the parent's
-# sockets) nor garbage collected (their finalizer would wait on threads that did not survive).
-_ORPHANED_POOLS: list[ConnectionPool[Any]] = []
 
 
 def _loaded_conf(app: Celery) -> Any:
@@ -68,10 +63,6 @@ def _user_set(conf: Any, key: str) -> bool:
     return any(k in m for m in maps[:-1] for k in keys)
 
 
-def _is_redis(url: Any) -> bool:
-    return str(url or "").startswith(("redis", "rediss", "sentinel"))
-
-
 def _routers(routes: Any) -> tuple[Any, ...]:
     """``task_routes`` as a tuple of routers (it may be one router or a sequence of them)."""
     if routes is None:
@@ -79,13 +70,6 @@ def _routers(routes: Any) -> tuple[Any, ...]:
     if isinstance(routes, list | tuple):
         return tuple(routes)
     return (routes,)
-
-
-# Pools where Celery cannot enforce task time limits (gevent enforces them at the handler's next
-# cooperative switch).
-_POOLS_WITHOUT_TIME_LIMITS = ("solo", "threads", "thread", "eventlet")
-# Pools whose tasks run concurrently in one process, sharing its connection pool.
-_POOLS_SHARING_ONE_PROCESS = ("threads", "thread", "gevent", "eventlet")
 
 
 class Outbox:
@@ -118,8 +102,7 @@ class Outbox:
         self._config: OutboxConfig | None = None
         self._handlers: dict[str, HandlerSpec] = {}
         self._lock = threading.Lock()
-        self._pool: ConnectionPool[Any] | None = None
-        self._pool_pid: int | None = None
+        self._pool = ForkSafePool(self._open_pool)
         self._dispatcher: Dispatcher | None = None
         self._last_drained: float | None = None
         self._publish_conn: Any = None
@@ -274,7 +257,7 @@ class Outbox:
             # Reserved-but-unstarted deliveries sit in a worker while their lease runs.
             conf.worker_prefetch_multiplier = 1
             applied.append("worker_prefetch_multiplier=1")
-        if _is_redis(conf.broker_url):
+        if is_redis(conf.broker_url):
             options = dict(conf.broker_transport_options or {})
             if "visibility_timeout" not in options:
                 # Redis redelivers unacked (acks_late) messages after this; it must exceed the lease.
@@ -295,111 +278,54 @@ class Outbox:
     ) -> list[str]:
         """Return warnings for Celery settings that work against the outbox (and log them).
 
-        Run by every worker at start-up (``worker_init``) with its pool, concurrency and queues.
+        Run by every worker at start-up (``worker_init``) with its pool, concurrency and queues;
+        the checks are :func:`outbox_celery.worker_settings.check_worker_settings`.
 
         :param pool: the worker's pool (``prefork``, ``solo``, ``threads``, ``gevent``...).
         :param concurrency: the worker's concurrency.
         :param queues: the queues the worker consumes; the pool checks only concern workers that
             consume a delivery queue (not, say, a solo worker on the claim queue alone).
         """
-        cfg = self.config
-        conf = self.app.conf
-        problems = []
-        if (conf.worker_prefetch_multiplier or 0) > 4:
-            problems.append(
-                f"worker_prefetch_multiplier={conf.worker_prefetch_multiplier}: reserved deliveries "
-                "wait in the worker while their lease runs; use 1"
-            )
-        if _is_redis(conf.broker_url):
-            vt = (conf.broker_transport_options or {}).get("visibility_timeout", 3600)
-            if vt <= cfg.lease:
-                problems.append(
-                    f"broker visibility_timeout={vt}s is not above the lease ({cfg.lease}s): Redis "
-                    "would redeliver tasks that are still running"
-                )
-        if conf.task_time_limit and conf.task_time_limit >= cfg.lease:
-            problems.append(
-                f"task_time_limit={conf.task_time_limit}s is not below the lease ({cfg.lease}s); "
-                "outbox deliveries use their own limit below the lease"
-            )
-        if self._dsn_exposed():
-            problems.append(
-                "outbox_dsn in the Celery configuration holds a password, and `celery report` and "
-                "`celery inspect conf` print it (Celery masks only setting names it knows): set "
-                f"{DSN_ENV} in the environment, pass Outbox(app, dsn=...), or keep the password in "
-                "PGPASSWORD or a passfile"
-            )
-        kind = (pool or "").split(":", 1)[0].rsplit(".", 1)[-1].lower()
-        delivers = queues is None or bool(set(queues) & set(self.delivery_queues))
-        if delivers and kind in _POOLS_WITHOUT_TIME_LIMITS:
-            problems.append(
-                f"the {kind} pool does not enforce task time limits: a handler may outlive its "
-                f"lease ({cfg.lease}s), be delivered again elsewhere, and its own finalize is then "
-                "fenced off (lost lease); keep handlers well below the lease or extend it"
-            )
-        if delivers and kind == "solo" and str(conf.broker_url or "").startswith(("amqp", "pyamqp")):
-            problems.append(
-                "the solo pool on RabbitMQ can sit idle for seconds between late-acked messages "
-                "(seen with Celery 5.7), so deliveries may expire before they start; use prefork "
-                "for delivery queues (a solo worker on the claim queue alone is fine)"
-            )
-        if delivers and kind == "solo" and concurrency and concurrency > 1:
-            problems.append(
-                f"the solo pool runs one task at a time but prefetches concurrency ({concurrency}) "
-                "x worker_prefetch_multiplier messages: deliveries wait behind the running one "
-                "while their leases run (and RabbitMQ hands them to this worker, not an idle "
-                "one); start it with -c 1"
-            )
-        if (
-            delivers
-            and kind in _POOLS_SHARING_ONE_PROCESS
-            and concurrency
-            and concurrency > cfg.pool_max_size
-        ):
-            problems.append(
-                f"pool_max_size={cfg.pool_max_size} is below the {kind} pool's concurrency "
-                f"({concurrency}): its tasks share one connection pool and would wait for it"
-            )
-        for p in problems:
-            logger.warning("outbox settings: %s", p)
-        return problems
+        return check_worker_settings(
+            self.config,
+            self.app.conf,
+            delivery_queues=self.delivery_queues,
+            dsn_exposed=self._dsn_exposed(),
+            pool=pool,
+            concurrency=concurrency,
+            queues=queues,
+        )
 
     # -- connections ---------------------------------------------------------------------------
 
     @property
     def pool(self) -> ConnectionPool[Any]:
         """This process's connection pool (opened lazily, again after a fork)."""
-        pid = os.getpid()
-        if self._pool is None or self._pool_pid != pid:
-            with self._lock:
-                if self._pool is None or self._pool_pid != pid:
-                    if self._pool is not None:
-                        _ORPHANED_POOLS.append(self._pool)
-                    dsn = self.config.dsn
-                    if not dsn:
-                        raise ConfigurationError(
-                            f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn "
-                            "in the Celery config"
-                        )
-                    self._pool = ConnectionPool(
-                        dsn,
-                        min_size=1,
-                        max_size=self.config.pool_max_size,
-                        kwargs={
-                            "autocommit": True,
-                            "application_name": f"outbox-celery:{self.name}",
-                            # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
-                            "prepare_threshold": self.config.prepare_threshold,
-                        },
-                        name=f"outbox-{self.name}",
-                        # A connection the server closed while it sat idle (restart, failover,
-                        # pg_terminate_backend) is replaced before use, not handed to a delivery
-                        # whose fenced finalize would then fail (one round trip per checkout).
-                        check=ConnectionPool.check_connection,
-                        open=True,
-                    )
-                    self._pool_pid = pid
-        return self._pool
+        return self._pool.get()
+
+    def _open_pool(self) -> ConnectionPool[Any]:
+        dsn = self.config.dsn
+        if not dsn:
+            raise ConfigurationError(
+                f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn in the Celery config"
+            )
+        return ConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=self.config.pool_max_size,
+            kwargs={
+                "autocommit": True,
+                "application_name": f"outbox-celery:{self.name}",
+                # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
+                "prepare_threshold": self.config.prepare_threshold,
+            },
+            name=f"outbox-{self.name}",
+            # A connection the server closed while it sat idle (restart, failover,
+            # pg_terminate_backend) is replaced before use, not handed to a delivery
+            # whose fenced finalize would then fail (one round trip per checkout).
+            check=ConnectionPool.check_connection,
+            open=True,
+        )
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -409,22 +335,15 @@ class Outbox:
 
     def close(self) -> None:
         """Close this process's pool (idempotent)."""
+        self._pool.close()
         with self._lock:
-            pool, self._pool = self._pool, None
-            if pool is not None and self._pool_pid == os.getpid():
-                pool.close()
-            self._pool_pid = None
             conn, self._publish_conn = self._publish_conn, None
             if conn is not None and self._publish_conn_pid == os.getpid():
                 with suppress(Exception):
                     conn.close()
 
     def _after_fork(self, **kwargs: Any) -> None:
-        with self._lock:
-            if self._pool is not None and self._pool_pid != os.getpid():
-                _ORPHANED_POOLS.append(self._pool)
-                self._pool = None
-                self._pool_pid = None
+        self._pool.after_fork()
 
     def _on_shutdown(self, **kwargs: Any) -> None:
         self.close()
@@ -553,7 +472,7 @@ class Outbox:
             timeout = self.config.broker_timeout
             url = str(self.app.conf.broker_write_url or self.app.conf.broker_url or "")
             options: dict[str, Any] = {}
-            if _is_redis(url):
+            if is_redis(url):
                 options = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
             elif url.startswith(("amqp", "pyamqp")):
                 # A publishing connection only: read timeouts cannot starve a consumer here.

@@ -5,7 +5,11 @@ from __future__ import annotations
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-__all__ = ["password", "redact"]
+__all__ = ["DSN_ENV", "password", "redact"]
+
+# Where the DSN comes from when neither ``Outbox(dsn=...)`` nor ``outbox_dsn`` sets it (the CLI
+# reads the same variable).
+DSN_ENV = "OUTBOX_DSN"
 
 
 def password(dsn: str) -> str | None:
