@@ -22,7 +22,8 @@ from psycopg_pool import ConnectionPool
 
 from . import producer
 from ._pool import ForkSafePool
-from .config import OutboxConfig
+from .backoff import RetryPolicy
+from .config import UNSET, OutboxConfig, TableName, Unset
 from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, default_owner
 from .dsn import DSN_ENV, password
 from .errors import ConfigurationError
@@ -36,6 +37,8 @@ from .worker_settings import check_worker_settings, is_redis
 __all__ = ["Outbox"]
 
 logger = logging.getLogger(__name__)
+
+_SETTINGS = frozenset(OutboxConfig.__dataclass_fields__)
 
 F = TypeVar("F", bound=Handler)
 
@@ -87,15 +90,66 @@ class Outbox:
     :param app: the Celery app.
     :param name: prefix of the task names and beat entries (``outbox.claim``...). Use a distinct
         one per outbox when one app serves several tables.
-    :param settings: any :class:`~outbox_celery.config.OutboxConfig` field (``dsn``, ``table``,
-        ``lease``, ``batch_size``, ``max_attempts``, ``claim_interval``...). Unset fields come
-        from the Celery configuration (``outbox_<field>``), then from the defaults.
+    :param dsn: and every other keyword named after a field of
+        :class:`~outbox_celery.config.OutboxConfig` (``table``, ``lease``, ``batch_size``,
+        ``max_attempts``, ``claim_interval``...; meanings and defaults there and in
+        docs/celery.md). A setting not given comes from the Celery configuration
+        (``outbox_<name>``), then from the default. An unknown name raises
+        :class:`~outbox_celery.errors.ConfigurationError`.
+    :param store: the :class:`~outbox_celery.store.Store` the dispatcher runs its queries
+        through (default: one bound to ``table`` with ``relaxed_commit``).
+    :param retry: a :data:`~outbox_celery.backoff.RetryPolicy`, ``(attempt, error) -> seconds``,
+        deciding the wait after a :class:`~outbox_celery.errors.RetryableError` that carries no
+        ``delay`` (default: full-jitter :class:`~outbox_celery.backoff.Backoff` from
+        ``backoff_base`` and ``backoff_cap``).
     """
 
-    def __init__(self, app: Celery, *, name: str = "outbox", **settings: Any) -> None:
-        unknown = set(settings) - set(OutboxConfig.__dataclass_fields__)
+    def __init__(
+        self,
+        app: Celery,
+        *,
+        name: str = "outbox",
+        dsn: str | Unset | None = UNSET,
+        table: str | TableName | Unset = UNSET,
+        lease: float | timedelta | Unset = UNSET,
+        batch_size: int | Unset = UNSET,
+        max_attempts: int | Unset = UNSET,
+        claim_interval: float | timedelta | Unset = UNSET,
+        claim_budget: float | timedelta | Unset | None = UNSET,
+        max_in_flight: int | Unset = UNSET,
+        min_in_flight: int | Unset | None = UNSET,
+        adaptive_in_flight: bool | Unset = UNSET,
+        backoff_base: float | timedelta | Unset = UNSET,
+        backoff_cap: float | timedelta | Unset = UNSET,
+        max_defer_age: float | timedelta | Unset = UNSET,
+        max_payload_bytes: int | Unset = UNSET,
+        claim_queue: str | Unset = UNSET,
+        default_queue: str | Unset = UNSET,
+        unroutable_delay: float | timedelta | Unset = UNSET,
+        pool_max_size: int | Unset = UNSET,
+        retention: float | timedelta | Unset | None = UNSET,
+        retention_batch_size: int | Unset = UNSET,
+        relaxed_commit: bool | Unset = UNSET,
+        configure_celery: bool | Unset = UNSET,
+        max_clock_skew: float | timedelta | Unset = UNSET,
+        broker_timeout: float | timedelta | Unset = UNSET,
+        claim_time_limit: float | timedelta | Unset | None = UNSET,
+        prepare_threshold: int | Unset | None = UNSET,
+        lease_heartbeat: bool | Unset = UNSET,
+        handler_time_limit: float | timedelta | Unset | None = UNSET,
+        listen: bool | Unset = UNSET,
+        listen_dsn: str | Unset | None = UNSET,
+        listen_poll: float | timedelta | Unset = UNSET,
+        store: Store | None = None,
+        retry: RetryPolicy | None = None,
+        **unknown: Any,
+    ) -> None:
+        # Only the settings the caller gave: the others come from the Celery configuration.
+        settings = {k: v for k, v in locals().items() if k in _SETTINGS and v is not UNSET}
         if unknown:
             raise ConfigurationError(f"unknown outbox setting(s): {', '.join(sorted(unknown))}")
+        self._store = store
+        self._retry = retry
         self.app = app
         self.name = name
         self._settings = settings
@@ -154,7 +208,9 @@ class Outbox:
     def dispatcher(self) -> Dispatcher:
         """Claim/deliver logic bound to this process's pool."""
         if self._dispatcher is None:
-            self._dispatcher = Dispatcher(self.config, self.connection, self._handlers)
+            self._dispatcher = Dispatcher(
+                self.config, self.connection, self._handlers, store=self._store, retry=self._retry
+            )
         return self._dispatcher
 
     @property

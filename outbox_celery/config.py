@@ -7,6 +7,7 @@ Every field can also come from the Celery configuration as ``outbox_<field>`` (f
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,7 +18,21 @@ from psycopg import sql
 from ._seconds import seconds
 from .errors import ConfigurationError
 
-__all__ = ["OutboxConfig", "TableName"]
+__all__ = ["UNSET", "OutboxConfig", "TableName", "Unset"]
+
+
+class Unset(enum.Enum):
+    """The type of :data:`UNSET`."""
+
+    UNSET = "UNSET"
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: A setting not given to ``Outbox(...)``: it comes from the Celery configuration
+#: (``outbox_<name>``), then from the default.
+UNSET = Unset.UNSET
 
 # Leaves room under PostgreSQL's 63-byte identifier limit for the index-name suffixes. The
 # limit is in bytes (PostgreSQL silently truncates longer identifiers), so it is checked on

@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 import psycopg
 
-from .backoff import Backoff
+from .backoff import Backoff, RetryPolicy
 from .config import OutboxConfig
 from .errors import Defer, PermanentError, RetryableError
 from .heartbeat import lease_heartbeat
@@ -115,12 +115,12 @@ class Verdict:
     error: str = ""
 
 
-def classify(exc: BaseException, attempts: int, backoff: Backoff) -> Verdict | None:
+def classify(exc: BaseException, attempts: int, retry: RetryPolicy) -> Verdict | None:
     """The verdict for a handler's exception; ``None`` when the handler did not classify it."""
     if isinstance(exc, Defer):
         return Verdict(Outcome.DEFER, delay=exc.delay, error=exc.reason)
     if isinstance(exc, RetryableError):
-        delay = exc.delay if exc.delay is not None else backoff.delay(attempts)
+        delay = exc.delay if exc.delay is not None else retry(attempts, exc)
         return Verdict(Outcome.RETRY, delay=delay, error=_error_text(exc))
     if isinstance(exc, PermanentError):
         return Verdict(Outcome.DEAD, error=_error_text(exc))
@@ -135,6 +135,9 @@ class Dispatcher:
         ``connection``).
     :param handlers: event type -> :class:`HandlerSpec`; the claim only takes event types that
         have a handler here (others stay pending and are reported as unroutable).
+    :param store: the SQL layer (default: a :class:`~outbox_celery.store.Store` on ``table``).
+    :param retry: the wait after a retryable failure that carries no delay of its own
+        (default: :class:`~outbox_celery.backoff.Backoff` from ``backoff_base``/``backoff_cap``).
     """
 
     def __init__(
@@ -144,12 +147,14 @@ class Dispatcher:
         handlers: dict[str, HandlerSpec],
         *,
         store: Store | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.config = config
         self.connection = connection
         self.handlers = handlers
         self.store = store or Store(config.table, relaxed_commit=config.relaxed_commit)
         self.backoff = Backoff(config.backoff_base, config.backoff_cap)
+        self.retry: RetryPolicy = retry or self.backoff
 
     # -- claim side ----------------------------------------------------------------------------
 
@@ -296,7 +301,7 @@ class Dispatcher:
             with lease_heartbeat(cfg, msg.extend_lease, log=log), handler_span(msg):
                 spec.fn(msg)
         except BaseException as exc:
-            verdict = classify(exc, msg.attempts, self.backoff)
+            verdict = classify(exc, msg.attempts, self.retry)
             if verdict is None:
                 # Not classified by the handler: record it, let Celery report a failure, and let
                 # the row come back through its lease. Never a silent "transient" retry.
