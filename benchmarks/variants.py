@@ -103,16 +103,16 @@ def make_store(table: str | TableName, spec: str) -> Store:
     return store
 
 
+def outbox_store(table: str | TableName, spec: str) -> Store | None:
+    """The store an ``Outbox(store=...)`` takes for the variants of ``spec``; None: the default."""
+    if parse(spec) & {"explicit_tx", "durable", "claim_jit"}:
+        return make_store(table, spec)
+    return None
+
+
 def apply(outbox: Any, spec: str) -> None:
     """Patch one benchmark process's ``Outbox`` (workers) to use the variants of ``spec``."""
     names = parse(spec)
-    if names & {"explicit_tx", "durable", "claim_jit"}:
-        from outbox_celery.dispatch import Dispatcher
-
-        # Benchmark-only: replace the Outbox's dispatcher with one bound to the variant store.
-        outbox._dispatcher = Dispatcher(
-            outbox.config, outbox.connection, outbox._handlers, store=make_store(outbox.config.table, spec)
-        )
     if "acks_early" in names:
         outbox.deliver_task.acks_late = False
     if "push_broker" in names:
