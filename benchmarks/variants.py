@@ -25,9 +25,8 @@ import contextlib
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
-from outbox_celery import Store, TableName, _sql
+from outbox_celery import Store, TableName
 
 __all__ = ["ExplicitTransactionStore", "apply", "make_store", "parse"]
 
@@ -94,13 +93,13 @@ def make_store(table: str | TableName, spec: str) -> Store:
     """A store with the variants of ``spec`` applied."""
     names = parse(spec)
     cls = ExplicitTransactionStore if "explicit_tx" in names else Store
-    store = cls(table, relaxed_commit="durable" not in names)
+    queries = {}
     if "claim_jit" in names:
         # Benchmark-only: the claim transaction's first statement no longer turns JIT off.
-        store._q["claim_settings"] = sql.Composed([sql.SQL("SELECT 1")])
+        queries["claim_settings"] = "SELECT 1"
     if "skip_scan" in names:
-        store._q["claim_heads"] = _sql.compose(SKIP_SCAN_CLAIM_HEADS, store.table)
-    return store
+        queries["claim_heads"] = SKIP_SCAN_CLAIM_HEADS
+    return cls(table, relaxed_commit="durable" not in names, queries=queries)
 
 
 def outbox_store(table: str | TableName, spec: str) -> Store | None:

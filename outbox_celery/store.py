@@ -20,10 +20,11 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any
 
 import psycopg
@@ -79,13 +80,27 @@ class Store:
         durably and, WAL being sequential, flushes the earlier relaxed commit with it, so
         ordering and fencing hold across a crash. The claim itself always commits durably: its
         new ``lease_version`` goes out in published tasks and must never be rolled back.
+    :param queries: replacement texts for named queries of ``sql/queries.sql`` (same name, same
+        parameters; ``{table}`` and the index names are bound as identifiers). For benchmarks and
+        experiments: the text is trusted SQL, never user input.
     """
 
-    def __init__(self, table: str | TableName = "outbox", *, relaxed_commit: bool = True) -> None:
+    def __init__(
+        self,
+        table: str | TableName = "outbox",
+        *,
+        relaxed_commit: bool = True,
+        queries: Mapping[str, str] | None = None,
+    ) -> None:
         self.table = TableName.parse(table)
         self.relaxed_commit = relaxed_commit
+        texts = dict(_sql.named("queries.sql"))
+        unknown = set(queries or {}) - set(texts)
+        if unknown:
+            raise ValueError(f"no named queries {sorted(unknown)} to replace")
+        texts.update(queries or {})
         self._q: dict[str, sql.Composed] = {
-            name: _sql.compose(text, self.table) for name, text in _sql.named("queries.sql").items()
+            name: _sql.compose(text, self.table) for name, text in texts.items()
         }
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
@@ -111,6 +126,11 @@ class Store:
     def _commit_mode(self, conn: psycopg.Connection[Any]) -> str | None:
         """``"off"`` where a relaxed commit is allowed; ``None`` keeps the session's setting."""
         return "off" if self.relaxed_commit and self._owns_transaction(conn) else None
+
+    @property
+    def queries(self) -> Mapping[str, sql.Composed]:
+        """The named queries, bound to this table (read-only)."""
+        return MappingProxyType(self._q)
 
     # -- observability -------------------------------------------------------------------------
 
