@@ -28,6 +28,7 @@ from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, default_owner
 from .dsn import DSN_ENV, password
 from .errors import ConfigurationError
 from .listener import Listener
+from .message import Outcome
 from .producer import Event
 from .push import install_listener_step
 from .store import Claimed, Store
@@ -580,7 +581,7 @@ class Outbox:
     def _producer_defaults(self, options: dict[str, Any]) -> dict[str, Any]:
         return {"table": self.config.table, "max_payload_bytes": self.config.max_payload_bytes, **options}
 
-    def deliver(self, outbox_id: int, lease_version: int) -> str:
+    def deliver(self, outbox_id: int, lease_version: int) -> Outcome:
         """Deliver one row in this process (what the delivery task does)."""
         return self.dispatcher.deliver(outbox_id, lease_version)
 
