@@ -33,7 +33,8 @@ from .producer import Event
 from .push import install_listener_step
 from .store import Claimed, Store
 from .tracing import task_headers
-from .worker_settings import check_worker_settings, is_redis
+from .worker_settings import check_worker_settings
+from .worker_settings import is_redis as _is_redis
 
 __all__ = ["Outbox"]
 
@@ -314,7 +315,7 @@ class Outbox:
             # Reserved-but-unstarted deliveries sit in a worker while their lease runs.
             conf.worker_prefetch_multiplier = 1
             applied.append("worker_prefetch_multiplier=1")
-        if is_redis(conf.broker_url):
+        if _is_redis(conf.broker_url):
             options = dict(conf.broker_transport_options or {})
             if "visibility_timeout" not in options:
                 # Redis redelivers unacked (acks_late) messages after this; it must exceed the lease.
@@ -529,7 +530,7 @@ class Outbox:
             timeout = self.config.broker_timeout
             url = str(self.app.conf.broker_write_url or self.app.conf.broker_url or "")
             options: dict[str, Any] = {}
-            if is_redis(url):
+            if _is_redis(url):
                 options = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
             elif url.startswith(("amqp", "pyamqp")):
                 # A publishing connection only: read timeouts cannot starve a consumer here.
