@@ -29,6 +29,12 @@ __all__ = [
 ]
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name if empty), for one-line reports."""
+    text = str(exc).strip()
+    return text.splitlines()[0].strip() if text else type(exc).__name__
+
+
 class OutboxError(Exception):
     """Root of every exception defined by outbox-celery."""
 
