@@ -153,8 +153,13 @@ class Dispatcher:
         self.connection = connection
         self.handlers = handlers
         self.store = store or Store(config.table, relaxed_commit=config.relaxed_commit)
+        self._retry = retry
         self.backoff = Backoff(config.backoff_base, config.backoff_cap)
-        self.retry: RetryPolicy = retry or self.backoff
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The wait after a retryable failure that carries no delay: ``retry=`` or the backoff."""
+        return self._retry or self.backoff
 
     # -- claim side ----------------------------------------------------------------------------
 
