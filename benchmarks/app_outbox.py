@@ -26,17 +26,19 @@ app.conf.update(
     beat_schedule={},
 )
 
+TABLE = os.environ.get("BENCH_TABLE", "outbox")
 outbox = Outbox(
     app,
     name="bench",
     dsn=os.environ.get("BENCH_DSN"),
-    table=os.environ.get("BENCH_TABLE", "outbox"),
+    table=TABLE,
     claim_queue=os.environ.get("BENCH_CLAIM_QUEUE", "bench.claim"),
     default_queue=os.environ.get("BENCH_QUEUE", "bench.deliver"),
     claim_interval=float(os.environ.get("BENCH_CLAIM_INTERVAL", "1.0")),
     batch_size=int(os.environ.get("BENCH_BATCH_SIZE", "200")),
     retention=None,
     listen=os.environ.get("BENCH_LISTEN", "1") == "1",
+    store=variants.outbox_store(TABLE, os.environ.get("BENCH_VARIANT", "")),
 )
 
 

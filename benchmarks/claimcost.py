@@ -284,7 +284,7 @@ def _heads_plan(conn: psycopg.Connection[Any], store: Any, limit: int) -> tuple[
     with conn.transaction(force_rollback=True):
         conn.execute("SET LOCAL jit = off")
         row = conn.execute(
-            sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + store._q["claim_heads"], params
+            sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + store.queries["claim_heads"], params
         ).fetchone()
     assert row is not None
     [top] = row[0]

@@ -116,7 +116,7 @@ def _classify(trace: Path, names: dict[str, str]) -> Counter[str]:
 def _statement_names(store: Store, conn: psycopg.Connection[Any]) -> dict[str, str]:
     """Map each named query's wire text (``$1`` placeholders) to its name."""
     names = {}
-    for name, composed in store._q.items():
+    for name, composed in store.queries.items():
         text = composed.as_string(conn)
         # psycopg turns %(x)s placeholders into $n in order of first appearance.
         order: dict[str, int] = {}

@@ -19,7 +19,8 @@ from urllib.parse import urlparse, urlunparse
 
 import psycopg
 
-from outbox_celery.testing import embedded_postgres, embedded_redis, reachable, redact, temporary_database
+from outbox_celery.dsn import redact
+from outbox_celery.testing import embedded_postgres, embedded_redis, reachable, temporary_database
 
 __all__ = ["Services", "redact_url", "services"]
 

@@ -31,9 +31,8 @@ import contextlib
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
-from outbox_celery import Store, TableName, _sql
+from outbox_celery import Store, TableName
 
 __all__ = ["ExplicitTransactionStore", "apply", "make_store", "parse"]
 
@@ -112,25 +111,25 @@ def make_store(table: str | TableName, spec: str) -> Store:
     """A store with the variants of ``spec`` applied."""
     names = parse(spec)
     cls = ExplicitTransactionStore if "explicit_tx" in names else Store
-    store = cls(table, relaxed_commit="durable" not in names)
+    queries = {}
     if "claim_jit" in names:
         # Benchmark-only: the claim transaction's first statement no longer turns JIT off.
-        store._q["claim_settings"] = sql.Composed([sql.SQL("SELECT 1")])
+        queries["claim_settings"] = "SELECT 1"
     if "skip_scan" in names:
-        store._q["claim_heads"] = _sql.compose(SKIP_SCAN_CLAIM_HEADS, store.table)
-    return store
+        queries["claim_heads"] = SKIP_SCAN_CLAIM_HEADS
+    return cls(table, relaxed_commit="durable" not in names, queries=queries)
+
+
+def outbox_store(table: str | TableName, spec: str) -> Store | None:
+    """The store an ``Outbox(store=...)`` takes for the variants of ``spec``; None: the default."""
+    if parse(spec) & {"explicit_tx", "durable", "claim_jit"}:
+        return make_store(table, spec)
+    return None
 
 
 def apply(outbox: Any, spec: str) -> None:
     """Patch one benchmark process's ``Outbox`` (workers) to use the variants of ``spec``."""
     names = parse(spec)
-    if names & {"explicit_tx", "durable", "claim_jit"}:
-        from outbox_celery.dispatch import Dispatcher
-
-        # Benchmark-only: replace the Outbox's dispatcher with one bound to the variant store.
-        outbox._dispatcher = Dispatcher(
-            outbox.config, outbox.connection, outbox._handlers, store=make_store(outbox.config.table, spec)
-        )
     if "publish_each" in names:
         from outbox_celery import celery_app
 

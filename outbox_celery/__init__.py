@@ -18,7 +18,7 @@ from .errors import (
     ProducerError,
     RetryableError,
 )
-from .message import Message, Status
+from .message import Message, Outcome, Status
 from .migrations import migrate
 from .producer import Event, enqueue, enqueue_async, enqueue_many, enqueue_many_async
 from .store import Claimed, Store
@@ -33,6 +33,7 @@ __all__ = [
     "Outbox",
     "OutboxConfig",
     "OutboxError",
+    "Outcome",
     "PermanentError",
     "ProducerError",
     "RetryableError",

@@ -18,19 +18,21 @@ import re
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import psycopg
 from psycopg import pq, sql
 from psycopg.rows import dict_row
 
 from . import _sql
+from ._seconds import seconds
 from .config import TableName
 from .errors import OutboxError
 
 __all__ = [
     "AdminError",
     "AttemptsBucket",
+    "DeadFilters",
     "DeadMessage",
     "EventTypeStats",
     "Stats",
@@ -102,6 +104,9 @@ def _queries(table: TableName) -> dict[str, sql.Composed]:
     # The operator's queries, plus the dispatcher's where an operator action must do exactly what
     # the dispatcher does (settle_heads after a skip).
     texts = {**_sql.named("queries.sql"), **_sql.named("admin.sql")}
+    # The dead-letter filters are written once in admin.sql; the list and its count include them.
+    dead_filter = texts.pop("dead_filter")
+    texts = {name: text.replace("{dead_filter}", dead_filter) for name, text in texts.items()}
     return {name: _sql.compose(text, table) for name, text in texts.items()}
 
 
@@ -303,41 +308,40 @@ class DeadMessage:
         return d
 
 
-def _dead_filters(
-    event_type: str | None,
-    aggregate_type: str | None,
-    aggregate_id: str | None,
-    older_than: float | None,
-    newer_than: float | None,
-) -> dict[str, Any]:
-    return {
-        "event_type": event_type,
-        "aggregate_type": aggregate_type,
-        "aggregate_id": aggregate_id,
-        "older_than": older_than,
-        "newer_than": newer_than,
-    }
+class DeadFilters(TypedDict, total=False):
+    """Which dead messages :func:`list_dead` and :func:`count_dead` take; absent or ``None``
+    matches every one. ``older_than``/``newer_than`` are seconds since ``created_at``."""
+
+    event_type: str | None
+    aggregate_type: str | None
+    aggregate_id: str | None
+    older_than: float | None
+    newer_than: float | None
+
+
+def _dead_params(filters: DeadFilters) -> dict[str, Any]:
+    """Every filter as a query parameter (``None`` where absent); unknown names raise."""
+    unknown = set(filters) - set(DeadFilters.__annotations__)
+    if unknown:
+        raise TypeError(f"unknown dead-letter filter(s): {', '.join(sorted(unknown))}")
+    return {name: filters.get(name) for name in DeadFilters.__annotations__}
 
 
 def list_dead(
     conn: psycopg.Connection[Any],
     table: str | TableName = "outbox",
     *,
-    event_type: str | None = None,
-    aggregate_type: str | None = None,
-    aggregate_id: str | None = None,
-    older_than: float | None = None,
-    newer_than: float | None = None,
     after: int = 0,
     limit: int = 50,
+    **filters: Unpack[DeadFilters],
 ) -> list[DeadMessage]:
     """Dead messages by id, filtered; page with ``after`` = the last id of the previous page.
 
-    ``older_than``/``newer_than`` are seconds since ``created_at``.
+    ``filters``: :class:`DeadFilters` (``event_type=``, ``older_than=`` ...).
     """
     if limit < 1:
         raise AdminError("limit must be at least 1")
-    params = _dead_filters(event_type, aggregate_type, aggregate_id, older_than, newer_than)
+    params = _dead_params(filters)
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(_q(table, "dead_list"), {**params, "after": after, "limit": limit}).fetchall()
     return [
@@ -348,16 +352,10 @@ def list_dead(
 def count_dead(
     conn: psycopg.Connection[Any],
     table: str | TableName = "outbox",
-    *,
-    event_type: str | None = None,
-    aggregate_type: str | None = None,
-    aggregate_id: str | None = None,
-    older_than: float | None = None,
-    newer_than: float | None = None,
+    **filters: Unpack[DeadFilters],
 ) -> int:
     """How many dead messages match the filters of :func:`list_dead`."""
-    params = _dead_filters(event_type, aggregate_type, aggregate_id, older_than, newer_than)
-    row = conn.execute(_q(table, "dead_count"), params).fetchone()
+    row = conn.execute(_q(table, "dead_count"), _dead_params(filters)).fetchone()
     return int(row[0]) if row else 0
 
 
@@ -525,9 +523,8 @@ def skip(
 
 
 def _cutoff(conn: psycopg.Connection[Any], table: str | TableName, older_than: float) -> datetime:
-    if isinstance(older_than, bool) or not math.isfinite(older_than) or older_than < 0:
-        raise AdminError(f"older_than must be a non-negative number of seconds, got {older_than!r}")
-    row = conn.execute(_q(table, "purge_cutoff"), {"older_than": float(older_than)}).fetchone()
+    older_than = seconds(older_than, "older_than", error=AdminError)
+    row = conn.execute(_q(table, "purge_cutoff"), {"older_than": older_than}).fetchone()
     assert row is not None
     cutoff: datetime = row[0]
     return cutoff

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Backoff"]
+__all__ = ["Backoff", "RetryPolicy"]
+
+#: Seconds to wait before the next attempt, from the attempt just made (1-based) and the
+#: :class:`~outbox_celery.errors.RetryableError` it raised. Called only when the error carries
+#: no ``delay`` of its own; ``max_attempts`` still ends the retries. :class:`Backoff` is one.
+RetryPolicy = Callable[[int, BaseException], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +43,10 @@ class Backoff:
         if attempt >= 64:
             return self.cap
         return min(self.cap, self.base * float(2**attempt))
+
+    def __call__(self, attempt: int, error: BaseException) -> float:
+        """The :data:`RetryPolicy` form: :meth:`delay` for ``attempt``, whatever the error."""
+        return self.delay(attempt)
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
         """A random delay in ``[0, window(attempt)]``."""

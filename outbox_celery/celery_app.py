@@ -11,40 +11,42 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import psycopg
 from celery import Celery, signals
-from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
-from .config import OutboxConfig
-from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, Outcome, default_owner
+from . import producer
+from ._pool import ForkSafePool
+from .backoff import RetryPolicy
+from .config import UNSET, OutboxConfig, TableName, Unset
+from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, default_owner
+from .dsn import DSN_ENV, password
 from .errors import ConfigurationError
 from .listener import Listener
+from .message import Outcome
+from .producer import Event
 from .push import install_listener_step
 from .store import Claimed, Store
 from .tracing import task_headers
+from .worker_settings import check_worker_settings
+from .worker_settings import is_redis as _is_redis
 
 __all__ = ["Outbox"]
 
 logger = logging.getLogger(__name__)
 
+_SETTINGS = frozenset(OutboxConfig.__dataclass_fields__)
+
 F = TypeVar("F", bound=Handler)
 
-# Where the DSN comes from when neither ``Outbox(dsn=...)`` nor ``outbox_dsn`` sets it (the CLI
-# reads the same variable).
-DSN_ENV = "OUTBOX_DSN"
 
 # Retention: at most this many batches of ``retention_batch_size`` per beat-triggered run.
 PURGE_MAX_BATCHES_PER_RUN = 20
-
-# Pools inherited across fork() are never touched (closing them would talk on the parent's
-# sockets) nor garbage collected (their finalizer would wait on threads that did not survive).
-_ORPHANED_POOLS: list[ConnectionPool[Any]] = []
 
 
 def _loaded_conf(app: Celery) -> Any:
@@ -66,10 +68,6 @@ def _user_set(conf: Any, key: str) -> bool:
     return any(k in m for m in maps[:-1] for k in keys)
 
 
-def _is_redis(url: Any) -> bool:
-    return str(url or "").startswith(("redis", "rediss", "sentinel"))
-
-
 def _routers(routes: Any) -> tuple[Any, ...]:
     """``task_routes`` as a tuple of routers (it may be one router or a sequence of them)."""
     if routes is None:
@@ -77,13 +75,6 @@ def _routers(routes: Any) -> tuple[Any, ...]:
     if isinstance(routes, list | tuple):
         return tuple(routes)
     return (routes,)
-
-
-# Pools where Celery cannot enforce task time limits (gevent enforces them at the handler's next
-# cooperative switch).
-_POOLS_WITHOUT_TIME_LIMITS = ("solo", "threads", "thread", "eventlet")
-# Pools whose tasks run concurrently in one process, sharing its connection pool.
-_POOLS_SHARING_ONE_PROCESS = ("threads", "thread", "gevent", "eventlet")
 
 
 def _reprs(claim: Claimed) -> dict[str, Any]:
@@ -124,23 +115,73 @@ class Outbox:
     :param app: the Celery app.
     :param name: prefix of the task names and beat entries (``outbox.claim``...). Use a distinct
         one per outbox when one app serves several tables.
-    :param settings: any :class:`~outbox_celery.config.OutboxConfig` field (``dsn``, ``table``,
-        ``lease``, ``batch_size``, ``max_attempts``, ``claim_interval``...). Unset fields come
-        from the Celery configuration (``outbox_<field>``), then from the defaults.
+    :param dsn: and every other keyword named after a field of
+        :class:`~outbox_celery.config.OutboxConfig` (``table``, ``lease``, ``batch_size``,
+        ``max_attempts``, ``claim_interval``...; meanings and defaults there and in
+        docs/celery.md). A setting not given comes from the Celery configuration
+        (``outbox_<name>``), then from the default. An unknown name raises
+        :class:`~outbox_celery.errors.ConfigurationError`.
+    :param store: the :class:`~outbox_celery.store.Store` the dispatcher runs its queries
+        through (default: one bound to ``table`` with ``relaxed_commit``).
+    :param retry: a :data:`~outbox_celery.backoff.RetryPolicy`, ``(attempt, error) -> seconds``,
+        deciding the wait after a :class:`~outbox_celery.errors.RetryableError` that carries no
+        ``delay`` (default: full-jitter :class:`~outbox_celery.backoff.Backoff` from
+        ``backoff_base`` and ``backoff_cap``).
     """
 
-    def __init__(self, app: Celery, *, name: str = "outbox", **settings: Any) -> None:
-        unknown = set(settings) - set(OutboxConfig.__dataclass_fields__)
+    def __init__(
+        self,
+        app: Celery,
+        *,
+        name: str = "outbox",
+        dsn: str | Unset | None = UNSET,
+        table: str | TableName | Unset = UNSET,
+        lease: float | timedelta | Unset = UNSET,
+        batch_size: int | Unset = UNSET,
+        max_attempts: int | Unset = UNSET,
+        claim_interval: float | timedelta | Unset = UNSET,
+        claim_budget: float | timedelta | Unset | None = UNSET,
+        max_in_flight: int | Unset = UNSET,
+        min_in_flight: int | Unset | None = UNSET,
+        adaptive_in_flight: bool | Unset = UNSET,
+        backoff_base: float | timedelta | Unset = UNSET,
+        backoff_cap: float | timedelta | Unset = UNSET,
+        max_defer_age: float | timedelta | Unset = UNSET,
+        max_payload_bytes: int | Unset = UNSET,
+        claim_queue: str | Unset = UNSET,
+        default_queue: str | Unset = UNSET,
+        unroutable_delay: float | timedelta | Unset = UNSET,
+        pool_max_size: int | Unset = UNSET,
+        retention: float | timedelta | Unset | None = UNSET,
+        retention_batch_size: int | Unset = UNSET,
+        relaxed_commit: bool | Unset = UNSET,
+        configure_celery: bool | Unset = UNSET,
+        max_clock_skew: float | timedelta | Unset = UNSET,
+        broker_timeout: float | timedelta | Unset = UNSET,
+        claim_time_limit: float | timedelta | Unset | None = UNSET,
+        prepare_threshold: int | Unset | None = UNSET,
+        lease_heartbeat: bool | Unset = UNSET,
+        handler_time_limit: float | timedelta | Unset | None = UNSET,
+        listen: bool | Unset = UNSET,
+        listen_dsn: str | Unset | None = UNSET,
+        listen_poll: float | timedelta | Unset = UNSET,
+        store: Store | None = None,
+        retry: RetryPolicy | None = None,
+        **unknown: Any,
+    ) -> None:
+        # Only the settings the caller gave: the others come from the Celery configuration.
+        settings = {k: v for k, v in locals().items() if k in _SETTINGS and v is not UNSET}
         if unknown:
             raise ConfigurationError(f"unknown outbox setting(s): {', '.join(sorted(unknown))}")
+        self._store = store
+        self._retry = retry
         self.app = app
         self.name = name
         self._settings = settings
         self._config: OutboxConfig | None = None
         self._handlers: dict[str, HandlerSpec] = {}
         self._lock = threading.Lock()
-        self._pool: ConnectionPool[Any] | None = None
-        self._pool_pid: int | None = None
+        self._pool = ForkSafePool(self._open_pool)
         self._dispatcher: Dispatcher | None = None
         self._last_drained: float | None = None
         self._publish_conn: Any = None
@@ -179,7 +220,7 @@ class Outbox:
         if not _user_set(self.app.conf, "outbox_dsn"):
             return False
         try:
-            return bool(conninfo_to_dict(self.config.dsn).get("password"))
+            return password(self.config.dsn) is not None
         except psycopg.Error:
             return True  # unparseable: assume the worst
 
@@ -192,7 +233,9 @@ class Outbox:
     def dispatcher(self) -> Dispatcher:
         """Claim/deliver logic bound to this process's pool."""
         if self._dispatcher is None:
-            self._dispatcher = Dispatcher(self.config, self.connection, self._handlers)
+            self._dispatcher = Dispatcher(
+                self.config, self.connection, self._handlers, store=self._store, retry=self._retry
+            )
         return self._dispatcher
 
     @property
@@ -316,111 +359,54 @@ class Outbox:
     ) -> list[str]:
         """Return warnings for Celery settings that work against the outbox (and log them).
 
-        Run by every worker at start-up (``worker_init``) with its pool, concurrency and queues.
+        Run by every worker at start-up (``worker_init``) with its pool, concurrency and queues;
+        the checks are :func:`outbox_celery.worker_settings.check_worker_settings`.
 
         :param pool: the worker's pool (``prefork``, ``solo``, ``threads``, ``gevent``...).
         :param concurrency: the worker's concurrency.
         :param queues: the queues the worker consumes; the pool checks only concern workers that
             consume a delivery queue (not, say, a solo worker on the claim queue alone).
         """
-        cfg = self.config
-        conf = self.app.conf
-        problems = []
-        if (conf.worker_prefetch_multiplier or 0) > 4:
-            problems.append(
-                f"worker_prefetch_multiplier={conf.worker_prefetch_multiplier}: reserved deliveries "
-                "wait in the worker while their lease runs; use 1"
-            )
-        if _is_redis(conf.broker_url):
-            vt = (conf.broker_transport_options or {}).get("visibility_timeout", 3600)
-            if vt <= cfg.lease:
-                problems.append(
-                    f"broker visibility_timeout={vt}s is not above the lease ({cfg.lease}s): Redis "
-                    "would redeliver tasks that are still running"
-                )
-        if conf.task_time_limit and conf.task_time_limit >= cfg.lease:
-            problems.append(
-                f"task_time_limit={conf.task_time_limit}s is not below the lease ({cfg.lease}s); "
-                "outbox deliveries use their own limit below the lease"
-            )
-        if self._dsn_exposed():
-            problems.append(
-                "outbox_dsn in the Celery configuration holds a password, and `celery report` and "
-                "`celery inspect conf` print it (Celery masks only setting names it knows): set "
-                f"{DSN_ENV} in the environment, pass Outbox(app, dsn=...), or keep the password in "
-                "PGPASSWORD or a passfile"
-            )
-        kind = (pool or "").split(":", 1)[0].rsplit(".", 1)[-1].lower()
-        delivers = queues is None or bool(set(queues) & set(self.delivery_queues))
-        if delivers and kind in _POOLS_WITHOUT_TIME_LIMITS:
-            problems.append(
-                f"the {kind} pool does not enforce task time limits: a handler may outlive its "
-                f"lease ({cfg.lease}s), be delivered again elsewhere, and its own finalize is then "
-                "fenced off (lost lease); keep handlers well below the lease or extend it"
-            )
-        if delivers and kind == "solo" and str(conf.broker_url or "").startswith(("amqp", "pyamqp")):
-            problems.append(
-                "the solo pool on RabbitMQ can sit idle for seconds between late-acked messages "
-                "(seen with Celery 5.7), so deliveries may expire before they start; use prefork "
-                "for delivery queues (a solo worker on the claim queue alone is fine)"
-            )
-        if delivers and kind == "solo" and concurrency and concurrency > 1:
-            problems.append(
-                f"the solo pool runs one task at a time but prefetches concurrency ({concurrency}) "
-                "x worker_prefetch_multiplier messages: deliveries wait behind the running one "
-                "while their leases run (and RabbitMQ hands them to this worker, not an idle "
-                "one); start it with -c 1"
-            )
-        if (
-            delivers
-            and kind in _POOLS_SHARING_ONE_PROCESS
-            and concurrency
-            and concurrency > cfg.pool_max_size
-        ):
-            problems.append(
-                f"pool_max_size={cfg.pool_max_size} is below the {kind} pool's concurrency "
-                f"({concurrency}): its tasks share one connection pool and would wait for it"
-            )
-        for p in problems:
-            logger.warning("outbox settings: %s", p)
-        return problems
+        return check_worker_settings(
+            self.config,
+            self.app.conf,
+            delivery_queues=self.delivery_queues,
+            dsn_exposed=self._dsn_exposed(),
+            pool=pool,
+            concurrency=concurrency,
+            queues=queues,
+        )
 
     # -- connections ---------------------------------------------------------------------------
 
     @property
     def pool(self) -> ConnectionPool[Any]:
         """This process's connection pool (opened lazily, again after a fork)."""
-        pid = os.getpid()
-        if self._pool is None or self._pool_pid != pid:
-            with self._lock:
-                if self._pool is None or self._pool_pid != pid:
-                    if self._pool is not None:
-                        _ORPHANED_POOLS.append(self._pool)
-                    dsn = self.config.dsn
-                    if not dsn:
-                        raise ConfigurationError(
-                            f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn "
-                            "in the Celery config"
-                        )
-                    self._pool = ConnectionPool(
-                        dsn,
-                        min_size=1,
-                        max_size=self.config.pool_max_size,
-                        kwargs={
-                            "autocommit": True,
-                            "application_name": f"outbox-celery:{self.name}",
-                            # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
-                            "prepare_threshold": self.config.prepare_threshold,
-                        },
-                        name=f"outbox-{self.name}",
-                        # A connection the server closed while it sat idle (restart, failover,
-                        # pg_terminate_backend) is replaced before use, not handed to a delivery
-                        # whose fenced finalize would then fail (one round trip per checkout).
-                        check=ConnectionPool.check_connection,
-                        open=True,
-                    )
-                    self._pool_pid = pid
-        return self._pool
+        return self._pool.get()
+
+    def _open_pool(self) -> ConnectionPool[Any]:
+        dsn = self.config.dsn
+        if not dsn:
+            raise ConfigurationError(
+                f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn in the Celery config"
+            )
+        return ConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=self.config.pool_max_size,
+            kwargs={
+                "autocommit": True,
+                "application_name": f"outbox-celery:{self.name}",
+                # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
+                "prepare_threshold": self.config.prepare_threshold,
+            },
+            name=f"outbox-{self.name}",
+            # A connection the server closed while it sat idle (restart, failover,
+            # pg_terminate_backend) is replaced before use, not handed to a delivery
+            # whose fenced finalize would then fail (one round trip per checkout).
+            check=ConnectionPool.check_connection,
+            open=True,
+        )
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -430,22 +416,15 @@ class Outbox:
 
     def close(self) -> None:
         """Close this process's pool (idempotent)."""
+        self._pool.close()
         with self._lock:
-            pool, self._pool = self._pool, None
-            if pool is not None and self._pool_pid == os.getpid():
-                pool.close()
-            self._pool_pid = None
             conn, self._publish_conn = self._publish_conn, None
             if conn is not None and self._publish_conn_pid == os.getpid():
                 with suppress(Exception):
                     conn.close()
 
     def _after_fork(self, **kwargs: Any) -> None:
-        with self._lock:
-            if self._pool is not None and self._pool_pid != os.getpid():
-                _ORPHANED_POOLS.append(self._pool)
-                self._pool = None
-                self._pool_pid = None
+        self._pool.after_fork()
 
     def _on_shutdown(self, **kwargs: Any) -> None:
         self.close()
@@ -623,7 +602,24 @@ class Outbox:
         self._last_drained = time.monotonic() if run.stopped_by == "drained" else None
         return run
 
-    def deliver(self, outbox_id: int, lease_version: int) -> str:
+    def enqueue(self, conn: Any, **event: Any) -> int:
+        """:func:`~outbox_celery.enqueue` into this outbox's ``table``, within ``max_payload_bytes``.
+
+        ``event`` takes :func:`~outbox_celery.enqueue`'s keywords (``event_type``, ``payload``,
+        ``aggregate_type``, ``aggregate_id``, ...); ``conn`` is any connection it accepts.
+        """
+        return producer.enqueue(conn, **self._producer_defaults(event))
+
+    def enqueue_many(
+        self, conn: Any, messages: Iterable[Event | Mapping[str, Any]], **options: Any
+    ) -> list[int]:
+        """:func:`~outbox_celery.enqueue_many` with this outbox's ``table`` and ``max_payload_bytes``."""
+        return producer.enqueue_many(conn, messages, **self._producer_defaults(options))
+
+    def _producer_defaults(self, options: dict[str, Any]) -> dict[str, Any]:
+        return {"table": self.config.table, "max_payload_bytes": self.config.max_payload_bytes, **options}
+
+    def deliver(self, outbox_id: int, lease_version: int) -> Outcome:
         """Deliver one row in this process (what the delivery task does)."""
         return self.dispatcher.deliver(outbox_id, lease_version)
 
@@ -644,6 +640,3 @@ class Outbox:
                 batch_size=cfg.retention_batch_size,
                 max_batches=PURGE_MAX_BATCHES_PER_RUN,
             )
-
-
-__all__ += ["Outcome"]

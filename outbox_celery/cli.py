@@ -22,7 +22,6 @@ User errors print one line and exit 1.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
-from types import FrameType, ModuleType
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -40,8 +39,9 @@ from psycopg.conninfo import conninfo_to_dict
 
 from . import admin, migrations
 from .config import TableName
-from .errors import OutboxError
-from .testing import redact
+from .discovery import celery_outbox_finder, resolve_outbox
+from .dsn import password, redact
+from .errors import OutboxError, first_line
 
 if TYPE_CHECKING:
     from .celery_app import Outbox
@@ -50,11 +50,6 @@ __all__ = ["celery_outbox", "cli", "main"]
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0].strip() if text else type(exc).__name__
 
 
 def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
@@ -82,59 +77,6 @@ def _message_ids(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(_message_id(v) for v in value)
     return _message_id(value)
-
-
-def _load_object(spec: str) -> Any:
-    """Import ``module[:attr.path]``; the current directory is importable, as with ``celery -A``."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name:
-        raise click.ClickException(f"invalid --app {spec!r}: use module.path:attribute")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        raise click.ClickException(
-            f"cannot import {module_name!r}: {type(exc).__name__}: {_first_line(exc)}"
-        ) from None
-    for part in filter(None, attr.split(".")):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise click.ClickException(f"{module_name!r} has no attribute {attr!r}") from None
-    return obj
-
-
-def _outboxes_in(modules: Sequence[ModuleType], app: Any = None) -> list[Outbox]:
-    from .celery_app import Outbox
-
-    found: dict[int, Outbox] = {}
-    for module in modules:
-        for value in list(vars(module).values()):
-            if isinstance(value, Outbox) and (app is None or value.app is app):
-                found[id(value)] = value
-    return list(found.values())
-
-
-def _resolve_outbox(spec: str) -> Outbox:
-    """The Outbox named by ``spec``: an Outbox, a Celery app or a module holding exactly one."""
-    from celery import Celery
-
-    from .celery_app import Outbox
-
-    obj = _load_object(spec)
-    if isinstance(obj, Outbox):
-        return obj
-    if isinstance(obj, ModuleType):
-        candidates = _outboxes_in([obj])
-    elif isinstance(obj, Celery):
-        candidates = _outboxes_in(list(sys.modules.values()), app=obj)
-    else:
-        raise click.ClickException(f"{spec!r} is a {type(obj).__name__}, not an Outbox")
-    if len(candidates) != 1:
-        what = "no Outbox" if not candidates else f"{len(candidates)} Outbox objects"
-        raise click.ClickException(f"{spec!r} holds {what}; name one as module:attribute")
-    return candidates[0]
 
 
 class Target:
@@ -168,7 +110,7 @@ class Target:
         if not self._loaded:
             self._loaded = True
             if self._app_spec:
-                self._outbox = _resolve_outbox(self._app_spec)
+                self._outbox = resolve_outbox(self._app_spec)
             elif self._finder is not None:
                 self._outbox = self._finder()
         return self._outbox
@@ -208,11 +150,11 @@ class Target:
         if not dsn and self._outbox is not None:
             dsn = self._outbox.config.dsn
         try:
-            password = conninfo_to_dict(dsn).get("password") if dsn else None
+            secret = password(dsn) if dsn else None
         except psycopg.Error:
-            password = None
-        if password:
-            text = text.replace(str(password), "***")
+            secret = None
+        if secret:
+            text = text.replace(secret, "***")
         return text
 
     @contextlib.contextmanager
@@ -233,7 +175,7 @@ class Target:
             conn = psycopg.connect(dsn, **extra)
         except psycopg.Error as exc:
             raise click.ClickException(
-                self.scrub(f"cannot connect to {redact(dsn)}: {_first_line(exc)}")
+                self.scrub(f"cannot connect to {redact(dsn)}: {first_line(exc)}")
             ) from None
         with conn:
             yield conn
@@ -276,7 +218,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except (OutboxError, psycopg.Error) as exc:
-            message = _first_line(exc)
+            message = first_line(exc)
             if isinstance(exc, psycopg.errors.UndefinedTable):
                 message += "; is the schema installed? run `outbox-celery migrate`"
             target = ctx.find_object(Target)
@@ -557,7 +499,7 @@ def dead_list(
     as_json: bool,
 ) -> None:
     """Dead messages, oldest id first, with their last error."""
-    filters: dict[str, Any] = {
+    filters: admin.DeadFilters = {
         "event_type": event_type,
         "aggregate_type": aggregate_type,
         "aggregate_id": aggregate_id,
@@ -801,14 +743,14 @@ def metrics(target: Target, port: int, addr: str, timeout: float, worker_metrics
     try:
         from .metrics import OutboxCollector, start_exporter
     except ImportError as exc:  # pragma: no cover - depends on the installation
-        raise click.ClickException(_first_line(exc)) from None
+        raise click.ClickException(first_line(exc)) from None
     if worker_metrics_dir is not None and not os.path.isdir(worker_metrics_dir):
         raise click.ClickException(f"--worker-metrics-dir {worker_metrics_dir!r} is not a directory")
     dsn, table, handlers = target.dsn, target.table, target.handlers
     try:
         collector = OutboxCollector(dsn, table, handlers=handlers, timeout=timeout)
     except ImportError as exc:
-        raise click.ClickException(_first_line(exc)) from None
+        raise click.ClickException(first_line(exc)) from None
     try:
         server, _registry = start_exporter(
             collector, port=port, addr=addr, worker_metrics_dir=worker_metrics_dir
@@ -834,39 +776,6 @@ def metrics(target: Target, port: int, addr: str, timeout: float, worker_metrics
 # -- entry points ------------------------------------------------------------------------------
 
 
-def _celery_outbox_finder(ctx: click.Context, name: str | None) -> Callable[[], Outbox | None]:
-    """Find the Outbox of the app ``celery -A`` loaded (optionally by its name)."""
-
-    def find() -> Outbox | None:
-        celery_ctx = ctx.find_root().obj
-        app = getattr(celery_ctx, "app", None)
-        if app is None:
-            return None
-        found = _outboxes_in(list(sys.modules.values()), app=app)
-        if not found:
-            # The Outbox may live in a module the app only imports lazily (``include``,
-            # ``autodiscover_tasks``): import them as a worker would, then look again.
-            try:
-                app.loader.import_default_modules()
-            except Exception as exc:
-                raise click.ClickException(
-                    f"cannot import the app's task modules: {type(exc).__name__}: {_first_line(exc)}"
-                ) from None
-            found = _outboxes_in(list(sys.modules.values()), app=app)
-        if name is not None:
-            found = [o for o in found if o.name == name]
-            if not found:
-                raise click.ClickException(f"no Outbox named {name!r} bound to app {app.main!r}")
-        if len(found) > 1:
-            names = ", ".join(sorted(o.name for o in found))
-            raise click.ClickException(
-                f"app {app.main!r} has several outboxes ({names}); pick one with --outbox"
-            )
-        return found[0] if found else None
-
-    return find
-
-
 @click.group("outbox", cls=_Group)
 @_target_options
 @click.option(
@@ -876,11 +785,12 @@ def _celery_outbox_finder(ctx: click.Context, name: str | None) -> Callable[[], 
 def celery_outbox(ctx: click.Context, dsn: str | None, table: str | None, outbox_name: str | None) -> None:
     """Operate the app's transactional outbox (same commands as outbox-celery)."""
     _setup_logging(False)
-    ctx.obj = Target(dsn=dsn, table=table, outbox_finder=_celery_outbox_finder(ctx, outbox_name))
+    ctx.obj = Target(dsn=dsn, table=table, outbox_finder=celery_outbox_finder(ctx, outbox_name))
 
 
-for _name, _command in cli.commands.items():
-    celery_outbox.add_command(_command, _name)
+# One command table for both entry points: a command defined on ``cli`` anywhere, before or after
+# this line, is also a ``celery outbox`` command.
+celery_outbox.commands = cli.commands
 
 
 def main(argv: Sequence[str] | None = None) -> None:

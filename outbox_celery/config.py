@@ -7,18 +7,32 @@ Every field can also come from the Celery configuration as ``outbox_<field>`` (f
 from __future__ import annotations
 
 import dataclasses
-import math
+import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from psycopg import sql
 
+from ._seconds import seconds
 from .errors import ConfigurationError
 
-__all__ = ["OutboxConfig", "TableName"]
+__all__ = ["UNSET", "OutboxConfig", "TableName", "Unset"]
+
+
+class Unset(enum.Enum):
+    """The type of :data:`UNSET`."""
+
+    UNSET = "UNSET"
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: A setting not given to ``Outbox(...)``: it comes from the Celery configuration
+#: (``outbox_<name>``), then from the default.
+UNSET = Unset.UNSET
 
 # Leaves room under PostgreSQL's 63-byte identifier limit for the index-name suffixes. The
 # limit is in bytes (PostgreSQL silently truncates longer identifiers), so it is checked on
@@ -77,17 +91,6 @@ class TableName:
 
     def __str__(self) -> str:
         return self.qualified
-
-
-def _seconds(value: Any, name: str, *, allow_zero: bool = False) -> float:
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigurationError(f"{name} must be seconds (number or timedelta), got {value!r}")
-    seconds = float(value)
-    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
-        raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
-    return seconds
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -156,7 +159,9 @@ class OutboxConfig:
     :ivar backoff_cap: seconds; upper bound of the backoff window. Default 300.
     :ivar max_defer_age: seconds since ``created_at`` after which a ``Defer`` makes the message
         ``dead`` instead. Default 7 days.
-    :ivar max_payload_bytes: largest JSON payload accepted by ``enqueue``. Default 1 MiB.
+    :ivar max_payload_bytes: largest JSON payload :meth:`Outbox.enqueue
+        <outbox_celery.celery_app.Outbox.enqueue>` and ``enqueue_many`` accept (the module-level
+        :func:`~outbox_celery.enqueue` takes its own ``max_payload_bytes``). Default 1 MiB.
     :ivar claim_queue: Celery queue of the claim (and retention) task. Default ``"outbox.claim"``.
     :ivar default_queue: queue for event types registered without one. Default ``"outbox"``.
     :ivar unroutable_delay: seconds a message waits when a worker has no handler for its event
@@ -252,7 +257,7 @@ class OutboxConfig:
                 "handler_time_limit",
             ):
                 continue
-            set_(self, name, _seconds(value, name))
+            set_(self, name, seconds(value, name, error=ConfigurationError, positive=True))
         for name in _INT_FIELDS:
             _positive_int(getattr(self, name), name)
         if not isinstance(self.lease_heartbeat, bool):

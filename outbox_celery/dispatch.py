@@ -19,11 +19,11 @@ from typing import Any, Protocol, TypeVar
 
 import psycopg
 
-from .backoff import Backoff
+from .backoff import Backoff, RetryPolicy
 from .config import OutboxConfig
 from .errors import Defer, PermanentError, RetryableError
 from .heartbeat import lease_heartbeat
-from .message import Message
+from .message import Message, Outcome, Status
 from .store import Claimed, Store
 from .tracing import handler_span
 
@@ -49,19 +49,6 @@ class Publisher(Protocol):
     """
 
     def __call__(self, claims: Sequence[Claimed]) -> int: ...
-
-
-class Outcome:
-    """What a delivery did (also the delivery task's return value)."""
-
-    DONE = "done"
-    RETRY = "retry"
-    DEFER = "defer"
-    DEAD = "dead"
-    ERROR = "error"
-    STALE = "stale"
-    LOST_LEASE = "lost_lease"
-    UNROUTABLE = "unroutable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,12 +99,37 @@ def default_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def _ms_since(started: float) -> float:
+    return round((time.monotonic() - started) * 1000, 1)
+
+
 def _error_text(exc: BaseException, limit: int = 4000) -> str:
     text = f"{type(exc).__name__}: {exc}"
     if not isinstance(exc, RetryableError | PermanentError | Defer):
         tb = "".join(traceback.format_exception(exc)).strip()
         text = f"{text}\n{tb}"
     return text[:limit]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """How a handler run ended, before the fenced finalize: what to write, not whether it won."""
+
+    outcome: Outcome
+    delay: float = 0.0
+    error: str = ""
+
+
+def classify(exc: BaseException, attempts: int, retry: RetryPolicy) -> Verdict | None:
+    """The verdict for a handler's exception; ``None`` when the handler did not classify it."""
+    if isinstance(exc, Defer):
+        return Verdict(Outcome.DEFER, delay=exc.delay, error=exc.reason)
+    if isinstance(exc, RetryableError):
+        delay = exc.delay if exc.delay is not None else retry(attempts, exc)
+        return Verdict(Outcome.RETRY, delay=delay, error=_error_text(exc))
+    if isinstance(exc, PermanentError):
+        return Verdict(Outcome.DEAD, error=_error_text(exc))
+    return None
 
 
 class Dispatcher:
@@ -128,6 +140,9 @@ class Dispatcher:
         ``connection``).
     :param handlers: event type -> :class:`HandlerSpec`; the claim only takes event types that
         have a handler here (others stay pending and are reported as unroutable).
+    :param store: the SQL layer (default: a :class:`~outbox_celery.store.Store` on ``table``).
+    :param retry: the wait after a retryable failure that carries no delay of its own
+        (default: :class:`~outbox_celery.backoff.Backoff` from ``backoff_base``/``backoff_cap``).
     """
 
     def __init__(
@@ -137,14 +152,21 @@ class Dispatcher:
         handlers: dict[str, HandlerSpec],
         *,
         store: Store | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.config = config
         self.connection = connection
         self.handlers = handlers
         self.store = store or Store(config.table, relaxed_commit=config.relaxed_commit)
+        self._retry = retry
         self.backoff = Backoff(config.backoff_base, config.backoff_cap)
         # The adaptive in-flight bound and when (monotonic) it was computed (in_flight_limit).
         self._bound: tuple[float, int] | None = None
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The wait after a retryable failure that carries no delay: ``retry=`` or the backoff."""
+        return self._retry or self.backoff
 
     # -- claim side ----------------------------------------------------------------------------
 
@@ -267,16 +289,17 @@ class Dispatcher:
 
     # -- worker side ---------------------------------------------------------------------------
 
-    def deliver(self, outbox_id: int, lease_version: int) -> str:
+    def deliver(self, outbox_id: int, lease_version: int) -> Outcome:
         """Fenced start, handler outside any transaction, classification, fenced finalize.
 
-        Returns an :class:`Outcome`. An unexpected handler exception is recorded in
-        ``last_error`` and re-raised (the row comes back through its lease).
+        Returns the :class:`~outbox_celery.message.Outcome`. An unexpected handler exception is
+        recorded in ``last_error`` and re-raised (the row comes back through its lease).
         """
         cfg = self.config
-        store = self.store
         with self.connection() as conn:
-            msg = store.start(conn, outbox_id, lease_version, lease=cfg.lease, max_attempts=cfg.max_attempts)
+            msg = self.store.start(
+                conn, outbox_id, lease_version, lease=cfg.lease, max_attempts=cfg.max_attempts
+            )
         log: dict[str, Any] = {"outbox_id": outbox_id, "lease_version": lease_version}
         if msg is None:
             logger.info(
@@ -297,49 +320,32 @@ class Dispatcher:
             # trace when it had one (tracing.py).
             with lease_heartbeat(cfg, msg.extend_lease, log=log), handler_span(msg):
                 spec.fn(msg)
-        except Defer as d:
-            outcome = self._finish(
-                "defer", outbox_id, lease_version, delay=d.delay, reason=d.reason, max_age=cfg.max_defer_age
-            )
-        except RetryableError as e:
-            delay = e.delay if e.delay is not None else self.backoff.delay(msg.attempts)
-            outcome = self._finish(
-                "retry",
-                outbox_id,
-                lease_version,
-                delay=delay,
-                error=_error_text(e),
-                max_attempts=cfg.max_attempts,
-            )
-        except PermanentError as e:
-            outcome = self._finish("dead", outbox_id, lease_version, error=_error_text(e))
-        except BaseException as e:
-            # Not classified by the handler: record it, let Celery report a failure, and let
-            # the row come back through its lease. Never a silent "transient" retry.
-            self._record_error(outbox_id, lease_version, _error_text(e))
-            logger.error(
-                "outbox id %s handler raised %s; row returns after its lease",
-                outbox_id,
-                type(e).__name__,
-                extra={
-                    **log,
-                    "outcome": Outcome.ERROR,
-                    "duration_ms": round((time.monotonic() - started) * 1000, 1),
-                },
-            )
-            raise
+        except BaseException as exc:
+            verdict = classify(exc, msg.attempts, self.retry)
+            if verdict is None:
+                # Not classified by the handler: record it, let Celery report a failure, and let
+                # the row come back through its lease. Never a silent "transient" retry.
+                self._record_error(outbox_id, lease_version, _error_text(exc))
+                logger.error(
+                    "outbox id %s handler raised %s; row returns after its lease",
+                    outbox_id,
+                    type(exc).__name__,
+                    extra={**log, "outcome": Outcome.ERROR, "duration_ms": _ms_since(started)},
+                )
+                raise
         else:
-            outcome = self._finish("done", outbox_id, lease_version, ordered=msg.ordering_key is not None)
+            verdict = Verdict(Outcome.DONE)
+        outcome = self._finish(verdict, msg, lease_version)
         logger.info(
             "outbox id %s %s -> %s",
             outbox_id,
             msg.event_type,
             outcome,
-            extra={**log, "outcome": outcome, "duration_ms": round((time.monotonic() - started) * 1000, 1)},
+            extra={**log, "outcome": outcome, "duration_ms": _ms_since(started)},
         )
         return outcome
 
-    def _unroutable(self, msg: Message, version: int, log: dict[str, Any]) -> str:
+    def _unroutable(self, msg: Message, version: int, log: dict[str, Any]) -> Outcome:
         """No handler for this event type in this worker: postpone, attempt refunded."""
         delay = self.config.unroutable_delay
         why = f"unroutable: no handler for event type {msg.event_type!r} in this worker"
@@ -392,25 +398,45 @@ class Dispatcher:
         with self.connection() as conn:
             return write(conn)
 
-    def _finish(self, kind: str, outbox_id: int, version: int, **kw: Any) -> str:
-        store = self.store
-        if kind == "done":
-            won = self._fenced_write(
-                kind, outbox_id, version, lambda c: store.done(c, outbox_id, version, **kw)
-            )
-            return Outcome.DONE if won else Outcome.LOST_LEASE
-        if kind == "dead":
-            won = self._fenced_write(
-                kind, outbox_id, version, lambda c: store.dead(c, outbox_id, version, error=kw["error"])
-            )
-            return Outcome.DEAD if won else Outcome.LOST_LEASE
-        finalize = store.retry if kind == "retry" else store.defer
-        status = self._fenced_write(kind, outbox_id, version, lambda c: finalize(c, outbox_id, version, **kw))
-        if status is None:
+    def _finish(self, verdict: Verdict, msg: Message, version: int) -> Outcome:
+        """The verdict's fenced write; :attr:`Outcome.LOST_LEASE` when another claim won."""
+        result = self._fenced_write(
+            verdict.outcome, msg.id, version, lambda conn: self._finalize(conn, verdict, msg, version)
+        )
+        if not result:
             return Outcome.LOST_LEASE
-        if status == "dead":
-            return Outcome.DEAD
-        return Outcome.RETRY if kind == "retry" else Outcome.DEFER
+        # retry and defer return the row's new status: dead once past their limit.
+        return Outcome.DEAD if result == Status.DEAD else verdict.outcome
+
+    def _finalize(
+        self, conn: psycopg.Connection[Any], verdict: Verdict, msg: Message, version: int
+    ) -> bool | str | None:
+        """One fenced finalize; falsy when the lease was lost, else true or the new status."""
+        cfg, store = self.config, self.store
+        match verdict.outcome:
+            case Outcome.DONE:
+                return store.done(conn, msg.id, version, ordered=msg.ordering_key is not None)
+            case Outcome.DEAD:
+                return store.dead(conn, msg.id, version, error=verdict.error)
+            case Outcome.RETRY:
+                return store.retry(
+                    conn,
+                    msg.id,
+                    version,
+                    delay=verdict.delay,
+                    error=verdict.error,
+                    max_attempts=cfg.max_attempts,
+                )
+            case Outcome.DEFER:
+                return store.defer(
+                    conn,
+                    msg.id,
+                    version,
+                    delay=verdict.delay,
+                    reason=verdict.error,
+                    max_age=cfg.max_defer_age,
+                )
+        raise ValueError(f"no finalize for {verdict.outcome!r}")
 
     def _extend(self, outbox_id: int, version: int, seconds: float) -> bool:
         with self.connection() as conn:

@@ -14,8 +14,10 @@ message comes back through its lease: it is not silently classified as transient
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
+
+from ._seconds import MAX_DELAY_SECONDS as MAX_DELAY_SECONDS  # the longest delay (tests, docs)
+from ._seconds import seconds
 
 __all__ = [
     "ConfigurationError",
@@ -27,18 +29,10 @@ __all__ = [
 ]
 
 
-# make_interval() overflows silently on PostgreSQL 15 for absurd values; nothing real waits this long.
-MAX_DELAY_SECONDS = 100 * 365 * 86400.0
-
-
-def _seconds(delay: float | timedelta | None, *, name: str) -> float | None:
-    if delay is None:
-        return None
-    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-    # NaN, infinity (no interval can hold it: the finalize would fail in PostgreSQL) or negative
-    if not math.isfinite(seconds) or seconds < 0 or seconds > MAX_DELAY_SECONDS:
-        raise ValueError(f"{name} must be a finite number of seconds between 0 and 100 years, got {delay!r}")
-    return seconds
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name if empty), for one-line reports."""
+    text = str(exc).strip()
+    return text.splitlines()[0].strip() if text else type(exc).__name__
 
 
 class OutboxError(Exception):
@@ -64,7 +58,7 @@ class RetryableError(OutboxError):
 
     def __init__(self, message: str = "retryable error", *, delay: float | timedelta | None = None):
         super().__init__(message)
-        self.delay: float | None = _seconds(delay, name="delay")
+        self.delay: float | None = None if delay is None else seconds(delay, "delay", delay=True)
 
 
 class PermanentError(OutboxError):
@@ -81,7 +75,5 @@ class Defer(OutboxError):  # noqa: N818 - it is an outcome, not an error
 
     def __init__(self, delay: float | timedelta, reason: str = "deferred"):
         super().__init__(reason)
-        seconds = _seconds(delay, name="delay")
-        assert seconds is not None
-        self.delay: float = seconds
+        self.delay: float = seconds(delay, "delay", delay=True)
         self.reason = reason

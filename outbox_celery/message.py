@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-__all__ = ["Message", "Status"]
+__all__ = ["Message", "Outcome", "Status"]
 
 
 class Status(enum.StrEnum):
@@ -18,6 +18,35 @@ class Status(enum.StrEnum):
     PROCESSING = "processing"
     DONE = "done"
     DEAD = "dead"
+
+
+class Outcome(enum.StrEnum):
+    """What one delivery did: the delivery task's return value and the log's ``outcome``."""
+
+    DONE = "done"
+    RETRY = "retry"
+    DEFER = "defer"
+    DEAD = "dead"
+    ERROR = "error"
+    STALE = "stale"
+    LOST_LEASE = "lost_lease"
+    UNROUTABLE = "unroutable"
+
+    @property
+    def counter(self) -> str:
+        """The :meth:`Store.get_stats() <outbox_celery.store.Store.get_stats>` key counting it."""
+        return _COUNTERS.get(self, self.value)
+
+
+# Counter names that predate the enum and are documented (docs/operations.md); the others are
+# the outcome's own value.
+_COUNTERS = {
+    Outcome.RETRY: "retried",
+    Outcome.DEFER: "deferred",
+    Outcome.ERROR: "errors",
+    Outcome.STALE: "stale_starts",
+    Outcome.LOST_LEASE: "lost_leases",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,6 @@ same statements (:meth:`Store.write_plan`).
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -19,8 +18,9 @@ from datetime import timedelta
 from typing import Any
 
 from ._connections import IDLE, INERROR, _View, async_view, drive, drive_async, sync_view
+from ._seconds import seconds
 from .config import TableName
-from .errors import MAX_DELAY_SECONDS, ProducerError
+from .errors import ProducerError
 from .store import Store
 from .tracing import capture
 
@@ -97,15 +97,7 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
             f"payload of {event_type!r} is {size} bytes as JSON; the limit is {max_payload_bytes}"
         )
     delay = event.delay
-    seconds = delay.total_seconds() if isinstance(delay, timedelta) else (delay or 0.0)
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, int | float)
-        or not math.isfinite(seconds)
-        or seconds < 0
-        or seconds > MAX_DELAY_SECONDS
-    ):
-        raise ProducerError(f"delay must be a number of seconds between 0 and 100 years, got {delay!r}")
+    delay_seconds = seconds(delay or 0.0, "delay", error=ProducerError, delay=True)
     key: str | None = None
     if event.ordering_key is not None:
         key = _text(event.ordering_key, "ordering_key", 2 * MAX_AGGREGATE_LENGTH + 1)
@@ -122,7 +114,7 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
         "aggregate_id": aggregate_id,
         "payload": payload,
         "ordering_key": key,
-        "delay": float(seconds),
+        "delay": delay_seconds,
         "dedup_key": dedup_key,
         "trace_context": None,
     }

@@ -20,10 +20,11 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any
 
 import psycopg
@@ -33,7 +34,7 @@ from psycopg.rows import dict_row, tuple_row
 from . import _sql
 from .config import TableName
 from .errors import ProducerError
-from .message import Message, idempotency_key
+from .message import Message, Outcome, Status, idempotency_key
 
 __all__ = ["Claimed", "Store"]
 
@@ -79,13 +80,27 @@ class Store:
         durably and, WAL being sequential, flushes the earlier relaxed commit with it, so
         ordering and fencing hold across a crash. The claim itself always commits durably: its
         new ``lease_version`` goes out in published tasks and must never be rolled back.
+    :param queries: replacement texts for named queries of ``sql/queries.sql`` (same name, same
+        parameters; ``{table}`` and the index names are bound as identifiers). For benchmarks and
+        experiments: the text is trusted SQL, never user input.
     """
 
-    def __init__(self, table: str | TableName = "outbox", *, relaxed_commit: bool = True) -> None:
+    def __init__(
+        self,
+        table: str | TableName = "outbox",
+        *,
+        relaxed_commit: bool = True,
+        queries: Mapping[str, str] | None = None,
+    ) -> None:
         self.table = TableName.parse(table)
         self.relaxed_commit = relaxed_commit
+        texts = dict(_sql.named("queries.sql"))
+        unknown = set(queries or {}) - set(texts)
+        if unknown:
+            raise ValueError(f"no named queries {sorted(unknown)} to replace")
+        texts.update(queries or {})
         self._q: dict[str, sql.Composed] = {
-            name: _sql.compose(text, self.table) for name, text in _sql.named("queries.sql").items()
+            name: _sql.compose(text, self.table) for name, text in texts.items()
         }
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
@@ -112,6 +127,11 @@ class Store:
         """``"off"`` where a relaxed commit is allowed; ``None`` keeps the session's setting."""
         return "off" if self.relaxed_commit and self._owns_transaction(conn) else None
 
+    @property
+    def queries(self) -> Mapping[str, sql.Composed]:
+        """The named queries, bound to this table (read-only)."""
+        return MappingProxyType(self._q)
+
     # -- observability -------------------------------------------------------------------------
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -124,7 +144,7 @@ class Store:
             return dict(self._stats)
 
     def _lost(self, op: str, outbox_id: int, version: int) -> bool:
-        self._count("lost_leases")
+        self._count(Outcome.LOST_LEASE.counter)
         logger.warning(
             "lost lease: %s of outbox id %s version %s changed nothing",
             op,
@@ -133,7 +153,7 @@ class Store:
             extra={
                 "outbox_id": outbox_id,
                 "lease_version": version,
-                "outcome": "lost_lease",
+                "outcome": Outcome.LOST_LEASE,
                 "operation": op,
                 "outbox_table": self.table.qualified,
             },
@@ -538,22 +558,8 @@ class Store:
         max_attempts: int,
     ) -> str | None:
         """Fenced retryable failure. Returns the new status (``pending``/``dead``) or ``None``."""
-        row = self._fenced(
-            conn,
-            "finish_retry",
-            {
-                "id": outbox_id,
-                "version": version,
-                "delay": delay,
-                "error": error,
-                "max_attempts": max_attempts,
-            },
-        )
-        if not row:
-            return None
-        status = str(row[1])
-        self._count("dead" if status == "dead" else "retried")
-        return status
+        params = {"delay": delay, "error": error, "max_attempts": max_attempts}
+        return self._reschedule(conn, "finish_retry", Outcome.RETRY, outbox_id, version, params)
 
     def defer(
         self,
@@ -566,28 +572,31 @@ class Store:
         max_age: float,
     ) -> str | None:
         """Fenced defer, attempt refunded. Returns the new status or ``None`` if lost."""
-        row = self._fenced(
-            conn,
-            "finish_defer",
-            {
-                "id": outbox_id,
-                "version": version,
-                "delay": delay,
-                "reason": reason,
-                "max_age": max_age,
-            },
-        )
+        params = {"delay": delay, "reason": reason, "max_age": max_age}
+        return self._reschedule(conn, "finish_defer", Outcome.DEFER, outbox_id, version, params)
+
+    def _reschedule(
+        self,
+        conn: psycopg.Connection[Any],
+        op: str,
+        outcome: Outcome,
+        outbox_id: int,
+        version: int,
+        params: dict[str, Any],
+    ) -> str | None:
+        """A fenced write back to ``pending`` that goes ``dead`` instead past its limit."""
+        row = self._fenced(conn, op, {"id": outbox_id, "version": version, **params})
         if not row:
             return None
         status = str(row[1])
-        self._count("dead" if status == "dead" else "deferred")
+        self._count(Outcome.DEAD.counter if status == Status.DEAD else outcome.counter)
         return status
 
     def dead(self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, error: str) -> bool:
         """Fenced: ``processing`` -> ``dead`` with ``error``."""
         won = bool(self._fenced(conn, "finish_dead", {"id": outbox_id, "version": version, "error": error}))
         if won:
-            self._count("dead")
+            self._count(Outcome.DEAD.counter)
         return won
 
     def record_error(
@@ -596,7 +605,7 @@ class Store:
         """Fenced: store ``error`` and leave the row to return through its lease."""
         won = bool(self._fenced(conn, "record_error", {"id": outbox_id, "version": version, "error": error}))
         if won:
-            self._count("errors")
+            self._count(Outcome.ERROR.counter)
         return won
 
     def postpone(

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 __all__ = [
     "embedded_postgres",
@@ -128,14 +128,3 @@ def temporary_database(dsn: str, *, prefix: str = "outbox_test") -> Iterator[str
     finally:
         with psycopg.connect(dsn, autocommit=True) as admin:
             admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
-def redact(dsn: str) -> str:
-    """``dsn`` with any password replaced, safe to print."""
-    try:
-        parts = conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError:
-        return "<unparseable dsn>"
-    if parts.get("password"):
-        parts["password"] = "***"
-    return make_conninfo("", **parts)

@@ -32,7 +32,8 @@ from typing import Any
 import psycopg
 
 from examples.orders import settings
-from outbox_celery.testing import free_port, redact
+from outbox_celery.dsn import redact
+from outbox_celery.testing import free_port
 
 from .processes import ChildExitedError, Supervisor
 from .report import EVENTS_PER_ORDER, Snapshot, checks, snapshot
@@ -477,6 +478,19 @@ def _run_stack(
     receiver_port: int,
     api_port: int,
 ) -> int:
+    """Start the stack, push the orders, report; the exit code (0: every check passed)."""
+    flower_url = _start_stack(args, out, sup, receiver_port, api_port)
+    source, final = _push_and_watch(args, out, sup, dsn, api_port)
+    ok = _report(args, out, sup, source, final, flower_url)
+    if args.linger:
+        _linger(out, sup, flower_url)
+    return 0 if ok else 1
+
+
+def _start_stack(
+    args: argparse.Namespace, out: Output, sup: Supervisor, receiver_port: int, api_port: int
+) -> str | None:
+    """Start receiver, API, workers, beat (and Flower) and wait until each is ready; Flower's URL."""
     py = sys.executable
     celery = [py, "-m", "celery", "-A", APP]
     quiet = ["--without-gossip", "--without-mingle", "--loglevel", "INFO"]
@@ -536,7 +550,13 @@ def _run_stack(
     if flower_url:
         out.line(f"  Flower: {flower_url}  (live while the demo runs)")
     out.line(f"  logs: {sup.log_dir}")
+    return flower_url
 
+
+def _push_and_watch(
+    args: argparse.Namespace, out: Output, sup: Supervisor, dsn: str, api_port: int
+) -> tuple[str, Snapshot]:
+    """Push the orders and follow them until every event finished (or the timeout)."""
     source = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     pusher = Pusher(
         f"http://127.0.0.1:{api_port}",
@@ -567,6 +587,18 @@ def _run_stack(
             final = snapshot(conn, source, full=True)
     finally:
         pusher.stop.set()
+    return source, final
+
+
+def _report(
+    args: argparse.Namespace,
+    out: Output,
+    sup: Supervisor,
+    source: str,
+    final: Snapshot,
+    flower_url: str | None,
+) -> bool:
+    """Print the checks (and write ``--json``); whether every check passed."""
     ok = _summary(out, final, args.orders)
     if args.json:
         payload = {
@@ -579,16 +611,19 @@ def _run_stack(
             "flower": flower_url,
         }
         Path(args.json).write_text(json.dumps(payload, indent=2))
-    if args.linger:
-        where = f"; Flower: {flower_url}" if flower_url else ""
-        out.line(f"the stack keeps running (--linger){where}; Ctrl-C stops it")
-        try:
-            while True:
-                sup.check()
-                time.sleep(1.0)
-        except Interrupted:
-            pass  # the expected way out of --linger
-    return 0 if ok else 1
+    return ok
+
+
+def _linger(out: Output, sup: Supervisor, flower_url: str | None) -> None:
+    """Keep the stack running until Ctrl-C (``--linger``)."""
+    where = f"; Flower: {flower_url}" if flower_url else ""
+    out.line(f"the stack keeps running (--linger){where}; Ctrl-C stops it")
+    try:
+        while True:
+            sup.check()
+            time.sleep(1.0)
+    except Interrupted:
+        pass  # the expected way out of --linger
 
 
 def main(argv: list[str] | None = None) -> int:

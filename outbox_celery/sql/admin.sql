@@ -102,8 +102,20 @@ SELECT
             ORDER BY attempts), '[]'::json)
      FROM by_attempts) AS attempts;
 
+-- name: dead_filter
+-- The filters of dead_list and dead_count over the alias d (a NULL filter matches every row),
+-- written once; admin.py puts them in both. Age filters use created_at: a dead row records no
+-- dead time.
+(%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)
+  AND (%(aggregate_type)s::text IS NULL OR d.aggregate_type = %(aggregate_type)s::text)
+  AND (%(aggregate_id)s::text IS NULL OR d.aggregate_id = %(aggregate_id)s::text)
+  AND (%(older_than)s::float8 IS NULL
+       OR d.created_at <= now() - make_interval(secs => %(older_than)s::float8))
+  AND (%(newer_than)s::float8 IS NULL
+       OR d.created_at > now() - make_interval(secs => %(newer_than)s::float8))
+
 -- name: dead_list
--- Keyset paging by id (dead_idx). Age filters use created_at: a dead row records no dead time.
+-- Keyset paging by id (dead_idx).
 -- waiting_behind: messages of the same ordering key after this one that are not done.
 SELECT d.id, d.event_type, d.aggregate_type, d.aggregate_id, d.ordering_key, d.attempts,
        d.created_at, extract(epoch FROM now() - d.created_at)::float8 AS age, d.last_error,
@@ -114,26 +126,14 @@ SELECT d.id, d.event_type, d.aggregate_type, d.aggregate_id, d.ordering_key, d.a
 FROM {table} AS d
 WHERE d.status = 'dead'
   AND d.id > %(after)s
-  AND (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)
-  AND (%(aggregate_type)s::text IS NULL OR d.aggregate_type = %(aggregate_type)s::text)
-  AND (%(aggregate_id)s::text IS NULL OR d.aggregate_id = %(aggregate_id)s::text)
-  AND (%(older_than)s::float8 IS NULL
-       OR d.created_at <= now() - make_interval(secs => %(older_than)s::float8))
-  AND (%(newer_than)s::float8 IS NULL
-       OR d.created_at > now() - make_interval(secs => %(newer_than)s::float8))
+  AND {dead_filter}
 ORDER BY d.id
 LIMIT %(limit)s;
 
 -- name: dead_count
 SELECT count(*) FROM {table} AS d
 WHERE d.status = 'dead'
-  AND (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)
-  AND (%(aggregate_type)s::text IS NULL OR d.aggregate_type = %(aggregate_type)s::text)
-  AND (%(aggregate_id)s::text IS NULL OR d.aggregate_id = %(aggregate_id)s::text)
-  AND (%(older_than)s::float8 IS NULL
-       OR d.created_at <= now() - make_interval(secs => %(older_than)s::float8))
-  AND (%(newer_than)s::float8 IS NULL
-       OR d.created_at > now() - make_interval(secs => %(newer_than)s::float8));
+  AND {dead_filter};
 
 -- name: show
 -- One message of any status, with what explains its wait: times relative to now() and, for an

@@ -7,6 +7,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from outbox_celery import Claimed, Store
 
@@ -218,3 +219,40 @@ def test_dispatcher_store_follows_the_relaxed_commit_setting() -> None:
 
     assert Dispatcher(OutboxConfig(), no_connection, {}).store.relaxed_commit is True
     assert Dispatcher(OutboxConfig(relaxed_commit=False), no_connection, {}).store.relaxed_commit is False
+
+
+def test_invariant_6_a_retry_policy_given_to_the_outbox_decides_the_wait_unless_the_error_carries_one(
+    conn: psycopg.Connection[Any], table: str, migrated_dsn: str
+) -> None:
+    from celery import Celery
+
+    from outbox_celery import Message, Outbox, Outcome, RetryableError
+
+    asked: list[tuple[int, str]] = []
+
+    def policy(attempt: int, error: BaseException) -> float:
+        asked.append((attempt, str(error)))
+        return 120.0
+
+    store = Store(table)
+    outbox = Outbox(Celery("retry-policy"), dsn=migrated_dsn, table=table, store=store, retry=policy)
+    delays = iter([None, 40.0])
+
+    @outbox.handler("thing.happened")
+    def flaky(message: Message) -> None:
+        raise RetryableError("HTTP 503", delay=next(delays))
+
+    assert outbox.store is store
+    [i] = add(conn, table=table)
+    try:
+        [c] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+        assert outbox.deliver(i, c.lease_version) == Outcome.RETRY
+        assert asked == [(1, "HTTP 503")]
+        assert 118 < fetch(conn, table, i)["available_in"] <= 120
+        conn.execute(sql.SQL("UPDATE {} SET available_at = now()").format(store.table.identifier()))
+        [c] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+        assert outbox.deliver(i, c.lease_version) == Outcome.RETRY
+        assert asked == [(1, "HTTP 503")]  # a Retry-After of its own wins over the policy
+        assert 38 < fetch(conn, table, i)["available_in"] <= 40
+    finally:
+        outbox.close()

@@ -414,3 +414,21 @@ def test_invariant_9_the_key_lock_does_not_depend_on_how_the_table_is_spelled(
     assert done.wait(10)
     t.join(10)
     assert first < result["id"]
+
+
+def test_outbox_enqueue_applies_the_configured_table_and_max_payload_bytes(
+    conn: psycopg.Connection[Any], table: str, migrated_dsn: str
+) -> None:
+    from celery import Celery
+
+    from outbox_celery import Outbox
+
+    outbox = Outbox(Celery("payload-limit"), dsn=migrated_dsn, table=table, max_payload_bytes=64)
+    with conn.transaction():
+        with pytest.raises(ProducerError, match="the limit is 64"):
+            outbox.enqueue(conn, payload={"big": "x" * 100}, **ORDER)
+        with pytest.raises(ProducerError, match="the limit is 64"):
+            outbox.enqueue_many(conn, [Event("e", {"big": "x" * 100}, "a", 1)])
+        first = outbox.enqueue(conn, payload={"ok": True}, **ORDER)
+        assert outbox.enqueue_many(conn, [Event("e", {"n": 1}, "a", 1)]) == [first + 1]
+    assert [r["payload"] for r in fetch_all(conn, table)] == [{"ok": True}, {"n": 1}]

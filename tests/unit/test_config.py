@@ -236,3 +236,28 @@ def test_with_the_lease_heartbeat_the_time_limit_is_the_handler_time_limit() -> 
 def test_bad_heartbeat_settings_raise_configuration_error(changes: dict[str, Any]) -> None:
     with pytest.raises(ConfigurationError):
         OutboxConfig(**changes)
+
+
+def test_every_outbox_setting_is_a_typed_keyword_of_outbox() -> None:
+    import inspect
+
+    from outbox_celery import Outbox
+
+    params = inspect.signature(Outbox).parameters
+    for name in OutboxConfig.__dataclass_fields__:
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert "Unset" in str(params[name].annotation), name
+
+
+def test_outbox_keywords_win_over_celery_settings_and_unknown_names_still_raise() -> None:
+    from celery import Celery
+
+    from outbox_celery import Outbox
+
+    app = Celery("keywords", set_as_current=False)
+    app.conf.outbox_batch_size = 7
+    app.conf.outbox_lease = 30
+    outbox = Outbox(app, lease=40, retention=None)
+    assert (outbox.config.batch_size, outbox.config.lease, outbox.config.retention) == (7, 40.0, None)
+    with pytest.raises(ConfigurationError, match="unknown outbox setting"):
+        Outbox(app, leese=30)

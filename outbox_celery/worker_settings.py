@@ -1,0 +1,106 @@
+"""Celery settings that work against the outbox, checked when a worker starts.
+
+:meth:`Outbox.check_worker_settings <outbox_celery.celery_app.Outbox.check_worker_settings>`
+runs :func:`check_worker_settings` at ``worker_init`` with the worker's pool, concurrency and
+queues; the checks need nothing but the resolved settings, so they live apart from the wiring.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from typing import Any
+
+from .config import OutboxConfig
+from .dsn import DSN_ENV
+
+__all__ = ["check_worker_settings", "is_redis"]
+
+# The Outbox's logger: the warnings have always come from there, and logging configs name it.
+logger = logging.getLogger("outbox_celery.celery_app")
+
+# Pools where Celery cannot enforce task time limits (gevent enforces them at the handler's next
+# cooperative switch).
+_POOLS_WITHOUT_TIME_LIMITS = ("solo", "threads", "thread", "eventlet")
+# Pools whose tasks run concurrently in one process, sharing its connection pool.
+_POOLS_SHARING_ONE_PROCESS = ("threads", "thread", "gevent", "eventlet")
+
+
+def is_redis(url: Any) -> bool:
+    """Whether ``url`` names a Redis (or Sentinel) broker."""
+    return str(url or "").startswith(("redis", "rediss", "sentinel"))
+
+
+def check_worker_settings(
+    cfg: OutboxConfig,
+    conf: Any,
+    *,
+    delivery_queues: Collection[str],
+    dsn_exposed: bool,
+    pool: str | None = None,
+    concurrency: int | None = None,
+    queues: Collection[str] | None = None,
+) -> list[str]:
+    """Warnings for the Celery configuration ``conf`` of a worker serving outbox ``cfg`` (logged).
+
+    :param delivery_queues: the outbox's delivery queues.
+    :param dsn_exposed: whether a DSN with a password sits in the Celery configuration.
+    :param pool: the worker's pool (``prefork``, ``solo``, ``threads``, ``gevent``...).
+    :param concurrency: the worker's concurrency.
+    :param queues: the queues the worker consumes; the pool checks only concern workers that
+        consume a delivery queue (not, say, a solo worker on the claim queue alone).
+    """
+    problems = []
+    if (conf.worker_prefetch_multiplier or 0) > 4:
+        problems.append(
+            f"worker_prefetch_multiplier={conf.worker_prefetch_multiplier}: reserved deliveries "
+            "wait in the worker while their lease runs; use 1"
+        )
+    if is_redis(conf.broker_url):
+        vt = (conf.broker_transport_options or {}).get("visibility_timeout", 3600)
+        if vt <= cfg.lease:
+            problems.append(
+                f"broker visibility_timeout={vt}s is not above the lease ({cfg.lease}s): Redis "
+                "would redeliver tasks that are still running"
+            )
+    if conf.task_time_limit and conf.task_time_limit >= cfg.lease:
+        problems.append(
+            f"task_time_limit={conf.task_time_limit}s is not below the lease ({cfg.lease}s); "
+            "outbox deliveries use their own limit below the lease"
+        )
+    if dsn_exposed:
+        problems.append(
+            "outbox_dsn in the Celery configuration holds a password, and `celery report` and "
+            "`celery inspect conf` print it (Celery masks only setting names it knows): set "
+            f"{DSN_ENV} in the environment, pass Outbox(app, dsn=...), or keep the password in "
+            "PGPASSWORD or a passfile"
+        )
+    kind = (pool or "").split(":", 1)[0].rsplit(".", 1)[-1].lower()
+    delivers = queues is None or bool(set(queues) & set(delivery_queues))
+    if delivers and kind in _POOLS_WITHOUT_TIME_LIMITS:
+        problems.append(
+            f"the {kind} pool does not enforce task time limits: a handler may outlive its "
+            f"lease ({cfg.lease}s), be delivered again elsewhere, and its own finalize is then "
+            "fenced off (lost lease); keep handlers well below the lease or extend it"
+        )
+    if delivers and kind == "solo" and str(conf.broker_url or "").startswith(("amqp", "pyamqp")):
+        problems.append(
+            "the solo pool on RabbitMQ can sit idle for seconds between late-acked messages "
+            "(seen with Celery 5.7), so deliveries may expire before they start; use prefork "
+            "for delivery queues (a solo worker on the claim queue alone is fine)"
+        )
+    if delivers and kind == "solo" and concurrency and concurrency > 1:
+        problems.append(
+            f"the solo pool runs one task at a time but prefetches concurrency ({concurrency}) "
+            "x worker_prefetch_multiplier messages: deliveries wait behind the running one "
+            "while their leases run (and RabbitMQ hands them to this worker, not an idle "
+            "one); start it with -c 1"
+        )
+    if delivers and kind in _POOLS_SHARING_ONE_PROCESS and concurrency and concurrency > cfg.pool_max_size:
+        problems.append(
+            f"pool_max_size={cfg.pool_max_size} is below the {kind} pool's concurrency "
+            f"({concurrency}): its tasks share one connection pool and would wait for it"
+        )
+    for p in problems:
+        logger.warning("outbox settings: %s", p)
+    return problems
