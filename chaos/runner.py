@@ -26,8 +26,8 @@ from typing import Any
 import psycopg
 
 from outbox_celery.config import OutboxConfig
-from outbox_celery.migrations import migrate
 from outbox_celery.dsn import redact
+from outbox_celery.migrations import migrate
 
 from .check import FaultRecord, Verdict, check, render
 from .procs import Child, Supervisor, child_pids
