@@ -436,7 +436,6 @@ class EnqueueCost:
 
 ENQUEUE_KINDS = (
     "unordered",
-    "ordered, before #10 (no head probe)",
     "ordered, new key",
     "ordered, key with a backlog",
     "batch of 100 unordered",
@@ -446,17 +445,8 @@ ENQUEUE_KINDS = (
 
 def measure_enqueue(dsn: str, table: str, *, n: int = 500) -> EnqueueCost:
     """Time ``n`` enqueue transactions of each kind, interleaved, on ``table`` as it stands."""
-    from outbox_celery import Event, _sql, enqueue, enqueue_many, producer
+    from outbox_celery import Event, enqueue, enqueue_many
 
-    # Benchmark-only: the insert as it was before #10 (no head flag), run by the same enqueue().
-    store = producer._store(table)
-    current_insert = store._q["insert"]
-    before_insert = _sql.compose(
-        "INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at)"
-        " VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::jsonb, %(ordering_key)s,"
-        " now() + make_interval(secs => %(delay)s)) RETURNING id",
-        store.table,
-    )
     result = EnqueueCost({k: [] for k in ENQUEUE_KINDS}, {k: [] for k in ENQUEUE_KINDS})
     with psycopg.connect(dsn) as conn:
         one = {
@@ -471,12 +461,6 @@ def measure_enqueue(dsn: str, table: str, *, n: int = 500) -> EnqueueCost:
                 t1 = time.perf_counter()
                 if kind == "unordered":
                     enqueue(conn, aggregate_id=i, table=table, **one)  # type: ignore[arg-type]
-                elif kind.startswith("ordered, before"):
-                    store._q["insert"] = before_insert
-                    try:
-                        enqueue(conn, aggregate_id=f"old{i}", ordered=True, table=table, **one)  # type: ignore[arg-type]
-                    finally:
-                        store._q["insert"] = current_insert
                 elif kind == "ordered, new key":
                     enqueue(conn, aggregate_id=f"new{i}", ordered=True, table=table, **one)  # type: ignore[arg-type]
                 elif kind == "ordered, key with a backlog":
