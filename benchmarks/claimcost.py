@@ -31,17 +31,10 @@ from .variants import make_store
 __all__ = ["ClaimCost", "measure_claim_cost"]
 
 
-@dataclass
-class ClaimCost:
-    """Claim timings on one table."""
+class _Latencies:
+    """Percentiles of the timed claims (``batch_ms``, milliseconds) a result holds."""
 
-    history: int
-    pending: int
-    batch_size: int
-    fill_seconds: float
-    table_mb: float
-    batch_ms: list[float] = field(default_factory=list)
-    run_ms: list[float] = field(default_factory=list)
+    batch_ms: list[float]
 
     @property
     def median_ms(self) -> float:
@@ -52,6 +45,19 @@ class ClaimCost:
     def p90_ms(self) -> float:
         """90th percentile claim transaction latency."""
         return percentile(sorted(self.batch_ms), 0.9)
+
+
+@dataclass
+class ClaimCost(_Latencies):
+    """Claim timings on one table."""
+
+    history: int
+    pending: int
+    batch_size: int
+    fill_seconds: float
+    table_mb: float
+    batch_ms: list[float] = field(default_factory=list)
+    run_ms: list[float] = field(default_factory=list)
 
     @property
     def rows_per_s(self) -> float:
@@ -222,7 +228,7 @@ def measure_claim_cost(
 
 
 @dataclass
-class KeysCost:
+class KeysCost(_Latencies):
     """Ordered claim timings with ``rows`` unfinished ordered rows over ``keys`` keys."""
 
     label: str
@@ -238,16 +244,6 @@ class KeysCost:
     # on the machine's load: flat buffers across cases is O(batch) shown directly.
     heads_plan: tuple[float, int] = (float("nan"), 0)
     before_plan: tuple[float, int] = (float("nan"), 0)
-
-    @property
-    def median_ms(self) -> float:
-        """Median claim transaction latency."""
-        return statistics.median(self.batch_ms)
-
-    @property
-    def p90_ms(self) -> float:
-        """90th percentile claim transaction latency."""
-        return percentile(sorted(self.batch_ms), 0.9)
 
     @property
     def rows_per_claim(self) -> float:
