@@ -21,7 +21,7 @@ from ._connections import IDLE, INERROR, _View, async_view, drive, drive_async, 
 from ._seconds import seconds
 from .config import TableName
 from .errors import ProducerError
-from .store import Store
+from .store import Store, WritePlan
 from .tracing import capture
 
 __all__ = [
@@ -171,16 +171,26 @@ def _trace(rows: list[dict[str, Any]]) -> None:
             row["trace_context"] = context
 
 
+def _plan(
+    view: _View, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool, notify: bool
+) -> WritePlan | None:
+    """What every write path does before any I/O: the transaction check, the trace context, the
+    plan (``None`` when there is nothing to write)."""
+    _check_transaction(view, allow_autocommit)
+    if not rows:
+        return None
+    _trace(rows)
+    return _store(table).write_plan(rows, notify=notify)
+
+
 def _write(
     conn: Any, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool, notify: bool
 ) -> list[int]:
     """The one synchronous write path: check, key locks, insert (every connection kind)."""
     view = sync_view(conn)
-    _check_transaction(view, allow_autocommit)
-    if not rows:
+    plan = _plan(view, rows, table, allow_autocommit, notify)
+    if plan is None:
         return []
-    _trace(rows)
-    plan = _store(table).write_plan(rows, notify=notify)
     if not _owns_transaction(view):
         return drive(view, plan)
     with view.own_transaction():
@@ -192,11 +202,9 @@ async def _write_async(
 ) -> list[int]:
     """:func:`_write` for async connections: the same check and the same plan."""
     view = await async_view(conn)
-    _check_transaction(view, allow_autocommit)
-    if not rows:
+    plan = _plan(view, rows, table, allow_autocommit, notify)
+    if plan is None:
         return []
-    _trace(rows)
-    plan = _store(table).write_plan(rows, notify=notify)
     if not _owns_transaction(view):
         return await drive_async(view, plan)
     async with view.own_transaction():
