@@ -19,7 +19,12 @@ Nothing here is used by the library. A variant spec is a comma-separated list of
   computes each task's ``argsrepr``.
 * ``bound_each_run``: every claim run recounts the adaptive in-flight bound (before #12 it did;
   since, a bound computed within the last second is reused).
-* ``before-12``: both of the above (the claim path before #12).
+* ``check_each``: the pool checks every connection with a round trip before handing it out
+  (before #12 it did; since, only connections idle for ``POOL_CHECK_IDLE`` seconds, and a
+  fenced write that meets a broken one is retried on a checked one).
+* ``done_each``: every ``done`` is written at once, in its own statement
+  (``done_batch_delay=0``; before #12 it was).
+* ``before-12``: all four of the above (the claim and delivery paths before #12).
 * ``push_broker``: the listener (#11) sends the claim task through the broker on every wake-up
   instead of running the claim in the worker's main process. Measured only: the library claims
   in-process.
@@ -38,7 +43,7 @@ __all__ = ["ExplicitTransactionStore", "apply", "make_store", "parse"]
 
 ALIASES = {
     "legacy": ("explicit_tx", "durable", "claim_jit"),
-    "before-12": ("publish_each", "bound_each_run"),
+    "before-12": ("publish_each", "bound_each_run", "check_each", "done_each"),
 }
 KNOWN = {
     "explicit_tx",
@@ -49,6 +54,8 @@ KNOWN = {
     "push_broker",
     "publish_each",
     "bound_each_run",
+    "check_each",
+    "done_each",
 }
 
 # Benchmark-only: the claim_heads query as it was before #10 (it ignores the head flag).
@@ -151,6 +158,15 @@ def apply(outbox: Any, spec: str) -> None:
         from outbox_celery import dispatch
 
         dispatch.BOUND_REFRESH = 0.0  # Benchmark-only: recount the bound on every claim run.
+    if "check_each" in names:
+        from outbox_celery import celery_app
+
+        celery_app.POOL_CHECK_IDLE = 0.0  # Benchmark-only: a round trip on every checkout.
+        outbox._idle_check.after = 0.0
+    if "done_each" in names:
+        # Benchmark-only: no batched done, each written by its delivery.
+        outbox._settings["done_batch_delay"] = 0.0
+        outbox._config = None
     if "acks_early" in names:
         outbox.deliver_task.acks_late = False
     if "push_broker" in names:

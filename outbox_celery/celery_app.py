@@ -21,7 +21,7 @@ from celery import Celery, signals
 from psycopg_pool import ConnectionPool
 
 from . import producer
-from ._pool import ForkSafePool
+from ._pool import ForkSafePool, IdleCheck
 from .backoff import RetryPolicy
 from .config import UNSET, OutboxConfig, TableName, Unset
 from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, default_owner
@@ -47,6 +47,8 @@ F = TypeVar("F", bound=Handler)
 
 # Retention: at most this many batches of ``retention_batch_size`` per beat-triggered run.
 PURGE_MAX_BATCHES_PER_RUN = 20
+# Seconds a pooled connection may sit idle and still be handed out without a check (IdleCheck).
+POOL_CHECK_IDLE = 2.0
 
 
 def _loaded_conf(app: Celery) -> Any:
@@ -165,6 +167,7 @@ class Outbox:
         listen: bool | Unset = UNSET,
         listen_dsn: str | Unset | None = UNSET,
         listen_poll: float | timedelta | Unset = UNSET,
+        done_batch_delay: float | timedelta | Unset = UNSET,
         store: Store | None = None,
         retry: RetryPolicy | None = None,
         **unknown: Any,
@@ -182,6 +185,7 @@ class Outbox:
         self._handlers: dict[str, HandlerSpec] = {}
         self._lock = threading.Lock()
         self._pool = ForkSafePool(self._open_pool)
+        self._idle_check = IdleCheck(POOL_CHECK_IDLE)
         self._dispatcher: Dispatcher | None = None
         self._last_drained: float | None = None
         self._publish_conn: Any = None
@@ -234,7 +238,12 @@ class Outbox:
         """Claim/deliver logic bound to this process's pool."""
         if self._dispatcher is None:
             self._dispatcher = Dispatcher(
-                self.config, self.connection, self._handlers, store=self._store, retry=self._retry
+                self.config,
+                self.connection,
+                self._handlers,
+                store=self._store,
+                retry=self._retry,
+                recover=self._check_pool,
             )
         return self._dispatcher
 
@@ -402,9 +411,10 @@ class Outbox:
             },
             name=f"outbox-{self.name}",
             # A connection the server closed while it sat idle (restart, failover,
-            # pg_terminate_backend) is replaced before use, not handed to a delivery
-            # whose fenced finalize would then fail (one round trip per checkout).
-            check=ConnectionPool.check_connection,
+            # pg_terminate_backend) is replaced before use, not handed to a delivery whose
+            # fenced write would then fail. Only idle ones: a round trip per checkout cost as
+            # much as the fenced writes themselves (#12); the rest are covered by the retry.
+            check=self._idle_check,
             open=True,
         )
 
@@ -412,10 +422,23 @@ class Outbox:
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
         """A pooled autocommit connection."""
         with self.pool.connection() as conn:
-            yield conn
+            try:
+                yield conn
+            finally:
+                self._idle_check.returned(conn)
+
+    def _check_pool(self) -> None:
+        """Before a write is retried after a broken connection: test every idle one.
+
+        A server restart or ``pg_terminate_backend`` breaks them all at once; the retry must
+        not draw another broken one (psycopg_pool replaces those it finds in the background).
+        """
+        self.pool.check()
 
     def close(self) -> None:
-        """Close this process's pool (idempotent)."""
+        """Write the batched ``done`` still held, then close this process's pool (idempotent)."""
+        if self._dispatcher is not None:
+            self._dispatcher.flush()
         self._pool.close()
         with self._lock:
             conn, self._publish_conn = self._publish_conn, None
@@ -471,7 +494,7 @@ class Outbox:
         )
         def deliver(outbox_id: int, lease_version: int) -> str:
             """Deliver one outbox row (fenced start, handler, fenced finalize)."""
-            return outbox.dispatcher.deliver(int(outbox_id), int(lease_version))
+            return outbox.dispatcher.deliver(int(outbox_id), int(lease_version), batch_done=True)
 
         @self.app.task(name=f"{self.name}.purge", ignore_result=True, shared=False)
         def purge() -> int:

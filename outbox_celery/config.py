@@ -117,6 +117,7 @@ _SECONDS_FIELDS = (
     "claim_time_limit",
     "handler_time_limit",
     "listen_poll",
+    "done_batch_delay",
 )
 _INT_FIELDS = (
     "batch_size",
@@ -211,6 +212,12 @@ class OutboxConfig:
         transaction mode (LISTEN needs a session). Default ``None``: ``dsn``.
     :ivar listen_poll: seconds the listener waits at most between claim runs when nothing wakes
         it (no database work beyond one claim run; nothing goes through the broker). Default 1.0.
+    :ivar done_batch_delay: seconds a delivery worker process may hold a handled unordered
+        message's ``done`` to write it with the others of that window, in one fenced statement
+        (ordered messages, and messages with less than this plus one second of lease left, are
+        written at once). A process killed in that window has its messages delivered again
+        after their lease, as for a kill during the handler. 0 writes every ``done`` at once.
+        Default 0.05; below ``lease / 4``.
     """
 
     dsn: str | None = None
@@ -244,6 +251,7 @@ class OutboxConfig:
     listen: bool = True
     listen_dsn: str | None = None
     listen_poll: float = 1.0
+    done_batch_delay: float = 0.05
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -257,7 +265,11 @@ class OutboxConfig:
                 "handler_time_limit",
             ):
                 continue
-            set_(self, name, seconds(value, name, error=ConfigurationError, positive=True))
+            set_(
+                self,
+                name,
+                seconds(value, name, error=ConfigurationError, positive=name != "done_batch_delay"),
+            )
         for name in _INT_FIELDS:
             _positive_int(getattr(self, name), name)
         if not isinstance(self.lease_heartbeat, bool):
@@ -291,6 +303,11 @@ class OutboxConfig:
             raise ConfigurationError(
                 f"lease must be at least {MIN_LEASE:g} s (got {self.lease:g} s): the delivery "
                 "task's time limits must fit below it"
+            )
+        if self.done_batch_delay >= self.lease / 4:
+            raise ConfigurationError(
+                f"done_batch_delay must be below lease / 4 ({self.lease / 4:g} s), got "
+                f"{self.done_batch_delay:g} s: a done held longer could outlive its lease"
             )
         if self.dsn is not None and not isinstance(self.dsn, str):
             raise ConfigurationError("dsn must be a string")

@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 import psycopg
 
+from ._done_batch import DoneBatcher
 from .backoff import Backoff, RetryPolicy
 from .config import OutboxConfig
 from .errors import Defer, PermanentError, RetryableError
@@ -35,6 +36,10 @@ logger = logging.getLogger(__name__)
 # follows throughput over a whole lease, so recounting it for every run adds statements, not
 # precision. Only the bound is reused; the rows in flight are counted on every batch.
 BOUND_REFRESH = 1.0
+
+# Seconds of lease a handled message must have left, beyond done_batch_delay, for its done to
+# wait for a batch; with less the done is written at once, so it lands inside the lease.
+DONE_BATCH_MARGIN = 1.0
 
 T = TypeVar("T")
 
@@ -143,6 +148,8 @@ class Dispatcher:
     :param store: the SQL layer (default: a :class:`~outbox_celery.store.Store` on ``table``).
     :param retry: the wait after a retryable failure that carries no delay of its own
         (default: :class:`~outbox_celery.backoff.Backoff` from ``backoff_base``/``backoff_cap``).
+    :param recover: called before a fenced write is retried after a broken connection (the
+        :class:`~outbox_celery.celery_app.Outbox` checks its pool's idle connections there).
     """
 
     def __init__(
@@ -153,8 +160,10 @@ class Dispatcher:
         *,
         store: Store | None = None,
         retry: RetryPolicy | None = None,
+        recover: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
+        self._recover = recover
         self.connection = connection
         self.handlers = handlers
         self.store = store or Store(config.table, relaxed_commit=config.relaxed_commit)
@@ -162,6 +171,10 @@ class Dispatcher:
         self.backoff = Backoff(config.backoff_base, config.backoff_cap)
         # The adaptive in-flight bound and when (monotonic) it was computed (in_flight_limit).
         self._bound: tuple[float, int] | None = None
+        #: Batched ``done`` writes of this process (``done_batch_delay``; None when 0).
+        self.done_batch: DoneBatcher | None = None
+        if config.done_batch_delay > 0:
+            self.done_batch = DoneBatcher(self._write_done_batch, delay=config.done_batch_delay)
 
     @property
     def retry(self) -> RetryPolicy:
@@ -289,17 +302,28 @@ class Dispatcher:
 
     # -- worker side ---------------------------------------------------------------------------
 
-    def deliver(self, outbox_id: int, lease_version: int) -> Outcome:
+    def deliver(self, outbox_id: int, lease_version: int, *, batch_done: bool = False) -> Outcome:
         """Fenced start, handler outside any transaction, classification, fenced finalize.
 
         Returns the :class:`~outbox_celery.message.Outcome`. An unexpected handler exception is
         recorded in ``last_error`` and re-raised (the row comes back through its lease).
+
+        :param batch_done: let an unordered message's ``done`` wait up to ``done_batch_delay``
+            to be written with others (the delivery task does; see ``_done_batch``). The
+            outcome is then ``done`` before the row says so.
         """
         cfg = self.config
-        with self.connection() as conn:
-            msg = self.store.start(
+        # The start gives the row at least one lease from now on the database's clock; its end
+        # is tracked on this process's monotonic clock, a duration, never a wall time.
+        lease_end = time.monotonic() + cfg.lease
+        msg = self._fenced_write(
+            "start",
+            outbox_id,
+            lease_version,
+            lambda conn: self.store.start(
                 conn, outbox_id, lease_version, lease=cfg.lease, max_attempts=cfg.max_attempts
-            )
+            ),
+        )
         log: dict[str, Any] = {"outbox_id": outbox_id, "lease_version": lease_version}
         if msg is None:
             logger.info(
@@ -335,7 +359,10 @@ class Dispatcher:
                 raise
         else:
             verdict = Verdict(Outcome.DONE)
-        outcome = self._finish(verdict, msg, lease_version)
+        if batch_done and self._batch_done(msg, lease_version, lease_end):
+            outcome = Outcome.DONE
+        else:
+            outcome = self._finish(verdict, msg, lease_version)
         logger.info(
             "outbox id %s %s -> %s",
             outbox_id,
@@ -344,6 +371,27 @@ class Dispatcher:
             extra={**log, "outcome": outcome, "duration_ms": _ms_since(started)},
         )
         return outcome
+
+    def _batch_done(self, msg: Message, version: int, lease_end: float) -> bool:
+        """Queue an unordered row's done for the next batch, if the lease has room for the wait."""
+        batch = self.done_batch
+        if batch is None or msg.ordering_key is not None:
+            return False
+        if lease_end - time.monotonic() <= batch.delay + DONE_BATCH_MARGIN:
+            return False
+        batch.add(msg.id, version)
+        return True
+
+    def _write_done_batch(self, finished: list[tuple[int, int]]) -> set[int]:
+        first_id, first_version = finished[0]
+        return self._fenced_write(
+            "done_many", first_id, first_version, lambda conn: self.store.done_many(conn, finished)
+        )
+
+    def flush(self) -> None:
+        """Write the ``done`` of every handled message this process still holds."""
+        if self.done_batch is not None:
+            self.done_batch.close()
 
     def _unroutable(self, msg: Message, version: int, log: dict[str, Any]) -> Outcome:
         """No handler for this event type in this worker: postpone, attempt refunded."""
@@ -376,13 +424,15 @@ class Dispatcher:
     def _fenced_write(
         self, op: str, outbox_id: int, version: int, write: Callable[[psycopg.Connection[Any]], T]
     ) -> T:
-        """Run one fenced write; on a connection the server broke, once more on a fresh one.
+        """Run one fenced write; on a connection the server broke, once more on a checked one.
 
-        A pooled connection may have been closed by the server while idle (a restart, a
-        failover, ``pg_terminate_backend``). Retrying is safe: the write is fenced on the claim's
-        ``lease_version`` and status, so whichever run lands first wins and a second changes
-        nothing (DESIGN invariant 4). Without the retry the outcome would be lost until the
-        lease ends, and the message delivered again.
+        A pooled connection may have been closed by the server since its last use (a restart,
+        a failover, ``pg_terminate_backend``); recently used ones are not checked before use
+        (IdleCheck). Retrying is safe: the write is fenced on the claim's ``lease_version`` and
+        status, so whichever run lands first wins and a second changes nothing (DESIGN
+        invariant 4); a start whose commit was lost with its reply at most counts one attempt
+        more. Without the retry a finalize would be lost until the lease ends, and the message
+        delivered again.
         """
         try:
             with self.connection() as conn:
@@ -395,6 +445,8 @@ class Dispatcher:
                 str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
                 extra={"outbox_id": outbox_id, "lease_version": version, "operation": op},
             )
+        if self._recover is not None:
+            self._recover()
         with self.connection() as conn:
             return write(conn)
 

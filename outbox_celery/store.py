@@ -547,6 +547,29 @@ class Store:
         self._count("done")
         return True
 
+    def done_many(self, conn: psycopg.Connection[Any], finished: Sequence[tuple[int, int]]) -> set[int]:
+        """Fenced: many unordered ``(id, lease_version)`` rows ``processing`` -> ``done`` at once.
+
+        One statement and one transaction for the whole batch; each row is fenced on its own
+        version. Returns the ids that went ``done``; the others lost their lease (counted and
+        logged as :meth:`done` does). Ordered rows are never finished here: their done moves
+        the key's head under the key lock (:meth:`done`).
+        """
+        if not finished:
+            return set()
+        params = {
+            "ids": [i for i, _ in finished],
+            "versions": [v for _, v in finished],
+            "commit_mode": self._commit_mode(conn),
+        }
+        with self._single_statement(conn):
+            won = {int(r[0]) for r in conn.execute(self._q["finish_done_many"], params).fetchall()}
+        self._count("done", len(won))
+        for outbox_id, version in finished:
+            if outbox_id not in won:
+                self._lost("finish_done", outbox_id, version)
+        return won
+
     def retry(
         self,
         conn: psycopg.Connection[Any],

@@ -258,6 +258,21 @@ WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
   AND ordering_key IS NULL
 RETURNING id;
 
+-- name: finish_done_many
+-- The fenced done of many unordered rows in one statement: a worker process's handled messages
+-- written together (done_batch_delay, DoneBatcher). Each row is fenced on its own
+-- lease_version; one whose lease was lost is left as it is and missing from the result.
+-- commit_mode as in finish_done.
+UPDATE {table} AS o
+SET status = 'done', done_at = now(), lease_until = NULL
+FROM (SELECT set_config('synchronous_commit',
+                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
+                        true)) AS commit_mode,
+     unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS f(id, version)
+WHERE o.id = f.id AND o.lease_version = f.version AND o.status = 'processing'
+  AND o.ordering_key IS NULL
+RETURNING o.id;
+
 -- name: lock_key_of
 -- First statement of an ordered done: the producers' lock of the row's key (as lock_keys), so
 -- that the next statement's snapshot holds every message of the key committed so far and none

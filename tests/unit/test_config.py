@@ -113,6 +113,12 @@ def test_config_optional_seconds_may_be_none() -> None:
     assert config.effective_claim_budget == 1.0
 
 
+def test_done_batch_delay_zero_writes_each_done_and_timedelta_is_seconds() -> None:
+    assert OutboxConfig().done_batch_delay == 0.05
+    assert OutboxConfig(done_batch_delay=0).done_batch_delay == 0.0
+    assert OutboxConfig(done_batch_delay=timedelta(milliseconds=200)).done_batch_delay == 0.2
+
+
 def test_config_is_frozen() -> None:
     config = OutboxConfig()
     with pytest.raises(AttributeError):
@@ -156,6 +162,10 @@ def test_config_is_frozen() -> None:
         {"dsn": 123},
         {"claim_queue": ""},
         {"default_queue": None},
+        {"done_batch_delay": -0.1},
+        {"done_batch_delay": True},
+        {"done_batch_delay": 15.0},  # lease / 4 with the default lease of 60
+        {"done_batch_delay": 0.6, "lease": 2.0, "claim_interval": 1.0},
     ],
 )
 def test_bad_settings_raise_configuration_error(changes: dict[str, Any]) -> None:
