@@ -359,7 +359,7 @@ class Dispatcher:
                 raise
         else:
             verdict = Verdict(Outcome.DONE)
-        if batch_done and self._batch_done(msg, lease_version, lease_end):
+        if batch_done and verdict.outcome is Outcome.DONE and self._batch_done(msg, lease_version, lease_end):
             outcome = Outcome.DONE
         else:
             outcome = self._finish(verdict, msg, lease_version)

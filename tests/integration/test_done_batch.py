@@ -17,6 +17,7 @@ from psycopg_pool import ConnectionPool
 
 from outbox_celery import OutboxConfig, Store, TableName
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
+from outbox_celery.errors import Defer, PermanentError, RetryableError
 
 from .helpers import LONG, add, fetch
 
@@ -155,3 +156,30 @@ def test_a_forked_child_never_writes_the_parents_held_dones(
     assert batch.pending() == 1
     dispatcher.flush()
     assert fetch(conn, table, i)["status"] == "done"
+
+
+@pytest.mark.parametrize(
+    ("error", "outcome", "status"),
+    [
+        (RetryableError("HTTP 503", delay=60), Outcome.RETRY, "pending"),
+        (PermanentError("HTTP 400"), Outcome.DEAD, "dead"),
+        (Defer(60, reason="not yet"), Outcome.DEFER, "pending"),
+    ],
+)
+def test_only_a_done_is_ever_held_other_outcomes_are_written_at_once(
+    conn: psycopg.Connection[Any],
+    table: str,
+    pool: ConnectionPool[Any],
+    error: Exception,
+    outcome: Outcome,
+    status: str,
+) -> None:
+    def handler(message: Any) -> None:
+        raise error
+
+    dispatcher = _dispatcher(pool, table, handler=handler, lease=LONG, done_batch_delay=LONG / 5)
+    [i] = add(conn, table=table)
+    [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+    assert dispatcher.deliver(i, c.lease_version, batch_done=True) == outcome
+    assert fetch(conn, table, i)["status"] == status
+    assert dispatcher.done_batch is not None and dispatcher.done_batch.pending() == 0
