@@ -18,6 +18,7 @@ from collections import Counter
 
 import pytest
 from support.db import calls, statuses
+from support.processes import CeleryProcess
 
 from acceptance.conftest import Harness
 
@@ -31,7 +32,8 @@ def _handled(harness: Harness, n: int) -> bool:
     return sum(1 for c in calls(harness.conn) if c["result"] == "ok") >= n
 
 
-def test_a_worker_killed_while_it_holds_done_writes_loses_nothing(harness: Harness) -> None:
+def _held(harness: Harness) -> tuple[list[int], CeleryProcess]:
+    """Three messages handled by a prefork worker that still holds their done."""
     harness.configure(lease=LEASE, done_batch_delay=WINDOW)
     ids = harness.enqueue(3)
     worker = harness.worker(concurrency=2)
@@ -39,6 +41,11 @@ def test_a_worker_killed_while_it_holds_done_writes_loses_nothing(harness: Harne
     harness.wait(lambda: _handled(harness, len(ids)), what="every handler to finish")
     # Handled and acknowledged, but the done is still held by the pool processes.
     assert statuses(harness.conn, harness.table)["processing"] == len(ids)
+    return ids, worker
+
+
+def test_a_worker_killed_while_it_holds_done_writes_loses_nothing(harness: Harness) -> None:
+    ids, worker = _held(harness)
     worker.kill()
 
     harness.worker(concurrency=2, name="after")
@@ -52,12 +59,7 @@ def test_a_worker_killed_while_it_holds_done_writes_loses_nothing(harness: Harne
 
 
 def test_a_warm_shutdown_writes_the_done_a_worker_holds(harness: Harness) -> None:
-    harness.configure(lease=LEASE, done_batch_delay=WINDOW)
-    ids = harness.enqueue(3)
-    worker = harness.worker(concurrency=2)
-    harness.beat()
-    harness.wait(lambda: _handled(harness, len(ids)), what="every handler to finish")
-    assert statuses(harness.conn, harness.table)["processing"] == len(ids)
+    ids, worker = _held(harness)
     started = time.monotonic()
     worker.stop(timeout=LEASE)
 

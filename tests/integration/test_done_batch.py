@@ -100,14 +100,20 @@ def test_a_batched_done_is_written_within_its_delay(
     assert dispatcher.store.get_stats()["done"] == 3
 
 
-def test_flush_writes_what_is_held_at_once(
-    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
-) -> None:
+def _held(conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]) -> tuple[Dispatcher, int]:
+    """One message delivered whose done this process holds (a window longer than the test)."""
     dispatcher = _dispatcher(pool, table, lease=LONG, done_batch_delay=LONG / 5)
     [i] = add(conn, table=table)
     [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
     assert dispatcher.deliver(i, c.lease_version, batch_done=True) == Outcome.DONE
     assert fetch(conn, table, i)["status"] == "processing"
+    return dispatcher, i
+
+
+def test_flush_writes_what_is_held_at_once(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    dispatcher, i = _held(conn, table, pool)
     dispatcher.flush()  # what Outbox.close() does at worker shutdown
     assert fetch(conn, table, i)["status"] == "done"
 
@@ -142,10 +148,7 @@ def test_without_batch_done_or_with_a_zero_delay_done_is_written_at_once(
 def test_a_forked_child_never_writes_the_parents_held_dones(
     conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
 ) -> None:
-    dispatcher = _dispatcher(pool, table, lease=LONG, done_batch_delay=LONG / 5)
-    [i] = add(conn, table=table)
-    [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
-    assert dispatcher.deliver(i, c.lease_version, batch_done=True) == Outcome.DONE
+    dispatcher, i = _held(conn, table, pool)
     batch = dispatcher.done_batch
     assert batch is not None
     pid = os.fork()
