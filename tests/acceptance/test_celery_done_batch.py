@@ -20,7 +20,7 @@ import pytest
 from support.db import calls, statuses
 from support.processes import CeleryProcess
 
-from acceptance.conftest import Harness
+from acceptance.conftest import Harness, HarnessFactory
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,12 @@ def test_a_worker_killed_while_it_holds_done_writes_loses_nothing(harness: Harne
     assert all((rows[i]["attempts"], rows[i]["lease_version"]) == (2, 2) for i in ids)
 
 
-def test_a_warm_shutdown_writes_the_done_a_worker_holds(harness: Harness) -> None:
+def test_a_warm_shutdown_writes_the_done_a_worker_holds(
+    harness_factory: HarnessFactory, redis_url: str
+) -> None:
+    # One broker: what is held lives in the pool processes, whatever the broker (the kill
+    # above runs on both).
+    harness = harness_factory(redis_url)
     ids, worker = _held(harness)
     started = time.monotonic()
     worker.stop(timeout=LEASE)
@@ -71,7 +76,10 @@ def test_a_warm_shutdown_writes_the_done_a_worker_holds(harness: Harness) -> Non
     assert sorted(c["outbox_id"] for c in calls(harness.conn)) == ids
 
 
-def test_an_ordered_done_is_never_held_but_an_unordered_one_is(harness: Harness) -> None:
+def test_an_ordered_done_is_never_held_but_an_unordered_one_is(
+    harness_factory: HarnessFactory, redis_url: str
+) -> None:
+    harness = harness_factory(redis_url)
     # Ordered: the done moves the key's head, so the key's next message waits on it. It is
     # written as the handler returns, not a window later; an unordered one beside it waits.
     harness.configure(lease=LEASE, done_batch_delay=WINDOW)
