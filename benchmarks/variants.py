@@ -159,10 +159,7 @@ def apply(outbox: Any, spec: str) -> None:
 
         dispatch.BOUND_REFRESH = 0.0  # Benchmark-only: recount the bound on every claim run.
     if "check_each" in names:
-        from outbox_celery import celery_app
-
-        celery_app.POOL_CHECK_IDLE = 0.0  # Benchmark-only: a round trip on every checkout.
-        outbox._idle_check.after = 0.0
+        outbox._idle_check.after = 0.0  # Benchmark-only: a round trip on every checkout.
     if "done_each" in names:
         # Benchmark-only: no batched done, each written by its delivery.
         outbox._settings["done_batch_delay"] = 0.0
