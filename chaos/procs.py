@@ -16,10 +16,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Child", "Supervisor", "child_pids"]
+__all__ = ["Child", "Supervisor", "child_pids", "group_alive"]
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is still running (and ours to signal)."""
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
@@ -102,7 +103,7 @@ class Child:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(grace)
         # Pool children can outlive their leader: always sweep the group.
-        if _group_alive(self.pid):
+        if group_alive(self.pid):
             self.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(5)

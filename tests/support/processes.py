@@ -22,38 +22,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chaos.procs import child_pids, group_alive
+
 # tests/ (holding the ``support`` package) and the repository root, found at run time.
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = TESTS_DIR.parent
 APP_MODULE = "support.worker_app"
-
-
-def _pgid_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - not ours
-        return False
-    return True
-
-
-def child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` (read from /proc; prefork pool processes of a worker)."""
-    children: list[int] = []
-    proc = Path("/proc")
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces, so split after the last ')'.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
-            children.append(int(entry.name))
-    return sorted(children)
 
 
 @dataclass
@@ -143,7 +117,7 @@ class CeleryProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=max(timeout, 0.0))
         # Pool children that outlived their parent, or a parent that ignored SIGTERM.
-        if self.alive() or _pgid_alive(self.pid):
+        if self.alive() or group_alive(self.pid):
             self.kill()
         self._close_log()
         return self.popen.returncode
