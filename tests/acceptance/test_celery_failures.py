@@ -27,7 +27,13 @@ def test_a_worker_process_killed_inside_a_handler_loses_nothing(harness: Harness
     [victim] = harness.enqueue(1, payload={"mode": "kill", "times": 1})
     others = harness.enqueue(6)
     worker = harness.worker(concurrency=2)
-    pool_before = worker.pool_pids()
+
+    def both_pool_processes() -> list[int] | None:
+        # "ready." can be logged before /proc shows the second pool process.
+        pids = worker.pool_pids()
+        return pids if len(pids) == 2 else None
+
+    pool_before = harness.wait(both_pool_processes, what="both pool processes")
     harness.beat()
     harness.wait_finished(7)
 
