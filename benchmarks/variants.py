@@ -91,7 +91,7 @@ SET status = 'processing',
     lease_version = o.lease_version + 1
 FROM picked
 WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at
 """
 
 

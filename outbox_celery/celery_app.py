@@ -168,6 +168,8 @@ class Outbox:
         listen_dsn: str | Unset | None = UNSET,
         listen_poll: float | timedelta | Unset = UNSET,
         done_batch_delay: float | timedelta | Unset = UNSET,
+        scan_lookback: float | timedelta | Unset = UNSET,
+        full_scan_interval: float | timedelta | Unset = UNSET,
         store: Store | None = None,
         retry: RetryPolicy | None = None,
         **unknown: Any,

@@ -118,6 +118,8 @@ _SECONDS_FIELDS = (
     "handler_time_limit",
     "listen_poll",
     "done_batch_delay",
+    "scan_lookback",
+    "full_scan_interval",
 )
 _INT_FIELDS = (
     "batch_size",
@@ -218,6 +220,13 @@ class OutboxConfig:
         written at once). A process killed in that window has its messages delivered again
         after their lease, as for a kill during the handler. 0 writes every ``done`` at once.
         Default 0.05; below ``lease / 4``.
+    :ivar scan_lookback: seconds behind where its previous claim stopped that a claim starts
+        its index scans (DESIGN invariant 18): what it steps over stays bounded while a long
+        transaction pins the xmin horizon. A message whose producer's transaction commits more
+        than this after it began waits for the next full scan. Default 10.
+    :ivar full_scan_interval: seconds between a process's claims that scan from the start of
+        the indexes (the first claim of a process always does), for messages committed later
+        than ``scan_lookback`` behind the marks. Default 60.
     """
 
     dsn: str | None = None
@@ -252,6 +261,8 @@ class OutboxConfig:
     listen_dsn: str | None = None
     listen_poll: float = 1.0
     done_batch_delay: float = 0.05
+    scan_lookback: float = 10.0
+    full_scan_interval: float = 60.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

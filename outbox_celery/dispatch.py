@@ -25,7 +25,7 @@ from .config import OutboxConfig
 from .errors import Defer, PermanentError, RetryableError
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
-from .store import Claimed, Store
+from .store import Claimed, ScanMarks, Store
 from .tracing import handler_span
 
 __all__ = ["ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome"]
@@ -171,6 +171,8 @@ class Dispatcher:
         self.backoff = Backoff(config.backoff_base, config.backoff_cap)
         # The adaptive in-flight bound and when (monotonic) it was computed (in_flight_limit).
         self._bound: tuple[float, int] | None = None
+        #: Where this process's claims start their index scans (DESIGN invariant 18).
+        self.marks = ScanMarks(lookback=config.scan_lookback, full_every=config.full_scan_interval)
         #: Batched ``done`` writes of this process (``done_batch_delay``; None when 0).
         self.done_batch: DoneBatcher | None = None
         if config.done_batch_delay > 0:
@@ -252,8 +254,12 @@ class Dispatcher:
     ) -> None:
         cfg = self.config
         run.in_flight_limit = limit = self.in_flight_limit(conn)
+        # Counted once per run, then raised by what the run claims: an over-estimate (rows that
+        # finish meanwhile are not subtracted), so the bound holds. The count steps over the dead
+        # versions of every lease of the last lease period, so it is not repeated per batch.
+        in_flight = self.store.in_flight(conn)
         while True:
-            room = limit - self.store.in_flight(conn)
+            room = limit - in_flight
             # A full bound stops new claims only: the reap and the re-claim of expired leases
             # run anyway, or lost tasks would hold the outbox still (DESIGN invariant 16).
             want = max(0, min(cfg.batch_size, room))
@@ -266,7 +272,9 @@ class Dispatcher:
                 event_types=event_types,
                 expired_limit=cfg.batch_size,
                 unroutable_delay=cfg.unroutable_delay,
+                marks=self.marks,
             )
+            in_flight += len(result.claimed)
             run.batches += 1
             run.reaped += result.reaped
             run.lost += result.lost

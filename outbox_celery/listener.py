@@ -190,7 +190,7 @@ class Listener:
             if run is not None and run.stopped_by == "budget":
                 continue  # a backlog: keep claiming
             break
-        due = self.store.next_due(conn, self.event_types())
+        due = self.store.next_due(conn, self.event_types(), within=self.poll)
         if due is None:
             return self.poll
         return min(self.poll, max(_MIN_WAIT, due))

@@ -19,11 +19,12 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
@@ -36,13 +37,16 @@ from .config import TableName
 from .errors import ProducerError
 from .message import Message, Outcome, Status, idempotency_key
 
-__all__ = ["Claimed", "Store"]
+__all__ = ["Claimed", "ScanMarks", "Store"]
 
 # A producer's statement and the plan that yields them (see Store.write_plan).
 Statement = tuple[sql.Composed, dict[str, Any]]
 WritePlan = Generator[Statement, list[tuple[Any, ...]], list[int]]
 
 logger = logging.getLogger(__name__)
+
+# Expired leases handled per statement of a claim (release_expired, reap).
+_EXPIRED_BATCH = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,66 @@ class ClaimResult:
     lost: int = 0
     #: Expired leases of event types the claimer has no handler for, given back as unroutable.
     unroutable: int = 0
+
+
+class ScanMarks:
+    """Where one process's claims start their index scans (DESIGN invariant 18).
+
+    A claim steps over every index entry in front of the rows it takes. While a long transaction
+    somewhere in the database pins the xmin horizon, VACUUM removes nothing, and the entries of
+    rows claimed, started and finished since then stay in front of every scan: the claim slows as
+    the pin lasts. The marks remember, per index, where this process's previous claim stopped
+    (the database's ``now()`` when it took everything due, else the last row it took), and the
+    next claim starts ``lookback`` seconds behind that, so what it steps over is bounded by the
+    rows of ``lookback`` seconds, not by the age of the pin.
+
+    A row can still appear behind a mark: one whose producer's transaction committed more than
+    ``lookback`` after it began (``available_at`` is the transaction's ``now()``), or one that a
+    concurrent transaction held locked. Every ``full_every`` seconds (and on a process's first
+    claim) a claim scans from the start of each index instead, and takes those.
+
+    Times are the database's (``now()`` and row values); only the full-pass period is measured
+    on this process's monotonic clock, a duration.
+    """
+
+    __slots__ = ("expired", "full_at", "full_every", "full_passes", "heads", "lookback", "pending")
+
+    def __init__(self, *, lookback: float = 10.0, full_every: float = 60.0) -> None:
+        if lookback < 0 or full_every < 0:
+            raise ValueError("lookback and full_every are seconds >= 0")
+        self.lookback = lookback
+        self.full_every = full_every
+        self.pending: datetime | None = None
+        self.heads: datetime | None = None
+        self.expired: datetime | None = None
+        #: Monotonic time of the last full pass; None before the first claim.
+        self.full_at: float | None = None
+        self.full_passes = 0
+
+    def begin(self, monotonic_now: float) -> bool:
+        """Start a claim: forget the marks when a full pass is due; return whether it is."""
+        if self.full_at is None or not 0 <= monotonic_now - self.full_at < self.full_every:
+            self.pending = self.heads = self.expired = None
+            self.full_at = monotonic_now
+            self.full_passes += 1
+            return True
+        return False
+
+    def since(self, mark: datetime | None) -> datetime | None:
+        """The lower bound of a scan whose previous claim stopped at ``mark`` (None: from the start)."""
+        return None if mark is None else mark - timedelta(seconds=self.lookback)
+
+    @staticmethod
+    def moved(asked: int, rows: Sequence[Sequence[Any]], now: datetime) -> datetime | None:
+        """Where a scan's mark goes after a claim statement asked ``asked`` rows and got ``rows``.
+
+        Fewer than asked: every row due at ``now`` was taken, the mark is ``now``. As many: the
+        rest starts at the last row taken (its ``available_at``, the fifth column).
+        """
+        if len(rows) < asked or not rows:
+            return now
+        latest: datetime = max(r[4] for r in rows)
+        return latest
 
 
 class Store:
@@ -322,6 +386,7 @@ class Store:
         event_types: Sequence[str] | None = None,
         expired_limit: int | None = None,
         unroutable_delay: float = 60.0,
+        marks: ScanMarks | None = None,
     ) -> ClaimResult:
         """Reap and claim up to ``limit`` rows in one short transaction, then commit.
 
@@ -334,6 +399,10 @@ class Store:
         ones must come back whatever it says (DESIGN invariants 10, 16). Expired claims whose
         task never started (lost) and expired leases of event types not in ``event_types``
         (unroutable, after ``unroutable_delay``) go back to ``pending`` first, no attempt spent.
+
+        With ``marks`` (the claim loop's, one per process) the scans start a little behind where
+        the previous claim stopped and move the marks on (DESIGN invariant 18); without, every
+        scan starts at the beginning of its index.
         """
         limit = max(0, limit)
         expired_limit = limit if expired_limit is None else max(0, expired_limit)
@@ -344,11 +413,18 @@ class Store:
             "event_types": list(event_types) if event_types is not None else None,
         }
         claimed: list[Claimed] = []
+        if marks is not None:
+            marks.begin(time.monotonic())
+        base["pending_since"] = marks.since(marks.pending) if marks else None
+        base["heads_since"] = marks.since(marks.heads) if marks else None
+        base["expired_since"] = marks.since(marks.expired) if marks else None
         with conn.transaction():
-            conn.execute(self._q["claim_settings"])
-            lost, unroutable = self._release_expired(conn, base, lease, unroutable_delay)
-            reaped = conn.execute(self._q["reap"], {"max_attempts": max_attempts, "limit": 1000})
+            settings = conn.execute(self._q["claim_settings"]).fetchone()
+            db_now: datetime | None = settings[1] if settings is not None and len(settings) > 1 else None
+            lost, unroutable, expired_full = self._release_expired(conn, base, lease, unroutable_delay)
+            reaped = conn.execute(self._q["reap"], {**base, "limit": _EXPIRED_BATCH})
             reaped_rows = reaped.fetchall()
+            expired_full = expired_full or len(reaped_rows) >= _EXPIRED_BATCH
             for row in reaped_rows:
                 logger.warning(
                     "outbox id %s went dead: attempts exhausted and lease expired",
@@ -362,22 +438,26 @@ class Store:
                     },
                 )
             if expired_limit > 0:
-                claimed += self._claim_one(conn, "claim_expired", base, expired_limit)
+                rows = self._claim_rows(conn, "claim_expired", base, expired_limit)
+                claimed += rows
+                if marks and db_now is not None and not expired_full and len(rows) < expired_limit:
+                    # Every lease that ran out by now was seen: the next claim starts here.
+                    marks.expired = db_now
             room = limit - len(claimed)
             heads_short = False
             if room > 0:
                 share = max(1, (room + 1) // 2)
-                heads = self._claim_one(conn, "claim_heads", base, share)
+                heads = self._claim_rows(conn, "claim_heads", base, share, marks, "heads", db_now)
                 # Fewer heads than asked: no other head is claimable now, do not ask again.
                 heads_short = len(heads) < share
                 claimed += heads
             room = limit - len(claimed)
             if room > 0:
-                claimed += self._claim_one(conn, "claim_pending", base, room)
+                claimed += self._claim_rows(conn, "claim_pending", base, room, marks, "pending", db_now)
             room = limit - len(claimed)
             if room > 0 and len(claimed) > 0 and not heads_short:
                 # Pending rows ran short: let ordered heads use the rest of the batch.
-                claimed += self._claim_one(conn, "claim_heads", base, room)
+                claimed += self._claim_rows(conn, "claim_heads", base, room, marks, "heads", db_now)
         self._count("claimed", len(claimed))
         self._count("reaped", len(reaped_rows))
         self._count("lost_tasks", lost)
@@ -386,9 +466,12 @@ class Store:
 
     def _release_expired(
         self, conn: psycopg.Connection[Any], base: dict[str, Any], lease: float, unroutable_delay: float
-    ) -> tuple[int, int]:
-        """Lost claims and unroutable expired leases back to pending (no attempt spent)."""
-        params = {**base, "limit": 1000, "lease": lease, "unroutable_delay": unroutable_delay}
+    ) -> tuple[int, int, bool]:
+        """Lost claims and unroutable expired leases back to pending (no attempt spent).
+
+        Returns the lost and unroutable counts and whether the batch was full (more may wait).
+        """
+        params = {**base, "limit": _EXPIRED_BATCH, "lease": lease, "unroutable_delay": unroutable_delay}
         rows = conn.execute(self._q["release_expired"], params).fetchall()
         lost: Counter[str] = Counter()
         unroutable: Counter[str] = Counter()
@@ -423,13 +506,23 @@ class Store:
                     "outbox_table": self.table.qualified,
                 },
             )
-        return sum(lost.values()), sum(unroutable.values())
+        return sum(lost.values()), sum(unroutable.values()), len(rows) >= _EXPIRED_BATCH
 
-    def _claim_one(
-        self, conn: psycopg.Connection[Any], query: str, base: dict[str, Any], limit: int
+    def _claim_rows(
+        self,
+        conn: psycopg.Connection[Any],
+        query: str,
+        base: dict[str, Any],
+        limit: int,
+        marks: ScanMarks | None = None,
+        mark: str | None = None,
+        db_now: datetime | None = None,
     ) -> list[Claimed]:
-        cur = conn.execute(self._q[query], {**base, "limit": limit})
-        return [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in cur.fetchall()]
+        """Run one claiming statement; move ``marks``' ``mark`` on when given (invariant 18)."""
+        rows = conn.execute(self._q[query], {**base, "limit": limit}).fetchall()
+        if marks is not None and mark is not None and db_now is not None:
+            setattr(marks, mark, ScanMarks.moved(limit, rows, db_now))
+        return [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in rows]
 
     def release(self, conn: psycopg.Connection[Any], claims: Sequence[Claimed]) -> int:
         """Give unpublished claims back: ``pending`` now, no attempt spent (invariant 12).
@@ -671,8 +764,15 @@ class Store:
         conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         return channel
 
-    def next_due(self, conn: psycopg.Connection[Any], event_types: Sequence[str] | None) -> float | None:
-        """Seconds until a delayed row of ``event_types`` or a live lease comes due, or None."""
-        params = {"event_types": list(event_types) if event_types is not None else None}
+    def next_due(
+        self, conn: psycopg.Connection[Any], event_types: Sequence[str] | None, *, within: float = 3600.0
+    ) -> float | None:
+        """Seconds until a delayed row of ``event_types`` or a live lease comes due, or None.
+
+        Only what comes due in the next ``within`` seconds is looked for (None otherwise): the
+        listener asks for its poll period, so the probe steps over that window's dead index
+        entries only (DESIGN invariant 18).
+        """
+        params = {"event_types": list(event_types) if event_types is not None else None, "within": within}
         row = conn.execute(self._q["next_due"], params).fetchone()
         return None if row is None or row[0] is None else float(row[0])

@@ -93,9 +93,10 @@ SELECT count(*) FROM (
 
 -- name: claim_settings
 -- First statement of every claim transaction. Once a churned table's statistics price the
--- claim's queries (then the ordered heads' skip scan, before #10) above jit_above_cost, every claim pays for JIT compilation (measured
--- by benchmarks/: 15-250 ms per 200-row claim instead of 3-6 ms); these queries never profit.
-SET LOCAL jit = off;
+-- claim's queries above jit_above_cost, every claim pays for JIT compilation (measured by
+-- benchmarks/: 15-250 ms per 200-row claim instead of 3-6 ms); these queries never profit.
+-- Also returns the transaction's now(): where the claim's scan marks move to (ScanMarks).
+SELECT set_config('jit', 'off', true), now();
 
 -- name: release_expired
 -- Expired leases that must not be re-claimed at once (DESIGN invariants 10, 16), back to
@@ -107,11 +108,15 @@ SET LOCAL jit = off;
 -- * an event type the claimer has no handler for (removed by a deploy) waits unroutable_delay,
 --   marked unroutable, instead of staying processing for good.
 -- A started claim of a known event type is left to claim_expired (its worker died mid-handler).
+-- This and the two statements after it scan the expired leases from expired_since (ScanMarks,
+-- DESIGN invariant 18): a lease end is always written in the future, so a lease that ran out
+-- since the previous claim lies after that claim's now().
 WITH decided AS (
     SELECT id, (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
                AS routable
     FROM {table}
     WHERE status = 'processing' AND lease_until <= now()
+      AND lease_until >= coalesce(%(expired_since)s::timestamptz, '-infinity')
       AND (started_version < lease_version
            OR NOT (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[])))
     ORDER BY lease_until
@@ -139,7 +144,9 @@ RETURNING o.id, o.lease_version, o.event_type, decided.routable,
 -- Expired leases whose attempts are exhausted go dead (DESIGN invariant 5).
 WITH doomed AS (
     SELECT id FROM {table}
-    WHERE status = 'processing' AND lease_until <= now() AND attempts >= %(max_attempts)s
+    WHERE status = 'processing' AND lease_until <= now()
+      AND lease_until >= coalesce(%(expired_since)s::timestamptz, '-infinity')
+      AND attempts >= %(max_attempts)s
     ORDER BY lease_until
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -160,7 +167,9 @@ RETURNING o.id, o.lease_version, o.event_type;
 -- release_expired instead.
 WITH picked AS (
     SELECT id FROM {table}
-    WHERE status = 'processing' AND lease_until <= now() AND attempts < %(max_attempts)s
+    WHERE status = 'processing' AND lease_until <= now()
+      AND lease_until >= coalesce(%(expired_since)s::timestamptz, '-infinity')
+      AND attempts < %(max_attempts)s
       AND started_version = lease_version
       AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
     ORDER BY lease_until
@@ -173,12 +182,18 @@ SET lease_owner = %(owner)s,
     lease_version = o.lease_version + 1
 FROM picked
 WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until;
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
 
 -- name: claim_pending
+-- Due unordered rows, oldest first. The scan starts at pending_since, a little behind where this
+-- process's previous claim stopped (ScanMarks, DESIGN invariant 18): the index entries in front
+-- of it belong to rows claimed long ago, whose dead versions a pinned xmin horizon keeps; every
+-- so often (and on a process's first claim) pending_since is NULL and the scan starts at the
+-- beginning, for rows whose transaction committed later than the look-back behind the mark.
 WITH picked AS (
     SELECT id FROM {table}
     WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()
+      AND available_at >= coalesce(%(pending_since)s::timestamptz, '-infinity')
       AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
     ORDER BY available_at, id
     LIMIT %(limit)s
@@ -191,17 +206,19 @@ SET status = 'processing',
     lease_version = o.lease_version + 1
 FROM picked
 WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until;
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
 
 -- name: claim_heads
 -- Ordered rows: only the head of each key (its lowest id not done, flagged "head") is claimable
 -- (DESIGN invariant 9). The pending heads are read in due order from their own partial index,
 -- so a claim costs O(batch) whatever the number of keys, the backlog behind the heads or the
--- heads in flight (invariant 17). A dead, processing or retried head keeps its flag and so keeps
+-- heads in flight (invariant 17); from heads_since as claim_pending does from pending_since
+-- (invariant 18). A dead, processing or retried head keeps its flag and so keeps
 -- its key blocked; only its done (finish_done_head) or an operator's skip moves the flag on.
 WITH picked AS (
     SELECT id FROM {table}
     WHERE status = 'pending' AND head AND available_at <= now()
+      AND available_at >= coalesce(%(heads_since)s::timestamptz, '-infinity')
       AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
     ORDER BY available_at, id
     LIMIT %(limit)s
@@ -214,7 +231,7 @@ SET status = 'processing',
     lease_version = o.lease_version + 1
 FROM picked
 WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until;
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
 
 -- name: start
 -- The fenced start: the worker is about to run the handler. Counts the attempt here, not at
@@ -306,8 +323,11 @@ nxt AS (
     ) AS n
     WHERE fin.head AND fin.ordering_key IS NOT NULL
 ),
+-- The new head enters the heads index at the time it became claimable, never behind the claims'
+-- scan marks (DESIGN invariant 18); a later available_at (a delayed event) is kept.
 moved AS (
-    UPDATE {table} AS o SET head = true FROM nxt WHERE o.id = nxt.id RETURNING o.id
+    UPDATE {table} AS o SET head = true, available_at = greatest(o.available_at, now())
+    FROM nxt WHERE o.id = nxt.id RETURNING o.id
 )
 SELECT fin.id, (SELECT o.id FROM moved AS o) FROM fin;
 
@@ -394,7 +414,7 @@ WHERE c.oid = %(table)s::regclass;
 -- key (producer), under the keys' locks: the lowest unfinished message of each key becomes its head
 -- (a no-op when it already is, e.g. a processing head while a message behind it was skipped).
 UPDATE {table} AS o
-SET head = true
+SET head = true, available_at = greatest(o.available_at, now())  -- as in finish_done_head
 FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
      LATERAL (SELECT id FROM {table}
               WHERE ordering_key = keys.k AND status <> 'done'
@@ -409,15 +429,20 @@ RETURNING o.id;
 SELECT 'outbox_celery_' || %(table)s::regclass::oid::text;
 
 -- name: next_due
--- Seconds (database clock) until the next row of these event types becomes claimable: a
--- delayed, backed-off or deferred pending row, or a live lease running out. NULL when nothing
--- waits. Each branch is one probe of a partial index ordered by that time.
+-- Seconds (database clock) until the next row of these event types becomes claimable within
+-- the next %(within)s seconds: a delayed, backed-off or deferred pending row, or a live lease
+-- running out. NULL when nothing comes due that soon. Each branch is one probe of a partial
+-- index ordered by that time, bounded to the window: the leases of the last lease period
+-- (finished ones too, while a pinned xmin horizon keeps their dead versions) lie between now()
+-- and the next live lease end, and only a window's worth of them is stepped over (invariant 18).
 SELECT extract(epoch FROM least(
     (SELECT available_at FROM {table}
      WHERE status = 'pending' AND ordering_key IS NULL AND available_at > now()
+       AND available_at <= now() + make_interval(secs => %(within)s)
        AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
      ORDER BY available_at, id LIMIT 1),
     (SELECT lease_until FROM {table}
      WHERE status = 'processing' AND lease_until > now()
+       AND lease_until <= now() + make_interval(secs => %(within)s)
      ORDER BY lease_until LIMIT 1)
 ) - now())::float8;

@@ -81,6 +81,10 @@ PARAMS: dict[str, Any] = {
     "dedup_key": None,
     "trace_context": None,
     "notify": False,
+    "pending_since": None,
+    "heads_since": None,
+    "expired_since": None,
+    "within": 1.0,
 }
 
 HOT = [

@@ -1,0 +1,203 @@
+"""Invariant 18: under a pinned xmin horizon a claim steps over a bounded number of dead entries.
+
+Each test holds a REPEATABLE READ snapshot open on a connection of its own, as a report, a
+``pg_dump`` or an idle-in-transaction session does: while it is held VACUUM removes no dead row
+version, and every claim, start and done leaves one behind in the outbox's partial indexes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_celery import Event, Store, enqueue, enqueue_many
+from outbox_celery.store import ScanMarks
+
+from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, fetch
+
+CLAIM = {"lease": LONG, "owner": "test", "max_attempts": 5}
+
+
+@pytest.fixture
+def pin(connect: Connect) -> Iterator[psycopg.Connection[Any]]:
+    """A snapshot held open: the xmin horizon stays where it is until the test ends."""
+    c = connect()
+    c.autocommit = False
+    c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    c.execute("SELECT count(*) FROM pg_class")
+    yield c
+    c.rollback()
+
+
+def churn(
+    store: Store, conn: psycopg.Connection[Any], n: int, marks: ScanMarks, key: str | None = None
+) -> None:
+    """``n`` messages enqueued, claimed and finished: the row versions real deliveries leave."""
+    for batch in range(0, n, 200):
+        if key is None:
+            add(conn, 200, table=store.table.name)
+        else:  # one message per key: every one of them is a head
+            events = [
+                Event(
+                    event_type="e",
+                    payload={},
+                    aggregate_type="a",
+                    aggregate_id=str(i),
+                    ordering_key=f"{key}{batch + i}",
+                )
+                for i in range(200)
+            ]
+            with conn.transaction():
+                enqueue_many(conn, events, table=store.table.name)
+        claimed = store.claim(conn, limit=200, marks=marks, **CLAIM).claimed
+        assert len(claimed) == 200
+        if key is None:
+            assert store.done_many(conn, [(c.id, c.lease_version) for c in claimed]) == {
+                c.id for c in claimed
+            }
+        else:
+            for c in claimed:
+                assert store.done(conn, c.id, c.lease_version)
+
+
+def shared_hits(
+    conn: psycopg.Connection[Any], store: Store, query: str, index: str, params: dict[str, Any]
+) -> int:
+    """Buffers the scan of ``index`` touched in one run of a claim statement (rolled back)."""
+    base = {**CLAIM, "event_types": None, "limit": 10, "pending_since": None, "heads_since": None}
+    with conn.transaction(force_rollback=True):
+        row = conn.execute(
+            sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + store.queries[query], {**base, **params}
+        ).fetchone()
+    assert row is not None
+
+    def scans(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        if node.get("Node Type") == "Index Scan" and node.get("Index Name", "").endswith(index):
+            yield node
+        for child in node.get("Plans", []):
+            yield from scans(child)
+
+    [scan] = scans(row[0][0]["Plan"])
+    return int(scan["Shared Hit Blocks"])
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_invariant_18_a_claim_under_a_pinned_horizon_starts_past_the_dead_entries(
+    conn: psycopg.Connection[Any], store: Store, pin: psycopg.Connection[Any], ordered: bool
+) -> None:
+    marks = ScanMarks(lookback=0.05)
+    key = "k" if ordered else None
+    query, mark = ("claim_heads", "heads") if ordered else ("claim_pending", "pending")
+    churn(store, conn, 10_000 if not ordered else 2000, marks, key=key)
+    time.sleep(0.1)  # past the look-back
+    add(conn, 10, table=store.table.name, key="another" if ordered else None)
+    since = marks.since(getattr(marks, mark))
+    assert since is not None
+    from_mark = shared_hits(conn, store, query, f"_{mark}_idx", {f"{mark}_since": since})
+    from_start = shared_hits(conn, store, query, f"_{mark}_idx", {f"{mark}_since": None})
+    # From the start the scan visits the heap tuple behind every dead entry the pin keeps (one
+    # buffer access per heap page in a run of entries that point into it).
+    assert from_start > 50, from_start
+    assert from_mark < from_start / 4, (from_mark, from_start)
+    claimed = store.claim(conn, limit=200, marks=marks, **CLAIM).claimed
+    assert len(claimed) == (1 if ordered else 10)
+
+
+def test_invariant_18_a_message_committed_behind_the_marks_is_claimed_by_the_next_full_pass(
+    conn: psycopg.Connection[Any], store: Store, connect: Connect
+) -> None:
+    marks = ScanMarks(lookback=0.1, full_every=1.5)
+    assert store.claim(conn, limit=10, marks=marks, **CLAIM).claimed == []  # the first: a full pass
+    slow = connect()
+    with slow.transaction():
+        late = enqueue(slow, event_type="late", payload={}, aggregate_type="t", aggregate_id="1")
+        time.sleep(0.3)  # available_at is this transaction's start, now behind the look-back
+        [quick] = add(conn, 1, table=store.table.name)
+        assert [c.id for c in store.claim(conn, limit=10, marks=marks, **CLAIM).claimed] == [quick]
+    # Committed behind the marks: the next claims from the marks do not see it ...
+    assert store.claim(conn, limit=10, marks=marks, **CLAIM).claimed == []
+    assert fetch(conn, store.table.name, late)["status"] == "pending"
+    # ... the next full pass does: late, never lost.
+    deadline = time.monotonic() + 5
+    taken: list[int] = []
+    while not taken and time.monotonic() < deadline:
+        time.sleep(0.1)
+        taken = [c.id for c in store.claim(conn, limit=10, marks=marks, **CLAIM).claimed]
+    assert taken == [late]
+    assert marks.full_passes == 2
+
+
+def test_invariant_18_a_promoted_head_enters_the_heads_index_when_it_becomes_claimable(
+    conn: psycopg.Connection[Any], store: Store
+) -> None:
+    marks = ScanMarks(lookback=0.1)
+    first, second = add(conn, 2, table=store.table.name, key="order-1")
+    time.sleep(0.3)  # the second message's available_at is now behind any look-back
+    [head] = store.claim(conn, limit=10, marks=marks, **CLAIM).claimed
+    assert head.id == first
+    assert store.done(conn, head.id, head.lease_version)
+    promoted = fetch(conn, store.table.name, second)
+    assert promoted["head"] and promoted["available_at"] > promoted["created_at"]
+    time.sleep(0.2)
+    assert [c.id for c in store.claim(conn, limit=10, marks=marks, **CLAIM).claimed] == [second]
+
+
+def test_invariant_18_a_delayed_head_keeps_its_later_available_at_when_promoted(
+    conn: psycopg.Connection[Any], store: Store
+) -> None:
+    with conn.transaction():
+        first = enqueue(conn, event_type="e", payload={}, aggregate_type="o", aggregate_id="1", ordered=True)
+        second = enqueue(
+            conn, event_type="e", payload={}, aggregate_type="o", aggregate_id="1", ordered=True, delay=300
+        )
+    [head] = store.claim(conn, limit=10, **CLAIM).claimed
+    assert head.id == first and store.done(conn, head.id, head.lease_version)
+    promoted = fetch(conn, store.table.name, second)
+    assert promoted["head"] and promoted["available_in"] > 290
+
+
+def test_invariant_18_leases_that_run_out_after_the_mark_come_back(
+    conn: psycopg.Connection[Any], store: Store
+) -> None:
+    marks = ScanMarks(lookback=0.05)
+    started, unstarted = add(conn, 2, table=store.table.name)
+    claimed = store.claim(conn, limit=10, marks=marks, **{**CLAIM, "lease": SHORT}).claimed
+    assert {c.id for c in claimed} == {started, unstarted}
+    v = {c.id: c.lease_version for c in claimed}
+    assert store.start(conn, started, v[started], lease=SHORT, max_attempts=5) is not None
+    assert store.claim(conn, limit=0, marks=marks, **CLAIM).claimed == []  # marks move to now()
+    time.sleep(PAST_SHORT)
+    result = store.claim(conn, limit=10, marks=marks, **CLAIM)
+    assert [c.id for c in result.claimed] == [started]  # its worker died: re-claimed
+    assert result.lost == 1  # the claim whose task never started: back to pending
+    assert marks.full_passes == 1
+
+
+def test_invariant_18_events_queued_during_a_pin_and_after_it_are_all_claimed(
+    conn: psycopg.Connection[Any], store: Store, connect: Connect
+) -> None:
+    marks = ScanMarks(lookback=0.05, full_every=3600)
+    pin = connect()
+    pin.autocommit = False
+    pin.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    pin.execute("SELECT 1")
+    churn(store, conn, 400, marks)
+    during = add(conn, 5, table=store.table.name)
+    pin.rollback()
+    after = add(conn, 5, table=store.table.name, payload=lambda i: [i])
+    taken: set[int] = set()
+    for _ in range(5):
+        taken |= {c.id for c in store.claim(conn, limit=200, marks=marks, **CLAIM).claimed}
+    assert taken == set(during) | set(after)
+
+
+def test_scan_marks_reject_negative_seconds() -> None:
+    with pytest.raises(ValueError):
+        ScanMarks(lookback=-1)
+    events = [Event(event_type="e", payload={}, aggregate_type="a", aggregate_id="1")]
+    assert events  # Event stays importable beside ScanMarks (public API)
