@@ -35,11 +35,13 @@ __all__ = [
     "DeadFilters",
     "DeadMessage",
     "EventTypeStats",
+    "Horizon",
     "Stats",
     "count_dead",
     "count_purgeable",
     "format_duration",
     "get_message",
+    "horizon",
     "list_dead",
     "parse_duration",
     "purge_done",
@@ -169,6 +171,70 @@ class AttemptsBucket:
 
 
 @dataclass(frozen=True, slots=True)
+class Horizon:
+    """What holds back the database's xmin horizon, and the outbox table's dead row versions.
+
+    While a transaction, prepared transaction, replication slot or standby holds the horizon,
+    VACUUM removes no dead row version anywhere in the database; the claim keeps its cost
+    bounded regardless (DESIGN invariant 18), but the table grows until it is released.
+
+    :ivar kind: ``transaction``, ``prepared transaction``, ``replication slot`` or
+        ``standby feedback``; ``None`` when nothing visible holds a snapshot.
+    :ivar name: its pid, gid or slot name.
+    :ivar application: the session's ``application_name`` (a slot's plugin, a prepared
+        transaction's owner).
+    :ivar state: the session's state (``idle in transaction``, ``active``...).
+    :ivar seconds: how long its transaction has been open (``None`` for slots and standbys).
+    :ivar xid_age: how many transaction ids old the snapshot it holds is.
+    :ivar dead_row_versions: the outbox table's dead row versions (PostgreSQL's statistics).
+    :ivar live_row_versions: its live row versions.
+    :ivar last_vacuum_age: seconds since its last vacuum or autovacuum (``None``: never).
+    """
+
+    kind: str | None
+    name: str | None
+    application: str | None
+    state: str | None
+    seconds: float | None
+    xid_age: int | None
+    dead_row_versions: int
+    live_row_versions: int
+    last_vacuum_age: float | None
+
+    def holder(self) -> str:
+        """The oldest holder in a phrase (``"none"`` when nothing holds it)."""
+        if self.kind is None:
+            return "none"
+        what = f"{self.kind} {self.name}"
+        if self.application:
+            what += f" ({self.application})"
+        if self.state:
+            what += f", {self.state}"
+        if self.seconds is not None:
+            what += f", open {format_duration(self.seconds)}"
+        return what
+
+
+def horizon(conn: psycopg.Connection[Any], table: str | TableName = "outbox") -> Horizon:
+    """What holds the xmin horizon back, and ``table``'s dead row versions (see :class:`Horizon`)."""
+    t = TableName.parse(table)
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(_q(t, "horizon"), {"table": t.identifier().as_string(conn)}).fetchone()
+    assert row is not None
+    return Horizon(
+        kind=row["kind"],
+        name=row["name"],
+        application=row["application"],
+        state=row["state"],
+        seconds=row["seconds"],
+        xid_age=None if row["xid_age"] is None else int(row["xid_age"]),
+        dead_row_versions=int(row["dead_row_versions"] or 0),
+        live_row_versions=int(row["live_row_versions"] or 0),
+        last_vacuum_age=row["last_vacuum_age"],
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     """A snapshot of one outbox table (one statement, so the figures agree with each other).
 
@@ -191,6 +257,7 @@ class Stats:
     :ivar unroutable: pending event types with no handler (only when handlers were given).
     :ivar unstarted: messages whose latest claims' tasks never started, all event types (see
         :attr:`EventTypeStats.unstarted`).
+    :ivar horizon: what holds back the xmin horizon and the table's dead row versions.
     """
 
     table: str
@@ -208,6 +275,7 @@ class Stats:
     event_types: list[EventTypeStats]
     unroutable: list[str] | None = field(default=None)
     unstarted: int = 0
+    horizon: Horizon | None = None
 
     @property
     def dead(self) -> int:
@@ -240,6 +308,7 @@ def stats(
         if timeout is not None:
             cur.execute("SELECT set_config('statement_timeout', %s, true)", [f"{int(timeout * 1000)}ms"])
         row = cur.execute(_q(t, "stats")).fetchone()
+        held = horizon(conn, t)
     assert row is not None
     known = set(handlers) if handlers is not None else None
     types = [
@@ -275,6 +344,7 @@ def stats(
         event_types=types,
         unroutable=unroutable,
         unstarted=int(row["unstarted"]),
+        horizon=held,
     )
 
 

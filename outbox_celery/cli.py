@@ -378,7 +378,26 @@ def _attention(s: admin.Stats, outbox: Outbox | None = None) -> list[str]:
     if s.unroutable:
         items.append(f"no handler for {', '.join(s.unroutable)}")
     items += [_unstarted_line(e, outbox) for e in s.event_types if e.unstarted]
+    h = s.horizon
+    if h is not None and _holds_long(h):
+        items.append(
+            f"the xmin horizon is held by {h.holder()}: VACUUM cleans nothing meanwhile "
+            f"({h.dead_row_versions:,} dead row versions in the outbox; docs/operations.md, "
+            "long transactions)"
+        )
     return items
+
+
+# A snapshot held this long is worth a human's look (the claim stays fast, the table grows).
+HORIZON_ATTENTION_SECONDS = 60.0
+
+
+def _holds_long(h: admin.Horizon) -> bool:
+    if h.kind is None:
+        return False
+    if h.seconds is not None:
+        return h.seconds >= HORIZON_ATTENTION_SECONDS
+    return h.state == "inactive"  # a slot nobody consumes holds the horizon until dropped
 
 
 @cli.command()
@@ -411,6 +430,7 @@ def stats(target: Target, as_json: bool) -> None:
     rows = [(st, s.counts[st], notes[st]) for st in ("pending", "processing", "dead", "done")]
     click.echo(_table(["status", "messages", ""], rows, right=[1]))
     click.echo("")
+    h = s.horizon
     facts = [
         ("oldest pending (since created)", fd(s.oldest_pending_age)),
         ("oldest ready wait (claimable, not claimed)", fd(s.oldest_ready_wait)),
@@ -421,6 +441,15 @@ def stats(target: Target, as_json: bool) -> None:
             f"{s.blocked_keys} ({s.blocked_messages} message(s) waiting)",
         ),
     ]
+    if h is not None:
+        facts += [
+            ("xmin horizon held by", h.holder()),
+            (
+                "dead row versions (table statistics)",
+                f"{h.dead_row_versions:,} beside {h.live_row_versions:,} live; last vacuum "
+                + (f"{fd(h.last_vacuum_age)} ago" if h.last_vacuum_age is not None else "never"),
+            ),
+        ]
     for label, value in facts:
         click.echo(f"{label + ':':<46}{value}")
     click.echo("")

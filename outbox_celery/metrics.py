@@ -174,6 +174,28 @@ class OutboxCollector:
                 labels=["table", "attempts", "status"],
             ),
             "duration": g(f"{ns}_stats_duration_seconds", "Seconds the stats query took.", labels=["table"]),
+            "horizon": g(
+                f"{ns}_xmin_horizon_age_seconds",
+                "Seconds the oldest transaction holding back the xmin horizon has been open (0 when"
+                " none; slots and standbys, which record no time, show in the xid gauge).",
+                labels=["table", "kind"],
+            ),
+            "horizon_xids": g(
+                f"{ns}_xmin_horizon_age_xids",
+                "Transaction ids between now and the oldest snapshot still held (any kind).",
+                labels=["table", "kind"],
+            ),
+            "dead_versions": g(
+                f"{ns}_dead_row_versions",
+                "Dead row versions of the outbox table (PostgreSQL's statistics); VACUUM removes"
+                " them once no snapshot needs them.",
+                labels=["table"],
+            ),
+            "vacuum_age": g(
+                f"{ns}_last_vacuum_age_seconds",
+                "Seconds since the outbox table's last vacuum or autovacuum (absent: never).",
+                labels=["table"],
+            ),
             "unstarted": g(
                 f"{ns}_unstarted_messages",
                 "Live rows of the event type claimed since their last start without a worker starting"
@@ -239,6 +261,14 @@ class OutboxCollector:
         for a in s.attempts:
             for status in _LIVE:
                 fams["attempts"].add_metric([name, str(a.attempts), status], getattr(a, status))
+        h = s.horizon
+        if h is not None:
+            kind = h.kind or "none"
+            fams["horizon"].add_metric([name, kind], h.seconds or 0.0)
+            fams["horizon_xids"].add_metric([name, kind], h.xid_age or 0)
+            fams["dead_versions"].add_metric([name], h.dead_row_versions)
+            if h.last_vacuum_age is not None:
+                fams["vacuum_age"].add_metric([name], h.last_vacuum_age)
 
 
 def start_exporter(

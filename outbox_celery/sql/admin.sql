@@ -249,3 +249,49 @@ WHERE id IN (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 );
+
+-- name: horizon
+-- What holds back the xmin horizon (DESIGN invariant 18): while it is held, VACUUM can remove no
+-- dead row version anywhere in the database, the outbox's included. The oldest holder of each
+-- kind: a transaction or session snapshot in this database (pg_stat_activity; other roles'
+-- sessions show only with pg_read_all_stats), a prepared transaction in this database, a
+-- replication slot or a standby's hot_standby_feedback (those hold every database's horizon). Ranked by transaction-id age; seconds where the catalog records a time.
+-- Plus the outbox table's dead row versions and its last (auto)vacuum, from the statistics.
+WITH holders AS (
+    SELECT 'transaction' AS kind, pid::text AS name, coalesce(application_name, '') AS application,
+           coalesce(state, '') AS state,
+           extract(epoch FROM now() - xact_start)::float8 AS seconds,
+           greatest(age(backend_xmin), age(backend_xid)) AS xid_age
+    FROM pg_stat_activity
+    WHERE (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL) AND pid <> pg_backend_pid()
+      AND backend_type = 'client backend' AND datname = current_database()
+    UNION ALL
+    SELECT 'prepared transaction', gid, owner::text, 'prepared',
+           extract(epoch FROM now() - prepared)::float8, age(transaction)
+    FROM pg_prepared_xacts
+    WHERE database = current_database()
+    UNION ALL
+    SELECT 'replication slot', slot_name::text, coalesce(plugin::text, 'physical'),
+           CASE WHEN active THEN 'active' ELSE 'inactive' END, NULL, age(xmin)
+    FROM pg_replication_slots
+    WHERE xmin IS NOT NULL
+    UNION ALL
+    SELECT 'standby feedback', pid::text, coalesce(application_name, ''), coalesce(state, ''),
+           NULL, age(backend_xmin)
+    FROM pg_stat_replication
+    WHERE backend_xmin IS NOT NULL
+),
+oldest AS (
+    SELECT * FROM holders ORDER BY xid_age DESC NULLS LAST, seconds DESC NULLS LAST LIMIT 1
+)
+SELECT (SELECT kind FROM oldest) AS kind,
+       (SELECT name FROM oldest) AS name,
+       (SELECT application FROM oldest) AS application,
+       (SELECT state FROM oldest) AS state,
+       (SELECT seconds FROM oldest) AS seconds,
+       (SELECT xid_age FROM oldest) AS xid_age,
+       pg_stat_get_dead_tuples(%(table)s::regclass) AS dead_row_versions,
+       pg_stat_get_live_tuples(%(table)s::regclass) AS live_row_versions,
+       extract(epoch FROM now() - greatest(pg_stat_get_last_autovacuum_time(%(table)s::regclass),
+                                           pg_stat_get_last_vacuum_time(%(table)s::regclass)))::float8
+           AS last_vacuum_age;

@@ -597,3 +597,40 @@ def test_both_entry_points_run_the_same_cli() -> None:
         for name in ("migrate", "stats", "dead", "purge", "metrics"):
             assert re.search(rf"^\s+{name}\s", out, re.M), out
         assert "outbox-celery, version" in ok(run("--version", dsn=None, command=command))
+
+
+def test_stats_names_the_session_that_holds_the_xmin_horizon(migrated_dsn: str) -> None:
+    # Invariant 18: the claim stays fast under a pinned horizon; stats says who pins it.
+    with psycopg.connect(migrated_dsn, application_name="nightly-report") as held:
+        pid = held.info.backend_pid
+        held.execute("SELECT pg_current_xact_id()")  # wrote, then left idle in transaction
+        human = ok(run("stats", dsn=migrated_dsn))
+        s = json.loads(ok(run("stats", "--json", dsn=migrated_dsn)))
+    line = re.search(r"^xmin horizon held by:\s+(.*)$", human, re.M)
+    assert line, human
+    assert line.group(1).startswith(f"transaction {pid} (nightly-report), idle in transaction")
+    assert re.search(r"^dead row versions \(table statistics\):\s+\d", human, re.M), human
+    assert s["horizon"]["application"] == "nightly-report"
+    assert s["horizon"]["state"] == "idle in transaction"
+
+
+def test_stats_asks_for_attention_once_the_horizon_is_held_for_a_minute(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    import dataclasses
+
+    from outbox_celery import admin
+    from outbox_celery.cli import HORIZON_ATTENTION_SECONDS, _attention
+
+    with psycopg.connect(migrated_dsn, application_name="nightly-report") as held:
+        held.execute("SELECT pg_current_xact_id()")
+        s = admin.stats(conn, table)
+    assert s.horizon is not None and s.horizon.application == "nightly-report"
+    assert _attention(s) == []  # held for a moment only
+    old = dataclasses.replace(s, horizon=dataclasses.replace(s.horizon, seconds=HORIZON_ATTENTION_SECONDS))
+    [item] = _attention(old)
+    assert item.startswith(f"the xmin horizon is held by transaction {s.horizon.name} (nightly-report)")
+    slot = dataclasses.replace(
+        s.horizon, kind="replication slot", name="replica1", seconds=None, state="inactive"
+    )
+    assert "replication slot replica1" in _attention(dataclasses.replace(s, horizon=slot))[0]

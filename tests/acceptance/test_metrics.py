@@ -281,3 +281,19 @@ def test_the_documented_metrics_and_alert_rules_match_the_collector() -> None:
         used = set(re.findall(r"\boutbox_[a-z_]+", rule["expr"]))
         assert used, rule
         assert used <= known, f"{rule['alert']} uses unknown metric(s) {used - known}"
+
+
+def test_collector_reports_what_holds_the_xmin_horizon(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    # Invariant 18: a scrape says who pins the horizon and how many dead versions the table has.
+    registry = CollectorRegistry()
+    registry.register(OutboxCollector(migrated_dsn, table))
+    got = registry.get_sample_value
+    with psycopg.connect(migrated_dsn, application_name="nightly-report") as held:
+        held.execute("SELECT pg_current_xact_id()")
+        time.sleep(1.1)
+        assert (got("outbox_xmin_horizon_age_seconds", {"table": table, "kind": "transaction"}) or 0) >= 1
+        assert (got("outbox_xmin_horizon_age_xids", {"table": table, "kind": "transaction"}) or 0) >= 1
+        assert got("outbox_dead_row_versions", {"table": table}) is not None
+    assert got("outbox_xmin_horizon_age_seconds", {"table": table, "kind": "transaction"}) is None

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Event, Store, enqueue, enqueue_many
+from outbox_celery import Event, Store, admin, enqueue, enqueue_many
 from outbox_celery.store import ScanMarks
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, fetch
@@ -201,3 +201,35 @@ def test_scan_marks_reject_negative_seconds() -> None:
         ScanMarks(lookback=-1)
     events = [Event(event_type="e", payload={}, aggregate_type="a", aggregate_id="1")]
     assert events  # Event stays importable beside ScanMarks (public API)
+
+
+def test_invariant_18_stats_name_what_holds_the_horizon_and_count_the_dead_versions(
+    conn: psycopg.Connection[Any], store: Store, migrated_dsn: str
+) -> None:
+    held = psycopg.connect(migrated_dsn, application_name="nightly-report")
+    pid = str(held.info.backend_pid)
+    try:
+        # A transaction that wrote (it has an xid), then idle in transaction: a forgotten session.
+        held.execute("SELECT pg_current_xact_id()")
+        time.sleep(1.1)
+        churn(store, conn, 400, ScanMarks())
+        deadline = time.monotonic() + 10
+        h = admin.horizon(conn, store.table)
+        while h.dead_row_versions < 400 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the statistics are flushed by the backends about once a second
+            h = admin.horizon(conn, store.table)
+        assert (h.kind, h.name, h.application) == (
+            "transaction",
+            str(held.info.backend_pid),
+            "nightly-report",
+        )
+        assert h.state == "idle in transaction"
+        assert h.seconds is not None and h.seconds >= 1
+        assert h.dead_row_versions >= 400
+        assert "nightly-report" in h.holder() and "idle in transaction" in h.holder()
+        s = admin.stats(conn, store.table)
+        assert s.horizon is not None and s.horizon.name == h.name
+        assert s.as_dict()["horizon"]["application"] == "nightly-report"
+    finally:
+        held.close()
+    assert admin.horizon(conn, store.table).name != pid
