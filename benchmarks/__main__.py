@@ -230,7 +230,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--horizon-churn-batch", type=int, default=10_000, help="horizon-claim: rows per churn step (10k)"
     )
-    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every default section")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes: a smoke run of every default section (and of horizon, when chosen)",
+    )
     p.add_argument(
         "--json", type=Path, help="write results here (default benchmarks/results/bench-<time>.json)"
     )
@@ -1118,6 +1122,11 @@ def _apply_quick(args: argparse.Namespace) -> None:
     args.claim_ordered = min(args.claim_ordered, 10_000)
     args.claim_in_flight = "4900/5000"
     args.enqueue_n = min(args.enqueue_n, 100)
+    args.horizon_warmup = min(args.horizon_warmup, 20.0)
+    args.horizon_tail = min(args.horizon_tail, 20.0)
+    args.pin_seconds = "20"
+    args.horizon_dead = "20000,60000"
+    args.horizon_claims = min(args.horizon_claims, 5)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -293,6 +293,8 @@ class Monitor:
                     if self._pin is not None and not held:
                         self.pin_log.setdefault("lost_xmin_t", round(now, 2))
                     self.samples.append(Sample(now, unfinished, dead, vacuums, held, age, count_ms))
+        except psycopg.errors.UndefinedTable:
+            pass  # the run is over: its table was dropped before the sampler was stopped
         except Exception as exc:  # the run goes on; the report says what broke
             self.error = f"{type(exc).__name__}: {exc}"
 
