@@ -466,7 +466,7 @@ def _recovered(wins: Sequence[dict[str, Any]], scenario: Scenario, p99_before: f
     end = (scenario.pin_at or 0.0) + scenario.pin_for
     for w in wins:
         if w["t"] + scenario.window > end and w["p99"] is not None and w["p99"] <= 3 * p99_before:
-            return max(0.0, w["t"] - end)
+            return max(0.0, float(w["t"]) - end)
     return None
 
 
