@@ -879,6 +879,10 @@ class Bench:
                 t.note(f"sampler FAILED: {sc.monitor_error}")
             if sc.producer_late:
                 t.note(f"producer late (>10 ms behind its schedule) for {sc.producer_late} events")
+            t.note(
+                f"1-min load average {sc.load[0]:.2f} at the start, {sc.load[1]:.2f} at the end "
+                f"({os.cpu_count()} CPUs; a load that was high before the run started is other work)"
+            )
         summary = self.report.table(
             f"Horizon summary ({a.horizon_rate:g} events/s; goals: p99 in every pinned window <= 250 ms and "
             f"<= 3x the p99 before the pin; unfinished <= {a.horizon_rate:g} rows, one second of production)",

@@ -319,6 +319,8 @@ class Scenario:
     monitor_error: str | None = None
     producer_late: int = 0
     achieved_rate: float = 0.0
+    #: 1-minute load average when the run started and ended: other work on the machine shows here.
+    load: tuple[float, float] = (0.0, 0.0)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form (samples included: one a second)."""
@@ -349,6 +351,7 @@ def run_scenario(
     duration = warmup + pin + tail
     monitor = Monitor(pipeline.dsn, pin_at=warmup if pinned else None, pin_for=pin)
     scenario = Scenario(label, rate, duration, warmup, pin, window)
+    load_before = os.getloadavg()[0]
     try:
         r = pipeline.outbox(
             broker_url,
@@ -364,6 +367,7 @@ def run_scenario(
         )
     finally:
         monitor.stop()
+    scenario.load = (load_before, os.getloadavg()[0])
     legs = r.extra["latency_s"]
     scenario.samples = monitor.samples
     scenario.pin = monitor.pin_log
