@@ -39,8 +39,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_celery import TableName, migrate
-from outbox_celery.store import Claimed, Store
+from outbox_celery import TableName, admin, migrate
+from outbox_celery.store import Claimed, ScanMarks, Store
 from outbox_celery.testing import embedded_postgres, free_port
 
 from .measure import percentile
@@ -225,6 +225,20 @@ def _dead_tuples(conn: psycopg.Connection[Any], table: str) -> tuple[int, int]:
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
+def _old_done_rows(conn: psycopg.Connection[Any], ident: sql.Composable, n: int) -> None:
+    """``n`` done rows finished eight days ago: a week of history for the retention purge."""
+    conn.execute(
+        sql.SQL(
+            "INSERT INTO {t} (event_type, aggregate_type, aggregate_id, payload, status, created_at,"
+            " available_at, done_at, lease_version, started_version, attempts)"
+            " SELECT 'bench.history', 'bench', g::text, '{{}}', 'done', now() - interval '8 days',"
+            " now() - interval '8 days', now() - interval '8 days', 1, 1, 1"
+            " FROM generate_series(1, %s) AS g"
+        ).format(t=ident),
+        [n],
+    )
+
+
 class Monitor:
     """Samples the outbox table every ``every`` seconds and pins the horizon on schedule.
 
@@ -234,8 +248,14 @@ class Monitor:
     the table's dead tuples and autovacuum count, and checks that the pin still holds its xmin.
     """
 
-    def __init__(self, dsn: str, *, pin_at: float | None, pin_for: float, every: float = 1.0) -> None:
+    def __init__(
+        self, dsn: str, *, pin_at: float | None, pin_for: float, every: float = 1.0, purge_rows: int = 0
+    ) -> None:
         self.dsn = dsn
+        #: Instead of a pin: ``purge_rows`` done rows a week old are written at t = 0 and the
+        #: retention purge (``admin.purge_done``, its default batches) deletes them at ``pin_at``.
+        self.purge_rows = purge_rows
+        self._purge: threading.Thread | None = None
         self.pin_at = pin_at
         self.pin_for = pin_for
         self.every = every
@@ -256,11 +276,22 @@ class Monitor:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop sampling; release the pin if it is still held."""
+        """Stop sampling; release the pin if it is still held; wait for a purge to end."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30)
+        if self._purge is not None:
+            self._purge.join(300)
         self._unpin()
+
+    def _run_purge(self) -> None:
+        t = time.perf_counter()
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                deleted = admin.purge_done(conn, self.table, older_than=7 * 86400.0, batch_size=5000)
+            self.pin_log.update(purge_deleted=deleted, purge_s=round(time.perf_counter() - t, 2))
+        except Exception as exc:  # reported, the run goes on
+            self.error = f"purge: {type(exc).__name__}: {exc}"
 
     def _unpin(self) -> None:
         if self._pin is not None:
@@ -272,11 +303,24 @@ class Monitor:
         ident = TableName.parse(self.table).identifier()
         try:
             with psycopg.connect(self.dsn, autocommit=True) as conn:
+                if self.purge_rows:
+                    _old_done_rows(conn, ident, self.purge_rows)
                 k = 0
                 while not self._stop.wait(max(0.0, self.t0 + k * self.every - time.time())):
                     k += 1
                     now = time.time() - self.t0
-                    if self.pin_at is not None and not self.pin_log and now >= self.pin_at:
+                    if (
+                        self.purge_rows
+                        and self.pin_at is not None
+                        and not self.pin_log
+                        and now >= self.pin_at
+                    ):
+                        self.pin_log = {"purge_started_t": round(now, 2), "purge_rows": self.purge_rows}
+                        self._purge = threading.Thread(
+                            target=self._run_purge, name="horizon-purge", daemon=True
+                        )
+                        self._purge.start()
+                    elif self.pin_at is not None and not self.pin_log and now >= self.pin_at:
                         self._pin = Pin(self.dsn)
                         held, _ = self._pin.holds(conn)
                         self.pin_log = {"taken_t": round(now, 2), "pid": self._pin.pid, "xmin_held": held}
@@ -343,13 +387,15 @@ def run_scenario(
     claim_interval: float,
     batch_size: int,
     warmup_messages: int = 1000,
+    purge_rows: int = 0,
 ) -> Scenario:
     """``warmup + pin + tail`` seconds of one event per transaction at ``rate``; pinned or not.
 
     The unpinned run (the baseline) marks the same span as "the pin" so both read alike.
     """
     duration = warmup + pin + tail
-    monitor = Monitor(pipeline.dsn, pin_at=warmup if pinned else None, pin_for=pin)
+    event = pinned or purge_rows > 0
+    monitor = Monitor(pipeline.dsn, pin_at=warmup if event else None, pin_for=pin, purge_rows=purge_rows)
     scenario = Scenario(label, rate, duration, warmup, pin, window)
     load_before = os.getloadavg()[0]
     try:
@@ -499,6 +545,8 @@ class Claimer:
     owner: str = "bench-horizon-claim"
     lease: float = 60.0
     max_attempts: int = 12
+    #: The claim loop's scan marks (invariant 18); None: every scan from the index start.
+    marks: ScanMarks | None = None
 
 
 def claim_once(claimer: Claimer, limit: int) -> list[Claimed]:
@@ -513,6 +561,7 @@ def claim_once(claimer: Claimer, limit: int) -> list[Claimed]:
         lease=claimer.lease,
         owner=claimer.owner,
         max_attempts=claimer.max_attempts,
+        marks=claimer.marks,
     )
     return result.claimed
 
@@ -553,6 +602,7 @@ def measure_claim_vs_dead(
     limit: int = 200,
     churn_batch: int = 10_000,
     table: str = "bench_horizon_claim",
+    marks: bool = True,
 ) -> list[ClaimLevel]:
     """Time ``claims`` claims of ``limit`` rows at 0 dead versions, then at each of ``levels``.
 
@@ -561,6 +611,11 @@ def measure_claim_vs_dead(
     per row). Before each level's timed claims, ``claims * limit`` fresh due rows are inserted
     behind the churn; each claimed batch is started and done (untimed) before the next claim.
     After the last level the pin is released and the table vacuumed: a last row, for recovery.
+
+    ``marks``: the claimer keeps scan marks as the claim loop does (invariant 18), with the
+    default look-back; the churn squeezes minutes of traffic into seconds, so the timed claims
+    wait one look-back first (what a claim steps over within it, the rows of that many seconds
+    of real traffic, is not what this measures). ``False``: every scan from the index start.
     """
     ident = TableName.parse(table).identifier()
     drop_table(dsn, table)
@@ -571,9 +626,11 @@ def measure_claim_vs_dead(
     made = 0
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            claimer = Claimer(conn, Store(table))
+            claimer = Claimer(conn, Store(table), marks=ScanMarks() if marks else None)
 
             def timed(label: str, churn_seconds: float = 0.0) -> None:
+                if claimer.marks is not None:
+                    time.sleep(claimer.marks.lookback)
                 fill_pending(conn, table, claims * limit)
                 conn.execute(sql.SQL("ANALYZE {}").format(ident))
                 times, rows = [], []
