@@ -18,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import socket
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -36,13 +39,22 @@ from .config import TableName
 from .errors import ProducerError
 from .message import Message, Outcome, Status, idempotency_key
 
-__all__ = ["Claimed", "Store"]
+__all__ = ["Claimed", "Store", "starter_token"]
 
 # A producer's statement and the plan that yields them (see Store.write_plan).
 Statement = tuple[sql.Composed, dict[str, Any]]
 WritePlan = Generator[Statement, list[tuple[Any, ...]], list[int]]
 
 logger = logging.getLogger(__name__)
+
+
+def starter_token() -> str:
+    """``host:pid:<random>``: names one fenced start (written to ``lease_owner``).
+
+    A start's retry after a lost reply passes the same token and gets its row back
+    (:meth:`Store.start`); any other start of the same claim is refused.
+    """
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,11 +470,19 @@ class Store:
         *,
         lease: float,
         max_attempts: int,
+        starter: str | None = None,
     ) -> Message | None:
         """The fenced start: count the attempt, extend the lease, return the message.
 
-        ``None`` when the claim is stale (version superseded, row finished or released), and
-        also when the row already spent every attempt, in which case it goes ``dead``.
+        A claim starts once (#21): ``None`` when the claim is stale (version superseded, row
+        finished or released) or already started by another task (a redelivery while the first
+        run holds the lease: two runs of one claim at once are refused here). ``None`` too when
+        a claim that never started finds every attempt spent, in which case the row goes
+        ``dead``; a started claim is never made dead here, the reap judges it when its lease ends.
+
+        :param starter: names this start (:func:`starter_token`; a fresh one by default). Called
+            again with the same token after its reply was lost, the start returns the row
+            without counting the attempt again.
         """
         params = {
             "id": outbox_id,
@@ -470,10 +490,19 @@ class Store:
             "lease": lease,
             "max_attempts": max_attempts,
             "commit_mode": self._commit_mode(conn),
+            "starter": starter or starter_token(),
         }
         with self._single_statement(conn):
             cur = conn.cursor(row_factory=dict_row)
             row = cur.execute(self._q["start"], params).fetchone()
+        if row is None and starter is not None:
+            # The retry of a start that committed although its reply was lost: our own claim.
+            with self._single_statement(conn):
+                cur = conn.cursor(row_factory=dict_row)
+                row = cur.execute(self._q["resume"], params).fetchone()
+            if row is not None:
+                self._count("resumed_starts")
+                return self._message(conn, row)
         if row is None:
             # Its own statement: it re-checks the fence, whatever happened in between.
             with self._single_statement(conn):
@@ -494,6 +523,9 @@ class Store:
                 self._count("stale_starts")
             return None
         self._count("started")
+        return self._message(conn, row)
+
+    def _message(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> Message:
         payload = row["payload"]
         if isinstance(payload, str):  # pragma: no cover - only without the jsonb loader
             payload = json.loads(payload)

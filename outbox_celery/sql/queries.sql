@@ -219,22 +219,42 @@ RETURNING o.id, o.lease_version, o.event_type, o.lease_until;
 -- name: start
 -- The fenced start: the worker is about to run the handler. Counts the attempt here, not at
 -- claim, because a broker hop sits between the two (DESIGN invariant 3).
+-- Once per claim (#21): a claim that already started (started_version = lease_version) is never
+-- started again, so a task the broker redelivers while the first run still holds the lease (a
+-- Redis visibility_timeout or RabbitMQ consumer_timeout shorter than the run) calls nothing;
+-- only the start's own retry after a lost reply gets its row back (resume). The starter's token
+-- goes into lease_owner: who runs the claim now, and what resume matches.
 -- commit_mode 'off' relaxes synchronous_commit for this statement's own transaction (NULL keeps
 -- the current setting): see Store's relaxed_commit for why losing it costs at most a redelivery.
 UPDATE {table}
 SET attempts = attempts + 1,
     started_version = lease_version,
+    lease_owner = %(starter)s,
     lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
 FROM (SELECT set_config('synchronous_commit',
                         coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
                         true)) AS commit_mode
 WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
-  AND attempts < %(max_attempts)s
+  AND started_version < lease_version AND attempts < %(max_attempts)s
+RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
+          lease_version, ordering_key, trace_context;
+
+-- name: resume
+-- The retry of a start whose reply was lost with its connection (#21): the start committed, so
+-- the claim is started under this starter's token. The row comes back as the start returned it,
+-- with no attempt counted again and never made dead here (DESIGN invariant 3).
+UPDATE {table}
+SET lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
+WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+  AND started_version = lease_version AND lease_owner = %(starter)s
 RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
           lease_version, ordering_key, trace_context;
 
 -- name: start_exhausted
--- A redelivered task whose row already spent every attempt (e.g. it kills its worker).
+-- A claim that never started and whose row has no attempt left (max_attempts lowered since,
+-- for one). A claim that did start is not judged here: its run may still be going (a
+-- redelivered task) or its start's reply was lost (resume); the reap decides once its lease
+-- has run out (DESIGN invariant 5).
 UPDATE {table}
 SET status = 'dead',
     lease_until = NULL,
@@ -242,6 +262,7 @@ SET status = 'dead',
     last_error = 'attempts exhausted: ' || attempts || ' handler run(s) of ' || %(max_attempts)s::int
                  || ' started without a result' || coalesce('; last error: ' || last_error, '')
 WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+  AND started_version < lease_version
   AND attempts >= %(max_attempts)s
 RETURNING id;
 

@@ -13,7 +13,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
+from support.tcp_proxy import ReplyCuttingProxy
 
 from outbox_celery import OutboxConfig, RetryableError, Store, migrate
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
@@ -214,3 +216,43 @@ def test_invariant_11_one_message_has_one_idempotency_key_however_the_table_is_s
     assert Store("outbox").canonical_name(other) == "events.outbox"
     migrate(conn, "events.Out Box")
     assert Store("events.Out Box").canonical_name(conn) == "events.Out Box"
+
+
+def _proxied(dsn: str, port: int) -> str:
+    """``dsn`` reaching its server through a local proxy listening on ``port``."""
+    params = conninfo_to_dict(dsn)
+    params.update(host="127.0.0.1", port=str(port))
+    return make_conninfo(**params)
+
+
+def test_invariant_3_a_start_whose_reply_was_lost_is_retried_without_counting_again_nor_going_dead(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    # The message's second and last attempt (max_attempts=2): its fenced start commits on the
+    # server and the reply is lost with the connection. The dispatcher retries the start once on
+    # a fresh connection; that retry must see its own start, return the message without counting
+    # an attempt more, and run the handler: before #21 it saw attempts = max_attempts and made a
+    # healthy message dead without its last run.
+    [i] = add(conn, table=table)
+    store = Store(table)
+    [c] = store.claim(conn, limit=1, lease=SHORT, owner="w", max_attempts=2).claimed
+    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=2) is not None
+    time.sleep(PAST_SHORT)
+    [c] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=2).claimed
+    runs: list[int] = []
+    server = conninfo_to_dict(migrated_dsn)
+    with ReplyCuttingProxy((str(server.get("host", "127.0.0.1")), int(server.get("port", 5432)))) as proxy:
+        dsn = _proxied(migrated_dsn, proxy.port)
+        with ConnectionPool(dsn, min_size=1, max_size=1, kwargs={"autocommit": True}, open=True) as pool:
+            config = OutboxConfig(table=table, lease=LONG, max_attempts=2)
+            dispatcher = Dispatcher(
+                config,
+                pool.connection,
+                {"thing.happened": HandlerSpec("thing.happened", lambda m: runs.append(m.attempts), "q")},
+            )
+            proxy.cut_after(b"started_version = lease_version")
+            assert dispatcher.deliver(i, c.lease_version) == Outcome.DONE
+        assert proxy.cuts == 1
+    assert runs == [2]
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"]) == ("done", 2)
