@@ -33,7 +33,7 @@ from .producer import Event
 from .push import install_listener_step
 from .store import Claimed, Store
 from .tracing import task_headers
-from .worker_settings import check_worker_settings
+from .worker_settings import check_worker_settings, redelivery_problem
 from .worker_settings import is_redis as _is_redis
 
 __all__ = ["Outbox"]
@@ -340,8 +340,16 @@ class Outbox:
                 },
             )
         conf.beat_schedule = schedule
-        if not cfg.configure_celery:
-            return
+        if cfg.configure_celery:
+            self._apply_recommended(cfg, conf)
+        # After the defaults: a broker that would redeliver a running delivery stops worker and
+        # beat here, with the reason, rather than a warning nobody reads (#21).
+        problem = redelivery_problem(cfg, conf)
+        if problem:
+            raise ConfigurationError(f"outbox settings: {problem}")
+
+    @staticmethod
+    def _apply_recommended(cfg: OutboxConfig, conf: Any) -> None:
         applied = []
         if not _user_set(conf, "worker_prefetch_multiplier"):
             # Reserved-but-unstarted deliveries sit in a worker while their lease runs.
@@ -350,8 +358,9 @@ class Outbox:
         if _is_redis(conf.broker_url):
             options = dict(conf.broker_transport_options or {})
             if "visibility_timeout" not in options:
-                # Redis redelivers unacked (acks_late) messages after this; it must exceed the lease.
-                options["visibility_timeout"] = max(3600.0, cfg.lease * 4)
+                # Redis redelivers unacked (acks_late) messages after this; it must exceed the
+                # delivery's time limit plus a lease (handler_time_limit with the heartbeat).
+                options["visibility_timeout"] = max(3600.0, cfg.lease * 4, 2 * cfg.min_redelivery_timeout)
                 conf.broker_transport_options = options
                 applied.append(
                     f"broker_transport_options.visibility_timeout={options['visibility_timeout']:g}"

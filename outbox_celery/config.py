@@ -350,6 +350,17 @@ class OutboxConfig:
             return self.handler_time_limit if self.handler_time_limit is not None else 10 * self.lease
         return self.lease * 0.9
 
+    @property
+    def min_redelivery_timeout(self) -> float:
+        """Seconds a broker must leave an unacknowledged delivery alone: ``task_time_limit + lease``.
+
+        A delivery may run for :attr:`task_time_limit` and its row keeps a lease beyond that; a
+        broker that redelivers sooner (Redis ``visibility_timeout``, RabbitMQ
+        ``consumer_timeout``) hands a running claim to a second worker. Its fenced start is
+        refused (#21), but the copy is wasted work and, on RabbitMQ, the first channel is closed.
+        """
+        return self.task_time_limit + self.lease
+
     def replace(self, **changes: Any) -> OutboxConfig:
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
