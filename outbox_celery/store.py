@@ -285,11 +285,19 @@ class Store:
             # row): the row that holds the key answers, and nothing new was written for it.
             found = yield self._q["dedup_ids"], {"keys": missing}
             by_key.update({k: int(i) for i, k in found})
-            dropped = sorted({r["ordering_key"] for r in rows if r.get("dedup_key") in missing} - {None})
-            if dropped and lock:
-                # A dropped row may have been its key's head candidate in the batch: hand the
-                # head to the key's lowest unfinished message, still under the key lock.
-                yield self._q["settle_heads"], {"keys": dropped}
+        if lock and len(inserted) < len(rows):
+            # Some rows were dropped as duplicates: a dedup key taken before, or one shared by
+            # two rows of this batch (the later one is dropped, #21). A dropped row may have been
+            # its ordering key's head candidate: hand every such key's head to its lowest
+            # unfinished message, still under the key lock (a no-op where the head is right).
+            # Keys whose first row in the batch carries no dedup key cannot have lost it.
+            first: dict[str, dict[str, Any]] = {}
+            for r in rows:
+                if r["ordering_key"] is not None:
+                    first.setdefault(r["ordering_key"], r)
+            unsettled = sorted(k for k, r in first.items() if r.get("dedup_key") is not None)
+            if unsettled:
+                yield self._q["settle_heads"], {"keys": unsettled}
         gone = sorted({r["dedup_key"] for r in rows if r.get("dedup_key") is not None} - by_key.keys())
         if gone:
             # Only a purge between our insert and the lookup (or a REPEATABLE READ snapshot that
