@@ -153,6 +153,12 @@ class OutboxCollector:
             "blocked_keys": g(
                 f"{ns}_blocked_keys", "Ordering keys whose head message is dead.", labels=["table"]
             ),
+            "headless_keys": g(
+                f"{ns}_headless_keys",
+                "Ordering keys with unfinished messages and no head: never claimed until "
+                "`outbox-celery repair-heads` (should be 0).",
+                labels=["table"],
+            ),
             "blocked_messages": g(
                 f"{ns}_blocked_messages",
                 "Messages waiting behind a dead head of their ordering key.",
@@ -227,6 +233,7 @@ class OutboxCollector:
         fams["expired"].add_metric([name], s.expired_leases)
         fams["blocked_keys"].add_metric([name], s.blocked_keys)
         fams["blocked_messages"].add_metric([name], s.blocked_messages)
+        fams["headless_keys"].add_metric([name], s.headless_keys)
         for e in s.event_types:
             for status in _LIVE:
                 fams["type_messages"].add_metric([name, e.event_type, status], getattr(e, status))

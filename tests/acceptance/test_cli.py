@@ -597,3 +597,21 @@ def test_both_entry_points_run_the_same_cli() -> None:
         for name in ("migrate", "stats", "dead", "purge", "metrics"):
             assert re.search(rf"^\s+{name}\s", out, re.M), out
         assert "outbox-celery, version" in ok(run("--version", dsn=None, command=command))
+
+
+def test_invariant_9_stats_shows_keys_without_a_head_and_repair_heads_mends_them(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    # #21 item 4: keys an old release left without a head showed as neither ready nor blocked.
+    store = Store(table)
+    lost = add(conn, 3, table=table, key="k")
+    add(conn, 2, table=table, key="fine")
+    update(conn, table, lost, "head = false")
+    human = ok(run("stats", dsn=migrated_dsn))
+    assert "attention: 1 ordered key(s) without a head (outbox-celery repair-heads)" in human
+    assert re.search(r"^ordered keys without a head:\s+1$", human, re.M), human
+    assert json.loads(ok(run("stats", "--json", dsn=migrated_dsn)))["headless_keys"] == 1
+    assert json.loads(ok(run("repair-heads", "--json", dsn=migrated_dsn))) == {"repaired": 1, "keys": ["k"]}
+    assert lost[0] in claim(store, conn)
+    assert ok(run("repair-heads", dsn=migrated_dsn)).strip() == "repaired 0 ordering key(s) without a head"
+    assert "(outbox-celery repair-heads)" not in ok(run("stats", dsn=migrated_dsn))

@@ -281,3 +281,17 @@ def test_the_documented_metrics_and_alert_rules_match_the_collector() -> None:
         used = set(re.findall(r"\boutbox_[a-z_]+", rule["expr"]))
         assert used, rule
         assert used <= known, f"{rule['alert']} uses unknown metric(s) {used - known}"
+
+
+def test_invariant_9_the_collector_reports_ordered_keys_without_a_head(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    # #21 item 4: a key left without a head (an old release's producer or worker after
+    # migration 0004) is never claimed; the gauge makes it visible and alertable.
+    keyed = add(conn, 3, table=table, event_type="invoice.sent", key="k")
+    add(conn, 1, table=table, event_type="invoice.sent", key="fine")
+    update(conn, table, keyed, "head = false")
+    registry = CollectorRegistry()
+    registry.register(OutboxCollector(migrated_dsn, table))
+    assert registry.get_sample_value("outbox_headless_keys", {"table": table}) == 1
+    assert registry.get_sample_value("outbox_blocked_keys", {"table": table}) == 0
