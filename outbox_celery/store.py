@@ -117,6 +117,7 @@ class Store:
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._canonical: str | None = None
+        self._instance: str | None = None
 
     # -- transactions --------------------------------------------------------------------------
 
@@ -218,6 +219,35 @@ class Store:
             assert row is not None
             self._canonical = f"{row[0]}.{row[1]}"
         return self._canonical
+
+    def instance(self, conn: psycopg.Connection[Any]) -> str | None:
+        """The table's identity (a UUID drawn once by migration 0006), or ``None`` before it.
+
+        The discriminator of idempotency keys (#21): two databases or clusters with an outbox
+        of the same name never send the same key. Read once per Store, then cached; a table not
+        migrated to 0006 yet gives ``None`` (keys of the previous form, logged) until the
+        process restarts.
+        """
+        if self._instance is None:
+            name = self.table.identifier(_sql.INSTANCE_SUFFIX).as_string(conn)
+            found = conn.execute(self._q["instance"], {"instance_table": name}).fetchone()
+            if found and found[0]:
+                row = conn.execute(self._q["instance_id"]).fetchone()
+                self._instance = str(row[0]) if row else ""
+            else:
+                self._instance = ""
+            if not self._instance:
+                logger.error(
+                    "outbox table %s has no identity (migration 0006 not applied): idempotency "
+                    "keys keep the previous form until migrate runs and workers restart",
+                    self.table.qualified,
+                    extra={"outbox_table": self.table.qualified},
+                )
+        return self._instance or None
+
+    def key_prefix(self, conn: psycopg.Connection[Any]) -> str:
+        """What every idempotency key of this table starts with (``<instance>/public.outbox:``)."""
+        return idempotency_key(self.canonical_name(conn), 0, self.instance(conn))[:-1]
 
     def insert(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> int:
         """Insert one validated row in the caller's transaction (no key lock)."""
@@ -547,8 +577,9 @@ class Store:
             created_at=row["created_at"],
             lease_version=int(row["lease_version"]),
             ordering_key=row["ordering_key"],
-            idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"])),
+            idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"]), self.instance(conn)),
             trace_context=row.get("trace_context"),
+            legacy_idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"])),
         )
 
     def _fenced(self, conn: psycopg.Connection[Any], op: str, params: dict[str, Any]) -> Any:

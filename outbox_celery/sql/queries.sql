@@ -410,6 +410,14 @@ SELECT n.nspname, c.relname
 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
 WHERE c.oid = %(table)s::regclass;
 
+-- name: instance
+-- The table's identity (migration 0006, #21), the discriminator of idempotency keys; NULL while
+-- the table is not migrated yet (to_regclass: no error for a missing table).
+SELECT to_regclass(%(instance_table)s) IS NOT NULL;
+
+-- name: instance_id
+SELECT instance::text FROM {instance_table};
+
 -- name: settle_heads
 -- After a skip (admin) or a batch insert that dropped a key's first row as a duplicate dedup
 -- key (producer), under the keys' locks: the lowest unfinished message of each key becomes its head

@@ -126,7 +126,8 @@ def test_invariant_3_start_extends_the_lease_and_returns_the_message(
     assert 115 < fetch(conn, table, i)["lease_in"] <= 120
     assert msg.payload == {"order": 7, "lines": ["a", "ü"]}
     assert (msg.event_type, msg.aggregate_type, msg.aggregate_id) == ("thing.happened", "thing", "0")
-    assert msg.idempotency_key == f"public.{store.table.qualified}:{i}"
+    assert msg.idempotency_key == f"{store.instance(conn)}/public.{store.table.qualified}:{i}"
+    assert msg.legacy_idempotency_key == f"public.{store.table.qualified}:{i}"
     # A start never shortens a lease, nor does its retry after a lost reply (same starter).
     again = store.start(conn, i, c.lease_version, lease=1, max_attempts=5, starter="me")
     assert again is not None

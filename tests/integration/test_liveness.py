@@ -19,6 +19,7 @@ from support.tcp_proxy import ReplyCuttingProxy
 
 from outbox_celery import OutboxConfig, RetryableError, Store, migrate
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
+from outbox_celery.testing import temporary_database
 
 from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, fetch
 
@@ -208,7 +209,7 @@ def test_invariant_11_one_message_has_one_idempotency_key_however_the_table_is_s
         msg = store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=3)
         assert msg is not None
         keys.append(msg.idempotency_key)
-        assert msg.idempotency_key == f"public.outbox:{i}"
+        assert msg.idempotency_key == f"{store.instance(conn)}/public.outbox:{i}"
     # Resolved by PostgreSQL, search_path included.
     other = connect()
     migrate(other, "events.outbox")
@@ -256,3 +257,27 @@ def test_invariant_3_a_start_whose_reply_was_lost_is_retried_without_counting_ag
     assert runs == [2]
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"]) == ("done", 2)
+
+
+def test_invariant_11_two_databases_with_the_default_table_never_send_the_same_key(
+    server_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    # #21 item 2: two services using the default table in two databases (or clusters) sent
+    # "public.outbox:1" both; one receiver's inbox dropped the second service's message as a
+    # duplicate. The table's identity (migration 0006) now tells them apart, and stays put.
+    keys = []
+    with temporary_database(server_dsn) as other_dsn, psycopg.connect(other_dsn, autocommit=True) as other:
+        migrate(other, table)
+        for c in (conn, other):
+            store = Store(table)
+            [i] = add(c, table=table)
+            [claimed] = store.claim(c, limit=1, lease=LONG, owner="w", max_attempts=3).claimed
+            msg = store.start(c, i, claimed.lease_version, lease=LONG, max_attempts=3)
+            assert msg is not None
+            keys.append(msg.idempotency_key)
+        assert keys[0] != keys[1]
+        assert keys[0].endswith("/public.outbox:1") and keys[1].endswith("/public.outbox:1")
+        # The same key again from a fresh Store (another process), and after migrate again.
+        for c, key in zip((conn, other), keys, strict=True):
+            migrate(c, table)
+            assert Store(table).key_prefix(c) + "1" == key
