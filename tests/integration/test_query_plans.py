@@ -56,6 +56,7 @@ LIVE_ID = 50_100
 PARAMS: dict[str, Any] = {
     "lease": 60.0,
     "owner": "worker-1",
+    "starter": "worker-1:1:abc",
     "max_attempts": 12,
     "event_types": None,
     "limit": 200,
@@ -90,6 +91,7 @@ HOT = [
     "reap",
     "release_expired",
     "start",
+    "resume",
     "start_exhausted",
     "finish_done",
     "lock_key_of",
