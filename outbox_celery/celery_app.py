@@ -218,15 +218,19 @@ class Outbox:
         return self._config
 
     def _dsn_exposed(self) -> bool:
-        """Whether a DSN with a password sits in the Celery configuration (printed by Celery)."""
-        if "dsn" in self._settings or not self.config.dsn:
-            return False
-        if not _user_set(self.app.conf, "outbox_dsn"):
-            return False
-        try:
-            return password(self.config.dsn) is not None
-        except psycopg.Error:
-            return True  # unparseable: assume the worst
+        """Whether a DSN with a password sits in the Celery configuration (printed by Celery).
+
+        ``outbox_dsn`` and ``outbox_listen_dsn`` both (#21).
+        """
+        for name, value in (("dsn", self.config.dsn), ("listen_dsn", self.config.listen_dsn)):
+            if name in self._settings or not value or not _user_set(self.app.conf, f"outbox_{name}"):
+                continue
+            try:
+                if password(value) is not None:
+                    return True
+            except psycopg.Error:
+                return True  # unparseable: assume the worst
+        return False
 
     @property
     def store(self) -> Store:

@@ -94,7 +94,8 @@ def check_worker_settings(
         )
     if dsn_exposed:
         problems.append(
-            "outbox_dsn in the Celery configuration holds a password, and `celery report` and "
+            "outbox_dsn or outbox_listen_dsn in the Celery configuration holds a password, and "
+            "`celery report` and "
             "`celery inspect conf` print it (Celery masks only setting names it knows): set "
             f"{DSN_ENV} in the environment, pass Outbox(app, dsn=...), or keep the password in "
             "PGPASSWORD or a passfile"
