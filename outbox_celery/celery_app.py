@@ -407,13 +407,13 @@ class Outbox:
         return self._pool.get()
 
     def _open_pool(self) -> ConnectionPool[Any]:
-        dsn = self.config.dsn
-        if not dsn:
+        # No local holds the DSN (#21): error reporters that record frame locals would send it.
+        if not self.config.dsn:
             raise ConfigurationError(
                 f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn in the Celery config"
             )
         return ConnectionPool(
-            dsn,
+            self.config.dsn,
             min_size=1,
             max_size=self.config.pool_max_size,
             kwargs={

@@ -220,7 +220,8 @@ class OutboxConfig:
         Default 0.05; below ``lease / 4``.
     """
 
-    dsn: str | None = None
+    # Left out of repr (#21): error reporters that record locals (Sentry) send repr(config).
+    dsn: str | None = field(default=None, repr=False)
     table: TableName = field(default_factory=lambda: TableName("outbox"))
     lease: float = 60.0
     batch_size: int = 200
@@ -249,7 +250,7 @@ class OutboxConfig:
     lease_heartbeat: bool = False
     handler_time_limit: float | None = None
     listen: bool = True
-    listen_dsn: str | None = None
+    listen_dsn: str | None = field(default=None, repr=False)
     listen_poll: float = 1.0
     done_batch_delay: float = 0.05
 

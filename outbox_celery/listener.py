@@ -28,6 +28,7 @@ from typing import Any
 import psycopg
 
 from .dispatch import ClaimRun
+from .dsn import error_line
 from .store import Store
 
 __all__ = ["Listener"]
@@ -131,7 +132,7 @@ class Listener:
                     "outbox listener %s: %s: %s; reconnecting in %.1fs",
                     self.name,
                     type(exc).__name__,
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+                    error_line(exc, self.dsn),
                     delay,
                     extra={"outcome": "listener_error"},
                 )

@@ -32,6 +32,7 @@ import psycopg
 
 from . import admin
 from .config import TableName
+from .dsn import error_line
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -93,6 +94,8 @@ class OutboxCollector:
         self.handlers = frozenset(handlers) if handlers is not None else None
         self.namespace = namespace
         self.timeout = timeout
+        # Only to scrub it from logged errors (dsn.error_line); never logged itself.
+        self._dsn: str | None = source if isinstance(source, str) else None
         if isinstance(source, str):
             dsn = source
 
@@ -212,7 +215,7 @@ class OutboxCollector:
                 logger.warning(
                     "outbox metrics: stats of %s failed: %s",
                     name,
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                    error_line(exc, self._dsn) or type(exc).__name__,
                     extra={"outbox_table": name},
                 )
                 fams["up"].add_metric([name], 0)

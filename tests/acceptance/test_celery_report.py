@@ -86,7 +86,7 @@ def test_a_password_in_outbox_dsn_is_printed_by_celery_so_the_worker_warns() -> 
     assert not any(PASSWORD in p for p in problems)
 
 
-def test_a_password_in_outbox_listen_dsn_makes_the_worker_warn_too() -> None:
+def test_invariant_18_a_password_in_outbox_listen_dsn_makes_the_worker_warn_too() -> None:
     # #21 item 6: celery report printed outbox_listen_dsn with its password, and no warning said so.
     app = Celery("unsafe_listen", broker="redis://127.0.0.1:1/0", set_as_current=False)
     app.conf.outbox_listen_dsn = WITH_PASSWORD
@@ -110,7 +110,7 @@ print(shop.celery.outbox.config.dsn is not None)
 """
 
 
-def test_the_documented_django_setup_keeps_the_password_out_of_celery_report_and_the_debug_page() -> None:
+def test_invariant_18_the_documented_django_setup_keeps_the_password_out_of_report_and_debug_page() -> None:
     # #21 item 6: docs/django.md (and the shop example) put database_dsn(DATABASES[...]) in
     # CELERY_OUTBOX_DSN, which `celery report` and Django's debug page print, password included.
     pytest.importorskip("django")
