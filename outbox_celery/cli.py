@@ -746,7 +746,13 @@ def repair_heads(target: Target, batch_size: int, as_json: bool) -> None:
 
 @cli.command()
 @click.option("--port", type=click.IntRange(0, 65535), default=9808, show_default=True, help="HTTP port.")
-@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--addr",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on. The page has no authentication: 0.0.0.0 exposes event types and "
+    "depths to any host that can reach this one.",
+)
 @click.option(
     "--timeout",
     metavar="DURATION",

@@ -255,10 +255,14 @@ def start_exporter(
     collector: OutboxCollector,
     *,
     port: int = DEFAULT_PORT,
-    addr: str = "0.0.0.0",
+    addr: str = "127.0.0.1",
     worker_metrics_dir: str | None = None,
 ) -> tuple[Any, CollectorRegistry]:
     """Serve ``/metrics`` for ``collector`` on ``addr:port`` from a daemon thread.
+
+    ``addr`` defaults to the loopback interface (#21): the page has no authentication and
+    names event types and depths. Pass ``"0.0.0.0"`` (or one interface's address) to let a
+    Prometheus on another host scrape it, behind a firewall or a network policy.
 
     The registry holds only this collector (no Python process metrics) and, with
     ``worker_metrics_dir``, the counters that workers on this machine wrote there in
