@@ -41,6 +41,13 @@ from .message import Message, Outcome, Status, idempotency_key
 
 __all__ = ["Claimed", "Store", "starter_token"]
 
+# Distinct ordering keys one producer call may lock (#21). Each key's lock is held to commit in
+# PostgreSQL's shared lock table, whose size is max_locks_per_transaction x (max_connections +
+# max_prepared_transactions) for the whole server (6,400 on a stock one): a bulk import of
+# 20,000 keys failed with "out of shared memory", and every other session needing a lock failed
+# with it meanwhile. Refused before anything is written instead; split such batches.
+MAX_ORDERING_KEYS = 1000
+
 # A producer's statement and the plan that yields them (see Store.write_plan).
 Statement = tuple[sql.Composed, dict[str, Any]]
 WritePlan = Generator[Statement, list[tuple[Any, ...]], list[int]]
@@ -287,6 +294,9 @@ class Store:
     ) -> WritePlan:
         """The producer's statements for validated rows, as a plan without I/O.
 
+        Refuses (:class:`~outbox_celery.errors.ProducerError`, before any statement) rows with
+        more than :data:`MAX_ORDERING_KEYS` distinct ordering keys (#21).
+
         Yields ``(query, params)`` for the key locks (invariant 9), then the insert, then, when
         a dedup key was already taken, the lookup of the row holding it; the caller executes
         each in its transaction and sends back the rows it returned; the plan returns the ids
@@ -296,6 +306,15 @@ class Store:
         statement, no extra round trip.
         """
         keys = [r["ordering_key"] for r in rows if r["ordering_key"] is not None]
+        distinct = len(set(keys))
+        if lock and distinct > MAX_ORDERING_KEYS:
+            raise ProducerError(
+                f"{distinct} distinct ordering keys in one enqueue; the limit is {MAX_ORDERING_KEYS}: "
+                "each key's lock is held until commit in PostgreSQL's shared lock table "
+                "(max_locks_per_transaction x max_connections for the whole server), which a larger "
+                "batch can exhaust ('out of shared memory', for every session). Nothing was written; "
+                f"split the events into transactions of at most {MAX_ORDERING_KEYS} keys each"
+            )
         if keys and lock:
             locked = yield self._q["lock_keys"], {"table": self._regclass(None), "keys": keys}
             self._check_isolation(locked)
