@@ -439,11 +439,16 @@ SELECT 'outbox_celery_' || %(table)s::regclass::oid::text;
 
 -- name: next_due
 -- Seconds (database clock) until the next row of these event types becomes claimable: a
--- delayed, backed-off or deferred pending row, or a live lease running out. NULL when nothing
+-- delayed, backed-off or deferred pending row or ordered head (#21: a message behind its key's
+-- head waits for the head, not for the clock), or a live lease running out. NULL when nothing
 -- waits. Each branch is one probe of a partial index ordered by that time.
 SELECT extract(epoch FROM least(
     (SELECT available_at FROM {table}
      WHERE status = 'pending' AND ordering_key IS NULL AND available_at > now()
+       AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+     ORDER BY available_at, id LIMIT 1),
+    (SELECT available_at FROM {table}
+     WHERE status = 'pending' AND head AND available_at > now()
        AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
      ORDER BY available_at, id LIMIT 1),
     (SELECT lease_until FROM {table}

@@ -97,3 +97,26 @@ def test_next_due_reports_delayed_rows_in_database_seconds(conn: psycopg.Connect
     assert due is not None and 25 < due <= 30
     due_any = store.next_due(conn, None)
     assert due_any is not None and 0 < due_any <= 5
+
+
+def test_invariant_13_next_due_reports_delayed_and_backed_off_ordered_heads(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    # #21 item 10: next_due read the unordered pending rows only, so a delayed or backed-off
+    # ordered head woke the listener at listen_poll instead of when due (docs/push.md). Only a
+    # head counts: the messages behind it wait for it, not for the clock.
+    store = Store(table)
+    with conn.transaction():
+        enqueue(conn, table=table, delay=20, ordered=True, **ORDER)
+        enqueue(conn, table=table, delay=5, ordered=True, **ORDER)  # behind the head: not due
+        enqueue(
+            conn,
+            table=table,
+            delay=3,
+            ordered=True,
+            **{**ORDER, "event_type": "not.mine", "aggregate_id": "7"},
+        )
+    due = store.next_due(conn, ["order.created"])
+    assert due is not None and 15 < due <= 20
+    due_any = store.next_due(conn, None)
+    assert due_any is not None and 0 < due_any <= 3

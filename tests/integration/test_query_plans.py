@@ -105,6 +105,7 @@ HOT = [
     "extend_lease",
     "release",
     "count_in_flight",
+    "next_due",
 ]
 
 
