@@ -242,9 +242,19 @@ def stats(
     """
     t = TableName.parse(table)
     with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+        previous = None
         if timeout is not None:
-            cur.execute("SELECT set_config('statement_timeout', %s, true)", [f"{int(timeout * 1000)}ms"])
+            # Local to the transaction, and a savepoint (a caller's transaction: Django's
+            # changelist under ATOMIC_REQUESTS) does not undo it: the caller's own value comes
+            # back after the query (#21). A failed query rolls the savepoint, and it, back.
+            previous = cur.execute(
+                "SELECT current_setting('statement_timeout') AS previous,"
+                " set_config('statement_timeout', %s, true)",
+                [f"{int(timeout * 1000)}ms"],
+            ).fetchone()
         row = cur.execute(_q(t, "stats")).fetchone()
+        if previous is not None:
+            cur.execute("SELECT set_config('statement_timeout', %s, true)", [previous["previous"]])
     assert row is not None
     known = set(handlers) if handlers is not None else None
     types = [

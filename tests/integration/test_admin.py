@@ -530,3 +530,18 @@ def test_invariant_9_keys_left_without_a_head_are_counted_and_repaired_while_pro
     heads = {r["id"] for r in fetch_all(conn, table) if r["head"] and r["status"] != "done"}
     assert heads == {healthy[0], inserted[0], moved[1]}
     assert sorted(claim_ids(store, conn)) == sorted([inserted[0], moved[1]])
+
+
+def test_stats_with_a_timeout_inside_the_callers_transaction_leaves_its_statement_timeout_alone(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    # #21 "check also": the Django changelist runs stats(timeout=2.0) on Django's connection;
+    # under ATOMIC_REQUESTS that is inside the request's transaction, where the statement's
+    # local statement_timeout (a savepoint does not undo it) stayed for the rest of the request:
+    # the list, and an admin action run in the same request, were cut at 2 s.
+    add(conn, 3, table=table)
+    with conn.transaction():
+        conn.execute("SET LOCAL statement_timeout = '45s'")
+        assert admin.stats(conn, table, timeout=2.0).counts["pending"] == 3
+        assert conn.execute("SHOW statement_timeout").fetchone() == ("45s",)
+    assert conn.execute("SHOW statement_timeout").fetchone() == ("0",)
