@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 from ._seconds import seconds
 from .errors import ConfigurationError
@@ -310,10 +312,22 @@ class OutboxConfig:
                 f"done_batch_delay must be below lease / 4 ({self.lease / 4:g} s), got "
                 f"{self.done_batch_delay:g} s: a done held longer could outlive its lease"
             )
-        if self.dsn is not None and not isinstance(self.dsn, str):
-            raise ConfigurationError("dsn must be a string")
-        if self.listen_dsn is not None and not isinstance(self.listen_dsn, str):
-            raise ConfigurationError("listen_dsn must be a string")
+        for name in ("dsn", "listen_dsn"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ConfigurationError(f"{name} must be a string")
+            # Refused here, before anything connects with it (#21): libpq quotes the part of a
+            # DSN it cannot parse (an unencoded "%" in a password) in its error, which the
+            # connection pool logs on every attempt and the listener on every reconnect.
+            try:
+                conninfo_to_dict(value)
+            except psycopg.Error:
+                raise ConfigurationError(
+                    f"{name} could not be parsed (not shown): percent-encode special characters "
+                    "of a URI's password (% as %25), or use the key=value form"
+                ) from None
         for name in ("claim_queue", "default_queue"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty string")

@@ -99,3 +99,24 @@ def test_invariant_18_repr_of_the_config_and_a_failed_deliverys_locals_hold_no_p
         tb = tb.tb_next
     assert frames >= 2
     assert conninfo_to_dict(config.dsn or "")["password"] == "s3cret-local"
+
+
+def test_invariant_18_an_unparseable_dsn_is_refused_at_configuration_without_quoting_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # #21 item 7: psycopg_pool logged libpq's parse error, quoting the password, on every
+    # connection attempt of an Outbox's pool. The configuration now refuses such a DSN before
+    # anything connects, and neither the error nor its chain quotes it.
+    from celery import Celery
+
+    from outbox_celery import ConfigurationError, Outbox
+
+    for name in ("dsn", "listen_dsn"):
+        with pytest.raises(ConfigurationError, match="could not be parsed") as refused:
+            OutboxConfig(**{name: UNPARSEABLE})
+        assert "s3cret" not in str(refused.value)
+        assert refused.value.__cause__ is None and refused.value.__suppress_context__
+    app = Celery("unparseable", broker="memory://", set_as_current=False)
+    with caplog.at_level(logging.DEBUG), pytest.raises(ConfigurationError):
+        Outbox(app, dsn=UNPARSEABLE).pool.check()
+    assert "s3cret" not in caplog.text
