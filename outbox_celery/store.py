@@ -238,16 +238,21 @@ class Store:
         if self._instance is None:
             name = self.table.identifier(_sql.INSTANCE_SUFFIX).as_string(conn)
             found = conn.execute(self._q["instance"], {"instance_table": name}).fetchone()
-            if found and found[0]:
+            state = str(found[0]) if found else "missing"
+            self._instance = ""
+            if state == "ok":
                 row = conn.execute(self._q["instance_id"]).fetchone()
                 self._instance = str(row[0]) if row else ""
-            else:
-                self._instance = ""
             if not self._instance:
+                why = {
+                    "missing": "migration 0006 not applied",
+                    "denied": f"this role may not read it: GRANT SELECT ON {name} to the workers' role",
+                }.get(state, "its row is missing")
                 logger.error(
-                    "outbox table %s has no identity (migration 0006 not applied): idempotency "
-                    "keys keep the previous form until migrate runs and workers restart",
+                    "outbox table %s has no readable identity (%s): idempotency keys keep the "
+                    "previous form until this is fixed and workers restart",
                     self.table.qualified,
+                    why,
                     extra={"outbox_table": self.table.qualified},
                 )
         return self._instance or None

@@ -411,9 +411,12 @@ FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
 WHERE c.oid = %(table)s::regclass;
 
 -- name: instance
--- The table's identity (migration 0006, #21), the discriminator of idempotency keys; NULL while
--- the table is not migrated yet (to_regclass: no error for a missing table).
-SELECT to_regclass(%(instance_table)s) IS NOT NULL;
+-- Whether the table's identity (migration 0006, #21), the discriminator of idempotency keys, can
+-- be read: 'missing' while the table is not migrated yet (to_regclass: no error for a missing
+-- table), 'denied' when this role may not read it (a worker role granted the outbox table only).
+SELECT CASE WHEN to_regclass(%(instance_table)s) IS NULL THEN 'missing'
+            WHEN has_table_privilege(to_regclass(%(instance_table)s), 'SELECT') THEN 'ok'
+            ELSE 'denied' END;
 
 -- name: instance_id
 SELECT instance::text FROM {instance_table};

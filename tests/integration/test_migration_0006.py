@@ -12,7 +12,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from outbox_celery import Store, TableName, migrate
+from outbox_celery import Store, TableName, enqueue, migrate
 from outbox_celery.migrations import applied_versions, available
 
 from .helpers import LONG, claim_ids
@@ -92,3 +92,37 @@ def test_invariant_11_migration_0006_from_the_previous_schema_with_rows_in_every
     # Drawn once: migrating again keeps it.
     assert migrate(conn, TABLE) == []
     assert Store(TABLE).instance(conn) == instance
+
+
+def test_invariant_11_a_worker_role_that_may_not_read_the_identity_still_delivers_and_says_why(
+    conn: psycopg.Connection[Any], table: str, migrated_dsn: str, caplog: Any
+) -> None:
+    # A worker role granted the outbox table only (the identity's table is new in 0006): its
+    # deliveries go on with keys of the previous form, and the log says which GRANT is missing,
+    # rather than every fenced start failing on "permission denied".
+    import logging
+
+    from psycopg.conninfo import make_conninfo
+
+    role = "outbox_worker_0006"
+    conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    try:
+        conn.execute(sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(sql.Identifier(role)))
+        conn.execute(
+            sql.SQL("GRANT SELECT, UPDATE ON {} TO {}").format(sql.Identifier(table), sql.Identifier(role))
+        )
+        with conn.transaction():
+            enqueue(conn, event_type="e", payload={}, aggregate_type="a", aggregate_id=1, table=table)
+        [c] = Store(table).claim(conn, limit=1, lease=LONG, owner="w", max_attempts=3).claimed
+        with psycopg.connect(make_conninfo(migrated_dsn, user=role), autocommit=True) as worker:
+            store = Store(table)
+            with caplog.at_level(logging.ERROR, logger="outbox_celery.store"):
+                msg = store.start(worker, c.id, c.lease_version, lease=LONG, max_attempts=3)
+            assert msg is not None
+            assert msg.idempotency_key == f"public.{table}:{c.id}"
+            assert f'GRANT SELECT ON "{table}_instance"' in caplog.text
+    finally:
+        conn.execute(sql.SQL("REASSIGN OWNED BY {} TO CURRENT_USER").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
