@@ -45,6 +45,7 @@ __all__ = [
     "list_dead",
     "parse_duration",
     "purge_done",
+    "repair_heads",
     "requeue",
     "requeue_all",
     "skip",
@@ -252,6 +253,9 @@ class Stats:
         claim takes them back, or reaps them to dead when out of attempts).
     :ivar blocked_keys: ordering keys whose head (lowest unfinished id) is dead.
     :ivar blocked_messages: messages waiting behind those dead heads.
+    :ivar headless_keys: ordering keys with unfinished messages none of which is the head, so
+        none is ever claimed (left by a producer or worker of a release before migration 0004);
+        :func:`repair_heads` (``outbox-celery repair-heads``) mends them. Should be 0.
     :ivar attempts: the attempts histogram of live rows.
     :ivar event_types: live rows per event type.
     :ivar unroutable: pending event types with no handler (only when handlers were given).
@@ -276,6 +280,7 @@ class Stats:
     unroutable: list[str] | None = field(default=None)
     unstarted: int = 0
     horizon: Horizon | None = None
+    headless_keys: int = 0
 
     @property
     def dead(self) -> int:
@@ -305,10 +310,20 @@ def stats(
     """
     t = TableName.parse(table)
     with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+        previous = None
         if timeout is not None:
-            cur.execute("SELECT set_config('statement_timeout', %s, true)", [f"{int(timeout * 1000)}ms"])
+            # Local to the transaction, and a savepoint (a caller's transaction: Django's
+            # changelist under ATOMIC_REQUESTS) does not undo it: the caller's own value comes
+            # back after the query (#21). A failed query rolls the savepoint, and it, back.
+            previous = cur.execute(
+                "SELECT current_setting('statement_timeout') AS previous,"
+                " set_config('statement_timeout', %s, true)",
+                [f"{int(timeout * 1000)}ms"],
+            ).fetchone()
         row = cur.execute(_q(t, "stats")).fetchone()
         held = horizon(conn, t)
+        if previous is not None:
+            cur.execute("SELECT set_config('statement_timeout', %s, true)", [previous["previous"]])
     assert row is not None
     known = set(handlers) if handlers is not None else None
     types = [
@@ -345,6 +360,7 @@ def stats(
         unroutable=unroutable,
         unstarted=int(row["unstarted"]),
         horizon=held,
+        headless_keys=int(row["headless_keys"]),
     )
 
 
@@ -587,6 +603,47 @@ def skip(
         extra={"outcome": "skipped", "outbox_ids": done, "outbox_table": str(TableName.parse(table))},
     )
     return done
+
+
+def repair_heads(
+    conn: psycopg.Connection[Any], table: str | TableName, *, batch_size: int = 500
+) -> list[str]:
+    """Give every ordering key without a head its head back; return the keys mended.
+
+    A key whose unfinished messages carry no ``head`` flag is never claimed (#21): a producer
+    or worker of a release before migration 0004, still running after it, leaves such keys.
+    Each batch of at most ``batch_size`` keys is its own transaction that takes the keys'
+    producer locks (sorted, as producers do) and flags the lowest unfinished message of each key
+    still without a head (DESIGN invariant 9), so it is safe while producers and workers run.
+    ``conn`` must not be inside a transaction. Idempotent: a second run mends nothing.
+    """
+    _outside_transaction(conn, "repair_heads")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise AdminError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    t = TableName.parse(table)
+    regclass = t.identifier().as_string(conn)
+    mended: list[str] = []
+    after = ""
+    while True:
+        keys = [
+            str(r[0]) for r in conn.execute(_q(t, "headless_keys"), {"after": after, "limit": batch_size})
+        ]
+        if not keys:
+            break
+        with conn.transaction():
+            conn.execute(_q(t, "lock_keys"), {"table": regclass, "keys": keys})
+            mended += sorted(str(r[0]) for r in conn.execute(_q(t, "repair_heads"), {"keys": keys}))
+        if len(keys) < batch_size:
+            break
+        after = keys[-1]
+    if mended:
+        logger.warning(
+            "outbox repair: %s ordering key(s) had no head; their lowest unfinished message is "
+            "the head again",
+            len(mended),
+            extra={"outcome": "heads_repaired", "keys": len(mended), "outbox_table": str(t)},
+        )
+    return mended
 
 
 # -- retention ---------------------------------------------------------------------------------

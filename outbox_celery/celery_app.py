@@ -33,7 +33,7 @@ from .producer import Event
 from .push import install_listener_step
 from .store import Claimed, Store
 from .tracing import task_headers
-from .worker_settings import check_worker_settings
+from .worker_settings import check_worker_settings, redelivery_problem
 from .worker_settings import is_redis as _is_redis
 
 __all__ = ["Outbox"]
@@ -220,15 +220,19 @@ class Outbox:
         return self._config
 
     def _dsn_exposed(self) -> bool:
-        """Whether a DSN with a password sits in the Celery configuration (printed by Celery)."""
-        if "dsn" in self._settings or not self.config.dsn:
-            return False
-        if not _user_set(self.app.conf, "outbox_dsn"):
-            return False
-        try:
-            return password(self.config.dsn) is not None
-        except psycopg.Error:
-            return True  # unparseable: assume the worst
+        """Whether a DSN with a password sits in the Celery configuration (printed by Celery).
+
+        ``outbox_dsn`` and ``outbox_listen_dsn`` both (#21).
+        """
+        for name, value in (("dsn", self.config.dsn), ("listen_dsn", self.config.listen_dsn)):
+            if name in self._settings or not value or not _user_set(self.app.conf, f"outbox_{name}"):
+                continue
+            try:
+                if password(value) is not None:
+                    return True
+            except psycopg.Error:
+                return True  # unparseable: assume the worst
+        return False
 
     @property
     def store(self) -> Store:
@@ -342,8 +346,16 @@ class Outbox:
                 },
             )
         conf.beat_schedule = schedule
-        if not cfg.configure_celery:
-            return
+        if cfg.configure_celery:
+            self._apply_recommended(cfg, conf)
+        # After the defaults: a broker that would redeliver a running delivery stops worker and
+        # beat here, with the reason, rather than a warning nobody reads (#21).
+        problem = redelivery_problem(cfg, conf)
+        if problem:
+            raise ConfigurationError(f"outbox settings: {problem}")
+
+    @staticmethod
+    def _apply_recommended(cfg: OutboxConfig, conf: Any) -> None:
         applied = []
         if not _user_set(conf, "worker_prefetch_multiplier"):
             # Reserved-but-unstarted deliveries sit in a worker while their lease runs.
@@ -352,8 +364,9 @@ class Outbox:
         if _is_redis(conf.broker_url):
             options = dict(conf.broker_transport_options or {})
             if "visibility_timeout" not in options:
-                # Redis redelivers unacked (acks_late) messages after this; it must exceed the lease.
-                options["visibility_timeout"] = max(3600.0, cfg.lease * 4)
+                # Redis redelivers unacked (acks_late) messages after this; it must exceed the
+                # delivery's time limit plus a lease (handler_time_limit with the heartbeat).
+                options["visibility_timeout"] = max(3600.0, cfg.lease * 4, 2 * cfg.min_redelivery_timeout)
                 conf.broker_transport_options = options
                 applied.append(
                     f"broker_transport_options.visibility_timeout={options['visibility_timeout']:g}"
@@ -396,13 +409,13 @@ class Outbox:
         return self._pool.get()
 
     def _open_pool(self) -> ConnectionPool[Any]:
-        dsn = self.config.dsn
-        if not dsn:
+        # No local holds the DSN (#21): error reporters that record frame locals would send it.
+        if not self.config.dsn:
             raise ConfigurationError(
                 f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn in the Celery config"
             )
         return ConnectionPool(
-            dsn,
+            self.config.dsn,
             min_size=1,
             max_size=self.config.pool_max_size,
             kwargs={

@@ -373,6 +373,8 @@ def _attention(s: admin.Stats, outbox: Outbox | None = None) -> list[str]:
         items.append(f"{s.dead} dead (outbox-celery dead list)")
     if s.blocked_keys:
         items.append(f"{s.blocked_keys} ordered key(s) blocked by a dead head")
+    if s.headless_keys:
+        items.append(f"{s.headless_keys} ordered key(s) without a head (outbox-celery repair-heads)")
     if s.expired_leases:
         items.append(f"{s.expired_leases} expired lease(s) (workers lost or stuck?)")
     if s.unroutable:
@@ -440,6 +442,7 @@ def stats(target: Target, as_json: bool) -> None:
             "ordered keys blocked by a dead head",
             f"{s.blocked_keys} ({s.blocked_messages} message(s) waiting)",
         ),
+        ("ordered keys without a head", s.headless_keys),
     ]
     if h is not None:
         facts += [
@@ -746,12 +749,39 @@ def purge(target: Target, older_than: float, batch_size: int, dry_run: bool, as_
         click.echo(f"deleted {n} done message(s) older than {age}")
 
 
+@cli.command("repair-heads")
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), default=500, show_default=True, help="Keys per transaction."
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def repair_heads(target: Target, batch_size: int, as_json: bool) -> None:
+    """Give ordering keys that lost their head (stats: "without a head") their head back.
+
+    A producer or worker of a release before migration 0004 that kept running after it leaves
+    such keys; their messages are never claimed until this runs. Safe while producers and
+    workers run (it takes the producers' key locks); a second run mends nothing.
+    """
+    with target.connect() as conn:
+        keys = admin.repair_heads(conn, target.table, batch_size=batch_size)
+    if as_json:
+        _echo_json({"repaired": len(keys), "keys": keys})
+    else:
+        click.echo(f"repaired {len(keys)} ordering key(s) without a head")
+
+
 # -- metrics -----------------------------------------------------------------------------------
 
 
 @cli.command()
 @click.option("--port", type=click.IntRange(0, 65535), default=9808, show_default=True, help="HTTP port.")
-@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--addr",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on. The page has no authentication: 0.0.0.0 exposes event types and "
+    "depths to any host that can reach this one.",
+)
 @click.option(
     "--timeout",
     metavar="DURATION",

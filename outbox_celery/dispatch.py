@@ -25,7 +25,7 @@ from .config import OutboxConfig
 from .errors import Defer, PermanentError, RetryableError
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
-from .store import Claimed, ScanMarks, Store
+from .store import Claimed, ScanMarks, Store, starter_token
 from .tracing import handler_span
 
 __all__ = ["ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome"]
@@ -324,12 +324,20 @@ class Dispatcher:
         # The start gives the row at least one lease from now on the database's clock; its end
         # is tracked on this process's monotonic clock, a duration, never a wall time.
         lease_end = time.monotonic() + cfg.lease
+        # One token for the start and its retry: a retry after a lost reply gets its own start
+        # back uncounted, while any other start of this claim is refused (#21).
+        starter = starter_token()
         msg = self._fenced_write(
             "start",
             outbox_id,
             lease_version,
             lambda conn: self.store.start(
-                conn, outbox_id, lease_version, lease=cfg.lease, max_attempts=cfg.max_attempts
+                conn,
+                outbox_id,
+                lease_version,
+                lease=cfg.lease,
+                max_attempts=cfg.max_attempts,
+                starter=starter,
             ),
         )
         log: dict[str, Any] = {"outbox_id": outbox_id, "lease_version": lease_version}
@@ -438,9 +446,9 @@ class Dispatcher:
         a failover, ``pg_terminate_backend``); recently used ones are not checked before use
         (IdleCheck). Retrying is safe: the write is fenced on the claim's ``lease_version`` and
         status, so whichever run lands first wins and a second changes nothing (DESIGN
-        invariant 4); a start whose commit was lost with its reply at most counts one attempt
-        more. Without the retry a finalize would be lost until the lease ends, and the message
-        delivered again.
+        invariant 4); a start whose reply was lost after its commit is found again by its token
+        and counts nothing more (#21). Without the retry a finalize would be lost until the
+        lease ends, and the message delivered again.
         """
         try:
             with self.connection() as conn:

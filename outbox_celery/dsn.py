@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-__all__ = ["DSN_ENV", "password", "redact"]
+__all__ = ["DSN_ENV", "error_line", "password", "redact"]
 
 # Where the DSN comes from when neither ``Outbox(dsn=...)`` nor ``outbox_dsn`` sets it (the CLI
 # reads the same variable).
@@ -27,3 +29,25 @@ def redact(dsn: str) -> str:
     if parts.get("password"):
         parts["password"] = "***"
     return make_conninfo("", **parts)
+
+
+def error_line(exc: BaseException, dsn: str | None) -> str:
+    """The first line of ``exc``'s message, safe to log for a connection made with ``dsn``.
+
+    libpq quotes the offending part of a DSN it cannot parse (an unencoded ``%`` in a
+    password: ``invalid percent-encoded token: "p%zz..."``), so an unparseable ``dsn`` gives a
+    fixed line instead; otherwise any occurrence of the password (as written or
+    percent-encoded) is replaced by ``***`` (#21).
+    """
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    if dsn is None:
+        return line
+    try:
+        secret = password(dsn)
+    except psycopg.Error:
+        return "invalid DSN: it could not be parsed (not shown)"
+    if secret:
+        for form in {secret, quote(secret, safe=""), quote(secret)}:
+            line = line.replace(form, "***")
+    return line

@@ -72,6 +72,16 @@ blocked AS (
             WHERE w.ordering_key = d.ordering_key AND w.status <> 'done' AND w.id > d.id) AS waiting
     FROM {table} AS d
     WHERE d.status = 'dead' AND d.head AND d.ordering_key IS NOT NULL
+),
+-- Keys with unfinished messages none of which is flagged head: never claimed again, and
+-- neither ready nor blocked (#21). A producer or worker of a release before migration 0004
+-- leaves them (an insert that does not flag, a done that does not move the flag); repair_heads
+-- mends them. Read from the ordered rows "live" holds already.
+headless AS (
+    SELECT ordering_key FROM live
+    WHERE ordering_key IS NOT NULL
+    GROUP BY ordering_key
+    HAVING NOT bool_or(head)
 )
 SELECT
     now() AS now,
@@ -91,6 +101,7 @@ SELECT
     (SELECT count(*) FROM marked WHERE lost_claims > 0) AS unstarted,
     (SELECT count(*) FROM blocked) AS blocked_keys,
     (SELECT coalesce(sum(waiting), 0) FROM blocked) AS blocked_messages,
+    (SELECT count(*) FROM headless) AS headless_keys,
     (SELECT coalesce(json_agg(json_build_object(
                 'event_type', event_type, 'pending', pending, 'ready', ready,
                 'processing', processing, 'dead', dead, 'oldest_pending_age', oldest_pending_age,
@@ -295,3 +306,30 @@ SELECT (SELECT kind FROM oldest) AS kind,
        extract(epoch FROM now() - greatest(pg_stat_get_last_autovacuum_time(%(table)s::regclass),
                                            pg_stat_get_last_vacuum_time(%(table)s::regclass)))::float8
            AS last_vacuum_age;
+
+-- name: headless_keys
+-- One page of keys with unfinished messages and no head among them (see stats), in key order
+-- after the previous page: the ordered index (ordering_key, id) serves the grouping.
+SELECT ordering_key FROM {table}
+WHERE ordering_key IS NOT NULL AND status <> 'done' AND ordering_key > %(after)s
+GROUP BY ordering_key
+HAVING NOT bool_or(head)
+ORDER BY ordering_key
+LIMIT %(limit)s;
+
+-- name: repair_heads
+-- Under the keys' producer locks (queries.sql lock_keys, taken by the statement before, so this
+-- snapshot holds every commit of those keys): the lowest unfinished message of each key that
+-- still has no head becomes its head, as settle_heads does. A key given a head meanwhile (a
+-- producer of this release) is left alone.
+UPDATE {table} AS o
+SET head = true, available_at = greatest(o.available_at, now())  -- as queries.sql settle_heads
+FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
+     LATERAL (SELECT id FROM {table}
+              WHERE ordering_key = keys.k AND status <> 'done'
+              ORDER BY id
+              LIMIT 1) AS first
+WHERE o.id = first.id AND NOT o.head
+  AND NOT EXISTS (SELECT 1 FROM {table} AS h
+                  WHERE h.ordering_key = keys.k AND h.status <> 'done' AND h.head)
+RETURNING o.ordering_key;
