@@ -233,8 +233,9 @@ def enqueue(
         ``Session`` or ``Connection`` on the psycopg 3 or psycopg2 driver (a Session or
         Connection that has not begun yet begins, as its next ``execute()`` would).
     :param event_type: routes the event to its handler and queue; 1-200 characters.
-    :param payload: anything :func:`json.dumps` accepts (no NaN/Infinity), at most
-        ``max_payload_bytes`` once encoded.
+    :param payload: any JSON value :func:`json.dumps` accepts (no NaN/Infinity), at most
+        ``max_payload_bytes`` once encoded. The handler receives it as given: a ``str`` is
+        stored as a JSON string and arrives as that ``str``, never parsed.
     :param aggregate_type: the kind of business object (``"order"``); 1-200 characters.
     :param aggregate_id: its id; 1-200 characters.
     :param ordered: deliver in commit order with the other ordered events of the same
