@@ -36,6 +36,7 @@ __all__ = [
     "DeadMessage",
     "EventTypeStats",
     "Stats",
+    "Unclaimed",
     "count_dead",
     "count_purgeable",
     "format_duration",
@@ -47,6 +48,7 @@ __all__ = [
     "requeue_all",
     "skip",
     "stats",
+    "unclaimed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -276,6 +278,39 @@ def stats(
         unroutable=unroutable,
         unstarted=int(row["unstarted"]),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Unclaimed:
+    """Claimable messages of one event type that no claim has taken for too long.
+
+    :ivar messages: how many have waited past the threshold since they became claimable.
+    :ivar oldest_wait: seconds the oldest of them has waited since its ``available_at``.
+    """
+
+    event_type: str
+    messages: int
+    oldest_wait: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return asdict(self)
+
+
+def unclaimed(
+    conn: psycopg.Connection[Any], table: str | TableName = "outbox", *, older_than: float
+) -> list[Unclaimed]:
+    """Per event type, the claimable messages left unclaimed more than ``older_than`` seconds.
+
+    A running outbox claims a due message within one ``claim_interval`` (at once with push), so
+    a message left several intervals is not being claimed: no claim worker is running (or beat
+    and push both stopped), no claiming app has a handler for its event type, or the in-flight
+    bound has been full all that time. Ordered messages count only as the head of their key.
+    """
+    older_than = seconds(older_than, "older_than", error=AdminError)
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(_q(table, "unclaimed"), {"older_than": older_than}).fetchall()
+    return [Unclaimed(r["event_type"], int(r["messages"]), float(r["oldest_wait"])) for r in rows]
 
 
 # -- dead letters ------------------------------------------------------------------------------
