@@ -40,7 +40,7 @@ from psycopg.conninfo import conninfo_to_dict
 from . import admin, migrations
 from .config import OutboxConfig, TableName
 from .discovery import celery_outbox_finder, resolve_outbox
-from .dsn import password, redact
+from .dsn import invalid_dsn, password, redact
 from .errors import OutboxError, first_line
 
 if TYPE_CHECKING:
@@ -163,9 +163,9 @@ class Target:
         dsn = self.dsn
         try:
             params = conninfo_to_dict(dsn)
-        except psycopg.Error:
-            # The parser's message may quote the DSN, password included: never show it.
-            raise click.ClickException("invalid DSN: it could not be parsed (not shown)") from None
+        except psycopg.Error as exc:
+            # The parser's message may quote the DSN, password included: only its kind is shown.
+            raise click.ClickException(invalid_dsn(dsn, exc)) from None
         extra: dict[str, Any] = {"autocommit": True}
         if "connect_timeout" not in params:
             extra["connect_timeout"] = 10
@@ -415,6 +415,16 @@ def _attention(
     return items
 
 
+def _done_note(outbox: Outbox | None) -> str:
+    """What the done count is: finished rows still kept, not rows already deleted."""
+    if outbox is None:
+        return "delivered or skipped, kept until retention deletes them"
+    retention = outbox.config.retention
+    if retention is None:
+        return "delivered or skipped, kept (retention is off)"
+    return f"delivered or skipped, deleted by retention {admin.format_duration(retention)} after they finish"
+
+
 @cli.command()
 @click.option(
     "--unclaimed-after",
@@ -460,7 +470,7 @@ def stats(target: Target, unclaimed_after: float | None, as_json: bool) -> None:
         f"{in_order} waiting behind their ordering key's head",
         "processing": f"{s.expired_leases} with an expired lease",
         "dead": "need a human: outbox-celery dead list" if s.dead else "",
-        "done": "purged by retention",
+        "done": _done_note(target.outbox),
     }
     rows = [(st, s.counts[st], notes[st]) for st in ("pending", "processing", "dead", "done")]
     click.echo(_table(["status", "messages", ""], rows, right=[1]))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-__all__ = ["DSN_ENV", "password", "redact"]
+__all__ = ["DSN_ENV", "invalid_dsn", "password", "redact"]
 
 # Where the DSN comes from when neither ``Outbox(dsn=...)`` nor ``outbox_dsn`` sets it (the CLI
 # reads the same variable).
@@ -16,6 +18,43 @@ def password(dsn: str) -> str | None:
     """The password ``dsn`` carries, if any; raises :class:`psycopg.ProgrammingError` if unparseable."""
     value = conninfo_to_dict(dsn).get("password")
     return str(value) if value else None
+
+
+# libpq quotes the part of the DSN it stumbled on: "s3cr%t", "dbname", "=".
+_QUOTED = re.compile(r'"([^"]*)"')
+_URI = re.compile(r"^postgres(?:ql)?://", re.IGNORECASE)
+
+
+def _shown(fragment: str) -> str:
+    """A fragment libpq quoted: kept when it is punctuation (``"="``, ``"]"``), else hidden.
+
+    Anything else is a piece of the DSN, which may be part of its password (``password=my
+    secret`` makes libpq complain about ``"secret"``), even when it looks like a keyword.
+    """
+    if fragment and len(fragment) <= 2 and not any(c.isalnum() for c in fragment):
+        return f'"{fragment}"'
+    return "<hidden>"
+
+
+def invalid_dsn(dsn: str, error: BaseException) -> str:
+    """Why ``dsn`` could not be parsed, in one line that never shows the DSN or any part of it.
+
+    ``error`` is the parser's (libpq's) error: the kind of mistake is kept, the pieces of the
+    DSN it quotes are hidden, and a hint for the DSN's form (URI or ``key=value``) is added.
+    """
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    reason = _QUOTED.sub(lambda m: _shown(m.group(1)), text)
+    if _URI.match(dsn.strip()):
+        hint = (
+            "URI form postgresql://user:password@host:port/dbname: percent-encode special "
+            "characters (% as %25, @ as %40, / as %2F, a space as %20)"
+        )
+    else:
+        hint = (
+            "key=value form: pairs separated by spaces, a value with spaces or quotes in single "
+            "quotes (password='a b')"
+        )
+    return f"invalid DSN: {reason} ({hint}; the DSN is not shown, it may hold a password)"
 
 
 def redact(dsn: str) -> str:
