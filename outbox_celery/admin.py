@@ -30,6 +30,7 @@ from .config import TableName
 from .errors import OutboxError
 
 __all__ = [
+    "SKIPPED_BY_OPERATOR",
     "AdminError",
     "AttemptsBucket",
     "DeadFilters",
@@ -49,12 +50,21 @@ __all__ = [
     "skip",
     "stats",
     "unclaimed",
+    "was_skipped",
 ]
 
 logger = logging.getLogger(__name__)
 
 # last_error keeps what it had behind the operator's prefix; the SQL truncates to this much.
 MAX_REASON_LENGTH = 1000
+#: How a skipped message's ``last_error`` starts: the row is ``done`` (its state machine has no
+#: other end), and this tells it from a delivered one.
+SKIPPED_BY_OPERATOR = "skipped by operator"
+
+
+def was_skipped(status: str, last_error: str | None) -> bool:
+    """Whether a row is ``done`` because an operator skipped it (:func:`skip`), not delivered."""
+    return status == "done" and (last_error or "").startswith(SKIPPED_BY_OPERATOR + ": ")
 
 
 class AdminError(OutboxError, ValueError):
@@ -539,7 +549,8 @@ def skip(
         regclass = TableName.parse(table).identifier().as_string(conn)
         conn.execute(_q(table, "lock_keys_of_ids"), {"table": regclass, "ids": wanted})
         _check_statuses(conn, table, wanted, ("dead", "pending"), "skip")
-        rows = conn.execute(_q(table, "skip_ids"), {"ids": wanted, "reason": why}).fetchall()
+        params = {"ids": wanted, "reason": why, "skip_mark": SKIPPED_BY_OPERATOR}
+        rows = conn.execute(_q(table, "skip_ids"), params).fetchall()
         keys = sorted({str(r[1]) for r in rows if r[1] is not None})
         if keys:
             # Its own statement: it sees the skip and every message of the keys committed so far.

@@ -218,14 +218,15 @@ FROM (SELECT DISTINCT ordering_key AS k FROM {table}
       ORDER BY 1) AS sorted_keys;
 
 -- name: skip_ids
--- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded. In SET,
+-- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded behind
+-- skip_mark (admin.SKIPPED_BY_OPERATOR), which is how a skipped row is told from a delivered one. In SET,
 -- "status" still reads the old value. A processing row whose lease expired may be skipped too
 -- (DESIGN invariant 10); a live lease never (a worker may be running it).
 UPDATE {table}
 SET status = 'done',
     done_at = now(),
     lease_until = NULL,
-    last_error = left('skipped by operator: ' || %(reason)s::text || ' (was ' || status
+    last_error = left(%(skip_mark)s::text || ': ' || %(reason)s::text || ' (was ' || status
                       || ', attempts ' || attempts || ')'
                       || coalesce('; previous error: ' || last_error, ''), 8000)
 WHERE id = ANY(%(ids)s::bigint[])
