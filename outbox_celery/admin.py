@@ -30,6 +30,7 @@ from .config import TableName
 from .errors import OutboxError
 
 __all__ = [
+    "SKIPPED_BY_OPERATOR",
     "AdminError",
     "AttemptsBucket",
     "DeadFilters",
@@ -37,6 +38,7 @@ __all__ = [
     "EventTypeStats",
     "Horizon",
     "Stats",
+    "Unclaimed",
     "count_dead",
     "count_purgeable",
     "format_duration",
@@ -50,12 +52,22 @@ __all__ = [
     "requeue_all",
     "skip",
     "stats",
+    "unclaimed",
+    "was_skipped",
 ]
 
 logger = logging.getLogger(__name__)
 
 # last_error keeps what it had behind the operator's prefix; the SQL truncates to this much.
 MAX_REASON_LENGTH = 1000
+#: How a skipped message's ``last_error`` starts: the row is ``done`` (its state machine has no
+#: other end), and this tells it from a delivered one.
+SKIPPED_BY_OPERATOR = "skipped by operator"
+
+
+def was_skipped(status: str, last_error: str | None) -> bool:
+    """Whether a row is ``done`` because an operator skipped it (:func:`skip`), not delivered."""
+    return status == "done" and (last_error or "").startswith(SKIPPED_BY_OPERATOR + ": ")
 
 
 class AdminError(OutboxError, ValueError):
@@ -364,6 +376,39 @@ def stats(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Unclaimed:
+    """Claimable messages of one event type that no claim has taken for too long.
+
+    :ivar messages: how many have waited past the threshold since they became claimable.
+    :ivar oldest_wait: seconds the oldest of them has waited since its ``available_at``.
+    """
+
+    event_type: str
+    messages: int
+    oldest_wait: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return asdict(self)
+
+
+def unclaimed(
+    conn: psycopg.Connection[Any], table: str | TableName = "outbox", *, older_than: float
+) -> list[Unclaimed]:
+    """Per event type, the claimable messages left unclaimed more than ``older_than`` seconds.
+
+    A running outbox claims a due message within one ``claim_interval`` (at once with push), so
+    a message left several intervals is not being claimed: no claim worker is running (or beat
+    and push both stopped), no claiming app has a handler for its event type, or the in-flight
+    bound has been full all that time. Ordered messages count only as the head of their key.
+    """
+    older_than = seconds(older_than, "older_than", error=AdminError)
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(_q(table, "unclaimed"), {"older_than": older_than}).fetchall()
+    return [Unclaimed(r["event_type"], int(r["messages"]), float(r["oldest_wait"])) for r in rows]
+
+
 # -- dead letters ------------------------------------------------------------------------------
 
 
@@ -590,7 +635,8 @@ def skip(
         regclass = TableName.parse(table).identifier().as_string(conn)
         conn.execute(_q(table, "lock_keys_of_ids"), {"table": regclass, "ids": wanted})
         _check_statuses(conn, table, wanted, ("dead", "pending"), "skip")
-        rows = conn.execute(_q(table, "skip_ids"), {"ids": wanted, "reason": why}).fetchall()
+        params = {"ids": wanted, "reason": why, "skip_mark": SKIPPED_BY_OPERATOR}
+        rows = conn.execute(_q(table, "skip_ids"), params).fetchall()
         keys = sorted({str(r[1]) for r in rows if r[1] is not None})
         if keys:
             # Its own statement: it sees the skip and every message of the keys committed so far.

@@ -18,6 +18,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from ._seconds import seconds
+from .dsn import invalid_dsn
 from .errors import ConfigurationError
 
 __all__ = ["UNSET", "OutboxConfig", "TableName", "Unset"]
@@ -334,11 +335,8 @@ class OutboxConfig:
             # connection pool logs on every attempt and the listener on every reconnect.
             try:
                 conninfo_to_dict(value)
-            except psycopg.Error:
-                raise ConfigurationError(
-                    f"{name} could not be parsed (not shown): percent-encode special characters "
-                    "of a URI's password (% as %25), or use the key=value form"
-                ) from None
+            except psycopg.Error as unparseable:
+                raise ConfigurationError(f"{name}: {invalid_dsn(value, unparseable)}") from None
         for name in ("claim_queue", "default_queue"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty string")

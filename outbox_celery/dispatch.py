@@ -41,6 +41,9 @@ BOUND_REFRESH = 1.0
 # wait for a batch; with less the done is written at once, so it lands inside the lease.
 DONE_BATCH_MARGIN = 1.0
 
+# How last_error starts when the library failed before the handler ran (never the handler's fault).
+PRE_HANDLER_FAILURE = "outbox-celery failed before calling the handler (the handler did not run)"
+
 T = TypeVar("T")
 
 Handler = Callable[[Message], Any]
@@ -327,20 +330,24 @@ class Dispatcher:
         # One token for the start and its retry: a retry after a lost reply gets its own start
         # back uncounted, while any other start of this claim is refused (#21).
         starter = starter_token()
-        msg = self._fenced_write(
-            "start",
-            outbox_id,
-            lease_version,
-            lambda conn: self.store.start(
-                conn,
+        log: dict[str, Any] = {"outbox_id": outbox_id, "lease_version": lease_version}
+        try:
+            msg = self._fenced_write(
+                "start",
                 outbox_id,
                 lease_version,
-                lease=cfg.lease,
-                max_attempts=cfg.max_attempts,
-                starter=starter,
-            ),
-        )
-        log: dict[str, Any] = {"outbox_id": outbox_id, "lease_version": lease_version}
+                lambda conn: self.store.start(
+                    conn,
+                    outbox_id,
+                    lease_version,
+                    lease=cfg.lease,
+                    max_attempts=cfg.max_attempts,
+                    starter=starter,
+                ),
+            )
+        except Exception as exc:
+            self._failed_before_handler(outbox_id, lease_version, exc, log)
+            raise
         if msg is None:
             logger.info(
                 "outbox id %s version %s is stale or exhausted; handler not called",
@@ -427,6 +434,47 @@ class Dispatcher:
             extra={**log, "outcome": Outcome.UNROUTABLE},
         )
         return Outcome.UNROUTABLE
+
+    def _failed_before_handler(
+        self, outbox_id: int, version: int, exc: Exception, log: dict[str, Any]
+    ) -> None:
+        """The library's own code failed between the claim and the handler: say so at once.
+
+        Left alone, the row would sit ``processing`` until its lease ran out with an empty
+        ``last_error``, be claimed again and again, and finally be reaped as if its worker had
+        been lost. Instead the failure is written now, fenced, as a retryable one: back to
+        ``pending`` after a short backoff with the attempt kept (the start may have counted
+        it), ``dead`` once attempts are exhausted, ``last_error`` naming the library, not the
+        handler, as the culprit. When even that write fails (the database is unreachable), the
+        row comes back through its lease as before.
+        """
+        error = f"{PRE_HANDLER_FAILURE}: {_error_text(exc)}"[:4000]
+        try:
+            self._fenced_write(
+                "retry",
+                outbox_id,
+                version,
+                lambda conn: self.store.retry(
+                    conn,
+                    outbox_id,
+                    version,
+                    delay=self.backoff.delay(1),
+                    error=error,
+                    max_attempts=self.config.max_attempts,
+                ),
+            )
+        except Exception:
+            logger.exception(
+                "outbox id %s: could not record the failure before the handler", outbox_id, extra=log
+            )
+        logger.error(
+            "outbox id %s: outbox-celery failed before calling the handler (%s: %s); the handler "
+            "did not run, the message is retried after a backoff",
+            outbox_id,
+            type(exc).__name__,
+            exc,
+            extra={**log, "outcome": Outcome.ERROR},
+        )
 
     def _record_error(self, outbox_id: int, version: int, error: str) -> None:
         """Keep an unclassified error; the row comes back through its lease."""

@@ -3,7 +3,7 @@
 Database-side gauges only (depth per status, oldest pending age, expired leases, dead and
 blocked messages, attempts); task-level metrics come from Flower (see docs/operations.md).
 
-``prometheus_client`` is an optional dependency (``pip install outbox-celery[metrics]``); it is
+``prometheus_client`` is an optional dependency (the ``metrics`` extra); it is
 imported when a collector is built, never when this module is imported.
 
 ::
@@ -58,7 +58,9 @@ def _import_prometheus() -> Any:
         import prometheus_client.core as core
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise ImportError(
-            "Prometheus metrics need prometheus_client: pip install 'outbox-celery[metrics]'"
+            "Prometheus metrics need prometheus_client: install the metrics extra "
+            "(python -m pip install '.[metrics]' in the outbox-celery source tree) "
+            "or pip install prometheus-client"
         ) from exc
     return core
 

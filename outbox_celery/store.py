@@ -16,7 +16,6 @@ Each finalizer is fenced: it changes the row only when ``status = 'processing'``
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -681,15 +680,14 @@ class Store:
         return self._message(conn, row)
 
     def _message(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> Message:
-        payload = row["payload"]
-        if isinstance(payload, str):  # pragma: no cover - only without the jsonb loader
-            payload = json.loads(payload)
         return Message(
             id=int(row["id"]),
             event_type=row["event_type"],
             aggregate_type=row["aggregate_type"],
             aggregate_id=row["aggregate_id"],
-            payload=payload,
+            # Decoded by psycopg's jsonb loader: whatever JSON value was enqueued, a string
+            # included (a str payload is a JSON string, never JSON text to decode again).
+            payload=row["payload"],
             attempts=int(row["attempts"]),
             created_at=row["created_at"],
             lease_version=int(row["lease_version"]),

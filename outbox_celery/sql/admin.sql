@@ -229,14 +229,15 @@ FROM (SELECT DISTINCT ordering_key AS k FROM {table}
       ORDER BY 1) AS sorted_keys;
 
 -- name: skip_ids
--- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded. In SET,
+-- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded behind
+-- skip_mark (admin.SKIPPED_BY_OPERATOR), which is how a skipped row is told from a delivered one. In SET,
 -- "status" still reads the old value. A processing row whose lease expired may be skipped too
 -- (DESIGN invariant 10); a live lease never (a worker may be running it).
 UPDATE {table}
 SET status = 'done',
     done_at = now(),
     lease_until = NULL,
-    last_error = left('skipped by operator: ' || %(reason)s::text || ' (was ' || status
+    last_error = left(%(skip_mark)s::text || ': ' || %(reason)s::text || ' (was ' || status
                       || ', attempts ' || attempts || ')'
                       || coalesce('; previous error: ' || last_error, ''), 8000)
 WHERE id = ANY(%(ids)s::bigint[])
@@ -333,3 +334,24 @@ WHERE o.id = first.id AND NOT o.head
   AND NOT EXISTS (SELECT 1 FROM {table} AS h
                   WHERE h.ordering_key = keys.k AND h.status <> 'done' AND h.head)
 RETURNING o.ordering_key;
+
+-- name: unclaimed
+-- Claimable messages (due, and their key's head when ordered) left unclaimed for longer than
+-- older_than seconds past their available_at, per event type. A running outbox claims a due
+-- message within one claim interval (at once with push); one left many intervals means no claim
+-- worker is running, or none has a handler for its event type (the claim takes only those).
+-- Nothing is recorded per claim: each branch is a range of a pending partial index ordered by
+-- available_at (pending_idx, heads_idx), read only below the threshold.
+SELECT event_type, count(*) AS messages,
+       extract(epoch FROM now() - min(available_at))::float8 AS oldest_wait
+FROM (
+    SELECT event_type, available_at FROM {table}
+    WHERE status = 'pending' AND ordering_key IS NULL
+      AND available_at <= now() - make_interval(secs => %(older_than)s::float8)
+    UNION ALL
+    SELECT event_type, available_at FROM {table}
+    WHERE status = 'pending' AND head
+      AND available_at <= now() - make_interval(secs => %(older_than)s::float8)
+) AS waiting
+GROUP BY event_type
+ORDER BY event_type;

@@ -81,7 +81,8 @@ CELERY_BEAT_SCHEDULE_FILENAME = os.environ.get(
 # setting holds the password (celery report and the debug page print settings).
 CELERY_OUTBOX_TABLE = "outbox"
 CELERY_OUTBOX_LEASE = 30
-CELERY_OUTBOX_CLAIM_INTERVAL = 0.5
+# No CLAIM_INTERVAL: the worker claims at each commit (push); beat's claim every 5 s (the
+# default) is the safety net.
 CELERY_OUTBOX_MAX_ATTEMPTS = 5
 CELERY_OUTBOX_BACKOFF_BASE = 0.5
 CELERY_OUTBOX_BACKOFF_CAP = 5
