@@ -971,6 +971,7 @@ class Bench:
                 "max",
                 "marks vs 0 dead",
                 "goal (<= 10 ms, flat)",
+                "stats ms",
             ],
         )
         for m, f in zip(marks, start, strict=True):
@@ -983,6 +984,7 @@ class Bench:
                 f"{max(f.claim_ms):,.2f}",
                 f"{m.median_ms / base:.1f}x",
                 "met" if m.median_ms <= 10 else "MISSED",
+                f"{m.stats_ms:,.0f}",
             )
         t.note(
             "dead versions made by churn under a REPEATABLE READ snapshot held meanwhile: rows inserted, "
@@ -990,7 +992,8 @@ class Bench:
             "own rows count too); churn took "
             + ", ".join(f"{r.churn_seconds:.0f}s" for r in marks + start if r.churn_seconds)
             + ". With marks the timed claims wait one scan_lookback (10 s) first; a full pass "
-            "(every 60 s) is the max column when one fell among them."
+            "(every 60 s) is the max column when one fell among them. stats ms: one admin.stats "
+            "(outbox-celery stats, a Prometheus scrape) on the marks' table at that level."
         )
         self.results["horizon_claim"] = {
             "server": server.describe(),

@@ -583,6 +583,8 @@ class ClaimLevel:
     claim_ms: list[float]
     rows: list[int]
     churn_seconds: float = 0.0
+    #: One ``admin.stats`` (what ``outbox-celery stats`` and each Prometheus scrape run), ms.
+    stats_ms: float = 0.0
 
     @property
     def median_ms(self) -> float:
@@ -643,7 +645,11 @@ def measure_claim_vs_dead(
                 nonlocal made
                 made += 3 * sum(rows) if pin is not None else 0
                 conn.execute("SELECT pg_stat_force_next_flush()")
-                out.append(ClaimLevel(label, made, _dead_tuples(conn, table)[0], times, rows, churn_seconds))
+                t = time.perf_counter()
+                admin.stats(conn, table)
+                stats_ms = (time.perf_counter() - t) * 1000
+                dead = _dead_tuples(conn, table)[0]
+                out.append(ClaimLevel(label, made, dead, times, rows, churn_seconds, stats_ms))
 
             conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(ident))
             timed("0 dead versions (baseline)")
