@@ -640,6 +640,23 @@ class Store:
         self._count("done")
         return True
 
+    def limit_transaction(self, conn: psycopg.Connection[Any], *, seconds: float) -> str:
+        """Bound the caller's open transaction to ``seconds`` (a transactional handler's).
+
+        Sets ``statement_timeout`` and ``idle_in_transaction_session_timeout`` for this
+        transaction only, and ``transaction_timeout`` on PostgreSQL 17 and later (named query
+        ``transaction_limits``). Returns the transaction's isolation level.
+
+        :raises RuntimeError: ``conn`` would run the statement as its own transaction (an
+            autocommit connection outside a transaction block): there is nothing to bound.
+        """
+        if self._owns_transaction(conn):
+            raise RuntimeError("limit_transaction needs a transaction: this connection is in autocommit")
+        ms = max(1, round(seconds * 1000))
+        row = conn.execute(self._q["transaction_limits"], {"ms": ms}).fetchone()
+        assert row is not None
+        return str(row[3])
+
     def done_many(self, conn: psycopg.Connection[Any], finished: Sequence[tuple[int, int]]) -> set[int]:
         """Fenced: many unordered ``(id, lease_version)`` rows ``processing`` -> ``done`` at once.
 
