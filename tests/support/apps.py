@@ -22,6 +22,11 @@ worker serves every situation a test needs::
                                             fenced finalize)
     {"mode": "extend", "seconds": 30}       extend its own lease, record whether it won
 
+Event types in ``transactional`` get :func:`scripted_transactional` instead (#24): the same
+modes, run inside the handler's transaction after it wrote its effect (a row in ``effects``)
+and, when the payload names one in ``follow_up``, enqueued a follow-up event; ``stall`` polls on
+the transaction's own connection (so the transaction is never idle for long).
+
 Each run inserts a row into ``handler_calls`` before acting (so a run that kills its process is
 still seen) and stamps ``finished_at``/``result`` when it returns or raises. Celery's
 ``task_retry`` and ``task_failure`` signals are recorded into ``celery_signals`` by the worker
@@ -62,6 +67,15 @@ CREATE TABLE IF NOT EXISTS handler_calls (
     finished_at   timestamptz,
     result        text
 );
+CREATE TABLE IF NOT EXISTS effects (
+    n             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    outbox_id     bigint      NOT NULL,
+    lease_version bigint      NOT NULL,
+    attempts      integer     NOT NULL,
+    ordering_key  text,
+    pid           integer     NOT NULL,
+    at            timestamptz NOT NULL DEFAULT clock_timestamp()
+);
 CREATE TABLE IF NOT EXISTS celery_signals (
     n         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     signal    text        NOT NULL,
@@ -88,6 +102,8 @@ class AppSpec:
         (``lease``, ``claim_interval``, ``claim_queue``...).
     :ivar routes: event type -> queue (``None``: the outbox's default queue); one scripted
         handler is registered per event type.
+    :ivar transactional: event type -> queue of the transactional handlers
+        (:func:`scripted_transactional`, ``transactional=True``).
     :ivar celery: extra Celery settings, loaded with ``config_from_object`` as a user would.
     :ivar via_celery_conf: give the outbox settings as ``outbox_*`` Celery settings instead of
         keyword arguments.
@@ -97,6 +113,7 @@ class AppSpec:
     broker_url: str
     outbox: dict[str, Any] = field(default_factory=dict)
     routes: dict[str, str | None] = field(default_factory=dict)
+    transactional: dict[str, str | None] = field(default_factory=dict)
     celery: dict[str, Any] = field(default_factory=dict)
     via_celery_conf: bool = False
 
@@ -148,6 +165,8 @@ def build_app(spec: AppSpec) -> tuple[Celery, Outbox]:
         outbox = Outbox(app, dsn=spec.dsn, **spec.outbox)
     for event_type, queue in spec.routes.items():
         outbox.handler(event_type, queue=queue)(scripted(outbox))
+    for event_type, queue in spec.transactional.items():
+        outbox.handler(event_type, queue=queue, transactional=True)(scripted_transactional(outbox))
     return app, outbox
 
 
@@ -173,6 +192,43 @@ def scripted(outbox: Outbox) -> Any:
         _record_end(outbox, call, result)
 
     handler.__name__ = "scripted_handler"
+    return handler
+
+
+def scripted_transactional(outbox: Outbox) -> Any:
+    """The transactional handler (#24): effect, optional follow-up, then what the payload says."""
+
+    def handler(message: Message, conn: psycopg.Connection[Any]) -> None:
+        payload = message.payload if isinstance(message.payload, dict) else {}
+        mode = str(payload.get("mode", "ok"))
+        times = payload.get("times")
+        active = times is None or message.attempts <= int(times)
+        call = _record_start(outbox, message)  # on a connection of its own: kept on rollback
+        try:
+            conn.execute(
+                "INSERT INTO effects (outbox_id, lease_version, attempts, ordering_key, pid)"
+                " VALUES (%s, %s, %s, %s, %s)",
+                [message.id, message.lease_version, message.attempts, message.ordering_key, os.getpid()],
+            )
+            follow_up = payload.get("follow_up")
+            if follow_up:
+                outbox.enqueue(
+                    conn,
+                    event_type=str(follow_up),
+                    payload={"after": message.id},
+                    aggregate_type="effect",
+                    aggregate_id=str(message.id),
+                )
+            if active and mode == "stall":
+                result = _stall(outbox, message, conn)
+            else:
+                result = _act(outbox, message, mode if active else "ok", payload)
+        except BaseException as exc:
+            _record_end(outbox, call, f"raised {type(exc).__name__}")
+            raise
+        _record_end(outbox, call, result)
+
+    handler.__name__ = "scripted_transactional_handler"
     return handler
 
 
@@ -203,15 +259,21 @@ def _act(outbox: Outbox, message: Message, mode: str, payload: dict[str, Any]) -
     raise ValueError(f"unknown scripted mode {mode!r}")
 
 
-def _stall(outbox: Outbox, message: Message) -> str:
-    """Outlive the lease: wait until a newer claim of this row has finished it."""
+def _stall(outbox: Outbox, message: Message, tx: psycopg.Connection[Any] | None = None) -> str:
+    """Outlive the lease: wait until a newer claim of this row has finished it.
+
+    With ``tx`` (a transactional handler's connection, read committed) it polls there.
+    """
     query = sql.SQL("SELECT status, lease_version FROM {} WHERE id = %s").format(
         TableName.parse(outbox.config.table).identifier()
     )
     deadline = time.monotonic() + STALL_LIMIT
     while time.monotonic() < deadline:
-        with outbox.connection() as conn:
-            row = conn.execute(query, [message.id]).fetchone()
+        if tx is not None:
+            row = tx.execute(query, [message.id]).fetchone()
+        else:
+            with outbox.connection() as conn:
+                row = conn.execute(query, [message.id]).fetchone()
         if row and row[0] == "done" and int(row[1]) > message.lease_version:
             return "stalled past a newer run"
         time.sleep(0.1)
