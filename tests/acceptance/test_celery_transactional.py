@@ -18,6 +18,9 @@ from acceptance.conftest import Harness
 
 pytestmark = pytest.mark.slow
 
+# Every kind of transaction a handler can ask for (psycopg: the outbox's pool).
+KINDS = pytest.mark.parametrize("kind", ["psycopg", "sqlalchemy", "django"])
+
 POST = "tx.post"
 NEXT = "tx.next"
 
@@ -33,9 +36,11 @@ def _follow_ups(harness: Harness) -> Counter[int]:
     return Counter(int(r["payload"]["after"]) for r in harness.rows() if r["event_type"] == NEXT)
 
 
+@KINDS
 def test_invariant_19_a_worker_killed_before_commit_leaves_nothing_and_the_redelivery_applies_it_once(
-    harness: Harness,
+    harness: Harness, kind: str
 ) -> None:
+    harness.spec.transactional_kind = kind
     harness.configure(lease=3.0, max_attempts=5, transactional={POST: None, NEXT: None})
     [victim] = harness.enqueue(1, event_type=POST, payload={"mode": "kill", "times": 1, "follow_up": NEXT})
     others = harness.enqueue(4, event_type=POST, payload={"follow_up": NEXT})
@@ -58,8 +63,10 @@ def test_invariant_19_a_worker_killed_before_commit_leaves_nothing_and_the_redel
     assert Counter(e["outbox_id"] for e in effects if e["outbox_id"] in follow_ids) == Counter(follow_ids)
 
 
-def test_invariant_19_a_stale_worker_commits_nothing(harness: Harness) -> None:
+@KINDS
+def test_invariant_19_a_stale_worker_commits_nothing(harness: Harness, kind: str) -> None:
     """Its lease ran out and another claim finished the row while its transaction was open."""
+    harness.spec.transactional_kind = kind
     # NEXT has no handler here: its follow-ups stay pending, where they can be counted.
     harness.configure(lease=2.0, transactional={POST: None})
     stalled = harness.worker([harness.default_queue], name="stalled", pool="solo")
@@ -85,7 +92,11 @@ def test_invariant_19_a_stale_worker_commits_nothing(harness: Harness) -> None:
     assert "lost lease" not in rescuer.log()
 
 
-def test_invariant_19_a_retry_or_a_permanent_failure_rolls_the_effect_back(harness: Harness) -> None:
+@KINDS
+def test_invariant_19_a_retry_or_a_permanent_failure_rolls_the_effect_back(
+    harness: Harness, kind: str
+) -> None:
+    harness.spec.transactional_kind = kind
     harness.configure(max_attempts=5, transactional={POST: None, NEXT: None})
     [retried] = harness.enqueue(1, event_type=POST, payload={"mode": "retry", "times": 2, "follow_up": NEXT})
     [failed] = harness.enqueue(1, event_type=POST, payload={"mode": "permanent", "follow_up": NEXT})

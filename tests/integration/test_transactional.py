@@ -239,3 +239,56 @@ def test_invariant_19_an_ordered_done_moves_the_head_in_the_same_transaction(
     # The next claim takes the new head, as after a plain handler's done.
     assert dispatcher.deliver(second, _claim_one(dispatcher, conn)) == Outcome.DONE
     assert count(conn, table, "status = 'done'") == 2
+
+
+# -- SQLAlchemy --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def session_factory(migrated_dsn: str) -> Iterator[Any]:
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.orm import sessionmaker
+
+    engine = sqlalchemy.create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(migrated_dsn))
+    yield sessionmaker(engine)
+    engine.dispose()
+
+
+def _session_post(message: Message, session: Any, table: str) -> None:
+    from sqlalchemy import text
+
+    session.execute(
+        text("INSERT INTO ledger (outbox_id, lease_version) VALUES (:id, :v)"),
+        {"id": message.id, "v": message.lease_version},
+    )
+    enqueue(
+        session,
+        event_type=FOLLOW_UP,
+        payload={"after": message.id},
+        aggregate_type="ledger",
+        aggregate_id=str(message.id),
+        table=table,
+    )
+
+
+@pytest.mark.usefixtures("effects")
+def test_invariant_19_sqlalchemy_session_effect_follow_up_and_done_commit_together(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any], session_factory: Any
+) -> None:
+    from outbox_celery.transactional import SqlAlchemyTransaction
+
+    def handler(message: Message, session: Any) -> None:
+        _session_post(message, session, table)
+        if message.attempts == 1:
+            raise RetryableError("once", delay=0)
+
+    spec = HandlerSpec(EVENT, handler, "q", transaction=SqlAlchemyTransaction(session_factory))
+    dispatcher = Dispatcher(OutboxConfig(table=table, lease=LONG), pool.connection, {EVENT: spec})
+    [i] = add(conn, table=table, event_type=EVENT)
+    assert dispatcher.deliver(i, _claim_one(dispatcher, conn)) == Outcome.RETRY
+    assert (_ledger(conn), _follow_ups(conn, table)) == ([], 0)
+    version = _claim_one(dispatcher, conn)
+    assert dispatcher.deliver(i, version) == Outcome.DONE
+    assert fetch(conn, table, i)["status"] == "done"
+    assert _ledger(conn) == [(i, version)]
+    assert _follow_ups(conn, table) == 1

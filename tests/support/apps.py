@@ -103,7 +103,10 @@ class AppSpec:
     :ivar routes: event type -> queue (``None``: the outbox's default queue); one scripted
         handler is registered per event type.
     :ivar transactional: event type -> queue of the transactional handlers
-        (:func:`scripted_transactional`, ``transactional=True``).
+        (:func:`scripted_transactional`).
+    :ivar transactional_kind: what they ask for: ``"psycopg"`` (the outbox's pool),
+        ``"sqlalchemy"`` (a ``sessionmaker`` on the test database) or ``"django"`` (the worker
+        module configures Django on the test database).
     :ivar celery: extra Celery settings, loaded with ``config_from_object`` as a user would.
     :ivar via_celery_conf: give the outbox settings as ``outbox_*`` Celery settings instead of
         keyword arguments.
@@ -114,6 +117,7 @@ class AppSpec:
     outbox: dict[str, Any] = field(default_factory=dict)
     routes: dict[str, str | None] = field(default_factory=dict)
     transactional: dict[str, str | None] = field(default_factory=dict)
+    transactional_kind: str = "psycopg"
     celery: dict[str, Any] = field(default_factory=dict)
     via_celery_conf: bool = False
 
@@ -165,8 +169,16 @@ def build_app(spec: AppSpec) -> tuple[Celery, Outbox]:
         outbox = Outbox(app, dsn=spec.dsn, **spec.outbox)
     for event_type, queue in spec.routes.items():
         outbox.handler(event_type, queue=queue)(scripted(outbox))
+    options: dict[str, Any] = {"transactional": spec.transactional_kind}
+    if spec.transactional and spec.transactional_kind == "sqlalchemy":
+        from sqlalchemy import create_engine
+        from sqlalchemy.orm import sessionmaker
+
+        dsn = spec.dsn
+        engine = create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(dsn), pool_size=2)
+        options["session_factory"] = sessionmaker(engine)
     for event_type, queue in spec.transactional.items():
-        outbox.handler(event_type, queue=queue, transactional=True)(scripted_transactional(outbox))
+        outbox.handler(event_type, queue=queue, **options)(scripted_transactional(outbox))
     return app, outbox
 
 
@@ -198,29 +210,26 @@ def scripted(outbox: Outbox) -> Any:
 def scripted_transactional(outbox: Outbox) -> Any:
     """The transactional handler (#24): effect, optional follow-up, then what the payload says."""
 
-    def handler(message: Message, conn: psycopg.Connection[Any]) -> None:
+    def handler(message: Message, conn: Any) -> None:
         payload = message.payload if isinstance(message.payload, dict) else {}
         mode = str(payload.get("mode", "ok"))
         times = payload.get("times")
         active = times is None or message.attempts <= int(times)
         call = _record_start(outbox, message)  # on a connection of its own: kept on rollback
         try:
-            conn.execute(
-                "INSERT INTO effects (outbox_id, lease_version, attempts, ordering_key, pid)"
-                " VALUES (%s, %s, %s, %s, %s)",
-                [message.id, message.lease_version, message.attempts, message.ordering_key, os.getpid()],
-            )
+            # Each kind writes the effect its own way: psycopg, the Session, Django's cursor.
+            raw, producer = _write_effect(conn, message)
             follow_up = payload.get("follow_up")
             if follow_up:
                 outbox.enqueue(
-                    conn,
+                    producer,
                     event_type=str(follow_up),
                     payload={"after": message.id},
                     aggregate_type="effect",
                     aggregate_id=str(message.id),
                 )
             if active and mode == "stall":
-                result = _stall(outbox, message, conn)
+                result = _stall(outbox, message, raw)
             else:
                 result = _act(outbox, message, mode if active else "ok", payload)
         except BaseException as exc:
@@ -230,6 +239,35 @@ def scripted_transactional(outbox: Outbox) -> Any:
 
     handler.__name__ = "scripted_transactional_handler"
     return handler
+
+
+EFFECT = (
+    "INSERT INTO effects (outbox_id, lease_version, attempts, ordering_key, pid)"
+    " VALUES (%(id)s, %(version)s, %(attempts)s, %(key)s, %(pid)s)"
+)
+
+
+def _write_effect(conn: Any, message: Message) -> tuple[psycopg.Connection[Any], Any]:
+    """Insert the effect through ``conn``; return the psycopg connection under it and what
+    ``enqueue`` takes."""
+    params = {
+        "id": message.id,
+        "version": message.lease_version,
+        "attempts": message.attempts,
+        "key": message.ordering_key,
+        "pid": os.getpid(),
+    }
+    if isinstance(conn, psycopg.Connection):
+        conn.execute(EFFECT, params)
+        return conn, conn
+    if type(conn).__module__.startswith("sqlalchemy"):
+        from sqlalchemy import text
+
+        conn.execute(text(EFFECT.replace("%(", ":").replace(")s", "")), params)
+        return conn.connection().connection.driver_connection, conn
+    with conn.cursor() as cur:  # Django's connection wrapper
+        cur.execute(EFFECT, params)
+    return conn.connection, conn.connection
 
 
 def _act(outbox: Outbox, message: Message, mode: str, payload: dict[str, Any]) -> str:
