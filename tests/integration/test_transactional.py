@@ -222,6 +222,35 @@ def test_invariant_19_the_transaction_is_bounded_below_the_lease(
         assert fetch(conn, table, i)["status"] == "processing"
 
 
+@pytest.mark.usefixtures("effects")
+def test_invariant_19_the_lease_heartbeat_keeps_a_long_transaction_its_claim(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    # Lease 2 s, a transaction of 3 s: the heartbeat extends the lease on a connection of its
+    # own (the transaction touches the row only with its final done), no claim takes the row
+    # meanwhile, and the transaction's bound is handler_time_limit (default 10 leases).
+    reclaimed: list[int] = []
+
+    def handler(message: Message, tx: psycopg.Connection[Any]) -> None:
+        _post(message, tx, table)
+        for _ in range(6):
+            tx.execute("SELECT pg_sleep(0.5)")
+            reclaimed.extend(
+                c.id
+                for c in dispatcher.store.claim(
+                    conn, limit=5, lease=2.0, owner="thief", max_attempts=5, event_types=[EVENT]
+                ).claimed
+            )
+
+    dispatcher = _dispatcher(pool, table, handler, lease=2.0, claim_interval=0.5, lease_heartbeat=True)
+    [i] = add(conn, table=table, event_type=EVENT)
+    version = _claim_one(dispatcher, conn, lease=2.0)
+    assert dispatcher.deliver(i, version) == Outcome.DONE
+    assert reclaimed == []
+    assert fetch(conn, table, i)["status"] == "done"
+    assert _ledger(conn) == [(i, version)]
+
+
 def test_invariant_19_an_ordered_done_moves_the_head_in_the_same_transaction(
     conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
 ) -> None:
