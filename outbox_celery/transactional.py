@@ -122,8 +122,13 @@ class DjangoTransaction:
         from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
         alias = self.using or DEFAULT_DB_ALIAS
+        wrapper = connections[alias]
+        if not wrapper.in_atomic_block:
+            # What Django does around each request: drop a connection that broke (a session
+            # ended by a previous run's idle_in_transaction_session_timeout) or grew too old;
+            # outside a request nothing else would, and every later run would fail on it.
+            wrapper.close_if_unusable_or_obsolete()
         with transaction.atomic(using=alias):
-            wrapper = connections[alias]
             wrapper.ensure_connection()
             raw = wrapper.connection
             if not isinstance(raw, psycopg.Connection):
