@@ -448,7 +448,7 @@ class Dispatcher:
                         f"transactional handler of {msg.event_type!r} runs in {isolation}"
                     )
                 spec.fn(msg, handle)
-                if not self.store.done(conn, msg.id, version, ordered=ordered):
+                if not self.store.done(conn, msg.id, version, ordered=ordered, joined=True):
                     raise _Superseded
         except _Superseded:
             outcome = Outcome.LOST_LEASE
