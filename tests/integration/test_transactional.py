@@ -16,7 +16,16 @@ import pytest
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from outbox_celery import Defer, Message, OutboxConfig, PermanentError, RetryableError, TableName, enqueue
+from outbox_celery import (
+    ConfigurationError,
+    Defer,
+    Message,
+    OutboxConfig,
+    PermanentError,
+    RetryableError,
+    TableName,
+    enqueue,
+)
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
 from outbox_celery.transactional import PsycopgTransaction
 
@@ -321,3 +330,21 @@ def test_invariant_19_sqlalchemy_session_effect_follow_up_and_done_commit_togeth
     assert fetch(conn, table, i)["status"] == "done"
     assert _ledger(conn) == [(i, version)]
     assert _follow_ups(conn, table) == 1
+
+
+def test_invariant_19_an_ordered_message_is_refused_outside_read_committed(
+    conn: psycopg.Connection[Any], table: str, migrated_dsn: str
+) -> None:
+    # The ordered done decides the key's next head from a snapshot taken after the key lock:
+    # only under read committed (invariant 9). The handler is not called.
+    called: list[int] = []
+    options = {"autocommit": True, "options": "-c default_transaction_isolation=repeatable\\ read"}
+    with ConnectionPool(migrated_dsn, min_size=1, max_size=2, kwargs=options, open=True) as rr:
+        dispatcher = _dispatcher(rr, table, lambda m, tx: called.append(m.id))
+        [i] = add(conn, table=table, event_type=EVENT, key="acct-1")
+        with pytest.raises(ConfigurationError, match="READ COMMITTED"):
+            dispatcher.deliver(i, _claim_one(dispatcher, conn))
+    assert called == []
+    row = fetch(conn, table, i)
+    assert row["status"] == "processing"
+    assert "repeatable read" in row["last_error"]
