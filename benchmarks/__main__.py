@@ -18,6 +18,18 @@ Sections (``--only`` picks some):
 * ``ordered`` (opt-in): end to end, ``--ordered-keys`` keys x 2 ordered events drained beside
   the same number of unordered events (Redis), with the inversions counted.
 * ``soak`` (opt-in, ``--soak N``): worker and claim-process memory over N messages.
+* ``horizon`` (opt-in, #20): on a private PostgreSQL with stock settings (autovacuum on; the
+  installed PostgreSQL's initdb on a free port, else the embedded one; ``--dsn`` for another stock
+  server), both of:
+
+  * ``horizon-load``: the README deployment at a steady ``--horizon-rate`` (200 events/s, one per
+    transaction), without a pin and with a REPEATABLE READ snapshot held ``--pin-seconds`` (120;
+    a comma-separated list runs one pinned run each) after ``--horizon-warmup`` (60 s) and before
+    ``--horizon-tail`` (60 s): per 10-s window p50/p99 commit -> handler start, starts, unfinished
+    rows, dead tuples; per run the goals (pinned p99 <= 250 ms and <= 3x before; unfinished <=
+    one second of production).
+  * ``horizon-claim``: one claim of ``--batch-size`` rows (one Store reused, median of
+    ``--horizon-claims``) with 0 and ``--horizon-dead`` (100k, 500k) dead versions in front of it.
 * ``transactional`` (opt-in, #24): the plain loop with a handler that inserts one effect row,
   transactional (effect and done in one transaction) beside plain (the effect on its own
   connection, then the done), interleaved twice.
@@ -28,6 +40,7 @@ Results are printed as tables and written as JSON to ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -45,6 +58,8 @@ from typing import Any
 import psycopg
 
 from outbox_celery import OutboxConfig
+from outbox_celery.dsn import redact
+from outbox_celery.testing import temporary_database
 
 from .claimcost import (
     ENQUEUE_KINDS,
@@ -56,6 +71,7 @@ from .claimcost import (
     measure_enqueue,
     measure_keys,
 )
+from .horizon import StockServer, measure_claim_vs_dead, run_scenario, stock_server
 from .measure import percentile
 from .pipeline import Pipeline, PipelineResult, drop_table
 from .plain import PlainResult, run_plain
@@ -67,7 +83,20 @@ from .transactional import EffectResult, run_effect
 from .variants import make_store
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("plain", "e2e", "latency", "claim", "wins", "profile", "soak", "ordered", "transactional")
+SECTIONS = (
+    "plain",
+    "e2e",
+    "latency",
+    "claim",
+    "wins",
+    "profile",
+    "soak",
+    "ordered",
+    "horizon",
+    "horizon-load",
+    "horizon-claim",
+    "transactional",
+)
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 # The end-to-end deployments: a solo claim worker beside the delivery worker, and the README's
 # one worker consuming both queues (its main process claims on notifications, #11).
@@ -178,7 +207,46 @@ def _parser() -> argparse.ArgumentParser:
         help="keys of the ordered end-to-end run, 2 events each (50k)",
     )
     p.add_argument("--enqueue-n", type=int, default=500, help="timed enqueue transactions per kind (500)")
-    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every default section")
+    p.add_argument("--horizon-rate", type=float, default=200.0, help="horizon: offered load, events/s (200)")
+    p.add_argument(
+        "--pin-seconds",
+        default="120",
+        help="horizon: pinned snapshot lengths, one pinned run each, comma-separated (120; #20 also 360)",
+    )
+    p.add_argument(
+        "--horizon-warmup", type=float, default=60.0, help="horizon: seconds of load before the pin (60)"
+    )
+    p.add_argument(
+        "--horizon-tail", type=float, default=60.0, help="horizon: seconds of load after the pin (60)"
+    )
+    p.add_argument("--horizon-window", type=float, default=10.0, help="horizon: window length, s (10)")
+    p.add_argument(
+        "--horizon-baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="horizon: also the same run without a pin (default on)",
+    )
+    p.add_argument(
+        "--horizon-dead",
+        default="100000,500000",
+        help="horizon-claim: dead versions in front of the claim, comma-separated (100000,500000)",
+    )
+    p.add_argument(
+        "--horizon-purge",
+        type=int,
+        default=0,
+        help="horizon: also a run where the retention purge deletes this many week-old done rows at the pin's"
+        " time (0: off)",
+    )
+    p.add_argument("--horizon-claims", type=int, default=7, help="horizon-claim: timed claims per level (7)")
+    p.add_argument(
+        "--horizon-churn-batch", type=int, default=10_000, help="horizon-claim: rows per churn step (10k)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes: a smoke run of every default section (and of horizon, when chosen)",
+    )
     p.add_argument(
         "--json", type=Path, help="write results here (default benchmarks/results/bench-<time>.json)"
     )
@@ -229,6 +297,12 @@ class Bench:
         self.pipeline = Pipeline(svc.dsn, workdir, concurrency=args.concurrency, pool=args.pool)
         self.results: dict[str, Any] = {}
         self.max_rate: dict[str, float] = {}
+        self.stack = contextlib.ExitStack()
+        self._stock: tuple[StockServer, str] | None = None
+
+    def close(self) -> None:
+        """Stop what the sections started for themselves (the horizon sections' server)."""
+        self.stack.close()
 
     def _outbox(self, broker_url: str, n: int, **kw: Any) -> PipelineResult:
         a = self.args
@@ -756,6 +830,212 @@ class Bench:
             )
         t.note("enqueue call: key lock (ordered) + insert; transaction: BEGIN to COMMIT, durable commit")
 
+    # -- horizon (#20) ---------------------------------------------------------------------------
+
+    def _stock_server(self) -> tuple[StockServer, str]:
+        """The horizon sections' server (stock settings) and a throw-away database on it."""
+        if self._stock is None:
+            server = self.stack.enter_context(stock_server(self.args.dsn, self.workdir))
+            dsn = (
+                self.svc.dsn
+                if self.args.dsn
+                else self.stack.enter_context(temporary_database(server.dsn, prefix="outbox_bench"))
+            )
+            self.report.text(f"horizon server: {server.describe()}")
+            if server.autovacuum != "on":
+                self.report.text(
+                    "WARNING: autovacuum is off on this server: not the stock settings #20 asks for"
+                )
+            self.results["horizon_server"] = asdict(server) | {"dsn": redact(server.dsn)}
+            self._stock = (server, dsn)
+        return self._stock
+
+    def horizon(self) -> None:
+        """Both horizon measurements: end to end under a pin, then claim cost vs dead versions."""
+        self.horizon_load()
+        self.horizon_claim()
+
+    def horizon_load(self) -> None:
+        """The README deployment at a steady rate, a snapshot pinned for a while, per window."""
+        a = self.args
+        server, dsn = self._stock_server()
+        defaults = OutboxConfig()
+        pipeline = Pipeline(dsn, self.workdir, concurrency=a.concurrency, pool=a.pool, timeout=900.0)
+        pins = [float(x) for x in a.pin_seconds.split(",") if x.strip()]
+        plan = [(f"pin {p:g} s", p, True, 0) for p in pins]
+        if a.horizon_baseline:
+            plan.insert(0, ("no pin (baseline)", pins[0] if pins else 60.0, False, 0))
+        if a.horizon_purge:
+            # Retention under load: a week of done rows deleted by the purge while messages flow.
+            plan.append(
+                (f"purge {a.horizon_purge:,} done rows", pins[0] if pins else 60.0, False, a.horizon_purge)
+            )
+        ms = 1000.0
+        out = []
+        for label, pin, pinned, purge_rows in plan:
+            sc = run_scenario(
+                pipeline,
+                self.svc.redis_url,
+                label=label,
+                rate=a.horizon_rate,
+                warmup=a.horizon_warmup,
+                pin=pin,
+                tail=a.horizon_tail,
+                pinned=pinned,
+                window=a.horizon_window,
+                claim_interval=defaults.claim_interval,
+                batch_size=defaults.batch_size,
+                purge_rows=purge_rows,
+            )
+            out.append(sc)
+            t = self.report.table(
+                f"Horizon: {label}, {a.horizon_rate:g} events/s (one per transaction), README deployment "
+                f"(one worker -Q claim,deliver, {a.pool} x{a.concurrency}, beat, push, library defaults), "
+                f"Redis; {server.describe()}; pin from t={a.horizon_warmup:g}s for {pin:g}s"
+                + (
+                    ""
+                    if pinned
+                    else " (marked only: nothing pinned)"
+                    if not purge_rows
+                    else " (no pin: a purge)"
+                ),
+                [
+                    "t (s)",
+                    "pin",
+                    "committed",
+                    "started",
+                    "p50 ms",
+                    "p99 ms",
+                    "unfinished max",
+                    "dead tuples",
+                    "autovacuums",
+                    "count ms",
+                ],
+            )
+            for w in sc.windows:
+                t.row(
+                    f"{w['t']:.0f}",
+                    ("held" if w["pin_held"] else "span") if w["pinned"] else "",
+                    str(w["committed"]),
+                    str(w["started"]),
+                    "-" if w["p50"] is None else f"{w['p50'] * ms:,.1f}",
+                    "-" if w["p99"] is None else f"{w['p99'] * ms:,.1f}",
+                    "-" if w["unfinished_max"] is None else f"{w['unfinished_max']:,}",
+                    "-" if w["dead"] is None else f"{w['dead']:,}",
+                    "-" if w["autovacuums"] is None else str(w["autovacuums"]),
+                    "-" if w["count_ms_max"] is None else f"{w['count_ms_max']:,.1f}",
+                )
+            t.note(
+                "windows by commit time; started: handler starts in the window; unfinished: pending + "
+                "processing, sampled every second (max); dead tuples: pg_stat_user_tables.n_dead_tup at "
+                "the window's last sample; count ms: that sample's count of unfinished rows (it walks the "
+                "claim's partial indexes)"
+            )
+            if sc.pin:
+                t.note(f"pin: {sc.pin}")
+            if sc.monitor_error:
+                t.note(f"sampler FAILED: {sc.monitor_error}")
+            if sc.producer_late:
+                t.note(f"producer late (>10 ms behind its schedule) for {sc.producer_late} events")
+            t.note(
+                f"1-min load average {sc.load[0]:.2f} at the start, {sc.load[1]:.2f} at the end "
+                f"({os.cpu_count()} CPUs; a load that was high before the run started is other work)"
+            )
+        summary = self.report.table(
+            f"Horizon summary ({a.horizon_rate:g} events/s; goals: p99 in every pinned window <= 250 ms and "
+            f"<= 3x the p99 before the pin; unfinished <= {a.horizon_rate:g} rows, one second of production)",
+            [
+                "scenario",
+                "p99 before pin",
+                "worst pinned p99",
+                "ratio",
+                "max unfinished",
+                "max dead tuples",
+                "back within 3x after",
+                "p99 goal",
+                "unfinished goal",
+            ],
+        )
+        for sc in out:
+            m = sc.summary
+            rec = m["recovered_s"]
+            summary.row(
+                sc.label,
+                f"{m['p99_before'] * ms:,.1f} ms",
+                f"{m['p99_worst_pinned'] * ms:,.1f} ms",
+                f"{m['ratio']:.1f}x",
+                f"{m['unfinished_max']:,}",
+                f"{m['dead_max']:,}",
+                "never" if rec is None else f"{rec:.0f} s",
+                "met" if m["p99_goal_met"] else "MISSED",
+                "met" if m["unfinished_goal_met"] else "MISSED",
+            )
+        summary.note(
+            "the baseline's 'pinned' windows are the same span with nothing pinned; before the pin: "
+            f"commits from t={a.horizon_window:g}s (the first window settles in) to the pin"
+        )
+        self.results["horizon"] = {"server": server.describe(), "scenarios": [s.as_dict() for s in out]}
+
+    def horizon_claim(self) -> None:
+        """One claim of 200 rows with 0, 100k, 500k dead versions (made under a pin) in front of it.
+
+        Twice: with the claim loop's scan marks (invariant 18) and with every scan from the index
+        start (the claim before #20), each on a table of its own, in one run.
+        """
+        a = self.args
+        server, dsn = self._stock_server()
+        levels = [int(x) for x in a.horizon_dead.split(",") if x.strip()]
+        runs = {
+            variant: measure_claim_vs_dead(
+                dsn,
+                levels=levels,
+                claims=a.horizon_claims,
+                limit=a.batch_size,
+                churn_batch=a.horizon_churn_batch,
+                marks=variant == "marks",
+            )
+            for variant in ("marks", "from the start")
+        }
+        marks, start = runs["marks"], runs["from the start"]
+        base = marks[0].median_ms
+        t = self.report.table(
+            f"Claim cost vs dead versions (one Store and connection reused, as the claim loop does; "
+            f"claims of {a.batch_size} rows, median of {a.horizon_claims}; {server.describe()})",
+            [
+                "dead versions",
+                "n_dead_tup",
+                "marks: median ms",
+                "max",
+                "from the start (before #20): median ms",
+                "max",
+                "marks vs 0 dead",
+                "goal (<= 10 ms, flat)",
+            ],
+        )
+        for m, f in zip(marks, start, strict=True):
+            t.row(
+                m.label,
+                f"{m.n_dead_tup:,}",
+                f"{m.median_ms:,.2f}",
+                f"{max(m.claim_ms):,.2f}",
+                f"{f.median_ms:,.2f}",
+                f"{max(f.claim_ms):,.2f}",
+                f"{m.median_ms / base:.1f}x",
+                "met" if m.median_ms <= 10 else "MISSED",
+            )
+        t.note(
+            "dead versions made by churn under a REPEATABLE READ snapshot held meanwhile: rows inserted, "
+            f"claimed ({a.horizon_churn_batch:,} a claim), started and done (3 per row; the timed claims' "
+            "own rows count too); churn took "
+            + ", ".join(f"{r.churn_seconds:.0f}s" for r in marks + start if r.churn_seconds)
+            + ". With marks the timed claims wait one scan_lookback (10 s) first; a full pass "
+            "(every 60 s) is the max column when one fell among them."
+        )
+        self.results["horizon_claim"] = {
+            "server": server.describe(),
+            "variants": {k: [r.as_dict() for r in v] for k, v in runs.items()},
+        }
+
     def ordered(self) -> None:
         """End to end (#10): keys x 2 ordered events beside as many unordered ones, on Redis."""
         a = self.args
@@ -918,6 +1198,11 @@ def _apply_quick(args: argparse.Namespace) -> None:
     args.claim_ordered = min(args.claim_ordered, 10_000)
     args.claim_in_flight = "4900/5000"
     args.enqueue_n = min(args.enqueue_n, 100)
+    args.horizon_warmup = min(args.horizon_warmup, 20.0)
+    args.horizon_tail = min(args.horizon_tail, 20.0)
+    args.pin_seconds = "20"
+    args.horizon_dead = "20000,60000"
+    args.horizon_claims = min(args.horizon_claims, 5)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -958,6 +1243,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             + " ".join(f"{x:.2f}" for x in os.getloadavg())
             + f", sections: {', '.join(chosen)}"
         )
+        if any(c.startswith("horizon") for c in chosen) and not args.dsn:
+            report.text(
+                "horizon sections: on a private PostgreSQL with stock settings they start themselves "
+                "(the server above may run with autovacuum off)"
+            )
         bench = Bench(args, svc, Path(tmp), report)
         steps: dict[str, Callable[[], None]] = {
             "plain": bench.plain,
@@ -968,18 +1258,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             "profile": bench.profile,
             "soak": bench.soak,
             "ordered": bench.ordered,
+            "horizon": bench.horizon,
+            "horizon-load": bench.horizon_load,
+            "horizon-claim": bench.horizon_claim,
             "transactional": bench.transactional,
         }
         failures = 0
-        for name in chosen:
-            t0 = time.monotonic()
-            try:
-                steps[name]()
-            except Exception as exc:  # report and go on: one broken section must not hide the rest
-                failures += 1
-                report.text(f"section {name} FAILED: {type(exc).__name__}: {exc}")
-                bench.results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            meta.setdefault("section_seconds", {})[name] = round(time.monotonic() - t0, 1)
+        try:
+            for name in chosen:
+                t0 = time.monotonic()
+                try:
+                    steps[name]()
+                except Exception as exc:  # report and go on: one broken section must not hide the rest
+                    failures += 1
+                    report.text(f"section {name} FAILED: {type(exc).__name__}: {exc}")
+                    bench.results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                meta.setdefault("section_seconds", {})[name] = round(time.monotonic() - t0, 1)
+        finally:
+            bench.close()
     meta["seconds"] = round(time.monotonic() - started, 1)
     meta["load_after"] = os.getloadavg()
     out = args.json or RESULTS / f"bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,7 @@ class Pipeline:
         notify: bool = True,
         delay: float = 0.0,
         idle: float = 0.0,
+        on_measured: Callable[[str], Any] | None = None,
     ) -> PipelineResult:
         """The outbox: a producer process committing events, beat, a claim worker, delivery workers.
 
@@ -254,6 +256,8 @@ class Pipeline:
         the worker/producer side; ``delay`` gives every measured event that delay (the latency
         is then measured from its ``available_at``); ``idle`` seconds are spent with no load
         before the measured run, counting the claim tasks that went through the broker.
+        ``on_measured(table)`` is called (after ``attach``) right before the measured load starts:
+        the horizon benchmark starts its sampler and its pinned snapshot there.
         """
         if rate is not None:
             n = int(rate * duration)
@@ -347,6 +351,8 @@ class Pipeline:
                     idle_claims = _count_lines(claim_runs) - before
                 if attach is not None:
                     attach(roles)
+                if on_measured is not None:
+                    on_measured(table)
                 cpu0 = {k: cpu_seconds(p.tree()) for k, p in roles.items()}
                 main0 = cpu_seconds(deliver.tree()[:1])
                 cpu0["broker"] = cpu_seconds(broker)
@@ -469,6 +475,7 @@ def _latencies(folder: Path, available: dict[int, float] | None = None) -> dict[
     With ``available`` (delayed events: id -> ``available_at``), ``total`` and ``claim_wait``
     are measured from ``available_at`` instead of the commit.
 
+    ``commit``: the commit time (``time.time()``, or ``available_at``) of each message, in order;
     ``claim_wait``: commit -> its claim run finished publishing; ``hop``: published -> handler
     start (broker, worker, fenced start).
     """
@@ -482,6 +489,7 @@ def _latencies(folder: Path, available: dict[int, float] | None = None) -> dict[
     if available:
         commits = {i: available[i] for i in commits}
     return {
+        "commit": [commits[i] for i in order],
         "total": [starts[i] - commits[i] for i in order],
         "claim_wait": [published[i] - commits[i] for i in order if i in published],
         "hop": [starts[i] - published[i] for i in order if i in published],

@@ -31,7 +31,7 @@ from outbox_celery.migrations import migrate
 
 from .check import FaultRecord, Verdict, check, render
 from .procs import Child, Supervisor, child_pids
-from .services import PgBouncer, Postgres, RedisServer, connect
+from .services import CONTROL_APP, PgBouncer, Postgres, RedisServer, connect
 from .workload import EFFECTS_DDL, Producer, plan
 
 __all__ = ["FAULTS", "Profile", "main"]
@@ -55,6 +55,7 @@ class Profile:
     keys: int
     child_kills: int
     backend_kills: int
+    pin_leases: float  # pinned horizon length, in leases
 
 
 FULL = Profile(
@@ -69,6 +70,7 @@ FULL = Profile(
     keys=8,
     child_kills=6,
     backend_kills=3,
+    pin_leases=20,
 )
 SHORT = Profile(
     messages=2000,
@@ -82,6 +84,7 @@ SHORT = Profile(
     keys=6,
     child_kills=3,
     backend_kills=2,
+    pin_leases=16,
 )
 
 # Every fault, in the order a run injects them.
@@ -92,6 +95,7 @@ FAULTS = (
     "broker_flush",
     "deploy_outage",
     "backend_kills",
+    "pinned_horizon",
     "pg_restart",
     "clock_ahead",
     "clock_behind",
@@ -146,6 +150,7 @@ class Run:
         # Workers run skewed or through pgbouncer (the window faults) until ensure_normal().
         self.altered = False
         self.bouncer: PgBouncer | None = None
+        self.autovacuum = "?"
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -266,6 +271,23 @@ class Run:
         """Rows done so far."""
         return self.counts().get("done", 0)
 
+    def ensure_autovacuum(self) -> str:
+        """Autovacuum on, as on any production server (the pinned horizon fault needs it).
+
+        On the run's own (embedded) server it is turned on if it was off; an external server
+        is only reported.
+        """
+        state = str(self.query("SHOW autovacuum")[0][0])
+        if state == "on":
+            return "on"
+        if not self.pg.restartable:
+            return f"{state} (external server, left as it is)"
+        with connect(self.pg.dsn) as conn:
+            conn.execute("ALTER SYSTEM SET autovacuum = on")
+            conn.execute("SELECT pg_reload_conf()")
+        time.sleep(0.5)
+        return f"{self.query('SHOW autovacuum')[0][0]} (was {state}: turned on for this run)"
+
     # -- faults ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -354,6 +376,47 @@ class Run:
             f.detail = f"pg_terminate_backend of the workers' sessions: {'+'.join(map(str, killed))}"
             time.sleep(self.p.settle)
 
+    def dead_tuples(self) -> int:
+        """The outbox table's dead tuples (``pg_stat_user_tables.n_dead_tup``)."""
+        rows = self.query("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'outbox'::regclass")
+        return int(rows[0][0]) if rows else 0
+
+    def holds_xmin(self, pid: int) -> bool:
+        """Whether backend ``pid`` holds back the xmin horizon (``backend_xmin`` set)."""
+        with connect(self.pg.dsn) as conn:
+            row = conn.execute(
+                "SELECT backend_xmin IS NOT NULL FROM pg_stat_activity WHERE pid = %s", [pid]
+            ).fetchone()
+        return bool(row and row[0])
+
+    def f_pinned_horizon(self) -> None:
+        # A session that took a REPEATABLE READ snapshot and sits idle in its transaction holds
+        # the xmin horizon: no vacuum removes a dead version made meanwhile (#20). Workers stay
+        # up, so a window with claimable rows and nothing delivered is a stall.
+        with self.fault("pinned_horizon", window=True) as f:
+            hold = self.p.pin_leases * self.p.lease
+            dead_before = self.dead_tuples()
+            pin = psycopg.connect(self.pg.dsn, application_name=CONTROL_APP, connect_timeout=5)
+            try:
+                pin.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+                pin.execute("SELECT pg_current_snapshot()")
+                if not self.holds_xmin(pin.info.backend_pid):
+                    raise RuntimeError("the pinned transaction holds no backend_xmin")
+                time.sleep(hold)
+                if not self.holds_xmin(pin.info.backend_pid):
+                    raise RuntimeError("the pinned transaction lost its backend_xmin before the end")
+                dead_pinned = self.dead_tuples()
+                unfinished = sum(v for k, v in self.counts().items() if k in ("pending", "processing"))
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    pin.rollback()
+                pin.close()
+            f.detail = (
+                f"REPEATABLE READ snapshot held {hold:.0f} s ({self.p.pin_leases:g} leases); outbox dead "
+                f"tuples {dead_before:,} -> {dead_pinned:,}, {unfinished} unfinished at its end"
+            )
+            time.sleep(self.p.settle * 2)
+
     def f_pg_restart(self) -> None:
         if not self.pg.restartable:
             self.skip("pg_restart", "external --dsn: the run does not own the server")
@@ -429,6 +492,7 @@ class Run:
             "broker_flush": p.settle,
             "deploy_outage": p.outage_leases * p.lease + 6 + p.settle * 2,
             "backend_kills": p.backend_kills + p.settle,
+            "pinned_horizon": p.pin_leases * p.lease + p.settle * 2,
             "pg_restart": 5 + p.settle * 2,
             "clock_ahead": p.window_leases * p.lease + 8,
             "clock_behind": p.window_leases * p.lease + 8,
@@ -442,6 +506,7 @@ class Run:
         with connect(self.pg.dsn) as conn:
             migrate(conn)
             conn.execute(EFFECTS_DDL)
+        self.autovacuum = self.ensure_autovacuum()
         self.start_beat()
         self.start_workers(("claim", *DELIVERY_WORKERS))
         seconds = self.planned_seconds(faults)
@@ -508,6 +573,7 @@ class Run:
                 if drained is not None
                 else f"NOT DRAINED within {self.p.drain_timeout:.0f} s",
             ),
+            ("autovacuum", self.autovacuum),
             ("duplicates", f"{verdict.duplicates}"),
             ("last claim runs", self.claim_runs()),
             ("logs", str(self.logs)),

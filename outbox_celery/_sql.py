@@ -23,6 +23,10 @@ INDEX_SUFFIXES = {
 }
 
 
+# The table beside each outbox table that holds its identity (the idempotency keys' discriminator).
+INSTANCE_SUFFIX = "_instance"
+
+
 @functools.cache
 def read(name: str) -> str:
     """The text of ``sql/<name>`` inside the package."""
@@ -43,7 +47,11 @@ def named(filename: str) -> dict[str, str]:
 
 def compose(text: str, table: TableName) -> sql.Composed:
     """Bind the table (and its index names) as quoted identifiers into ``text``."""
-    idents: dict[str, sql.Composable] = {"table": table.identifier()}
+    idents: dict[str, sql.Composable] = {
+        "table": table.identifier(),
+        # The table's identity (migration 0006): one row beside it, named after it.
+        "instance_table": table.identifier(INSTANCE_SUFFIX),
+    }
     idents.update({k: table.index_name(v) for k, v in INDEX_SUFFIXES.items()})
     used = {k: v for k, v in idents.items() if "{" + k + "}" in text}
     # SQL(...) marks the file text as trusted: it ships with the package, never user input.

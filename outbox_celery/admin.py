@@ -30,6 +30,7 @@ from .config import TableName
 from .errors import OutboxError
 
 __all__ = [
+    "SKIPPED_BY_OPERATOR",
     "AdminError",
     "AttemptsBucket",
     "DeadFilters",
@@ -37,6 +38,7 @@ __all__ = [
     "EventTypeStats",
     "Horizon",
     "Stats",
+    "Unclaimed",
     "count_dead",
     "count_purgeable",
     "format_duration",
@@ -45,16 +47,27 @@ __all__ = [
     "list_dead",
     "parse_duration",
     "purge_done",
+    "repair_heads",
     "requeue",
     "requeue_all",
     "skip",
     "stats",
+    "unclaimed",
+    "was_skipped",
 ]
 
 logger = logging.getLogger(__name__)
 
 # last_error keeps what it had behind the operator's prefix; the SQL truncates to this much.
 MAX_REASON_LENGTH = 1000
+#: How a skipped message's ``last_error`` starts: the row is ``done`` (its state machine has no
+#: other end), and this tells it from a delivered one.
+SKIPPED_BY_OPERATOR = "skipped by operator"
+
+
+def was_skipped(status: str, last_error: str | None) -> bool:
+    """Whether a row is ``done`` because an operator skipped it (:func:`skip`), not delivered."""
+    return status == "done" and (last_error or "").startswith(SKIPPED_BY_OPERATOR + ": ")
 
 
 class AdminError(OutboxError, ValueError):
@@ -252,6 +265,9 @@ class Stats:
         claim takes them back, or reaps them to dead when out of attempts).
     :ivar blocked_keys: ordering keys whose head (lowest unfinished id) is dead.
     :ivar blocked_messages: messages waiting behind those dead heads.
+    :ivar headless_keys: ordering keys with unfinished messages none of which is the head, so
+        none is ever claimed (left by a producer or worker of a release before migration 0004);
+        :func:`repair_heads` (``outbox-celery repair-heads``) mends them. Should be 0.
     :ivar attempts: the attempts histogram of live rows.
     :ivar event_types: live rows per event type.
     :ivar unroutable: pending event types with no handler (only when handlers were given).
@@ -276,6 +292,7 @@ class Stats:
     unroutable: list[str] | None = field(default=None)
     unstarted: int = 0
     horizon: Horizon | None = None
+    headless_keys: int = 0
 
     @property
     def dead(self) -> int:
@@ -305,10 +322,20 @@ def stats(
     """
     t = TableName.parse(table)
     with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+        previous = None
         if timeout is not None:
-            cur.execute("SELECT set_config('statement_timeout', %s, true)", [f"{int(timeout * 1000)}ms"])
+            # Local to the transaction, and a savepoint (a caller's transaction: Django's
+            # changelist under ATOMIC_REQUESTS) does not undo it: the caller's own value comes
+            # back after the query (#21). A failed query rolls the savepoint, and it, back.
+            previous = cur.execute(
+                "SELECT current_setting('statement_timeout') AS previous,"
+                " set_config('statement_timeout', %s, true)",
+                [f"{int(timeout * 1000)}ms"],
+            ).fetchone()
         row = cur.execute(_q(t, "stats")).fetchone()
         held = horizon(conn, t)
+        if previous is not None:
+            cur.execute("SELECT set_config('statement_timeout', %s, true)", [previous["previous"]])
     assert row is not None
     known = set(handlers) if handlers is not None else None
     types = [
@@ -345,7 +372,41 @@ def stats(
         unroutable=unroutable,
         unstarted=int(row["unstarted"]),
         horizon=held,
+        headless_keys=int(row["headless_keys"]),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Unclaimed:
+    """Claimable messages of one event type that no claim has taken for too long.
+
+    :ivar messages: how many have waited past the threshold since they became claimable.
+    :ivar oldest_wait: seconds the oldest of them has waited since its ``available_at``.
+    """
+
+    event_type: str
+    messages: int
+    oldest_wait: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return asdict(self)
+
+
+def unclaimed(
+    conn: psycopg.Connection[Any], table: str | TableName = "outbox", *, older_than: float
+) -> list[Unclaimed]:
+    """Per event type, the claimable messages left unclaimed more than ``older_than`` seconds.
+
+    A running outbox claims a due message within one ``claim_interval`` (at once with push), so
+    a message left several intervals is not being claimed: no claim worker is running (or beat
+    and push both stopped), no claiming app has a handler for its event type, or the in-flight
+    bound has been full all that time. Ordered messages count only as the head of their key.
+    """
+    older_than = seconds(older_than, "older_than", error=AdminError)
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(_q(table, "unclaimed"), {"older_than": older_than}).fetchall()
+    return [Unclaimed(r["event_type"], int(r["messages"]), float(r["oldest_wait"])) for r in rows]
 
 
 # -- dead letters ------------------------------------------------------------------------------
@@ -574,7 +635,8 @@ def skip(
         regclass = TableName.parse(table).identifier().as_string(conn)
         conn.execute(_q(table, "lock_keys_of_ids"), {"table": regclass, "ids": wanted})
         _check_statuses(conn, table, wanted, ("dead", "pending"), "skip")
-        rows = conn.execute(_q(table, "skip_ids"), {"ids": wanted, "reason": why}).fetchall()
+        params = {"ids": wanted, "reason": why, "skip_mark": SKIPPED_BY_OPERATOR}
+        rows = conn.execute(_q(table, "skip_ids"), params).fetchall()
         keys = sorted({str(r[1]) for r in rows if r[1] is not None})
         if keys:
             # Its own statement: it sees the skip and every message of the keys committed so far.
@@ -587,6 +649,47 @@ def skip(
         extra={"outcome": "skipped", "outbox_ids": done, "outbox_table": str(TableName.parse(table))},
     )
     return done
+
+
+def repair_heads(
+    conn: psycopg.Connection[Any], table: str | TableName, *, batch_size: int = 500
+) -> list[str]:
+    """Give every ordering key without a head its head back; return the keys mended.
+
+    A key whose unfinished messages carry no ``head`` flag is never claimed (#21): a producer
+    or worker of a release before migration 0004, still running after it, leaves such keys.
+    Each batch of at most ``batch_size`` keys is its own transaction that takes the keys'
+    producer locks (sorted, as producers do) and flags the lowest unfinished message of each key
+    still without a head (DESIGN invariant 9), so it is safe while producers and workers run.
+    ``conn`` must not be inside a transaction. Idempotent: a second run mends nothing.
+    """
+    _outside_transaction(conn, "repair_heads")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise AdminError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    t = TableName.parse(table)
+    regclass = t.identifier().as_string(conn)
+    mended: list[str] = []
+    after = ""
+    while True:
+        keys = [
+            str(r[0]) for r in conn.execute(_q(t, "headless_keys"), {"after": after, "limit": batch_size})
+        ]
+        if not keys:
+            break
+        with conn.transaction():
+            conn.execute(_q(t, "lock_keys"), {"table": regclass, "keys": keys})
+            mended += sorted(str(r[0]) for r in conn.execute(_q(t, "repair_heads"), {"keys": keys}))
+        if len(keys) < batch_size:
+            break
+        after = keys[-1]
+    if mended:
+        logger.warning(
+            "outbox repair: %s ordering key(s) had no head; their lowest unfinished message is "
+            "the head again",
+            len(mended),
+            extra={"outcome": "heads_repaired", "keys": len(mended), "outbox_table": str(t)},
+        )
+    return mended
 
 
 # -- retention ---------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from .push import install_listener_step
 from .store import Claimed, Store
 from .tracing import task_headers
 from .transactional import transaction_kind
-from .worker_settings import check_worker_settings
+from .worker_settings import check_worker_settings, redelivery_problem
 from .worker_settings import is_redis as _is_redis
 
 __all__ = ["Outbox"]
@@ -83,6 +83,52 @@ def _routers(routes: Any) -> tuple[Any, ...]:
 def _reprs(claim: Claimed) -> dict[str, Any]:
     """A delivery task's ``argsrepr``/``kwargsrepr``, given rather than derived by Celery."""
     return {"argsrepr": f"({claim.id}, {claim.lease_version})", "kwargsrepr": "{}"}
+
+
+class _QuietClaims(logging.Filter):
+    """Celery's per-task INFO lines about claim tasks, moved to DEBUG.
+
+    Beat sends a claim every ``claim_interval`` and most runs find nothing: Celery's own
+    ``Task outbox.claim[...] received`` / ``succeeded`` lines (and beat's ``Sending due task``)
+    would fill an INFO log, while a run that did something logs its own INFO line (``outbox
+    claim run: claimed=...``). A matching record is dropped unless its logger is enabled for
+    DEBUG (``--loglevel DEBUG``), where it shows as a DEBUG record. Failures are untouched.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tasks: set[str] = set()
+
+    def _task(self, record: logging.LogRecord) -> str | None:
+        args = record.args
+        if isinstance(args, Mapping):  # celery.app.trace, celery.worker.strategy: a context dict
+            name = args.get("name")
+            return name if isinstance(name, str) else None
+        if isinstance(args, tuple) and len(args) == 2 and isinstance(args[1], str):  # celery.beat
+            return args[1]
+        return None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or self._task(record) not in self.tasks:
+            return True
+        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return True
+
+
+_quiet_claims = _QuietClaims()
+# Where Celery logs a task's receipt and success, and beat each task it sends.
+_TASK_LOGGERS = ("celery.app.trace", "celery.worker.strategy", "celery.beat")
+
+
+def _quiet_claim_logs(task_name: str) -> None:
+    """Keep ``task_name``'s routine receipt/success/sent lines out of INFO logs (idempotent)."""
+    _quiet_claims.tasks.add(task_name)
+    for name in _TASK_LOGGERS:
+        target = logging.getLogger(name)
+        if _quiet_claims not in target.filters:
+            target.addFilter(_quiet_claims)
 
 
 @contextmanager
@@ -196,6 +242,7 @@ class Outbox:
         #: The push listener running in this worker process, if any (docs/push.md).
         self.listener: Listener | None = None
         self._register_tasks()
+        _quiet_claim_logs(f"{name}.claim")  # the name, not the task: reading it would load the config
         self._connect_signals()
         install_listener_step(self)
         if getattr(app, "configured", False):
@@ -221,15 +268,19 @@ class Outbox:
         return self._config
 
     def _dsn_exposed(self) -> bool:
-        """Whether a DSN with a password sits in the Celery configuration (printed by Celery)."""
-        if "dsn" in self._settings or not self.config.dsn:
-            return False
-        if not _user_set(self.app.conf, "outbox_dsn"):
-            return False
-        try:
-            return password(self.config.dsn) is not None
-        except psycopg.Error:
-            return True  # unparseable: assume the worst
+        """Whether a DSN with a password sits in the Celery configuration (printed by Celery).
+
+        ``outbox_dsn`` and ``outbox_listen_dsn`` both (#21).
+        """
+        for name, value in (("dsn", self.config.dsn), ("listen_dsn", self.config.listen_dsn)):
+            if name in self._settings or not value or not _user_set(self.app.conf, f"outbox_{name}"):
+                continue
+            try:
+                if password(value) is not None:
+                    return True
+            except psycopg.Error:
+                return True  # unparseable: assume the worst
+        return False
 
     @property
     def store(self) -> Store:
@@ -271,7 +322,7 @@ class Outbox:
         :class:`~outbox_celery.errors.PermanentError` or :class:`~outbox_celery.errors.Defer` to
         say what happened; returning normally means delivered.
 
-        A *transactional* handler (docs/transactional.md, DESIGN invariant 19) receives
+        A *transactional* handler (docs/transactional.md, DESIGN invariant 20) receives
         ``(message, conn)`` and runs inside one transaction on the outbox's database whose last
         statement is the fenced ``done``: its writes (and the events it enqueues on ``conn``)
         commit exactly when the done does. A run whose claim was superseded, or that raises,
@@ -366,8 +417,16 @@ class Outbox:
                 },
             )
         conf.beat_schedule = schedule
-        if not cfg.configure_celery:
-            return
+        if cfg.configure_celery:
+            self._apply_recommended(cfg, conf)
+        # After the defaults: a broker that would redeliver a running delivery stops worker and
+        # beat here, with the reason, rather than a warning nobody reads (#21).
+        problem = redelivery_problem(cfg, conf)
+        if problem:
+            raise ConfigurationError(f"outbox settings: {problem}")
+
+    @staticmethod
+    def _apply_recommended(cfg: OutboxConfig, conf: Any) -> None:
         applied = []
         if not _user_set(conf, "worker_prefetch_multiplier"):
             # Reserved-but-unstarted deliveries sit in a worker while their lease runs.
@@ -376,8 +435,9 @@ class Outbox:
         if _is_redis(conf.broker_url):
             options = dict(conf.broker_transport_options or {})
             if "visibility_timeout" not in options:
-                # Redis redelivers unacked (acks_late) messages after this; it must exceed the lease.
-                options["visibility_timeout"] = max(3600.0, cfg.lease * 4)
+                # Redis redelivers unacked (acks_late) messages after this; it must exceed the
+                # delivery's time limit plus a lease (handler_time_limit with the heartbeat).
+                options["visibility_timeout"] = max(3600.0, cfg.lease * 4, 2 * cfg.min_redelivery_timeout)
                 conf.broker_transport_options = options
                 applied.append(
                     f"broker_transport_options.visibility_timeout={options['visibility_timeout']:g}"
@@ -420,13 +480,13 @@ class Outbox:
         return self._pool.get()
 
     def _open_pool(self) -> ConnectionPool[Any]:
-        dsn = self.config.dsn
-        if not dsn:
+        # No local holds the DSN (#21): error reporters that record frame locals would send it.
+        if not self.config.dsn:
             raise ConfigurationError(
                 f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn in the Celery config"
             )
         return ConnectionPool(
-            dsn,
+            self.config.dsn,
             min_size=1,
             max_size=self.config.pool_max_size,
             kwargs={

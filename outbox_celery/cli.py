@@ -5,7 +5,7 @@
     outbox-celery [--dsn DSN] [--table NAME] [-A module:outbox] COMMAND [--dsn DSN] [--table NAME] ...
 
     migrate [--check]                    schema up to date (--check: exit 1 when behind)
-    stats [--json]                       depth, ages, leases, attempts, event types
+    stats [--unclaimed-after D] [--json] depth, ages, leases, attempts, event types, what waits
     dead list [filters] [--json]         dead messages, paged by id
     dead show ID [--json]                one message (any status) and why it waits
     dead requeue ID... | --all           back to pending now, attempts reset
@@ -38,9 +38,9 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from . import admin, migrations
-from .config import TableName
+from .config import OutboxConfig, TableName
 from .discovery import celery_outbox_finder, resolve_outbox
-from .dsn import password, redact
+from .dsn import invalid_dsn, password, redact
 from .errors import OutboxError, first_line
 
 if TYPE_CHECKING:
@@ -163,9 +163,9 @@ class Target:
         dsn = self.dsn
         try:
             params = conninfo_to_dict(dsn)
-        except psycopg.Error:
-            # The parser's message may quote the DSN, password included: never show it.
-            raise click.ClickException("invalid DSN: it could not be parsed (not shown)") from None
+        except psycopg.Error as exc:
+            # The parser's message may quote the DSN, password included: only its kind is shown.
+            raise click.ClickException(invalid_dsn(dsn, exc)) from None
         extra: dict[str, Any] = {"autocommit": True}
         if "connect_timeout" not in params:
             extra["connect_timeout"] = 10
@@ -366,18 +366,54 @@ def _unstarted_line(e: admin.EventTypeStats, outbox: Outbox | None) -> str:
     )
 
 
-def _attention(s: admin.Stats, outbox: Outbox | None = None) -> list[str]:
+# A claimable message left this many claim intervals unclaimed is not being claimed at all.
+UNCLAIMED_INTERVALS = 6
+DEFAULT_CLAIM_INTERVAL = OutboxConfig().claim_interval
+
+
+def _unclaimed_after(outbox: Outbox | None) -> float:
+    """``stats``' default threshold: several claim intervals of the loaded Outbox (or the default)."""
+    interval = outbox.config.claim_interval if outbox is not None else DEFAULT_CLAIM_INTERVAL
+    return UNCLAIMED_INTERVALS * interval
+
+
+def _unclaimed_line(u: admin.Unclaimed, outbox: Outbox | None, processing: int) -> str:
+    """Ready messages nobody claims: the first sign of a stopped claim worker or a missing handler."""
+    if outbox is not None:
+        # Its event type has a handler here (those without one are reported as unroutable).
+        cause = f"is a worker consuming the claim queue {outbox.config.claim_queue!r} running, and beat?"
+    else:
+        cause = (
+            "no claim worker running (a worker consuming the claim queue, and beat), "
+            "or no handler for this event type in the app that claims"
+        )
+    bound = f" (or the in-flight bound is full: {processing} processing)" if processing else ""
+    return (
+        f"event type {u.event_type!r}: {u.messages} ready message(s) unclaimed for "
+        f"{admin.format_duration(u.oldest_wait)}: {cause}{bound}"
+    )
+
+
+def _attention(
+    s: admin.Stats, outbox: Outbox | None = None, unclaimed: Sequence[admin.Unclaimed] = ()
+) -> list[str]:
     """What needs a human now, as short phrases (the figures that should be zero)."""
     items = []
     if s.dead:
         items.append(f"{s.dead} dead (outbox-celery dead list)")
     if s.blocked_keys:
         items.append(f"{s.blocked_keys} ordered key(s) blocked by a dead head")
+    if s.headless_keys:
+        items.append(f"{s.headless_keys} ordered key(s) without a head (outbox-celery repair-heads)")
     if s.expired_leases:
         items.append(f"{s.expired_leases} expired lease(s) (workers lost or stuck?)")
     if s.unroutable:
         items.append(f"no handler for {', '.join(s.unroutable)}")
     items += [_unstarted_line(e, outbox) for e in s.event_types if e.unstarted]
+    reported = set(s.unroutable or ())
+    items += [
+        _unclaimed_line(u, outbox, s.counts["processing"]) for u in unclaimed if u.event_type not in reported
+    ]
     h = s.horizon
     if h is not None and _holds_long(h):
         items.append(
@@ -400,24 +436,54 @@ def _holds_long(h: admin.Horizon) -> bool:
     return h.state == "inactive"  # a slot nobody consumes holds the horizon until dropped
 
 
+def _done_note(outbox: Outbox | None) -> str:
+    """What the done count is: finished rows still kept, not rows already deleted."""
+    if outbox is None:
+        return "delivered or skipped, kept until retention deletes them"
+    retention = outbox.config.retention
+    if retention is None:
+        return "delivered or skipped, kept (retention is off)"
+    return f"delivered or skipped, deleted by retention {admin.format_duration(retention)} after they finish"
+
+
 @cli.command()
+@click.option(
+    "--unclaimed-after",
+    metavar="DURATION",
+    callback=_duration,
+    help="Report ready messages left unclaimed this long (default: "
+    f"{UNCLAIMED_INTERVALS} claim intervals of the -A Outbox, else "
+    f"{admin.format_duration(UNCLAIMED_INTERVALS * DEFAULT_CLAIM_INTERVAL)}).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_target
-def stats(target: Target, as_json: bool) -> None:
+def stats(target: Target, unclaimed_after: float | None, as_json: bool) -> None:
     """Health at a glance: depth, ages, leases, attempts, event types.
 
-    With -A, pending event types that have no handler are reported as unroutable.
+    Ready messages that no claim took for several claim intervals are flagged (a stopped claim
+    worker or beat, or an event type no claiming app handles). With -A, pending event types
+    that have no handler are reported as unroutable.
     """
     handlers = target.handlers
+    threshold = unclaimed_after if unclaimed_after is not None else _unclaimed_after(target.outbox)
     with target.connect() as conn:
         s = admin.stats(conn, target.table, handlers=handlers)
+        waiting = admin.unclaimed(conn, target.table, older_than=threshold)
+    attention = _attention(s, target.outbox, waiting)
     if as_json:
-        _echo_json(s.as_dict())
+        _echo_json(
+            {
+                **s.as_dict(),
+                "unclaimed_after": threshold,
+                "unclaimed": [u.as_dict() for u in waiting],
+                "attention": attention,
+            }
+        )
         return
     fd = admin.format_duration
     click.echo(f"outbox {target.where}")
     click.echo(f"database time {s.now:%Y-%m-%d %H:%M:%S %Z}")
-    click.echo(f"attention: {'; '.join(_attention(s, target.outbox)) or 'none'}")
+    click.echo(f"attention: {'; '.join(attention) or 'none'}")
     click.echo("")
     in_order = s.counts["pending"] - s.ready - s.scheduled
     notes = {
@@ -425,7 +491,7 @@ def stats(target: Target, as_json: bool) -> None:
         f"{in_order} waiting behind their ordering key's head",
         "processing": f"{s.expired_leases} with an expired lease",
         "dead": "need a human: outbox-celery dead list" if s.dead else "",
-        "done": "purged by retention",
+        "done": _done_note(target.outbox),
     }
     rows = [(st, s.counts[st], notes[st]) for st in ("pending", "processing", "dead", "done")]
     click.echo(_table(["status", "messages", ""], rows, right=[1]))
@@ -440,6 +506,7 @@ def stats(target: Target, as_json: bool) -> None:
             "ordered keys blocked by a dead head",
             f"{s.blocked_keys} ({s.blocked_messages} message(s) waiting)",
         ),
+        ("ordered keys without a head", s.headless_keys),
     ]
     if h is not None:
         facts += [
@@ -746,12 +813,39 @@ def purge(target: Target, older_than: float, batch_size: int, dry_run: bool, as_
         click.echo(f"deleted {n} done message(s) older than {age}")
 
 
+@cli.command("repair-heads")
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), default=500, show_default=True, help="Keys per transaction."
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def repair_heads(target: Target, batch_size: int, as_json: bool) -> None:
+    """Give ordering keys that lost their head (stats: "without a head") their head back.
+
+    A producer or worker of a release before migration 0004 that kept running after it leaves
+    such keys; their messages are never claimed until this runs. Safe while producers and
+    workers run (it takes the producers' key locks); a second run mends nothing.
+    """
+    with target.connect() as conn:
+        keys = admin.repair_heads(conn, target.table, batch_size=batch_size)
+    if as_json:
+        _echo_json({"repaired": len(keys), "keys": keys})
+    else:
+        click.echo(f"repaired {len(keys)} ordering key(s) without a head")
+
+
 # -- metrics -----------------------------------------------------------------------------------
 
 
 @cli.command()
 @click.option("--port", type=click.IntRange(0, 65535), default=9808, show_default=True, help="HTTP port.")
-@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--addr",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on. The page has no authentication: 0.0.0.0 exposes event types and "
+    "depths to any host that can reach this one.",
+)
 @click.option(
     "--timeout",
     metavar="DURATION",

@@ -13,9 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 from ._seconds import seconds
+from .dsn import invalid_dsn
 from .errors import ConfigurationError
 
 __all__ = ["UNSET", "OutboxConfig", "TableName", "Unset"]
@@ -229,7 +232,8 @@ class OutboxConfig:
         than ``scan_lookback`` behind the marks. Default 60.
     """
 
-    dsn: str | None = None
+    # Left out of repr (#21): error reporters that record locals (Sentry) send repr(config).
+    dsn: str | None = field(default=None, repr=False)
     table: TableName = field(default_factory=lambda: TableName("outbox"))
     lease: float = 60.0
     batch_size: int = 200
@@ -258,7 +262,7 @@ class OutboxConfig:
     lease_heartbeat: bool = False
     handler_time_limit: float | None = None
     listen: bool = True
-    listen_dsn: str | None = None
+    listen_dsn: str | None = field(default=None, repr=False)
     listen_poll: float = 1.0
     done_batch_delay: float = 0.05
     scan_lookback: float = 10.0
@@ -320,10 +324,19 @@ class OutboxConfig:
                 f"done_batch_delay must be below lease / 4 ({self.lease / 4:g} s), got "
                 f"{self.done_batch_delay:g} s: a done held longer could outlive its lease"
             )
-        if self.dsn is not None and not isinstance(self.dsn, str):
-            raise ConfigurationError("dsn must be a string")
-        if self.listen_dsn is not None and not isinstance(self.listen_dsn, str):
-            raise ConfigurationError("listen_dsn must be a string")
+        for name in ("dsn", "listen_dsn"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ConfigurationError(f"{name} must be a string")
+            # Refused here, before anything connects with it (#21): libpq quotes the part of a
+            # DSN it cannot parse (an unencoded "%" in a password) in its error, which the
+            # connection pool logs on every attempt and the listener on every reconnect.
+            try:
+                conninfo_to_dict(value)
+            except psycopg.Error as unparseable:
+                raise ConfigurationError(f"{name}: {invalid_dsn(value, unparseable)}") from None
         for name in ("claim_queue", "default_queue"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigurationError(f"{name} must be a non-empty string")
@@ -360,6 +373,17 @@ class OutboxConfig:
         if self.lease_heartbeat:
             return self.handler_time_limit if self.handler_time_limit is not None else 10 * self.lease
         return self.lease * 0.9
+
+    @property
+    def min_redelivery_timeout(self) -> float:
+        """Seconds a broker must leave an unacknowledged delivery alone: ``task_time_limit + lease``.
+
+        A delivery may run for :attr:`task_time_limit` and its row keeps a lease beyond that; a
+        broker that redelivers sooner (Redis ``visibility_timeout``, RabbitMQ
+        ``consumer_timeout``) hands a running claim to a second worker. Its fenced start is
+        refused (#21), but the copy is wasted work and, on RabbitMQ, the first channel is closed.
+        """
+        return self.task_time_limit + self.lease
 
     def replace(self, **changes: Any) -> OutboxConfig:
         """A copy with ``changes`` applied (and validated)."""

@@ -25,7 +25,7 @@ from .config import OutboxConfig
 from .errors import ConfigurationError, Defer, PermanentError, RetryableError
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
-from .store import Claimed, ScanMarks, Store
+from .store import Claimed, ScanMarks, Store, starter_token
 from .tracing import handler_span
 from .transactional import TransactionKind
 
@@ -41,6 +41,9 @@ BOUND_REFRESH = 1.0
 # Seconds of lease a handled message must have left, beyond done_batch_delay, for its done to
 # wait for a batch; with less the done is written at once, so it lands inside the lease.
 DONE_BATCH_MARGIN = 1.0
+
+# How last_error starts when the library failed before the handler ran (never the handler's fault).
+PRE_HANDLER_FAILURE = "outbox-celery failed before calling the handler (the handler did not run)"
 
 T = TypeVar("T")
 
@@ -64,7 +67,7 @@ class HandlerSpec:
     """A registered handler and the queue its event type is routed to.
 
     :ivar transaction: set for a transactional handler (``fn`` then takes ``(message, conn)``
-        and runs inside the transaction of its fenced done, DESIGN invariant 19).
+        and runs inside the transaction of its fenced done, DESIGN invariant 20).
     """
 
     event_type: str
@@ -356,15 +359,27 @@ class Dispatcher:
         # The start gives the row at least one lease from now on the database's clock; its end
         # is tracked on this process's monotonic clock, a duration, never a wall time.
         lease_end = time.monotonic() + cfg.lease
-        msg = self._fenced_write(
-            "start",
-            outbox_id,
-            lease_version,
-            lambda conn: self.store.start(
-                conn, outbox_id, lease_version, lease=cfg.lease, max_attempts=cfg.max_attempts
-            ),
-        )
+        # One token for the start and its retry: a retry after a lost reply gets its own start
+        # back uncounted, while any other start of this claim is refused (#21).
+        starter = starter_token()
         log: dict[str, Any] = {"outbox_id": outbox_id, "lease_version": lease_version}
+        try:
+            msg = self._fenced_write(
+                "start",
+                outbox_id,
+                lease_version,
+                lambda conn: self.store.start(
+                    conn,
+                    outbox_id,
+                    lease_version,
+                    lease=cfg.lease,
+                    max_attempts=cfg.max_attempts,
+                    starter=starter,
+                ),
+            )
+        except Exception as exc:
+            self._failed_before_handler(outbox_id, lease_version, exc, log)
+            raise
         if msg is None:
             logger.info(
                 "outbox id %s version %s is stale or exhausted; handler not called",
@@ -423,9 +438,11 @@ class Dispatcher:
         log: dict[str, Any],
         started: float,
     ) -> Outcome:
-        """A transactional handler: its writes and the fenced done commit together (invariant 19).
+        """A transactional handler: its writes and the fenced done commit together (invariant 20).
 
-        The transaction is bounded by ``task_time_limit`` (``Store.limit_transaction``); the
+        A failure before the handler is called (opening or bounding the transaction) is the
+        library's, recorded as such. The transaction is bounded by ``task_time_limit``
+        (``Store.limit_transaction``); the
         done is its last statement and durable (never batched, never relaxed: it commits the
         handler's effect). A done that loses the fence raises inside the transaction, which
         rolls the effect back. Any exception rolls back too; its outcome is then recorded in a
@@ -433,6 +450,7 @@ class Dispatcher:
         """
         cfg = self.config
         ordered = msg.ordering_key is not None
+        called = False
         try:
             with (
                 lease_heartbeat(cfg, msg.extend_lease, log=log),
@@ -447,12 +465,18 @@ class Dispatcher:
                         f"ordered messages need a READ COMMITTED transaction, the {kind.name} "
                         f"transactional handler of {msg.event_type!r} runs in {isolation}"
                     )
+                called = True
                 spec.fn(msg, handle)
                 if not self.store.done(conn, msg.id, version, ordered=ordered, joined=True):
                     raise _Superseded
         except _Superseded:
             outcome = Outcome.LOST_LEASE
         except BaseException as exc:
+            if not called and isinstance(exc, Exception):
+                # The transaction could not be opened or bounded (or an ordered message met
+                # another isolation level): the library's failure, not the handler's (#21).
+                self._failed_before_handler(msg.id, version, exc, log)
+                raise
             conflict = _transaction_conflict(exc)
             if conflict is not None:
                 exc = RetryableError(f"transaction conflict ({conflict.sqlstate}): {conflict}")
@@ -518,6 +542,47 @@ class Dispatcher:
         )
         return Outcome.UNROUTABLE
 
+    def _failed_before_handler(
+        self, outbox_id: int, version: int, exc: Exception, log: dict[str, Any]
+    ) -> None:
+        """The library's own code failed between the claim and the handler: say so at once.
+
+        Left alone, the row would sit ``processing`` until its lease ran out with an empty
+        ``last_error``, be claimed again and again, and finally be reaped as if its worker had
+        been lost. Instead the failure is written now, fenced, as a retryable one: back to
+        ``pending`` after a short backoff with the attempt kept (the start may have counted
+        it), ``dead`` once attempts are exhausted, ``last_error`` naming the library, not the
+        handler, as the culprit. When even that write fails (the database is unreachable), the
+        row comes back through its lease as before.
+        """
+        error = f"{PRE_HANDLER_FAILURE}: {_error_text(exc)}"[:4000]
+        try:
+            self._fenced_write(
+                "retry",
+                outbox_id,
+                version,
+                lambda conn: self.store.retry(
+                    conn,
+                    outbox_id,
+                    version,
+                    delay=self.backoff.delay(1),
+                    error=error,
+                    max_attempts=self.config.max_attempts,
+                ),
+            )
+        except Exception:
+            logger.exception(
+                "outbox id %s: could not record the failure before the handler", outbox_id, extra=log
+            )
+        logger.error(
+            "outbox id %s: outbox-celery failed before calling the handler (%s: %s); the handler "
+            "did not run, the message is retried after a backoff",
+            outbox_id,
+            type(exc).__name__,
+            exc,
+            extra={**log, "outcome": Outcome.ERROR},
+        )
+
     def _record_error(self, outbox_id: int, version: int, error: str) -> None:
         """Keep an unclassified error; the row comes back through its lease."""
         self._fenced_write(
@@ -536,9 +601,9 @@ class Dispatcher:
         a failover, ``pg_terminate_backend``); recently used ones are not checked before use
         (IdleCheck). Retrying is safe: the write is fenced on the claim's ``lease_version`` and
         status, so whichever run lands first wins and a second changes nothing (DESIGN
-        invariant 4); a start whose commit was lost with its reply at most counts one attempt
-        more. Without the retry a finalize would be lost until the lease ends, and the message
-        delivered again.
+        invariant 4); a start whose reply was lost after its commit is found again by its token
+        and counts nothing more (#21). Without the retry a finalize would be lost until the
+        lease ends, and the message delivered again.
         """
         try:
             with self.connection() as conn:

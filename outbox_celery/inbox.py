@@ -77,7 +77,12 @@ def migrate_inbox(conn: psycopg.Connection[Any], table: str | TableName = DEFAUL
 
 
 def first_time(
-    conn: Any, key: str, *, event_type: str | None = None, table: str | TableName = DEFAULT_TABLE
+    conn: Any,
+    key: str,
+    *,
+    event_type: str | None = None,
+    table: str | TableName = DEFAULT_TABLE,
+    previous_key: str | None = None,
 ) -> bool:
     """Record ``key`` in ``conn``'s current transaction; ``True`` the first time.
 
@@ -87,13 +92,24 @@ def first_time(
     :param key: the message's idempotency key (``Message.idempotency_key``, an
         ``Idempotency-Key`` header); 1-400 characters.
     :param event_type: stored with the key, for people reading the table.
+    :param previous_key: the key the same message had before (``Message.legacy_idempotency_key``:
+        the sender's keys gained its table's identity in #21). Recorded too, and if it was
+        recorded already (the effect was applied under the old key) this returns ``False``.
+        Pass it for as long as the sender may redeliver a message it first sent under the old
+        key (see the module docstring for how long that is).
     :raises ProducerError: bad key, unsupported connection, or no transaction.
     """
     key = _text(key, "idempotency key", MAX_KEY_LENGTH)
     view = sync_view(conn)
     _check_transaction(view, allow_autocommit=False)
     query = _queries(str(TableName.parse(table)))["record"]
-    return bool(view.fetch((query, {"key": key, "event_type": event_type})))
+    new = bool(view.fetch((query, {"key": key, "event_type": event_type})))
+    if new and previous_key is not None and previous_key != key:
+        # Recorded, not merely looked up: a concurrent delivery under the old key waits for
+        # this transaction and then skips, exactly as for one key.
+        previous = _text(previous_key, "previous idempotency key", MAX_KEY_LENGTH)
+        new = bool(view.fetch((query, {"key": previous, "event_type": event_type})))
+    return new
 
 
 def apply_once(
@@ -103,13 +119,14 @@ def apply_once(
     *,
     event_type: str | None = None,
     table: str | TableName = DEFAULT_TABLE,
+    previous_key: str | None = None,
 ) -> bool:
     """Call ``effect()`` only if ``key`` is new (see :func:`first_time`); whether it was called.
 
     ``effect`` runs in the caller's transaction; if it raises, roll that transaction back (the
     ``with conn.transaction()`` block does) and the key is not recorded either.
     """
-    if not first_time(conn, key, event_type=event_type, table=table):
+    if not first_time(conn, key, event_type=event_type, table=table, previous_key=previous_key):
         return False
     effect()
     return True

@@ -28,6 +28,7 @@ from typing import Any
 import psycopg
 
 from .dispatch import ClaimRun
+from .dsn import error_line
 from .store import Store
 
 __all__ = ["Listener"]
@@ -131,7 +132,7 @@ class Listener:
                     "outbox listener %s: %s: %s; reconnecting in %.1fs",
                     self.name,
                     type(exc).__name__,
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+                    error_line(exc, self.dsn),
                     delay,
                     extra={"outcome": "listener_error"},
                 )
@@ -173,6 +174,18 @@ class Listener:
             self._count("notifications", got)
         return got > 0
 
+    def _hold_off(self, conn: psycopg.Connection[Any], seconds: float) -> None:
+        """Wait ``seconds`` (or until stopped), draining every notification that arrives."""
+        deadline = time.monotonic() + seconds
+        got = 0
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            got += sum(1 for _ in conn.notifies(timeout=min(left, _STOP_CHECK)))
+        if got:
+            self._count("notifications", got)
+
     def _claim_until_quiet(self, conn: psycopg.Connection[Any]) -> float:
         """Claim until a run was not held off by another one; return how long to wait next."""
         busy_wait = _BUSY_RETRY[0]
@@ -181,11 +194,14 @@ class Listener:
             self._count("claims")
             if run is not None and run.stopped_by == "another_claim_running":
                 # Another process's run holds the claim lock and may have read the table before
-                # the notifying transaction committed: try again once it is done.
-                if self._wait_notification(conn, busy_wait):
-                    busy_wait = _BUSY_RETRY[0]
-                else:
-                    busy_wait = min(busy_wait * 2, _BUSY_RETRY[1])
+                # the notifying transaction committed: try again once it is done. The wait
+                # doubles up to _BUSY_RETRY[1] while runs are held off, and notifications do not
+                # cut it short (#21): under a storm of commits each one used to trigger another
+                # attempt at once, hundreds a second per worker, while the holder's run claims
+                # what they announce anyway. They are drained meanwhile and answered by the
+                # next attempt.
+                self._hold_off(conn, busy_wait)
+                busy_wait = min(busy_wait * 2, _BUSY_RETRY[1])
                 continue
             if run is not None and run.stopped_by == "budget":
                 continue  # a backlog: keep claiming

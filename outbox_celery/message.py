@@ -57,16 +57,22 @@ class Message:
     :ivar event_type: the routing key of the event, e.g. ``"order.created"``.
     :ivar aggregate_type: the kind of business object, e.g. ``"order"``.
     :ivar aggregate_id: the business object's id, as text.
-    :ivar payload: the decoded JSON payload.
+    :ivar payload: the JSON value that was enqueued, as it was given: a ``dict``, ``list``,
+        ``str``, ``int``, ``float``, ``bool`` or ``None`` (a string payload, ``json.dumps``
+        output included, arrives as that same ``str``).
     :ivar attempts: handler runs so far, this one included (1 on the first run).
     :ivar created_at: when the producer's transaction wrote the row (database clock).
     :ivar lease_version: the fencing token of the claim this run belongs to.
     :ivar ordering_key: set for ordered messages; ``None`` otherwise.
     :ivar idempotency_key: stable across every redelivery of this message; send it downstream
         (an ``Idempotency-Key`` header, a message id) so the receiver can de-duplicate. It is
-        ``<schema>.<table>:<id>`` with the table as PostgreSQL resolves it, e.g.
-        ``public.outbox:42``, whether the outbox was configured as ``outbox`` or
-        ``public.outbox``.
+        ``<instance>/<schema>.<table>:<id>``: the table's identity (a UUID drawn once by
+        migration 0006, so two databases never share keys, #21), then the table as PostgreSQL
+        resolves it, e.g. ``1b4e...c2/public.outbox:42``, whether the outbox was configured as
+        ``outbox`` or ``public.outbox``.
+    :ivar legacy_idempotency_key: the key releases before #21 sent for this message
+        (``public.outbox:42``), for receivers that stored those: see
+        :func:`outbox_celery.inbox.first_time`'s ``previous_key``.
     :ivar trace_context: the producer's trace context, or ``None``.
     """
 
@@ -84,6 +90,7 @@ class Message:
     #: The producer's trace context (W3C ``traceparent``...), when it had one: see
     #: :mod:`outbox_celery.tracing`.
     trace_context: dict[str, str] | None = field(default=None, repr=False, compare=False)
+    legacy_idempotency_key: str = field(default="", repr=False, compare=False)
 
     def extend_lease(self, seconds: float) -> bool:
         """Ask for ``seconds`` more of lease from now (database clock), fenced.
@@ -97,10 +104,13 @@ class Message:
         return self._extend(seconds)
 
 
-def idempotency_key(table: str, outbox_id: int) -> str:
+def idempotency_key(table: str, outbox_id: int, instance: str | None = None) -> str:
     """The stable idempotency key of message ``outbox_id`` in ``table``.
 
     ``table`` is the schema-qualified name as PostgreSQL resolves it (``public.outbox``, see
     :meth:`~outbox_celery.store.Store.canonical_name`), so each message has exactly one key.
+    ``instance`` is the table's identity (a UUID written by migration 0006, #21):
+    ``<instance>/public.outbox:42``, distinct across databases and clusters. Without it, the
+    key of releases before #21 (``public.outbox:42``).
     """
-    return f"{table}:{outbox_id}"
+    return f"{instance}/{table}:{outbox_id}" if instance else f"{table}:{outbox_id}"

@@ -3,7 +3,7 @@
 Database-side gauges only (depth per status, oldest pending age, expired leases, dead and
 blocked messages, attempts); task-level metrics come from Flower (see docs/operations.md).
 
-``prometheus_client`` is an optional dependency (``pip install outbox-celery[metrics]``); it is
+``prometheus_client`` is an optional dependency (the ``metrics`` extra); it is
 imported when a collector is built, never when this module is imported.
 
 ::
@@ -32,6 +32,7 @@ import psycopg
 
 from . import admin
 from .config import TableName
+from .dsn import error_line
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -57,7 +58,9 @@ def _import_prometheus() -> Any:
         import prometheus_client.core as core
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise ImportError(
-            "Prometheus metrics need prometheus_client: pip install 'outbox-celery[metrics]'"
+            "Prometheus metrics need prometheus_client: install the metrics extra "
+            "(python -m pip install '.[metrics]' in the outbox-celery source tree) "
+            "or pip install prometheus-client"
         ) from exc
     return core
 
@@ -93,6 +96,8 @@ class OutboxCollector:
         self.handlers = frozenset(handlers) if handlers is not None else None
         self.namespace = namespace
         self.timeout = timeout
+        # Only to scrub it from logged errors (dsn.error_line); never logged itself.
+        self._dsn: str | None = source if isinstance(source, str) else None
         if isinstance(source, str):
             dsn = source
 
@@ -152,6 +157,12 @@ class OutboxCollector:
             ),
             "blocked_keys": g(
                 f"{ns}_blocked_keys", "Ordering keys whose head message is dead.", labels=["table"]
+            ),
+            "headless_keys": g(
+                f"{ns}_headless_keys",
+                "Ordering keys with unfinished messages and no head: never claimed until "
+                "`outbox-celery repair-heads` (should be 0).",
+                labels=["table"],
             ),
             "blocked_messages": g(
                 f"{ns}_blocked_messages",
@@ -228,7 +239,7 @@ class OutboxCollector:
                 logger.warning(
                     "outbox metrics: stats of %s failed: %s",
                     name,
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                    error_line(exc, self._dsn) or type(exc).__name__,
                     extra={"outbox_table": name},
                 )
                 fams["up"].add_metric([name], 0)
@@ -249,6 +260,7 @@ class OutboxCollector:
         fams["expired"].add_metric([name], s.expired_leases)
         fams["blocked_keys"].add_metric([name], s.blocked_keys)
         fams["blocked_messages"].add_metric([name], s.blocked_messages)
+        fams["headless_keys"].add_metric([name], s.headless_keys)
         for e in s.event_types:
             for status in _LIVE:
                 fams["type_messages"].add_metric([name, e.event_type, status], getattr(e, status))
@@ -275,10 +287,14 @@ def start_exporter(
     collector: OutboxCollector,
     *,
     port: int = DEFAULT_PORT,
-    addr: str = "0.0.0.0",
+    addr: str = "127.0.0.1",
     worker_metrics_dir: str | None = None,
 ) -> tuple[Any, CollectorRegistry]:
     """Serve ``/metrics`` for ``collector`` on ``addr:port`` from a daemon thread.
+
+    ``addr`` defaults to the loopback interface (#21): the page has no authentication and
+    names event types and depths. Pass ``"0.0.0.0"`` (or one interface's address) to let a
+    Prometheus on another host scrape it, behind a firewall or a network policy.
 
     The registry holds only this collector (no Python process metrics) and, with
     ``worker_metrics_dir``, the counters that workers on this machine wrote there in

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 from ._connections import IDLE, INERROR, _View, async_view, drive, drive_async, sync_view
 from ._seconds import seconds
 from .config import TableName
-from .errors import ProducerError
+from .errors import ProducerError, first_line
 from .store import Store, WritePlan
 from .tracing import capture
 
@@ -37,6 +38,8 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 MAX_EVENT_TYPE_LENGTH = 200
 MAX_AGGREGATE_LENGTH = 200
 MAX_DEDUP_KEY_LENGTH = 400
+# PostgreSQL's SQLSTATE for "relation does not exist": the schema was never migrated.
+UNDEFINED_TABLE = "42P01"
 
 _stores: dict[str, Store] = {}
 
@@ -183,6 +186,47 @@ def _plan(
     return _store(table).write_plan(rows, notify=notify)
 
 
+def _sqlstate(exc: BaseException) -> str | None:
+    """The PostgreSQL SQLSTATE behind ``exc``, whichever driver or wrapper raised it.
+
+    psycopg 3 says ``sqlstate``, psycopg2 ``pgcode``; SQLAlchemy keeps the driver's error in
+    ``orig``, Django in ``__cause__``.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        code = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if isinstance(code, str):
+            return code
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+    return None
+
+
+def _missing_table(exc: BaseException, table: str | TableName) -> ProducerError | None:
+    """A :class:`ProducerError` that says what to run when ``exc`` is "the table does not exist"."""
+    if _sqlstate(exc) != UNDEFINED_TABLE:
+        return None
+    return ProducerError(
+        f"the outbox table {TableName.parse(table)} does not exist in this database ({first_line(exc)}): "
+        "is the schema installed? run `outbox-celery migrate` (with the Django app: "
+        "`manage.py migrate`); this transaction has failed, roll it back"
+    )
+
+
+@contextmanager
+def _explained(table: str | TableName) -> Iterator[None]:
+    """Re-raise the driver's "no such table" as a :class:`ProducerError` that says what to run."""
+    try:
+        yield
+    except Exception as exc:
+        missing = _missing_table(exc, table)
+        if missing is None:
+            raise
+        raise missing from exc
+
+
 def _write(
     conn: Any, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool, notify: bool
 ) -> list[int]:
@@ -191,10 +235,11 @@ def _write(
     plan = _plan(view, rows, table, allow_autocommit, notify)
     if plan is None:
         return []
-    if not _owns_transaction(view):
-        return drive(view, plan)
-    with view.own_transaction():
-        return drive(view, plan)
+    with _explained(table):
+        if not _owns_transaction(view):
+            return drive(view, plan)
+        with view.own_transaction():
+            return drive(view, plan)
 
 
 async def _write_async(
@@ -205,10 +250,11 @@ async def _write_async(
     plan = _plan(view, rows, table, allow_autocommit, notify)
     if plan is None:
         return []
-    if not _owns_transaction(view):
-        return await drive_async(view, plan)
-    async with view.own_transaction():
-        return await drive_async(view, plan)
+    with _explained(table):
+        if not _owns_transaction(view):
+            return await drive_async(view, plan)
+        async with view.own_transaction():
+            return await drive_async(view, plan)
 
 
 def enqueue(
@@ -233,8 +279,9 @@ def enqueue(
         ``Session`` or ``Connection`` on the psycopg 3 or psycopg2 driver (a Session or
         Connection that has not begun yet begins, as its next ``execute()`` would).
     :param event_type: routes the event to its handler and queue; 1-200 characters.
-    :param payload: anything :func:`json.dumps` accepts (no NaN/Infinity), at most
-        ``max_payload_bytes`` once encoded.
+    :param payload: any JSON value :func:`json.dumps` accepts (no NaN/Infinity), at most
+        ``max_payload_bytes`` once encoded. The handler receives it as given: a ``str`` is
+        stored as a JSON string and arrives as that ``str``, never parsed.
     :param aggregate_type: the kind of business object (``"order"``); 1-200 characters.
     :param aggregate_id: its id; 1-200 characters.
     :param ordered: deliver in commit order with the other ordered events of the same
@@ -251,7 +298,8 @@ def enqueue(
         id is returned; concurrent producers of one key end with exactly one row. The key is free
         again once retention has purged its row (``done`` rows older than ``purge_older_than``).
     :raises ProducerError: bad input, an unsupported connection, or no transaction; nothing is
-        written.
+        written. Also when the table does not exist (the schema was never migrated): the message
+        says to run ``outbox-celery migrate``, the driver's error is its ``__cause__``.
     """
     event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key, dedup_key)
     return _write(conn, [_row(event, max_payload_bytes)], table, allow_autocommit, notify)[0]

@@ -16,10 +16,12 @@ Each finalizer is fenced: it changes the row only when ``status = 'processing'``
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -37,7 +39,14 @@ from .config import TableName
 from .errors import ProducerError
 from .message import Message, Outcome, Status, idempotency_key
 
-__all__ = ["Claimed", "ScanMarks", "Store"]
+__all__ = ["Claimed", "ScanMarks", "Store", "starter_token"]
+
+# Distinct ordering keys one producer call may lock (#21). Each key's lock is held to commit in
+# PostgreSQL's shared lock table, whose size is max_locks_per_transaction x (max_connections +
+# max_prepared_transactions) for the whole server (6,400 on a stock one): a bulk import of
+# 20,000 keys failed with "out of shared memory", and every other session needing a lock failed
+# with it meanwhile. Refused before anything is written instead; split such batches.
+MAX_ORDERING_KEYS = 1000
 
 # A producer's statement and the plan that yields them (see Store.write_plan).
 Statement = tuple[sql.Composed, dict[str, Any]]
@@ -47,6 +56,15 @@ logger = logging.getLogger(__name__)
 
 # Expired leases handled per statement of a claim (release_expired, reap).
 _EXPIRED_BATCH = 1000
+
+
+def starter_token() -> str:
+    """``host:pid:<random>``: names one fenced start (written to ``lease_owner``).
+
+    A start's retry after a lost reply passes the same token and gets its row back
+    (:meth:`Store.start`); any other start of the same claim is refused.
+    """
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +187,7 @@ class Store:
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._canonical: str | None = None
+        self._instance: str | None = None
 
     # -- transactions --------------------------------------------------------------------------
 
@@ -271,6 +290,40 @@ class Store:
             self._canonical = f"{row[0]}.{row[1]}"
         return self._canonical
 
+    def instance(self, conn: psycopg.Connection[Any]) -> str | None:
+        """The table's identity (a UUID drawn once by migration 0006), or ``None`` before it.
+
+        The discriminator of idempotency keys (#21): two databases or clusters with an outbox
+        of the same name never send the same key. Read once per Store, then cached; a table not
+        migrated to 0006 yet gives ``None`` (keys of the previous form, logged) until the
+        process restarts.
+        """
+        if self._instance is None:
+            name = self.table.identifier(_sql.INSTANCE_SUFFIX).as_string(conn)
+            found = conn.execute(self._q["instance"], {"instance_table": name}).fetchone()
+            state = str(found[0]) if found else "missing"
+            self._instance = ""
+            if state == "ok":
+                row = conn.execute(self._q["instance_id"]).fetchone()
+                self._instance = str(row[0]) if row else ""
+            if not self._instance:
+                why = {
+                    "missing": "migration 0006 not applied",
+                    "denied": f"this role may not read it: GRANT SELECT ON {name} to the workers' role",
+                }.get(state, "its row is missing")
+                logger.error(
+                    "outbox table %s has no readable identity (%s): idempotency keys keep the "
+                    "previous form until this is fixed and workers restart",
+                    self.table.qualified,
+                    why,
+                    extra={"outbox_table": self.table.qualified},
+                )
+        return self._instance or None
+
+    def key_prefix(self, conn: psycopg.Connection[Any]) -> str:
+        """What every idempotency key of this table starts with (``<instance>/public.outbox:``)."""
+        return idempotency_key(self.canonical_name(conn), 0, self.instance(conn))[:-1]
+
     def insert(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> int:
         """Insert one validated row in the caller's transaction (no key lock)."""
         return self._run(conn, self.write_plan([row], lock=False))[0]
@@ -309,6 +362,9 @@ class Store:
     ) -> WritePlan:
         """The producer's statements for validated rows, as a plan without I/O.
 
+        Refuses (:class:`~outbox_celery.errors.ProducerError`, before any statement) rows with
+        more than :data:`MAX_ORDERING_KEYS` distinct ordering keys (#21).
+
         Yields ``(query, params)`` for the key locks (invariant 9), then the insert, then, when
         a dedup key was already taken, the lookup of the row holding it; the caller executes
         each in its transaction and sends back the rows it returned; the plan returns the ids
@@ -318,6 +374,15 @@ class Store:
         statement, no extra round trip.
         """
         keys = [r["ordering_key"] for r in rows if r["ordering_key"] is not None]
+        distinct = len(set(keys))
+        if lock and distinct > MAX_ORDERING_KEYS:
+            raise ProducerError(
+                f"{distinct} distinct ordering keys in one enqueue; the limit is {MAX_ORDERING_KEYS}: "
+                "each key's lock is held until commit in PostgreSQL's shared lock table "
+                "(max_locks_per_transaction x max_connections for the whole server), which a larger "
+                "batch can exhaust ('out of shared memory', for every session). Nothing was written; "
+                f"split the events into transactions of at most {MAX_ORDERING_KEYS} keys each"
+            )
         if keys and lock:
             locked = yield self._q["lock_keys"], {"table": self._regclass(None), "keys": keys}
             self._check_isolation(locked)
@@ -337,11 +402,19 @@ class Store:
             # row): the row that holds the key answers, and nothing new was written for it.
             found = yield self._q["dedup_ids"], {"keys": missing}
             by_key.update({k: int(i) for i, k in found})
-            dropped = sorted({r["ordering_key"] for r in rows if r.get("dedup_key") in missing} - {None})
-            if dropped and lock:
-                # A dropped row may have been its key's head candidate in the batch: hand the
-                # head to the key's lowest unfinished message, still under the key lock.
-                yield self._q["settle_heads"], {"keys": dropped}
+        if lock and len(inserted) < len(rows):
+            # Some rows were dropped as duplicates: a dedup key taken before, or one shared by
+            # two rows of this batch (the later one is dropped, #21). A dropped row may have been
+            # its ordering key's head candidate: hand every such key's head to its lowest
+            # unfinished message, still under the key lock (a no-op where the head is right).
+            # Keys whose first row in the batch carries no dedup key cannot have lost it.
+            first: dict[str, dict[str, Any]] = {}
+            for r in rows:
+                if r["ordering_key"] is not None:
+                    first.setdefault(r["ordering_key"], r)
+            unsettled = sorted(k for k, r in first.items() if r.get("dedup_key") is not None)
+            if unsettled:
+                yield self._q["settle_heads"], {"keys": unsettled}
         gone = sorted({r["dedup_key"] for r in rows if r.get("dedup_key") is not None} - by_key.keys())
         if gone:
             # Only a purge between our insert and the lookup (or a REPEATABLE READ snapshot that
@@ -551,11 +624,19 @@ class Store:
         *,
         lease: float,
         max_attempts: int,
+        starter: str | None = None,
     ) -> Message | None:
         """The fenced start: count the attempt, extend the lease, return the message.
 
-        ``None`` when the claim is stale (version superseded, row finished or released), and
-        also when the row already spent every attempt, in which case it goes ``dead``.
+        A claim starts once (#21): ``None`` when the claim is stale (version superseded, row
+        finished or released) or already started by another task (a redelivery while the first
+        run holds the lease: two runs of one claim at once are refused here). ``None`` too when
+        a claim that never started finds every attempt spent, in which case the row goes
+        ``dead``; a started claim is never made dead here, the reap judges it when its lease ends.
+
+        :param starter: names this start (:func:`starter_token`; a fresh one by default). Called
+            again with the same token after its reply was lost, the start returns the row
+            without counting the attempt again.
         """
         params = {
             "id": outbox_id,
@@ -563,10 +644,19 @@ class Store:
             "lease": lease,
             "max_attempts": max_attempts,
             "commit_mode": self._commit_mode(conn),
+            "starter": starter or starter_token(),
         }
         with self._single_statement(conn):
             cur = conn.cursor(row_factory=dict_row)
             row = cur.execute(self._q["start"], params).fetchone()
+        if row is None and starter is not None:
+            # The retry of a start that committed although its reply was lost: our own claim.
+            with self._single_statement(conn):
+                cur = conn.cursor(row_factory=dict_row)
+                row = cur.execute(self._q["resume"], params).fetchone()
+            if row is not None:
+                self._count("resumed_starts")
+                return self._message(conn, row)
         if row is None:
             # Its own statement: it re-checks the fence, whatever happened in between.
             with self._single_statement(conn):
@@ -587,21 +677,24 @@ class Store:
                 self._count("stale_starts")
             return None
         self._count("started")
-        payload = row["payload"]
-        if isinstance(payload, str):  # pragma: no cover - only without the jsonb loader
-            payload = json.loads(payload)
+        return self._message(conn, row)
+
+    def _message(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> Message:
         return Message(
             id=int(row["id"]),
             event_type=row["event_type"],
             aggregate_type=row["aggregate_type"],
             aggregate_id=row["aggregate_id"],
-            payload=payload,
+            # Decoded by psycopg's jsonb loader: whatever JSON value was enqueued, a string
+            # included (a str payload is a JSON string, never JSON text to decode again).
+            payload=row["payload"],
             attempts=int(row["attempts"]),
             created_at=row["created_at"],
             lease_version=int(row["lease_version"]),
             ordering_key=row["ordering_key"],
-            idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"])),
+            idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"]), self.instance(conn)),
             trace_context=row.get("trace_context"),
+            legacy_idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"])),
         )
 
     def _fenced(self, conn: psycopg.Connection[Any], op: str, params: dict[str, Any]) -> Any:
@@ -632,7 +725,7 @@ class Store:
             does, from the fenced start): it saves the statement that does not apply. ``None``
             tries the unordered statement first and the ordered done when it changed nothing.
         :param joined: the done is the last statement of the caller's open transaction (a
-            transactional handler's, DESIGN invariant 19), which commits or rolls back as a
+            transactional handler's, DESIGN invariant 20), which commits or rolls back as a
             whole: its statements run there directly, without the savepoint a nested
             transaction would cost (two round trips).
         """

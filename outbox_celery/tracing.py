@@ -1,4 +1,4 @@
-"""Trace context through the outbox (OpenTelemetry, optional extra ``outbox-celery[otel]``).
+"""Trace context through the outbox (OpenTelemetry, the optional ``otel`` extra).
 
 * At enqueue, the context current in the producer (W3C ``traceparent``/``tracestate``, and
   ``baggage``: whatever the globally configured propagator writes) is stored with the row.

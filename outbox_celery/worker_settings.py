@@ -14,7 +14,7 @@ from typing import Any
 from .config import OutboxConfig
 from .dsn import DSN_ENV
 
-__all__ = ["check_worker_settings", "is_redis"]
+__all__ = ["check_worker_settings", "is_redis", "redelivery_problem"]
 
 # The Outbox's logger: the warnings have always come from there, and logging configs name it.
 logger = logging.getLogger("outbox_celery.celery_app")
@@ -29,6 +29,34 @@ _POOLS_SHARING_ONE_PROCESS = ("threads", "thread", "gevent", "eventlet")
 def is_redis(url: Any) -> bool:
     """Whether ``url`` names a Redis (or Sentinel) broker."""
     return str(url or "").startswith(("redis", "rediss", "sentinel"))
+
+
+# kombu's Redis transport redelivers unacknowledged messages after this many seconds by default.
+REDIS_DEFAULT_VISIBILITY_TIMEOUT = 3600.0
+
+
+def redelivery_problem(cfg: OutboxConfig, conf: Any) -> str | None:
+    """Why the broker would redeliver a running delivery, or ``None``.
+
+    On Redis the ``visibility_timeout`` (kombu's default 3600 s when unset) must exceed
+    :attr:`~outbox_celery.config.OutboxConfig.min_redelivery_timeout` (the delivery's time limit
+    plus a lease). RabbitMQ's ``consumer_timeout`` is a server setting the client cannot read:
+    docs/celery.md says how to set it.
+    """
+    if not is_redis(conf.broker_url):
+        return None
+    options = conf.broker_transport_options or {}
+    vt = float(options.get("visibility_timeout", REDIS_DEFAULT_VISIBILITY_TIMEOUT))
+    floor = cfg.min_redelivery_timeout
+    if vt > floor:
+        return None
+    return (
+        f"broker visibility_timeout={vt:g}s is not above the delivery's time limit plus a lease "
+        f"({cfg.task_time_limit:g}s + {cfg.lease:g}s = {floor:g}s; the limit is "
+        f"{'handler_time_limit' if cfg.lease_heartbeat else '0.9 x lease'}): Redis would hand "
+        "a running delivery to another worker. Raise broker_transport_options"
+        f"['visibility_timeout'] above {floor:g}, or leave it unset and the outbox sets one"
+    )
 
 
 def check_worker_settings(
@@ -56,13 +84,9 @@ def check_worker_settings(
             f"worker_prefetch_multiplier={conf.worker_prefetch_multiplier}: reserved deliveries "
             "wait in the worker while their lease runs; use 1"
         )
-    if is_redis(conf.broker_url):
-        vt = (conf.broker_transport_options or {}).get("visibility_timeout", 3600)
-        if vt <= cfg.lease:
-            problems.append(
-                f"broker visibility_timeout={vt}s is not above the lease ({cfg.lease}s): Redis "
-                "would redeliver tasks that are still running"
-            )
+    redelivery = redelivery_problem(cfg, conf)
+    if redelivery:
+        problems.append(redelivery)
     if conf.task_time_limit and conf.task_time_limit >= cfg.lease:
         problems.append(
             f"task_time_limit={conf.task_time_limit}s is not below the lease ({cfg.lease}s); "
@@ -70,7 +94,8 @@ def check_worker_settings(
         )
     if dsn_exposed:
         problems.append(
-            "outbox_dsn in the Celery configuration holds a password, and `celery report` and "
+            "outbox_dsn or outbox_listen_dsn in the Celery configuration holds a password, and "
+            "`celery report` and "
             "`celery inspect conf` print it (Celery masks only setting names it knows): set "
             f"{DSN_ENV} in the environment, pass Outbox(app, dsn=...), or keep the password in "
             "PGPASSWORD or a passfile"

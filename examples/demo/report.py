@@ -126,7 +126,7 @@ def snapshot(conn: psycopg.Connection[Any], source: str, *, full: bool = False) 
         params = {
             "ids": ids,
             "aids": [str(i) for i in ids],
-            "key_prefix": f"{Store(settings.OUTBOX_TABLE).canonical_name(conn)}:",
+            "key_prefix": Store(settings.OUTBOX_TABLE).key_prefix(conn),
         }
         row = cur.execute(sql.SQL(_OUTBOX).format(outbox=outbox), params).fetchone()
         receiver = cur.execute(_RECEIVER, params).fetchone()

@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--user", default="admin")
     parser.add_argument("--password", required=True)
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--list-size", default="1800,640", help="window size of the list, WIDTH,HEIGHT")
+    parser.add_argument("--list-size", default="1400,640", help="window size of the list, WIDTH,HEIGHT")
     parser.add_argument("--detail-size", default="1280,1180", help="window size of the detail page")
     parser.add_argument("--browser", default=shutil.which("chromium") or "chromium")
     args = parser.parse_args()

@@ -5,7 +5,7 @@ Run the pieces with Celery's own CLI (see the Procfile at the repository root)::
     celery -A examples.orders.app worker -Q outbox.claim --pool solo   # claims
     celery -A examples.orders.app worker -Q orders.webhooks            # deliveries
     celery -A examples.orders.app worker -Q orders.fulfilment          # deliveries
-    celery -A examples.orders.app beat                                 # triggers claims
+    celery -A examples.orders.app beat                                 # the safety net
     celery -A examples.orders.app flower --port 5555                   # watch it
 """
 
@@ -35,7 +35,8 @@ outbox = Outbox(
     dsn=settings.outbox_dsn(required=False),
     table=settings.OUTBOX_TABLE,
     lease=30.0,
-    claim_interval=0.5,
+    # No claim_interval: push claims at each commit, and beat's claim every 5 s (the default) is
+    # only the safety net for what a notification cannot see.
     claim_queue=settings.CLAIM_QUEUE,
     default_queue=settings.WEBHOOKS_QUEUE,
     max_attempts=10,

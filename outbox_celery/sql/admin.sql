@@ -72,6 +72,16 @@ blocked AS (
             WHERE w.ordering_key = d.ordering_key AND w.status <> 'done' AND w.id > d.id) AS waiting
     FROM {table} AS d
     WHERE d.status = 'dead' AND d.head AND d.ordering_key IS NOT NULL
+),
+-- Keys with unfinished messages none of which is flagged head: never claimed again, and
+-- neither ready nor blocked (#21). A producer or worker of a release before migration 0004
+-- leaves them (an insert that does not flag, a done that does not move the flag); repair_heads
+-- mends them. Read from the ordered rows "live" holds already.
+headless AS (
+    SELECT ordering_key FROM live
+    WHERE ordering_key IS NOT NULL
+    GROUP BY ordering_key
+    HAVING NOT bool_or(head)
 )
 SELECT
     now() AS now,
@@ -91,6 +101,7 @@ SELECT
     (SELECT count(*) FROM marked WHERE lost_claims > 0) AS unstarted,
     (SELECT count(*) FROM blocked) AS blocked_keys,
     (SELECT coalesce(sum(waiting), 0) FROM blocked) AS blocked_messages,
+    (SELECT count(*) FROM headless) AS headless_keys,
     (SELECT coalesce(json_agg(json_build_object(
                 'event_type', event_type, 'pending', pending, 'ready', ready,
                 'processing', processing, 'dead', dead, 'oldest_pending_age', oldest_pending_age,
@@ -218,14 +229,15 @@ FROM (SELECT DISTINCT ordering_key AS k FROM {table}
       ORDER BY 1) AS sorted_keys;
 
 -- name: skip_ids
--- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded. In SET,
+-- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded behind
+-- skip_mark (admin.SKIPPED_BY_OPERATOR), which is how a skipped row is told from a delivered one. In SET,
 -- "status" still reads the old value. A processing row whose lease expired may be skipped too
 -- (DESIGN invariant 10); a live lease never (a worker may be running it).
 UPDATE {table}
 SET status = 'done',
     done_at = now(),
     lease_until = NULL,
-    last_error = left('skipped by operator: ' || %(reason)s::text || ' (was ' || status
+    last_error = left(%(skip_mark)s::text || ': ' || %(reason)s::text || ' (was ' || status
                       || ', attempts ' || attempts || ')'
                       || coalesce('; previous error: ' || last_error, ''), 8000)
 WHERE id = ANY(%(ids)s::bigint[])
@@ -295,3 +307,51 @@ SELECT (SELECT kind FROM oldest) AS kind,
        extract(epoch FROM now() - greatest(pg_stat_get_last_autovacuum_time(%(table)s::regclass),
                                            pg_stat_get_last_vacuum_time(%(table)s::regclass)))::float8
            AS last_vacuum_age;
+
+-- name: headless_keys
+-- One page of keys with unfinished messages and no head among them (see stats), in key order
+-- after the previous page: the ordered index (ordering_key, id) serves the grouping.
+SELECT ordering_key FROM {table}
+WHERE ordering_key IS NOT NULL AND status <> 'done' AND ordering_key > %(after)s
+GROUP BY ordering_key
+HAVING NOT bool_or(head)
+ORDER BY ordering_key
+LIMIT %(limit)s;
+
+-- name: repair_heads
+-- Under the keys' producer locks (queries.sql lock_keys, taken by the statement before, so this
+-- snapshot holds every commit of those keys): the lowest unfinished message of each key that
+-- still has no head becomes its head, as settle_heads does. A key given a head meanwhile (a
+-- producer of this release) is left alone.
+UPDATE {table} AS o
+SET head = true, available_at = greatest(o.available_at, now())  -- as queries.sql settle_heads
+FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
+     LATERAL (SELECT id FROM {table}
+              WHERE ordering_key = keys.k AND status <> 'done'
+              ORDER BY id
+              LIMIT 1) AS first
+WHERE o.id = first.id AND NOT o.head
+  AND NOT EXISTS (SELECT 1 FROM {table} AS h
+                  WHERE h.ordering_key = keys.k AND h.status <> 'done' AND h.head)
+RETURNING o.ordering_key;
+
+-- name: unclaimed
+-- Claimable messages (due, and their key's head when ordered) left unclaimed for longer than
+-- older_than seconds past their available_at, per event type. A running outbox claims a due
+-- message within one claim interval (at once with push); one left many intervals means no claim
+-- worker is running, or none has a handler for its event type (the claim takes only those).
+-- Nothing is recorded per claim: each branch is a range of a pending partial index ordered by
+-- available_at (pending_idx, heads_idx), read only below the threshold.
+SELECT event_type, count(*) AS messages,
+       extract(epoch FROM now() - min(available_at))::float8 AS oldest_wait
+FROM (
+    SELECT event_type, available_at FROM {table}
+    WHERE status = 'pending' AND ordering_key IS NULL
+      AND available_at <= now() - make_interval(secs => %(older_than)s::float8)
+    UNION ALL
+    SELECT event_type, available_at FROM {table}
+    WHERE status = 'pending' AND head
+      AND available_at <= now() - make_interval(secs => %(older_than)s::float8)
+) AS waiting
+GROUP BY event_type
+ORDER BY event_type;

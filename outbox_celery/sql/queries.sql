@@ -236,22 +236,42 @@ RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
 -- name: start
 -- The fenced start: the worker is about to run the handler. Counts the attempt here, not at
 -- claim, because a broker hop sits between the two (DESIGN invariant 3).
+-- Once per claim (#21): a claim that already started (started_version = lease_version) is never
+-- started again, so a task the broker redelivers while the first run still holds the lease (a
+-- Redis visibility_timeout or RabbitMQ consumer_timeout shorter than the run) calls nothing;
+-- only the start's own retry after a lost reply gets its row back (resume). The starter's token
+-- goes into lease_owner: who runs the claim now, and what resume matches.
 -- commit_mode 'off' relaxes synchronous_commit for this statement's own transaction (NULL keeps
 -- the current setting): see Store's relaxed_commit for why losing it costs at most a redelivery.
 UPDATE {table}
 SET attempts = attempts + 1,
     started_version = lease_version,
+    lease_owner = %(starter)s,
     lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
 FROM (SELECT set_config('synchronous_commit',
                         coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
                         true)) AS commit_mode
 WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
-  AND attempts < %(max_attempts)s
+  AND started_version < lease_version AND attempts < %(max_attempts)s
+RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
+          lease_version, ordering_key, trace_context;
+
+-- name: resume
+-- The retry of a start whose reply was lost with its connection (#21): the start committed, so
+-- the claim is started under this starter's token. The row comes back as the start returned it,
+-- with no attempt counted again and never made dead here (DESIGN invariant 3).
+UPDATE {table}
+SET lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
+WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+  AND started_version = lease_version AND lease_owner = %(starter)s
 RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
           lease_version, ordering_key, trace_context;
 
 -- name: start_exhausted
--- A redelivered task whose row already spent every attempt (e.g. it kills its worker).
+-- A claim that never started and whose row has no attempt left (max_attempts lowered since,
+-- for one). A claim that did start is not judged here: its run may still be going (a
+-- redelivered task) or its start's reply was lost (resume); the reap decides once its lease
+-- has run out (DESIGN invariant 5).
 UPDATE {table}
 SET status = 'dead',
     lease_until = NULL,
@@ -259,6 +279,7 @@ SET status = 'dead',
     last_error = 'attempts exhausted: ' || attempts || ' handler run(s) of ' || %(max_attempts)s::int
                  || ' started without a result' || coalesce('; last error: ' || last_error, '')
 WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+  AND started_version < lease_version
   AND attempts >= %(max_attempts)s
 RETURNING id;
 
@@ -332,7 +353,7 @@ moved AS (
 SELECT fin.id, (SELECT o.id FROM moved AS o) FROM fin;
 
 -- name: transaction_limits
--- First statement of a transactional handler's transaction (DESIGN invariant 19): bounds it
+-- First statement of a transactional handler's transaction (DESIGN invariant 20): bounds it
 -- below the lease, for this transaction only (is_local). statement_timeout cancels a statement
 -- that runs longer (an error: the transaction rolls back); idle_in_transaction_session_timeout
 -- ends the session when the handler leaves the transaction idle that long (the server rolls it
@@ -424,6 +445,17 @@ SELECT n.nspname, c.relname
 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
 WHERE c.oid = %(table)s::regclass;
 
+-- name: instance
+-- Whether the table's identity (migration 0006, #21), the discriminator of idempotency keys, can
+-- be read: 'missing' while the table is not migrated yet (to_regclass: no error for a missing
+-- table), 'denied' when this role may not read it (a worker role granted the outbox table only).
+SELECT CASE WHEN to_regclass(%(instance_table)s) IS NULL THEN 'missing'
+            WHEN has_table_privilege(to_regclass(%(instance_table)s), 'SELECT') THEN 'ok'
+            ELSE 'denied' END;
+
+-- name: instance_id
+SELECT instance::text FROM {instance_table};
+
 -- name: settle_heads
 -- After a skip (admin) or a batch insert that dropped a key's first row as a duplicate dedup
 -- key (producer), under the keys' locks: the lowest unfinished message of each key becomes its head
@@ -445,7 +477,8 @@ SELECT 'outbox_celery_' || %(table)s::regclass::oid::text;
 
 -- name: next_due
 -- Seconds (database clock) until the next row of these event types becomes claimable within
--- the next %(within)s seconds: a delayed, backed-off or deferred pending row, or a live lease
+-- the next %(within)s seconds: a delayed, backed-off or deferred pending row or ordered head
+-- (#21: a message behind its key's head waits for the head, not for the clock), or a live lease
 -- running out. NULL when nothing comes due that soon. Each branch is one probe of a partial
 -- index ordered by that time, bounded to the window: the leases of the last lease period
 -- (finished ones too, while a pinned xmin horizon keeps their dead versions) lie between now()
@@ -453,6 +486,11 @@ SELECT 'outbox_celery_' || %(table)s::regclass::oid::text;
 SELECT extract(epoch FROM least(
     (SELECT available_at FROM {table}
      WHERE status = 'pending' AND ordering_key IS NULL AND available_at > now()
+       AND available_at <= now() + make_interval(secs => %(within)s)
+       AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+     ORDER BY available_at, id LIMIT 1),
+    (SELECT available_at FROM {table}
+     WHERE status = 'pending' AND head AND available_at > now()
        AND available_at <= now() + make_interval(secs => %(within)s)
        AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
      ORDER BY available_at, id LIMIT 1),

@@ -43,3 +43,10 @@ CREATE INDEX {dead_idx} ON {table} (id)
     WHERE status = 'dead';
 CREATE UNIQUE INDEX {dedup_idx} ON {table} (dedup_key)
     WHERE dedup_key IS NOT NULL;
+-- The table's identity, the discriminator of idempotency keys (migration 0006, #21).
+CREATE TABLE {instance_table} (
+    singleton  boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
+    instance   uuid        NOT NULL DEFAULT gen_random_uuid(),
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+INSERT INTO {instance_table} DEFAULT VALUES;

@@ -213,19 +213,50 @@ def test_no_redis_options_on_rabbitmq_and_nothing_applied_when_told_not_to() -> 
 
 def test_check_worker_settings_flags_bad_settings() -> None:
     app = make_app(
-        {
-            "worker_prefetch_multiplier": 8,
-            "broker_transport_options": {"visibility_timeout": 30},
-            "task_time_limit": 120,
-        },
+        {"worker_prefetch_multiplier": 8, "task_time_limit": 120},
         broker="redis://127.0.0.1:1/0",
     )
     outbox = Outbox(app, lease=60)
+    assert app.conf.worker_prefetch_multiplier == 8  # the configuration is loaded
+    # Changed after configuration (a visibility timeout too short is refused at start-up).
+    app.conf.broker_transport_options = {"visibility_timeout": 30}
     problems = outbox.check_worker_settings()
     assert len(problems) == 3, problems
     assert any("worker_prefetch_multiplier=8" in p for p in problems)
     assert any("visibility_timeout=30" in p for p in problems)
     assert any("task_time_limit=120" in p for p in problems)
+
+
+def test_invariant_2_the_redis_visibility_timeout_set_covers_the_handler_time_limit_and_a_lease() -> None:
+    # #21 item 5: with lease_heartbeat a handler may run for handler_time_limit; Redis hands
+    # its unacked task to another worker after visibility_timeout. Before, the library set
+    # max(3600, 4 x lease) whatever the handler's limit.
+    app = make_app({}, broker="redis://127.0.0.1:1/0")
+    Outbox(app, lease=300, lease_heartbeat=True, handler_time_limit=7200)
+    assert app.conf.broker_transport_options["visibility_timeout"] > 7200 + 300
+    plain = make_app({}, broker="redis://127.0.0.1:1/0")
+    Outbox(plain, lease=60)
+    assert plain.conf.broker_transport_options["visibility_timeout"] == 3600
+
+
+@pytest.mark.parametrize("configure_celery", [True, False])
+def test_invariant_2_a_visibility_timeout_below_the_handler_time_limit_and_a_lease_stops_the_start(
+    configure_celery: bool,
+) -> None:
+    # Chosen by the user (or kombu's default of 3600 s, left alone with configure_celery=False):
+    # refused when the configuration loads, so worker and beat stop with this message.
+    conf = {"broker_transport_options": {"visibility_timeout": 3600}} if configure_celery else {}
+    app = make_app(conf, broker="redis://127.0.0.1:1/0")
+    with pytest.raises(ConfigurationError, match=r"visibility_timeout=3600.*handler_time_limit"):
+        Outbox(
+            app, lease=300, lease_heartbeat=True, handler_time_limit=7200, configure_celery=configure_celery
+        )
+        _ = app.conf.broker_transport_options
+    # Below the lease alone, as before, is refused too.
+    low = make_app({"broker_transport_options": {"visibility_timeout": 30}}, broker="redis://127.0.0.1:1/0")
+    with pytest.raises(ConfigurationError, match="visibility_timeout=30"):
+        Outbox(low, lease=60)
+        _ = low.conf.broker_transport_options
 
 
 def test_check_worker_settings_is_quiet_on_recommended_settings() -> None:

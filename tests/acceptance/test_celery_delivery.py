@@ -13,6 +13,7 @@ import pytest
 from support.db import calls, signals
 
 from acceptance.conftest import Harness, HarnessFactory
+from outbox_celery import Store
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,10 @@ def test_beat_and_worker_deliver_500_messages_each_handler_call_seen_once(harnes
     seen = calls(harness.conn)
     assert Counter(c["outbox_id"] for c in seen) == dict.fromkeys(ids, 1)
     assert all(c["result"] == "ok" for c in seen)
-    assert all(c["idempotency_key"] == f"public.{harness.table}:{c['outbox_id']}" for c in seen)
+    # The table's identity (migration 0006, #21) first: distinct across databases.
+    prefix = Store(harness.table).key_prefix(harness.conn)
+    assert prefix.endswith(f"/public.{harness.table}:")
+    assert all(c["idempotency_key"] == f"{prefix}{c['outbox_id']}" for c in seen)
     assert signals(harness.conn) == []
     # Handlers ran in the prefork pool's children, never in the worker's main process.
     [worker] = [p for p in harness.procs.started if p.kind == "worker"]

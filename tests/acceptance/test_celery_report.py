@@ -80,5 +80,67 @@ def test_a_password_in_outbox_dsn_is_printed_by_celery_so_the_worker_warns() -> 
     app = Celery("unsafe", broker="redis://127.0.0.1:1/0", set_as_current=False)
     app.conf.outbox_dsn = WITH_PASSWORD
     problems = Outbox(app).check_worker_settings(pool="prefork")
-    assert any("outbox_dsn in the Celery configuration holds a password" in p for p in problems)
+    assert any(
+        "outbox_dsn or outbox_listen_dsn in the Celery configuration holds a password" in p for p in problems
+    )
     assert not any(PASSWORD in p for p in problems)
+
+
+def test_invariant_19_a_password_in_outbox_listen_dsn_makes_the_worker_warn_too() -> None:
+    # #21 item 6: celery report printed outbox_listen_dsn with its password, and no warning said so.
+    app = Celery("unsafe_listen", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.outbox_listen_dsn = WITH_PASSWORD
+    problems = Outbox(app, dsn=WITHOUT_PASSWORD).check_worker_settings(pool="prefork")
+    assert any("outbox_listen_dsn" in p and "holds a password" in p for p in problems)
+    assert not any(PASSWORD in p for p in problems)
+
+
+DJANGO_DEBUG_PAGE = """
+import django
+from django.views.debug import ExceptionReporter
+
+django.setup()
+import shop.celery  # the Celery app module, as a worker loads it
+
+try:
+    raise ValueError("boom")
+except ValueError as exc:
+    print(ExceptionReporter(None, type(exc), exc, exc.__traceback__).get_traceback_html())
+print(shop.celery.outbox.config.dsn is not None)
+"""
+
+
+def test_invariant_19_the_documented_django_setup_keeps_the_password_out_of_report_and_debug_page() -> None:
+    # #21 item 6: docs/django.md (and the shop example) put database_dsn(DATABASES[...]) in
+    # CELERY_OUTBOX_DSN, which `celery report` and Django's debug page print, password included.
+    pytest.importorskip("django")
+    shop = REPO_ROOT / "examples" / "django_shop"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "PG", "CELERY_"))}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(shop), str(REPO_ROOT)]),
+        DJANGO_SETTINGS_MODULE="shop.settings",
+        SHOP_DSN=WITH_PASSWORD,
+        CELERY_BROKER_URL="redis://127.0.0.1:1/0",
+    )
+    report = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "shop", "report"],
+        env=env,
+        cwd=shop,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "outbox.claim" in report.stdout  # the real report of the shop's app
+    assert PASSWORD not in report.stdout + report.stderr
+    page = subprocess.run(
+        [sys.executable, "-c", DJANGO_DEBUG_PAGE],
+        env=env,
+        cwd=shop,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert page.returncode == 0, page.stderr
+    assert "DATABASES" in page.stdout and page.stdout.rstrip().endswith("True")
+    assert PASSWORD not in page.stdout + page.stderr

@@ -1,4 +1,4 @@
-"""Transactional handlers with real workers (#24, DESIGN invariant 19).
+"""Transactional handlers with real workers (#24, DESIGN invariant 20).
 
 The handler writes its effect (a row in ``effects``) and, when asked, a follow-up event in the
 transaction whose last statement is the fenced done. Workers are SIGKILLed before the commit,
@@ -37,7 +37,7 @@ def _follow_ups(harness: Harness) -> Counter[int]:
 
 
 @KINDS
-def test_invariant_19_a_worker_killed_before_commit_leaves_nothing_and_the_redelivery_applies_it_once(
+def test_invariant_20_a_worker_killed_before_commit_leaves_nothing_and_the_redelivery_applies_it_once(
     harness: Harness, kind: str
 ) -> None:
     harness.spec.transactional_kind = kind
@@ -64,7 +64,7 @@ def test_invariant_19_a_worker_killed_before_commit_leaves_nothing_and_the_redel
 
 
 @KINDS
-def test_invariant_19_a_stale_worker_commits_nothing(harness: Harness, kind: str) -> None:
+def test_invariant_20_a_stale_worker_commits_nothing(harness: Harness, kind: str) -> None:
     """Its lease ran out and another claim finished the row while its transaction was open."""
     harness.spec.transactional_kind = kind
     # NEXT has no handler here: its follow-ups stay pending, where they can be counted.
@@ -93,7 +93,7 @@ def test_invariant_19_a_stale_worker_commits_nothing(harness: Harness, kind: str
 
 
 @KINDS
-def test_invariant_19_a_retry_or_a_permanent_failure_rolls_the_effect_back(
+def test_invariant_20_a_retry_or_a_permanent_failure_rolls_the_effect_back(
     harness: Harness, kind: str
 ) -> None:
     harness.spec.transactional_kind = kind
@@ -119,7 +119,7 @@ def test_invariant_19_a_retry_or_a_permanent_failure_rolls_the_effect_back(
     assert _follow_ups(harness) == Counter({retried: 1})
 
 
-def test_invariant_19_ordered_transactional_messages_keep_their_order(harness: Harness) -> None:
+def test_invariant_20_ordered_transactional_messages_keep_their_order(harness: Harness) -> None:
     harness.configure(lease=3.0, max_attempts=5, transactional={POST: None})
 
     def script(key: str) -> Any:

@@ -634,3 +634,21 @@ def test_stats_asks_for_attention_once_the_horizon_is_held_for_a_minute(
         s.horizon, kind="replication slot", name="replica1", seconds=None, state="inactive"
     )
     assert "replication slot replica1" in _attention(dataclasses.replace(s, horizon=slot))[0]
+
+
+def test_invariant_9_stats_shows_keys_without_a_head_and_repair_heads_mends_them(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    # #21 item 4: keys an old release left without a head showed as neither ready nor blocked.
+    store = Store(table)
+    lost = add(conn, 3, table=table, key="k")
+    add(conn, 2, table=table, key="fine")
+    update(conn, table, lost, "head = false")
+    human = ok(run("stats", dsn=migrated_dsn))
+    assert "attention: 1 ordered key(s) without a head (outbox-celery repair-heads)" in human
+    assert re.search(r"^ordered keys without a head:\s+1$", human, re.M), human
+    assert json.loads(ok(run("stats", "--json", dsn=migrated_dsn)))["headless_keys"] == 1
+    assert json.loads(ok(run("repair-heads", "--json", dsn=migrated_dsn))) == {"repaired": 1, "keys": ["k"]}
+    assert lost[0] in claim(store, conn)
+    assert ok(run("repair-heads", dsn=migrated_dsn)).strip() == "repaired 0 ordering key(s) without a head"
+    assert "(outbox-celery repair-heads)" not in ok(run("stats", dsn=migrated_dsn))

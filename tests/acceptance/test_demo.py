@@ -30,6 +30,7 @@ import pytest
 from psycopg.rows import dict_row
 from support.brokers import fresh_redis_db
 
+from outbox_celery import Store
 from outbox_celery.testing import embedded_postgres, free_port
 
 pytestmark = pytest.mark.slow
@@ -191,7 +192,8 @@ def _verify_database(dsn: str, summary: dict[str, Any], orders: int) -> dict[str
         deferred_types = {e["event_type"] for e in events if e["lease_version"] > e["attempts"]}
         assert deferred_types <= {"order.shipped"}, deferred_types
         assert {e["status"] for e in events} == {"done"}, [e for e in events if e["status"] != "done"]
-        keys = {f"public.outbox:{e['id']}" for e in events}
+        prefix = Store("outbox").key_prefix(conn)
+        keys = {f"{prefix}{e['id']}" for e in events}
 
         # The inbox holds each delivered event's idempotency key exactly once (it is the
         # primary key), and nothing else for these orders.

@@ -77,6 +77,11 @@ NOT_RUN = {
     "same command runs against the Django example in tests/acceptance/test_django_shop.py.",
     "celery -A proj beat": "docs/django.md: a Django project's beat; run against the Django example "
     "in tests/acceptance/test_django_shop.py.",
+    "python -m pip install": "installs the package from the clone's root into the reader's "
+    "environment (here it would replace the suite's own editable install). Checked instead: "
+    "tests/unit/test_packaging.py (the declared requirements cover a Redis broker; the "
+    "documented lines install from source, every extra explained); the fresh-virtualenv run "
+    "(worker and beat on Redis after only this line) is done by hand, see CHANGELOG.md.",
     "cd examples/django_shop": "only sets the directory of the next command (the screenshot script).",
     "python screenshot.py": "drives headless Chromium against the Django example running with a "
     "superuser, to make docs/images/*.png by hand; the example's README itself is run by "

@@ -297,3 +297,53 @@ def test_collector_reports_what_holds_the_xmin_horizon(
         assert (got("outbox_xmin_horizon_age_xids", {"table": table, "kind": "transaction"}) or 0) >= 1
         assert got("outbox_dead_row_versions", {"table": table}) is not None
     assert got("outbox_xmin_horizon_age_seconds", {"table": table, "kind": "transaction"}) is None
+
+
+def test_invariant_9_the_collector_reports_ordered_keys_without_a_head(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    # #21 item 4: a key left without a head (an old release's producer or worker after
+    # migration 0004) is never claimed; the gauge makes it visible and alertable.
+    keyed = add(conn, 3, table=table, event_type="invoice.sent", key="k")
+    add(conn, 1, table=table, event_type="invoice.sent", key="fine")
+    update(conn, table, keyed, "head = false")
+    registry = CollectorRegistry()
+    registry.register(OutboxCollector(migrated_dsn, table))
+    assert registry.get_sample_value("outbox_headless_keys", {"table": table}) == 1
+    assert registry.get_sample_value("outbox_blocked_keys", {"table": table}) == 0
+
+
+def _listening(port: int) -> set[str]:
+    """Local addresses with a TCP socket listening on ``port`` (Linux /proc/net/tcp, IPv4)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, _, state = line.split()[1], line.split()[2], line.split()[3]
+        host, _, hex_port = local.partition(":")
+        if state == "0A" and int(hex_port, 16) == port:
+            found.add(socket.inet_ntoa(bytes.fromhex(host)[::-1]))
+    return found
+
+
+def test_the_exporter_listens_on_the_loopback_interface_unless_told_otherwise(
+    migrated_dsn: str, tmp_path: Path
+) -> None:
+    # #21 item 9: it bound 0.0.0.0 by default, with no authentication: event types and depths
+    # readable from any host that reaches this one.
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("reads /proc/net/tcp (Linux)")
+    port = free_port()
+    log = tmp_path / "exporter.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "outbox_celery", "metrics", "--port", str(port)],
+            env=_env(migrated_dsn),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        assert "outbox_up" in scrape(port, proc, log)
+        assert _listening(port) == {"127.0.0.1"}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=SETTLE)

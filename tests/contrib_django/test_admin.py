@@ -214,6 +214,28 @@ def test_skip_asks_for_a_reason_then_unblocks_the_key(
     assert listed(client.get(_url(blocked="heads"))) == []
 
 
+def test_a_skipped_message_reads_as_skipped_not_delivered(
+    client: Client, shop: dict[str, int], pg: psycopg.Connection[Any]
+) -> None:
+    """#26: its row stays done (the state machine is unchanged); the admin says what it is."""
+    assert "Skipped 1" in _act(client, "skip_messages", [shop["dead"]], confirm="yes", reason="refunded")
+    assert status(pg, shop["dead"]) == "done"
+    rows = {
+        int(i): row
+        for i, row in re.findall(
+            r'name="_selected_action" value="(\d+)"(.*?)</tr>',
+            client.get(_url(status="done")).content.decode(),
+            re.S,
+        )
+    }
+    assert ">skipped</b>" in rows[shop["dead"]] and ">done</b>" not in rows[shop["dead"]]
+    assert ">done</b>" in rows[shop["done"]] and ">skipped</b>" not in rows[shop["done"]]
+    assert (
+        "skipped by an operator: done without delivery" in client.get(_detail(shop["dead"])).content.decode()
+    )
+    assert "done: delivered" in client.get(_detail(shop["done"])).content.decode()
+
+
 def test_the_detail_page_is_never_stale(client: Client, shop: dict[str, int]) -> None:
     assert (
         "head of its key; 1 unfinished message(s) after it"

@@ -152,3 +152,14 @@ def test_using_writes_on_another_alias_and_needs_its_own_atomic(django_db: str) 
     with transaction.atomic(using="other"):
         outbox_id = enqueue(event_type="x", payload={}, aggregate_type="a", aggregate_id=1, using="other")
     assert [r["id"] for r in _events(django_db)] == [outbox_id]
+
+
+def test_enqueue_before_migrate_says_to_run_migrate(django_db: str) -> None:
+    """#26: a table the migrations never made (here: another name) is named, with what to run."""
+    with (
+        override_settings(CELERY_OUTBOX_TABLE="never_migrated"),
+        pytest.raises(ProducerError, match=r"never_migrated does not exist .*`manage\.py migrate`"),
+        transaction.atomic(),
+    ):
+        _order_created(Order.objects.create(total=3))
+    assert _events(django_db) == []

@@ -1,4 +1,4 @@
-"""``transactional="django"`` (#24, DESIGN invariant 19): the ORM's writes, the follow-up event and
+"""``transactional="django"`` (#24, DESIGN invariant 20): the ORM's writes, the follow-up event and
 the fenced done commit in one ``transaction.atomic()`` on Django's connection.
 
 Real workers running Django transactional handlers (SIGKILL, a stale worker, a retry) are in
@@ -36,7 +36,7 @@ def _committed(dsn: str, query: str) -> list[tuple[Any, ...]]:
         return c.execute(query).fetchall()
 
 
-def test_invariant_19_django_orm_writes_follow_up_and_done_commit_together(
+def test_invariant_20_django_orm_writes_follow_up_and_done_commit_together(
     django_db: str, pool: ConnectionPool[Any]
 ) -> None:
     seen: list[bool] = []

@@ -477,3 +477,71 @@ def test_invariant_10_requeue_and_skip_take_expired_processing_rows_and_refuse_l
     for c in expired:
         assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is None
     assert claim_ids(store, conn) == [lost]
+
+
+def _as_an_old_release(conn: psycopg.Connection[Any], table: str) -> tuple[list[int], list[int]]:
+    """Keys left without a head by a producer and a worker of a release before migration 0004.
+
+    Key "old-insert": an old producer inserted its messages (no head flag). Key "old-done": its
+    head was finished by an old worker, whose done does not move the flag to the next message.
+    """
+    t = TableName.parse(table).identifier()
+    inserted = [
+        int(r[0])
+        for r in conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (event_type, aggregate_type, aggregate_id, payload, ordering_key)"
+                " SELECT 'thing.happened', 'thing', 'x', '{{}}', 'old-insert' FROM generate_series(1, 3)"
+                " RETURNING id"
+            ).format(t)
+        )
+    ]
+    moved = add(conn, 3, table=table, key="old-done")
+    conn.execute(
+        sql.SQL("UPDATE {} SET status = 'done', done_at = now() WHERE id = %s").format(t), [moved[0]]
+    )
+    return sorted(inserted), moved
+
+
+def test_invariant_9_keys_left_without_a_head_are_counted_and_repaired_while_producers_run(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Connect
+) -> None:
+    # #21 item 4: such keys were neither ready nor blocked in stats, never claimed, and nothing
+    # repaired them.
+    healthy = add(conn, 2, table=table, key="healthy")
+    inserted, moved = _as_an_old_release(conn, table)
+    assert claim_ids(store, conn, lease=SHORT) == [healthy[0]]
+    s = admin.stats(conn, table)
+    assert (s.headless_keys, s.blocked_keys, s.ready) == (2, 0, 0)
+    # A producer of this release holds key "old-insert"'s lock while the repair runs: the repair
+    # waits for it, and then sees its message (flagged or not, the key gets one head only).
+    producer = connect()
+    with producer.transaction():
+        store.lock_keys(producer, ["old-insert"])
+        repaired: list[list[str]] = []
+        repair = threading.Thread(target=lambda: repaired.append(admin.repair_heads(connect(), table)))
+        repair.start()
+        time.sleep(0.3)
+        assert repaired == []  # waiting on the producer's key lock
+    repair.join(10)
+    assert repaired == [["old-done", "old-insert"]]
+    assert admin.stats(conn, table).headless_keys == 0
+    assert admin.repair_heads(conn, table) == []
+    heads = {r["id"] for r in fetch_all(conn, table) if r["head"] and r["status"] != "done"}
+    assert heads == {healthy[0], inserted[0], moved[1]}
+    assert sorted(claim_ids(store, conn)) == sorted([inserted[0], moved[1]])
+
+
+def test_stats_with_a_timeout_inside_the_callers_transaction_leaves_its_statement_timeout_alone(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    # #21 "check also": the Django changelist runs stats(timeout=2.0) on Django's connection;
+    # under ATOMIC_REQUESTS that is inside the request's transaction, where the statement's
+    # local statement_timeout (a savepoint does not undo it) stayed for the rest of the request:
+    # the list, and an admin action run in the same request, were cut at 2 s.
+    add(conn, 3, table=table)
+    with conn.transaction():
+        conn.execute("SET LOCAL statement_timeout = '45s'")
+        assert admin.stats(conn, table, timeout=2.0).counts["pending"] == 3
+        assert conn.execute("SHOW statement_timeout").fetchone() == ("45s",)
+    assert conn.execute("SHOW statement_timeout").fetchone() == ("0",)

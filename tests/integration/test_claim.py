@@ -9,8 +9,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
-from outbox_celery import Store
+from outbox_celery import Store, TableName
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, claim_ids, count, fetch, fetch_all, stable
 
@@ -120,14 +121,17 @@ def test_invariant_3_start_extends_the_lease_and_returns_the_message(
     [i] = add(conn, table=table, payload=lambda _: {"order": 7, "lines": ["a", "ü"]})
     [c] = store.claim(conn, limit=1, lease=5, owner="a", max_attempts=5).claimed
     assert 3 < fetch(conn, table, i)["lease_in"] <= 5
-    msg = store.start(conn, i, c.lease_version, lease=120, max_attempts=5)
+    msg = store.start(conn, i, c.lease_version, lease=120, max_attempts=5, starter="me")
     assert msg is not None
     assert 115 < fetch(conn, table, i)["lease_in"] <= 120
     assert msg.payload == {"order": 7, "lines": ["a", "ü"]}
     assert (msg.event_type, msg.aggregate_type, msg.aggregate_id) == ("thing.happened", "thing", "0")
-    assert msg.idempotency_key == f"public.{store.table.qualified}:{i}"
-    # A start never shortens a lease.
-    assert store.start(conn, i, c.lease_version, lease=1, max_attempts=5) is not None
+    assert msg.idempotency_key == f"{store.instance(conn)}/public.{store.table.qualified}:{i}"
+    assert msg.legacy_idempotency_key == f"public.{store.table.qualified}:{i}"
+    # A start never shortens a lease, nor does its retry after a lost reply (same starter).
+    again = store.start(conn, i, c.lease_version, lease=1, max_attempts=5, starter="me")
+    assert again is not None
+    assert again.attempts == 1
     assert fetch(conn, table, i)["lease_in"] > 110
 
 
@@ -236,18 +240,55 @@ def test_invariant_5_an_expired_lease_with_attempts_left_is_reclaimed(
     assert row["last_error"] == "ZeroDivisionError: boom"
 
 
-def test_invariant_5_a_redelivered_start_after_the_last_attempt_makes_the_row_dead(
+def test_invariant_5_a_redelivered_start_after_the_last_attempt_goes_dead_at_the_reap_not_at_once(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
+    # The handler killed its worker; the broker redelivers the same task (acks late). The first
+    # run may as well still be going (#21, item 5), so the redelivered start calls nothing and
+    # judges nothing; once the lease has run out the reap makes the row dead (invariant 5).
     [i] = add(conn, table=table)
-    [c] = store.claim(conn, limit=1, lease=LONG, owner="a", max_attempts=1).claimed
-    assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=1) is not None
-    # The handler killed its worker; the broker redelivers the same task (acks late).
-    assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=1) is None
+    [c] = store.claim(conn, limit=1, lease=SHORT, owner="a", max_attempts=1).claimed
+    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=1) is not None
+    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=1) is None
+    assert (fetch(conn, table, i)["status"], fetch(conn, table, i)["attempts"]) == ("processing", 1)
+    time.sleep(PAST_SHORT)
+    assert store.claim(conn, limit=1, lease=LONG, owner="b", max_attempts=1).reaped == 1
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"]) == ("dead", 1)
     assert "attempts exhausted" in row["last_error"]
     assert row["lease_until"] is None
+
+
+def test_invariant_5_a_claim_that_never_started_with_no_attempt_left_goes_dead_at_its_start(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    # max_attempts lowered by a deploy: the row already spent more than the new limit.
+    [i] = add(conn, table=table)
+    [c] = store.claim(conn, limit=1, lease=LONG, owner="a", max_attempts=5).claimed
+    conn.execute(sql.SQL("UPDATE {} SET attempts = 2").format(TableName.parse(table).identifier()))
+    assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=2) is None
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"]) == ("dead", 2)
+    assert "attempts exhausted" in row["last_error"]
+
+
+def test_invariant_2_a_second_start_of_a_started_claim_is_refused_while_its_lease_runs(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Any
+) -> None:
+    # #21 item 5: with the lease heartbeat a handler may run for handler_time_limit; a broker
+    # that redelivers its unacked task meanwhile (Redis visibility_timeout, RabbitMQ
+    # consumer_timeout) hands the same lease_version to a second worker. Its start is refused:
+    # one claim never runs twice at once, and the first run's finalize still wins.
+    [i] = add(conn, table=table)
+    [c] = store.claim(conn, limit=1, lease=LONG, owner="a", max_attempts=5).claimed
+    first, second = connect(), connect()
+    assert store.start(first, i, c.lease_version, lease=LONG, max_attempts=5) is not None
+    for _ in range(3):
+        assert store.start(second, i, c.lease_version, lease=LONG, max_attempts=5) is None
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"]) == ("processing", 1)
+    assert store.get_stats()["stale_starts"] == 3
+    assert store.done(first, i, c.lease_version) is True
 
 
 def test_invariant_3_a_claim_whose_start_never_happens_spends_no_attempt(

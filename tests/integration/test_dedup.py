@@ -211,3 +211,24 @@ def test_invariant_9_a_batch_whose_first_ordered_row_is_a_duplicate_still_leaves
     assert ids[0] == old
     assert claim_ids(store, conn) == [ids[1]]
     assert fetch(conn, table, ids[2])["head"] is False
+
+
+def test_invariant_9_a_dedup_key_shared_by_two_ordering_keys_in_one_batch_leaves_both_keys_a_head(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    # #21 item 3: two events of one batch share a dedup key but not their ordering key, and the
+    # second is its key's first event in the batch. ON CONFLICT drops it; no dedup key is
+    # "missing" (the first row holds it), so before the fix no head was settled and key "b"'s
+    # later events were never claimed, invisibly (stats: ready=0, blocked_keys=0).
+    store = Store(table)
+    events = [
+        Event(payload={"n": 1}, ordering_key="a", dedup_key="shared", **ORDER),
+        Event(payload={"n": 2}, ordering_key="b", dedup_key="shared", **ORDER),
+        Event(payload={"n": 3}, ordering_key="b", **ORDER),
+        Event(payload={"n": 4}, ordering_key="b", **ORDER),
+    ]
+    with conn.transaction():
+        ids = enqueue_many(conn, events, table=table)
+    assert ids[0] == ids[1]
+    assert sorted(claim_ids(store, conn)) == [ids[0], ids[2]]
+    assert fetch(conn, table, ids[3])["head"] is False

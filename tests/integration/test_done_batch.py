@@ -186,3 +186,22 @@ def test_only_a_done_is_ever_held_other_outcomes_are_written_at_once(
     assert dispatcher.deliver(i, c.lease_version, batch_done=True) == outcome
     assert fetch(conn, table, i)["status"] == status
     assert dispatcher.done_batch is not None and dispatcher.done_batch.pending() == 0
+
+
+def test_invariant_4_a_task_redelivered_inside_the_window_calls_no_handler(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    # #21 "check also": the Celery message is acknowledged when the task returns, before the
+    # batched done is written. Should that ack be lost (a broker connection dropped), the broker
+    # hands the task to another worker while this process still holds the done. Before #21 its
+    # fenced start passed (same lease_version, attempts left) and the handler ran again; now a
+    # claim starts once, so the copy calls nothing and the held done still lands.
+    dispatcher, i = _held(conn, table, pool)
+    version = fetch(conn, table, i)["lease_version"]
+    runs: list[int] = []
+    other = _dispatcher(pool, table, lambda m: runs.append(m.id), lease=LONG, done_batch_delay=0.05)
+    assert other.deliver(i, version, batch_done=True) == Outcome.STALE
+    assert runs == []
+    dispatcher.flush()
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"]) == ("done", 1)

@@ -178,3 +178,21 @@ def test_every_connection_kind_records_in_its_transaction(
         assert inbox.first_time(h.conn, "k", table=TABLE) is False
         h.rollback()
     assert inbox_conn.execute("SELECT count(*) FROM receiver.inbox").fetchone() == (1,)
+
+
+def test_invariant_11_a_receiver_that_stored_old_keys_skips_a_redelivery_under_the_new_key(
+    inbox_conn: psycopg.Connection[Any],
+) -> None:
+    # #21 item 2: keys gained the sending table's identity. A message applied under its old key
+    # ("public.outbox:7") and redelivered after the upgrade under the new one is skipped when the
+    # receiver passes the old key as previous_key; a message new to it applies once.
+    c = inbox_conn
+    with c.transaction():
+        assert inbox.first_time(c, "public.outbox:7", table=TABLE)
+    with c.transaction():
+        assert not inbox.first_time(c, "uuid-a/public.outbox:7", table=TABLE, previous_key="public.outbox:7")
+    with c.transaction():
+        assert inbox.first_time(c, "uuid-a/public.outbox:8", table=TABLE, previous_key="public.outbox:8")
+    for key, previous in [("uuid-a/public.outbox:8", "public.outbox:8"), ("public.outbox:8", None)]:
+        with c.transaction():
+            assert not inbox.first_time(c, key, table=TABLE, previous_key=previous)

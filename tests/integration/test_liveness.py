@@ -13,10 +13,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
+from support.tcp_proxy import ReplyCuttingProxy
 
 from outbox_celery import OutboxConfig, RetryableError, Store, migrate
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
+from outbox_celery.testing import temporary_database
 
 from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, fetch
 
@@ -206,7 +209,7 @@ def test_invariant_11_one_message_has_one_idempotency_key_however_the_table_is_s
         msg = store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=3)
         assert msg is not None
         keys.append(msg.idempotency_key)
-        assert msg.idempotency_key == f"public.outbox:{i}"
+        assert msg.idempotency_key == f"{store.instance(conn)}/public.outbox:{i}"
     # Resolved by PostgreSQL, search_path included.
     other = connect()
     migrate(other, "events.outbox")
@@ -214,3 +217,67 @@ def test_invariant_11_one_message_has_one_idempotency_key_however_the_table_is_s
     assert Store("outbox").canonical_name(other) == "events.outbox"
     migrate(conn, "events.Out Box")
     assert Store("events.Out Box").canonical_name(conn) == "events.Out Box"
+
+
+def _proxied(dsn: str, port: int) -> str:
+    """``dsn`` reaching its server through a local proxy listening on ``port``."""
+    params = conninfo_to_dict(dsn)
+    params.update(host="127.0.0.1", port=str(port))
+    return make_conninfo(**params)
+
+
+def test_invariant_3_a_start_whose_reply_was_lost_is_retried_without_counting_again_nor_going_dead(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    # The message's second and last attempt (max_attempts=2): its fenced start commits on the
+    # server and the reply is lost with the connection. The dispatcher retries the start once on
+    # a fresh connection; that retry must see its own start, return the message without counting
+    # an attempt more, and run the handler: before #21 it saw attempts = max_attempts and made a
+    # healthy message dead without its last run.
+    [i] = add(conn, table=table)
+    store = Store(table)
+    [c] = store.claim(conn, limit=1, lease=SHORT, owner="w", max_attempts=2).claimed
+    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=2) is not None
+    time.sleep(PAST_SHORT)
+    [c] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=2).claimed
+    runs: list[int] = []
+    server = conninfo_to_dict(migrated_dsn)
+    with ReplyCuttingProxy((str(server.get("host", "127.0.0.1")), int(server.get("port", 5432)))) as proxy:
+        dsn = _proxied(migrated_dsn, proxy.port)
+        with ConnectionPool(dsn, min_size=1, max_size=1, kwargs={"autocommit": True}, open=True) as pool:
+            config = OutboxConfig(table=table, lease=LONG, max_attempts=2)
+            dispatcher = Dispatcher(
+                config,
+                pool.connection,
+                {"thing.happened": HandlerSpec("thing.happened", lambda m: runs.append(m.attempts), "q")},
+            )
+            proxy.cut_after(b"started_version = lease_version")
+            assert dispatcher.deliver(i, c.lease_version) == Outcome.DONE
+        assert proxy.cuts == 1
+    assert runs == [2]
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"]) == ("done", 2)
+
+
+def test_invariant_11_two_databases_with_the_default_table_never_send_the_same_key(
+    server_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    # #21 item 2: two services using the default table in two databases (or clusters) sent
+    # "public.outbox:1" both; one receiver's inbox dropped the second service's message as a
+    # duplicate. The table's identity (migration 0006) now tells them apart, and stays put.
+    keys = []
+    with temporary_database(server_dsn) as other_dsn, psycopg.connect(other_dsn, autocommit=True) as other:
+        migrate(other, table)
+        for c in (conn, other):
+            store = Store(table)
+            [i] = add(c, table=table)
+            [claimed] = store.claim(c, limit=1, lease=LONG, owner="w", max_attempts=3).claimed
+            msg = store.start(c, i, claimed.lease_version, lease=LONG, max_attempts=3)
+            assert msg is not None
+            keys.append(msg.idempotency_key)
+        assert keys[0] != keys[1]
+        assert keys[0].endswith("/public.outbox:1") and keys[1].endswith("/public.outbox:1")
+        # The same key again from a fresh Store (another process), and after migrate again.
+        for c, key in zip((conn, other), keys, strict=True):
+            migrate(c, table)
+            assert Store(table).key_prefix(c) + "1" == key

@@ -97,3 +97,83 @@ def test_next_due_reports_delayed_rows_in_database_seconds(conn: psycopg.Connect
     assert due is not None and 25 < due <= 30
     due_any = store.next_due(conn, None)
     assert due_any is not None and 0 < due_any <= 5
+
+
+def test_invariant_13_next_due_reports_delayed_and_backed_off_ordered_heads(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    # #21 item 10: next_due read the unordered pending rows only, so a delayed or backed-off
+    # ordered head woke the listener at listen_poll instead of when due (docs/push.md). Only a
+    # head counts: the messages behind it wait for it, not for the clock.
+    store = Store(table)
+    with conn.transaction():
+        enqueue(conn, table=table, delay=20, ordered=True, **ORDER)
+        enqueue(conn, table=table, delay=5, ordered=True, **ORDER)  # behind the head: not due
+        enqueue(
+            conn,
+            table=table,
+            delay=3,
+            ordered=True,
+            **{**ORDER, "event_type": "not.mine", "aggregate_id": "7"},
+        )
+    due = store.next_due(conn, ["order.created"])
+    assert due is not None and 15 < due <= 20
+    due_any = store.next_due(conn, None)
+    assert due_any is not None and 0 < due_any <= 3
+
+
+def test_a_held_off_listener_retries_at_a_bounded_rate_under_a_notification_storm(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str, connect: Connect
+) -> None:
+    # DESIGN "One claim run", step 1 (no thundering herd on the claim lock); #21 "check also":
+    # while another worker's run holds the claim lock, every notification
+    # made the listener try again at once: hundreds of attempts a second per worker under a
+    # storm of commits. Now the wait doubles up to 0.2 s while runs are held off, whatever
+    # arrives, and the storm's notifications are drained meanwhile.
+    import threading
+    import time
+
+    from psycopg_pool import ConnectionPool
+
+    from outbox_celery import OutboxConfig
+    from outbox_celery.dispatch import Dispatcher, HandlerSpec
+    from outbox_celery.listener import Listener
+
+    store = Store(table)
+    channel = store.notify_channel(conn)
+    holder = connect()
+    stop = threading.Event()
+
+    def storm() -> None:
+        with psycopg.connect(migrated_dsn, autocommit=True) as c:
+            while not stop.is_set():
+                c.execute("SELECT pg_notify(%s, '')", [channel])
+
+    with ConnectionPool(migrated_dsn, min_size=1, max_size=4, kwargs={"autocommit": True}, open=True) as pool:
+        dispatcher = Dispatcher(
+            OutboxConfig(table=table), pool.connection, {"e": HandlerSpec("e", lambda m: None, "q")}
+        )
+        listener = Listener(
+            dsn=migrated_dsn,
+            store=store,
+            claim=lambda: dispatcher.claim_and_publish(lambda claims: len(claims)),
+            event_types=lambda: ["e"],
+            name="storm-test",
+        )
+        with holder.transaction():
+            assert store.try_claim_lock(holder)  # another worker's claim run, held for the test
+            listener.start()
+            noise = threading.Thread(target=storm)
+            noise.start()
+            try:
+                assert listener.connected.wait(10)
+                time.sleep(0.3)
+                before = listener.get_stats()
+                time.sleep(1.0)
+                after = listener.get_stats()
+            finally:
+                stop.set()
+                noise.join(10)
+                listener.stop()
+    assert after["notifications"] - before["notifications"] > 100  # the storm was real
+    assert after["claims"] - before["claims"] <= 10, (before, after)

@@ -432,3 +432,33 @@ def test_outbox_enqueue_applies_the_configured_table_and_max_payload_bytes(
         first = outbox.enqueue(conn, payload={"ok": True}, **ORDER)
         assert outbox.enqueue_many(conn, [Event("e", {"n": 1}, "a", 1)]) == [first + 1]
     assert [r["payload"] for r in fetch_all(conn, table)] == [{"ok": True}, {"n": 1}]
+
+
+def test_invariant_9_a_batch_with_more_ordering_keys_than_the_lock_bound_is_refused_before_writing(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    # #21 item 11: one key lock per distinct ordering key is held to commit; 20,000 keys
+    # exhausted a stock server's shared lock table ("out of shared memory", for every session).
+    # Above MAX_ORDERING_KEYS the batch is refused with a useful message and nothing is written
+    # or locked; at the bound it goes through, every key with its head.
+    bound = 1000  # outbox_celery.store.MAX_ORDERING_KEYS, documented in docs/integrations.md
+
+    def events(n: int) -> list[Event]:
+        return [Event("e", {"i": i}, "a", str(i), ordering_key=f"k{i}") for i in range(n)]
+
+    with conn.transaction():
+        with pytest.raises(ProducerError, match=r"1001 distinct ordering keys.*split the events") as refused:
+            enqueue_many(conn, events(bound + 1), table=table)
+        assert "out of shared memory" in str(refused.value)
+        locks = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory'"
+        ).fetchone()
+        assert locks == (0,)
+    assert count(conn, table) == 0
+    with conn.transaction():
+        ids = enqueue_many(conn, events(bound), table=table)
+    assert len(ids) == bound == count(conn, table, "head")
+    # Many events of few keys are not limited.
+    with conn.transaction():
+        many = [Event("e", {"i": i}, "a", str(i), ordering_key=f"k{i % 3}") for i in range(3000)]
+        assert len(enqueue_many(conn, many, table=table)) == 3000

@@ -254,3 +254,33 @@ def test_optional_drivers_are_not_imported_when_unused(migrated_dsn: str, table:
         [sys.executable, "-c", script, migrated_dsn, table], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+MIGRATE_FIRST = r"outbox table outbox does not exist .*run `outbox-celery migrate`"
+
+
+@pytest.mark.parametrize("kind", SYNC_KINDS)
+def test_each_kind_says_to_migrate_when_the_table_is_missing(kind: str, dsn: str) -> None:
+    """#26: an enqueue before ``outbox-celery migrate`` says what to run, as the CLI does."""
+    with SYNC_KINDS[kind](dsn) as h:
+        with pytest.raises(ProducerError, match=MIGRATE_FIRST) as refused:
+            enqueue(h.conn, payload={}, **ORDER)
+        assert refused.value.__cause__ is not None  # the driver's own error, kept
+        h.rollback()
+        with pytest.raises(ProducerError, match=MIGRATE_FIRST):
+            enqueue_many(h.conn, [Event("e", {}, "a", 1, ordered=True)])
+        h.rollback()
+
+
+@pytest.mark.parametrize("kind", ASYNC_KINDS)
+def test_each_async_kind_says_to_migrate_when_the_table_is_missing(kind: str, dsn: str) -> None:
+    async def scenario() -> None:
+        async with ASYNC_KINDS[kind](dsn) as h:
+            with pytest.raises(ProducerError, match=MIGRATE_FIRST):
+                await enqueue_async(h.conn, payload={}, **ORDER)
+            await h.rollback()
+            with pytest.raises(ProducerError, match=MIGRATE_FIRST):
+                await enqueue_many_async(h.conn, [Event("e", {}, "a", 1)])
+            await h.rollback()
+
+    asyncio.run(scenario())

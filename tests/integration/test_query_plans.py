@@ -56,6 +56,7 @@ LIVE_ID = 50_100
 PARAMS: dict[str, Any] = {
     "lease": 60.0,
     "owner": "worker-1",
+    "starter": "worker-1:1:abc",
     "max_attempts": 12,
     "event_types": None,
     "limit": 200,
@@ -94,6 +95,7 @@ HOT = [
     "reap",
     "release_expired",
     "start",
+    "resume",
     "start_exhausted",
     "finish_done",
     "lock_key_of",
@@ -107,6 +109,7 @@ HOT = [
     "extend_lease",
     "release",
     "count_in_flight",
+    "next_due",
 ]
 
 

@@ -46,7 +46,7 @@ import psycopg
 from celery import Celery, current_task
 from psycopg import sql
 
-from outbox_celery import Defer, Message, PermanentError, RetryableError, TableName
+from outbox_celery import Defer, Message, PermanentError, RetryableError, Store, TableName
 from outbox_celery.celery_app import Outbox
 
 ENV_VAR = "OUTBOX_TEST_APP"
@@ -59,6 +59,8 @@ CREATE TABLE IF NOT EXISTS handler_calls (
     attempts      integer     NOT NULL,
     lease_version bigint      NOT NULL,
     idempotency_key text      NOT NULL,
+    payload_type  text        NOT NULL,
+    payload_json  text        NOT NULL,
     pid           integer     NOT NULL,
     hostname      text,
     routing_key   text,
@@ -110,6 +112,8 @@ class AppSpec:
     :ivar celery: extra Celery settings, loaded with ``config_from_object`` as a user would.
     :ivar via_celery_conf: give the outbox settings as ``outbox_*`` Celery settings instead of
         keyword arguments.
+    :ivar queries: replacement texts of named queries (``Store(queries=...)``), to make the
+        library itself fail where a test needs it to.
     """
 
     dsn: str
@@ -120,6 +124,7 @@ class AppSpec:
     transactional_kind: str = "psycopg"
     celery: dict[str, Any] = field(default_factory=dict)
     via_celery_conf: bool = False
+    queries: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The spec as JSON."""
@@ -151,6 +156,7 @@ class AppSpec:
 def build_app(spec: AppSpec) -> tuple[Celery, Outbox]:
     """A Celery app and its outbox, configured the way a user's project module would be."""
     app = Celery("outbox_acceptance", broker=spec.broker_url, set_as_current=False)
+    store = Store(spec.table, queries=spec.queries) if spec.queries else None
     conf: dict[str, Any] = {
         "broker_connection_retry_on_startup": True,
         "worker_hijack_root_logger": True,
@@ -163,10 +169,10 @@ def build_app(spec: AppSpec) -> tuple[Celery, Outbox]:
     if spec.via_celery_conf:
         conf.update({f"outbox_{k}": v for k, v in spec.outbox.items()})
         app.config_from_object(conf)
-        outbox = Outbox(app, dsn=spec.dsn)
+        outbox = Outbox(app, dsn=spec.dsn, store=store)
     else:
         app.config_from_object(conf)
-        outbox = Outbox(app, dsn=spec.dsn, **spec.outbox)
+        outbox = Outbox(app, dsn=spec.dsn, store=store, **spec.outbox)
     for event_type, queue in spec.routes.items():
         outbox.handler(event_type, queue=queue)(scripted(outbox))
     options: dict[str, Any] = {"transactional": spec.transactional_kind}
@@ -327,7 +333,8 @@ def _record_start(outbox: Outbox, message: Message) -> int:
     )
     query = sql.SQL(
         "INSERT INTO handler_calls (outbox_id, event_type, attempts, lease_version, idempotency_key,"
-        " pid, hostname, routing_key, in_flight) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, {}) RETURNING n"
+        " payload_type, payload_json, pid, hostname, routing_key, in_flight)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, {}) RETURNING n"
     ).format(in_flight)
     with outbox.connection() as conn:
         row = conn.execute(
@@ -338,6 +345,9 @@ def _record_start(outbox: Outbox, message: Message) -> int:
                 message.attempts,
                 message.lease_version,
                 message.idempotency_key,
+                # What the handler was given, type included: a str must not arrive as a dict.
+                type(message.payload).__name__,
+                json.dumps(message.payload),
                 os.getpid(),
                 hostname,
                 delivery.get("routing_key"),

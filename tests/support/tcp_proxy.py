@@ -118,3 +118,57 @@ class FreezableProxy:
                         peer[src].setblocking(True)
                         peer[src].sendall(data)
                         peer[src].setblocking(False)
+
+
+class ReplyCuttingProxy(FreezableProxy):
+    """A proxy that, once armed, lets one request through and loses its reply.
+
+    :meth:`cut_after` arms it: the next client write that contains ``marker`` is forwarded to the
+    server, and as soon as the server answers, that connection is closed in both directions
+    without the answer reaching the client. The server has run (and, in autocommit, committed)
+    the statement; the client sees a connection broken before the reply: "committed, reply
+    lost", made to happen on a real socket.
+    """
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self._marker: bytes | None = None
+        self.cuts = 0
+        super().__init__(target)
+
+    def cut_after(self, marker: bytes) -> None:
+        """Lose the reply to the next request that contains ``marker`` (once)."""
+        self._marker = marker
+
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        client, server = a, b
+        peer = {client: server, server: client}
+        doomed = False
+        with selectors.DefaultSelector() as sel:
+            for s in (client, server):
+                s.setblocking(False)
+                sel.register(s, selectors.EVENT_READ)
+            while not self._closed.is_set():
+                for key, _ in sel.select(timeout=0.1):
+                    src: socket.socket = key.fileobj  # type: ignore[assignment]
+                    try:
+                        data = src.recv(65536)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if data and src is server and doomed:
+                        # The server answered the marked request: lose the answer and the link.
+                        self.cuts += 1
+                        data = b""
+                    if not data:
+                        for s in (client, server):
+                            with contextlib.suppress(OSError):
+                                s.close()
+                        return
+                    if src is client and self._marker is not None and self._marker in data:
+                        self._marker = None
+                        doomed = True
+                    with contextlib.suppress(OSError):
+                        peer[src].setblocking(True)
+                        peer[src].sendall(data)
+                        peer[src].setblocking(False)

@@ -11,8 +11,6 @@ from pathlib import Path
 
 from psycopg.conninfo import conninfo_to_dict
 
-from outbox_celery.contrib.django import database_dsn
-
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 SECRET_KEY = os.environ.get("SHOP_SECRET_KEY", "example-only-not-secret")
@@ -79,10 +77,12 @@ CELERY_BEAT_SCHEDULE_FILENAME = os.environ.get(
 )
 
 # -- the outbox: the workers read CELERY_OUTBOX_*, the Django app CELERY_OUTBOX_TABLE -------
-CELERY_OUTBOX_DSN = database_dsn(DATABASES["default"])  # the database Django writes to
+# No CELERY_OUTBOX_DSN: shop/celery.py hands the DSN of OUTBOX_DATABASE to the Outbox, so no
+# setting holds the password (celery report and the debug page print settings).
 CELERY_OUTBOX_TABLE = "outbox"
 CELERY_OUTBOX_LEASE = 30
-CELERY_OUTBOX_CLAIM_INTERVAL = 0.5
+# No CLAIM_INTERVAL: the worker claims at each commit (push); beat's claim every 5 s (the
+# default) is the safety net.
 CELERY_OUTBOX_MAX_ATTEMPTS = 5
 CELERY_OUTBOX_BACKOFF_BASE = 0.5
 CELERY_OUTBOX_BACKOFF_CAP = 5

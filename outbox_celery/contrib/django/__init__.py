@@ -10,7 +10,8 @@
 Settings: ``CELERY_OUTBOX_TABLE`` (shared with the Celery side), ``OUTBOX_DATABASE`` (the alias
 holding the table), ``CELERY_OUTBOX_MAX_PAYLOAD_BYTES``. See docs/django.md.
 
-This module does not import models, so ``settings.py`` may import :func:`database_dsn` from it.
+This module does not import models, so ``settings.py`` and the Celery app module may import
+:func:`outbox_dsn` (or :func:`database_dsn`) from it.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from django.db import connections
 from ... import producer
 from ...errors import ProducerError
 from ...producer import Event
-from .conf import database_dsn, max_payload_bytes, outbox_database, outbox_table
+from .conf import database_dsn, max_payload_bytes, outbox_database, outbox_dsn, outbox_table
 
-__all__ = ["Event", "database_dsn", "enqueue", "enqueue_many", "outbox_connection"]
+__all__ = ["Event", "database_dsn", "enqueue", "enqueue_many", "outbox_connection", "outbox_dsn"]
 
 
 def outbox_connection(using: str | None = None) -> psycopg.Connection[Any]:

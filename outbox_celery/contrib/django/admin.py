@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
@@ -32,6 +32,7 @@ from django.db.models import Case, Count, Exists, IntegerField, OuterRef, Q, Que
 from django.db.models.functions import Coalesce, Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
+from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
@@ -45,6 +46,23 @@ __all__ = ["EstimatedCountPaginator", "OutboxMessageAdmin"]
 EXACT_COUNT_LIMIT = 1000
 # Actions take explicit ids; larger sets belong to `outbox-celery dead requeue --all`.
 MAX_ACTION_ROWS = 1000
+# The list's last-error column: the first line, this many characters (it wraps).
+ERROR_EXCERPT = 100
+STATUS_COLORS = {"pending": "#447e9b", "processing": "#b07d00", "done": "#3a7d44", "dead": "#ba2121"}
+SKIPPED_COLOR = "#767676"
+
+
+def _when(value: datetime | None) -> str:
+    """A time on two short lines (date, then time) in the current time zone; the full form on hover."""
+    if value is None:
+        return "-"
+    local = timezone.localtime(value) if timezone.is_aware(value) else value
+    return format_html(
+        '<span title="{}" style="white-space:nowrap">{}<br>{}</span>',
+        local.isoformat(sep=" ", timespec="seconds"),
+        local.strftime("%Y-%m-%d"),
+        local.strftime("%H:%M:%S"),
+    )
 
 
 def _psycopg(using: str) -> psycopg.Connection[Any]:
@@ -263,16 +281,16 @@ class SkipForm(forms.Form):
 class OutboxMessageAdmin(_ModelAdmin):
     """List, filter and explain outbox messages; requeue or skip dead ones."""
 
+    # Sized to fit a 1,400 px window beside the filters (#26): what a dead head blocks sits under
+    # its status, the ordering key under the aggregate, times on two short lines, the error wraps.
     list_display = (
         "id",
         "event_type",
         "status_badge",
         "attempts",
-        "aggregate",
-        "ordering_key_link",
-        "blocks",
-        "created_at",
-        "available_at",
+        "aggregate_and_key",
+        "created",
+        "available",
         "error_excerpt",
     )
     list_display_links = ("id", "event_type")
@@ -376,31 +394,49 @@ class OutboxMessageAdmin(_ModelAdmin):
 
     @admin.display(description="status")
     def status_badge(self, obj: OutboxMessage) -> str:
-        colors = {"pending": "#447e9b", "processing": "#b07d00", "done": "#3a7d44", "dead": "#ba2121"}
-        return format_html('<b style="color:{}">{}</b>', colors.get(obj.status, "inherit"), obj.status)
-
-    @admin.display(description="aggregate")
-    def aggregate(self, obj: OutboxMessage) -> str:
-        return f"{obj.aggregate_type}:{obj.aggregate_id}"
-
-    @admin.display(description="ordering key")
-    def ordering_key_link(self, obj: OutboxMessage) -> str:
-        if obj.ordering_key is None:
-            return "-"
-        query = urlencode({"ordering_key": obj.ordering_key, "status": StatusFilter.ALL})
-        return format_html('<a href="?{}">{}</a>', query, obj.ordering_key)
-
-    @admin.display(description="blocks")
-    def blocks(self, obj: OutboxMessage) -> str:
+        if core_admin.was_skipped(obj.status, obj.last_error):
+            # Still "done" in the table (its state machine is unchanged); shown for what it is.
+            return format_html(
+                '<b style="color:{}" title="done without delivery: skipped by an operator">skipped</b>',
+                SKIPPED_COLOR,
+            )
+        color = STATUS_COLORS.get(obj.status, "inherit")
+        badge = format_html('<b style="color:{}">{}</b>', color, obj.status)
         n = int(getattr(obj, "waiting_behind", 0) or 0)
-        if obj.status != Status.DEAD or obj.ordering_key is None:
-            return "-"
-        return format_html('<b style="color:#ba2121">{} waiting</b>', n) if n else "0"
+        if obj.status == Status.DEAD and obj.ordering_key is not None and n:
+            return format_html(
+                '{}<br><small style="color:#ba2121;white-space:nowrap" title="messages of its ordering '
+                'key waiting behind it">blocks {} waiting</small>',
+                badge,
+                n,
+            )
+        return badge
+
+    @admin.display(description="aggregate / ordering key")
+    def aggregate_and_key(self, obj: OutboxMessage) -> str:
+        aggregate = f"{obj.aggregate_type}:{obj.aggregate_id}"
+        if obj.ordering_key is None:
+            return aggregate
+        query = urlencode({"ordering_key": obj.ordering_key, "status": StatusFilter.ALL})
+        link = format_html('<a href="?{}">{}</a>', query, obj.ordering_key)
+        if obj.ordering_key == aggregate:  # ordered by its aggregate, the usual case
+            return link
+        return format_html("{}<br><small>key {}</small>", aggregate, link)
+
+    @admin.display(description="created")
+    def created(self, obj: OutboxMessage) -> str:
+        return _when(obj.created_at)
+
+    @admin.display(description="available at")
+    def available(self, obj: OutboxMessage) -> str:
+        return _when(obj.available_at)
 
     @admin.display(description="last error")
     def error_excerpt(self, obj: OutboxMessage) -> str:
         text = (obj.last_error or "").splitlines()[0] if obj.last_error else ""
-        return text[:60] + ("…" if len(text) > 60 else "")
+        short = text[:ERROR_EXCERPT] + ("…" if len(text) > ERROR_EXCERPT else "")
+        style = "display:block;min-width:14em;overflow-wrap:anywhere"
+        return format_html('<span style="{}">{}</span>', style, short)
 
     # -- detail ----------------------------------------------------------------------------------
 
@@ -443,7 +479,9 @@ class OutboxMessageAdmin(_ModelAdmin):
                 f"; blocks {behind} message(s) of its ordering key" if obj.ordering_key and behind else ""
             )
             return f"dead after {obj.attempts} attempt(s): requeue or skip it{blocking}"
-        return "done"
+        if core_admin.was_skipped(obj.status, obj.last_error):
+            return "skipped by an operator: done without delivery (the reason is in the last error)"
+        return "done: delivered"
 
     @admin.display(description="position in its key")
     def key_position(self, obj: OutboxMessage) -> str:

@@ -19,7 +19,7 @@ from ...config import TableName
 from ...errors import ConfigurationError
 from ...producer import DEFAULT_MAX_PAYLOAD_BYTES
 
-__all__ = ["database_dsn", "max_payload_bytes", "outbox_database", "outbox_table"]
+__all__ = ["database_dsn", "max_payload_bytes", "outbox_database", "outbox_dsn", "outbox_table"]
 
 
 def outbox_table() -> TableName:
@@ -51,14 +51,29 @@ def max_payload_bytes() -> int:
     return DEFAULT_MAX_PAYLOAD_BYTES if value is None else int(value)
 
 
+def outbox_dsn(alias: str | None = None) -> str:
+    """The libpq connection string of ``OUTBOX_DATABASE`` (or ``alias``), for the Celery app.
+
+    The documented way (#21)::
+
+        # proj/celery.py
+        outbox = Outbox(app, dsn=outbox_dsn())
+
+    The DSN, password included, then lives in the Outbox object only: never in a setting,
+    where ``celery report``, ``celery inspect conf`` and Django's debug page would print it
+    (Django masks ``DATABASES[...]["PASSWORD"]``, neither of them masks ``CELERY_OUTBOX_DSN``).
+    Reads ``settings.DATABASES``: call it once ``DJANGO_SETTINGS_MODULE`` is set.
+    """
+    return database_dsn(settings.DATABASES[alias or outbox_database()])
+
+
 def database_dsn(database: Mapping[str, Any]) -> str:
     """A libpq connection string for one entry of ``settings.DATABASES``.
 
-    Meant for ``settings.py``, where Django is not set up yet::
-
-        CELERY_OUTBOX_DSN = database_dsn(DATABASES["default"])
-
-    so the workers connect to the database the Django app writes to. ``NAME``, ``USER``,
+    Prefer :func:`outbox_dsn` in the Celery app module. Assigned to a setting
+    (``CELERY_OUTBOX_DSN = database_dsn(DATABASES["default"])``, the way documented before
+    #21), a password in it is printed by ``celery report`` and Django's debug page, and the
+    worker warns at start-up. ``NAME``, ``USER``,
     ``PASSWORD``, ``HOST``, ``PORT`` and ``OPTIONS`` (libpq parameters such as ``sslmode``;
     Django-only keys like ``pool`` or ``isolation_level`` are left out) are used.
     """
