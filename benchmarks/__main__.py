@@ -30,6 +30,9 @@ Sections (``--only`` picks some):
     one second of production).
   * ``horizon-claim``: one claim of ``--batch-size`` rows (one Store reused, median of
     ``--horizon-claims``) with 0 and ``--horizon-dead`` (100k, 500k) dead versions in front of it.
+* ``transactional`` (opt-in, #24): the plain loop with a handler that inserts one effect row,
+  transactional (effect and done in one transaction) beside plain (the effect on its own
+  connection, then the done), interleaved twice.
 
 Results are printed as tables and written as JSON to ``benchmarks/results/``.
 """
@@ -76,6 +79,7 @@ from .producer_cost import producer_rate
 from .profiling import Profiler
 from .report import Report
 from .services import Services, services
+from .transactional import EffectResult, run_effect
 from .variants import make_store
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -91,6 +95,7 @@ SECTIONS = (
     "horizon",
     "horizon-load",
     "horizon-claim",
+    "transactional",
 )
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 # The end-to-end deployments: a solo claim worker beside the delivery worker, and the README's
@@ -389,6 +394,40 @@ class Bench:
         t.note(
             f"{a.plain_messages} messages per run, batch_size {a.batch_size}, runs interleaved twice; "
             "the traced runs (1000 messages) count round trips from libpq's protocol trace"
+        )
+
+    def transactional(self) -> None:
+        a = self.args
+        runs: list[EffectResult] = []
+        for i in (1, 2):
+            for tx in (True, False):
+                label = f"{'tx' if tx else 'plain'}-{i}"
+                runs.append(
+                    run_effect(
+                        self.svc.dsn, a.plain_messages, label=label, transactional=tx, batch_size=a.batch_size
+                    )
+                )
+        tx_rate = _median([r.rate for r in runs if r.transactional])
+        plain_rate = _median([r.rate for r in runs if not r.transactional])
+        self.results["transactional"] = {
+            "runs": [asdict(r) | {"rate": r.rate} for r in runs],
+            "rate_transactional": tx_rate,
+            "rate_plain": plain_rate,
+        }
+        t = self.report.table(
+            "Transactional handler (#24) vs a plain handler doing the same write on its own connection "
+            "(plain loop, 1 process, no Celery)",
+            ["figure", "value", "baseline", "ratio"],
+        )
+        t.row(
+            "messages/s, transactional vs plain",
+            f"{tx_rate:,.0f}",
+            f"{plain_rate:,.0f}",
+            f"{tx_rate / plain_rate:.2f}x",
+        )
+        t.note(
+            f"{a.plain_messages} messages per run, batch_size {a.batch_size}, runs interleaved twice; "
+            f"effect rows per run: {', '.join(f'{r.label} {r.effects}' for r in runs)}"
         )
 
     def e2e(self) -> None:
@@ -1225,6 +1264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "horizon": bench.horizon,
             "horizon-load": bench.horizon_load,
             "horizon-claim": bench.horizon_claim,
+            "transactional": bench.transactional,
         }
         failures = 0
         try:

@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+import psycopg
 from celery import Celery
 
 from outbox_celery import Defer, Message, PermanentError, RetryableError
@@ -114,6 +115,22 @@ def defer(message: Message) -> None:
         marker.touch()
         record(message, "defer")
         raise Defer(float(message.payload["delay"]), "chaos: not yet")
+    record(message, "ok")
+
+
+@outbox.handler("chaos.tx", transactional=True)
+def tx(message: Message, conn: psycopg.Connection[object]) -> None:
+    """Transactional (#24): its effect row commits with its done, or not at all.
+
+    It sleeps inside the transaction after writing the effect, so kills, backend kills and
+    restarts often catch it between the effect and the commit; the end check wants exactly one
+    effect per done message.
+    """
+    conn.execute(
+        "INSERT INTO chaos_effects (outbox_id, lease_version) VALUES (%s, %s)",
+        [message.id, message.lease_version],
+    )
+    time.sleep(float(message.payload["sleep"]))
     record(message, "ok")
 
 

@@ -10,6 +10,9 @@ from typing import Any
 
 from .workload import HEALTHY, PERMANENT_ERROR
 
+# The transactional kind (#24): its effects must be exactly once, not at least once.
+TRANSACTIONAL = "tx"
+
 __all__ = ["FaultRecord", "Verdict", "check", "render"]
 
 
@@ -42,6 +45,9 @@ class Verdict:
     healthy_dead: list[tuple[int, str]] = field(default_factory=list)
     permanent_wrong: list[tuple[int, str, str]] = field(default_factory=list)
     never_seen: list[int] = field(default_factory=list)
+    #: Transactional messages whose effect rows are not exactly one when done (none otherwise).
+    effects_wrong: list[tuple[int, str, int]] = field(default_factory=list)
+    effects_checked: int = 0
     violations: list[str] = field(default_factory=list)
 
 
@@ -55,8 +61,17 @@ def _seen(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def check(rows: list[tuple[int, str, str, str | None, str | None]], seen_path: Path) -> Verdict:
-    """Judge the run from ``rows`` (id, event_type, status, ordering_key, last_error)."""
+def check(
+    rows: list[tuple[int, str, str, str | None, str | None]],
+    seen_path: Path,
+    *,
+    effects: dict[int, int] | None = None,
+) -> Verdict:
+    """Judge the run from ``rows`` (id, event_type, status, ordering_key, last_error).
+
+    :param effects: outbox id -> effect rows of the transactional kind (``chaos_effects``):
+        exactly one for every done ``tx`` message, none for the others.
+    """
     v = Verdict(rows=len(rows))
     sightings = _seen(seen_path)
     v.handler_runs = len(sightings)
@@ -79,6 +94,14 @@ def check(rows: list[tuple[int, str, str, str | None, str | None]], seen_path: P
         elif status == "done" and delivered[row_id] == 0:
             v.never_seen.append(row_id)
     v.by_kind = dict(by_kind)
+    if effects is not None:
+        for row_id, event_type, status, _key, _error in rows:
+            if event_type.removeprefix("chaos.") != TRANSACTIONAL:
+                continue
+            v.effects_checked += 1
+            n = effects.get(row_id, 0)
+            if n != (1 if status == "done" else 0):
+                v.effects_wrong.append((row_id, status, n))
 
     # Ordered keys: in the order handlers ran, an id below one already seen on its key is an
     # inversion (a retry of the same head is not).
@@ -101,6 +124,10 @@ def check(rows: list[tuple[int, str, str, str | None, str | None]], seen_path: P
         v.violations.append(f"{len(v.never_seen)} row(s) done without a successful handler run")
     if v.inversions:
         v.violations.append(f"{v.inversions} ordering inversion(s)")
+    if v.effects_wrong:
+        v.violations.append(
+            f"{len(v.effects_wrong)} transactional message(s) whose effect is not exactly once"
+        )
     return v
 
 
@@ -135,6 +162,13 @@ def render(
     lines.append(f"  handler runs {v.handler_runs}")
     lines.append(f"  duplicates   {v.duplicates} extra successful run(s) over {v.duplicated_ids} message(s)")
     lines.append(f"  inversions   {v.inversions}")
+    if v.effects_checked:
+        lines.append(
+            f"  tx effects   {v.effects_checked - len(v.effects_wrong)} of {v.effects_checked} "
+            "transactional message(s) with exactly one effect per done"
+        )
+    for row_id, status, n in v.effects_wrong[:10]:
+        lines.append(f"  tx effect    {row_id} {status}: {n} effect row(s)")
     if v.stuck:
         lines.append(f"  stuck ids    {v.stuck[:20]}{' ...' if len(v.stuck) > 20 else ''}")
     for row_id, error in v.healthy_dead[:10]:

@@ -32,7 +32,7 @@ from outbox_celery.migrations import migrate
 from .check import FaultRecord, Verdict, check, render
 from .procs import Child, Supervisor, child_pids
 from .services import CONTROL_APP, PgBouncer, Postgres, RedisServer, connect
-from .workload import Producer, plan
+from .workload import EFFECTS_DDL, Producer, plan
 
 __all__ = ["FAULTS", "Profile", "main"]
 
@@ -505,6 +505,7 @@ class Run:
         self.redis.start()
         with connect(self.pg.dsn) as conn:
             migrate(conn)
+            conn.execute(EFFECTS_DDL)
         self.autovacuum = self.ensure_autovacuum()
         self.start_beat()
         self.start_workers(("claim", *DELIVERY_WORKERS))
@@ -550,7 +551,8 @@ class Run:
             producer.stop()
         total = time.monotonic() - self.start
         rows = self.query("SELECT id, event_type, status, ordering_key, last_error FROM outbox ORDER BY id")
-        verdict = check([tuple(r) for r in rows], self.seen)
+        effects = self.query("SELECT outbox_id, count(*) FROM chaos_effects GROUP BY outbox_id")
+        verdict = check([tuple(r) for r in rows], self.seen, effects={int(i): int(n) for i, n in effects})
         for f in self.faults:
             if f.error:
                 verdict.violations.append(f"fault {f.name}: {f.error}")

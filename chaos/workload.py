@@ -14,14 +14,25 @@ from outbox_celery.producer import enqueue_many
 
 from .services import connect
 
-__all__ = ["HEALTHY", "KINDS", "PERMANENT_ERROR", "Producer", "plan"]
+__all__ = ["EFFECTS_DDL", "HEALTHY", "KINDS", "PERMANENT_ERROR", "Producer", "plan"]
 
 # The text a permanent message's handler raises; the end check looks for it in last_error.
 PERMANENT_ERROR = "chaos: permanent failure"
 
+# The effect table of the transactional kind (#24): one row per committed handler run. The end
+# check wants exactly one per done "tx" message, whatever the faults did.
+EFFECTS_DDL = """
+CREATE TABLE IF NOT EXISTS chaos_effects (
+    n bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    outbox_id bigint NOT NULL,
+    lease_version bigint NOT NULL
+)
+"""
+
 # kind -> share of the messages. Every kind but "permanent" must end done.
 KINDS: dict[str, float] = {
-    "ok": 0.62,
+    "ok": 0.56,
+    "tx": 0.06,
     "retry": 0.10,
     "permanent": 0.04,
     "defer": 0.06,
@@ -45,6 +56,8 @@ def plan(count: int, keys: int, seed: int, slow_max: float) -> list[Event]:
             payload["delay"] = round(rng.uniform(0.3, 1.5), 2)
         elif kind == "slow":
             payload["sleep"] = round(rng.uniform(0.2, slow_max), 2)
+        elif kind == "tx":
+            payload["sleep"] = round(rng.uniform(0.0, slow_max / 2), 2)
         elif kind == "ordered":
             key = f"key-{rng.randrange(keys)}"
         events.append(Event(f"chaos.{kind}", payload, "chaos", str(n), ordering_key=key))

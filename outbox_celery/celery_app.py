@@ -24,7 +24,7 @@ from . import producer
 from ._pool import ForkSafePool, IdleCheck
 from .backoff import RetryPolicy
 from .config import UNSET, OutboxConfig, TableName, Unset
-from .dispatch import ClaimRun, Dispatcher, Handler, HandlerSpec, default_owner
+from .dispatch import ClaimRun, Dispatcher, HandlerSpec, default_owner
 from .dsn import DSN_ENV, password
 from .errors import ConfigurationError
 from .listener import Listener
@@ -33,6 +33,7 @@ from .producer import Event
 from .push import install_listener_step
 from .store import Claimed, Store
 from .tracing import task_headers
+from .transactional import transaction_kind
 from .worker_settings import check_worker_settings, redelivery_problem
 from .worker_settings import is_redis as _is_redis
 
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 _SETTINGS = frozenset(OutboxConfig.__dataclass_fields__)
 
-F = TypeVar("F", bound=Handler)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 # Retention: at most this many batches of ``retention_batch_size`` per beat-triggered run.
@@ -305,7 +306,15 @@ class Outbox:
         """Registered handlers by event type."""
         return dict(self._handlers)
 
-    def handler(self, event_type: str, *, queue: str | None = None) -> Callable[[F], F]:
+    def handler(
+        self,
+        event_type: str,
+        *,
+        queue: str | None = None,
+        transactional: bool | str = False,
+        session_factory: Callable[[], Any] | None = None,
+        using: str | None = None,
+    ) -> Callable[[F], F]:
         """Register the function that delivers ``event_type`` (one per event type).
 
         The handler receives a :class:`~outbox_celery.message.Message` and runs outside any
@@ -313,15 +322,30 @@ class Outbox:
         :class:`~outbox_celery.errors.PermanentError` or :class:`~outbox_celery.errors.Defer` to
         say what happened; returning normally means delivered.
 
+        A *transactional* handler (docs/transactional.md, DESIGN invariant 20) receives
+        ``(message, conn)`` and runs inside one transaction on the outbox's database whose last
+        statement is the fenced ``done``: its writes (and the events it enqueues on ``conn``)
+        commit exactly when the done does. A run whose claim was superseded, or that raises,
+        rolls them back.
+
         :param queue: the Celery queue its delivery tasks go to (default: ``default_queue``).
+        :param transactional: ``False`` (default), ``True`` or ``"psycopg"`` (``conn`` is a
+            ``psycopg.Connection`` of the outbox's pool), ``"sqlalchemy"`` (``conn`` is a
+            ``Session`` from ``session_factory``) or ``"django"`` (``conn`` is Django's
+            connection, the handler runs inside ``transaction.atomic()``).
+        :param session_factory: with ``transactional="sqlalchemy"``: returns a new ``Session``
+            on the outbox's database (psycopg 3 dialect), e.g. a ``sessionmaker``.
+        :param using: with ``transactional="django"``: the database alias (default
+            ``"default"``).
         """
         if not isinstance(event_type, str) or not event_type:
             raise ConfigurationError("event_type must be a non-empty string")
+        kind = transaction_kind(transactional, session_factory=session_factory, using=using)
 
         def register(fn: F) -> F:
             if event_type in self._handlers:
                 raise ConfigurationError(f"a handler for {event_type!r} is already registered")
-            self._handlers[event_type] = HandlerSpec(event_type, fn, queue or "")
+            self._handlers[event_type] = HandlerSpec(event_type, fn, queue or "", transaction=kind)
             return fn
 
         return register

@@ -22,11 +22,12 @@ import psycopg
 from ._done_batch import DoneBatcher
 from .backoff import Backoff, RetryPolicy
 from .config import OutboxConfig
-from .errors import Defer, PermanentError, RetryableError
+from .errors import ConfigurationError, Defer, PermanentError, RetryableError
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
 from .store import Claimed, ScanMarks, Store, starter_token
 from .tracing import handler_span
+from .transactional import TransactionKind
 
 __all__ = ["ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome"]
 
@@ -47,6 +48,8 @@ PRE_HANDLER_FAILURE = "outbox-celery failed before calling the handler (the hand
 T = TypeVar("T")
 
 Handler = Callable[[Message], Any]
+#: A transactional handler: ``(message, conn)``, inside the transaction of its fenced done.
+TransactionalHandler = Callable[[Message, Any], Any]
 ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
 
 
@@ -61,11 +64,16 @@ class Publisher(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class HandlerSpec:
-    """A registered handler and the queue its event type is routed to."""
+    """A registered handler and the queue its event type is routed to.
+
+    :ivar transaction: set for a transactional handler (``fn`` then takes ``(message, conn)``
+        and runs inside the transaction of its fenced done, DESIGN invariant 20).
+    """
 
     event_type: str
-    fn: Handler
+    fn: Callable[..., Any]
     queue: str
+    transaction: TransactionKind | None = None
 
 
 @dataclass(slots=True)
@@ -117,6 +125,30 @@ def _error_text(exc: BaseException, limit: int = 4000) -> str:
         tb = "".join(traceback.format_exception(exc)).strip()
         text = f"{text}\n{tb}"
     return text[:limit]
+
+
+class _Superseded(Exception):  # noqa: N818 - control flow inside the dispatcher only
+    """A transactional run's fenced done changed nothing: roll its transaction back."""
+
+
+# SQLSTATE class 40, transaction rollback: a deadlock (40P01) or a serialization failure
+# (40001) between a transactional handler's transaction and another. Nothing was committed; the
+# same run may well succeed a moment later.
+_ROLLBACK_CLASS = "40"
+
+
+def _transaction_conflict(exc: BaseException) -> psycopg.Error | None:
+    """The psycopg error of class 40 behind ``exc`` (Django and SQLAlchemy wrap it), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, psycopg.Error):
+            state = current.sqlstate or ""
+            return current if state.startswith(_ROLLBACK_CLASS) else None
+        orig = getattr(current, "orig", None)  # SQLAlchemy's DBAPIError
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,6 +394,8 @@ class Dispatcher:
             return self._unroutable(msg, lease_version, log)
         msg = replace(msg, _extend=lambda seconds: self._extend(outbox_id, lease_version, seconds))
         started = time.monotonic()
+        if spec.transaction is not None:
+            return self._deliver_in_transaction(spec, spec.transaction, msg, lease_version, log, started)
         try:
             # The lease heartbeat is a no-op unless configured; the span continues the producer's
             # trace when it had one (tracing.py).
@@ -392,6 +426,79 @@ class Dispatcher:
             msg.event_type,
             outcome,
             extra={**log, "outcome": outcome, "duration_ms": _ms_since(started)},
+        )
+        return outcome
+
+    def _deliver_in_transaction(
+        self,
+        spec: HandlerSpec,
+        kind: TransactionKind,
+        msg: Message,
+        version: int,
+        log: dict[str, Any],
+        started: float,
+    ) -> Outcome:
+        """A transactional handler: its writes and the fenced done commit together (invariant 20).
+
+        A failure before the handler is called (opening or bounding the transaction) is the
+        library's, recorded as such. The transaction is bounded by ``task_time_limit``
+        (``Store.limit_transaction``); the
+        done is its last statement and durable (never batched, never relaxed: it commits the
+        handler's effect). A done that loses the fence raises inside the transaction, which
+        rolls the effect back. Any exception rolls back too; its outcome is then recorded in a
+        separate fenced statement, as for a plain handler.
+        """
+        cfg = self.config
+        ordered = msg.ordering_key is not None
+        called = False
+        try:
+            with (
+                lease_heartbeat(cfg, msg.extend_lease, log=log),
+                handler_span(msg),
+                kind.begin(self.connection) as (handle, conn),
+            ):
+                isolation = self.store.limit_transaction(conn, seconds=cfg.task_time_limit)
+                if ordered and isolation != "read committed":
+                    # The ordered done decides the key's next head from its statement's
+                    # snapshot, taken after the key lock only under read committed.
+                    raise ConfigurationError(
+                        f"ordered messages need a READ COMMITTED transaction, the {kind.name} "
+                        f"transactional handler of {msg.event_type!r} runs in {isolation}"
+                    )
+                called = True
+                spec.fn(msg, handle)
+                if not self.store.done(conn, msg.id, version, ordered=ordered, joined=True):
+                    raise _Superseded
+        except _Superseded:
+            outcome = Outcome.LOST_LEASE
+        except BaseException as exc:
+            if not called and isinstance(exc, Exception):
+                # The transaction could not be opened or bounded (or an ordered message met
+                # another isolation level): the library's failure, not the handler's (#21).
+                self._failed_before_handler(msg.id, version, exc, log)
+                raise
+            conflict = _transaction_conflict(exc)
+            if conflict is not None:
+                exc = RetryableError(f"transaction conflict ({conflict.sqlstate}): {conflict}")
+            verdict = classify(exc, msg.attempts, self.retry)
+            if verdict is None:
+                self._record_error(msg.id, version, _error_text(exc))
+                logger.error(
+                    "outbox id %s transactional handler raised %s; rolled back, row returns after its lease",
+                    msg.id,
+                    type(exc).__name__,
+                    extra={**log, "outcome": Outcome.ERROR, "duration_ms": _ms_since(started)},
+                )
+                raise
+            outcome = self._finish(verdict, msg, version)
+        else:
+            outcome = Outcome.DONE
+        logger.info(
+            "outbox id %s %s -> %s",
+            msg.id,
+            msg.event_type,
+            outcome,
+            extra={**log, "outcome": outcome, "transactional": kind.name, "duration_ms": _ms_since(started)},
         )
         return outcome
 

@@ -705,7 +705,13 @@ class Store:
         return row
 
     def done(
-        self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, ordered: bool | None = None
+        self,
+        conn: psycopg.Connection[Any],
+        outbox_id: int,
+        version: int,
+        *,
+        ordered: bool | None = None,
+        joined: bool = False,
     ) -> bool:
         """Fenced: ``processing`` -> ``done``; an ordered head hands its key to the next message.
 
@@ -718,20 +724,44 @@ class Store:
         :param ordered: whether the row has an ordering key, when the caller knows (the worker
             does, from the fenced start): it saves the statement that does not apply. ``None``
             tries the unordered statement first and the ordered done when it changed nothing.
+        :param joined: the done is the last statement of the caller's open transaction (a
+            transactional handler's, DESIGN invariant 20), which commits or rolls back as a
+            whole: its statements run there directly, without the savepoint a nested
+            transaction would cost (two round trips).
         """
+        if joined and self._owns_transaction(conn):
+            raise RuntimeError("a joined done needs the caller's open transaction")
         params = {"id": outbox_id, "version": version, "commit_mode": self._commit_mode(conn)}
+        scope = contextlib.nullcontext if joined else conn.transaction
         won = False
         if not ordered:
-            with self._single_statement(conn):
+            with contextlib.nullcontext() if joined else self._single_statement(conn):
                 won = conn.execute(self._q["finish_done"], params).fetchone() is not None
         if not won and ordered is not False:
-            with conn.transaction():
+            with scope():
                 conn.execute(self._q["lock_key_of"], {"table": self._regclass(conn), "id": outbox_id})
                 won = conn.execute(self._q["finish_done_head"], params).fetchone() is not None
         if not won:
             return self._lost("finish_done", outbox_id, version)
         self._count("done")
         return True
+
+    def limit_transaction(self, conn: psycopg.Connection[Any], *, seconds: float) -> str:
+        """Bound the caller's open transaction to ``seconds`` (a transactional handler's).
+
+        Sets ``statement_timeout`` and ``idle_in_transaction_session_timeout`` for this
+        transaction only, and ``transaction_timeout`` on PostgreSQL 17 and later (named query
+        ``transaction_limits``). Returns the transaction's isolation level.
+
+        :raises RuntimeError: ``conn`` would run the statement as its own transaction (an
+            autocommit connection outside a transaction block): there is nothing to bound.
+        """
+        if self._owns_transaction(conn):
+            raise RuntimeError("limit_transaction needs a transaction: this connection is in autocommit")
+        ms = max(1, round(seconds * 1000))
+        row = conn.execute(self._q["transaction_limits"], {"ms": ms}).fetchone()
+        assert row is not None
+        return str(row[3])
 
     def done_many(self, conn: psycopg.Connection[Any], finished: Sequence[tuple[int, int]]) -> set[int]:
         """Fenced: many unordered ``(id, lease_version)`` rows ``processing`` -> ``done`` at once.

@@ -352,6 +352,21 @@ moved AS (
 )
 SELECT fin.id, (SELECT o.id FROM moved AS o) FROM fin;
 
+-- name: transaction_limits
+-- First statement of a transactional handler's transaction (DESIGN invariant 20): bounds it
+-- below the lease, for this transaction only (is_local). statement_timeout cancels a statement
+-- that runs longer (an error: the transaction rolls back); idle_in_transaction_session_timeout
+-- ends the session when the handler leaves the transaction idle that long (the server rolls it
+-- back). PostgreSQL 17 added transaction_timeout, a bound on the whole transaction: set too where
+-- the server has it (the CASE never evaluates the name on an older server, which would refuse
+-- it). None of them is needed for correctness: the fenced done, last in the transaction, rolls
+-- back a run whose claim was superseded; they bound how long its locks are held.
+SELECT set_config('statement_timeout', %(ms)s::text, true),
+       set_config('idle_in_transaction_session_timeout', %(ms)s::text, true),
+       CASE WHEN current_setting('server_version_num')::int >= 170000
+            THEN set_config('transaction_timeout', %(ms)s::text, true) END,
+       current_setting('transaction_isolation');
+
 -- name: finish_retry
 -- Retryable failure: back to pending after the delay, the attempt kept; dead at the limit.
 UPDATE {table}

@@ -74,6 +74,7 @@ class Harness:
         self,
         *,
         routes: dict[str, str | None] | None = None,
+        transactional: dict[str, str | None] | None = None,
         celery: dict[str, Any] | None = None,
         via_celery_conf: bool | None = None,
         **outbox: Any,
@@ -81,6 +82,8 @@ class Harness:
         """Change the app spec (before starting the processes that should see it)."""
         if routes is not None:
             self.spec.routes = dict(routes)
+        if transactional is not None:
+            self.spec.transactional = dict(transactional)
         if celery is not None:
             self.spec.celery = dict(celery)
         if via_celery_conf is not None:
@@ -93,6 +96,7 @@ class Harness:
         """Claim queue, default queue and every routed queue of the spec."""
         names = [self.claim_queue, self.default_queue]
         names += [q for q in self.spec.routes.values() if q]
+        names += [q for q in self.spec.transactional.values() if q]
         return list(dict.fromkeys(names))
 
     # -- processes -----------------------------------------------------------------------------

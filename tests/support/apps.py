@@ -22,6 +22,11 @@ worker serves every situation a test needs::
                                             fenced finalize)
     {"mode": "extend", "seconds": 30}       extend its own lease, record whether it won
 
+Event types in ``transactional`` get :func:`scripted_transactional` instead (#24): the same
+modes, run inside the handler's transaction after it wrote its effect (a row in ``effects``)
+and, when the payload names one in ``follow_up``, enqueued a follow-up event; ``stall`` polls on
+the transaction's own connection (so the transaction is never idle for long).
+
 Each run inserts a row into ``handler_calls`` before acting (so a run that kills its process is
 still seen) and stamps ``finished_at``/``result`` when it returns or raises. Celery's
 ``task_retry`` and ``task_failure`` signals are recorded into ``celery_signals`` by the worker
@@ -64,6 +69,15 @@ CREATE TABLE IF NOT EXISTS handler_calls (
     finished_at   timestamptz,
     result        text
 );
+CREATE TABLE IF NOT EXISTS effects (
+    n             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    outbox_id     bigint      NOT NULL,
+    lease_version bigint      NOT NULL,
+    attempts      integer     NOT NULL,
+    ordering_key  text,
+    pid           integer     NOT NULL,
+    at            timestamptz NOT NULL DEFAULT clock_timestamp()
+);
 CREATE TABLE IF NOT EXISTS celery_signals (
     n         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     signal    text        NOT NULL,
@@ -90,6 +104,11 @@ class AppSpec:
         (``lease``, ``claim_interval``, ``claim_queue``...).
     :ivar routes: event type -> queue (``None``: the outbox's default queue); one scripted
         handler is registered per event type.
+    :ivar transactional: event type -> queue of the transactional handlers
+        (:func:`scripted_transactional`).
+    :ivar transactional_kind: what they ask for: ``"psycopg"`` (the outbox's pool),
+        ``"sqlalchemy"`` (a ``sessionmaker`` on the test database) or ``"django"`` (the worker
+        module configures Django on the test database).
     :ivar celery: extra Celery settings, loaded with ``config_from_object`` as a user would.
     :ivar via_celery_conf: give the outbox settings as ``outbox_*`` Celery settings instead of
         keyword arguments.
@@ -101,6 +120,8 @@ class AppSpec:
     broker_url: str
     outbox: dict[str, Any] = field(default_factory=dict)
     routes: dict[str, str | None] = field(default_factory=dict)
+    transactional: dict[str, str | None] = field(default_factory=dict)
+    transactional_kind: str = "psycopg"
     celery: dict[str, Any] = field(default_factory=dict)
     via_celery_conf: bool = False
     queries: dict[str, str] = field(default_factory=dict)
@@ -154,6 +175,16 @@ def build_app(spec: AppSpec) -> tuple[Celery, Outbox]:
         outbox = Outbox(app, dsn=spec.dsn, store=store, **spec.outbox)
     for event_type, queue in spec.routes.items():
         outbox.handler(event_type, queue=queue)(scripted(outbox))
+    options: dict[str, Any] = {"transactional": spec.transactional_kind}
+    if spec.transactional and spec.transactional_kind == "sqlalchemy":
+        from sqlalchemy import create_engine
+        from sqlalchemy.orm import sessionmaker
+
+        dsn = spec.dsn
+        engine = create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(dsn), pool_size=2)
+        options["session_factory"] = sessionmaker(engine)
+    for event_type, queue in spec.transactional.items():
+        outbox.handler(event_type, queue=queue, **options)(scripted_transactional(outbox))
     return app, outbox
 
 
@@ -180,6 +211,69 @@ def scripted(outbox: Outbox) -> Any:
 
     handler.__name__ = "scripted_handler"
     return handler
+
+
+def scripted_transactional(outbox: Outbox) -> Any:
+    """The transactional handler (#24): effect, optional follow-up, then what the payload says."""
+
+    def handler(message: Message, conn: Any) -> None:
+        payload = message.payload if isinstance(message.payload, dict) else {}
+        mode = str(payload.get("mode", "ok"))
+        times = payload.get("times")
+        active = times is None or message.attempts <= int(times)
+        call = _record_start(outbox, message)  # on a connection of its own: kept on rollback
+        try:
+            # Each kind writes the effect its own way: psycopg, the Session, Django's cursor.
+            raw, producer = _write_effect(conn, message)
+            follow_up = payload.get("follow_up")
+            if follow_up:
+                outbox.enqueue(
+                    producer,
+                    event_type=str(follow_up),
+                    payload={"after": message.id},
+                    aggregate_type="effect",
+                    aggregate_id=str(message.id),
+                )
+            if active and mode == "stall":
+                result = _stall(outbox, message, raw)
+            else:
+                result = _act(outbox, message, mode if active else "ok", payload)
+        except BaseException as exc:
+            _record_end(outbox, call, f"raised {type(exc).__name__}")
+            raise
+        _record_end(outbox, call, result)
+
+    handler.__name__ = "scripted_transactional_handler"
+    return handler
+
+
+EFFECT = (
+    "INSERT INTO effects (outbox_id, lease_version, attempts, ordering_key, pid)"
+    " VALUES (%(id)s, %(version)s, %(attempts)s, %(key)s, %(pid)s)"
+)
+
+
+def _write_effect(conn: Any, message: Message) -> tuple[psycopg.Connection[Any], Any]:
+    """Insert the effect through ``conn``; return the psycopg connection under it and what
+    ``enqueue`` takes."""
+    params = {
+        "id": message.id,
+        "version": message.lease_version,
+        "attempts": message.attempts,
+        "key": message.ordering_key,
+        "pid": os.getpid(),
+    }
+    if isinstance(conn, psycopg.Connection):
+        conn.execute(EFFECT, params)
+        return conn, conn
+    if type(conn).__module__.startswith("sqlalchemy"):
+        from sqlalchemy import text
+
+        conn.execute(text(EFFECT.replace("%(", ":").replace(")s", "")), params)
+        return conn.connection().connection.driver_connection, conn
+    with conn.cursor() as cur:  # Django's connection wrapper
+        cur.execute(EFFECT, params)
+    return conn.connection, conn.connection
 
 
 def _act(outbox: Outbox, message: Message, mode: str, payload: dict[str, Any]) -> str:
@@ -209,15 +303,21 @@ def _act(outbox: Outbox, message: Message, mode: str, payload: dict[str, Any]) -
     raise ValueError(f"unknown scripted mode {mode!r}")
 
 
-def _stall(outbox: Outbox, message: Message) -> str:
-    """Outlive the lease: wait until a newer claim of this row has finished it."""
+def _stall(outbox: Outbox, message: Message, tx: psycopg.Connection[Any] | None = None) -> str:
+    """Outlive the lease: wait until a newer claim of this row has finished it.
+
+    With ``tx`` (a transactional handler's connection, read committed) it polls there.
+    """
     query = sql.SQL("SELECT status, lease_version FROM {} WHERE id = %s").format(
         TableName.parse(outbox.config.table).identifier()
     )
     deadline = time.monotonic() + STALL_LIMIT
     while time.monotonic() < deadline:
-        with outbox.connection() as conn:
-            row = conn.execute(query, [message.id]).fetchone()
+        if tx is not None:
+            row = tx.execute(query, [message.id]).fetchone()
+        else:
+            with outbox.connection() as conn:
+                row = conn.execute(query, [message.id]).fetchone()
         if row and row[0] == "done" and int(row[1]) > message.lease_version:
             return "stalled past a newer run"
         time.sleep(0.1)

@@ -14,6 +14,27 @@ from celery import signals
 from support.apps import AppSpec, build_app, record_signal
 
 spec = AppSpec.from_env()
+if spec.transactional and spec.transactional_kind == "django":
+    # Django's connection on the test database, for transactional="django" handlers (#24).
+    import django
+    from django.conf import settings
+    from psycopg.conninfo import conninfo_to_dict
+
+    parts = conninfo_to_dict(spec.dsn)
+    settings.configure(
+        USE_TZ=True,
+        DATABASES={
+            "default": {
+                "ENGINE": "django.db.backends.postgresql",
+                "NAME": parts.get("dbname"),
+                "USER": parts.get("user", ""),
+                "PASSWORD": parts.get("password", ""),
+                "HOST": parts.get("host", ""),
+                "PORT": str(parts.get("port", "")),
+            }
+        },
+    )
+    django.setup()
 app, outbox = build_app(spec)
 
 

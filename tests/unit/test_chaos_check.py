@@ -73,3 +73,22 @@ def test_duplicates_are_counted_not_failed(tmp_path: Path) -> None:
     v = check(rows, _seen(tmp_path / "s", (1, "ok", None), (1, "ok", None), (1, "ok", None), (2, "ok", None)))
     assert (v.duplicates, v.duplicated_ids) == (2, 1)
     assert v.violations == []
+
+
+def test_a_transactional_effect_not_exactly_once_is_a_violation(tmp_path: Path) -> None:
+    rows = [
+        (1, "chaos.tx", "done", None, None),
+        (2, "chaos.tx", "done", None, None),
+        (3, "chaos.tx", "done", None, None),
+        (4, "chaos.ok", "done", None, None),
+    ]
+    seen = _seen(
+        tmp_path / "s", (1, "ok", None), (2, "ok", None), (2, "ok", None), (3, "ok", None), (4, "ok", None)
+    )
+    # 1: once (a pass); 2: twice (a rolled-back run must not leave one); 3: none although done.
+    v = check(rows, seen, effects={1: 1, 2: 2})
+    assert [(i, n) for i, _, n in v.effects_wrong] == [(2, 2), (3, 0)]
+    assert v.duplicates == 1  # the runs themselves stay at least once
+    assert any("not exactly once" in text for text in v.violations)
+    assert "tx effects   1 of 3" in render(v, [], [])
+    assert check(rows[:1], seen, effects={1: 1}).violations == []

@@ -271,3 +271,29 @@ def test_outbox_keywords_win_over_celery_settings_and_unknown_names_still_raise(
     assert (outbox.config.batch_size, outbox.config.lease, outbox.config.retention) == (7, 40.0, None)
     with pytest.raises(ConfigurationError, match="unknown outbox setting"):
         Outbox(app, leese=30)
+
+
+def test_transactional_handler_options_are_checked_at_registration() -> None:
+    from celery import Celery
+
+    from outbox_celery import Outbox
+    from outbox_celery.transactional import DjangoTransaction, PsycopgTransaction, SqlAlchemyTransaction
+
+    outbox = Outbox(Celery("tx", set_as_current=False), retention=None)
+    outbox.handler("a", transactional=True)(lambda m, conn: None)
+    outbox.handler("b", transactional="sqlalchemy", session_factory=lambda: None)(lambda m, s: None)
+    outbox.handler("c", transactional="django", using="other")(lambda m, c: None)
+    outbox.handler("d")(lambda m: None)
+    kinds = {k: s.transaction for k, s in outbox.handlers.items()}
+    assert isinstance(kinds["a"], PsycopgTransaction)
+    assert isinstance(kinds["b"], SqlAlchemyTransaction)
+    assert isinstance(kinds["c"], DjangoTransaction) and kinds["c"].using == "other"
+    assert kinds["d"] is None
+    for bad, match in (
+        ({"transactional": "mongo"}, "transactional must be"),
+        ({"transactional": "sqlalchemy"}, "needs session_factory"),
+        ({"transactional": True, "session_factory": lambda: None}, "goes with transactional='sqlalchemy'"),
+        ({"using": "other"}, "goes with transactional='django'"),
+    ):
+        with pytest.raises(ConfigurationError, match=match):
+            outbox.handler("e", **bad)

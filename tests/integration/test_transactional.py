@@ -1,0 +1,351 @@
+"""Transactional handlers (#24, DESIGN invariant 20) through the dispatcher, without Celery.
+
+The handler's writes, the events it enqueues and the fenced done commit in one transaction; a
+superseded claim or any exception rolls them back. Real workers (SIGKILL, stale workers) are in
+``tests/acceptance/test_celery_transactional.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg_pool import ConnectionPool
+
+from outbox_celery import (
+    ConfigurationError,
+    Defer,
+    Message,
+    OutboxConfig,
+    PermanentError,
+    RetryableError,
+    TableName,
+    enqueue,
+)
+from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
+from outbox_celery.transactional import PsycopgTransaction
+
+from .helpers import LONG, add, count, fetch
+
+EVENT = "ledger.post"
+FOLLOW_UP = "ledger.posted"
+
+
+@pytest.fixture
+def pool(migrated_dsn: str) -> Iterator[ConnectionPool[Any]]:
+    with ConnectionPool(migrated_dsn, min_size=1, max_size=4, kwargs={"autocommit": True}, open=True) as p:
+        yield p
+
+
+@pytest.fixture
+def effects(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(
+        "CREATE TABLE ledger (n bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
+        " outbox_id bigint NOT NULL, lease_version bigint NOT NULL)"
+    )
+
+
+def _dispatcher(
+    pool: ConnectionPool[Any], table: str, handler: Callable[[Message, Any], Any], **config: Any
+) -> Dispatcher:
+    spec = HandlerSpec(EVENT, handler, "q", transaction=PsycopgTransaction())
+    return Dispatcher(OutboxConfig(table=table, **{"lease": LONG, **config}), pool.connection, {EVENT: spec})
+
+
+def _post(message: Message, conn: psycopg.Connection[Any], table: str) -> None:
+    """The effect and its follow-up event, in the handler's transaction."""
+    conn.execute(
+        "INSERT INTO ledger (outbox_id, lease_version) VALUES (%s, %s)", [message.id, message.lease_version]
+    )
+    enqueue(
+        conn,
+        event_type=FOLLOW_UP,
+        payload={"after": message.id},
+        aggregate_type="ledger",
+        aggregate_id=str(message.id),
+        table=table,
+    )
+
+
+def _ledger(conn: psycopg.Connection[Any]) -> list[tuple[int, int]]:
+    return [
+        (int(a), int(b)) for a, b in conn.execute("SELECT outbox_id, lease_version FROM ledger ORDER BY n")
+    ]
+
+
+def _follow_ups(conn: psycopg.Connection[Any], table: str) -> int:
+    return count(conn, table, f"event_type = '{FOLLOW_UP}'")
+
+
+def _claim_one(dispatcher: Dispatcher, conn: psycopg.Connection[Any], lease: float = LONG) -> int:
+    [c] = dispatcher.store.claim(
+        conn, limit=1, lease=lease, owner="w", max_attempts=5, event_types=[EVENT]
+    ).claimed
+    return c.lease_version
+
+
+@pytest.mark.usefixtures("effects")
+def test_invariant_20_effect_follow_up_and_done_commit_together(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def handler(message: Message, tx: psycopg.Connection[Any]) -> None:
+        _post(message, tx, table)
+        # Inside the transaction: bounded below the lease, nothing visible outside yet.
+        seen["timeouts"] = tx.execute(
+            "SELECT current_setting('statement_timeout'),"
+            " current_setting('idle_in_transaction_session_timeout')"
+        ).fetchone()
+        seen["outside"] = (fetch(conn, table, message.id)["status"], len(_ledger(conn)))
+
+    dispatcher = _dispatcher(pool, table, handler, done_batch_delay=1.0)
+    [i] = add(conn, table=table, event_type=EVENT)
+    version = _claim_one(dispatcher, conn)
+    # batch_done is asked for, as the delivery task does: a transactional done is never held.
+    assert dispatcher.deliver(i, version, batch_done=True) == Outcome.DONE
+    assert seen["timeouts"] == ("54s", "54s")  # 0.9 * lease, the delivery's time limit
+    assert seen["outside"] == ("processing", 0)
+    assert fetch(conn, table, i)["status"] == "done"
+    assert _ledger(conn) == [(i, version)]
+    assert _follow_ups(conn, table) == 1
+    assert dispatcher.done_batch is not None and dispatcher.done_batch.pending() == 0
+    # The pooled connection went back without the transaction's settings.
+    with pool.connection() as c:
+        assert c.execute("SHOW statement_timeout").fetchone() == ("0",)
+
+
+@pytest.mark.usefixtures("effects")
+def test_invariant_20_a_superseded_claim_rolls_back_its_effect_and_follow_up(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    dispatcher = _dispatcher(pool, table, lambda m, tx: None)
+    t = TableName.parse(table).identifier()
+
+    def handler(message: Message, tx: psycopg.Connection[Any]) -> None:
+        _post(message, tx, table)
+        # While it runs, its lease ends and another claim takes the row (a new fencing token).
+        conn.execute(sql.SQL("UPDATE {} SET lease_until = now() WHERE id = %s").format(t), [message.id])
+        assert _claim_one(dispatcher, conn) == message.lease_version + 1
+
+    dispatcher.handlers[EVENT] = HandlerSpec(EVENT, handler, "q", transaction=PsycopgTransaction())
+    [i] = add(conn, table=table, event_type=EVENT)
+    version = _claim_one(dispatcher, conn)
+    assert dispatcher.deliver(i, version) == Outcome.LOST_LEASE
+    row = fetch(conn, table, i)
+    assert (row["status"], row["lease_version"]) == ("processing", version + 1)
+    assert _ledger(conn) == []
+    assert _follow_ups(conn, table) == 0
+    assert dispatcher.store.get_stats()["lost_leases"] == 1
+
+
+@pytest.mark.usefixtures("effects")
+@pytest.mark.parametrize(
+    ("error", "status", "outcome"),
+    [
+        (RetryableError("try later", delay=30), "pending", Outcome.RETRY),
+        (Defer(30, reason="not yet"), "pending", Outcome.DEFER),
+        (PermanentError("never"), "dead", Outcome.DEAD),
+    ],
+)
+def test_invariant_20_a_classified_error_rolls_the_effect_back_and_records_the_outcome(
+    conn: psycopg.Connection[Any],
+    table: str,
+    pool: ConnectionPool[Any],
+    error: Exception,
+    status: str,
+    outcome: Outcome,
+) -> None:
+    def handler(message: Message, tx: psycopg.Connection[Any]) -> None:
+        _post(message, tx, table)
+        raise error
+
+    dispatcher = _dispatcher(pool, table, handler)
+    [i] = add(conn, table=table, event_type=EVENT)
+    assert dispatcher.deliver(i, _claim_one(dispatcher, conn)) == outcome
+    row = fetch(conn, table, i)
+    assert row["status"] == status
+    assert row["last_error"]
+    assert _ledger(conn) == []
+    assert _follow_ups(conn, table) == 0
+
+
+@pytest.mark.usefixtures("effects")
+def test_invariant_20_an_unclassified_error_rolls_back_is_recorded_and_raised(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    def handler(message: Message, tx: psycopg.Connection[Any]) -> None:
+        _post(message, tx, table)
+        raise KeyError("boom")
+
+    dispatcher = _dispatcher(pool, table, handler)
+    [i] = add(conn, table=table, event_type=EVENT)
+    with pytest.raises(KeyError):
+        dispatcher.deliver(i, _claim_one(dispatcher, conn))
+    row = fetch(conn, table, i)
+    assert row["status"] == "processing"  # back through its lease, as a plain handler's
+    assert "KeyError" in row["last_error"]
+    assert _ledger(conn) == []
+
+
+def test_invariant_20_a_serialization_failure_or_deadlock_is_retried(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    def handler(message: Message, tx: psycopg.Connection[Any]) -> None:
+        tx.execute("DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = 'deadlock_detected'; END $$")
+
+    dispatcher = _dispatcher(pool, table, handler)
+    [i] = add(conn, table=table, event_type=EVENT)
+    assert dispatcher.deliver(i, _claim_one(dispatcher, conn)) == Outcome.RETRY
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"]) == ("pending", 1)
+    assert "transaction conflict (40P01)" in row["last_error"]
+
+
+def test_invariant_20_the_transaction_is_bounded_below_the_lease(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    # Lease 2 s: every statement and every idle moment of the transaction is bounded by 1.8 s.
+    def slow_statement(message: Message, tx: psycopg.Connection[Any]) -> None:
+        tx.execute("SELECT pg_sleep(5)")
+
+    def idle(message: Message, tx: psycopg.Connection[Any]) -> None:
+        tx.execute("SELECT 1")
+        time.sleep(2.5)
+        tx.execute("SELECT 1")
+
+    for handler, error in (
+        (slow_statement, psycopg.errors.QueryCanceled),
+        (idle, psycopg.errors.IdleInTransactionSessionTimeout),
+    ):
+        dispatcher = _dispatcher(pool, table, handler, lease=2.0, claim_interval=0.5)
+        [i] = add(conn, table=table, event_type=EVENT)
+        started = time.monotonic()
+        with pytest.raises(error):
+            dispatcher.deliver(i, _claim_one(dispatcher, conn, lease=2.0))
+        assert time.monotonic() - started < 4.0
+        assert fetch(conn, table, i)["status"] == "processing"
+
+
+@pytest.mark.usefixtures("effects")
+def test_invariant_20_the_lease_heartbeat_keeps_a_long_transaction_its_claim(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    # Lease 2 s, a transaction of 3 s: the heartbeat extends the lease on a connection of its
+    # own (the transaction touches the row only with its final done), no claim takes the row
+    # meanwhile, and the transaction's bound is handler_time_limit (default 10 leases).
+    reclaimed: list[int] = []
+
+    def handler(message: Message, tx: psycopg.Connection[Any]) -> None:
+        _post(message, tx, table)
+        for _ in range(6):
+            tx.execute("SELECT pg_sleep(0.5)")
+            reclaimed.extend(
+                c.id
+                for c in dispatcher.store.claim(
+                    conn, limit=5, lease=2.0, owner="thief", max_attempts=5, event_types=[EVENT]
+                ).claimed
+            )
+
+    dispatcher = _dispatcher(pool, table, handler, lease=2.0, claim_interval=0.5, lease_heartbeat=True)
+    [i] = add(conn, table=table, event_type=EVENT)
+    version = _claim_one(dispatcher, conn, lease=2.0)
+    assert dispatcher.deliver(i, version) == Outcome.DONE
+    assert reclaimed == []
+    assert fetch(conn, table, i)["status"] == "done"
+    assert _ledger(conn) == [(i, version)]
+
+
+def test_invariant_20_an_ordered_done_moves_the_head_in_the_same_transaction(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    seen: list[bool] = []
+
+    def handler(message: Message, tx: psycopg.Connection[Any]) -> None:
+        if message.id == first:
+            seen.append(bool(fetch(conn, table, second)["head"]))
+
+    dispatcher = _dispatcher(pool, table, handler)
+    first, second = add(conn, 2, table=table, event_type=EVENT, key="acct-1")
+    assert dispatcher.deliver(first, _claim_one(dispatcher, conn)) == Outcome.DONE
+    assert seen == [False]
+    assert fetch(conn, table, second)["head"] is True
+    # The next claim takes the new head, as after a plain handler's done.
+    assert dispatcher.deliver(second, _claim_one(dispatcher, conn)) == Outcome.DONE
+    assert count(conn, table, "status = 'done'") == 2
+
+
+# -- SQLAlchemy --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def session_factory(migrated_dsn: str) -> Iterator[Any]:
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.orm import sessionmaker
+
+    engine = sqlalchemy.create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(migrated_dsn))
+    yield sessionmaker(engine)
+    engine.dispose()
+
+
+def _session_post(message: Message, session: Any, table: str) -> None:
+    from sqlalchemy import text
+
+    session.execute(
+        text("INSERT INTO ledger (outbox_id, lease_version) VALUES (:id, :v)"),
+        {"id": message.id, "v": message.lease_version},
+    )
+    enqueue(
+        session,
+        event_type=FOLLOW_UP,
+        payload={"after": message.id},
+        aggregate_type="ledger",
+        aggregate_id=str(message.id),
+        table=table,
+    )
+
+
+@pytest.mark.usefixtures("effects")
+def test_invariant_20_sqlalchemy_session_effect_follow_up_and_done_commit_together(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any], session_factory: Any
+) -> None:
+    from outbox_celery.transactional import SqlAlchemyTransaction
+
+    def handler(message: Message, session: Any) -> None:
+        _session_post(message, session, table)
+        if message.attempts == 1:
+            raise RetryableError("once", delay=0)
+
+    spec = HandlerSpec(EVENT, handler, "q", transaction=SqlAlchemyTransaction(session_factory))
+    dispatcher = Dispatcher(OutboxConfig(table=table, lease=LONG), pool.connection, {EVENT: spec})
+    [i] = add(conn, table=table, event_type=EVENT)
+    assert dispatcher.deliver(i, _claim_one(dispatcher, conn)) == Outcome.RETRY
+    assert (_ledger(conn), _follow_ups(conn, table)) == ([], 0)
+    version = _claim_one(dispatcher, conn)
+    assert dispatcher.deliver(i, version) == Outcome.DONE
+    assert fetch(conn, table, i)["status"] == "done"
+    assert _ledger(conn) == [(i, version)]
+    assert _follow_ups(conn, table) == 1
+
+
+def test_invariant_20_an_ordered_message_is_refused_outside_read_committed(
+    conn: psycopg.Connection[Any], table: str, migrated_dsn: str
+) -> None:
+    # The ordered done decides the key's next head from a snapshot taken after the key lock:
+    # only under read committed (invariant 9). The handler is not called.
+    called: list[int] = []
+    options = {"autocommit": True, "options": "-c default_transaction_isolation=repeatable\\ read"}
+    with ConnectionPool(migrated_dsn, min_size=1, max_size=2, kwargs=options, open=True) as rr:
+        dispatcher = _dispatcher(rr, table, lambda m, tx: called.append(m.id))
+        [i] = add(conn, table=table, event_type=EVENT, key="acct-1")
+        with pytest.raises(ConfigurationError, match="READ COMMITTED"):
+            dispatcher.deliver(i, _claim_one(dispatcher, conn))
+    assert called == []
+    row = fetch(conn, table, i)
+    # The library's failure, not the handler's: retried after a backoff, said so (#21).
+    assert row["status"] == "pending"
+    assert "handler did not run" in row["last_error"] and "repeatable read" in row["last_error"]
