@@ -24,6 +24,7 @@ from kombu import Connection
 from psycopg import sql
 
 from outbox_celery import TableName, migrate
+from outbox_celery._sql import INSTANCE_SUFFIX
 
 from .counter import CompletionCounter
 from .measure import backend_pids, cpu_seconds, last_json_line, listening_pid, pg_counters, rss_bytes
@@ -63,10 +64,12 @@ class PipelineResult:
 
 
 def drop_table(dsn: str, table: str) -> None:
-    """Drop a benchmark table (and its migration ledger rows)."""
+    """Drop a benchmark table (its identity table and its migration ledger rows too)."""
     t = TableName.parse(table)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(t.identifier()))
+        # Its one-row identity table (migration 0006), or the next migrate of the name fails.
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(t.identifier(INSTANCE_SUFFIX)))
         with contextlib.suppress(psycopg.Error):
             conn.execute("DELETE FROM outbox_celery_migrations WHERE table_name = %s", [t.name])
 
