@@ -678,7 +678,7 @@ def repair_heads(
             break
         with conn.transaction():
             conn.execute(_q(t, "lock_keys"), {"table": regclass, "keys": keys})
-            mended += sorted(str(r[0]) for r in conn.execute(_q(t, "repair_heads"), {"keys": keys}))
+            mended += sorted(str(r[1]) for r in conn.execute(_q(t, "settle_heads"), {"keys": keys}))
         if len(keys) < batch_size:
             break
         after = keys[-1]

@@ -75,8 +75,8 @@ blocked AS (
 ),
 -- Keys with unfinished messages none of which is flagged head: never claimed again, and
 -- neither ready nor blocked (#21). A producer or worker of a release before migration 0004
--- leaves them (an insert that does not flag, a done that does not move the flag); repair_heads
--- mends them. Read from the ordered rows "live" holds already.
+-- leaves them (an insert that does not flag, a done that does not move the flag); repair-heads
+-- (settle_heads) mends them. Read from the ordered rows "live" holds already.
 headless AS (
     SELECT ordering_key FROM live
     WHERE ordering_key IS NOT NULL
@@ -317,23 +317,6 @@ GROUP BY ordering_key
 HAVING NOT bool_or(head)
 ORDER BY ordering_key
 LIMIT %(limit)s;
-
--- name: repair_heads
--- Under the keys' producer locks (queries.sql lock_keys, taken by the statement before, so this
--- snapshot holds every commit of those keys): the lowest unfinished message of each key that
--- still has no head becomes its head, as settle_heads does. A key given a head meanwhile (a
--- producer of this release) is left alone.
-UPDATE {table} AS o
-SET head = true, available_at = greatest(o.available_at, now())  -- as queries.sql settle_heads
-FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
-     LATERAL (SELECT id FROM {table}
-              WHERE ordering_key = keys.k AND status <> 'done'
-              ORDER BY id
-              LIMIT 1) AS first
-WHERE o.id = first.id AND NOT o.head
-  AND NOT EXISTS (SELECT 1 FROM {table} AS h
-                  WHERE h.ordering_key = keys.k AND h.status <> 'done' AND h.head)
-RETURNING o.ordering_key;
 
 -- name: unclaimed
 -- Claimable messages (due, and their key's head when ordered) left unclaimed for longer than

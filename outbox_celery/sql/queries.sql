@@ -457,9 +457,12 @@ SELECT CASE WHEN to_regclass(%(instance_table)s) IS NULL THEN 'missing'
 SELECT instance::text FROM {instance_table};
 
 -- name: settle_heads
--- After a skip (admin) or a batch insert that dropped a key's first row as a duplicate dedup
--- key (producer), under the keys' locks: the lowest unfinished message of each key becomes its head
--- (a no-op when it already is, e.g. a processing head while a message behind it was skipped).
+-- The one definition of giving a key its head back, under the keys' locks (the statement before
+-- takes them): after a skip (admin), a batch insert that dropped a key's first row as a
+-- duplicate dedup key (producer), or a repair of keys an older release left without a head
+-- (admin repair-heads, #21). The lowest unfinished message of each key that has no unfinished
+-- head becomes its head. A key that has one is left alone: by invariant 9 that head is its
+-- lowest unfinished message already (a processing head while a message behind it was skipped).
 UPDATE {table} AS o
 SET head = true, available_at = greatest(o.available_at, now())  -- as in finish_done_head
 FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
@@ -468,7 +471,9 @@ FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
               ORDER BY id
               LIMIT 1) AS first
 WHERE o.id = first.id AND NOT o.head
-RETURNING o.id;
+  AND NOT EXISTS (SELECT 1 FROM {table} AS h
+                  WHERE h.ordering_key = keys.k AND h.status <> 'done' AND h.head)
+RETURNING o.id, o.ordering_key;
 
 -- name: notify_channel
 -- The channel the producer's insert signals on (pg_notify in insert / insert_many); the
