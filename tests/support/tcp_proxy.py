@@ -72,6 +72,20 @@ class FreezableProxy:
         self._threads.append(t)
         t.start()
 
+    def _connect_upstream(self) -> socket.socket:
+        host, port = self.target
+        if host.startswith("/"):
+            # A PostgreSQL listening on a Unix socket only (the embedded server): its socket file.
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            upstream.settimeout(5)
+            try:
+                upstream.connect(f"{host}/.s.PGSQL.{port}")
+            except OSError:
+                upstream.close()
+                raise
+            return upstream
+        return socket.create_connection(self.target, timeout=5)
+
     def _accept_loop(self) -> None:
         self._listener.settimeout(0.2)
         while not self._closed.is_set():
@@ -82,7 +96,7 @@ class FreezableProxy:
             except OSError:
                 return
             try:
-                upstream = socket.create_connection(self.target, timeout=5)
+                upstream = self._connect_upstream()
             except OSError:
                 client.close()
                 continue
