@@ -24,8 +24,6 @@ pytestmark = pytest.mark.slow
 
 def test_a_worker_process_killed_inside_a_handler_loses_nothing(harness: Harness) -> None:
     harness.configure(lease=3.0, max_attempts=5)
-    [victim] = harness.enqueue(1, payload={"mode": "kill", "times": 1})
-    others = harness.enqueue(6)
     worker = harness.worker(concurrency=2)
 
     def both_pool_processes() -> list[int] | None:
@@ -33,7 +31,11 @@ def test_a_worker_process_killed_inside_a_handler_loses_nothing(harness: Harness
         pids = worker.pool_pids()
         return pids if len(pids) == 2 else None
 
+    # The pool is seen before anything is enqueued: the worker claims on its own (push), so a
+    # victim enqueued earlier can be killed, and its process replaced, before the pool is read.
     pool_before = harness.wait(both_pool_processes, what="both pool processes")
+    [victim] = harness.enqueue(1, payload={"mode": "kill", "times": 1})
+    others = harness.enqueue(6)
     harness.beat()
     harness.wait_finished(7)
 
