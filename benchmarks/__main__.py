@@ -34,6 +34,12 @@ Sections (``--only`` picks some):
   transactional (effect and done in one transaction) beside plain (the effect on its own
   connection, then the done), interleaved twice.
 
+* ``peer`` (opt-in, #22): the nearest peer, django-celery-outbox (installed into its own virtual
+  environment on first use, left out with a line saying why when it cannot be), with its relay's
+  defaults and tuned (``--batch-size 500 --idle-time 0.1``), beside bare Celery and ours on both
+  deployments, alternated ``--repeat`` times per broker; same handler, worker flags and producer
+  transactions of ``--producer-batch``.
+
 Results are printed as tables and written as JSON to ``benchmarks/results/``.
 """
 
@@ -73,6 +79,7 @@ from .claimcost import (
 )
 from .horizon import StockServer, measure_claim_vs_dead, run_scenario, stock_server
 from .measure import percentile
+from .peer import PeerRun, peer_python
 from .pipeline import Pipeline, PipelineResult, drop_table
 from .plain import PlainResult, run_plain
 from .producer_cost import producer_rate
@@ -96,6 +103,7 @@ SECTIONS = (
     "horizon-load",
     "horizon-claim",
     "transactional",
+    "peer",
 )
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 # The end-to-end deployments: a solo claim worker beside the delivery worker, and the README's
@@ -126,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", help=f"comma-separated sections among {', '.join(SECTIONS)}")
     p.add_argument(
         "--wins", action="store_true", help="also run end-to-end variants (store before #6, prefetch 4, acks)"
+    )
+    p.add_argument(
+        "--peer", action="store_true", help="also compare with django-celery-outbox (installed on first use)"
     )
     p.add_argument("--profile", action="store_true", help="also profile an end-to-end run with py-spy")
     p.add_argument(
@@ -262,6 +273,8 @@ def _sections(args: argparse.Namespace) -> list[str]:
             raise SystemExit(f"unknown section(s): {', '.join(sorted(unknown))}")
     if args.wins and "wins" not in chosen:
         chosen.append("wins")
+    if args.peer and "peer" not in chosen:
+        chosen.append("peer")
     if args.profile and "profile" not in chosen:
         chosen.append("profile")
     if args.soak and "soak" not in chosen:
@@ -511,6 +524,53 @@ class Bench:
                         f"{db['xact_commit']:.2f} transactions, {db['tup_updated']:.2f} row updates, "
                         f"{db['tup_inserted']:.2f} inserts"
                     )
+
+    def peer(self) -> None:
+        a = self.args
+        python, described = peer_python()
+        if python is None:
+            self.report.text(f"peer: {described}")
+            self.results["peer"] = {"skipped": described}
+            return
+        peer = PeerRun(python, self.pipeline)
+        t = self.report.table(
+            f"Per message vs {described} ({a.messages} messages, {a.pool} x{a.concurrency}, "
+            f"prefetch {a.prefetch}, producer and workers at the same time)",
+            ["broker", "pipeline", "msg/s", "vs peer", "vs peer tuned", "vs bare Celery"],
+        )
+        out: dict[str, Any] = {}
+        for broker, url in _brokers(a, self.svc):
+            runs: dict[str, list[PipelineResult]] = {}
+            for _ in range(a.repeat):
+                # Alternated: every pipeline once per round.
+                runs.setdefault("bare Celery", []).append(self._bare(url, a.messages))
+                for label, tuned in (("peer", False), ("peer tuned", True)):
+                    same = {"prefetch": a.prefetch, "producer_batch": a.producer_batch}
+                    runs.setdefault(label, []).append(peer.run(url, a.messages, tuned=tuned, **same))
+                for dep in ("readme", "split"):
+                    runs.setdefault(f"outbox-celery {dep}", []).append(
+                        self._outbox(url, a.messages, single_worker=dep == "readme")
+                    )
+            rates = {k: _median([r.rate for r in v]) for k, v in runs.items()}
+            for key, rate in rates.items():
+                t.row(
+                    broker,
+                    key,
+                    f"{rate:,.0f}",
+                    f"{rate / rates['peer']:.2f}x",
+                    f"{rate / rates['peer tuned']:.2f}x",
+                    f"{rate / rates['bare Celery']:.2f}x",
+                )
+            out[broker] = {
+                "rates": rates,
+                "runs": {k: [asdict(r) | {"rate": r.rate} for r in v] for k, v in runs.items()},
+            }
+        t.note(
+            f"medians of {a.repeat} alternated rounds; the peer publishes and deletes rows (no fence, "
+            "no record that a handler ran); ours records every outcome. readme: one worker -Q "
+            "claim,deliver; split: a solo claim worker beside the delivery worker"
+        )
+        self.results["peer"] = out
 
     def _latency_run(self, url: str, rate: float, mode: dict[str, Any], **kw: Any) -> dict[str, Any]:
         """One paced run on the README deployment; percentiles of commit -> handler start."""
@@ -1265,6 +1325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "horizon-load": bench.horizon_load,
             "horizon-claim": bench.horizon_claim,
             "transactional": bench.transactional,
+            "peer": bench.peer,
         }
         failures = 0
         try:
