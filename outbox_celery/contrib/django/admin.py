@@ -37,6 +37,7 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html
 
 from ... import admin as core_admin
+from ...errors import first_line
 from .conf import outbox_database, outbox_table
 from .models import OutboxMessage, Status
 
@@ -386,7 +387,7 @@ class OutboxMessageAdmin(_ModelAdmin):
         try:
             context["outbox_stats"] = core_admin.stats(_psycopg(self.using), outbox_table(), timeout=2.0)
         except psycopg.Error as exc:  # a slow or failing summary must not hide the list
-            context["outbox_stats_error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            context["outbox_stats_error"] = first_line(exc)
         context["outbox_table"] = str(outbox_table())
         return super().changelist_view(request, extra_context=context)
 

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from django.db import models
 
+from ...errors import OutboxError
 from .conf import model_db_table
 
 __all__ = ["OutboxMessage", "Status"]
@@ -27,7 +28,7 @@ class Status(models.TextChoices):
     DEAD = "dead"
 
 
-class ReadOnlyError(Exception):
+class ReadOnlyError(OutboxError):
     """An ORM write to the outbox table was attempted."""
 
 
