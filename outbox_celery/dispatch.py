@@ -553,7 +553,7 @@ class Dispatcher:
         ``pending`` after a short backoff with the attempt kept (the start may have counted
         it), ``dead`` once attempts are exhausted, ``last_error`` naming the library, not the
         handler, as the culprit. When even that write fails (the database is unreachable), the
-        row comes back through its lease as before.
+        row comes back through its lease.
         """
         error = f"{PRE_HANDLER_FAILURE}: {_error_text(exc)}"[:4000]
         try:

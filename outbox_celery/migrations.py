@@ -138,7 +138,7 @@ def migrate(
     with conn.transaction():
         conn.execute(
             "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-            # The outbox's lock name is unchanged from earlier releases; other sets add theirs.
+            # The outbox's lock name is the one every release takes; other sets add theirs.
             [f"outbox_celery:migrate:{lock_scope}{t.qualified}"],
         )
         if t.schema:
