@@ -311,8 +311,9 @@ class OutboxMessageAdmin(_ModelAdmin):
         (None, {"fields": ("id", "event_type", "status", "state", "aggregate_type", "aggregate_id")}),
         ("Payload", {"fields": ("payload_json",)}),
         ("Delivery", {"fields": ("attempts", "last_error_text", "available_at", "created_at", "done_at")}),
-        ("Lease", {"fields": ("lease_owner", "lease_until", "lease_version")}),
-        ("Ordering", {"fields": ("ordering_key", "key_position")}),
+        ("Lease", {"fields": ("lease_owner", "lease_until", "lease_version", "started_version")}),
+        ("Ordering", {"fields": ("ordering_key", "head", "key_position")}),
+        ("Producer", {"fields": ("dedup_key", "trace_context")}),
     )
     readonly_fields = (
         "id",
@@ -330,8 +331,12 @@ class OutboxMessageAdmin(_ModelAdmin):
         "lease_owner",
         "lease_until",
         "lease_version",
+        "started_version",
         "ordering_key",
+        "head",
         "key_position",
+        "dedup_key",
+        "trace_context",
     )
 
     # -- where and how ---------------------------------------------------------------------------
