@@ -12,7 +12,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -50,20 +51,29 @@ class Recorder:
             time.sleep(0.005)
 
 
+Make = Callable[..., tuple[Recorder, DoneBatcher]]
+
+
 @pytest.fixture
-def closing() -> Iterator[list[DoneBatcher]]:
+def make() -> Iterator[Make]:
+    """``make(delay=..., max_rows=..., fail=...)``: a recording write and its batcher, closed after
+    the test."""
     made: list[DoneBatcher] = []
-    yield made
+
+    def build(*, fail: int = 0, **kwargs: Any) -> tuple[Recorder, DoneBatcher]:
+        write = Recorder(fail=fail)
+        made.append(DoneBatcher(write, **kwargs))
+        return write, made[-1]
+
+    yield build
     for batcher in made:
         batcher.close(timeout=1.0)
 
 
 def test_rows_of_one_window_are_written_together_once_the_delay_has_passed(
-    closing: list[DoneBatcher],
+    make: Make,
 ) -> None:
-    write = Recorder()
-    batcher = DoneBatcher(write, delay=0.3)
-    closing.append(batcher)
+    write, batcher = make(delay=0.3)
     started = time.monotonic()
     for i in range(1, 4):
         batcher.add(i, 10 + i)
@@ -76,10 +86,8 @@ def test_rows_of_one_window_are_written_together_once_the_delay_has_passed(
     assert batcher.pending() == 0
 
 
-def test_the_window_starts_at_the_first_row_of_each_batch(closing: list[DoneBatcher]) -> None:
-    write = Recorder()
-    batcher = DoneBatcher(write, delay=0.2)
-    closing.append(batcher)
+def test_the_window_starts_at_the_first_row_of_each_batch(make: Make) -> None:
+    write, batcher = make(delay=0.2)
     batcher.add(1, 1)
     write.wait(1)
     time.sleep(0.3)  # the writer thread idles, with no window open
@@ -91,10 +99,8 @@ def test_the_window_starts_at_the_first_row_of_each_batch(closing: list[DoneBatc
     assert write.times[1] - second >= 0.2
 
 
-def test_a_full_batch_is_written_at_once_in_the_callers_thread(closing: list[DoneBatcher]) -> None:
-    write = Recorder()
-    batcher = DoneBatcher(write, delay=3600.0, max_rows=3)
-    closing.append(batcher)
+def test_a_full_batch_is_written_at_once_in_the_callers_thread(make: Make) -> None:
+    write, batcher = make(delay=3600.0, max_rows=3)
     batcher.add(1, 1)
     batcher.add(2, 1)
     assert write.batches == []
@@ -104,10 +110,8 @@ def test_a_full_batch_is_written_at_once_in_the_callers_thread(closing: list[Don
     assert batcher.pending() == 0
 
 
-def test_flush_writes_what_waits_now_in_the_callers_thread(closing: list[DoneBatcher]) -> None:
-    write = Recorder()
-    batcher = DoneBatcher(write, delay=3600.0)
-    closing.append(batcher)
+def test_flush_writes_what_waits_now_in_the_callers_thread(make: Make) -> None:
+    write, batcher = make(delay=3600.0)
     batcher.add(1, 1)
     batcher.flush()
     assert write.batches == [[(1, 1)]]
@@ -135,11 +139,9 @@ def test_close_writes_what_waits_and_stops_the_thread() -> None:
 
 
 def test_a_failed_write_is_logged_and_the_next_batch_still_goes_out(
-    closing: list[DoneBatcher], caplog: pytest.LogCaptureFixture
+    make: Make, caplog: pytest.LogCaptureFixture
 ) -> None:
-    write = Recorder(fail=1)
-    batcher = DoneBatcher(write, delay=0.05)
-    closing.append(batcher)
+    write, batcher = make(fail=1, delay=0.05)
     with caplog.at_level(logging.ERROR, logger="outbox_celery._done_batch"):
         batcher.add(1, 1)
         deadline = time.monotonic() + SETTLE
@@ -154,10 +156,8 @@ def test_a_failed_write_is_logged_and_the_next_batch_still_goes_out(
     assert "delivered again after their lease" in record.getMessage()
 
 
-def test_concurrent_adds_are_each_written_exactly_once(closing: list[DoneBatcher]) -> None:
-    write = Recorder()
-    batcher = DoneBatcher(write, delay=0.01, max_rows=7)
-    closing.append(batcher)
+def test_concurrent_adds_are_each_written_exactly_once(make: Make) -> None:
+    write, batcher = make(delay=0.01, max_rows=7)
 
     def add(worker: int) -> None:
         for i in range(200):
