@@ -156,6 +156,6 @@ def test_absurd_delays_are_refused_before_postgresql_overflows(cls: Any) -> None
 
 @pytest.mark.parametrize("cls", [lambda d: RetryableError("x", delay=d), lambda d: Defer(d)])
 def test_a_boolean_is_not_a_delay(cls: Any) -> None:
-    # True used to pass as one second: the delay check now refuses it like every other setting.
+    # True is an int to Python, not a number of seconds: refused like every other setting.
     with pytest.raises(ValueError, match="delay must be a number of seconds"):
         cls(True)
