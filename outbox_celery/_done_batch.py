@@ -5,14 +5,17 @@ then goes out with the others of that window in one fenced statement
 (:meth:`~outbox_celery.store.Store.done_many`): one round trip and one commit for many rows
 instead of one each.
 
-The crash window, and why it keeps every promise: the Celery message is acknowledged when the
-task returns, before its ``done`` is written. A process killed inside the window leaves the row
-``processing`` under a lease whose claim started; once the lease ends the next claim takes it
-again and the handler runs once more (at least once, never lost; DESIGN invariant 2). Nothing
-else can finish the row meanwhile: a live lease is never re-claimed, and operators' commands
-refuse live leases. The dispatcher batches only while the lease has room for the delay
-(:data:`~outbox_celery.dispatch.DONE_BATCH_MARGIN`), so a write in the window finds its fence
-unless the database refused it; ordered rows never wait (their done moves the key's head).
+The crash window, and why it keeps invariants 4 and 10 (docs/design.md, "Batched done"): the
+Celery message is acknowledged when the task returns, before its ``done`` is written. A process
+killed inside the window leaves the row ``processing`` under a lease whose claim started; once
+the lease ends the next claim takes it again and the handler runs once more (at least once,
+invariant 11; never lost, invariant 10). Nothing else can finish the row meanwhile: a live lease
+is never re-claimed (invariant 2), and operators' commands refuse live leases. Each row of a
+batch is fenced on its own ``lease_version``: a row whose lease was lost is left alone and
+counted as a lost lease (invariant 4). The dispatcher batches only while the lease has room for
+the delay (:data:`~outbox_celery.dispatch.DONE_BATCH_MARGIN`), so a write in the window finds
+its fence unless the database refused it; ordered rows never wait (their done moves the key's
+head, invariant 9).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from psycopg.rows import dict_row
 from . import _sql
 from ._seconds import seconds
 from .config import TableName
-from .errors import OutboxError
+from .errors import AdminError as AdminError  # also importable from here
 
 __all__ = [
     "SKIPPED_BY_OPERATOR",
@@ -68,10 +68,6 @@ SKIPPED_BY_OPERATOR = "skipped by operator"
 def was_skipped(status: str, last_error: str | None) -> bool:
     """Whether a row is ``done`` because an operator skipped it (:func:`skip`), not delivered."""
     return status == "done" and (last_error or "").startswith(SKIPPED_BY_OPERATOR + ": ")
-
-
-class AdminError(OutboxError, ValueError):
-    """An operator command was refused; nothing was changed."""
 
 
 # -- durations ---------------------------------------------------------------------------------

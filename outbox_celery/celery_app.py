@@ -137,7 +137,7 @@ def _publish_batch(producer: Any, n: int) -> Iterator[bool]:
 
     On Redis, kombu buffers the batch's ``LPUSH``es in one pipeline, sent when the block exits
     without an error (discarded when it raises): one round trip and one Redis client for the
-    batch instead of one of each per task. Other transports publish at once, as before. Yields
+    batch instead of one of each per task. Other transports publish each task at once. Yields
     whether publishes are buffered.
     """
     batch = getattr(producer, "batch", None)

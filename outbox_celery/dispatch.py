@@ -22,7 +22,7 @@ import psycopg
 from ._done_batch import DoneBatcher
 from .backoff import Backoff, RetryPolicy
 from .config import OutboxConfig
-from .errors import ConfigurationError, Defer, PermanentError, RetryableError
+from .errors import ConfigurationError, Defer, PermanentError, RetryableError, first_line
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
 from .store import Claimed, ScanMarks, Store, starter_token
@@ -553,7 +553,7 @@ class Dispatcher:
         ``pending`` after a short backoff with the attempt kept (the start may have counted
         it), ``dead`` once attempts are exhausted, ``last_error`` naming the library, not the
         handler, as the culprit. When even that write fails (the database is unreachable), the
-        row comes back through its lease as before.
+        row comes back through its lease.
         """
         error = f"{PRE_HANDLER_FAILURE}: {_error_text(exc)}"[:4000]
         try:
@@ -613,7 +613,7 @@ class Dispatcher:
                 "outbox id %s: %s failed on a broken connection (%s); retrying once on a fresh one",
                 outbox_id,
                 op,
-                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                first_line(exc),
                 extra={"outbox_id": outbox_id, "lease_version": version, "operation": op},
             )
         if self._recover is not None:

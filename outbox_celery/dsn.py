@@ -8,6 +8,8 @@ from urllib.parse import quote
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from .errors import first_line
+
 __all__ = ["DSN_ENV", "error_line", "invalid_dsn", "password", "redact"]
 
 # Where the DSN comes from when neither ``Outbox(dsn=...)`` nor ``outbox_dsn`` sets it (the CLI
@@ -43,7 +45,7 @@ def invalid_dsn(dsn: str, error: BaseException) -> str:
     ``error`` is the parser's (libpq's) error: the kind of mistake is kept, the pieces of the
     DSN it quotes are hidden, and a hint for the DSN's form (URI or ``key=value``) is added.
     """
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = first_line(error)
     reason = _QUOTED.sub(lambda m: _shown(m.group(1)), text)
     if _URI.match(dsn.strip()):
         hint = (

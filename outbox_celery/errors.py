@@ -20,8 +20,11 @@ from ._seconds import MAX_DELAY_SECONDS as MAX_DELAY_SECONDS  # the longest dela
 from ._seconds import seconds
 
 __all__ = [
+    "AdminError",
     "ConfigurationError",
     "Defer",
+    "InboxError",
+    "MigrationError",
     "OutboxError",
     "PermanentError",
     "ProducerError",
@@ -41,6 +44,18 @@ class OutboxError(Exception):
 
 class ConfigurationError(OutboxError, ValueError):
     """A setting has an invalid value or settings contradict each other."""
+
+
+class AdminError(OutboxError, ValueError):
+    """An operator command was refused; nothing was changed (``outbox_celery.admin``)."""
+
+
+class InboxError(OutboxError):
+    """An inbox maintenance call was used wrongly (``outbox_celery.inbox``)."""
+
+
+class MigrationError(OutboxError):
+    """The schema cannot be brought up to date safely (``outbox_celery.migrations``)."""
 
 
 class ProducerError(OutboxError, ValueError):

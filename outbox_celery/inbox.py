@@ -38,8 +38,8 @@ from psycopg import pq, sql
 from . import _sql, migrations
 from ._connections import sync_view
 from .config import TableName
-from .errors import OutboxError
-from .producer import _check_transaction, _text
+from .errors import InboxError as InboxError  # also importable from here
+from .producer import check_transaction, checked_text
 
 __all__ = ["DEFAULT_TABLE", "INBOX", "apply_once", "first_time", "migrate_inbox", "purge_inbox"]
 
@@ -99,15 +99,15 @@ def first_time(
         key (see the module docstring for how long that is).
     :raises ProducerError: bad key, unsupported connection, or no transaction.
     """
-    key = _text(key, "idempotency key", MAX_KEY_LENGTH)
+    key = checked_text(key, "idempotency key", MAX_KEY_LENGTH)
     view = sync_view(conn)
-    _check_transaction(view, allow_autocommit=False)
+    check_transaction(view, allow_autocommit=False)
     query = _queries(str(TableName.parse(table)))["record"]
     new = bool(view.fetch((query, {"key": key, "event_type": event_type})))
     if new and previous_key is not None and previous_key != key:
         # Recorded, not merely looked up: a concurrent delivery under the old key waits for
         # this transaction and then skips, exactly as for one key.
-        previous = _text(previous_key, "previous idempotency key", MAX_KEY_LENGTH)
+        previous = checked_text(previous_key, "previous idempotency key", MAX_KEY_LENGTH)
         new = bool(view.fetch((query, {"key": previous, "event_type": event_type})))
     return new
 
@@ -130,10 +130,6 @@ def apply_once(
         return False
     effect()
     return True
-
-
-class InboxError(OutboxError):
-    """An inbox maintenance call was used wrongly."""
 
 
 def purge_inbox(

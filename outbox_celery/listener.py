@@ -196,7 +196,7 @@ class Listener:
                 # Another process's run holds the claim lock and may have read the table before
                 # the notifying transaction committed: try again once it is done. The wait
                 # doubles up to _BUSY_RETRY[1] while runs are held off, and notifications do not
-                # cut it short (#21): under a storm of commits each one used to trigger another
+                # cut it short (#21): under a storm of commits each one would trigger another
                 # attempt at once, hundreds a second per worker, while the holder's run claims
                 # what they announce anyway. They are drained meanwhile and answered by the
                 # next attempt.

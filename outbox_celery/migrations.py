@@ -24,7 +24,7 @@ from psycopg import sql
 
 from . import _sql
 from .config import TableName
-from .errors import OutboxError
+from .errors import MigrationError as MigrationError  # also importable from here
 
 __all__ = [
     "OUTBOX",
@@ -39,10 +39,6 @@ __all__ = [
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 _LEDGER = "outbox_celery_migrations"
-
-
-class MigrationError(OutboxError):
-    """The schema cannot be brought up to date safely."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +138,7 @@ def migrate(
     with conn.transaction():
         conn.execute(
             "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-            # The outbox's lock name is unchanged from earlier releases; other sets add theirs.
+            # The outbox's lock name is the one every release takes; other sets add theirs.
             [f"outbox_celery:migrate:{lock_scope}{t.qualified}"],
         )
         if t.schema:

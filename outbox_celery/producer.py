@@ -70,7 +70,8 @@ class Event:
     dedup_key: str | None = None
 
 
-def _text(value: Any, name: str, limit: int) -> str:
+def checked_text(value: Any, name: str, limit: int) -> str:
+    """``value`` as text, refused with :class:`ProducerError` if it is empty, too long or holds NUL."""
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise ProducerError(f"{name} must be a string, got {type(value).__name__}")
     text = str(value)
@@ -84,9 +85,9 @@ def _text(value: Any, name: str, limit: int) -> str:
 
 
 def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
-    event_type = _text(event.event_type, "event_type", MAX_EVENT_TYPE_LENGTH)
-    aggregate_type = _text(event.aggregate_type, "aggregate_type", MAX_AGGREGATE_LENGTH)
-    aggregate_id = _text(event.aggregate_id, "aggregate_id", MAX_AGGREGATE_LENGTH)
+    event_type = checked_text(event.event_type, "event_type", MAX_EVENT_TYPE_LENGTH)
+    aggregate_type = checked_text(event.aggregate_type, "aggregate_type", MAX_AGGREGATE_LENGTH)
+    aggregate_id = checked_text(event.aggregate_id, "aggregate_id", MAX_AGGREGATE_LENGTH)
     try:
         payload = json.dumps(event.payload, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
         # Raises on a lone surrogate, which jsonb would refuse inside the caller's transaction.
@@ -103,14 +104,14 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
     delay_seconds = seconds(delay or 0.0, "delay", error=ProducerError, delay=True)
     key: str | None = None
     if event.ordering_key is not None:
-        key = _text(event.ordering_key, "ordering_key", 2 * MAX_AGGREGATE_LENGTH + 1)
+        key = checked_text(event.ordering_key, "ordering_key", 2 * MAX_AGGREGATE_LENGTH + 1)
     elif event.ordered:
         key = f"{aggregate_type}:{aggregate_id}"
     dedup_key = None
     if event.dedup_key is not None:
         if isinstance(event.dedup_key, int):  # a str only: 1 and "1" must not be two keys
             raise ProducerError(f"dedup_key must be a string, got {type(event.dedup_key).__name__}")
-        dedup_key = _text(event.dedup_key, "dedup_key", MAX_DEDUP_KEY_LENGTH)
+        dedup_key = checked_text(event.dedup_key, "dedup_key", MAX_DEDUP_KEY_LENGTH)
     return {
         "event_type": event_type,
         "aggregate_type": aggregate_type,
@@ -123,7 +124,7 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
     }
 
 
-def _check_transaction(conn: Any, allow_autocommit: bool) -> _View:
+def check_transaction(conn: Any, allow_autocommit: bool) -> _View:
     """The connection's view, when it may take the write: in a transaction, or allowed not to be."""
     view = conn if isinstance(conn, _View) else sync_view(conn)
     if view.status == INERROR:
@@ -179,7 +180,7 @@ def _plan(
 ) -> WritePlan | None:
     """What every write path does before any I/O: the transaction check, the trace context, the
     plan (``None`` when there is nothing to write)."""
-    _check_transaction(view, allow_autocommit)
+    check_transaction(view, allow_autocommit)
     if not rows:
         return None
     _trace(rows)

@@ -200,7 +200,7 @@ class Store:
 
         On an autocommit connection outside a transaction block the statement is its own
         transaction already; ``BEGIN``/``COMMIT`` around it would cost two round trips and change
-        nothing. In any other state the statement joins (or opens) a transaction as before.
+        nothing. In any other state the statement joins (or opens) a transaction.
         """
         if self._owns_transaction(conn):
             return contextlib.nullcontext()
@@ -715,7 +715,7 @@ class Store:
     ) -> bool:
         """Fenced: ``processing`` -> ``done``; an ordered head hands its key to the next message.
 
-        Unordered rows finish in one statement, as cheap as before ordered heads were explicit.
+        Unordered rows finish in one statement and take no key lock.
         An ordered row's done is one transaction: the key lock first (the producers' lock), then
         the fenced done and the head's move in one statement whose snapshot follows the lock, so
         a producer committing a message of the key meanwhile is either seen or waits

@@ -252,7 +252,7 @@ def test_invariant_2_a_visibility_timeout_below_the_handler_time_limit_and_a_lea
             app, lease=300, lease_heartbeat=True, handler_time_limit=7200, configure_celery=configure_celery
         )
         _ = app.conf.broker_transport_options
-    # Below the lease alone, as before, is refused too.
+    # Below the lease alone is refused too.
     low = make_app({"broker_transport_options": {"visibility_timeout": 30}}, broker="redis://127.0.0.1:1/0")
     with pytest.raises(ConfigurationError, match="visibility_timeout=30"):
         Outbox(low, lease=60)

@@ -35,8 +35,8 @@ def _attempts_match_handler_runs(harness: Harness) -> None:
 def test_invariant_16_a_deploy_outage_of_several_leases_does_not_stop_the_outbox(harness: Harness) -> None:
     # Beat and the claim worker keep running while every delivery worker is gone for more than
     # three leases, with a backlog many times the bound: the claim fills the bound with rows
-    # whose tasks nobody starts. Before invariant 16 was revised, those expired leases counted
-    # against the bound and the claim run stopped before it could take them back: for good.
+    # whose tasks nobody starts. Were those expired leases counted against the bound, the claim
+    # run would stop before it could take them back: for good (invariant 16).
     harness.configure(lease=LEASE, max_in_flight=BOUND, batch_size=BOUND, adaptive_in_flight=False)
     ids = harness.enqueue(8 * BOUND)
     harness.worker([harness.claim_queue], name="claimer", concurrency=1)

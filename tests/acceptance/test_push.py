@@ -22,6 +22,11 @@ pytestmark = pytest.mark.slow
 
 HOUR = 3600.0
 
+# The listener is a session on PostgreSQL: what wakes it, how it reconnects and when it retries
+# happen there, whatever carries the delivery tasks. Those tests run on Redis; a notification's
+# delivery end to end and two claim workers sharing the work run on every broker.
+ONE_BROKER = pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+
 
 def _listeners(conn: psycopg.Connection[Any]) -> list[int]:
     """Backend pids of this database's outbox listener sessions."""
@@ -63,6 +68,7 @@ def test_a_notification_alone_gets_an_event_delivered(harness: Harness) -> None:
     assert Counter(c["outbox_id"] for c in calls(harness.conn)) == dict.fromkeys(ids, 1)
 
 
+@ONE_BROKER
 def test_listener_recovers_after_pg_terminate_backend_and_claims_once_on_reconnect(
     harness: Harness,
 ) -> None:
@@ -90,6 +96,7 @@ def test_listener_recovers_after_pg_terminate_backend_and_claims_once_on_reconne
     assert "reconnecting" in worker.log()
 
 
+@ONE_BROKER
 def test_a_missed_notification_is_picked_up_by_the_beat_safety_interval(harness: Harness) -> None:
     harness.configure(listen_poll=HOUR, claim_interval=1.0)
     harness.worker()
@@ -116,6 +123,7 @@ def test_two_claim_workers_deliver_every_event_once_without_beat(harness: Harnes
     assert len({c["hostname"] for c in seen}) == 2
 
 
+@ONE_BROKER
 def test_delayed_events_and_backoff_wake_the_listener_when_due(harness: Harness) -> None:
     # Nothing notifies when a delay or a backoff runs out: the listener sleeps until the due time
     # the database reports (DESIGN invariant 13: the database's clock).
@@ -131,6 +139,7 @@ def test_delayed_events_and_backoff_wake_the_listener_when_due(harness: Harness)
     assert first_call[delayed] >= by_id[delayed]["available_at"]
 
 
+@ONE_BROKER
 def test_listen_off_starts_no_listener_and_beat_still_delivers(harness: Harness) -> None:
     harness.configure(listen=False, claim_interval=1.0)
     worker = harness.worker()
@@ -143,6 +152,7 @@ def test_listen_off_starts_no_listener_and_beat_still_delivers(harness: Harness)
     assert _listeners(harness.conn) == []
 
 
+@ONE_BROKER
 def test_a_listener_that_cannot_connect_never_stops_beat_delivery(harness: Harness) -> None:
     # Port 9 (discard) refuses connections: the listener keeps retrying with backoff.
     harness.configure(listen_dsn="postgresql://nobody@127.0.0.1:9/none", claim_interval=1.0)
@@ -154,6 +164,7 @@ def test_a_listener_that_cannot_connect_never_stops_beat_delivery(harness: Harne
     assert _listeners(harness.conn) == []
 
 
+@ONE_BROKER
 def test_a_claim_held_off_by_another_run_is_retried_once_that_run_ends(harness: Harness) -> None:
     # Another claim run (here: this test's session holding the per-table claim lock, as a
     # beat-triggered run in a pool process would) may have read the table before the notifying

@@ -172,6 +172,33 @@ def test_the_detail_page_shows_the_lease(client: Client, shop: dict[str, int]) -
     assert f"behind #{shop['dead_head']}" in client.get(_detail(shop["behind"])).content.decode()
 
 
+def test_the_model_and_the_detail_page_show_the_newer_columns(
+    client: Client, shop: dict[str, int], pg: psycopg.Connection[Any]
+) -> None:
+    [keyed] = add(pg, Event("order.created", {"order_id": 9}, "order", 9, dedup_key="order-9-created"))
+    pg.execute(
+        "UPDATE outbox SET started_version = 1, trace_context = %s WHERE id = %s",
+        [
+            psycopg.types.json.Jsonb(
+                {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+            ),
+            keyed,
+        ],
+    )
+    row = OutboxMessage.objects.get(pk=keyed)
+    assert (row.dedup_key, row.started_version, row.head) == ("order-9-created", 1, False)
+    assert row.trace_context == {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    assert OutboxMessage.objects.get(pk=shop["dead_head"]).head
+    assert not OutboxMessage.objects.get(pk=shop["behind"]).head
+    page = client.get(_detail(keyed)).content.decode()
+    for label, value in [
+        ("Dedup key", "order-9-created"),
+        ("Started version", "1"),
+        ("Trace context", "traceparent"),
+    ]:
+        assert label in page and value in page, label
+
+
 def _act(client: Client, action: str, ids: list[int], **extra: str) -> str:
     response = client.post(_url(), {"action": action, "_selected_action": ids, **extra}, follow=True)
     assert response.status_code == 200

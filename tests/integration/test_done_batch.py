@@ -193,9 +193,9 @@ def test_invariant_4_a_task_redelivered_inside_the_window_calls_no_handler(
 ) -> None:
     # #21 "check also": the Celery message is acknowledged when the task returns, before the
     # batched done is written. Should that ack be lost (a broker connection dropped), the broker
-    # hands the task to another worker while this process still holds the done. Before #21 its
-    # fenced start passed (same lease_version, attempts left) and the handler ran again; now a
-    # claim starts once, so the copy calls nothing and the held done still lands.
+    # hands the task to another worker while this process still holds the done. Its fenced
+    # start would pass on the lease_version and the attempts left alone, and run the handler
+    # again; a claim starts once, so the copy calls nothing and the held done still lands.
     dispatcher, i = _held(conn, table, pool)
     version = fetch(conn, table, i)["lease_version"]
     runs: list[int] = []

@@ -232,8 +232,8 @@ def test_invariant_3_a_start_whose_reply_was_lost_is_retried_without_counting_ag
     # The message's second and last attempt (max_attempts=2): its fenced start commits on the
     # server and the reply is lost with the connection. The dispatcher retries the start once on
     # a fresh connection; that retry must see its own start, return the message without counting
-    # an attempt more, and run the handler: before #21 it saw attempts = max_attempts and made a
-    # healthy message dead without its last run.
+    # an attempt more, and run the handler; judged by the attempt it had just counted, it would
+    # see attempts = max_attempts and make a healthy message dead without its last run.
     [i] = add(conn, table=table)
     store = Store(table)
     [c] = store.claim(conn, limit=1, lease=SHORT, owner="w", max_attempts=2).claimed

@@ -10,76 +10,35 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import dict_row
 
 from outbox_celery import Store, TableName, enqueue, migrate
 from outbox_celery.migrations import applied_versions, available
 
-from .helpers import LONG, claim_ids
-from .test_migrations import _replay_up_to, schema_dump
+from .helpers import LONG
+from .test_migrations import schema_dump
+from .upgrade import TABLE, claim_old_rows, previous_schema, rows
 
 VERSION = 6
-TABLE = "events.upgraded"
-
-# (status, ordering_key, lease_until relative to now, attempts)
-STATES = [
-    ("pending", None, None, 0),
-    ("pending", "order:1", None, 1),
-    ("processing", None, "60 seconds", 1),  # live lease
-    ("processing", "order:2", "-60 seconds", 2),  # expired lease
-    ("done", None, None, 1),
-    ("done", "order:1", None, 1),
-    ("dead", None, None, 12),
-    ("dead", "order:3", None, 12),
-]
-
-
-def _rows(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
-    t = TableName.parse(TABLE).identifier()
-    with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(sql.SQL("SELECT * FROM {} ORDER BY id").format(t)).fetchall()
 
 
 def test_invariant_11_migration_0006_from_the_previous_schema_with_rows_in_every_state(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
-    previous = max(m.version for m in available() if m.version < VERSION)
-    _replay_up_to(conn, TABLE, previous)
+    previous = previous_schema(conn, VERSION)
     t = TableName.parse(TABLE).identifier()
-    insert = sql.SQL(
-        "INSERT INTO {} (event_type, aggregate_type, aggregate_id, payload, ordering_key, status,"
-        " attempts, lease_version, started_version, lease_until, lease_owner, done_at, last_error,"
-        " head, dedup_key)"
-        " VALUES ('e', 'order', %(i)s, '{{}}', %(key)s, %(status)s, %(attempts)s, %(version)s,"
-        " %(started)s, now() + %(lease)s::interval,"
-        " CASE WHEN %(status)s = 'processing' THEN 'w1' END,"
-        " CASE WHEN %(status)s = 'done' THEN now() END,"
-        " CASE WHEN %(status)s = 'dead' THEN 'boom' END,"
-        " %(key)s::text IS NOT NULL AND %(status)s <> 'done', 'd' || %(i)s)"
-    ).format(t)
-    for i, (status, key, lease, attempts) in enumerate(STATES):
-        version = 1 if status != "pending" else 0
-        params = {"i": str(i), "key": key, "status": status, "attempts": attempts, "lease": lease}
-        conn.execute(insert, {**params, "version": version, "started": version if attempts else 0})
-    before = _rows(conn)
+    before = rows(conn)
     legacy = Store(TABLE)
     assert legacy.instance(conn) is None  # before 0006: the previous key form, said in the log
 
     assert migrate(conn, TABLE) == [m.version for m in available() if m.version > previous]
     assert VERSION in applied_versions(conn, TABLE)
-    assert _rows(conn) == before
+    assert rows(conn) == before
     assert schema_dump(conn, TABLE) == schema_dump(conn, table)
     assert schema_dump(conn, "events.upgraded_instance") == schema_dump(conn, f"{table}_instance")
 
     # The dispatcher still works on the old rows, and their keys carry the identity now.
-    by_key = {(r["status"], r["ordering_key"], r["lease_until"] is not None): r["id"] for r in before}
     store = Store(TABLE)
-    claimed = set(claim_ids(store, conn, lease=LONG, max_attempts=12))
-    assert claimed == {
-        by_key[("pending", None, False)],
-        by_key[("pending", "order:1", False)],
-        by_key[("processing", "order:2", True)],
-    }
+    claimed = claim_old_rows(conn, store, before)
     instance = store.instance(conn)
     assert instance is not None and instance != Store(table).instance(conn)
     row = conn.execute(sql.SQL("SELECT lease_version FROM {} WHERE id = %s").format(t), [min(claimed)])

@@ -14,6 +14,7 @@ import contextlib
 import selectors
 import socket
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 
@@ -104,10 +105,16 @@ class FreezableProxy:
                 self._sockets += [client, upstream]
             self._spawn(self._pump, client, upstream)
 
-    def _pump(self, a: socket.socket, b: socket.socket) -> None:
-        peer = {a: b, b: a}
+    def _relay(self) -> Callable[[bytes, bool], bytes]:
+        """A new connection's hook: what to forward of ``data`` read from the client (``True``)
+        or the server; ``b""`` closes the connection both ways. Here: everything, unchanged."""
+        return lambda data, from_client: data
+
+    def _pump(self, client: socket.socket, server: socket.socket) -> None:
+        peer = {client: server, server: client}
+        relay = self._relay()
         with selectors.DefaultSelector() as sel:
-            for s in (a, b):
+            for s in (client, server):
                 s.setblocking(False)
                 sel.register(s, selectors.EVENT_READ)
             while not self._closed.is_set():
@@ -123,8 +130,10 @@ class FreezableProxy:
                         continue
                     except OSError:
                         data = b""
+                    if data:
+                        data = relay(data, src is client)
                     if not data:
-                        for s in (a, b):
+                        for s in (client, server):
                             with contextlib.suppress(OSError):
                                 s.close()
                         return
@@ -153,36 +162,18 @@ class ReplyCuttingProxy(FreezableProxy):
         """Lose the reply to the next request that contains ``marker`` (once)."""
         self._marker = marker
 
-    def _pump(self, a: socket.socket, b: socket.socket) -> None:
-        client, server = a, b
-        peer = {client: server, server: client}
+    def _relay(self) -> Callable[[bytes, bool], bytes]:
         doomed = False
-        with selectors.DefaultSelector() as sel:
-            for s in (client, server):
-                s.setblocking(False)
-                sel.register(s, selectors.EVENT_READ)
-            while not self._closed.is_set():
-                for key, _ in sel.select(timeout=0.1):
-                    src: socket.socket = key.fileobj  # type: ignore[assignment]
-                    try:
-                        data = src.recv(65536)
-                    except BlockingIOError:
-                        continue
-                    except OSError:
-                        data = b""
-                    if data and src is server and doomed:
-                        # The server answered the marked request: lose the answer and the link.
-                        self.cuts += 1
-                        data = b""
-                    if not data:
-                        for s in (client, server):
-                            with contextlib.suppress(OSError):
-                                s.close()
-                        return
-                    if src is client and self._marker is not None and self._marker in data:
-                        self._marker = None
-                        doomed = True
-                    with contextlib.suppress(OSError):
-                        peer[src].setblocking(True)
-                        peer[src].sendall(data)
-                        peer[src].setblocking(False)
+
+        def cut(data: bytes, from_client: bool) -> bytes:
+            nonlocal doomed
+            if doomed and not from_client:
+                # The server answered the marked request: lose the answer and the link.
+                self.cuts += 1
+                return b""
+            if from_client and self._marker is not None and self._marker in data:
+                self._marker = None
+                doomed = True
+            return data
+
+        return cut

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+import builtins
 import math
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import outbox_celery
 from outbox_celery import (
     ConfigurationError,
     Defer,
@@ -15,19 +19,73 @@ from outbox_celery import (
     PermanentError,
     ProducerError,
     RetryableError,
+    admin,
+    errors,
+    inbox,
+    migrations,
 )
-from outbox_celery.errors import MAX_DELAY_SECONDS
-from outbox_celery.migrations import MigrationError
+from outbox_celery.errors import MAX_DELAY_SECONDS, AdminError, InboxError, MigrationError, first_line
+
+PACKAGE = Path(outbox_celery.__file__).parent
 
 
 def test_every_exception_shares_one_root() -> None:
-    for exc in (ConfigurationError, ProducerError, RetryableError, PermanentError, Defer, MigrationError):
+    for exc in (
+        ConfigurationError,
+        ProducerError,
+        RetryableError,
+        PermanentError,
+        Defer,
+        AdminError,
+        InboxError,
+        MigrationError,
+    ):
         assert issubclass(exc, OutboxError)
+
+
+def test_every_public_exception_class_in_the_package_is_under_the_root() -> None:
+    # Read from the source, so a module that cannot be imported here (Django's) is checked too.
+    # Outside errors.py a public exception derives from the root's family only; a private
+    # control-flow exception (a leading underscore) is no error a caller sees.
+    builtin = {name for name in dir(builtins) if isinstance(getattr(builtins, name), type)}
+    family = {name for name in errors.__all__ if isinstance(getattr(errors, name), type)}
+    strays = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef) or node.name.startswith("_"):
+                continue
+            bases = {ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases}
+            if (node.name.endswith("Error") or bases & builtin) and not bases <= family:
+                strays.append(f"{path.relative_to(PACKAGE)}: {node.name}({', '.join(sorted(bases))})")
+    assert strays == []
+
+
+def test_the_moved_errors_keep_their_import_paths() -> None:
+    assert admin.AdminError is AdminError
+    assert inbox.InboxError is InboxError
+    assert migrations.MigrationError is MigrationError
 
 
 def test_bad_input_errors_are_value_errors() -> None:
     assert issubclass(ConfigurationError, ValueError)
     assert issubclass(ProducerError, ValueError)
+    assert issubclass(AdminError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("exc", "line"),
+    [
+        (ValueError("bad value\nDETAIL: more\nHINT: even more"), "bad value"),
+        (ValueError("  padded  \n"), "padded"),
+        (ValueError(""), "ValueError"),
+        (KeyError(), "KeyError"),
+        (OSError("   \n  "), "OSError"),
+    ],
+)
+def test_first_line_is_the_first_line_or_the_type_name(exc: BaseException, line: str) -> None:
+    assert first_line(exc) == line
 
 
 def test_retryable_error_without_delay_leaves_backoff_to_the_policy() -> None:
@@ -98,6 +156,6 @@ def test_absurd_delays_are_refused_before_postgresql_overflows(cls: Any) -> None
 
 @pytest.mark.parametrize("cls", [lambda d: RetryableError("x", delay=d), lambda d: Defer(d)])
 def test_a_boolean_is_not_a_delay(cls: Any) -> None:
-    # True used to pass as one second: the delay check now refuses it like every other setting.
+    # True is an int to Python, not a number of seconds: refused like every other setting.
     with pytest.raises(ValueError, match="delay must be a number of seconds"):
         cls(True)

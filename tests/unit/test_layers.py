@@ -33,3 +33,83 @@ def test_no_production_module_imports_the_test_helpers() -> None:
         if path.name != "testing.py" and "outbox_celery.testing" in _imports(path)
     )
     assert offenders == []
+
+
+def _module_path(name: str) -> Path | None:
+    """The source file of package module ``name`` (None if it is not a module of the package)."""
+    parts = name.split(".")
+    if parts[0] != PACKAGE.name or len(parts) == 1:
+        return None
+    base = PACKAGE.joinpath(*parts[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _reachable(module: str) -> dict[str, list[str]]:
+    """Every name ``module`` imports, directly or through the package modules it imports, each
+    with the chain of modules that leads to it.
+
+    The package's ``__init__`` is not followed: any submodule import runs it, whatever the
+    submodule imports itself, and it re-exports ``Outbox`` (so ``import outbox_celery`` does
+    import Celery). The rules below are about what each module needs.
+    """
+    chains: dict[str, list[str]] = {module: [module]}
+    todo = [module]
+    while todo:
+        current = todo.pop()
+        path = _module_path(current)
+        assert path is not None, current
+        for name in sorted(_imports(path)):
+            if name.split(".")[0] == PACKAGE.name and _module_path(name) is None:
+                continue  # the package itself, or a name imported from one of its modules
+            if name not in chains:
+                chains[name] = [*chains[current], name]
+                if _module_path(name) is not None:
+                    todo.append(name)
+    return chains
+
+
+# dispatch decides, store runs the SQL, the done batcher and the listener are threads around them:
+# none of them needs Celery, which only celery_app (and push, worker_settings, cli) bring in.
+CELERY_FREE = ["dispatch", "store", "_done_batch", "listener"]
+CELERY = ("celery", "kombu", "billiard")
+
+
+def test_the_core_modules_import_no_celery() -> None:
+    offenders = {}
+    for module in CELERY_FREE:
+        for name, chain in _reachable(f"{PACKAGE.name}.{module}").items():
+            if name.split(".")[0] in CELERY:
+                offenders[f"{module} -> {name}"] = " -> ".join(chain)
+    assert offenders == {}
+
+
+# The modules that compose SQL text: the query files' loader, the one module that runs the
+# outbox's queries, the operator commands, the inbox, the migrations, the table name's
+# identifiers (invariant 15) and the test helpers that create databases.
+SQL_MODULES = {"_sql", "store", "admin", "inbox", "migrations", "config", "testing"}
+
+
+def _uses_psycopg_sql(path: Path) -> bool:
+    if any(name == "psycopg.sql" or name.startswith("psycopg.sql.") for name in _imports(path)):
+        return True
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return any(
+        isinstance(node, ast.Attribute)
+        and node.attr == "sql"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "psycopg"
+        for node in ast.walk(tree)
+    )
+
+
+def test_only_the_sql_modules_use_psycopg_sql() -> None:
+    users = {
+        ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        for path in PACKAGE.rglob("*.py")
+        if _uses_psycopg_sql(path)
+    }
+    assert users - SQL_MODULES == set()
+    assert "store" in users  # the rule reads the imports it means to read

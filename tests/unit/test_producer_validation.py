@@ -13,8 +13,8 @@ from outbox_celery.producer import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     MAX_AGGREGATE_LENGTH,
     MAX_EVENT_TYPE_LENGTH,
-    _check_transaction,
     _row,
+    check_transaction,
 )
 
 
@@ -128,7 +128,7 @@ def test_payload_size_limit_is_on_the_encoded_json_bytes() -> None:
 
 def test_check_transaction_refuses_anything_but_a_psycopg_connection() -> None:
     with pytest.raises(ProducerError, match="psycopg 3 Connection"):
-        _check_transaction(object(), allow_autocommit=False)  # type: ignore[arg-type]
+        check_transaction(object(), allow_autocommit=False)  # type: ignore[arg-type]
 
 
 def test_enqueue_validates_before_touching_the_connection() -> None:

@@ -37,6 +37,7 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html
 
 from ... import admin as core_admin
+from ...errors import first_line
 from .conf import outbox_database, outbox_table
 from .models import OutboxMessage, Status
 
@@ -310,8 +311,9 @@ class OutboxMessageAdmin(_ModelAdmin):
         (None, {"fields": ("id", "event_type", "status", "state", "aggregate_type", "aggregate_id")}),
         ("Payload", {"fields": ("payload_json",)}),
         ("Delivery", {"fields": ("attempts", "last_error_text", "available_at", "created_at", "done_at")}),
-        ("Lease", {"fields": ("lease_owner", "lease_until", "lease_version")}),
-        ("Ordering", {"fields": ("ordering_key", "key_position")}),
+        ("Lease", {"fields": ("lease_owner", "lease_until", "lease_version", "started_version")}),
+        ("Ordering", {"fields": ("ordering_key", "head", "key_position")}),
+        ("Producer", {"fields": ("dedup_key", "trace_context")}),
     )
     readonly_fields = (
         "id",
@@ -329,8 +331,12 @@ class OutboxMessageAdmin(_ModelAdmin):
         "lease_owner",
         "lease_until",
         "lease_version",
+        "started_version",
         "ordering_key",
+        "head",
         "key_position",
+        "dedup_key",
+        "trace_context",
     )
 
     # -- where and how ---------------------------------------------------------------------------
@@ -386,7 +392,7 @@ class OutboxMessageAdmin(_ModelAdmin):
         try:
             context["outbox_stats"] = core_admin.stats(_psycopg(self.using), outbox_table(), timeout=2.0)
         except psycopg.Error as exc:  # a slow or failing summary must not hide the list
-            context["outbox_stats_error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            context["outbox_stats_error"] = first_line(exc)
         context["outbox_table"] = str(outbox_table())
         return super().changelist_view(request, extra_context=context)
 

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from django.db import models
 
+from ...errors import OutboxError
 from .conf import model_db_table
 
 __all__ = ["OutboxMessage", "Status"]
@@ -27,7 +28,7 @@ class Status(models.TextChoices):
     DEAD = "dead"
 
 
-class ReadOnlyError(Exception):
+class ReadOnlyError(OutboxError):
     """An ORM write to the outbox table was attempted."""
 
 
@@ -49,6 +50,10 @@ class OutboxMessage(models.Model):
         null=True, blank=True
     )
     lease_version: models.BigIntegerField[int, int] = models.BigIntegerField()
+    started_version: models.BigIntegerField[int, int] = models.BigIntegerField()
+    head: models.BooleanField[bool, bool] = models.BooleanField()
+    dedup_key: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
+    trace_context: models.JSONField[Any, Any] = models.JSONField(null=True, blank=True)
     last_error: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
     done_at: models.DateTimeField[datetime | None, datetime | None] = models.DateTimeField(
         null=True, blank=True

@@ -1,0 +1,248 @@
+"""The push listener's timing and threading, with a scripted session and no database (#11).
+
+The listener claims once on every (re)connect, again on a notification or when the database
+says a row comes due, retries a run another claim held off with a doubling wait, and reconnects
+with a capped backoff whose log line never shows the DSN's password. Here the claim, the store
+and the connection are stand-ins, so each of those decisions shows in milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from outbox_celery import listener as listener_module
+from outbox_celery.dispatch import ClaimRun
+from outbox_celery.listener import _BUSY_RETRY, _MIN_WAIT, Listener
+
+SETTLE = 10.0
+HOUR = 3600.0
+
+
+class FakeConn:
+    """A LISTEN session: ``notifies`` yields what the test puts in ``inbox``."""
+
+    def __init__(self) -> None:
+        self.inbox: queue.Queue[str] = queue.Queue()
+
+    def notifies(self, *, timeout: float, stop_after: int | None = None) -> Iterator[str]:
+        got = 0
+        deadline = time.monotonic() + timeout
+        while stop_after is None or got < stop_after:
+            try:
+                yield self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return
+            got += 1
+
+    def __enter__(self) -> FakeConn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class FakeStore:
+    """``listen`` and ``next_due``: the due time the test sets, None (nothing due) by default."""
+
+    def __init__(self) -> None:
+        self.due: float | None = None
+        self.asked: list[float] = []
+
+    def listen(self, conn: Any) -> str:
+        return "outbox_celery_1"
+
+    def next_due(self, conn: Any, event_types: Any, *, within: float) -> float | None:
+        self.asked.append(within)
+        return self.due
+
+
+class Claims:
+    """A claim that returns the runs the test scripts (then plain ones) and counts calls."""
+
+    def __init__(self, *stopped_by: str | None) -> None:
+        self.script = list(stopped_by)
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> ClaimRun | None:
+        with self._lock:
+            self.calls += 1
+            stopped = self.script.pop(0) if self.script else None
+        return ClaimRun(stopped_by=stopped) if stopped else None
+
+    def wait(self, n: int) -> None:
+        deadline = time.monotonic() + SETTLE
+        while self.calls < n:
+            assert time.monotonic() < deadline, f"{n} claim run(s) expected, got {self.calls}"
+            time.sleep(0.002)
+
+
+def _listener(claim: Claims, store: FakeStore | None = None, *, poll: float = HOUR, **kw: Any) -> Listener:
+    return Listener(
+        dsn="postgresql://app:s3cret@db.example/app",
+        store=store or FakeStore(),  # type: ignore[arg-type]
+        claim=claim,
+        event_types=lambda: ["thing.happened"],
+        poll=poll,
+        **kw,
+    )
+
+
+@pytest.fixture
+def session(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeConn]:
+    conn = FakeConn()
+    monkeypatch.setattr(listener_module.psycopg, "connect", lambda *a, **kw: conn)
+    yield conn
+
+
+def test_it_claims_on_connect_then_on_each_notification_and_nothing_in_between(session: FakeConn) -> None:
+    claim = Claims()
+    listener = _listener(claim)
+    listener.start()
+    try:
+        assert listener.connected.wait(SETTLE)
+        claim.wait(1)  # whatever was committed while nobody listened
+        time.sleep(0.3)
+        assert claim.calls == 1  # no notification, nothing due, an hour's poll: it sleeps
+        for _ in range(3):  # a burst arrives together: one claim answers all of it
+            session.inbox.put("commit")
+        claim.wait(2)
+        deadline = time.monotonic() + SETTLE
+        while listener.get_stats()["notifications"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        time.sleep(0.2)
+        assert claim.calls == 2
+        assert listener.get_stats() == {"notifications": 3, "claims": 2, "connects": 1, "errors": 0}
+    finally:
+        listener.stop(timeout=SETTLE)
+    assert not listener.running
+    assert not listener.connected.is_set()
+
+
+def test_a_row_the_database_says_comes_due_wakes_it_without_a_notification(session: FakeConn) -> None:
+    claim = Claims()
+    store = FakeStore()
+    store.due = 0.2
+    listener = _listener(claim, store)
+    started = time.monotonic()
+    listener.start()
+    try:
+        claim.wait(3)
+        # Each run asked for the next due time within the poll period, and slept until then.
+        assert time.monotonic() - started >= 0.4
+        assert set(store.asked) == {HOUR}
+        assert listener.get_stats()["notifications"] == 0
+    finally:
+        listener.stop(timeout=SETTLE)
+
+
+def test_the_next_wait_is_the_due_time_bounded_by_the_poll_and_a_minimum() -> None:
+    store = FakeStore()
+    listener = _listener(Claims(), store, poll=5.0)
+    conn = FakeConn()
+    assert listener._claim_until_quiet(conn) == 5.0  # type: ignore[arg-type]
+    store.due = 1.5
+    assert listener._claim_until_quiet(conn) == 1.5  # type: ignore[arg-type]
+    store.due = 0.0  # due now: never a busy loop against the claim's own now()
+    assert listener._claim_until_quiet(conn) == _MIN_WAIT  # type: ignore[arg-type]
+    store.due = 60.0
+    assert listener._claim_until_quiet(conn) == 5.0  # type: ignore[arg-type]
+    assert store.asked == [5.0] * 4
+
+
+def test_a_held_off_run_is_retried_with_a_doubling_wait_up_to_its_cap() -> None:
+    held = ["another_claim_running"] * 8
+    claim = Claims(*held)
+    listener = _listener(claim)
+    waits: list[float] = []
+    listener._hold_off = lambda conn, seconds: waits.append(seconds)  # type: ignore[method-assign]
+    listener._claim_until_quiet(FakeConn())  # type: ignore[arg-type]
+    assert claim.calls == 9  # held off eight times, then a run that was not
+    first, cap = _BUSY_RETRY
+    expected = [min(first * 2**i, cap) for i in range(8)]
+    assert waits == pytest.approx(expected)
+    assert waits[-1] == cap and waits[0] == first
+
+
+def test_a_run_that_ran_out_of_budget_is_followed_by_another_at_once() -> None:
+    claim = Claims("budget", "budget", None)
+    listener = _listener(claim)
+    listener._hold_off = lambda conn, seconds: pytest.fail("a backlog is not held off")  # type: ignore[method-assign]
+    listener._claim_until_quiet(FakeConn())  # type: ignore[arg-type]
+    assert claim.calls == 3
+
+
+def test_holding_off_drains_the_notifications_that_arrive_and_counts_them() -> None:
+    listener = _listener(Claims())
+    conn = FakeConn()
+    for _ in range(4):
+        conn.inbox.put("commit")
+    started = time.monotonic()
+    listener._hold_off(conn, 0.15)  # type: ignore[arg-type]
+    assert time.monotonic() - started >= 0.15  # notifications do not cut the wait short
+    assert conn.inbox.empty()
+    assert listener.get_stats()["notifications"] == 4
+
+
+def test_reconnects_back_off_doubling_up_to_the_cap_and_hide_the_password(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    listener = _listener(Claims(), max_backoff=1.0)
+    monkeypatch.setattr(listener_module.random, "uniform", lambda a, b: 1.0)
+    failures = 7
+
+    def refused() -> None:
+        raise OSError("connection to postgresql://app:s3cret@db.example/app refused")
+
+    waits: list[float] = []
+
+    class Stop(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            waits.append(float(timeout or 0.0))
+            if len(waits) == failures:
+                self.set()
+            return self.is_set()
+
+    listener._session = refused  # type: ignore[method-assign]
+    listener._stop = Stop()
+    with caplog.at_level(logging.WARNING, logger="outbox_celery.listener"):
+        listener._run()  # in this thread: it returns once stopped
+    assert waits == pytest.approx([0.2, 0.4, 0.8, 1.0, 1.0, 1.0, 1.0])
+    assert listener.get_stats()["errors"] == failures
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == failures
+    assert all("reconnecting in" in m and "OSError" in m for m in messages)
+    assert not any("s3cret" in m for m in messages), messages
+
+
+def test_a_failure_after_a_connect_resets_the_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    listener = _listener(Claims())
+    monkeypatch.setattr(listener_module.random, "uniform", lambda a, b: 1.0)
+    outcomes = iter([OSError("down"), OSError("down"), None, OSError("down")])
+
+    def session() -> None:
+        exc = next(outcomes)
+        if exc is not None:
+            raise exc
+
+    waits: list[float] = []
+
+    class Stop(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            waits.append(float(timeout or 0.0))
+            if len(waits) == 3:
+                self.set()
+            return self.is_set()
+
+    listener._session = session  # type: ignore[method-assign]
+    listener._stop = Stop()
+    listener._run()
+    assert waits == pytest.approx([0.2, 0.4, 0.2])
