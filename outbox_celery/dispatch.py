@@ -707,7 +707,12 @@ class Dispatcher:
                 rest[0].id,
                 rest[0].lease_version,
                 lambda conn: self.store.finish_many(
-                    conn, rows, max_attempts=cfg.max_attempts, max_age=cfg.max_defer_age
+                    conn,
+                    rows,
+                    max_attempts=cfg.max_attempts,
+                    max_age=cfg.max_defer_age,
+                    # Wake the claim: a batch's leases ended at once, room under the bound.
+                    notify=cfg.listen,
                 ),
             )
             for m in rest:

@@ -857,6 +857,7 @@ class Store:
         *,
         max_attempts: int,
         max_age: float,
+        notify: bool = False,
     ) -> dict[int, str]:
         """The fenced finalize of a batch: one statement, each row with its own outcome.
 
@@ -866,7 +867,9 @@ class Store:
         (:meth:`done`, :meth:`dead`, :meth:`retry`, :meth:`defer`, :meth:`postpone`,
         :meth:`record_error`). An ordered row's done is refused here (:meth:`done` moves its
         key's head). Returns ``{id: new status}`` for the rows it changed; the others lost their
-        lease (counted and logged). The commit is relaxed only when every row is a done.
+        lease (counted and logged). The commit is relaxed only when every row is a done. With
+        ``notify`` the statement signals the table's listeners at commit (a batch's leases
+        ended: room under the in-flight bound), as the producers' insert does.
         """
         if not rows:
             return {}
@@ -880,6 +883,8 @@ class Store:
             "max_attempts": max_attempts,
             "max_age": max_age,
             "commit_mode": self._commit_mode(conn) if relaxed else None,
+            "notify": notify,
+            "table": self._regclass(conn),
         }
         with self._single_statement(conn):
             won = {int(i): str(s) for i, s in conn.execute(self._q["finish_many"], params).fetchall()}

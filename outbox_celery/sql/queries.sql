@@ -556,6 +556,10 @@ RETURNING o.id;
 -- finish_dead, record_error, postpone); tests/integration/test_batch.py holds the two side by
 -- side. An ordered row's done is never written here: it moves its key's head under the key lock
 -- (finish_done_head). commit_mode as in finish_done (the caller relaxes only all-done batches).
+-- With notify, the listeners of the table hear at commit that a batch's worth of leases ended
+-- (#22): a claim that the in-flight bound stopped runs again then, not a listen_poll later.
+-- Evaluated once per statement, on the channel the producers' insert signals (one definition:
+-- the same expression as insert).
 UPDATE {table} AS o
 SET status = CASE f.outcome
         WHEN 'done' THEN 'done'
@@ -589,6 +593,9 @@ SET status = CASE f.outcome
 FROM (SELECT set_config('synchronous_commit',
                         coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
                         true)) AS commit_mode,
+     (SELECT CASE WHEN %(notify)s::bool
+                  THEN pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL
+             END) AS woke,
      unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(outcomes)s::text[], %(delays)s::float8[],
             %(errors)s::text[]) AS f(id, version, outcome, delay, error)
 WHERE o.id = f.id AND o.lease_version = f.version AND o.status = 'processing'

@@ -281,3 +281,21 @@ def test_invariant_21_ordered_messages_are_at_most_one_per_key_per_batch(
     assert batches == [[a[0], b[0]], [a[1], b[1]], [a[2], b[2]]]
     assert {fetch(conn, table, i)["status"] for i in a + b} == {"done"}
     assert claim_ids(store, conn) == []
+
+
+def test_a_batch_finalize_wakes_the_listeners_when_asked(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Any
+) -> None:
+    # A batch's leases end together: the claim that the in-flight bound stopped should run again.
+    listener = connect()
+    store.listen(listener)
+    ids = add(conn, 2, table=table)
+    list(listener.notifies(timeout=0.2))  # the producer's own notification, if any
+    claims = {c.id: c.lease_version for c in _claim(conn, store, 2)}
+    store.start_many(conn, list(claims.items()), lease=LONG, max_attempts=5, starter="w:1:a")
+    quiet = [(ids[0], claims[ids[0]], "done", 0.0, "")]
+    store.finish_many(conn, quiet, max_attempts=5, max_age=MAX_AGE)
+    assert list(listener.notifies(timeout=0.3)) == []
+    loud = [(ids[1], claims[ids[1]], "done", 0.0, "")]
+    store.finish_many(conn, loud, max_attempts=5, max_age=MAX_AGE, notify=True)
+    assert len(list(listener.notifies(timeout=2.0, stop_after=1))) == 1
