@@ -56,3 +56,28 @@ def test_claims_are_grouped_per_batch_handler_in_claim_order() -> None:
     assert [[c.id for c in u] for u in units] == [[1, 3], [2], [4, 7], [5], [6], [8]]
     flat = [c for u in units for c in u]
     assert publish_units(flat, handlers) == units
+
+
+def test_the_delivery_counter_counts_each_row_of_a_batch_task() -> None:
+    pytest.importorskip("prometheus_client")
+    from celery import signals
+    from prometheus_client import CollectorRegistry
+
+    from outbox_celery.metrics import track_deliveries
+
+    outbox = _outbox()
+    registry = CollectorRegistry()
+    # It stays connected: it counts only this outbox's tasks, into this private registry.
+    track_deliveries(outbox, registry=registry)
+    task = outbox.deliver_batch_task
+    signals.task_postrun.send(
+        sender=task, task=task, retval={"done": 3, "retry": 1}, state="SUCCESS", args=([1, 2, 3, 4], [1] * 4)
+    )
+    signals.task_postrun.send(sender=task, task=task, retval=None, state="FAILURE", args=([5, 6], [1, 1]))
+    got = {
+        s.labels["outcome"]: s.value
+        for metric in registry.collect()
+        for s in metric.samples
+        if s.name == "outbox_deliveries_total"
+    }
+    assert got == {"done": 3, "retry": 1, "error": 2}
