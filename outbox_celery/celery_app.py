@@ -806,6 +806,11 @@ class Outbox:
         """Deliver one row in this process (what the delivery task does)."""
         return self.dispatcher.deliver(outbox_id, lease_version)
 
+    def deliver_batch(self, pairs: Sequence[tuple[int, int]]) -> dict[str, int]:
+        """Deliver ``(id, lease_version)`` pairs of a batch handler in this process (what the
+        batch task does); returns how many rows ended in each outcome (docs/batch.md)."""
+        return self.dispatcher.deliver_batch(pairs)
+
     def purge(self) -> int:
         """Delete old ``done`` rows per ``retention``; returns rows deleted."""
         cfg = self.config
