@@ -30,6 +30,9 @@ Sections (``--only`` picks some):
     one second of production).
   * ``horizon-claim``: one claim of ``--batch-size`` rows (one Store reused, median of
     ``--horizon-claims``) with 0 and ``--horizon-dead`` (100k, 500k) dead versions in front of it.
+* ``batch`` (opt-in, #22): end to end, batch handlers of ``--handler-batches`` (50, 100) beside
+  bare Celery's per-message rate and the outbox's one-message handler, same broker, pool,
+  concurrency and prefetch, per deployment, alternated for ``--batch-rounds`` (3) rounds, medians.
 * ``transactional`` (opt-in, #24): the plain loop with a handler that inserts one effect row,
   transactional (effect and done in one transaction) beside plain (the effect on its own
   connection, then the done), interleaved twice.
@@ -104,6 +107,7 @@ SECTIONS = (
     "horizon-claim",
     "transactional",
     "peer",
+    "batch",
 )
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 # The end-to-end deployments: a solo claim worker beside the delivery worker, and the README's
@@ -172,6 +176,10 @@ def _parser() -> argparse.ArgumentParser:
         "--warmup", type=int, default=2000, help="unmeasured messages before each end-to-end run (2000)"
     )
     p.add_argument("--batch-size", type=int, default=200, help="outbox batch_size (default 200)")
+    p.add_argument(
+        "--handler-batches", default="50,100", help="batch handler sizes of the batch section (50,100)"
+    )
+    p.add_argument("--batch-rounds", type=int, default=3, help="alternated rounds of the batch section (3)")
     p.add_argument(
         "--producer-batch", type=int, default=100, help="events per producer transaction (default 100)"
     )
@@ -441,6 +449,58 @@ class Bench:
         t.note(
             f"{a.plain_messages} messages per run, batch_size {a.batch_size}, runs interleaved twice; "
             f"effect rows per run: {', '.join(f'{r.label} {r.effects}' for r in runs)}"
+        )
+
+    def batch(self) -> None:
+        """Batch handlers (#22) end to end, alternated with bare Celery and the one-message handler."""
+        a = self.args
+        sizes = [int(s) for s in a.handler_batches.split(",") if s.strip()]
+        deployments = [d.strip() for d in a.deployments.split(",") if d.strip()]
+        t = self.report.table(
+            f"Batch handlers vs bare Celery per message ({a.messages} messages, {a.pool} x{a.concurrency}, "
+            f"prefetch {a.prefetch}, batch_size {a.batch_size})",
+            ["broker", "deployment", "pipeline", "msg/s", "bare Celery msg/s", "ratio", "goal >= 2x"],
+        )
+        out: dict[str, Any] = {}
+        for broker, url in _brokers(a, self.svc):
+            for dep in deployments:
+                bare: list[PipelineResult] = []
+                runs: dict[int, list[PipelineResult]] = {}
+                for _ in range(a.batch_rounds):
+                    # Alternated: bare, the one-message handler (0), then each batch size.
+                    bare.append(self._bare(url, a.messages))
+                    for size in [0, *sizes]:
+                        runs.setdefault(size, []).append(
+                            self._outbox(url, a.messages, single_worker=dep == "readme", handler_batch=size)
+                        )
+                b = _median([r.rate for r in bare])
+                data: dict[str, Any] = {"bare": [r.rate for r in bare], "bare_rate": b}
+                for size, rs in runs.items():
+                    o = _median([r.rate for r in rs])
+                    name = f"batch={size}" if size else "one-message handler"
+                    data[name] = {
+                        "rates": [r.rate for r in rs],
+                        "rate": o,
+                        "ratio": o / b,
+                        "status": [r.extra.get("status") for r in rs],
+                        "cpu_ms_per_msg": sorted(rs, key=lambda r: r.rate)[len(rs) // 2].cpu_ms_per_msg,
+                    }
+                    t.row(
+                        broker,
+                        DEPLOYMENTS.get(dep, dep),
+                        name,
+                        f"{o:,.0f}",
+                        f"{b:,.0f}",
+                        f"{o / b:.2f}x",
+                        ("met" if o / b >= 2 else "MISSED") if size else "",
+                    )
+                out[f"{broker}/{dep}"] = data
+        self.results["batch"] = out
+        t.note(
+            f"rounds alternate bare, the one-message handler and each batch size, {a.batch_rounds} rounds, "
+            "medians shown; every run ends with every row done (checked), warm-up excluded; "
+            f"claim_interval {a.claim_interval}s, push on, producer commits {a.producer_batch} events per "
+            "transaction; a batch is cut from one claim (at most batch_size rows)"
         )
 
     def e2e(self) -> None:
@@ -1326,6 +1386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "horizon-claim": bench.horizon_claim,
             "transactional": bench.transactional,
             "peer": bench.peer,
+            "batch": bench.batch,
         }
         failures = 0
         try:

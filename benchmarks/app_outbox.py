@@ -1,7 +1,8 @@
 """The outbox pipeline under test: an :class:`~outbox_celery.celery_app.Outbox` with a no-op handler.
 
 Configured by the runner through ``BENCH_*`` environment variables (broker, DSN, table, queues,
-prefetch, claim interval, batch size). ``BENCH_VARIANT`` selects labelled, benchmark-only
+prefetch, claim interval, batch size; ``BENCH_HANDLER_BATCH`` makes the handler a batch handler
+of that size, #22). ``BENCH_VARIANT`` selects labelled, benchmark-only
 variants used to measure a change against what it replaced in the same run (see
 :mod:`benchmarks.variants`).
 """
@@ -42,10 +43,21 @@ outbox = Outbox(
 )
 
 
-@outbox.handler("bench.noop")
-def noop(message: Message) -> None:
-    """Do nothing (records its start time in latency runs)."""
-    hooks.record_start(message.id)
+BATCH = int(os.environ.get("BENCH_HANDLER_BATCH", "0"))
+if BATCH:
+
+    @outbox.handler("bench.noop", batch=BATCH)
+    def noop_batch(messages: list[Message]) -> None:
+        """Do nothing with a batch (#22; records each start time in latency runs)."""
+        for message in messages:
+            hooks.record_start(message.id)
+
+else:
+
+    @outbox.handler("bench.noop")
+    def noop(message: Message) -> None:
+        """Do nothing (records its start time in latency runs)."""
+        hooks.record_start(message.id)
 
 
 variants.apply(outbox, os.environ.get("BENCH_VARIANT", ""))

@@ -52,13 +52,14 @@ class CompletionCounter:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         raise RuntimeError("completion counter is full")
 
-    def hit(self, now: float) -> None:
-        """Count one completed task of this process, finished at ``now`` (``time.time()``)."""
+    def hit(self, now: float, n: int = 1) -> None:
+        """Count ``n`` completed messages of this process (one task, or a batch task's rows),
+        finished at ``now`` (``time.time()``)."""
         if self._slot is None or self._pid != os.getpid():
             self._slot = self._claim_slot()
             self._pid = os.getpid()
             self._count = 0
-        self._count += 1
+        self._count += n
         _RECORD.pack_into(self._map, self._slot * _RECORD.size, self._pid, self._count, now)
 
     def read(self) -> tuple[int, float]:

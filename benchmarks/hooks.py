@@ -27,10 +27,13 @@ _latency_file: IO[str] | None = None
 _latency_pid = 0
 
 
-def _on_postrun(sender: Any = None, **kwargs: Any) -> None:
+def _on_postrun(sender: Any = None, args: Any = None, **kwargs: Any) -> None:
     # Deliveries only: on the README deployment claim tasks run in the same worker.
-    if _counter is not None and not str(getattr(sender, "name", "")).endswith((".claim", ".purge")):
-        _counter.hit(time.time())
+    name = str(getattr(sender, "name", ""))
+    if _counter is not None and not name.endswith((".claim", ".purge")):
+        # A batch task (#22) finishes as many messages as its first argument lists.
+        n = len(args[0]) if name.endswith(".deliver_batch") and args else 1
+        _counter.hit(time.time(), n)
 
 
 def _on_prerun(sender: Any = None, **kwargs: Any) -> None:

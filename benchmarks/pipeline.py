@@ -243,8 +243,11 @@ class Pipeline:
         delay: float = 0.0,
         idle: float = 0.0,
         on_measured: Callable[[str], Any] | None = None,
+        handler_batch: int = 0,
     ) -> PipelineResult:
         """The outbox: a producer process committing events, beat, a claim worker, delivery workers.
+
+        ``handler_batch`` makes the no-op handler a batch handler of that size (#22).
 
         ``warmup`` messages go through first, unmeasured: worker pools start, prepared statements
         are in place, and the adaptive in-flight bound has seen the workers' throughput (it
@@ -285,6 +288,7 @@ class Pipeline:
             "BENCH_LISTEN": "1" if listen else "0",
             "BENCH_NOTIFY": "1" if notify else "0",
             "BENCH_DELAY": str(delay),
+            "BENCH_HANDLER_BATCH": str(handler_batch),
         }
         latency_dir = self.workdir / f"{run}.latency"
         measured_env = dict(env)
@@ -436,6 +440,7 @@ class Pipeline:
                 "single_worker": single_worker,
                 "listen": listen,
                 "notify": notify,
+                "handler_batch": handler_batch,
             },
             extra={
                 "status": status,

@@ -39,13 +39,17 @@ class Services:
     amqp_url: str | None
     pg_origin: str
     redis_origin: str
+    #: Whether the run asked for RabbitMQ (``--brokers``); the banner then says why it is absent.
+    amqp_wanted: bool = True
 
     def describe(self) -> dict[str, str]:
         """Safe to print: passwords redacted."""
         return {
             "postgresql": f"{redact(self.dsn)} ({self.pg_origin})",
             "redis": f"{redact_url(self.redis_url)} ({self.redis_origin})",
-            "rabbitmq": redact_url(self.amqp_url) if self.amqp_url else "not reachable: skipped",
+            "rabbitmq": redact_url(self.amqp_url)
+            if self.amqp_url
+            else ("not reachable: skipped" if self.amqp_wanted else "not requested (--brokers)"),
         }
 
 
@@ -92,4 +96,4 @@ def services(
         elif amqp_url is None and reachable(LOCAL_AMQP, 5672):
             amqp_url = LOCAL_AMQP
         bench_dsn = stack.enter_context(temporary_database(server_dsn, prefix="outbox_bench"))
-        yield Services(server_dsn, bench_dsn, redis_url, amqp_url, pg_origin, redis_origin)
+        yield Services(server_dsn, bench_dsn, redis_url, amqp_url, pg_origin, redis_origin, want_amqp)

@@ -134,6 +134,24 @@ def tx(message: Message, conn: psycopg.Connection[object]) -> None:
     record(message, "ok")
 
 
+@outbox.handler("chaos.batch", batch=20)
+def batch(messages: list[Message]) -> dict[int, Exception] | None:
+    """A batch handler (#22): per item ok, or retryable on its first ``payload["fail"]`` runs.
+
+    It sleeps once per batch (the longest of its items' ``sleep``) after recording, so kills
+    often catch a batch between its handler and its finish: every row must come back.
+    """
+    failed: dict[int, Exception] = {}
+    for message in messages:
+        if message.attempts <= int(message.payload["fail"]):
+            record(message, "retry")
+            failed[message.id] = RetryableError("chaos: this item again", delay=0.3)
+        else:
+            record(message, "ok")
+    time.sleep(max(float(m.payload["sleep"]) for m in messages))
+    return failed or None
+
+
 @outbox.handler("chaos.slow")
 def slow(message: Message) -> None:
     """Takes a while (well below the time limit), so kills often catch it running."""

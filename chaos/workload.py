@@ -31,7 +31,8 @@ CREATE TABLE IF NOT EXISTS chaos_effects (
 
 # kind -> share of the messages. Every kind but "permanent" must end done.
 KINDS: dict[str, float] = {
-    "ok": 0.56,
+    "ok": 0.50,
+    "batch": 0.06,
     "tx": 0.06,
     "retry": 0.10,
     "permanent": 0.04,
@@ -60,6 +61,13 @@ def plan(count: int, keys: int, seed: int, slow_max: float) -> list[Event]:
             payload["sleep"] = round(rng.uniform(0.0, slow_max / 2), 2)
         elif kind == "ordered":
             key = f"key-{rng.randrange(keys)}"
+        elif kind == "batch":
+            # Batch handlers (#22): some items fail retryably on their first run, a third are
+            # ordered (at most one per key per batch), the batch sleeps so kills land mid-batch.
+            payload["fail"] = rng.choice((0, 0, 0, 1))
+            payload["sleep"] = round(rng.uniform(0.0, slow_max / 4), 2)
+            if rng.random() < 1 / 3:
+                key = f"batch-key-{rng.randrange(keys)}"
         events.append(Event(f"chaos.{kind}", payload, "chaos", str(n), ordering_key=key))
     return events
 

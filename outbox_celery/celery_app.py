@@ -24,7 +24,7 @@ from . import producer
 from ._pool import ForkSafePool, IdleCheck
 from .backoff import RetryPolicy
 from .config import UNSET, OutboxConfig, TableName, Unset
-from .dispatch import ClaimRun, Dispatcher, HandlerSpec, default_owner
+from .dispatch import ClaimRun, Dispatcher, HandlerSpec, default_owner, publish_units
 from .dsn import DSN_ENV, password
 from .errors import ConfigurationError
 from .listener import Listener
@@ -48,6 +48,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # Retention: at most this many batches of ``retention_batch_size`` per beat-triggered run.
 PURGE_MAX_BATCHES_PER_RUN = 20
+# The largest batch a batch handler may ask for (#22): the task carries two arrays of this size.
+MAX_BATCH = 1000
 # Seconds a pooled connection may sit idle and still be handed out without a check (IdleCheck).
 POOL_CHECK_IDLE = 2.0
 
@@ -83,6 +85,12 @@ def _routers(routes: Any) -> tuple[Any, ...]:
 def _reprs(claim: Claimed) -> dict[str, Any]:
     """A delivery task's ``argsrepr``/``kwargsrepr``, given rather than derived by Celery."""
     return {"argsrepr": f"({claim.id}, {claim.lease_version})", "kwargsrepr": "{}"}
+
+
+def _batch_reprs(unit: Sequence[Claimed]) -> dict[str, Any]:
+    """A batch task's ``argsrepr``: its size and id range, not two arrays of up to MAX_BATCH."""
+    ids = [c.id for c in unit]
+    return {"argsrepr": f"({len(unit)} rows, ids {min(ids)}..{max(ids)})", "kwargsrepr": "{}"}
 
 
 class _QuietClaims(logging.Filter):
@@ -314,6 +322,7 @@ class Outbox:
         transactional: bool | str = False,
         session_factory: Callable[[], Any] | None = None,
         using: str | None = None,
+        batch: int | None = None,
     ) -> Callable[[F], F]:
         """Register the function that delivers ``event_type`` (one per event type).
 
@@ -337,15 +346,38 @@ class Outbox:
             on the outbox's database (psycopg 3 dialect), e.g. a ``sessionmaker``.
         :param using: with ``transactional="django"``: the database alias (default
             ``"default"``).
+        :param batch: make it a *batch handler* (docs/batch.md, DESIGN invariant 21): it receives
+            a list of up to ``batch`` messages of ``event_type`` (sorted by id), carried by one
+            Celery task, started and finished by one fenced statement each. It returns ``None``
+            (every message delivered) or a mapping from message id to a
+            :class:`~outbox_celery.errors.RetryableError`, :class:`~outbox_celery.errors.Defer`
+            or :class:`~outbox_celery.errors.PermanentError` instance for those that were not;
+            an exception it raises applies to the whole batch. An int from 1 to
+            :data:`MAX_BATCH`; not with ``transactional``. A batch is cut from one claim, so
+            it holds at most ``batch_size`` rows and at most one message per ordering key.
         """
         if not isinstance(event_type, str) or not event_type:
             raise ConfigurationError("event_type must be a non-empty string")
+        if batch is not None:
+            if isinstance(batch, bool) or not isinstance(batch, int):
+                raise ConfigurationError(f"batch must be an int from 1 to {MAX_BATCH}, not {batch!r}")
+            if not 1 <= batch <= MAX_BATCH:
+                raise ConfigurationError(f"batch must be from 1 to {MAX_BATCH}, not {batch}")
+            if transactional is not False:
+                raise ConfigurationError(
+                    f"the handler of {event_type!r} cannot be both batch= and transactional=: a "
+                    "transactional handler commits one message's writes with its done (DESIGN "
+                    "invariant 20); register a plain batch handler, or a transactional one-message "
+                    "handler"
+                )
         kind = transaction_kind(transactional, session_factory=session_factory, using=using)
 
         def register(fn: F) -> F:
             if event_type in self._handlers:
                 raise ConfigurationError(f"a handler for {event_type!r} is already registered")
-            self._handlers[event_type] = HandlerSpec(event_type, fn, queue or "", transaction=kind)
+            self._handlers[event_type] = HandlerSpec(
+                event_type, fn, queue or "", transaction=kind, batch=batch
+            )
             return fn
 
         return register
@@ -381,6 +413,7 @@ class Outbox:
                 f"{self.name}.claim": {"queue": cfg.claim_queue},
                 f"{self.name}.purge": {"queue": cfg.claim_queue},
                 f"{self.name}.deliver": {"queue": cfg.default_queue},
+                f"{self.name}.deliver_batch": {"queue": cfg.default_queue},
             },
         )
         # A claim run holds the claim lock: one stuck in a hung publish must end (its rows are
@@ -582,6 +615,19 @@ class Outbox:
             """Deliver one outbox row (fenced start, handler, fenced finalize)."""
             return outbox.dispatcher.deliver(int(outbox_id), int(lease_version), batch_done=True)
 
+        @self.app.task(
+            name=f"{self.name}.deliver_batch",
+            ignore_result=True,
+            acks_late=True,
+            # As deliver: a lost worker acks its message, every row comes back through its lease.
+            reject_on_worker_lost=False,
+            max_retries=0,
+            shared=False,
+        )
+        def deliver_batch(ids: list[int], versions: list[int]) -> dict[str, int]:
+            """Deliver a batch handler's rows (one fenced start, the handler, one fenced finalize)."""
+            return outbox.dispatcher.deliver_batch(list(zip(ids, versions, strict=True)))
+
         @self.app.task(name=f"{self.name}.purge", ignore_result=True, shared=False)
         def purge() -> int:
             """Delete ``done`` rows older than ``retention`` in bounded batches."""
@@ -589,16 +635,23 @@ class Outbox:
 
         self.claim_task = claim
         self.deliver_task = deliver
+        self.deliver_batch_task = deliver_batch
         self.purge_task = purge
 
     def task_id(self, claim: Claimed) -> str:
         """Deterministic Celery task id of a claimed row: ``<table>:<id>:v<version>``."""
         return f"{self.config.table.qualified}:{claim.id}:v{claim.lease_version}"
 
-    def publish(self, claims: Sequence[Claimed]) -> int:
-        """Send one delivery task per claim over a single producer connection.
+    def batch_task_id(self, unit: Sequence[Claimed]) -> str:
+        """Deterministic Celery task id of a batch task: its first claim's, then ``+<size>``."""
+        return f"{self.task_id(unit[0])}+{len(unit)}"
 
-        Returns how many were sent (stops at the first failure).
+    def publish(self, claims: Sequence[Claimed]) -> int:
+        """Send one delivery task per claim (per group, for batch handlers) over one connection.
+
+        Returns how many claims were sent (stops at the first failure). Claims are grouped by
+        :func:`~outbox_celery.dispatch.publish_units`; the claim loop orders them that way
+        first, so the count is a prefix of ``claims``.
         """
         cfg = self.config
         sent = 0
@@ -621,7 +674,28 @@ class Outbox:
             with self._claim_producer() as producer:
                 queued = 0
                 with _publish_batch(producer, len(claims)) as batched:
-                    for c in claims:
+                    for unit in publish_units(claims, self._handlers):
+                        c = unit[0]
+                        spec = self._handlers.get(c.event_type)
+                        if spec is not None and spec.batch is not None:
+                            # One task for the group (#22): its size shows in the task's name.
+                            self.deliver_batch_task.apply_async(
+                                ([u.id for u in unit], [u.lease_version for u in unit]),
+                                task_id=self.batch_task_id(unit),
+                                queue=self.queue_for(c.event_type),
+                                expires=min(u.lease_until for u in unit) + skew,
+                                **limits,
+                                shadow=f"{self.name}.deliver_batch[{c.event_type}][{len(unit)}]",
+                                headers=task_headers({"outbox_event_type": c.event_type}),
+                                producer=producer,
+                                **_batch_reprs(unit),
+                                retry=not batched,
+                                retry_policy=retry_policy,
+                            )
+                            queued += len(unit)
+                            if not batched:
+                                sent = queued
+                            continue
                         self.deliver_task.apply_async(
                             (c.id, c.lease_version),
                             task_id=self.task_id(c),
@@ -731,6 +805,11 @@ class Outbox:
     def deliver(self, outbox_id: int, lease_version: int) -> Outcome:
         """Deliver one row in this process (what the delivery task does)."""
         return self.dispatcher.deliver(outbox_id, lease_version)
+
+    def deliver_batch(self, pairs: Sequence[tuple[int, int]]) -> dict[str, int]:
+        """Deliver ``(id, lease_version)`` pairs of a batch handler in this process (what the
+        batch task does); returns how many rows ended in each outcome (docs/batch.md)."""
+        return self.dispatcher.deliver_batch(pairs)
 
     def purge(self) -> int:
         """Delete old ``done`` rows per ``retention``; returns rows deleted."""

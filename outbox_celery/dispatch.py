@@ -12,7 +12,8 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
@@ -29,7 +30,7 @@ from .store import Claimed, ScanMarks, Store, starter_token
 from .tracing import handler_span
 from .transactional import TransactionKind
 
-__all__ = ["ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome"]
+__all__ = ["BatchResult", "ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome", "publish_units"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ T = TypeVar("T")
 Handler = Callable[[Message], Any]
 #: A transactional handler: ``(message, conn)``, inside the transaction of its fenced done.
 TransactionalHandler = Callable[[Message, Any], Any]
+#: What a batch handler may return: ``None`` (every message delivered) or, for the messages that
+#: were not, their id -> a RetryableError, Defer or PermanentError instance (#22).
+BatchResult = Mapping[int, BaseException] | None
 ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
 
 
@@ -68,12 +72,42 @@ class HandlerSpec:
 
     :ivar transaction: set for a transactional handler (``fn`` then takes ``(message, conn)``
         and runs inside the transaction of its fenced done, DESIGN invariant 20).
+    :ivar batch: set for a batch handler (#22, DESIGN invariant 21): ``fn`` takes a list of up
+        to ``batch`` messages of this event type and returns ``None`` or a mapping from message
+        id to the outcome of those that did not succeed.
     """
 
     event_type: str
     fn: Callable[..., Any]
     queue: str
     transaction: TransactionKind | None = None
+    batch: int | None = None
+
+
+def publish_units(claims: Sequence[Claimed], handlers: Mapping[str, HandlerSpec]) -> list[list[Claimed]]:
+    """The delivery tasks of a claim batch: one claim each, or up to ``batch`` for batch handlers.
+
+    Claims of a batch handler's event type are cut into consecutive groups of at most its
+    ``batch``, in claim order; every other claim is a group of one. The one definition of what a
+    delivery task carries: the claim loop orders its rows by it (so that rows after a failed
+    publish are exactly the ones not sent) and the publisher sends one task per group. Grouping
+    its own output again gives the same groups. A claim holds at most one row per ordering key
+    (only heads are claimable), so neither does a group (DESIGN invariant 21).
+    """
+    units: list[list[Claimed]] = []
+    filling: dict[str, list[Claimed]] = {}
+    for claim in claims:
+        spec = handlers.get(claim.event_type)
+        size = spec.batch if spec is not None else None
+        if not size:
+            units.append([claim])
+            continue
+        unit = filling.get(claim.event_type)
+        if unit is None or len(unit) >= size:
+            unit = filling[claim.event_type] = []
+            units.append(unit)
+        unit.append(claim)
+    return units
 
 
 @dataclass(slots=True)
@@ -125,6 +159,29 @@ def _error_text(exc: BaseException, limit: int = 4000) -> str:
         tb = "".join(traceback.format_exception(exc)).strip()
         text = f"{text}\n{tb}"
     return text[:limit]
+
+
+def _batch_failures(result: object, ids: set[int]) -> Mapping[int, BaseException]:
+    """A batch handler's return value checked: ``{id: exception}`` of the messages not delivered.
+
+    :raises TypeError: anything but ``None`` or a mapping from this batch's ids to exception
+        instances (the whole batch is then treated as an unclassified failure).
+    """
+    if result is None:
+        return {}
+    if not isinstance(result, Mapping):
+        raise TypeError(
+            f"a batch handler returns None or a mapping id -> outcome, not {type(result).__name__}"
+        )
+    for key, value in result.items():
+        if key not in ids:
+            raise TypeError(f"a batch handler returned an outcome for id {key!r}, which is not in its batch")
+        if not isinstance(value, BaseException):
+            raise TypeError(
+                f"a batch handler's outcome for id {key} must be an exception instance "
+                f"(RetryableError, Defer, PermanentError), not {type(value).__name__}"
+            )
+    return result
 
 
 class _Superseded(Exception):  # noqa: N818 - control flow inside the dispatcher only
@@ -316,14 +373,17 @@ class Dispatcher:
             run.unroutable += result.unroutable
             run.claimed += len(result.claimed)
             if result.claimed:
+                # Grouped as the delivery tasks will carry them (batch handlers, #22): the rows
+                # after a failed publish are then exactly those that were not sent.
+                claimed = [c for unit in publish_units(result.claimed, self.handlers) for c in unit]
                 published = 0
                 try:
-                    published = publish(result.claimed)
+                    published = publish(claimed)
                 except Exception as exc:  # the publisher should not raise; be safe anyway
                     logger.exception("outbox publish failed")
                     run.errors.append(repr(exc))
                 run.published += published
-                unpublished = result.claimed[published:]
+                unpublished = claimed[published:]
                 if unpublished:
                     run.released += self.store.release(conn, unpublished)
                     run.stopped_by = "publish_failed"
@@ -392,6 +452,10 @@ class Dispatcher:
         spec = self.handlers.get(msg.event_type)
         if spec is None:
             return self._unroutable(msg, lease_version, log)
+        if spec.batch is not None:
+            # A batch handler's event type delivered by a one-row task (sent before a deploy
+            # that added batch=): a batch of one.
+            return self._run_batch(spec, [msg], log)[msg.id]
         msg = replace(msg, _extend=lambda seconds: self._extend(outbox_id, lease_version, seconds))
         started = time.monotonic()
         if spec.transaction is not None:
@@ -501,6 +565,225 @@ class Dispatcher:
             extra={**log, "outcome": outcome, "transactional": kind.name, "duration_ms": _ms_since(started)},
         )
         return outcome
+
+    # -- batch handlers (#22, DESIGN invariant 21) --------------------------------------------
+
+    def deliver_batch(self, pairs: Sequence[tuple[int, int]]) -> dict[str, int]:
+        """One batch task: one fenced start, the batch handler once, one fenced finalize.
+
+        ``pairs`` are the ``(id, lease_version)`` claims the task carries. The start is fenced
+        per pair; pairs it does not start (a newer claim, a finished row, a claim started by
+        another task) are dropped from the batch and counted ``stale``. The handler receives the
+        started messages of its event type, sorted by id, and returns ``None`` (all delivered) or
+        a mapping from message id to the outcome of those that were not; an exception it raises
+        applies to every message of the batch. Every outcome is written by one fenced statement
+        (an ordered message's done in its own, under its key lock). An unclassified exception is
+        recorded for every row and re-raised (the rows come back through their lease).
+
+        Returns how many rows ended in each :class:`~outbox_celery.message.Outcome`.
+        """
+        cfg = self.config
+        pairs = list(dict.fromkeys((int(i), int(v)) for i, v in pairs))
+        counts: Counter[str] = Counter()
+        if not pairs:
+            return {}
+        starter = starter_token()
+        first_id, first_version = pairs[0]
+        log: dict[str, Any] = {"outbox_id": first_id, "lease_version": first_version, "batch": len(pairs)}
+        try:
+            msgs = self._fenced_write(
+                "start_many",
+                first_id,
+                first_version,
+                lambda conn: self.store.start_many(
+                    conn, pairs, lease=cfg.lease, max_attempts=cfg.max_attempts, starter=starter
+                ),
+            )
+        except Exception as exc:
+            self._failed_before_batch(pairs, exc, log)
+            raise
+        stale = len(pairs) - len(msgs)
+        if stale:
+            counts[Outcome.STALE] += stale
+            logger.info(
+                "outbox batch of %s: %s pair(s) stale or exhausted, dropped; handler not called for them",
+                len(pairs),
+                stale,
+                extra={**log, "outcome": Outcome.STALE, "stale": stale},
+            )
+        by_type: dict[str, list[Message]] = {}
+        for msg in msgs:
+            by_type.setdefault(msg.event_type, []).append(msg)
+        failure: BaseException | None = None
+        for event_type, group in by_type.items():
+            spec = self.handlers.get(event_type)
+            if spec is None or spec.batch is None:
+                counts.update(self._unroutable_batch(group, log).values())
+                continue
+            try:
+                counts.update(self._run_batch(spec, group, log).values())
+            except BaseException as exc:  # recorded already; the other groups still run
+                counts[Outcome.ERROR] += len(group)
+                failure = exc
+        if failure is not None:
+            raise failure
+        return {str(k): v for k, v in counts.items()}
+
+    def _run_batch(self, spec: HandlerSpec, msgs: list[Message], log: dict[str, Any]) -> dict[int, Outcome]:
+        """Call a batch handler on started messages, then write every outcome (one statement)."""
+        assert spec.batch is not None
+        cfg = self.config
+        pairs = [(m.id, m.lease_version) for m in msgs]
+        msgs = [replace(m, _extend=self._extender(m.id, m.lease_version)) for m in msgs]
+        log = {**log, "event_type": spec.event_type, "batch": len(msgs)}
+        started = time.monotonic()
+        try:
+            with lease_heartbeat(cfg, lambda seconds: self._extend_many(pairs, seconds), log=log):
+                result = spec.fn(list(msgs))
+            failures = _batch_failures(result, {m.id for m in msgs})
+        except BaseException as exc:
+            verdicts = {m.id: classify(exc, m.attempts, self.retry) for m in msgs}
+            if any(v is None for v in verdicts.values()):
+                # Not classified: recorded for every row, which comes back through its lease.
+                error = _error_text(exc)
+                self._finish_batch(msgs, dict.fromkeys(verdicts, Verdict(Outcome.ERROR, error=error)))
+                logger.error(
+                    "outbox batch of %s %s raised %s; rows return after their lease",
+                    len(msgs),
+                    spec.event_type,
+                    type(exc).__name__,
+                    extra={**log, "outcome": Outcome.ERROR, "duration_ms": _ms_since(started)},
+                )
+                raise
+            whole = {i: v for i, v in verdicts.items() if v is not None}
+        else:
+            whole = {}
+            for m in msgs:
+                failed = failures.get(m.id)
+                if failed is None:
+                    whole[m.id] = Verdict(Outcome.DONE)
+                else:
+                    # A non-outcome exception for one message: recorded, back through its lease.
+                    whole[m.id] = classify(failed, m.attempts, self.retry) or Verdict(
+                        Outcome.ERROR, error=_error_text(failed)
+                    )
+        outcomes = self._finish_batch(msgs, whole)
+        tally = Counter(outcomes.values())
+        logger.info(
+            "outbox batch of %s %s -> %s",
+            len(msgs),
+            spec.event_type,
+            ", ".join(f"{k}={n}" for k, n in sorted(tally.items())),
+            extra={
+                **log,
+                "outcome": "batch",
+                **{str(k): n for k, n in tally.items()},
+                "duration_ms": _ms_since(started),
+            },
+        )
+        return outcomes
+
+    def _finish_batch(self, msgs: list[Message], verdicts: Mapping[int, Verdict]) -> dict[int, Outcome]:
+        """Write a batch's verdicts: one fenced statement, plus one per ordered done."""
+        cfg = self.config
+        ordered_done = [
+            m for m in msgs if m.ordering_key is not None and verdicts[m.id].outcome is Outcome.DONE
+        ]
+        rest = [m for m in msgs if m not in ordered_done]
+        outcomes: dict[int, Outcome] = {}
+        if rest:
+            rows = [
+                (
+                    m.id,
+                    m.lease_version,
+                    str(verdicts[m.id].outcome),
+                    verdicts[m.id].delay,
+                    verdicts[m.id].error,
+                )
+                for m in rest
+            ]
+            won = self._fenced_write(
+                "finish_many",
+                rest[0].id,
+                rest[0].lease_version,
+                lambda conn: self.store.finish_many(
+                    conn,
+                    rows,
+                    max_attempts=cfg.max_attempts,
+                    max_age=cfg.max_defer_age,
+                    # Wake the claim: a batch's leases ended at once, room under the bound.
+                    notify=cfg.listen,
+                ),
+            )
+            for m in rest:
+                status = won.get(m.id)
+                outcome = verdicts[m.id].outcome
+                if status is None:
+                    outcomes[m.id] = Outcome.LOST_LEASE
+                elif status == Status.DEAD:
+                    outcomes[m.id] = Outcome.DEAD
+                else:
+                    outcomes[m.id] = outcome
+        for m in ordered_done:
+            # Its done moves its key's head, under the key lock (DESIGN invariant 9).
+            outcomes[m.id] = self._finish(verdicts[m.id], m, m.lease_version)
+        return outcomes
+
+    def _unroutable_batch(self, msgs: list[Message], log: dict[str, Any]) -> dict[int, Outcome]:
+        """No batch handler for these messages here (a deploy changed it): postpone, attempt refunded."""
+        event_type = msgs[0].event_type
+        delay = self.config.unroutable_delay
+        why = f"unroutable: no batch handler for event type {event_type!r} in this worker"
+        verdicts = {m.id: Verdict(Outcome.UNROUTABLE, delay=delay, error=why) for m in msgs}
+        rows = [(m.id, m.lease_version, "postpone", delay, why) for m in msgs]
+        won = self._fenced_write(
+            "postpone",
+            msgs[0].id,
+            msgs[0].lease_version,
+            lambda conn: self.store.finish_many(
+                conn, rows, max_attempts=self.config.max_attempts, max_age=self.config.max_defer_age
+            ),
+        )
+        logger.warning(
+            "outbox batch of %s %r: no batch handler here; postponed %.0fs",
+            len(msgs),
+            event_type,
+            delay,
+            extra={**log, "outcome": Outcome.UNROUTABLE},
+        )
+        return {i: (Outcome.UNROUTABLE if i in won else Outcome.LOST_LEASE) for i in verdicts}
+
+    def _failed_before_batch(self, pairs: list[tuple[int, int]], exc: Exception, log: dict[str, Any]) -> None:
+        """The batch's start failed: each pair as :meth:`_failed_before_handler`, in one statement."""
+        error = f"{PRE_HANDLER_FAILURE}: {_error_text(exc)}"[:4000]
+        rows = [(i, v, "retry", self.backoff.delay(1), error) for i, v in pairs]
+        try:
+            self._fenced_write(
+                "retry",
+                pairs[0][0],
+                pairs[0][1],
+                lambda conn: self.store.finish_many(
+                    conn, rows, max_attempts=self.config.max_attempts, max_age=self.config.max_defer_age
+                ),
+            )
+        except Exception:
+            logger.exception("outbox batch: could not record the failure before the handler", extra=log)
+        logger.error(
+            "outbox batch of %s: outbox-celery failed before calling the handler (%s: %s); the "
+            "handler did not run, the messages are retried after a backoff",
+            len(pairs),
+            type(exc).__name__,
+            exc,
+            extra={**log, "outcome": Outcome.ERROR},
+        )
+
+    def _extender(self, outbox_id: int, version: int) -> Callable[[float], bool]:
+        return lambda seconds: self._extend(outbox_id, version, seconds)
+
+    def _extend_many(self, pairs: list[tuple[int, int]], seconds: float) -> bool:
+        """The batch's lease heartbeat: true while any row of it still holds its lease."""
+        with self.connection() as conn:
+            return bool(self.store.extend_leases(conn, pairs, seconds=seconds))
 
     def _batch_done(self, msg: Message, version: int, lease_end: float) -> bool:
         """Queue an unordered row's done for the next batch, if the lease has room for the wait."""

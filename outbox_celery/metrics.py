@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -323,7 +323,8 @@ def track_deliveries(
     :class:`~outbox_celery.celery_app.Outbox` is built). Labels: ``table``, ``event_type`` and
     ``outcome``, the delivery task's result (``done``, ``retry``, ``defer``, ``dead``,
     ``stale``, ``lost_lease``, ``unroutable``) or ``error`` when the handler raised something
-    unclassified. ``lost_lease`` is the fencing at work: a finalize that came too late.
+    unclassified. ``lost_lease`` is the fencing at work: a finalize that came too late. A batch
+    task (``batch=`` handlers, docs/batch.md) counts each of its rows under its own outcome.
 
     A prefork worker counts in each pool process: run the worker with
     ``PROMETHEUS_MULTIPROC_DIR`` set (an empty directory, before it starts) and serve the
@@ -343,18 +344,34 @@ def track_deliveries(
         registry=registry if registry is not None else REGISTRY,
     )
     task_name = outbox.deliver_task.name
+    batch_name = outbox.deliver_batch_task.name
 
     def on_postrun(
-        sender: Any = None, task: Any = None, retval: Any = None, state: str | None = None, **kwargs: Any
+        sender: Any = None,
+        task: Any = None,
+        retval: Any = None,
+        state: str | None = None,
+        args: Any = None,
+        **kwargs: Any,
     ) -> None:
         task = task or sender
-        if getattr(task, "name", None) != task_name:
+        name = getattr(task, "name", None)
+        if name not in (task_name, batch_name):
             return
         # The publisher puts the event type in a message header, which Celery exposes on the
         # request; the task's arguments are only (id, lease_version).
         event_type = getattr(getattr(task, "request", None), "outbox_event_type", None) or "unknown"
-        outcome = str(retval) if state == "SUCCESS" else "error"
-        counter.labels(outbox.config.table.qualified, str(event_type), outcome).inc()
+        labels = (outbox.config.table.qualified, str(event_type))
+        if name == task_name:
+            outcome = str(retval) if state == "SUCCESS" else "error"
+            counter.labels(*labels, outcome).inc()
+        elif state == "SUCCESS" and isinstance(retval, Mapping):
+            # A batch task (#22) returns how many of its rows ended in each outcome.
+            for outcome, n in retval.items():
+                counter.labels(*labels, str(outcome)).inc(int(n))
+        else:
+            # It raised: every row of the batch counts as an error (they return after the lease).
+            counter.labels(*labels, "error").inc(len(args[0]) if args else 1)
 
     signals.task_postrun.connect(on_postrun, weak=False)
     return counter

@@ -786,6 +786,126 @@ class Store:
                 self._lost("finish_done", outbox_id, version)
         return won
 
+    # -- batches (#22, DESIGN invariant 21) ----------------------------------------------------
+
+    def start_many(
+        self,
+        conn: psycopg.Connection[Any],
+        pairs: Sequence[tuple[int, int]],
+        *,
+        lease: float,
+        max_attempts: int,
+        starter: str,
+    ) -> list[Message]:
+        """The fenced start of a batch: :meth:`start` for many ``(id, lease_version)`` pairs.
+
+        One statement starts every pair that :meth:`start` would start, each fenced on its own
+        version; the others (stale, already started, no attempt left) are left out of the
+        result, sorted by id. Only when some pair found nothing: the retry of a start whose reply
+        was lost gets its rows back under the same ``starter`` (no attempt counted again), and a
+        claim that never started and has no attempt left goes ``dead`` (as :meth:`start`).
+        """
+        params: dict[str, Any] = {
+            "ids": [i for i, _ in pairs],
+            "versions": [v for _, v in pairs],
+            "lease": lease,
+            "max_attempts": max_attempts,
+            "commit_mode": self._commit_mode(conn),
+            "starter": starter,
+        }
+        with self._single_statement(conn):
+            cur = conn.cursor(row_factory=dict_row)
+            rows = cur.execute(self._q["start_many"], params).fetchall()
+        self._count("started", len(rows))
+        missing = [(i, v) for i, v in pairs if i not in {int(r["id"]) for r in rows}]
+        if missing:
+            params["ids"] = [i for i, _ in missing]
+            params["versions"] = [v for _, v in missing]
+            with self._single_statement(conn):
+                cur = conn.cursor(row_factory=dict_row)
+                resumed = cur.execute(self._q["resume_many"], params).fetchall()
+            self._count("resumed_starts", len(resumed))
+            rows += resumed
+            back = {int(r["id"]) for r in resumed}
+            missing = [(i, v) for i, v in missing if i not in back]
+        if missing:
+            params["ids"] = [i for i, _ in missing]
+            params["versions"] = [v for _, v in missing]
+            with self._single_statement(conn):
+                dead = {int(r[0]) for r in conn.execute(self._q["start_exhausted_many"], params).fetchall()}
+            for outbox_id, version in missing:
+                if outbox_id in dead:
+                    self._count("dead")
+                    logger.error(
+                        "outbox id %s went dead: attempts exhausted before this run",
+                        outbox_id,
+                        extra={
+                            "outbox_id": outbox_id,
+                            "lease_version": version,
+                            "outcome": "dead",
+                            "outbox_table": self.table.qualified,
+                        },
+                    )
+                else:
+                    self._count("stale_starts")
+        return sorted((self._message(conn, r) for r in rows), key=lambda m: m.id)
+
+    def finish_many(
+        self,
+        conn: psycopg.Connection[Any],
+        rows: Sequence[tuple[int, int, str, float, str]],
+        *,
+        max_attempts: int,
+        max_age: float,
+        notify: bool = False,
+    ) -> dict[int, str]:
+        """The fenced finalize of a batch: one statement, each row with its own outcome.
+
+        ``rows`` are ``(id, lease_version, outcome, delay, error)`` with outcome ``done``,
+        ``dead``, ``retry``, ``defer``, ``postpone`` or ``error`` (record the error, leave the
+        row to its lease); each writes what the one-row finalizer of that outcome writes
+        (:meth:`done`, :meth:`dead`, :meth:`retry`, :meth:`defer`, :meth:`postpone`,
+        :meth:`record_error`). An ordered row's done is refused here (:meth:`done` moves its
+        key's head). Returns ``{id: new status}`` for the rows it changed; the others lost their
+        lease (counted and logged). The commit is relaxed only when every row is a done. With
+        ``notify`` the statement signals the table's listeners at commit (a batch's leases
+        ended: room under the in-flight bound), as the producers' insert does.
+        """
+        if not rows:
+            return {}
+        relaxed = all(r[2] == Outcome.DONE for r in rows)
+        params = {
+            "ids": [r[0] for r in rows],
+            "versions": [r[1] for r in rows],
+            "outcomes": [str(r[2]) for r in rows],
+            "delays": [float(r[3]) for r in rows],
+            "errors": [r[4] for r in rows],
+            "max_attempts": max_attempts,
+            "max_age": max_age,
+            "commit_mode": self._commit_mode(conn) if relaxed else None,
+            "notify": notify,
+            "table": self._regclass(conn),
+        }
+        with self._single_statement(conn):
+            won = {int(i): str(s) for i, s in conn.execute(self._q["finish_many"], params).fetchall()}
+        for outbox_id, version, outcome, _delay, _error in rows:
+            status = won.get(outbox_id)
+            if status is None:
+                self._lost(f"finish_many:{outcome}", outbox_id, version)
+            elif status == Status.DEAD:
+                self._count(Outcome.DEAD.counter)
+            elif outcome != "postpone":
+                self._count(Outcome(outcome).counter)
+        return won
+
+    def extend_leases(
+        self, conn: psycopg.Connection[Any], pairs: Sequence[tuple[int, int]], *, seconds: float
+    ) -> set[int]:
+        """Fenced :meth:`extend_lease` of many pairs in one statement; returns the ids extended."""
+        params = {"ids": [i for i, _ in pairs], "versions": [v for _, v in pairs], "seconds": seconds}
+        with self._single_statement(conn):
+            return {int(r[0]) for r in conn.execute(self._q["extend_lease_many"], params).fetchall()}
+
     def retry(
         self,
         conn: psycopg.Connection[Any],

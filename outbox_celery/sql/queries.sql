@@ -504,3 +504,109 @@ SELECT extract(epoch FROM least(
        AND lease_until <= now() + make_interval(secs => %(within)s)
      ORDER BY lease_until LIMIT 1)
 ) - now())::float8;
+
+-- name: start_many
+-- The fenced start of a batch (#22): start over many (id, lease_version) pairs in one statement,
+-- each pair fenced on its own version exactly as start is (DESIGN invariants 3, 21). A pair that
+-- does not match (a newer claim, a finished row, a claim already started, no attempt left) is
+-- left out of the result: the batch goes on without it.
+UPDATE {table} AS o
+SET attempts = o.attempts + 1,
+    started_version = o.lease_version,
+    lease_owner = %(starter)s,
+    lease_until = greatest(o.lease_until, now() + make_interval(secs => %(lease)s))
+FROM (SELECT set_config('synchronous_commit',
+                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
+                        true)) AS commit_mode,
+     unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS s(id, version)
+WHERE o.id = s.id AND o.lease_version = s.version AND o.status = 'processing'
+  AND o.started_version < o.lease_version AND o.attempts < %(max_attempts)s
+RETURNING o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.payload, o.attempts,
+          o.created_at, o.lease_version, o.ordering_key, o.trace_context;
+
+-- name: resume_many
+-- As resume, for the pairs of a batch whose start found nothing: the retry of a start_many whose
+-- reply was lost gets its rows back under its own token, no attempt counted again.
+UPDATE {table} AS o
+SET lease_until = greatest(o.lease_until, now() + make_interval(secs => %(lease)s))
+FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS s(id, version)
+WHERE o.id = s.id AND o.lease_version = s.version AND o.status = 'processing'
+  AND o.started_version = o.lease_version AND o.lease_owner = %(starter)s
+RETURNING o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.payload, o.attempts,
+          o.created_at, o.lease_version, o.ordering_key, o.trace_context;
+
+-- name: start_exhausted_many
+-- As start_exhausted, for the pairs of a batch whose start found nothing.
+UPDATE {table} AS o
+SET status = 'dead',
+    lease_until = NULL,
+    started_version = o.lease_version,
+    last_error = 'attempts exhausted: ' || o.attempts || ' handler run(s) of ' || %(max_attempts)s::int
+                 || ' started without a result' || coalesce('; last error: ' || o.last_error, '')
+FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS s(id, version)
+WHERE o.id = s.id AND o.lease_version = s.version AND o.status = 'processing'
+  AND o.started_version < o.lease_version
+  AND o.attempts >= %(max_attempts)s
+RETURNING o.id;
+
+-- name: finish_many
+-- The fenced finalize of a batch (#22, DESIGN invariant 21): one statement for every row of it,
+-- each fenced on its own lease_version, each with its own outcome. Per outcome it writes what
+-- the one-row statement of that outcome writes (finish_done, finish_retry, finish_defer,
+-- finish_dead, record_error, postpone); tests/integration/test_batch.py holds the two side by
+-- side. An ordered row's done is never written here: it moves its key's head under the key lock
+-- (finish_done_head). commit_mode as in finish_done (the caller relaxes only all-done batches).
+-- With notify, the listeners of the table hear at commit that a batch's worth of leases ended
+-- (#22): a claim that the in-flight bound stopped runs again then, not a listen_poll later.
+-- Evaluated once per statement, on the channel the producers' insert signals (one definition:
+-- the same expression as insert).
+UPDATE {table} AS o
+SET status = CASE f.outcome
+        WHEN 'done' THEN 'done'
+        WHEN 'dead' THEN 'dead'
+        WHEN 'retry' THEN CASE WHEN o.attempts >= %(max_attempts)s THEN 'dead' ELSE 'pending' END
+        WHEN 'defer' THEN CASE WHEN now() + make_interval(secs => f.delay)
+                                    > o.created_at + make_interval(secs => %(max_age)s)
+                               THEN 'dead' ELSE 'pending' END
+        WHEN 'postpone' THEN 'pending'
+        ELSE o.status END,
+    attempts = CASE WHEN f.outcome IN ('defer', 'postpone') THEN greatest(o.attempts - 1, 0)
+                    ELSE o.attempts END,
+    available_at = CASE
+        WHEN f.outcome = 'retry' AND o.attempts < %(max_attempts)s
+             OR f.outcome IN ('defer', 'postpone')
+        THEN now() + make_interval(secs => f.delay)
+        ELSE o.available_at END,
+    lease_until = CASE WHEN f.outcome = 'error' THEN o.lease_until END,
+    done_at = CASE WHEN f.outcome = 'done' THEN now() ELSE o.done_at END,
+    last_error = CASE f.outcome
+        WHEN 'done' THEN o.last_error
+        WHEN 'retry' THEN CASE WHEN o.attempts >= %(max_attempts)s
+                               THEN 'attempts exhausted (' || o.attempts || ' of '
+                                    || %(max_attempts)s::int || '): ' || f.error
+                               ELSE f.error END
+        WHEN 'defer' THEN CASE WHEN now() + make_interval(secs => f.delay)
+                                    > o.created_at + make_interval(secs => %(max_age)s)
+                               THEN 'deferred past max_defer_age: ' || f.error
+                               ELSE 'deferred: ' || f.error END
+        ELSE f.error END
+FROM (SELECT set_config('synchronous_commit',
+                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
+                        true)) AS commit_mode,
+     (SELECT CASE WHEN %(notify)s::bool
+                  THEN pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL
+             END) AS woke,
+     unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(outcomes)s::text[], %(delays)s::float8[],
+            %(errors)s::text[]) AS f(id, version, outcome, delay, error)
+WHERE o.id = f.id AND o.lease_version = f.version AND o.status = 'processing'
+  AND f.outcome IN ('done', 'dead', 'retry', 'defer', 'postpone', 'error')
+  AND (f.outcome <> 'done' OR o.ordering_key IS NULL)
+RETURNING o.id, o.status;
+
+-- name: extend_lease_many
+-- The lease heartbeat of a batch: extend_lease for every pair, each fenced on its own version.
+UPDATE {table} AS o
+SET lease_until = greatest(o.lease_until, now() + make_interval(secs => %(seconds)s))
+FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS e(id, version)
+WHERE o.id = e.id AND o.lease_version = e.version AND o.status = 'processing'
+RETURNING o.id;

@@ -75,6 +75,7 @@ class Harness:
         *,
         routes: dict[str, str | None] | None = None,
         transactional: dict[str, str | None] | None = None,
+        batches: dict[str, int] | None = None,
         celery: dict[str, Any] | None = None,
         via_celery_conf: bool | None = None,
         **outbox: Any,
@@ -84,6 +85,8 @@ class Harness:
             self.spec.routes = dict(routes)
         if transactional is not None:
             self.spec.transactional = dict(transactional)
+        if batches is not None:
+            self.spec.batches = dict(batches)
         if celery is not None:
             self.spec.celery = dict(celery)
         if via_celery_conf is not None:

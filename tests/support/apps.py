@@ -27,6 +27,11 @@ modes, run inside the handler's transaction after it wrote its effect (a row in 
 and, when the payload names one in ``follow_up``, enqueued a follow-up event; ``stall`` polls on
 the transaction's own connection (so the transaction is never idle for long).
 
+Event types in ``batches`` (#22) get :func:`scripted_batch`, a batch handler: each message of
+the list does what its payload says, in id order; ``retry``, ``defer`` and ``permanent`` become
+its entry in the returned mapping, ``error`` and ``kill`` end the whole batch. Its calls record
+the batch (``batch_first``, ``batch_size``).
+
 Each run inserts a row into ``handler_calls`` before acting (so a run that kills its process is
 still seen) and stamps ``finished_at``/``result`` when it returns or raises. Celery's
 ``task_retry`` and ``task_failure`` signals are recorded into ``celery_signals`` by the worker
@@ -65,6 +70,8 @@ CREATE TABLE IF NOT EXISTS handler_calls (
     hostname      text,
     routing_key   text,
     in_flight     integer,
+    batch_first   bigint,
+    batch_size    integer,
     started_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
     finished_at   timestamptz,
     result        text
@@ -106,6 +113,8 @@ class AppSpec:
         handler is registered per event type.
     :ivar transactional: event type -> queue of the transactional handlers
         (:func:`scripted_transactional`).
+    :ivar batches: event type -> batch size of the batch handlers (:func:`scripted_batch`, on
+        the outbox's default queue).
     :ivar transactional_kind: what they ask for: ``"psycopg"`` (the outbox's pool),
         ``"sqlalchemy"`` (a ``sessionmaker`` on the test database) or ``"django"`` (the worker
         module configures Django on the test database).
@@ -121,6 +130,7 @@ class AppSpec:
     outbox: dict[str, Any] = field(default_factory=dict)
     routes: dict[str, str | None] = field(default_factory=dict)
     transactional: dict[str, str | None] = field(default_factory=dict)
+    batches: dict[str, int] = field(default_factory=dict)
     transactional_kind: str = "psycopg"
     celery: dict[str, Any] = field(default_factory=dict)
     via_celery_conf: bool = False
@@ -185,6 +195,8 @@ def build_app(spec: AppSpec) -> tuple[Celery, Outbox]:
         options["session_factory"] = sessionmaker(engine)
     for event_type, queue in spec.transactional.items():
         outbox.handler(event_type, queue=queue, **options)(scripted_transactional(outbox))
+    for event_type, size in spec.batches.items():
+        outbox.handler(event_type, batch=size)(scripted_batch(outbox))
     return app, outbox
 
 
@@ -210,6 +222,34 @@ def scripted(outbox: Outbox) -> Any:
         _record_end(outbox, call, result)
 
     handler.__name__ = "scripted_handler"
+    return handler
+
+
+def scripted_batch(outbox: Outbox) -> Any:
+    """The batch handler (#22): every message does what its payload says, in id order."""
+
+    def handler(messages: list[Message]) -> dict[int, BaseException] | None:
+        first, size = messages[0].id, len(messages)
+        failed: dict[int, BaseException] = {}
+        for message in messages:
+            payload = message.payload if isinstance(message.payload, dict) else {}
+            mode = str(payload.get("mode", "ok"))
+            times = payload.get("times")
+            active = times is None or message.attempts <= int(times)
+            call = _record_start(outbox, message, batch=(first, size))
+            try:
+                result = _act(outbox, message, mode if active else "ok", payload)
+            except (RetryableError, Defer, PermanentError) as exc:
+                _record_end(outbox, call, f"returned {type(exc).__name__}")
+                failed[message.id] = exc
+                continue
+            except BaseException as exc:
+                _record_end(outbox, call, f"raised {type(exc).__name__}")
+                raise
+            _record_end(outbox, call, result)
+        return failed or None
+
+    handler.__name__ = "scripted_batch_handler"
     return handler
 
 
@@ -324,7 +364,7 @@ def _stall(outbox: Outbox, message: Message, tx: psycopg.Connection[Any] | None 
     return "stall timed out"
 
 
-def _record_start(outbox: Outbox, message: Message) -> int:
+def _record_start(outbox: Outbox, message: Message, batch: tuple[int, int] | None = None) -> int:
     request = getattr(current_task, "request", None)
     hostname = getattr(request, "hostname", None)
     delivery = getattr(request, "delivery_info", None) or {}
@@ -333,8 +373,8 @@ def _record_start(outbox: Outbox, message: Message) -> int:
     )
     query = sql.SQL(
         "INSERT INTO handler_calls (outbox_id, event_type, attempts, lease_version, idempotency_key,"
-        " payload_type, payload_json, pid, hostname, routing_key, in_flight)"
-        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, {}) RETURNING n"
+        " payload_type, payload_json, pid, hostname, routing_key, in_flight, batch_first, batch_size)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, {}, %s, %s) RETURNING n"
     ).format(in_flight)
     with outbox.connection() as conn:
         row = conn.execute(
@@ -351,6 +391,8 @@ def _record_start(outbox: Outbox, message: Message) -> int:
                 os.getpid(),
                 hostname,
                 delivery.get("routing_key"),
+                batch[0] if batch else None,
+                batch[1] if batch else None,
             ],
         ).fetchone()
     assert row is not None

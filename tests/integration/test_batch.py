@@ -1,0 +1,301 @@
+"""Batch handlers (#22, DESIGN invariant 21): the batch statements and the dispatcher, in process.
+
+Real workers are in ``tests/acceptance/test_celery_batch.py``. Here: the batch's fenced start
+drops stale pairs, counts an attempt once per started row and resumes after a lost reply; its
+finalize writes, row by row, exactly what the one-row finalizer of each outcome writes; the
+dispatcher turns a handler's return value or exception into those outcomes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg_pool import ConnectionPool
+
+from outbox_celery import Message, OutboxConfig, Store, TableName
+from outbox_celery.dispatch import Dispatcher, HandlerSpec, publish_units
+from outbox_celery.errors import Defer, PermanentError, RetryableError
+from outbox_celery.store import Claimed
+
+from .helpers import LONG, add, claim_ids, fetch
+
+EVENT = "metrics.sample"
+
+
+def _claim(conn: psycopg.Connection[Any], store: Store, n: int) -> list[Claimed]:
+    return store.claim(conn, limit=n, lease=LONG, owner="w", max_attempts=5).claimed
+
+
+def _set(conn: psycopg.Connection[Any], table: str, outbox_id: int, assignment: str) -> None:
+    """A test's own literal assignment on one row (``attempts = 5``...)."""
+    conn.execute(
+        sql.SQL("UPDATE {} SET " + assignment + " WHERE id = %s").format(TableName.parse(table).identifier()),
+        [outbox_id],
+    )
+
+
+def test_invariant_21_one_start_drops_stale_pairs_and_counts_each_started_row_once(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    ids = add(conn, 4, table=table)
+    claims = {c.id: c.lease_version for c in _claim(conn, store, 4)}
+    superseded, started_elsewhere = ids[0], ids[1]
+    _set(conn, table, superseded, "lease_version = lease_version + 1")  # re-claimed since
+    assert store.start(conn, started_elsewhere, claims[started_elsewhere], lease=LONG, max_attempts=5)
+    pairs = [(i, claims[i]) for i in ids]
+
+    msgs = store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="w:1:a")
+    assert [m.id for m in msgs] == ids[2:]
+    assert all(isinstance(m, Message) and m.attempts == 1 for m in msgs)
+    assert [fetch(conn, table, i)["attempts"] for i in ids] == [0, 1, 1, 1]
+    # The same start again (its reply was lost): the rows come back, nothing counted twice.
+    again = store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="w:1:a")
+    assert [m.id for m in again] == ids[2:]
+    # Another task of the same claims (a redelivery): refused.
+    assert store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="w:2:b") == []
+    assert [fetch(conn, table, i)["attempts"] for i in ids] == [0, 1, 1, 1]
+
+
+def test_invariant_21_a_batch_start_with_no_attempt_left_makes_the_row_dead(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    ids = add(conn, 2, table=table)
+    claims = {c.id: c.lease_version for c in _claim(conn, store, 2)}
+    _set(conn, table, ids[0], "attempts = 5")
+    msgs = store.start_many(conn, list(claims.items()), lease=LONG, max_attempts=5, starter="w:1:a")
+    assert [m.id for m in msgs] == [ids[1]]
+    row = fetch(conn, table, ids[0])
+    assert row["status"] == "dead"
+    assert "attempts exhausted" in row["last_error"]
+
+
+# (outcome, delay, error) per row; the one-row finalizer that writes the same thing.
+CASES: list[tuple[str, float, str]] = [
+    ("done", 0.0, ""),
+    ("retry", 30.0, "HTTP 503"),
+    ("retry", 30.0, "HTTP 503 at the limit"),  # attempts set to max first: dead
+    ("defer", 20.0, "not yet"),
+    ("defer", 3600.0, "too late"),  # past max_age: dead
+    ("dead", 0.0, "PermanentError: nope"),
+    ("error", 0.0, "RuntimeError: boom"),
+    ("postpone", 60.0, "unroutable: none here"),
+]
+MAX_ATTEMPTS, MAX_AGE = 5, 600.0
+
+
+def _one_row(
+    conn: psycopg.Connection[Any], store: Store, i: int, v: int, case: tuple[str, float, str]
+) -> None:
+    outcome, delay, error = case
+    kw: dict[str, Any] = {"max_attempts": MAX_ATTEMPTS}
+    match outcome:
+        case "done":
+            assert store.done(conn, i, v)
+        case "retry":
+            assert store.retry(conn, i, v, delay=delay, error=error, **kw)
+        case "defer":
+            assert store.defer(conn, i, v, delay=delay, reason=error, max_age=MAX_AGE)
+        case "dead":
+            assert store.dead(conn, i, v, error=error)
+        case "error":
+            assert store.record_error(conn, i, v, error=error)
+        case "postpone":
+            assert store.postpone(conn, i, v, delay=delay, error=error)
+
+
+def _written(row: dict[str, Any]) -> dict[str, Any]:
+    """What a finalizer decides, independent of the row's id and of when it ran."""
+    return {
+        "status": row["status"],
+        "attempts": row["attempts"],
+        "last_error": row["last_error"],
+        "available_in": None if row["available_in"] is None else round(row["available_in"]),
+        "leased": row["lease_until"] is not None,
+        "done": row["done_at"] is not None,
+    }
+
+
+def test_invariant_21_one_finalize_writes_what_each_one_row_finalizer_writes(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    n = len(CASES)
+    ids = add(conn, 2 * n, table=table)
+    claims = {c.id: c.lease_version for c in _claim(conn, store, 2 * n)}
+    started = store.start_many(conn, list(claims.items()), lease=LONG, max_attempts=10, starter="w:1:a")
+    assert len(started) == 2 * n
+    singles, batch = ids[:n], ids[n:]
+    for i in (singles[2], batch[2]):
+        _set(conn, table, i, f"attempts = {MAX_ATTEMPTS}")
+    for i, case in zip(singles, CASES, strict=True):
+        _one_row(conn, store, i, claims[i], case)
+    rows = [(i, claims[i], *case) for i, case in zip(batch, CASES, strict=True)]
+    won = store.finish_many(conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE)
+    assert set(won) == set(batch)
+    for one, many, case in zip(singles, batch, CASES, strict=True):
+        assert _written(fetch(conn, table, many)) == _written(fetch(conn, table, one)), case
+    statuses = [fetch(conn, table, i)["status"] for i in batch]
+    assert statuses == ["done", "pending", "dead", "pending", "dead", "dead", "processing", "pending"]
+    # Fenced: written again, or by a stale claim, it changes nothing.
+    assert store.finish_many(conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE) == {
+        batch[6]: "processing"  # the recorded error leaves the row processing under its lease
+    }
+
+
+def test_invariant_21_a_batch_finalize_never_finishes_an_ordered_row(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    # An ordered row's done moves its key's head under the key lock: Store.done does that.
+    [first, _second] = add(conn, 2, table=table, key="k")
+    [c] = _claim(conn, store, 5)
+    assert c.id == first
+    store.start_many(conn, [(c.id, c.lease_version)], lease=LONG, max_attempts=5, starter="w:1:a")
+    done = [(c.id, c.lease_version, "done", 0.0, "")]
+    assert store.finish_many(conn, done, max_attempts=5, max_age=MAX_AGE) == {}
+    assert fetch(conn, table, first)["status"] == "processing"
+
+
+# -- the dispatcher -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pool(migrated_dsn: str) -> Iterator[ConnectionPool[Any]]:
+    with ConnectionPool(migrated_dsn, min_size=1, max_size=4, kwargs={"autocommit": True}, open=True) as p:
+        yield p
+
+
+def _dispatcher(pool: ConnectionPool[Any], table: str, fn: Any, batch: int = 10) -> Dispatcher:
+    spec = HandlerSpec(EVENT, fn, "q", batch=batch)
+    config = OutboxConfig(table=table, backoff_base=0.1, backoff_cap=0.5, done_batch_delay=0)
+    return Dispatcher(config, pool.connection, {EVENT: spec})
+
+
+def _claim_units(dispatcher: Dispatcher) -> list[list[Claimed]]:
+    units: list[list[Claimed]] = []
+
+    def publish(claims: Sequence[Claimed]) -> int:
+        units.extend(publish_units(claims, dispatcher.handlers))
+        return len(claims)
+
+    dispatcher.claim_and_publish(publish, owner="test")
+    return units
+
+
+def test_claims_of_a_batch_handler_are_cut_into_groups_of_its_size(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    add(conn, 7, table=table, event_type=EVENT)
+    dispatcher = _dispatcher(pool, table, lambda msgs: None, batch=3)
+    units = _claim_units(dispatcher)
+    assert [len(u) for u in units] == [3, 3, 1]
+    # Grouping the groups again changes nothing (the publisher does it after the claim loop).
+    flat = [c for u in units for c in u]
+    assert publish_units(flat, dispatcher.handlers) == units
+
+
+def test_invariant_21_a_mixed_batch_records_each_outcome(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    ids = add(conn, 6, table=table, event_type=EVENT)
+    seen: list[list[int]] = []
+
+    def handler(msgs: list[Message]) -> dict[int, BaseException]:
+        seen.append([m.id for m in msgs])
+        return {
+            ids[1]: RetryableError("later", delay=30),
+            ids[2]: Defer(40, reason="not yet"),
+            ids[3]: PermanentError("never"),
+            ids[4]: RuntimeError("unclassified"),
+        }
+
+    dispatcher = _dispatcher(pool, table, handler)
+    [unit] = _claim_units(dispatcher)
+    counts = dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit])
+    assert seen == [ids]
+    assert counts == {"done": 2, "retry": 1, "defer": 1, "dead": 1, "error": 1}
+    rows = {i: fetch(conn, table, i) for i in ids}
+    assert [rows[i]["status"] for i in ids] == ["done", "pending", "pending", "dead", "processing", "done"]
+    assert [rows[i]["attempts"] for i in ids] == [1, 1, 0, 1, 1, 1]
+    assert 25 < rows[ids[1]]["available_in"] <= 30
+    assert rows[ids[3]]["last_error"] == "PermanentError: never"
+    assert rows[ids[4]]["last_error"].startswith("RuntimeError: unclassified")
+
+
+def test_invariant_21_an_exception_applies_to_the_whole_batch(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    ids = add(conn, 3, table=table, event_type=EVENT)
+
+    def handler(msgs: list[Message]) -> None:
+        raise RetryableError("bulk endpoint down", delay=20)
+
+    dispatcher = _dispatcher(pool, table, handler)
+    [unit] = _claim_units(dispatcher)
+    assert dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit]) == {"retry": 3}
+    assert {fetch(conn, table, i)["status"] for i in ids} == {"pending"}
+
+    def broken(msgs: list[Message]) -> None:
+        raise RuntimeError("bug")
+
+    _set(conn, table, ids[0], "available_at = now()")
+    dispatcher = _dispatcher(pool, table, broken)
+    [unit] = _claim_units(dispatcher)
+    with pytest.raises(RuntimeError):
+        dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit])
+    row = fetch(conn, table, ids[0])
+    assert (row["status"], row["attempts"]) == ("processing", 2)
+    assert row["last_error"].startswith("RuntimeError: bug")
+
+
+@pytest.mark.parametrize("result", [[1, 2], {"x": PermanentError("no")}, {-1: PermanentError("no")}])
+def test_a_batch_handler_that_returns_something_else_fails_the_whole_batch(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any], result: object
+) -> None:
+    ids = add(conn, 2, table=table, event_type=EVENT)
+    dispatcher = _dispatcher(pool, table, lambda msgs: result)
+    [unit] = _claim_units(dispatcher)
+    with pytest.raises(TypeError):
+        dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit])
+    assert {fetch(conn, table, i)["status"] for i in ids} == {"processing"}
+    assert all("TypeError" in fetch(conn, table, i)["last_error"] for i in ids)
+
+
+def test_invariant_21_ordered_messages_are_at_most_one_per_key_per_batch(
+    conn: psycopg.Connection[Any], store: Store, table: str, pool: ConnectionPool[Any]
+) -> None:
+    a = add(conn, 3, table=table, event_type=EVENT, key="a")
+    b = add(conn, 3, table=table, event_type=EVENT, key="b")
+    batches: list[list[int]] = []
+
+    def handler(msgs: list[Message]) -> None:
+        batches.append([m.id for m in msgs])
+
+    dispatcher = _dispatcher(pool, table, handler)
+    for _ in range(3):
+        [unit] = _claim_units(dispatcher)
+        dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit])
+    # One head per key per batch, each key in id order; every done moved its key's head.
+    assert batches == [[a[0], b[0]], [a[1], b[1]], [a[2], b[2]]]
+    assert {fetch(conn, table, i)["status"] for i in a + b} == {"done"}
+    assert claim_ids(store, conn) == []
+
+
+def test_a_batch_finalize_wakes_the_listeners_when_asked(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Any
+) -> None:
+    # A batch's leases end together: the claim that the in-flight bound stopped should run again.
+    listener = connect()
+    store.listen(listener)
+    ids = add(conn, 2, table=table)
+    list(listener.notifies(timeout=0.2))  # the producer's own notification, if any
+    claims = {c.id: c.lease_version for c in _claim(conn, store, 2)}
+    store.start_many(conn, list(claims.items()), lease=LONG, max_attempts=5, starter="w:1:a")
+    quiet = [(ids[0], claims[ids[0]], "done", 0.0, "")]
+    store.finish_many(conn, quiet, max_attempts=5, max_age=MAX_AGE)
+    assert list(listener.notifies(timeout=0.3)) == []
+    loud = [(ids[1], claims[ids[1]], "done", 0.0, "")]
+    store.finish_many(conn, loud, max_attempts=5, max_age=MAX_AGE, notify=True)
+    assert len(list(listener.notifies(timeout=2.0, stop_after=1))) == 1

@@ -1,0 +1,83 @@
+"""Batch handlers (#22): registration is checked at decoration time; how claims are grouped."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from outbox_celery import ConfigurationError, Outbox
+from outbox_celery.celery_app import MAX_BATCH
+from outbox_celery.dispatch import HandlerSpec, publish_units
+from outbox_celery.store import Claimed
+
+
+def _outbox() -> Outbox:
+    return Outbox(Celery("batch", set_as_current=False), retention=None)
+
+
+def test_a_batch_handler_is_registered_with_its_size() -> None:
+    outbox = _outbox()
+    outbox.handler("metrics.sample", batch=100)(lambda msgs: None)
+    outbox.handler("one", batch=1)(lambda msgs: None)
+    assert outbox.handlers["metrics.sample"].batch == 100
+    assert outbox.handlers["one"].batch == 1
+    assert "outbox.deliver_batch" in outbox.app.tasks
+
+
+@pytest.mark.parametrize("batch", [0, -1, MAX_BATCH + 1, "10", 2.5, True, None.__class__])
+def test_a_batch_size_that_is_not_an_int_from_1_is_refused(batch: Any) -> None:
+    with pytest.raises(ConfigurationError, match="batch must be"):
+        _outbox().handler("metrics.sample", batch=batch)
+
+
+@pytest.mark.parametrize("transactional", [True, "psycopg", "django"])
+def test_batch_and_transactional_together_are_refused(transactional: Any) -> None:
+    outbox = _outbox()
+    with pytest.raises(ConfigurationError, match="both batch= and transactional="):
+        outbox.handler("metrics.sample", batch=10, transactional=transactional)
+    assert outbox.handlers == {}
+
+
+def _claims(*event_types: str) -> list[Claimed]:
+    now = datetime.now(UTC)
+    return [Claimed(i, 1, et, now) for i, et in enumerate(event_types, start=1)]
+
+
+def test_claims_are_grouped_per_batch_handler_in_claim_order() -> None:
+    handlers = {
+        "b": HandlerSpec("b", lambda msgs: None, "", batch=2),
+        "p": HandlerSpec("p", lambda m: None, ""),
+    }
+    claims = _claims("b", "p", "b", "b", "p", "x", "b", "b")
+    units = publish_units(claims, handlers)
+    assert [[c.id for c in u] for u in units] == [[1, 3], [2], [4, 7], [5], [6], [8]]
+    flat = [c for u in units for c in u]
+    assert publish_units(flat, handlers) == units
+
+
+def test_the_delivery_counter_counts_each_row_of_a_batch_task() -> None:
+    pytest.importorskip("prometheus_client")
+    from celery import signals
+    from prometheus_client import CollectorRegistry
+
+    from outbox_celery.metrics import track_deliveries
+
+    outbox = _outbox()
+    registry = CollectorRegistry()
+    # It stays connected: it counts only this outbox's tasks, into this private registry.
+    track_deliveries(outbox, registry=registry)
+    task = outbox.deliver_batch_task
+    signals.task_postrun.send(
+        sender=task, task=task, retval={"done": 3, "retry": 1}, state="SUCCESS", args=([1, 2, 3, 4], [1] * 4)
+    )
+    signals.task_postrun.send(sender=task, task=task, retval=None, state="FAILURE", args=([5, 6], [1, 1]))
+    got = {
+        s.labels["outcome"]: s.value
+        for metric in registry.collect()
+        for s in metric.samples
+        if s.name == "outbox_deliveries_total"
+    }
+    assert got == {"done": 3, "retry": 1, "error": 2}
