@@ -22,7 +22,8 @@ import psycopg
 from ._done_batch import DoneBatcher
 from .backoff import Backoff, RetryPolicy
 from .config import OutboxConfig
-from .errors import ConfigurationError, Defer, PermanentError, RetryableError
+from .errors import ConfigurationError, Defer, PermanentError, RateLimited, RetryableError
+from .flow import Limit
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
 from .store import Claimed, ScanMarks, Store, starter_token
@@ -68,12 +69,15 @@ class HandlerSpec:
 
     :ivar transaction: set for a transactional handler (``fn`` then takes ``(message, conn)``
         and runs inside the transaction of its fenced done, DESIGN invariant 20).
+    :ivar limit: the event type's global limits, enforced by the claim (docs/flow-control.md).
     """
 
     event_type: str
     fn: Callable[..., Any]
     queue: str
     transaction: TransactionKind | None = None
+    #: Global concurrency and rate limits of the event type (#23, DESIGN invariant 22).
+    limit: Limit | None = None
 
 
 @dataclass(slots=True)
@@ -92,6 +96,9 @@ class ClaimRun:
     seconds: float = 0.0
     stopped_by: str = ""
     errors: list[str] = field(default_factory=list)
+    #: Seconds until a claim can take more of an event type a limit or a RateLimited hold kept
+    #: back (#23); ``None``: nothing was kept back. The push listener claims again then.
+    flow_wait: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form (the claim task's result)."""
@@ -107,6 +114,7 @@ class ClaimRun:
             "skipped": self.skipped,
             "seconds": round(self.seconds, 4),
             "stopped_by": self.stopped_by,
+            "flow_wait": None if self.flow_wait is None else round(self.flow_wait, 4),
         }
 
 
@@ -121,7 +129,7 @@ def _ms_since(started: float) -> float:
 
 def _error_text(exc: BaseException, limit: int = 4000) -> str:
     text = f"{type(exc).__name__}: {exc}"
-    if not isinstance(exc, RetryableError | PermanentError | Defer):
+    if not isinstance(exc, RetryableError | PermanentError | Defer):  # RateLimited is retryable
         tb = "".join(traceback.format_exception(exc)).strip()
         text = f"{text}\n{tb}"
     return text[:limit]
@@ -164,6 +172,9 @@ def classify(exc: BaseException, attempts: int, retry: RetryPolicy) -> Verdict |
     """The verdict for a handler's exception; ``None`` when the handler did not classify it."""
     if isinstance(exc, Defer):
         return Verdict(Outcome.DEFER, delay=exc.delay, error=exc.reason)
+    if isinstance(exc, RateLimited):
+        # Before RetryableError, its base: no attempt spent, the whole event type held (#23).
+        return Verdict(Outcome.RATE_LIMITED, delay=exc.retry_after, error=exc.reason)
     if isinstance(exc, RetryableError):
         delay = exc.delay if exc.delay is not None else retry(attempts, exc)
         return Verdict(Outcome.RETRY, delay=delay, error=_error_text(exc))
@@ -293,6 +304,7 @@ class Dispatcher:
         # finish meanwhile are not subtracted), so the bound holds. The count steps over the dead
         # versions of every lease of the last lease period, so it is not repeated per batch.
         in_flight = self.store.in_flight(conn)
+        limits = {t: spec.limit for t, spec in self.handlers.items() if spec.limit is not None}
         while True:
             room = limit - in_flight
             # A full bound stops new claims only: the reap and the re-claim of expired leases
@@ -308,7 +320,10 @@ class Dispatcher:
                 expired_limit=cfg.batch_size,
                 unroutable_delay=cfg.unroutable_delay,
                 marks=self.marks,
+                limits=limits,
             )
+            if result.flow_wait is not None:
+                run.flow_wait = min(run.flow_wait or result.flow_wait, result.flow_wait)
             in_flight += len(result.claimed)
             run.batches += 1
             run.reaped += result.reaped
@@ -649,6 +664,15 @@ class Dispatcher:
                     delay=verdict.delay,
                     error=verdict.error,
                     max_attempts=cfg.max_attempts,
+                )
+            case Outcome.RATE_LIMITED:
+                return store.rate_limited(
+                    conn,
+                    msg.id,
+                    version,
+                    delay=verdict.delay,
+                    reason=verdict.error,
+                    max_age=cfg.max_defer_age,
                 )
             case Outcome.DEFER:
                 return store.defer(

@@ -59,6 +59,7 @@ PARAMS: dict[str, Any] = {
     "starter": "worker-1:1:abc",
     "max_attempts": 12,
     "event_types": None,
+    "excluded": [],
     "limit": 200,
     "id": LIVE_ID,
     "version": 1,
