@@ -143,3 +143,25 @@ def test_invariant_23_pause_from_the_cli_and_resume_from_python_wakes_the_listen
     harness.wait_finished(6, timeout=20.0)
     assert time.monotonic() - resumed_at < 15.0
     assert {r["id"] for r in harness.rows() if r["status"] == "done"} == {*held, *flowing}
+
+
+def test_invariant_22_a_rate_limit_holds_across_workers_within_one_burst(harness: Harness) -> None:
+    rate = 5  # per second; the bucket holds max(1, 5 x 0.2) = 1 start
+    harness.configure(routes={LIMITED: None}, limits={LIMITED: {"rate": f"{rate}/s"}})
+    harness.worker(name="a", concurrency=2)
+    harness.worker(name="b", concurrency=2)
+    ids = harness.enqueue(16, event_type=LIMITED)
+    harness.wait_finished(16)
+
+    starts = sorted(c["started_at"] for c in calls(harness.conn) if c["outbox_id"] in ids)
+    assert len(starts) == 16
+    span = (starts[-1] - starts[0]).total_seconds()
+    # 16 starts at 5/s after a burst of 1: at least 3 s apart end to end (some slack for the
+    # hop from claim to start), and not much slower than the rate either.
+    assert span >= (16 - 1 - 1) / rate - 0.5, f"16 starts within {span:.2f}s: faster than {rate}/s"
+    assert span <= 16 / rate + 3.0
+    # Every 1-s window from any start holds at most the rate plus one burst (and one start of
+    # jitter between a claim and its start).
+    for i, first in enumerate(starts):
+        within = [s for s in starts[i:] if (s - first).total_seconds() < 1.0]
+        assert len(within) <= rate + 1 + 1, f"{len(within)} starts within 1 s of {first}"
