@@ -580,42 +580,50 @@ class Store:
             waits: list[float] = []
             if flow is not None and flow.held_for is not None:
                 waits.append(flow.held_for)
-            spent: dict[str, int] = {}
-            fresh = 0
-            for event_type, allowed in sorted(flow.allowances.items()) if flow else ():
-                # A limited type's own statements: its expired leases, then new rows, together
-                # at most its allowance (DESIGN invariant 22).
-                typed = {
-                    **base,
-                    "event_types": [event_type],
-                    "excluded": [],
-                    "pending_since": marks.since(marks.typed.get(("pending", event_type))) if marks else None,
-                    "heads_since": marks.since(marks.typed.get(("heads", event_type))) if marks else None,
-                    "expired_since": marks.since(marks.typed.get(("expired", event_type))) if marks else None,
-                }
-                took: list[Claimed] = []
+            allowances = dict(sorted(flow.allowances.items())) if flow else {}
+            spent = dict.fromkeys(allowances, 0)
+            typed = {t: self._typed_params(base, t, marks) for t in allowances}
+            for event_type, allowed in allowances.items():
+                # A limited type's expired leases first: together with its new rows at most its
+                # allowance (DESIGN invariant 22).
                 ask = min(allowed.rows, expired_limit)
                 if ask > 0:
-                    took = self._claim_rows(conn, "claim_expired", typed, ask)
+                    took = self._claim_rows(conn, "claim_expired", typed[event_type], ask)
                     if marks and db_now is not None and not expired_full and len(took) < ask:
                         marks.typed[("expired", event_type)] = db_now
-                new = self._claim_fresh(
-                    conn, typed, min(allowed.rows - len(took), limit - fresh), marks, event_type, db_now
-                )
-                fresh += len(new)
-                took += new
-                claimed += took
-                spent[event_type] = len(took)
-                wait = allowed.wait(limits[event_type], len(took))
-                if wait is not None and len(took) == allowed.rows:
-                    waits.append(wait)
+                    claimed += took
+                    spent[event_type] += len(took)
             if expired_limit > 0:
                 rows = self._claim_rows(conn, "claim_expired", base, expired_limit)
                 claimed += rows
                 if marks and db_now is not None and not expired_full and len(rows) < expired_limit:
                     # Every lease that ran out by now was seen: the next claim starts here.
                     marks.expired = db_now
-            claimed += self._claim_fresh(conn, base, limit - fresh, marks, None, db_now)
+            # New rows: each limited type and the unlimited rest first share the batch, so that
+            # neither a limited type's backlog nor the others' starves the other; then whoever
+            # has more claimable takes what is left.
+            fresh = 0
+            share = max(1, limit // (len(allowances) + 1))
+            for event_type, allowed in allowances.items():
+                room = min(allowed.rows - spent[event_type], share, limit - fresh)
+                new = self._claim_fresh(conn, typed[event_type], room, marks, event_type, db_now)
+                fresh += len(new)
+                spent[event_type] += len(new)
+                claimed += new
+            general = self._claim_fresh(conn, base, limit - fresh, marks, None, db_now)
+            fresh += len(general)
+            claimed += general
+            for event_type, allowed in allowances.items():
+                room = min(allowed.rows - spent[event_type], limit - fresh)
+                if room > 0 and spent[event_type] >= share:
+                    new = self._claim_fresh(conn, typed[event_type], room, marks, event_type, db_now)
+                    fresh += len(new)
+                    spent[event_type] += len(new)
+                    claimed += new
+            for event_type, allowed in allowances.items():
+                wait = allowed.wait(limits[event_type], spent[event_type])
+                if wait is not None:
+                    waits.append(wait)
             if flow is not None:
                 self._spend(conn, flow, spent)
         self._count("claimed", len(claimed))
@@ -630,6 +638,22 @@ class Store:
             flow_wait=min(waits) if waits else None,
             held=tuple(sorted(flow.held)) if flow else (),
         )
+
+    @staticmethod
+    def _typed_params(base: dict[str, Any], event_type: str, marks: ScanMarks | None) -> dict[str, Any]:
+        """A limited type's own statements: that type only, from its own scan marks."""
+
+        def since(scan: str) -> datetime | None:
+            return marks.since(marks.typed.get((scan, event_type))) if marks else None
+
+        return {
+            **base,
+            "event_types": [event_type],
+            "excluded": [],
+            "pending_since": since("pending"),
+            "heads_since": since("heads"),
+            "expired_since": since("expired"),
+        }
 
     def _claim_fresh(
         self,
