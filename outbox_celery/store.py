@@ -582,17 +582,15 @@ class Store:
                 waits.append(flow.held_for)
             allowances = dict(sorted(flow.allowances.items())) if flow else {}
             spent = dict.fromkeys(allowances, 0)
-            typed = {t: self._typed_params(base, t, marks) for t in allowances}
-            for event_type, allowed in allowances.items():
-                # A limited type's expired leases first: together with its new rows at most its
-                # allowance (DESIGN invariant 22).
-                ask = min(allowed.rows, expired_limit)
-                if ask > 0:
-                    took = self._claim_rows(conn, "claim_expired", typed[event_type], ask)
-                    if marks and db_now is not None and not expired_full and len(took) < ask:
-                        marks.typed[("expired", event_type)] = db_now
-                    claimed += took
-                    spent[event_type] += len(took)
+            # A limited type's expired leases first: together with its new rows at most its
+            # allowance (DESIGN invariant 22). One statement for every limited type.
+            asks = {t: min(a.rows, expired_limit) for t, a in allowances.items()}
+            took = self._claim_limited(conn, "claim_expired_limited", "expired", asks, base, None, None)
+            for event_type, rows in took.items():
+                if marks and db_now is not None and not expired_full and len(rows) < asks[event_type]:
+                    marks.typed[("expired", event_type)] = db_now
+                claimed += rows
+                spent[event_type] += len(rows)
             if expired_limit > 0:
                 rows = self._claim_rows(conn, "claim_expired", base, expired_limit)
                 claimed += rows
@@ -602,24 +600,32 @@ class Store:
             # New rows: each limited type and the unlimited rest first share the batch, so that
             # neither a limited type's backlog nor the others' starves the other; then whoever
             # has more claimable takes what is left.
-            fresh = 0
             share = max(1, limit // (len(allowances) + 1))
-            for event_type, allowed in allowances.items():
-                room = min(allowed.rows - spent[event_type], share, limit - fresh)
-                new = self._claim_fresh(conn, typed[event_type], room, marks, event_type, db_now)
-                fresh += len(new)
-                spent[event_type] += len(new)
-                claimed += new
+            rooms = {t: min(a.rows - spent[t], share) for t, a in allowances.items()}
+            cap = limit
+            if sum(max(0, r) for r in rooms.values()) > cap:
+                # A batch smaller than the types: the first types in order get one row each.
+                for t in rooms:
+                    rooms[t] = min(max(0, rooms[t]), cap)
+                    cap -= rooms[t]
+            fresh = 0
+            for event_type, rows in self._claim_fresh_limited(conn, rooms, base, marks, db_now).items():
+                fresh += len(rows)
+                spent[event_type] += len(rows)
+                claimed += rows
             general = self._claim_fresh(conn, base, limit - fresh, marks, None, db_now)
             fresh += len(general)
             claimed += general
+            left = limit - fresh
+            more: dict[str, int] = {}
             for event_type, allowed in allowances.items():
-                room = min(allowed.rows - spent[event_type], limit - fresh)
+                room = min(allowed.rows - spent[event_type], left)
                 if room > 0 and spent[event_type] >= share:
-                    new = self._claim_fresh(conn, typed[event_type], room, marks, event_type, db_now)
-                    fresh += len(new)
-                    spent[event_type] += len(new)
-                    claimed += new
+                    more[event_type] = room
+                    left -= room
+            for event_type, rows in self._claim_fresh_limited(conn, more, base, marks, db_now).items():
+                spent[event_type] += len(rows)
+                claimed += rows
             for event_type, allowed in allowances.items():
                 wait = allowed.wait(limits[event_type], spent[event_type])
                 if wait is not None:
@@ -639,21 +645,71 @@ class Store:
             held=tuple(sorted(flow.held)) if flow else (),
         )
 
-    @staticmethod
-    def _typed_params(base: dict[str, Any], event_type: str, marks: ScanMarks | None) -> dict[str, Any]:
-        """A limited type's own statements: that type only, from its own scan marks."""
+    def _claim_limited(
+        self,
+        conn: psycopg.Connection[Any],
+        query: str,
+        scan: str,
+        asks: Mapping[str, int],
+        base: dict[str, Any],
+        marks: ScanMarks | None,
+        db_now: datetime | None,
+    ) -> dict[str, list[Claimed]]:
+        """One statement claiming up to ``asks[t]`` rows of each limited type ``t``.
 
-        def since(scan: str) -> datetime | None:
-            return marks.since(marks.typed.get((scan, event_type))) if marks else None
-
-        return {
+        Each type's scan starts from its own mark (``marks.typed``, DESIGN invariant 18); with
+        ``db_now`` the marks move on as :meth:`_claim_rows` moves the general ones.
+        """
+        asks = {t: n for t, n in sorted(asks.items()) if n > 0}
+        if not asks:
+            return {}
+        types = list(asks)
+        params = {
             **base,
-            "event_types": [event_type],
-            "excluded": [],
-            "pending_since": since("pending"),
-            "heads_since": since("heads"),
-            "expired_since": since("expired"),
+            "types": types,
+            "limits": [asks[t] for t in types],
+            "since": [marks.since(marks.typed.get((scan, t))) if marks else None for t in types],
         }
+        raw: dict[str, list[Any]] = {t: [] for t in types}
+        for r in conn.execute(self._q[query], params).fetchall():
+            raw[str(r[2])].append(r)
+        if marks is not None and db_now is not None:
+            for t in types:
+                marks.typed[(scan, t)] = ScanMarks.moved(asks[t], raw[t], db_now)
+        return {t: [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in rows] for t, rows in raw.items()}
+
+    def _claim_fresh_limited(
+        self,
+        conn: psycopg.Connection[Any],
+        rooms: Mapping[str, int],
+        base: dict[str, Any],
+        marks: ScanMarks | None,
+        db_now: datetime | None,
+    ) -> dict[str, list[Claimed]]:
+        """:meth:`_claim_fresh` for every limited type at once: heads and pending rows share
+        each type's room, three statements whatever the number of types."""
+        rooms = {t: r for t, r in rooms.items() if r > 0}
+        got: dict[str, list[Claimed]] = {t: [] for t in rooms}
+        shares = {t: max(1, (r + 1) // 2) for t, r in rooms.items()}
+        heads = self._claim_limited(conn, "claim_heads_limited", "heads", shares, base, marks, db_now)
+        for t, rows in heads.items():
+            got[t] += rows
+        pending = {t: r - len(got[t]) for t, r in rooms.items()}
+        for t, rows in self._claim_limited(
+            conn, "claim_pending_limited", "pending", pending, base, marks, db_now
+        ).items():
+            got[t] += rows
+        # Pending rows ran short: let ordered heads use the rest of the type's room.
+        again = {
+            t: r - len(got[t])
+            for t, r in rooms.items()
+            if got[t] and len(heads.get(t, [])) >= shares[t] and r > len(got[t])
+        }
+        for t, rows in self._claim_limited(
+            conn, "claim_heads_limited", "heads", again, base, marks, db_now
+        ).items():
+            got[t] += rows
+        return got
 
     def _claim_fresh(
         self,
@@ -716,10 +772,11 @@ class Store:
         held_for = min((float(r[3]) for r in rows if r[2] and not r[1]), default=None)
         state = {str(r[0]): r for r in rows}
         live: dict[str, int] = {}
-        if limited:
+        bounded = [t for t in limited if limits[t].concurrency is not None]
+        if bounded:
             # After the lock: a new snapshot (read committed) that holds every earlier claimer's
-            # claims of these types.
-            counted = conn.execute(self._q["flow_live"], {"limited": limited}).fetchall()
+            # claims of these types. Rate-only types need no count.
+            counted = conn.execute(self._q["flow_live"], {"limited": bounded}).fetchall()
             live = {str(t): int(n) for t, n in counted}
         allowances = {
             t: allowance(

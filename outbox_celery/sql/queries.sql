@@ -585,3 +585,78 @@ SET tokens = u.tokens,
     updated_at = now()
 FROM unnest(%(types)s::text[], %(tokens)s::float8[]) AS u(event_type, tokens)
 WHERE f.event_type = u.event_type;
+
+-- name: claim_expired_limited
+-- claim_expired for the limited event types (#23, DESIGN invariant 22), all in one statement:
+-- per type (types[i]), at most limits[i] rows, from that type's own scan mark (since[i]). One
+-- index read per type; the allowances were decided under the flow rows' lock.
+WITH picked AS (
+    SELECT p.id
+    FROM unnest(%(types)s::text[], %(limits)s::int[], %(since)s::timestamptz[]) AS u(event_type, n, since),
+    LATERAL (
+        SELECT id FROM {table}
+        WHERE status = 'processing' AND lease_until <= now()
+          AND lease_until >= coalesce(u.since, '-infinity')
+          AND attempts < %(max_attempts)s
+          AND started_version = lease_version
+          AND event_type = u.event_type
+        ORDER BY lease_until
+        LIMIT u.n
+        FOR UPDATE SKIP LOCKED
+    ) AS p
+)
+UPDATE {table} AS o
+SET lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease)s),
+    lease_version = o.lease_version + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+
+-- name: claim_heads_limited
+-- claim_heads for the limited event types, as claim_expired_limited: heads only (invariant 9).
+WITH picked AS (
+    SELECT p.id
+    FROM unnest(%(types)s::text[], %(limits)s::int[], %(since)s::timestamptz[]) AS u(event_type, n, since),
+    LATERAL (
+        SELECT id FROM {table}
+        WHERE status = 'pending' AND head AND available_at <= now()
+          AND available_at >= coalesce(u.since, '-infinity')
+          AND event_type = u.event_type
+        ORDER BY available_at, id
+        LIMIT u.n
+        FOR UPDATE SKIP LOCKED
+    ) AS p
+)
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease)s),
+    lease_version = o.lease_version + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+
+-- name: claim_pending_limited
+-- claim_pending for the limited event types, as claim_expired_limited.
+WITH picked AS (
+    SELECT p.id
+    FROM unnest(%(types)s::text[], %(limits)s::int[], %(since)s::timestamptz[]) AS u(event_type, n, since),
+    LATERAL (
+        SELECT id FROM {table}
+        WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()
+          AND available_at >= coalesce(u.since, '-infinity')
+          AND event_type = u.event_type
+        ORDER BY available_at, id
+        LIMIT u.n
+        FOR UPDATE SKIP LOCKED
+    ) AS p
+)
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease)s),
+    lease_version = o.lease_version + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;

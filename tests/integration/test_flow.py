@@ -291,3 +291,35 @@ def test_a_table_not_migrated_to_0007_claims_without_flow_control(
     assert len(result.claimed) == 3
     assert "migration 0007 not applied" in caplog.text
     assert admin.stats(conn, table).flow == []
+
+
+def test_invariant_22_several_limited_types_each_get_their_allowance_in_one_claim(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    c = "webhook.c"
+    add(conn, 6, event_type=A)
+    add(conn, 6, event_type=B)
+    add(conn, 6, event_type=c)
+    add(conn, 4, event_type=A, key="k")  # one head of A among them
+    limits = {A: Limit(concurrency=2), B: Limit(concurrency=3)}
+    assert types_of(claim(store, conn, limits=limits)) == [A, A, B, B, B] + [c] * 6
+    # A batch smaller than the types: the bound holds and every row is accounted for.
+    done = claim(store, conn, limits=limits, limit=1)
+    assert done.claimed == []
+    assert live(conn, table, A) == 2 and live(conn, table, B) == 3
+
+
+def test_invariant_22_limited_and_unlimited_types_share_a_small_batch(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    add(conn, 20, event_type=A)
+    add(conn, 20, event_type=B)
+    roomy = {A: Limit(concurrency=1000)}
+    got = claim(store, conn, limits=roomy, limit=10)
+    # Half each: a limited type's backlog does not starve the others, nor the reverse.
+    assert types_of(got) == [A] * 5 + [B] * 5
+    assert types_of(claim(store, conn, limits=roomy, limit=30)) == [A] * 15 + [B] * 15
+    # When the others run short the limited type takes what is left of the batch.
+    add(conn, 40, event_type=A)
+    add(conn, 2, event_type=B)
+    assert types_of(claim(store, conn, limits=roomy, limit=30)) == [A] * 28 + [B] * 2
