@@ -791,8 +791,18 @@ class Store:
         return FlowRead(held=held, held_for=held_for, allowances=allowances)
 
     def _spend(self, conn: psycopg.Connection[Any], flow: FlowRead, spent: Mapping[str, int]) -> None:
-        """Write the rate buckets back: the refilled tokens minus what this claim took."""
-        buckets = {t: a.tokens - spent.get(t, 0) for t, a in flow.allowances.items() if a.tokens is not None}
+        """Write the rate buckets back: the refilled tokens minus what this claim took.
+
+        Only the buckets this claim took from: an untouched bucket refills from its last write
+        when next read, exactly as if it had been written now, and each write leaves a row
+        version behind (a pinned xmin horizon keeps them, invariant 18), so the versions follow
+        the type's starts, bounded by its rate, not the number of claims.
+        """
+        buckets = {
+            t: a.tokens - spent[t]
+            for t, a in flow.allowances.items()
+            if a.tokens is not None and spent.get(t, 0) > 0
+        }
         if buckets:
             types = sorted(buckets)
             conn.execute(self._q["flow_spend"], {"types": types, "tokens": [buckets[t] for t in types]})

@@ -323,3 +323,23 @@ def test_invariant_22_limited_and_unlimited_types_share_a_small_batch(
     add(conn, 40, event_type=A)
     add(conn, 2, event_type=B)
     assert types_of(claim(store, conn, limits=roomy, limit=30)) == [A] * 28 + [B] * 2
+
+
+def test_invariant_23_the_metrics_show_paused_and_held_event_types(
+    conn: psycopg.Connection[Any], store: Store, table: str, migrated_dsn: str
+) -> None:
+    pytest.importorskip("prometheus_client")
+    from outbox_celery.metrics import OutboxCollector
+
+    admin.pause(conn, table, A)
+    add(conn, 1, event_type=B)
+    [c] = claim(store, conn).claimed
+    assert store.rate_limited(conn, c.id, c.lease_version, delay=30.0, reason="429", max_age=3600.0)
+    samples = {
+        (s.name, s.labels.get("event_type")): s.value
+        for family in OutboxCollector(migrated_dsn, table).collect()
+        for s in family.samples
+    }
+    assert samples[("outbox_event_type_paused", A)] == 1
+    assert ("outbox_event_type_paused", B) not in samples
+    assert 25 < samples[("outbox_event_type_rate_limited_seconds", B)] <= 30
