@@ -152,8 +152,8 @@ class ScanMarks:
         self.full_passes = 0
         #: Marks of the limited event types' own statements, by (scan, event type) (#23).
         self.typed: dict[tuple[str, str], datetime | None] = {}
-        #: Event types the previous claim left out of its general statements (paused, held,
-        #: limited): their rows may lie behind the general marks (#23).
+        #: Event types the previous claim left out of every statement (paused, or held by a
+        #: RateLimited outcome): their rows may lie behind the marks (#23).
         self.excluded: frozenset[str] = frozenset()
 
     def begin(self, monotonic_now: float) -> bool:
@@ -585,7 +585,9 @@ class Store:
             # A limited type's expired leases first: together with its new rows at most its
             # allowance (DESIGN invariant 22). One statement for every limited type.
             asks = {t: min(a.rows, expired_limit) for t, a in allowances.items()}
-            took = self._claim_limited(conn, "claim_expired_limited", "expired", asks, base, None, None)
+            # From each type's own expired mark (invariant 18); the mark moves by the expired
+            # rule below, not by the due-order rule (db_now not given).
+            took = self._claim_limited(conn, "claim_expired_limited", "expired", asks, base, marks, None)
             for event_type, rows in took.items():
                 if marks and db_now is not None and not expired_full and len(rows) < asks[event_type]:
                     marks.typed[("expired", event_type)] = db_now

@@ -343,3 +343,21 @@ def test_invariant_23_the_metrics_show_paused_and_held_event_types(
     assert samples[("outbox_event_type_paused", A)] == 1
     assert ("outbox_event_type_paused", B) not in samples
     assert 25 < samples[("outbox_event_type_rate_limited_seconds", B)] <= 30
+
+
+def test_invariant_22_a_limited_types_expired_leases_are_scanned_from_its_own_mark(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    # Invariant 18 for the limited statements: they start at the type's marks, so a lease that
+    # ended behind the mark (here: an hour before the previous claim, which no real lease end
+    # does) waits for the next full pass, exactly as in the general statements.
+    marks = ScanMarks(lookback=0.0, full_every=3600.0)
+    limits = {A: Limit(concurrency=5)}
+    [i] = add(conn, 1, event_type=A)
+    [c] = claim(store, conn, limits=limits, marks=marks).claimed
+    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert claim(store, conn, limits=limits, marks=marks).claimed == []  # moves the marks to now()
+    _set(conn, table, [i], "lease_until = now() - interval '1 hour'")
+    assert claim(store, conn, limits=limits, marks=marks).claimed == []
+    marks.forget(time.monotonic())
+    assert [x.id for x in claim(store, conn, limits=limits, marks=marks).claimed] == [i]
