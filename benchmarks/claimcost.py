@@ -276,7 +276,7 @@ class KeysCost(_Latencies):
 
 def _heads_plan(conn: psycopg.Connection[Any], store: Any, limit: int) -> tuple[float, int]:
     """Server execution ms and shared buffers of one heads claim, rolled back."""
-    params = {"lease": 600, "owner": "bench", "event_types": ["bench.noop"], "limit": limit}
+    params = {"lease": 600, "owner": "bench", "event_types": ["bench.noop"], "excluded": [], "limit": limit}
     with conn.transaction(force_rollback=True):
         conn.execute("SET LOCAL jit = off")
         row = conn.execute(

@@ -16,6 +16,7 @@ from .errors import (
     OutboxError,
     PermanentError,
     ProducerError,
+    RateLimited,
     RetryableError,
 )
 from .message import Message, Outcome, Status
@@ -36,6 +37,7 @@ __all__ = [
     "Outcome",
     "PermanentError",
     "ProducerError",
+    "RateLimited",
     "RetryableError",
     "Status",
     "Store",

@@ -25,6 +25,8 @@ INDEX_SUFFIXES = {
 
 # The table beside each outbox table that holds its identity (the idempotency keys' discriminator).
 INSTANCE_SUFFIX = "_instance"
+# The table beside each outbox table that holds its flow-control state per event type (#23).
+FLOW_SUFFIX = "_flow"
 
 
 @functools.cache
@@ -51,6 +53,8 @@ def compose(text: str, table: TableName) -> sql.Composed:
         "table": table.identifier(),
         # The table's identity (migration 0006): one row beside it, named after it.
         "instance_table": table.identifier(INSTANCE_SUFFIX),
+        # Pause, RateLimited holds and rate buckets per event type (migration 0007, #23).
+        "flow_table": table.identifier(FLOW_SUFFIX),
     }
     idents.update({k: table.index_name(v) for k, v in INDEX_SUFFIXES.items()})
     used = {k: v for k, v in idents.items() if "{" + k + "}" in text}

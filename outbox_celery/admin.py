@@ -36,20 +36,24 @@ __all__ = [
     "DeadFilters",
     "DeadMessage",
     "EventTypeStats",
+    "FlowState",
     "Horizon",
     "Stats",
     "Unclaimed",
     "count_dead",
     "count_purgeable",
+    "flow_states",
     "format_duration",
     "get_message",
     "horizon",
     "list_dead",
     "parse_duration",
+    "pause",
     "purge_done",
     "repair_heads",
     "requeue",
     "requeue_all",
+    "resume",
     "skip",
     "stats",
     "unclaimed",
@@ -167,6 +171,10 @@ class EventTypeStats:
     has_handler: bool | None = None
     unstarted: int = 0
     unstarted_claims: int = 0
+    #: Paused by an operator (``outbox-celery pause``): claimed by nobody (#23).
+    paused: bool = False
+    #: Seconds a RateLimited outcome still holds it back (``None``: not held) (#23).
+    held_for: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +252,66 @@ def horizon(conn: psycopg.Connection[Any], table: str | TableName = "outbox") ->
 
 
 @dataclass(frozen=True, slots=True)
+class FlowState:
+    """An event type the claims hold back (#23, DESIGN invariant 23).
+
+    :ivar paused: paused by an operator (:func:`pause`) until :func:`resume`.
+    :ivar held_for: seconds a :class:`~outbox_celery.errors.RateLimited` outcome still holds it
+        (``None``: not held).
+    """
+
+    event_type: str
+    paused: bool
+    held_for: float | None
+
+
+def _flow_ready(conn: psycopg.Connection[Any], t: TableName) -> bool:
+    name = t.identifier(_sql.FLOW_SUFFIX).as_string(conn)
+    row = conn.execute(_q(t, "flow_exists"), {"flow_table": name}).fetchone()
+    return bool(row and row[0])
+
+
+def flow_states(conn: psycopg.Connection[Any], table: str | TableName = "outbox") -> list[FlowState]:
+    """Event types paused or held by a RateLimited outcome (empty before migration 0007)."""
+    t = TableName.parse(table)
+    if not _flow_ready(conn, t):
+        return []
+    rows = conn.execute(_q(t, "flow_list")).fetchall()
+    return [
+        FlowState(str(r[0]), bool(r[1]), None if r[2] is None or r[2] <= 0 else float(r[2])) for r in rows
+    ]
+
+
+def _event_type(event_type: str) -> str:
+    if not isinstance(event_type, str) or not event_type:
+        raise AdminError(f"invalid event type {event_type!r}: expected a non-empty string")
+    return event_type
+
+
+def pause(conn: psycopg.Connection[Any], table: str | TableName, event_type: str) -> bool:
+    """Pause ``event_type`` (docs/flow-control.md, DESIGN invariant 23).
+
+    From the next claim on (every claim reads the pause under its row's lock) no claim hands out
+    its messages, on any worker; deliveries already running finish. An event type with no
+    message yet can be paused too. Returns whether it was running (``False``: paused already).
+    """
+    t = TableName.parse(table)
+    row = conn.execute(_q(t, "flow_pause"), {"event_type": _event_type(event_type)}).fetchone()
+    return not bool(row and row[0])
+
+
+def resume(conn: psycopg.Connection[Any], table: str | TableName, event_type: str) -> bool:
+    """Resume ``event_type``: its pause and any RateLimited hold on it end, and the table's push
+    listeners are woken at commit, so its messages are claimed at once. Returns whether it was
+    paused or held.
+    """
+    t = TableName.parse(table)
+    params = {"event_type": _event_type(event_type), "table": t.identifier().as_string(conn)}
+    row = conn.execute(_q(t, "flow_resume"), params).fetchone()
+    return bool(row and row[0])
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     """A snapshot of one outbox table (one statement, so the figures agree with each other).
 
@@ -289,6 +357,9 @@ class Stats:
     unstarted: int = 0
     horizon: Horizon | None = None
     headless_keys: int = 0
+    #: Event types paused or held by a RateLimited outcome, whether or not they have live
+    #: messages (#23); empty before migration 0007.
+    flow: list[FlowState] = field(default_factory=list)
 
     @property
     def dead(self) -> int:
@@ -330,10 +401,12 @@ def stats(
             ).fetchone()
         row = cur.execute(_q(t, "stats")).fetchone()
         held = horizon(conn, t)
+        flow = flow_states(conn, t)
         if previous is not None:
             cur.execute("SELECT set_config('statement_timeout', %s, true)", [previous["previous"]])
     assert row is not None
     known = set(handlers) if handlers is not None else None
+    by_type = {f.event_type: f for f in flow}
     types = [
         EventTypeStats(
             event_type=e["event_type"],
@@ -345,6 +418,8 @@ def stats(
             has_handler=None if known is None else e["event_type"] in known,
             unstarted=int(e["unstarted"]),
             unstarted_claims=int(e["unstarted_claims"]),
+            paused=e["event_type"] in by_type and by_type[e["event_type"]].paused,
+            held_for=by_type[e["event_type"]].held_for if e["event_type"] in by_type else None,
         )
         for e in row["event_types"]
     ]
@@ -369,6 +444,7 @@ def stats(
         unstarted=int(row["unstarted"]),
         horizon=held,
         headless_keys=int(row["headless_keys"]),
+        flow=flow,
     )
 
 

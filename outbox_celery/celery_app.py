@@ -27,6 +27,7 @@ from .config import UNSET, OutboxConfig, TableName, Unset
 from .dispatch import ClaimRun, Dispatcher, HandlerSpec, default_owner, publish_units
 from .dsn import DSN_ENV, password
 from .errors import ConfigurationError
+from .flow import Limit
 from .listener import Listener
 from .message import Outcome
 from .producer import Event
@@ -323,6 +324,8 @@ class Outbox:
         session_factory: Callable[[], Any] | None = None,
         using: str | None = None,
         batch: int | None = None,
+        concurrency: int | None = None,
+        rate: str | float | None = None,
     ) -> Callable[[F], F]:
         """Register the function that delivers ``event_type`` (one per event type).
 
@@ -355,6 +358,15 @@ class Outbox:
             an exception it raises applies to the whole batch. An int from 1 to
             :data:`MAX_BATCH`; not with ``transactional``. A batch is cut from one claim, so
             it holds at most ``batch_size`` rows and at most one message per ordering key.
+        :param concurrency: at most this many live deliveries of ``event_type`` at once, across
+            every worker and machine (claimed or running rows under a live lease; a worker that
+            dies gives its slot back when its lease ends). Enforced by the claim, which hands
+            out no more (docs/flow-control.md, DESIGN invariant 22). Default: no bound.
+        :param rate: at most this many deliveries of ``event_type`` start per second, across
+            every worker: Celery's rate forms ``"50/s"``, ``"3000/m"``, ``"10/h"``, or a number
+            (per second). Enforced by the claim with a token bucket holding ``max(1, rate x
+            0.2 s)`` starts. Default: no bound. A bad value raises
+            :class:`~outbox_celery.errors.ConfigurationError` (a ``ValueError``).
         """
         if not isinstance(event_type, str) or not event_type:
             raise ConfigurationError("event_type must be a non-empty string")
@@ -371,13 +383,13 @@ class Outbox:
                     "handler"
                 )
         kind = transaction_kind(transactional, session_factory=session_factory, using=using)
+        limit = Limit.declared(concurrency=concurrency, rate=rate)
 
         def register(fn: F) -> F:
             if event_type in self._handlers:
                 raise ConfigurationError(f"a handler for {event_type!r} is already registered")
-            self._handlers[event_type] = HandlerSpec(
-                event_type, fn, queue or "", transaction=kind, batch=batch
-            )
+            spec = HandlerSpec(event_type, fn, queue or "", transaction=kind, batch=batch, limit=limit)
+            self._handlers[event_type] = spec
             return fn
 
         return register
@@ -801,6 +813,25 @@ class Outbox:
 
     def _producer_defaults(self, options: dict[str, Any]) -> dict[str, Any]:
         return {"table": self.config.table, "max_payload_bytes": self.config.max_payload_bytes, **options}
+
+    def pause(self, event_type: str) -> bool:
+        """Pause ``event_type`` in this outbox's table: no claim hands out its messages until
+        :meth:`resume` (docs/flow-control.md, DESIGN invariant 23). Deliveries already running
+        finish. Returns whether it was running before (``False``: already paused).
+        """
+        from .admin import pause
+
+        with self.connection() as conn:
+            return pause(conn, self.config.table, event_type)
+
+    def resume(self, event_type: str) -> bool:
+        """Resume ``event_type``: it is claimable at once (the push listeners are woken), and a
+        RateLimited hold on it ends too. Returns whether it was paused or held.
+        """
+        from .admin import resume
+
+        with self.connection() as conn:
+            return resume(conn, self.config.table, event_type)
 
     def deliver(self, outbox_id: int, lease_version: int) -> Outcome:
         """Deliver one row in this process (what the delivery task does)."""

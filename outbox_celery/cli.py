@@ -11,6 +11,7 @@
     dead requeue ID... | --all           back to pending now, attempts reset
     dead skip ID... --reason TEXT        done on purpose (unblocks an ordered key)
     purge --older-than 7d [--dry-run]    delete old done rows in short batches
+    pause EVENT_TYPE / resume EVENT_TYPE claimed by nobody until resumed (flow control)
     metrics [--port 9808]                Prometheus exporter
 
 Also ``python -m outbox_celery`` and, inside Celery's own CLI, ``celery -A proj outbox ...``.
@@ -410,7 +411,8 @@ def _attention(
     if s.unroutable:
         items.append(f"no handler for {', '.join(s.unroutable)}")
     items += [_unstarted_line(e, outbox) for e in s.event_types if e.unstarted]
-    reported = set(s.unroutable or ())
+    # Paused and held event types are left unclaimed on purpose (#23); stats lists them below.
+    reported = set(s.unroutable or ()) | {f.event_type for f in s.flow}
     items += [
         _unclaimed_line(u, outbox, s.counts["processing"]) for u in unclaimed if u.event_type not in reported
     ]
@@ -552,6 +554,11 @@ def stats(target: Target, unclaimed_after: float | None, as_json: bool) -> None:
         click.echo("")
     else:
         click.echo("no live messages (nothing pending, processing or dead)")
+    paused = [f.event_type for f in s.flow if f.paused]
+    held = [f"{f.event_type} ({fd(f.held_for)} left)" for f in s.flow if not f.paused and f.held_for]
+    click.echo(f"paused (claimed by nobody until resumed): {', '.join(paused) or 'none'}")
+    if held:
+        click.echo(f"held by a RateLimited outcome: {', '.join(held)}")
     if s.unroutable is None:
         click.echo("unroutable: unknown (pass -A module:outbox to check event types against the handlers)")
     elif s.unroutable:
@@ -832,6 +839,45 @@ def repair_heads(target: Target, batch_size: int, as_json: bool) -> None:
         _echo_json({"repaired": len(keys), "keys": keys})
     else:
         click.echo(f"repaired {len(keys)} ordering key(s) without a head")
+
+
+# -- flow control ------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("event_type")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def pause(target: Target, event_type: str, as_json: bool) -> None:
+    """Pause EVENT_TYPE: no worker is handed its messages until `resume` (running ones finish).
+
+    The pause lives in the database (the table's flow-control rows, migration 0007): every
+    claim, on every worker, respects it from its next run on. `stats` lists paused event types.
+    """
+    with target.connect() as conn:
+        changed = admin.pause(conn, target.table, event_type)
+    if as_json:
+        _echo_json({"event_type": event_type, "paused": True, "changed": changed})
+    elif changed:
+        click.echo(f"paused {event_type!r}: its messages are claimed by nobody until resumed")
+    else:
+        click.echo(f"{event_type!r} was already paused")
+
+
+@cli.command()
+@click.argument("event_type")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def resume(target: Target, event_type: str, as_json: bool) -> None:
+    """Resume EVENT_TYPE: claimable at once (push listeners are woken); ends a RateLimited hold too."""
+    with target.connect() as conn:
+        changed = admin.resume(conn, target.table, event_type)
+    if as_json:
+        _echo_json({"event_type": event_type, "paused": False, "changed": changed})
+    elif changed:
+        click.echo(f"resumed {event_type!r}: its messages are claimable now")
+    else:
+        click.echo(f"{event_type!r} was not paused")
 
 
 # -- metrics -----------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ import psycopg
 from ._done_batch import DoneBatcher
 from .backoff import Backoff, RetryPolicy
 from .config import OutboxConfig
-from .errors import ConfigurationError, Defer, PermanentError, RetryableError, first_line
+from .errors import ConfigurationError, Defer, PermanentError, RateLimited, RetryableError, first_line
+from .flow import Limit
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
 from .store import Claimed, ScanMarks, Store, starter_token
@@ -75,6 +76,7 @@ class HandlerSpec:
     :ivar batch: set for a batch handler (#22, DESIGN invariant 21): ``fn`` takes a list of up
         to ``batch`` messages of this event type and returns ``None`` or a mapping from message
         id to the outcome of those that did not succeed.
+    :ivar limit: the event type's global limits, enforced by the claim (docs/flow-control.md).
     """
 
     event_type: str
@@ -82,6 +84,8 @@ class HandlerSpec:
     queue: str
     transaction: TransactionKind | None = None
     batch: int | None = None
+    #: Global concurrency and rate limits of the event type (#23, DESIGN invariant 22).
+    limit: Limit | None = None
 
 
 def publish_units(claims: Sequence[Claimed], handlers: Mapping[str, HandlerSpec]) -> list[list[Claimed]]:
@@ -126,6 +130,9 @@ class ClaimRun:
     seconds: float = 0.0
     stopped_by: str = ""
     errors: list[str] = field(default_factory=list)
+    #: Seconds until a claim can take more of an event type a limit or a RateLimited hold kept
+    #: back (#23); ``None``: nothing was kept back. The push listener claims again then.
+    flow_wait: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form (the claim task's result)."""
@@ -141,6 +148,7 @@ class ClaimRun:
             "skipped": self.skipped,
             "seconds": round(self.seconds, 4),
             "stopped_by": self.stopped_by,
+            "flow_wait": None if self.flow_wait is None else round(self.flow_wait, 4),
         }
 
 
@@ -155,7 +163,7 @@ def _ms_since(started: float) -> float:
 
 def _error_text(exc: BaseException, limit: int = 4000) -> str:
     text = f"{type(exc).__name__}: {exc}"
-    if not isinstance(exc, RetryableError | PermanentError | Defer):
+    if not isinstance(exc, RetryableError | PermanentError | Defer):  # RateLimited is retryable
         tb = "".join(traceback.format_exception(exc)).strip()
         text = f"{text}\n{tb}"
     return text[:limit]
@@ -221,6 +229,9 @@ def classify(exc: BaseException, attempts: int, retry: RetryPolicy) -> Verdict |
     """The verdict for a handler's exception; ``None`` when the handler did not classify it."""
     if isinstance(exc, Defer):
         return Verdict(Outcome.DEFER, delay=exc.delay, error=exc.reason)
+    if isinstance(exc, RateLimited):
+        # Before RetryableError, its base: no attempt spent, the whole event type held (#23).
+        return Verdict(Outcome.RATE_LIMITED, delay=exc.retry_after, error=exc.reason)
     if isinstance(exc, RetryableError):
         delay = exc.delay if exc.delay is not None else retry(attempts, exc)
         return Verdict(Outcome.RETRY, delay=delay, error=_error_text(exc))
@@ -350,6 +361,7 @@ class Dispatcher:
         # finish meanwhile are not subtracted), so the bound holds. The count steps over the dead
         # versions of every lease of the last lease period, so it is not repeated per batch.
         in_flight = self.store.in_flight(conn)
+        limits = {t: spec.limit for t, spec in self.handlers.items() if spec.limit is not None}
         while True:
             room = limit - in_flight
             # A full bound stops new claims only: the reap and the re-claim of expired leases
@@ -365,7 +377,10 @@ class Dispatcher:
                 expired_limit=cfg.batch_size,
                 unroutable_delay=cfg.unroutable_delay,
                 marks=self.marks,
+                limits=limits,
             )
+            if result.flow_wait is not None:
+                run.flow_wait = min(run.flow_wait or result.flow_wait, result.flow_wait)
             in_flight += len(result.claimed)
             run.batches += 1
             run.reaped += result.reaped
@@ -686,10 +701,16 @@ class Dispatcher:
     def _finish_batch(self, msgs: list[Message], verdicts: Mapping[int, Verdict]) -> dict[int, Outcome]:
         """Write a batch's verdicts: one fenced statement, plus one per ordered done."""
         cfg = self.config
-        ordered_done = [
-            m for m in msgs if m.ordering_key is not None and verdicts[m.id].outcome is Outcome.DONE
+        # An ordered done moves its key's head under the key lock (DESIGN invariant 9); a
+        # RateLimited item holds its event type (invariant 23): both go through the one-row
+        # finalizer of their outcome, the rest through one statement.
+        one_by_one = [
+            m
+            for m in msgs
+            if verdicts[m.id].outcome is Outcome.RATE_LIMITED
+            or (m.ordering_key is not None and verdicts[m.id].outcome is Outcome.DONE)
         ]
-        rest = [m for m in msgs if m not in ordered_done]
+        rest = [m for m in msgs if m not in one_by_one]
         outcomes: dict[int, Outcome] = {}
         if rest:
             rows = [
@@ -724,8 +745,7 @@ class Dispatcher:
                     outcomes[m.id] = Outcome.DEAD
                 else:
                     outcomes[m.id] = outcome
-        for m in ordered_done:
-            # Its done moves its key's head, under the key lock (DESIGN invariant 9).
+        for m in one_by_one:
             outcomes[m.id] = self._finish(verdicts[m.id], m, m.lease_version)
         return outcomes
 
@@ -932,6 +952,15 @@ class Dispatcher:
                     delay=verdict.delay,
                     error=verdict.error,
                     max_attempts=cfg.max_attempts,
+                )
+            case Outcome.RATE_LIMITED:
+                return store.rate_limited(
+                    conn,
+                    msg.id,
+                    version,
+                    delay=verdict.delay,
+                    reason=verdict.error,
+                    max_age=cfg.max_defer_age,
                 )
             case Outcome.DEFER:
                 return store.defer(

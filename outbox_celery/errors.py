@@ -7,6 +7,9 @@ Handlers translate what their downstream said into one of three outcomes:
 * :class:`PermanentError` -- never going to work; the message goes ``dead`` for a human.
 * :class:`Defer` -- not an error: "not yet" (a business precondition is missing). The message
   goes back to ``pending`` after ``delay`` and the attempt is refunded.
+* :class:`RateLimited` -- the downstream said "too many" (an HTTP 429): this message and every
+  message of its event type not started yet wait until ``retry_after``; no attempt is spent
+  (docs/flow-control.md, DESIGN invariant 23).
 
 Any other exception is recorded in ``last_error``, surfaces as a failed Celery task, and the
 message comes back through its lease: it is not silently classified as transient.
@@ -28,6 +31,7 @@ __all__ = [
     "OutboxError",
     "PermanentError",
     "ProducerError",
+    "RateLimited",
     "RetryableError",
 ]
 
@@ -91,4 +95,27 @@ class Defer(OutboxError):  # noqa: N818 - it is an outcome, not an error
     def __init__(self, delay: float | timedelta, reason: str = "deferred"):
         super().__init__(reason)
         self.delay: float = seconds(delay, "delay", delay=True)
+        self.reason = reason
+
+
+class RateLimited(RetryableError):  # noqa: N818 - it is an outcome, not an error
+    """The downstream is rate limiting (an HTTP 429): hold back the whole event type.
+
+    This message goes back to ``pending`` at ``now() + retry_after`` with its attempt refunded
+    (as :class:`Defer`: being told "too many" says nothing about the message; it goes ``dead``
+    only once held past ``max_defer_age`` since it was created), and no claim hands out another
+    message of the same event type before then, on any worker: the type's flow row is held
+    until that time (a later hold never shortens an earlier one). Deliveries already running
+    finish. ``outbox-celery resume <event_type>`` ends the hold at once. Other event types flow
+    on. A subclass of :class:`RetryableError`, so code that catches that still catches this.
+
+    :param retry_after: seconds (or a :class:`~datetime.timedelta`) to hold the event type,
+        for example the response's ``Retry-After``.
+    :param reason: stored in ``last_error``.
+    """
+
+    def __init__(self, retry_after: float | timedelta, reason: str = "rate limited"):
+        held = seconds(retry_after, "retry_after", delay=True)
+        super().__init__(reason, delay=held)
+        self.retry_after: float = held
         self.reason = reason

@@ -189,6 +189,7 @@ class Listener:
     def _claim_until_quiet(self, conn: psycopg.Connection[Any]) -> float:
         """Claim until a run was not held off by another one; return how long to wait next."""
         busy_wait = _BUSY_RETRY[0]
+        run: ClaimRun | None = None
         while not self._stop.is_set():
             run = self.claim()
             self._count("claims")
@@ -207,6 +208,10 @@ class Listener:
                 continue  # a backlog: keep claiming
             break
         due = self.store.next_due(conn, self.event_types(), within=self.poll)
+        if run is not None and run.flow_wait is not None:
+            # An event type held back by its limit or a RateLimited outcome (#23): a finished
+            # delivery, a refilled rate bucket or a hold's end sends no notification.
+            due = run.flow_wait if due is None else min(due, run.flow_wait)
         if due is None:
             return self.poll
         return min(self.poll, max(_MIN_WAIT, due))

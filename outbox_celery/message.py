@@ -31,6 +31,8 @@ class Outcome(enum.StrEnum):
     STALE = "stale"
     LOST_LEASE = "lost_lease"
     UNROUTABLE = "unroutable"
+    #: A :class:`~outbox_celery.errors.RateLimited` outcome: held with its event type (#23).
+    RATE_LIMITED = "rate_limited"
 
     @property
     def counter(self) -> str:

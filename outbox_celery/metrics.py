@@ -213,6 +213,16 @@ class OutboxCollector:
                 " them (lost tasks: a queue with no consumer, a flushed broker).",
                 labels=["table", "event_type"],
             ),
+            "paused": g(
+                f"{ns}_event_type_paused",
+                "1 for an event type paused by an operator (outbox-celery pause): claimed by nobody.",
+                labels=["table", "event_type"],
+            ),
+            "held": g(
+                f"{ns}_event_type_rate_limited_seconds",
+                "Seconds a RateLimited outcome still holds the event type back (claimed by nobody).",
+                labels=["table", "event_type"],
+            ),
         }
         if self.handlers is not None:
             fams["unroutable"] = g(
@@ -270,6 +280,11 @@ class OutboxCollector:
                 fams["type_oldest"].add_metric([name, e.event_type], e.oldest_pending_age or 0.0)
             if "unroutable" in fams and e.pending and e.has_handler is False:
                 fams["unroutable"].add_metric([name, e.event_type], e.pending)
+        for f in s.flow:
+            if f.paused:
+                fams["paused"].add_metric([name, f.event_type], 1)
+            if f.held_for:
+                fams["held"].add_metric([name, f.event_type], f.held_for)
         for a in s.attempts:
             for status in _LIVE:
                 fams["attempts"].add_metric([name, str(a.attempts), status], getattr(a, status))

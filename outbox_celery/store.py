@@ -37,9 +37,10 @@ from psycopg.rows import dict_row, tuple_row
 from . import _sql
 from .config import TableName
 from .errors import ProducerError
+from .flow import Allowance, Limit, allowance
 from .message import Message, Outcome, Status, idempotency_key
 
-__all__ = ["Claimed", "ScanMarks", "Store", "starter_token"]
+__all__ = ["Claimed", "FlowRead", "ScanMarks", "Store", "starter_token"]
 
 # Distinct ordering keys one producer call may lock (#21). Each key's lock is held to commit in
 # PostgreSQL's shared lock table, whose size is max_locks_per_transaction x (max_connections +
@@ -87,6 +88,23 @@ class ClaimResult:
     lost: int = 0
     #: Expired leases of event types the claimer has no handler for, given back as unroutable.
     unroutable: int = 0
+    #: Seconds until a claim can take more of an event type a limit or a RateLimited hold kept
+    #: back (#23); ``None`` when none was kept back. The push listener claims again then.
+    flow_wait: float | None = None
+    #: Event types this claim left out: paused, or held by a RateLimited outcome.
+    held: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FlowRead:
+    """The flow-control state one claim read under its rows' locks (#23)."""
+
+    #: Types paused or held by a RateLimited outcome: claimed by nobody.
+    held: frozenset[str]
+    #: Seconds until the earliest RateLimited hold ends (``None``: none).
+    held_for: float | None
+    #: Allowance of each limited type that is not held.
+    allowances: dict[str, Allowance]
 
 
 class ScanMarks:
@@ -109,7 +127,17 @@ class ScanMarks:
     on this process's monotonic clock, a duration.
     """
 
-    __slots__ = ("expired", "full_at", "full_every", "full_passes", "heads", "lookback", "pending")
+    __slots__ = (
+        "excluded",
+        "expired",
+        "full_at",
+        "full_every",
+        "full_passes",
+        "heads",
+        "lookback",
+        "pending",
+        "typed",
+    )
 
     def __init__(self, *, lookback: float = 10.0, full_every: float = 60.0) -> None:
         if lookback < 0 or full_every < 0:
@@ -122,15 +150,37 @@ class ScanMarks:
         #: Monotonic time of the last full pass; None before the first claim.
         self.full_at: float | None = None
         self.full_passes = 0
+        #: Marks of the limited event types' own statements, by (scan, event type) (#23).
+        self.typed: dict[tuple[str, str], datetime | None] = {}
+        #: Event types the previous claim left out of every statement (paused, or held by a
+        #: RateLimited outcome): their rows may lie behind the marks (#23).
+        self.excluded: frozenset[str] = frozenset()
 
     def begin(self, monotonic_now: float) -> bool:
         """Start a claim: forget the marks when a full pass is due; return whether it is."""
         if self.full_at is None or not 0 <= monotonic_now - self.full_at < self.full_every:
-            self.pending = self.heads = self.expired = None
-            self.full_at = monotonic_now
-            self.full_passes += 1
+            self.forget(monotonic_now)
             return True
         return False
+
+    def forget(self, monotonic_now: float) -> None:
+        """Make this claim a full pass: every scan starts at the beginning of its index."""
+        self.pending = self.heads = self.expired = None
+        self.typed.clear()
+        self.full_at = monotonic_now
+        self.full_passes += 1
+
+    def readmit(self, excluded: frozenset[str], monotonic_now: float) -> None:
+        """Note the types this claim leaves out; a full pass when one of the last claim's is back.
+
+        While an event type is left out of the general statements (paused, held by a
+        RateLimited outcome), they step over its rows and their marks move past them; when it
+        comes back (resumed, hold over, limit removed) its rows lie behind the marks, and only a
+        scan from the beginning finds them at once (#23).
+        """
+        if self.excluded - excluded and self.full_at != monotonic_now:
+            self.forget(monotonic_now)
+        self.excluded = excluded
 
     def since(self, mark: datetime | None) -> datetime | None:
         """The lower bound of a scan whose previous claim stopped at ``mark`` (None: from the start)."""
@@ -188,6 +238,8 @@ class Store:
         self._stats_lock = threading.Lock()
         self._canonical: str | None = None
         self._instance: str | None = None
+        self._flow_ready = False
+        self._flow_warned = False
 
     # -- transactions --------------------------------------------------------------------------
 
@@ -460,6 +512,7 @@ class Store:
         expired_limit: int | None = None,
         unroutable_delay: float = 60.0,
         marks: ScanMarks | None = None,
+        limits: Mapping[str, Limit] | None = None,
     ) -> ClaimResult:
         """Reap and claim up to ``limit`` rows in one short transaction, then commit.
 
@@ -473,27 +526,41 @@ class Store:
         task never started (lost) and expired leases of event types not in ``event_types``
         (unroutable, after ``unroutable_delay``) go back to ``pending`` first, no attempt spent.
 
+        Flow control (#23, DESIGN invariants 22, 23): event types paused or held by a
+        RateLimited outcome are claimed by nobody; each type in ``limits`` is claimed by
+        statements of its own, at most its allowance (concurrency left, rate tokens), decided
+        under its flow row's lock so that concurrent claimers never hand out more than the
+        limit together. Its re-claimed expired leases count against the allowance too.
+
         With ``marks`` (the claim loop's, one per process) the scans start a little behind where
         the previous claim stopped and move the marks on (DESIGN invariant 18); without, every
         scan starts at the beginning of its index.
         """
         limit = max(0, limit)
         expired_limit = limit if expired_limit is None else max(0, expired_limit)
-        base = {
+        limits = {t: lim for t, lim in (limits or {}).items() if event_types is None or t in event_types}
+        base: dict[str, Any] = {
             "lease": lease,
             "owner": owner,
             "max_attempts": max_attempts,
             "event_types": list(event_types) if event_types is not None else None,
+            "excluded": [],
         }
         claimed: list[Claimed] = []
+        now_mono = time.monotonic()
         if marks is not None:
-            marks.begin(time.monotonic())
-        base["pending_since"] = marks.since(marks.pending) if marks else None
-        base["heads_since"] = marks.since(marks.heads) if marks else None
-        base["expired_since"] = marks.since(marks.expired) if marks else None
+            marks.begin(now_mono)
         with conn.transaction():
             settings = conn.execute(self._q["claim_settings"]).fetchone()
             db_now: datetime | None = settings[1] if settings is not None and len(settings) > 1 else None
+            flow = self._read_flow(conn, limits)
+            excluded = frozenset(flow.held) | frozenset(flow.allowances) if flow else frozenset()
+            if marks is not None:
+                marks.readmit(frozenset(flow.held) if flow else frozenset(), now_mono)
+            base["excluded"] = sorted(excluded)
+            base["pending_since"] = marks.since(marks.pending) if marks else None
+            base["heads_since"] = marks.since(marks.heads) if marks else None
+            base["expired_since"] = marks.since(marks.expired) if marks else None
             lost, unroutable, expired_full = self._release_expired(conn, base, lease, unroutable_delay)
             reaped = conn.execute(self._q["reap"], {**base, "limit": _EXPIRED_BATCH})
             reaped_rows = reaped.fetchall()
@@ -510,32 +577,237 @@ class Store:
                         "outbox_table": self.table.qualified,
                     },
                 )
+            waits: list[float] = []
+            if flow is not None and flow.held_for is not None:
+                waits.append(flow.held_for)
+            allowances = dict(sorted(flow.allowances.items())) if flow else {}
+            spent = dict.fromkeys(allowances, 0)
+            # A limited type's expired leases first: together with its new rows at most its
+            # allowance (DESIGN invariant 22). One statement for every limited type.
+            asks = {t: min(a.rows, expired_limit) for t, a in allowances.items()}
+            # From each type's own expired mark (invariant 18); the mark moves by the expired
+            # rule below, not by the due-order rule (db_now not given).
+            took = self._claim_limited(conn, "claim_expired_limited", "expired", asks, base, marks, None)
+            for event_type, rows in took.items():
+                if marks and db_now is not None and not expired_full and len(rows) < asks[event_type]:
+                    marks.typed[("expired", event_type)] = db_now
+                claimed += rows
+                spent[event_type] += len(rows)
             if expired_limit > 0:
                 rows = self._claim_rows(conn, "claim_expired", base, expired_limit)
                 claimed += rows
                 if marks and db_now is not None and not expired_full and len(rows) < expired_limit:
                     # Every lease that ran out by now was seen: the next claim starts here.
                     marks.expired = db_now
-            room = limit - len(claimed)
-            heads_short = False
-            if room > 0:
-                share = max(1, (room + 1) // 2)
-                heads = self._claim_rows(conn, "claim_heads", base, share, marks, "heads", db_now)
-                # Fewer heads than asked: no other head is claimable now, do not ask again.
-                heads_short = len(heads) < share
-                claimed += heads
-            room = limit - len(claimed)
-            if room > 0:
-                claimed += self._claim_rows(conn, "claim_pending", base, room, marks, "pending", db_now)
-            room = limit - len(claimed)
-            if room > 0 and len(claimed) > 0 and not heads_short:
-                # Pending rows ran short: let ordered heads use the rest of the batch.
-                claimed += self._claim_rows(conn, "claim_heads", base, room, marks, "heads", db_now)
+            # New rows: each limited type and the unlimited rest first share the batch, so that
+            # neither a limited type's backlog nor the others' starves the other; then whoever
+            # has more claimable takes what is left.
+            share = max(1, limit // (len(allowances) + 1))
+            rooms = {t: min(a.rows - spent[t], share) for t, a in allowances.items()}
+            cap = limit
+            if sum(max(0, r) for r in rooms.values()) > cap:
+                # A batch smaller than the types: the first types in order get one row each.
+                for t in rooms:
+                    rooms[t] = min(max(0, rooms[t]), cap)
+                    cap -= rooms[t]
+            fresh = 0
+            for event_type, rows in self._claim_fresh_limited(conn, rooms, base, marks, db_now).items():
+                fresh += len(rows)
+                spent[event_type] += len(rows)
+                claimed += rows
+            general = self._claim_fresh(conn, base, limit - fresh, marks, None, db_now)
+            fresh += len(general)
+            claimed += general
+            left = limit - fresh
+            more: dict[str, int] = {}
+            for event_type, allowed in allowances.items():
+                room = min(allowed.rows - spent[event_type], left)
+                if room > 0 and spent[event_type] >= share:
+                    more[event_type] = room
+                    left -= room
+            for event_type, rows in self._claim_fresh_limited(conn, more, base, marks, db_now).items():
+                spent[event_type] += len(rows)
+                claimed += rows
+            for event_type, allowed in allowances.items():
+                wait = allowed.wait(limits[event_type], spent[event_type])
+                if wait is not None:
+                    waits.append(wait)
+            if flow is not None:
+                self._spend(conn, flow, spent)
         self._count("claimed", len(claimed))
         self._count("reaped", len(reaped_rows))
         self._count("lost_tasks", lost)
         self._count("unroutable", unroutable)
-        return ClaimResult(claimed, len(reaped_rows), lost, unroutable)
+        return ClaimResult(
+            claimed,
+            len(reaped_rows),
+            lost,
+            unroutable,
+            flow_wait=min(waits) if waits else None,
+            held=tuple(sorted(flow.held)) if flow else (),
+        )
+
+    def _claim_limited(
+        self,
+        conn: psycopg.Connection[Any],
+        query: str,
+        scan: str,
+        asks: Mapping[str, int],
+        base: dict[str, Any],
+        marks: ScanMarks | None,
+        db_now: datetime | None,
+    ) -> dict[str, list[Claimed]]:
+        """One statement claiming up to ``asks[t]`` rows of each limited type ``t``.
+
+        Each type's scan starts from its own mark (``marks.typed``, DESIGN invariant 18); with
+        ``db_now`` the marks move on as :meth:`_claim_rows` moves the general ones.
+        """
+        asks = {t: n for t, n in sorted(asks.items()) if n > 0}
+        if not asks:
+            return {}
+        types = list(asks)
+        params = {
+            **base,
+            "types": types,
+            "limits": [asks[t] for t in types],
+            "since": [marks.since(marks.typed.get((scan, t))) if marks else None for t in types],
+        }
+        raw: dict[str, list[Any]] = {t: [] for t in types}
+        for r in conn.execute(self._q[query], params).fetchall():
+            raw[str(r[2])].append(r)
+        if marks is not None and db_now is not None:
+            for t in types:
+                marks.typed[(scan, t)] = ScanMarks.moved(asks[t], raw[t], db_now)
+        return {t: [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in rows] for t, rows in raw.items()}
+
+    def _claim_fresh_limited(
+        self,
+        conn: psycopg.Connection[Any],
+        rooms: Mapping[str, int],
+        base: dict[str, Any],
+        marks: ScanMarks | None,
+        db_now: datetime | None,
+    ) -> dict[str, list[Claimed]]:
+        """:meth:`_claim_fresh` for every limited type at once: heads and pending rows share
+        each type's room, three statements whatever the number of types."""
+        rooms = {t: r for t, r in rooms.items() if r > 0}
+        got: dict[str, list[Claimed]] = {t: [] for t in rooms}
+        shares = {t: max(1, (r + 1) // 2) for t, r in rooms.items()}
+        heads = self._claim_limited(conn, "claim_heads_limited", "heads", shares, base, marks, db_now)
+        for t, rows in heads.items():
+            got[t] += rows
+        pending = {t: r - len(got[t]) for t, r in rooms.items()}
+        for t, rows in self._claim_limited(
+            conn, "claim_pending_limited", "pending", pending, base, marks, db_now
+        ).items():
+            got[t] += rows
+        # Pending rows ran short: let ordered heads use the rest of the type's room.
+        again = {
+            t: r - len(got[t])
+            for t, r in rooms.items()
+            if got[t] and len(heads.get(t, [])) >= shares[t] and r > len(got[t])
+        }
+        for t, rows in self._claim_limited(
+            conn, "claim_heads_limited", "heads", again, base, marks, db_now
+        ).items():
+            got[t] += rows
+        return got
+
+    def _claim_fresh(
+        self,
+        conn: psycopg.Connection[Any],
+        base: dict[str, Any],
+        room: int,
+        marks: ScanMarks | None,
+        event_type: str | None,
+        db_now: datetime | None,
+    ) -> list[Claimed]:
+        """Ordered heads and unordered pending rows sharing ``room`` (neither starves)."""
+        claimed: list[Claimed] = []
+        heads_short = False
+        if room > 0:
+            share = max(1, (room + 1) // 2)
+            heads = self._claim_rows(conn, "claim_heads", base, share, marks, "heads", db_now, event_type)
+            # Fewer heads than asked: no other head is claimable now, do not ask again.
+            heads_short = len(heads) < share
+            claimed += heads
+        left = room - len(claimed)
+        if left > 0:
+            claimed += self._claim_rows(
+                conn, "claim_pending", base, left, marks, "pending", db_now, event_type
+            )
+        left = room - len(claimed)
+        if left > 0 and len(claimed) > 0 and not heads_short:
+            # Pending rows ran short: let ordered heads use the rest of the batch.
+            claimed += self._claim_rows(conn, "claim_heads", base, left, marks, "heads", db_now, event_type)
+        return claimed
+
+    # -- flow control (#23) --------------------------------------------------------------------
+
+    def flow_ready(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether the flow-control table (migration 0007) exists; cached once it does."""
+        if not self._flow_ready:
+            name = self.table.identifier(_sql.FLOW_SUFFIX).as_string(conn)
+            row = conn.execute(self._q["flow_exists"], {"flow_table": name}).fetchone()
+            self._flow_ready = bool(row and row[0])
+        return self._flow_ready
+
+    def _read_flow(self, conn: psycopg.Connection[Any], limits: Mapping[str, Limit]) -> FlowRead | None:
+        """Lock and read the flow rows; the allowance of every limited type (invariant 22)."""
+        if not self.flow_ready(conn):
+            if not self._flow_warned:
+                self._flow_warned = True
+                logger.error(
+                    "outbox table %s has no flow-control table (migration 0007 not applied): "
+                    "pauses and limits are not enforced until it is (outbox-celery migrate)",
+                    self.table.qualified,
+                    extra={"outbox_table": self.table.qualified},
+                )
+            return None
+        limited = sorted(limits)
+        rows = conn.execute(self._q["flow_lock"], {"limited": limited}).fetchall()
+        if len({r[0] for r in rows} & set(limited)) < len(limited):
+            # First claim that limits a type: its row, then the lock again (now on every row).
+            conn.execute(self._q["flow_add"], {"types": limited})
+            rows = conn.execute(self._q["flow_lock"], {"limited": limited}).fetchall()
+        held = frozenset(str(r[0]) for r in rows if r[1] or r[2])
+        held_for = min((float(r[3]) for r in rows if r[2] and not r[1]), default=None)
+        state = {str(r[0]): r for r in rows}
+        live: dict[str, int] = {}
+        bounded = [t for t in limited if limits[t].concurrency is not None]
+        if bounded:
+            # After the lock: a new snapshot (read committed) that holds every earlier claimer's
+            # claims of these types. Rate-only types need no count.
+            counted = conn.execute(self._q["flow_live"], {"limited": bounded}).fetchall()
+            live = {str(t): int(n) for t, n in counted}
+        allowances = {
+            t: allowance(
+                lim,
+                live=live.get(t, 0),
+                tokens=None if state[t][4] is None else float(state[t][4]),
+                since_refill=None if state[t][5] is None else float(state[t][5]),
+            )
+            for t, lim in limits.items()
+            if t not in held
+        }
+        return FlowRead(held=held, held_for=held_for, allowances=allowances)
+
+    def _spend(self, conn: psycopg.Connection[Any], flow: FlowRead, spent: Mapping[str, int]) -> None:
+        """Write the rate buckets back: the refilled tokens minus what this claim took.
+
+        Only the buckets this claim took from: an untouched bucket refills from its last write
+        when next read, exactly as if it had been written now, and each write leaves a row
+        version behind (a pinned xmin horizon keeps them, invariant 18), so the versions follow
+        the type's starts, bounded by its rate, not the number of claims.
+        """
+        buckets = {
+            t: a.tokens - spent[t]
+            for t, a in flow.allowances.items()
+            if a.tokens is not None and spent.get(t, 0) > 0
+        }
+        if buckets:
+            types = sorted(buckets)
+            conn.execute(self._q["flow_spend"], {"types": types, "tokens": [buckets[t] for t in types]})
 
     def _release_expired(
         self, conn: psycopg.Connection[Any], base: dict[str, Any], lease: float, unroutable_delay: float
@@ -590,11 +862,19 @@ class Store:
         marks: ScanMarks | None = None,
         mark: str | None = None,
         db_now: datetime | None = None,
+        event_type: str | None = None,
     ) -> list[Claimed]:
-        """Run one claiming statement; move ``marks``' ``mark`` on when given (invariant 18)."""
+        """Run one claiming statement; move ``marks``' ``mark`` on when given (invariant 18).
+
+        With ``event_type`` (a limited type's own statement) the mark is that type's.
+        """
         rows = conn.execute(self._q[query], {**base, "limit": limit}).fetchall()
         if marks is not None and mark is not None and db_now is not None:
-            setattr(marks, mark, ScanMarks.moved(limit, rows, db_now))
+            moved = ScanMarks.moved(limit, rows, db_now)
+            if event_type is None:
+                setattr(marks, mark, moved)
+            else:
+                marks.typed[(mark, event_type)] = moved
         return [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in rows]
 
     def release(self, conn: psycopg.Connection[Any], claims: Sequence[Claimed]) -> int:
@@ -933,6 +1213,25 @@ class Store:
         """Fenced defer, attempt refunded. Returns the new status or ``None`` if lost."""
         params = {"delay": delay, "reason": reason, "max_age": max_age}
         return self._reschedule(conn, "finish_defer", Outcome.DEFER, outbox_id, version, params)
+
+    def rate_limited(
+        self,
+        conn: psycopg.Connection[Any],
+        outbox_id: int,
+        version: int,
+        *,
+        delay: float,
+        reason: str,
+        max_age: float,
+    ) -> str | None:
+        """Fenced RateLimited outcome (#23, DESIGN invariant 23): as :meth:`defer` (attempt
+        refunded, ``dead`` past ``max_age``), and in the same statement the row's event type is
+        held until ``now() + delay``: no claim hands out another of its messages before then.
+
+        Returns the new status or ``None`` if the lease was lost (then nothing is held either).
+        """
+        params = {"delay": delay, "reason": reason, "max_age": max_age}
+        return self._reschedule(conn, "finish_rate_limited", Outcome.RATE_LIMITED, outbox_id, version, params)
 
     def _reschedule(
         self,

@@ -338,3 +338,44 @@ FROM (
 ) AS waiting
 GROUP BY event_type
 ORDER BY event_type;
+
+-- name: flow_exists
+-- Whether the flow-control table (migration 0007, #23) is there.
+SELECT to_regclass(%(flow_table)s) IS NOT NULL;
+
+-- name: flow_list
+-- Event types paused or held by a RateLimited outcome (#23): what stats shows.
+SELECT event_type, paused, extract(epoch FROM paused_until - now())::float8 AS held_for
+FROM {flow_table}
+WHERE paused OR paused_until > now()
+ORDER BY event_type;
+
+-- name: flow_pause
+-- Pause an event type (DESIGN invariant 23): no claim hands out its messages from the next one
+-- on (a claim reads the flow rows under their lock). Returns whether it was paused already.
+WITH before AS (
+    SELECT paused FROM {flow_table} WHERE event_type = %(event_type)s FOR UPDATE
+),
+up AS (
+    INSERT INTO {flow_table} AS f (event_type, paused) VALUES (%(event_type)s, true)
+    ON CONFLICT (event_type) DO UPDATE SET paused = true, updated_at = now()
+    RETURNING f.event_type
+)
+SELECT coalesce((SELECT paused FROM before), false) AS was_paused, (SELECT count(*) FROM up) AS rows;
+
+-- name: flow_resume
+-- Resume an event type: its pause and any RateLimited hold end, and the table's push listeners
+-- are woken at commit (the channel of insert's pg_notify), so its messages are claimed at once.
+-- Returns whether it was paused or held.
+WITH before AS (
+    SELECT paused OR coalesce(paused_until > now(), false) AS held
+    FROM {flow_table} WHERE event_type = %(event_type)s FOR UPDATE
+),
+up AS (
+    UPDATE {flow_table} SET paused = false, paused_until = NULL, updated_at = now()
+    WHERE event_type = %(event_type)s
+    RETURNING event_type
+)
+SELECT coalesce((SELECT held FROM before), false) AS was_held,
+       (SELECT count(*) FROM up) AS rows,
+       pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL AS woke;

@@ -162,6 +162,10 @@ WHERE o.id = doomed.id
 RETURNING o.id, o.lease_version, o.event_type;
 
 -- name: claim_expired
+-- excluded (here, in claim_pending and in claim_heads): event types this statement must not
+-- take (#23, DESIGN invariants 22, 23): paused or held by a RateLimited outcome, and the
+-- limited ones, which the claim takes by separate statements of their own (event_types = that
+-- one type, LIMIT its allowance). Empty: nothing excluded.
 -- Rows whose lease ran out with attempts left after their worker started them (it died or hung
 -- mid-handler): re-claimed with a new fencing token. Claims that never started go through
 -- release_expired instead.
@@ -172,6 +176,7 @@ WITH picked AS (
       AND attempts < %(max_attempts)s
       AND started_version = lease_version
       AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+      AND event_type <> ALL(%(excluded)s::text[])
     ORDER BY lease_until
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -195,6 +200,7 @@ WITH picked AS (
     WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()
       AND available_at >= coalesce(%(pending_since)s::timestamptz, '-infinity')
       AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+      AND event_type <> ALL(%(excluded)s::text[])
     ORDER BY available_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -220,6 +226,7 @@ WITH picked AS (
     WHERE status = 'pending' AND head AND available_at <= now()
       AND available_at >= coalesce(%(heads_since)s::timestamptz, '-infinity')
       AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+      AND event_type <> ALL(%(excluded)s::text[])
     ORDER BY available_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -396,6 +403,35 @@ SET status = CASE WHEN now() + make_interval(secs => %(delay)s)
                       ELSE 'deferred: ' || %(reason)s END
 WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
 RETURNING id, status;
+
+-- name: finish_rate_limited
+-- A RateLimited outcome (#23, DESIGN invariant 23): the row as finish_defer writes it (attempt
+-- refunded, dead once held past max_defer_age), and, only when that fenced write won, its event
+-- type held until the same time in the flow table; a later hold never shortens an earlier one.
+-- One statement: the hold and the row's return commit together.
+WITH fin AS (
+    UPDATE {table}
+    SET status = CASE WHEN now() + make_interval(secs => %(delay)s)
+                           > created_at + make_interval(secs => %(max_age)s)
+                      THEN 'dead' ELSE 'pending' END,
+        attempts = greatest(attempts - 1, 0),
+        available_at = now() + make_interval(secs => %(delay)s),
+        lease_until = NULL,
+        last_error = CASE WHEN now() + make_interval(secs => %(delay)s)
+                               > created_at + make_interval(secs => %(max_age)s)
+                          THEN 'rate limited past max_defer_age: ' || %(reason)s
+                          ELSE 'rate limited: ' || %(reason)s END
+    WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+    RETURNING id, status, event_type
+),
+held AS (
+    INSERT INTO {flow_table} AS f (event_type, paused_until)
+    SELECT event_type, now() + make_interval(secs => %(delay)s) FROM fin
+    ON CONFLICT (event_type) DO UPDATE
+    SET paused_until = greatest(f.paused_until, excluded.paused_until), updated_at = now()
+    RETURNING f.event_type
+)
+SELECT fin.id, fin.status FROM fin;
 
 -- name: finish_dead
 UPDATE {table}
@@ -610,3 +646,123 @@ SET lease_until = greatest(o.lease_until, now() + make_interval(secs => %(second
 FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS e(id, version)
 WHERE o.id = e.id AND o.lease_version = e.version AND o.status = 'processing'
 RETURNING o.id;
+
+-- name: flow_exists
+-- Whether the flow-control table (migration 0007, #23) is there: a claim of a table not
+-- migrated yet runs without pauses and limits (and says so in the log) instead of failing.
+SELECT to_regclass(%(flow_table)s) IS NOT NULL;
+
+-- name: flow_lock
+-- The flow-control rows a claim must respect (#23, DESIGN invariants 22, 23): those of the event
+-- types this claimer limits, and those paused or held by a RateLimited outcome. Locked, in
+-- event-type order (no deadlocks): concurrent claimers serialize on these small rows, so the
+-- live deliveries the next statement counts (a new snapshot under read committed) include
+-- everything an earlier claimer handed out. One row per type, never the backlog.
+SELECT event_type, paused, coalesce(paused_until > now(), false) AS held,
+       extract(epoch FROM paused_until - now())::float8 AS held_for,
+       tokens, extract(epoch FROM now() - refilled_at)::float8 AS since_refill
+FROM {flow_table}
+WHERE event_type = ANY(%(limited)s::text[]) OR paused OR paused_until > now()
+ORDER BY event_type
+FOR UPDATE;
+
+-- name: flow_add
+-- A row for each limited event type that has none yet (the first claim that limits it).
+INSERT INTO {flow_table} (event_type)
+SELECT DISTINCT t FROM unnest(%(types)s::text[]) AS u(t)
+ON CONFLICT (event_type) DO NOTHING;
+
+-- name: flow_live
+-- Live deliveries of the limited event types (DESIGN invariant 22): processing rows whose lease
+-- has not run out, claimed or running, on any worker. Read through the leases' partial index
+-- (lease_until, status = 'processing') from now(): the entries of one lease period, as
+-- count_in_flight. A worker that died holds its slot only until its lease ends.
+SELECT event_type, count(*)
+FROM {table}
+WHERE status = 'processing' AND lease_until > now() AND event_type = ANY(%(limited)s::text[])
+GROUP BY event_type;
+
+-- name: flow_spend
+-- The rate buckets after a claim: the tokens left and the time they were counted at (the
+-- transaction's now(), never moved back by a claimer whose transaction began earlier).
+UPDATE {flow_table} AS f
+SET tokens = u.tokens,
+    refilled_at = greatest(coalesce(f.refilled_at, now()), now()),
+    updated_at = now()
+FROM unnest(%(types)s::text[], %(tokens)s::float8[]) AS u(event_type, tokens)
+WHERE f.event_type = u.event_type;
+
+-- name: claim_expired_limited
+-- claim_expired for the limited event types (#23, DESIGN invariant 22), all in one statement:
+-- per type (types[i]), at most limits[i] rows, from that type's own scan mark (since[i]). One
+-- index read per type; the allowances were decided under the flow rows' lock.
+WITH picked AS (
+    SELECT p.id
+    FROM unnest(%(types)s::text[], %(limits)s::int[], %(since)s::timestamptz[]) AS u(event_type, n, since),
+    LATERAL (
+        SELECT id FROM {table}
+        WHERE status = 'processing' AND lease_until <= now()
+          AND lease_until >= coalesce(u.since, '-infinity')
+          AND attempts < %(max_attempts)s
+          AND started_version = lease_version
+          AND event_type = u.event_type
+        ORDER BY lease_until
+        LIMIT u.n
+        FOR UPDATE SKIP LOCKED
+    ) AS p
+)
+UPDATE {table} AS o
+SET lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease)s),
+    lease_version = o.lease_version + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+
+-- name: claim_heads_limited
+-- claim_heads for the limited event types, as claim_expired_limited: heads only (invariant 9).
+WITH picked AS (
+    SELECT p.id
+    FROM unnest(%(types)s::text[], %(limits)s::int[], %(since)s::timestamptz[]) AS u(event_type, n, since),
+    LATERAL (
+        SELECT id FROM {table}
+        WHERE status = 'pending' AND head AND available_at <= now()
+          AND available_at >= coalesce(u.since, '-infinity')
+          AND event_type = u.event_type
+        ORDER BY available_at, id
+        LIMIT u.n
+        FOR UPDATE SKIP LOCKED
+    ) AS p
+)
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease)s),
+    lease_version = o.lease_version + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+
+-- name: claim_pending_limited
+-- claim_pending for the limited event types, as claim_expired_limited.
+WITH picked AS (
+    SELECT p.id
+    FROM unnest(%(types)s::text[], %(limits)s::int[], %(since)s::timestamptz[]) AS u(event_type, n, since),
+    LATERAL (
+        SELECT id FROM {table}
+        WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()
+          AND available_at >= coalesce(u.since, '-infinity')
+          AND event_type = u.event_type
+        ORDER BY available_at, id
+        LIMIT u.n
+        FOR UPDATE SKIP LOCKED
+    ) AS p
+)
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease)s),
+    lease_version = o.lease_version + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;

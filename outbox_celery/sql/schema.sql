@@ -50,3 +50,15 @@ CREATE TABLE {instance_table} (
     created_at timestamptz NOT NULL DEFAULT now()
 );
 INSERT INTO {instance_table} DEFAULT VALUES;
+-- Flow control per event type: pause, RateLimited holds, rate buckets (migration 0007, #23).
+CREATE TABLE {flow_table} (
+    event_type   text        PRIMARY KEY CHECK (event_type <> ''),
+    -- Paused by an operator (outbox-celery pause): claimed by nobody until resumed.
+    paused       boolean     NOT NULL DEFAULT false,
+    -- A RateLimited outcome (HTTP 429): nothing of the type starts before this time.
+    paused_until timestamptz,
+    -- The rate limit's token bucket: starts left, and when it was last refilled (NULL: full).
+    tokens       float8,
+    refilled_at  timestamptz,
+    updated_at   timestamptz NOT NULL DEFAULT now()
+);

@@ -78,11 +78,14 @@ class Harness:
         batches: dict[str, int] | None = None,
         celery: dict[str, Any] | None = None,
         via_celery_conf: bool | None = None,
+        limits: dict[str, dict[str, Any]] | None = None,
         **outbox: Any,
     ) -> None:
         """Change the app spec (before starting the processes that should see it)."""
         if routes is not None:
             self.spec.routes = dict(routes)
+        if limits is not None:
+            self.spec.limits = dict(limits)
         if transactional is not None:
             self.spec.transactional = dict(transactional)
         if batches is not None:

@@ -18,7 +18,8 @@ from psycopg_pool import ConnectionPool
 
 from outbox_celery import Message, OutboxConfig, Store, TableName
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, publish_units
-from outbox_celery.errors import Defer, PermanentError, RetryableError
+from outbox_celery import admin
+from outbox_celery.errors import Defer, PermanentError, RateLimited, RetryableError
 from outbox_celery.store import Claimed
 
 from .helpers import LONG, add, claim_ids, fetch
@@ -222,6 +223,26 @@ def test_invariant_21_a_mixed_batch_records_each_outcome(
     assert 25 < rows[ids[1]]["available_in"] <= 30
     assert rows[ids[3]]["last_error"] == "PermanentError: never"
     assert rows[ids[4]]["last_error"].startswith("RuntimeError: unclassified")
+
+
+def test_invariant_23_a_rate_limited_item_of_a_batch_holds_its_event_type(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    ids = add(conn, 3, table=table, event_type=EVENT)
+
+    def handler(msgs: list[Message]) -> dict[int, BaseException]:
+        return {ids[1]: RateLimited(30, reason="HTTP 429")}
+
+    dispatcher = _dispatcher(pool, table, handler)
+    [unit] = _claim_units(dispatcher)
+    counts = dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit])
+    assert counts == {"done": 2, "rate_limited": 1}
+    row = fetch(conn, table, ids[1])
+    # Back to pending, its attempt refunded, and its whole event type held (not lost as a stale lease).
+    assert (row["status"], row["attempts"]) == ("pending", 0)
+    assert 25 < row["available_in"] <= 30
+    [held] = admin.stats(conn, table).flow
+    assert held.event_type == EVENT and held.held_for is not None and held.held_for > 25
 
 
 def test_invariant_21_an_exception_applies_to_the_whole_batch(

@@ -69,7 +69,14 @@ def shared_hits(
     conn: psycopg.Connection[Any], store: Store, query: str, index: str, params: dict[str, Any]
 ) -> int:
     """Buffers the scan of ``index`` touched in one run of a claim statement (rolled back)."""
-    base = {**CLAIM, "event_types": None, "limit": 10, "pending_since": None, "heads_since": None}
+    base = {
+        **CLAIM,
+        "event_types": None,
+        "excluded": [],
+        "limit": 10,
+        "pending_since": None,
+        "heads_since": None,
+    }
     with conn.transaction(force_rollback=True):
         row = conn.execute(
             sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + store.queries[query], {**base, **params}

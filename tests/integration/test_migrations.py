@@ -229,22 +229,28 @@ PAIRS = [
 def test_applying_every_migration_in_order_yields_exactly_the_fresh_schema(
     dsn: str, server_dsn: str, fresh: str, replayed: str, two_databases: bool
 ) -> None:
-    # The outbox table and the one beside it holding its identity (migration 0006, #21).
+    # The outbox table and the ones beside it holding its identity (migration 0006, #21) and
+    # its flow-control state (migration 0007, #23).
     with psycopg.connect(dsn, autocommit=True) as c1:
         assert migrate(c1, fresh) == [m.version for m in available()]
         expected = schema_dump(c1, fresh)
         expected_instance = schema_dump(c1, fresh + "_instance")
+        expected_flow = schema_dump(c1, fresh + "_flow")
         if two_databases:
             with temporary_database(server_dsn) as other, psycopg.connect(other, autocommit=True) as c2:
                 assert migrate(c2, replayed, fresh_schema=False) == [m.version for m in available()]
                 got = schema_dump(c2, replayed)
                 got_instance = schema_dump(c2, replayed + "_instance")
+                got_flow = schema_dump(c2, replayed + "_flow")
         else:
             assert migrate(c1, replayed, fresh_schema=False) == [m.version for m in available()]
             got = schema_dump(c1, replayed)
             got_instance = schema_dump(c1, replayed + "_instance")
+            got_flow = schema_dump(c1, replayed + "_flow")
     assert got == expected
     assert got_instance == expected_instance
+    assert got_flow == expected_flow
+    assert [c[0] for c in expected_flow["columns"]][:3] == ["event_type", "paused", "paused_until"]
     assert [c[0] for c in expected_instance["columns"]] == ["singleton", "instance", "created_at"]
     assert len(expected["indexes"]) == 1 + len(_sql.INDEX_SUFFIXES)
     assert expected["table"][2], "autovacuum settings missing"

@@ -59,6 +59,7 @@ PARAMS: dict[str, Any] = {
     "starter": "worker-1:1:abc",
     "max_attempts": 12,
     "event_types": None,
+    "excluded": [],
     "limit": 200,
     "id": LIVE_ID,
     "version": 1,
@@ -86,6 +87,10 @@ PARAMS: dict[str, Any] = {
     "heads_since": None,
     "expired_since": None,
     "within": 1.0,
+    "types": ["thing.happened"],
+    "limits": [200],
+    "since": [None],
+    "limited": ["thing.happened"],
 }
 
 HOT = [
@@ -110,6 +115,12 @@ HOT = [
     "release",
     "count_in_flight",
     "next_due",
+    # Flow control (#23): the limited types' own claim statements and their live-lease count.
+    "claim_expired_limited",
+    "claim_heads_limited",
+    "claim_pending_limited",
+    "flow_live",
+    "finish_rate_limited",
 ]
 
 

@@ -21,6 +21,8 @@ worker serves every situation a test needs::
                                             row under a newer lease, then return (a late,
                                             fenced finalize)
     {"mode": "extend", "seconds": 30}       extend its own lease, record whether it won
+    {"mode": "rate_limited", "retry_after": 3}
+                                            RateLimited(3) on the message's first run, then ok
 
 Event types in ``transactional`` get :func:`scripted_transactional` instead (#24): the same
 modes, run inside the handler's transaction after it wrote its effect (a row in ``effects``)
@@ -51,7 +53,7 @@ import psycopg
 from celery import Celery, current_task
 from psycopg import sql
 
-from outbox_celery import Defer, Message, PermanentError, RetryableError, Store, TableName
+from outbox_celery import Defer, Message, PermanentError, RateLimited, RetryableError, Store, TableName
 from outbox_celery.celery_app import Outbox
 
 ENV_VAR = "OUTBOX_TEST_APP"
@@ -123,6 +125,8 @@ class AppSpec:
         keyword arguments.
     :ivar queries: replacement texts of named queries (``Store(queries=...)``), to make the
         library itself fail where a test needs it to.
+    :ivar limits: event type -> keyword arguments of its handler's flow-control limits
+        (``{"concurrency": 2, "rate": "5/s"}``, #23).
     """
 
     dsn: str
@@ -135,6 +139,7 @@ class AppSpec:
     celery: dict[str, Any] = field(default_factory=dict)
     via_celery_conf: bool = False
     queries: dict[str, str] = field(default_factory=dict)
+    limits: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The spec as JSON."""
@@ -184,7 +189,7 @@ def build_app(spec: AppSpec) -> tuple[Celery, Outbox]:
         app.config_from_object(conf)
         outbox = Outbox(app, dsn=spec.dsn, store=store, **spec.outbox)
     for event_type, queue in spec.routes.items():
-        outbox.handler(event_type, queue=queue)(scripted(outbox))
+        outbox.handler(event_type, queue=queue, **spec.limits.get(event_type, {}))(scripted(outbox))
     options: dict[str, Any] = {"transactional": spec.transactional_kind}
     if spec.transactional and spec.transactional_kind == "sqlalchemy":
         from sqlalchemy import create_engine
@@ -334,6 +339,14 @@ def _act(outbox: Outbox, message: Message, mode: str, payload: dict[str, Any]) -
         return "survived"
     if mode == "sleep":
         time.sleep(float(payload.get("seconds", 0.5)))
+        return "ok"
+    if mode == "rate_limited":
+        # Only the message's first run (its attempt is refunded, so attempts cannot tell).
+        with outbox.connection() as conn:
+            row = conn.execute("SELECT count(*) FROM handler_calls WHERE outbox_id = %s", [message.id])
+            runs = row.fetchone()
+        if runs is not None and int(runs[0]) <= 1:
+            raise RateLimited(float(payload.get("retry_after", 3)), reason="scripted HTTP 429")
         return "ok"
     if mode == "stall":
         return _stall(outbox, message)

@@ -1,0 +1,274 @@
+"""Flow control (#23): do the limits hold, and what do they cost the claim?
+
+``python -m benchmarks.flow`` (options: ``--help``) prints, in one run on one server:
+
+* **concurrency**: a type limited to ``--concurrency`` (5) whose handler sleeps ``--sleep``
+  (50 ms), ``--messages`` (400) of them delivered by ``--workers`` (12) delivery threads: the
+  most handler runs at once (from the handlers' own start and finish times, one monotonic
+  clock) beside the limit, and the throughput beside ``concurrency / sleep``;
+* **rate**: a type limited to ``--rate`` (50/s) for ``--rate-seconds`` (10 s; the issue's figure
+  is 60): the most starts in a 1-s window (windows aligned on the first start) beside the rate
+  plus one burst (the tolerance, ``max(1, rate x 0.2 s)``), and the total beside ``rate x T``;
+* **claim cost**: one claim of 200 rows (``Store.claim`` with scan marks, as the claim loop
+  runs it; median of ``--rounds`` interleaved rounds, each claim's rows then marked done,
+  untimed) from a draining backlog of 10 event types
+  arriving interleaved, with no limit, then with 1 and 10 of the types declared limited but not
+  binding (a concurrency and a rate far above what is claimed).
+
+The delivery side is the plain dispatcher loop (``benchmarks/plain.py``: the library's
+Dispatcher and Store over a psycopg pool, no broker): a claimer thread runs claim runs the way
+the push listener does (at once again after a full batch, else after the run's ``flow_wait`` or
+``--poll``), and each delivery thread calls ``Dispatcher.deliver`` for the rows handed to it, as
+a Celery pool process would. What is measured is what the claim enforces, in PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import queue
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg_pool import ConnectionPool
+
+from outbox_celery import OutboxConfig, Store, TableName, migrate
+from outbox_celery.dispatch import Dispatcher, HandlerSpec
+from outbox_celery.flow import Limit, parse_rate
+from outbox_celery.message import Message
+from outbox_celery.store import Claimed, ScanMarks
+
+from .plain import fill_pending
+from .services import services
+
+__all__ = ["main"]
+
+LIMITED = "bench.limited"
+
+
+class Runs:
+    """Handler start/finish times (this process's monotonic clock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.spans: list[tuple[float, float]] = []
+
+    def handler(self, sleep: float) -> Any:
+        def run(message: Message) -> None:
+            started = time.monotonic()
+            if sleep:
+                time.sleep(sleep)
+            with self.lock:
+                self.spans.append((started, time.monotonic()))
+
+        return run
+
+    def max_overlap(self) -> int:
+        events = sorted([(s, 1) for s, _ in self.spans] + [(e, -1) for _, e in self.spans])
+        now = most = 0
+        for _, step in events:
+            now += step
+            most = max(most, now)
+        return most
+
+
+def deliver_all(
+    dsn: str, table: str, n: int, limit: Limit, *, workers: int, sleep: float, poll: float
+) -> tuple[Runs, float]:
+    """Fill ``n`` rows of the limited type and deliver them; return the runs and the seconds."""
+    config = OutboxConfig(
+        dsn=dsn, table=table, lease=60.0, batch_size=200, max_in_flight=1000, done_batch_delay=0.0
+    )
+    runs = Runs()
+    pool: ConnectionPool[Any] = ConnectionPool(
+        dsn, min_size=2, max_size=workers + 4, kwargs={"autocommit": True}, open=True
+    )
+    handlers = {LIMITED: HandlerSpec(LIMITED, runs.handler(sleep), "", limit=limit)}
+    dispatcher = Dispatcher(config, pool.connection, handlers)
+    with pool.connection() as conn:
+        fill_pending(conn, table, n, event_type=LIMITED)
+    tasks: queue.Queue[Claimed | None] = queue.Queue()
+    stop = threading.Event()
+
+    def publish(claims: Sequence[Claimed]) -> int:
+        for c in claims:
+            tasks.put(c)
+        return len(claims)
+
+    def claimer() -> None:
+        while not stop.is_set():
+            run = dispatcher.claim_and_publish(publish, owner="bench")
+            if run.stopped_by == "budget":
+                continue
+            wait = poll if run.flow_wait is None else min(poll, run.flow_wait)
+            stop.wait(wait)
+
+    def worker() -> None:
+        while True:
+            c = tasks.get()
+            if c is None:
+                return
+            dispatcher.deliver(c.id, c.lease_version)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    claim_thread = threading.Thread(target=claimer)
+    for t in [*threads, claim_thread]:
+        t.start()
+    while True:
+        with runs.lock:
+            finished = len(runs.spans)
+        if finished >= n:
+            break
+        time.sleep(0.05)
+    seconds = time.monotonic() - started
+    stop.set()
+    claim_thread.join()
+    for _ in threads:
+        tasks.put(None)
+    for t in threads:
+        t.join()
+    pool.close()
+    return runs, seconds
+
+
+def fill_interleaved(conn: psycopg.Connection[Any], table: str, n: int, types: Sequence[str]) -> None:
+    """``n`` due pending rows, their event types interleaved, each due a millisecond after the
+    previous one (as traffic of several types arrives)."""
+    conn.execute(
+        sql.SQL(
+            "INSERT INTO {} (event_type, aggregate_type, aggregate_id, payload, available_at)"
+            " SELECT (%s::text[])[1 + g %% cardinality(%s::text[])], 'bench', g::text,"
+            " jsonb_build_object('i', g), now() - make_interval(secs => (%s - g) / 1000.0)"
+            " FROM generate_series(1, %s) AS g"
+        ).format(TableName.parse(table).identifier()),
+        [list(types), list(types), n, n],
+    )
+
+
+def claim_cost(dsn: str, table: str, *, rounds: int) -> tuple[int, dict[str, float]]:
+    """Median ms of one 200-row claim, with 0, 1 and 10 limited types declared, not binding.
+
+    The backlog drains: every variant claims its 200 rows in turn from the front, as a claim
+    loop does; returns the backlog size and the medians.
+    """
+    types = [f"bench.t{i}" for i in range(10)]
+    roomy = Limit(concurrency=1_000_000, rate=1e9)
+    variants: dict[str, dict[str, Limit] | None] = {
+        "no limits": None,
+        "1 limited type (not binding)": {types[0]: roomy},
+        "10 limited types (not binding)": {t: roomy for t in types},
+    }
+    store = Store(table)
+    # Each variant claims as its own process would: with its own scan marks (the claim loop's).
+    marks = {k: ScanMarks() for k in variants}
+    timings: dict[str, list[float]] = {k: [] for k in variants}
+    backlog = (rounds + 2) * len(variants) * 200
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        fill_interleaved(conn, table, backlog, types)
+        conn.execute("ANALYZE")
+        for r in range(rounds + 1):
+            for name, limits in variants.items():
+                began = time.perf_counter()
+                result = store.claim(
+                    conn,
+                    limit=200,
+                    lease=60.0,
+                    owner="bench",
+                    max_attempts=5,
+                    event_types=types,
+                    limits=limits,
+                    marks=marks[name],
+                )
+                elapsed = time.perf_counter() - began
+                assert len(result.claimed) == 200, len(result.claimed)
+                # Delivered (untimed): live leases stay what the in-flight bound allows, as in a
+                # running outbox, rather than piling up across rounds.
+                store.done_many(conn, [(c.id, c.lease_version) for c in result.claimed])
+                if r > 0:  # the first round warms caches and creates the flow rows
+                    timings[name].append(elapsed * 1000)
+    return backlog, {name: statistics.median(ms) for name, ms in timings.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.flow", description=__doc__.splitlines()[0])
+    p.add_argument("--dsn", help="a PostgreSQL server's maintenance database (default: local, else embedded)")
+    p.add_argument("--concurrency", type=int, default=5)
+    p.add_argument("--sleep", type=float, default=0.05, help="handler seconds (concurrency part)")
+    p.add_argument("--messages", type=int, default=400)
+    p.add_argument("--workers", type=int, default=12, help="delivery threads")
+    p.add_argument("--rate", default="50/s")
+    p.add_argument("--rate-seconds", type=float, default=10.0)
+    p.add_argument("--poll", type=float, default=1.0, help="longest wait between claim runs (listen_poll)")
+    p.add_argument("--rounds", type=int, default=30)
+    a = p.parse_args(argv)
+    per_second = parse_rate(a.rate)
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        services(Path(tmp), dsn=a.dsn, redis_url=None, amqp_url=None, want_amqp=False) as svc,
+    ):
+        print(f"postgresql: {svc.describe()['postgresql']}")
+        with psycopg.connect(svc.dsn, autocommit=True) as conn:
+            version = conn.execute("SHOW server_version").fetchone()
+            for t in ("conc", "rate", "cost"):
+                migrate(conn, t)
+        print(f"server version: {version[0] if version else '?'}")
+
+        runs, seconds = deliver_all(
+            svc.dsn,
+            "conc",
+            a.messages,
+            Limit(concurrency=a.concurrency),
+            workers=a.workers,
+            sleep=a.sleep,
+            poll=a.poll,
+        )
+        ideal = a.concurrency / a.sleep if a.sleep else math.inf
+        print(
+            f"\nconcurrency: limit {a.concurrency}, {a.messages} messages, handler {a.sleep * 1000:.0f} ms, "
+            f"{a.workers} delivery threads"
+        )
+        print(f"  max handlers running at once: {runs.max_overlap()} (limit {a.concurrency})")
+        print(f"  throughput: {a.messages / seconds:.1f}/s (limit / handler time = {ideal:.1f}/s)")
+
+        n = int(per_second * a.rate_seconds)
+        runs, seconds = deliver_all(
+            svc.dsn, "rate", n, Limit(rate=per_second), workers=a.workers, sleep=0.0, poll=a.poll
+        )
+        starts = sorted(s for s, _ in runs.spans)
+        first = starts[0]
+        windows: dict[int, int] = {}
+        for s in starts:
+            windows[int(s - first)] = windows.get(int(s - first), 0) + 1
+        burst = Limit(rate=per_second).burst
+        span = starts[-1] - first
+        print(f"\nrate: limit {a.rate} ({per_second:g}/s), {n} messages")
+        print(
+            f"  most starts in a 1-s window: {max(windows.values())} "
+            f"(rate {per_second:g} + one burst {burst:g} = {per_second + burst:g})"
+        )
+        print(
+            f"  {n} starts over {span:.2f} s: {n / span if span else math.inf:.1f}/s "
+            f"(expected {(n - burst) / per_second:.2f} s at the rate after one burst)"
+        )
+
+        backlog, cost = claim_cost(svc.dsn, "cost", rounds=a.rounds)
+        print(
+            f"\nclaim cost: one claim of 200 rows from a draining backlog of {backlog:,} pending rows "
+            f"of 10 interleaved event types, median of {a.rounds} rounds"
+        )
+        base = cost["no limits"]
+        for name, ms in cost.items():
+            print(f"  {name:<34} {ms:7.2f} ms  ({(ms / base - 1) * 100:+.0f}%)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

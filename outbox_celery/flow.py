@@ -1,0 +1,137 @@
+"""Flow control per event type (#23): the limits a handler declares and what a claim may take.
+
+Pure decisions, no I/O: :class:`Limit` (what ``@outbox.handler(..., concurrency=, rate=)``
+declares), :func:`parse_rate` (Celery's rate strings) and :func:`allowance` (how many rows of a
+limited event type one claim may hand out, from the state the claim read under the type's row
+lock). The SQL that reads and writes that state is in ``sql/queries.sql`` (``flow_*``) and runs
+in :meth:`Store.claim <outbox_celery.store.Store.claim>`; docs/flow-control.md has the
+semantics (DESIGN invariants 22 and 23).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from .errors import ConfigurationError
+
+__all__ = ["LIMIT_RECHECK", "RATE_BURST", "Allowance", "Limit", "allowance", "parse_rate"]
+
+#: Seconds of a rate limit's starts one claim may take at once: the token bucket holds
+#: ``max(1, rate x RATE_BURST)`` tokens. It is also the tolerance of the rate bound: any window
+#: of ``T`` seconds sees at most ``rate x T + max(1, rate x RATE_BURST)`` starts.
+RATE_BURST = 0.2
+
+#: Seconds the push listener waits before claiming again while an event type is held at its
+#: concurrency limit (a delivery's end sends no notification; its slot is found by this poll).
+LIMIT_RECHECK = 0.05
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:/\s*([smh]))?\s*$")
+
+
+def parse_rate(value: str | float | int) -> float:
+    """Starts per second from Celery's rate forms: ``"50/s"``, ``"3000/m"``, ``"10/h"``, or a
+    number (or a bare number in a string), meaning per second.
+
+    :raises ConfigurationError: (a :class:`ValueError`) anything else, zero or negative.
+    """
+    if isinstance(value, bool):
+        raise ConfigurationError(f"rate must be a number or a string like '50/s', not {value!r}")
+    if isinstance(value, int | float):
+        per_second = float(value)
+    elif isinstance(value, str) and (m := _RATE.match(value)):
+        per_second = float(m.group(1)) / _UNITS[m.group(2) or "s"]
+    else:
+        raise ConfigurationError(
+            f"malformed rate {value!r}: use a number of starts per second or '<n>/s', '<n>/m', "
+            "'<n>/h' (Celery's rate forms), e.g. '50/s' or '3000/m'"
+        )
+    if not math.isfinite(per_second) or per_second <= 0:
+        raise ConfigurationError(f"rate {value!r} must be more than zero starts per second")
+    return per_second
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """The global limits of one event type, across every worker (DESIGN invariant 22).
+
+    :ivar concurrency: live deliveries at most: rows ``processing`` under a live lease, claimed
+        or running, counted over every worker; ``None``: no bound.
+    :ivar rate: starts per second at most (claims handed out, re-claims of expired leases
+        included); ``None``: no bound.
+    """
+
+    concurrency: int | None = None
+    rate: float | None = None
+
+    @classmethod
+    def declared(cls, *, concurrency: int | None, rate: str | float | int | None) -> Limit | None:
+        """The limit ``@outbox.handler(concurrency=..., rate=...)`` declares (``None``: none).
+
+        :raises ConfigurationError: ``concurrency`` not a positive integer, or a bad ``rate``.
+        """
+        if concurrency is not None and (
+            isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
+        ):
+            raise ConfigurationError(f"concurrency must be a positive integer, not {concurrency!r}")
+        per_second = None if rate is None else parse_rate(rate)
+        if concurrency is None and per_second is None:
+            return None
+        return cls(concurrency=concurrency, rate=per_second)
+
+    @property
+    def burst(self) -> float:
+        """Tokens a full bucket holds (``max(1, rate x RATE_BURST)``); 0 without a rate."""
+        return 0.0 if self.rate is None else max(1.0, self.rate * RATE_BURST)
+
+
+@dataclass(frozen=True, slots=True)
+class Allowance:
+    """What one claim may take of a limited event type, and the bucket it leaves behind.
+
+    :ivar rows: rows this claim may hand out (0 or more).
+    :ivar tokens: the bucket after refilling, before this claim takes anything (``None``: no
+        rate limit).
+    :ivar by_rate: whether the rate, rather than concurrency, decided ``rows``.
+    """
+
+    rows: int
+    tokens: float | None
+    by_rate: bool
+
+    def wait(self, limit: Limit, taken: int) -> float | None:
+        """Seconds until claiming again can take more, when this claim was held by the limit.
+
+        ``None`` when the limit did not hold it (it took fewer rows than it was allowed: nothing
+        more of the type was claimable).
+        """
+        if taken < self.rows:
+            return None
+        if self.by_rate and limit.rate is not None and self.tokens is not None:
+            left = self.tokens - taken
+            return max(LIMIT_RECHECK, (1.0 - left) / limit.rate)
+        return LIMIT_RECHECK
+
+
+def allowance(limit: Limit, *, live: int, tokens: float | None, since_refill: float | None) -> Allowance:
+    """How many rows of a limited event type one claim may hand out now.
+
+    :param live: its live deliveries, counted after its row lock (rows ``processing`` whose
+        lease has not run out).
+    :param tokens: its bucket as last written (``None``: never written, a full bucket).
+    :param since_refill: seconds (database clock) since the bucket was last written.
+    """
+    rows = math.inf
+    by_rate = False
+    if limit.concurrency is not None:
+        rows = max(0, limit.concurrency - live)
+    now_tokens: float | None = None
+    if limit.rate is not None:
+        burst = limit.burst
+        elapsed = max(0.0, since_refill or 0.0)
+        now_tokens = burst if tokens is None else min(burst, max(0.0, tokens) + limit.rate * elapsed)
+        by_rate = math.floor(now_tokens) < rows
+        rows = min(rows, math.floor(now_tokens))
+    return Allowance(rows=int(rows), tokens=now_tokens, by_rate=by_rate)
