@@ -16,9 +16,8 @@ import pytest
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from outbox_celery import Message, OutboxConfig, Store, TableName
+from outbox_celery import Message, OutboxConfig, Store, TableName, admin
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, publish_units
-from outbox_celery import admin
 from outbox_celery.errors import Defer, PermanentError, RateLimited, RetryableError
 from outbox_celery.store import Claimed
 
