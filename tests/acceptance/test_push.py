@@ -175,7 +175,8 @@ def test_a_claim_held_off_by_another_run_is_retried_once_that_run_ends(harness: 
     with psycopg.connect(harness.dsn, autocommit=True) as other:
         store = harness.outbox.store
         with other.transaction():  # the claim lock lives as long as this transaction
-            assert store.try_claim_lock(other)
+            # The worker's own first claim (at start) may hold the lock a moment: wait for it.
+            harness.wait(lambda: store.try_claim_lock(other) or None, what="the claim lock")
             ids = _enqueue_one_per_transaction(harness, 3)
             time.sleep(1.0)  # the listener wakes, finds the lock taken, and must not give up
             assert statuses(harness.conn, harness.table)["pending"] == 3
