@@ -941,23 +941,27 @@ class Store:
             # Its own statement: it re-checks the fence, whatever happened in between.
             with self._single_statement(conn):
                 exhausted = conn.execute(self._q["start_exhausted"], params).fetchone()
-            if exhausted is not None:
-                self._count("dead")
-                logger.error(
-                    "outbox id %s went dead: attempts exhausted before this run",
-                    outbox_id,
-                    extra={
-                        "outbox_id": outbox_id,
-                        "lease_version": version,
-                        "outcome": "dead",
-                        "outbox_table": self.table.qualified,
-                    },
-                )
-            else:
-                self._count("stale_starts")
+            self._refused_start(outbox_id, version, dead=exhausted is not None)
             return None
         self._count("started")
         return self._message(conn, row)
+
+    def _refused_start(self, outbox_id: int, version: int, *, dead: bool) -> None:
+        """Count (and, when its attempts ran out, log) a start that did not start its row."""
+        if not dead:
+            self._count("stale_starts")
+            return
+        self._count("dead")
+        logger.error(
+            "outbox id %s went dead: attempts exhausted before this run",
+            outbox_id,
+            extra={
+                "outbox_id": outbox_id,
+                "lease_version": version,
+                "outcome": "dead",
+                "outbox_table": self.table.qualified,
+            },
+        )
 
     def _message(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> Message:
         return Message(
@@ -1114,20 +1118,7 @@ class Store:
             with self._single_statement(conn):
                 dead = {int(r[0]) for r in conn.execute(self._q["start_exhausted_many"], params).fetchall()}
             for outbox_id, version in missing:
-                if outbox_id in dead:
-                    self._count("dead")
-                    logger.error(
-                        "outbox id %s went dead: attempts exhausted before this run",
-                        outbox_id,
-                        extra={
-                            "outbox_id": outbox_id,
-                            "lease_version": version,
-                            "outcome": "dead",
-                            "outbox_table": self.table.qualified,
-                        },
-                    )
-                else:
-                    self._count("stale_starts")
+                self._refused_start(outbox_id, version, dead=outbox_id in dead)
         return sorted((self._message(conn, r) for r in rows), key=lambda m: m.id)
 
     def finish_many(
