@@ -614,28 +614,22 @@ class Outbox:
             """Reap, claim and publish (triggered by beat every ``claim_interval``)."""
             return outbox._claim_coalesced().as_dict()
 
-        @self.app.task(
-            name=f"{self.name}.deliver",
-            ignore_result=True,
-            acks_late=True,
-            # A lost worker acks its message: the row comes back through its lease, fenced.
-            reject_on_worker_lost=False,
-            max_retries=0,
-            shared=False,
-        )
+        # Both delivery tasks: acked late, and a lost worker acks its message too (every row
+        # comes back through its lease, fenced); never Celery's retries (DESIGN invariant 14).
+        delivery: dict[str, Any] = {
+            "ignore_result": True,
+            "acks_late": True,
+            "reject_on_worker_lost": False,
+            "max_retries": 0,
+            "shared": False,
+        }
+
+        @self.app.task(name=f"{self.name}.deliver", **delivery)
         def deliver(outbox_id: int, lease_version: int) -> str:
             """Deliver one outbox row (fenced start, handler, fenced finalize)."""
             return outbox.dispatcher.deliver(int(outbox_id), int(lease_version), batch_done=True)
 
-        @self.app.task(
-            name=f"{self.name}.deliver_batch",
-            ignore_result=True,
-            acks_late=True,
-            # As deliver: a lost worker acks its message, every row comes back through its lease.
-            reject_on_worker_lost=False,
-            max_retries=0,
-            shared=False,
-        )
+        @self.app.task(name=f"{self.name}.deliver_batch", **delivery)
         def deliver_batch(ids: list[int], versions: list[int]) -> dict[str, int]:
             """Deliver a batch handler's rows (one fenced start, the handler, one fenced finalize)."""
             return outbox.dispatcher.deliver_batch(list(zip(ids, versions, strict=True)))
