@@ -1,6 +1,6 @@
 """The webhook receiver: another team's service, de-duplicating with a transactional inbox.
 
-``python -m examples.orders.receiver [--port 8080] [--throttle-every N] [--drop-every N]``
+``python -m examples.orders.receiver [--port 8080] [--max-rate N] [--drop-every N]``
 
 ``POST /webhooks`` with an ``Idempotency-Key`` header. In one transaction it records the key
 in its inbox (:mod:`outbox_celery.inbox`, table ``receiver.webhook_inbox``) and, only when the
@@ -9,8 +9,11 @@ redelivered event finds its key and changes nothing: at-least-once delivery, exa
 
 Fault injection, to show what the outbox does about a misbehaving downstream (off by default):
 
-``--throttle-every N``
-    The first request for one key in ``N`` is answered ``429`` with ``Retry-After: 1``.
+``--max-rate N``
+    At most ``N`` requests a second (a window per wall-clock second, across every event type):
+    the requests beyond are answered ``429`` with ``Retry-After: 1``, as a rate-limited API
+    would. The outbox's handlers answer that with ``RateLimited``, which holds their event type
+    back on every worker, so the 429s stay few.
 ``--drop-every N``
     For one key in ``N``, the first request is applied and committed, then the connection is
     closed without an answer: the handler sees an error and retries, and the redelivery must
@@ -25,6 +28,7 @@ import argparse
 import logging
 import os
 import threading
+import time
 import zlib
 from typing import Any
 
@@ -52,18 +56,29 @@ class Receiver:
     """The receiver's logic, independent of HTTP (the handler below only translates).
 
     :param pool: connections to the receiver's database.
-    :param throttle_every: answer 429 to the first request of one key in this many (0: never).
+    :param max_rate: answer 429 to the requests beyond this many in a second (0: never).
     :param drop_every: drop the connection after committing the first request of one key in
         this many (0: never).
     """
 
-    def __init__(self, pool: ConnectionPool[Any], *, throttle_every: int = 0, drop_every: int = 0) -> None:
+    def __init__(self, pool: ConnectionPool[Any], *, max_rate: int = 0, drop_every: int = 0) -> None:
         self.pool = pool
-        self.throttle_every = throttle_every
+        self.max_rate = max_rate
         self.drop_every = drop_every
         self._lock = threading.Lock()
-        self._throttled: set[str] = set()
         self._dropped: set[str] = set()
+        self._window = 0
+        self._in_window = 0
+
+    def _over_rate(self) -> bool:
+        if self.max_rate <= 0:
+            return False
+        with self._lock:
+            window = int(time.time())
+            if window != self._window:
+                self._window, self._in_window = window, 0
+            self._in_window += 1
+            return self._in_window > self.max_rate
 
     def _first_time(self, seen: set[str], key: str) -> bool:
         with self._lock:
@@ -85,7 +100,7 @@ class Receiver:
         ``throttled``: answer 429. ``applied``/``duplicate``: answer 200. ``applied_dropped``:
         applied and committed, now drop the connection.
         """
-        if _picked(key, "throttle", self.throttle_every) and self._first_time(self._throttled, key):
+        if self._over_rate():
             with self.pool.connection() as conn:
                 self._log(conn, key, event, "throttled")
             return "throttled"
@@ -168,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default=os.environ.get("RECEIVER_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=settings.RECEIVER_PORT)
     env = os.environ.get
-    parser.add_argument("--throttle-every", type=int, default=int(env("RECEIVER_THROTTLE_EVERY") or 0))
+    parser.add_argument("--max-rate", type=int, default=int(env("RECEIVER_MAX_RATE") or 0))
     parser.add_argument("--drop-every", type=int, default=int(env("RECEIVER_DROP_EVERY") or 0))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -178,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     pool: ConnectionPool[Any] = ConnectionPool(
         dsn, min_size=1, max_size=8, kwargs={"autocommit": True}, name="receiver", open=True
     )
-    receiver = Receiver(pool, throttle_every=args.throttle_every, drop_every=args.drop_every)
+    receiver = Receiver(pool, max_rate=args.max_rate, drop_every=args.drop_every)
     serve(_handler(receiver), host=args.host, port=args.port, name="receiver", on_stop=pool.close)
     return 0
 

@@ -6,7 +6,8 @@ Standard library only (``urllib.request``). The mapping is what most webhook con
 what happened                          outcome
 =====================================  ==============================================
 2xx                                    delivered (the handler returns)
-429 Too Many Requests                  ``RetryableError(delay=Retry-After)``
+429 Too Many Requests                  ``RateLimited(Retry-After)``: the whole event
+                                       type waits, on every worker, no attempt spent
 408, 5xx                               ``RetryableError`` (the outbox's backoff)
 connection refused/reset, timeout      ``RetryableError`` (the request may or may not
                                        have had its effect: the receiver de-duplicates)
@@ -24,7 +25,7 @@ from datetime import UTC, datetime
 from email.message import Message as Headers
 from email.utils import parsedate_to_datetime
 
-from outbox_celery import Message, PermanentError, RetryableError
+from outbox_celery import Message, PermanentError, RateLimited, RetryableError
 
 from . import settings
 
@@ -32,6 +33,8 @@ __all__ = ["post_event", "retry_after"]
 
 TIMEOUT = 10.0
 """Seconds to wait for the receiver (well below the delivery task's time limit)."""
+DEFAULT_RETRY_AFTER = 1.0
+"""Seconds to hold back after a 429 that names no ``Retry-After``."""
 MAX_RETRY_AFTER = 3600.0
 """A receiver asking for more than this is capped (the outbox's own backoff cap applies too)."""
 
@@ -86,7 +89,10 @@ def post_event(message: Message, *, url: str | None = None, timeout: float = TIM
         detail = exc.read(300).decode("utf-8", "replace").strip()
         text = f"webhook answered HTTP {exc.code} {exc.reason}: {detail}".strip()
         if exc.code == 429:
-            raise RetryableError(text, delay=retry_after(exc.headers)) from None
+            # The receiver is over its rate, not failing this message: hold back every message
+            # of the type until Retry-After, instead of each one finding out by its own 429.
+            wait = retry_after(exc.headers)
+            raise RateLimited(DEFAULT_RETRY_AFTER if wait is None else wait, text) from None
         if exc.code == 408 or exc.code >= 500:
             raise RetryableError(text) from None
         raise PermanentError(text) from None

@@ -189,8 +189,6 @@ def _verify_database(dsn: str, summary: dict[str, Any], orders: int) -> dict[str
             [[str(i) for i in ids]],
         ).fetchall()
         assert len(events) == orders * EVENTS_PER_ORDER
-        deferred_types = {e["event_type"] for e in events if e["lease_version"] > e["attempts"]}
-        assert deferred_types <= {"order.shipped"}, deferred_types
         assert {e["status"] for e in events} == {"done"}, [e for e in events if e["status"] != "done"]
         prefix = Store("outbox").key_prefix(conn)
         keys = {f"{prefix}{e['id']}" for e in events}
@@ -213,6 +211,16 @@ def _verify_database(dsn: str, summary: dict[str, Any], orders: int) -> dict[str
         for r in requests:
             by_key.setdefault(r["idempotency_key"], []).append(r["outcome"])
         assert set(by_key) == keys
+        # More claims than attempts: a Defer (an order.shipped of an unpaid order) or a
+        # RateLimited after a 429 (its attempt is refunded too); nothing else holds a row back.
+        throttled = {k for k, outcomes in by_key.items() if "throttled" in outcomes}
+        held_back = [e for e in events if e["lease_version"] > e["attempts"]]
+        unexplained = [
+            e
+            for e in held_back
+            if e["event_type"] != "order.shipped" and f"{prefix}{e['id']}" not in throttled
+        ]
+        assert not unexplained, unexplained
         for key, outcomes in by_key.items():
             applied = [o for o in outcomes if o in ("applied", "applied_dropped")]
             assert len(applied) == 1, (key, outcomes)
@@ -275,8 +283,8 @@ def test_demo_delivers_each_event_once_in_effect_despite_redeliveries(
             "--json",
             str(summary_file),
             # Misbehave often, so that a small run surely has redeliveries and throttling.
-            "--throttle-every",
-            "3",
+            "--max-rate",
+            "10",
             "--drop-every",
             "3",
             "--invoice-every",
@@ -296,7 +304,7 @@ def test_demo_delivers_each_event_once_in_effect_despite_redeliveries(
     assert counted["throttled"] >= 1 and counted["retried"] >= 1, counted
     # One order in 4 was shipped before it was paid: its notification was deferred (the demo pays
     # those orders once each of their order.shipped events has been deferred).
-    assert counted["deferred"] == orders // 4, counted
+    assert counted["deferred"] >= orders // 4, counted
     # Every process the demo started (workers per queue, beat, receiver, API) was seen and is gone.
     assert set(summary["pids"]) == {
         "receiver",
