@@ -360,3 +360,32 @@ def test_list_queries_use_the_partial_indexes_not_a_scan_of_the_history(
             explain = sql if sql.startswith("EXPLAIN") else "EXPLAIN " + sql
             plan = "\n".join(str(r[0]) for r in pg.execute(explain).fetchall())
             assert "Seq Scan on outbox" not in plan, f"{query}: {sql}\n{plan}"
+
+
+def _paused(pg: psycopg.Connection[Any], event_type: str) -> bool:
+    row = pg.execute(
+        "SELECT coalesce(bool_or(paused), false) FROM outbox_flow WHERE event_type = %s", [event_type]
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def test_pause_and_resume_the_event_types_of_a_selection(
+    client: Client, shop: dict[str, int], pg: psycopg.Connection[Any]
+) -> None:
+    """#23: the admin pauses what `outbox-celery pause` pauses, shows it, and resumes it."""
+    page = _act(client, "pause_event_types", [shop["pending"], shop["dead"], shop["processing"]])
+    assert "Paused invoice.sent, order.created" in page
+    assert _paused(pg, "order.created") and _paused(pg, "invoice.sent")
+    assert not _paused(pg, "order.paid")
+    summary = client.get(_url()).content.decode()
+    flow = summary[summary.index('id="outbox-flow"') :]
+    assert "<b>invoice.sent</b>" in flow and "<b>order.created</b>" in flow and "paused" in flow
+    assert "already paused: order.created" in _act(client, "pause_event_types", [shop["pending"]]).lower()
+
+    page = _act(client, "resume_event_types", [shop["pending"]])
+    assert "Resumed order.created" in page
+    assert not _paused(pg, "order.created") and _paused(pg, "invoice.sent")
+    page = _act(client, "resume_event_types", [shop["dead"]]).lower()
+    assert "neither paused nor held: order.created" in page
+    summary = client.get(_url()).content.decode()
+    assert "<b>order.created</b>" not in summary[summary.index('id="outbox-summary"') :].split("</div>")[0]

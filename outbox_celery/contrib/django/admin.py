@@ -305,7 +305,7 @@ class OutboxMessageAdmin(_ModelAdmin):
     if hasattr(admin, "ShowFacets"):
         show_facets = admin.ShowFacets.NEVER
     paginator = EstimatedCountPaginator
-    actions = ["requeue_dead", "skip_messages"]
+    actions = ["requeue_dead", "skip_messages", "pause_event_types", "resume_event_types"]
     change_list_template = "admin/outbox_celery/outboxmessage/change_list.html"
     fieldsets = (
         (None, {"fields": ("id", "event_type", "status", "state", "aggregate_type", "aggregate_id")}),
@@ -556,6 +556,42 @@ class OutboxMessageAdmin(_ModelAdmin):
             "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
         }
         return TemplateResponse(request, "admin/outbox_celery/outboxmessage/skip_confirmation.html", context)
+
+    def _event_types(self, queryset: QuerySet[OutboxMessage]) -> list[str]:
+        # The distinct event types of the selection (at most the action's row cap of them).
+        rows = queryset.order_by().values_list("event_type", flat=True).distinct()[:MAX_ACTION_ROWS]
+        return sorted(str(t) for t in rows)
+
+    def _flow_action(self, request: HttpRequest, queryset: QuerySet[OutboxMessage], verb: str) -> None:
+        conn = _psycopg(self.using)
+        change = core_admin.pause if verb == "pause" else core_admin.resume
+        changed: list[str] = []
+        unchanged: list[str] = []
+        try:
+            for event_type in self._event_types(queryset):
+                (changed if change(conn, outbox_table(), event_type) else unchanged).append(event_type)
+        except (core_admin.AdminError, psycopg.Error) as exc:
+            done = f" ({', '.join(changed)} done first)" if changed else ""
+            self.message_user(request, f"could not {verb}: {first_line(exc)}{done}", messages.ERROR)
+            return
+        past = "paused" if verb == "pause" else "resumed"
+        if changed:
+            self.message_user(request, f"{past} {', '.join(changed)}", messages.SUCCESS)
+        if unchanged:
+            state = "already paused" if verb == "pause" else "neither paused nor held"
+            self.message_user(request, f"{state}: {', '.join(unchanged)}", messages.WARNING)
+
+    @admin.action(description="Pause the event types of the selected messages", permissions=["change"])
+    def pause_event_types(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
+        """No claim hands out messages of these event types, on any worker, until resumed
+        (``outbox-celery pause``; deliveries already running finish)."""
+        self._flow_action(request, queryset, "pause")
+
+    @admin.action(description="Resume the event types of the selected messages", permissions=["change"])
+    def resume_event_types(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
+        """End a pause or a ``RateLimited`` hold of these event types; the push listeners are
+        woken, so their messages are claimed at once (``outbox-celery resume``)."""
+        self._flow_action(request, queryset, "resume")
 
 
 def _id_list(ids: list[int]) -> str:
