@@ -22,9 +22,10 @@ from psycopg_pool import ConnectionPool
 from . import producer
 from ._pool import ForkSafePool, IdleCheck
 from .backoff import RetryPolicy
+from .celery_config import configure_app, dsn_exposed, loaded_conf
 from .config import UNSET, OutboxConfig, TableName, Unset
 from .dispatch import ClaimRun, Dispatcher, HandlerSpec, default_owner
-from .dsn import DSN_ENV, password
+from .dsn import DSN_ENV
 from .errors import ConfigurationError
 from .flow import Limit
 from .listener import Listener
@@ -34,12 +35,9 @@ from .publisher import TaskPublisher
 from .push import install_listener_step
 from .store import Claimed, Store
 from .transactional import transaction_kind
-from .worker_settings import check_worker_settings, redelivery_problem
-from .worker_settings import is_redis as _is_redis
+from .worker_settings import check_worker_settings
 
 __all__ = ["Outbox"]
-
-logger = logging.getLogger(__name__)
 
 _SETTINGS = frozenset(OutboxConfig.__dataclass_fields__)
 
@@ -52,34 +50,6 @@ PURGE_MAX_BATCHES_PER_RUN = 20
 MAX_BATCH = 1000
 # Seconds a pooled connection may sit idle and still be handed out without a check (IdleCheck).
 POOL_CHECK_IDLE = 2.0
-
-
-def _loaded_conf(app: Celery) -> Any:
-    """``app.conf``, loaded: a pending configuration only shows what was set before loading."""
-    if not getattr(app, "configured", True):
-        with suppress(KeyError):
-            app.conf["broker_url"]  # reading any key loads the configuration
-    return app.conf
-
-
-def _user_set(conf: Any, key: str) -> bool:
-    """Whether ``key`` was set by the user, not just left at Celery's default."""
-    maps = getattr(conf, "maps", None)
-    if not maps:
-        return key in conf
-    to_keys = getattr(conf, "_to_keys", None)
-    keys = to_keys(key) if callable(to_keys) else (key,)
-    # The last map holds Celery's defaults; the others are what the app was configured with.
-    return any(k in m for m in maps[:-1] for k in keys)
-
-
-def _routers(routes: Any) -> tuple[Any, ...]:
-    """``task_routes`` as a tuple of routers (it may be one router or a sequence of them)."""
-    if routes is None:
-        return ()
-    if isinstance(routes, list | tuple):
-        return tuple(routes)
-    return (routes,)
 
 
 class _QuietClaims(logging.Filter):
@@ -236,28 +206,13 @@ class Outbox:
     def config(self) -> OutboxConfig:
         """The resolved settings (keyword arguments > Celery ``outbox_*`` > defaults)."""
         if self._config is None:
-            config = OutboxConfig.from_mapping(_loaded_conf(self.app), **self._settings)
+            config = OutboxConfig.from_mapping(loaded_conf(self.app), **self._settings)
             if config.dsn is None and os.environ.get(DSN_ENV):
                 # Read from the environment, the DSN never enters app.conf, which `celery
                 # report` and `celery inspect conf` print (Celery masks only names it knows).
                 config = config.replace(dsn=os.environ[DSN_ENV])
             self._config = config
         return self._config
-
-    def _dsn_exposed(self) -> bool:
-        """Whether a DSN with a password sits in the Celery configuration (printed by Celery).
-
-        ``outbox_dsn`` and ``outbox_listen_dsn`` both (#21).
-        """
-        for name, value in (("dsn", self.config.dsn), ("listen_dsn", self.config.listen_dsn)):
-            if name in self._settings or not value or not _user_set(self.app.conf, f"outbox_{name}"):
-                continue
-            try:
-                if password(value) is not None:
-                    return True
-            except psycopg.Error:
-                return True  # unparseable: assume the worst
-        return False
 
     @property
     def store(self) -> Store:
@@ -382,80 +337,7 @@ class Outbox:
         return {}
 
     def _configure_app(self) -> None:
-        cfg = self.config
-        conf = self.app.conf
-        # Manual calls (``outbox.deliver_task.delay(...)``, ``claim_task.delay()``) land on the
-        # outbox's queues too; the user's own task_routes are consulted first.
-        conf.task_routes = (
-            *_routers(conf.task_routes),
-            {
-                f"{self.name}.claim": {"queue": cfg.claim_queue},
-                f"{self.name}.purge": {"queue": cfg.claim_queue},
-                f"{self.name}.deliver": {"queue": cfg.default_queue},
-                f"{self.name}.deliver_batch": {"queue": cfg.default_queue},
-            },
-        )
-        # A claim run holds the claim lock: one stuck in a hung publish must end (its rows are
-        # then released). Set on the task too, for claims sent by hand.
-        claim_soft, claim_hard = cfg.claim_time_limits
-        # Celery takes fractional seconds here (the stubs say int).
-        self.claim_task.soft_time_limit = claim_soft  # type: ignore[assignment]
-        self.claim_task.time_limit = claim_hard  # type: ignore[assignment]
-        schedule = dict(conf.beat_schedule or {})
-        schedule.setdefault(
-            f"{self.name}-claim",
-            {
-                "task": f"{self.name}.claim",
-                "schedule": cfg.claim_interval,
-                # Celery checks ``expires`` on the worker's clock (invariant 13): one tick would
-                # make a worker 1 s ahead of beat discard every claim, so it gets the skew
-                # allowance on top. Claims that pile up behind a stalled claim worker are
-                # coalesced by the claim task instead (and the claim lock makes any extra cheap).
-                "options": {
-                    "queue": cfg.claim_queue,
-                    "expires": cfg.claim_interval + cfg.max_clock_skew,
-                    "soft_time_limit": claim_soft,
-                    "time_limit": claim_hard,
-                },
-            },
-        )
-        if cfg.retention is not None:
-            schedule.setdefault(
-                f"{self.name}-purge",
-                {
-                    "task": f"{self.name}.purge",
-                    "schedule": min(600.0, max(60.0, cfg.retention / 10)),
-                    "options": {"queue": cfg.claim_queue, "expires": 60.0},
-                },
-            )
-        conf.beat_schedule = schedule
-        if cfg.configure_celery:
-            self._apply_recommended(cfg, conf)
-        # After the defaults: a broker that would redeliver a running delivery stops worker and
-        # beat here, with the reason, rather than a warning nobody reads (#21).
-        problem = redelivery_problem(cfg, conf)
-        if problem:
-            raise ConfigurationError(f"outbox settings: {problem}")
-
-    @staticmethod
-    def _apply_recommended(cfg: OutboxConfig, conf: Any) -> None:
-        applied = []
-        if not _user_set(conf, "worker_prefetch_multiplier"):
-            # Reserved-but-unstarted deliveries sit in a worker while their lease runs.
-            conf.worker_prefetch_multiplier = 1
-            applied.append("worker_prefetch_multiplier=1")
-        if _is_redis(conf.broker_url):
-            options = dict(conf.broker_transport_options or {})
-            if "visibility_timeout" not in options:
-                # Redis redelivers unacked (acks_late) messages after this; it must exceed the
-                # delivery's time limit plus a lease (handler_time_limit with the heartbeat).
-                options["visibility_timeout"] = max(3600.0, cfg.lease * 4, 2 * cfg.min_redelivery_timeout)
-                conf.broker_transport_options = options
-                applied.append(
-                    f"broker_transport_options.visibility_timeout={options['visibility_timeout']:g}"
-                )
-        if applied:
-            logger.debug("outbox applied Celery settings: %s", ", ".join(applied))
+        configure_app(self.app, self.config, name=self.name, claim_task=self.claim_task)
 
     def check_worker_settings(
         self,
@@ -478,7 +360,7 @@ class Outbox:
             self.config,
             self.app.conf,
             delivery_queues=self.delivery_queues,
-            dsn_exposed=self._dsn_exposed(),
+            dsn_exposed=dsn_exposed(self.config, self.app.conf, given=self._settings),
             pool=pool,
             concurrency=concurrency,
             queues=queues,
