@@ -493,7 +493,8 @@ class Outbox:
 
     @property
     def publisher(self) -> TaskPublisher:
-        """Sends this process's claimed rows to the broker (the claim run's publisher)."""
+        """Sends this process's claimed rows to the broker: the claim run's
+        :class:`~outbox_celery.dispatch.Publisher`, created at first use."""
         if self._publisher is None:
             self._publisher = TaskPublisher(
                 self.app,
@@ -529,6 +530,8 @@ class Outbox:
 
     def claim(self) -> ClaimRun:
         """Run one claim (what the beat-triggered task does); usable without Celery workers."""
+        # Through the method, not the publisher itself: a wrapper set on the instance's
+        # ``publish`` (benchmarks/hooks.py times publishes so) sees every claim run's publishes.
         return self.dispatcher.claim_and_publish(self.publish, owner=default_owner())
 
     def _claim_coalesced(self) -> ClaimRun:
