@@ -138,13 +138,13 @@ def apply(outbox: Any, spec: str) -> None:
     """Patch one benchmark process's ``Outbox`` (workers) to use the variants of ``spec``."""
     names = parse(spec)
     if "publish_each" in names:
-        from outbox_celery import celery_app
+        from outbox_celery import publisher
 
         @contextlib.contextmanager
         def each(producer: Any, n: int) -> Any:
             yield False  # Benchmark-only: every task published on its own, as before #12.
 
-        celery_app._publish_batch = each
+        publisher._publish_batch = each
         deliver = outbox.deliver_task
         apply_async = deliver.apply_async
 

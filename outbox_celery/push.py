@@ -10,21 +10,46 @@ and no wait for a free pool process behind deliveries (docs/push.md has the meas
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
-from celery import bootsteps
+from celery import Celery, bootsteps
 
+from .config import OutboxConfig
+from .dispatch import ClaimRun, HandlerSpec
 from .listener import Listener
+from .store import Store
 
-if TYPE_CHECKING:
-    from .celery_app import Outbox
-
-__all__ = ["install_listener_step", "listener_for"]
+__all__ = ["ListenedOutbox", "install_listener_step", "listener_for"]
 
 logger = logging.getLogger(__name__)
 
 
-def _consumes(outbox: Outbox, worker: Any) -> bool:
+class ListenedOutbox(Protocol):
+    """What the push step needs of an outbox: an :class:`~outbox_celery.celery_app.Outbox` is one.
+
+    Described here rather than imported, so that this module does not import ``celery_app``
+    (which imports it to install the step).
+    """
+
+    app: Celery
+    name: str
+    #: The listener running in this worker process, set and cleared by the step.
+    listener: Listener | None
+
+    @property
+    def config(self) -> OutboxConfig: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def handlers(self) -> Mapping[str, HandlerSpec]: ...
+
+    def claim(self) -> ClaimRun: ...
+
+
+def _consumes(outbox: ListenedOutbox, worker: Any) -> bool:
     try:
         queues = worker.app.amqp.queues.consume_from
         return outbox.config.claim_queue in (queues or {})
@@ -32,7 +57,7 @@ def _consumes(outbox: Outbox, worker: Any) -> bool:
         return False
 
 
-def listener_for(outbox: Outbox) -> Listener:
+def listener_for(outbox: ListenedOutbox) -> Listener:
     """A :class:`Listener` that claims for ``outbox`` in this process."""
     cfg = outbox.config
     dsn = cfg.listen_dsn or cfg.dsn
@@ -47,7 +72,7 @@ def listener_for(outbox: Outbox) -> Listener:
     )
 
 
-def install_listener_step(outbox: Outbox) -> None:
+def install_listener_step(outbox: ListenedOutbox) -> None:
     """Add a worker bootstep that runs ``outbox``'s listener where it applies."""
 
     class OutboxListener(bootsteps.StartStopStep):

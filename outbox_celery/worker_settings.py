@@ -3,6 +3,7 @@
 :meth:`Outbox.check_worker_settings <outbox_celery.celery_app.Outbox.check_worker_settings>`
 runs :func:`check_worker_settings` at ``worker_init`` with the worker's pool, concurrency and
 queues; the checks need nothing but the resolved settings, so they live apart from the wiring.
+What the outbox writes into the Celery configuration itself is :mod:`outbox_celery.celery_config`.
 """
 
 from __future__ import annotations

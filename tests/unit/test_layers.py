@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import outbox_celery
@@ -10,7 +11,8 @@ import outbox_celery
 PACKAGE = Path(outbox_celery.__file__).parent
 
 
-def _imports(path: Path) -> set[str]:
+@cache
+def _imports(path: Path) -> frozenset[str]:
     """Absolute names of the package modules ``path`` imports (relative imports resolved)."""
     module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -23,7 +25,7 @@ def _imports(path: Path) -> set[str]:
             target = ".".join(p for p in (base, node.module or "") if p)
             names.add(target)
             names.update(f"{target}.{alias.name}" for alias in node.names)
-    return names
+    return frozenset(names)
 
 
 def test_no_production_module_imports_the_test_helpers() -> None:
@@ -72,7 +74,8 @@ def _reachable(module: str) -> dict[str, list[str]]:
 
 
 # dispatch decides, store runs the SQL, the done batcher and the listener are threads around them:
-# none of them needs Celery, which only celery_app (and push, worker_settings, cli) bring in.
+# none of them needs Celery, which only celery_app (and publisher, celery_config, push,
+# worker_settings, cli) bring in.
 CELERY_FREE = ["dispatch", "store", "_done_batch", "listener"]
 CELERY = ("celery", "kombu", "billiard")
 
@@ -84,6 +87,27 @@ def test_the_core_modules_import_no_celery() -> None:
             if name.split(".")[0] in CELERY:
                 offenders[f"{module} -> {name}"] = " -> ".join(chain)
     assert offenders == {}
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No import circle inside the package, type-only imports included.
+
+    Each module can then be read (and imported) after the ones it names: the publisher, the
+    Celery configuration and the push step do not reach back into ``celery_app``, which uses
+    them; push describes the outbox it needs as a protocol instead of importing ``Outbox``.
+    """
+    circles = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if path.name == "__init__.py":
+            continue  # every submodule import runs it (see _reachable)
+        for name in sorted(_imports(path)):
+            if name == module or _module_path(name) in (None, path):
+                continue
+            back = _reachable(name)
+            if module in back:
+                circles[module] = " -> ".join([module, *back[module]])
+    assert circles == {}
 
 
 # The modules that compose SQL text: the query files' loader, the one module that runs the
