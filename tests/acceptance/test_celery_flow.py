@@ -1,8 +1,9 @@
 """Flow control with real workers (#23, DESIGN invariants 22 and 23).
 
-One broker (Redis): the limits live in the claim, in PostgreSQL, before a Celery message exists;
-nothing here depends on the broker. Handler runs are recorded with the database's clock
-(``handler_calls``), so overlaps and waits are measured on one clock.
+Mostly on Redis: the limits live in the claim, in PostgreSQL, before a Celery message exists, so
+nothing here depends on the broker; one test runs the bound on both brokers to show it. Handler
+runs are recorded with the database's clock (``handler_calls``), so overlaps and waits are
+measured on one clock.
 """
 
 from __future__ import annotations
@@ -61,6 +62,22 @@ def test_invariant_22_a_concurrency_limit_bounds_handler_runs_across_the_pool(ha
     # The other type was not held behind the limited one: it used the rest of the pool.
     assert max_overlap([c for c in seen if c["outbox_id"] in free]) >= 2
     assert {r["attempts"] for r in harness.rows()} == {1}
+
+
+def test_invariant_22_the_bound_holds_across_worker_processes_on_either_broker(
+    broker_url: str, harness_factory: HarnessFactory
+) -> None:
+    """Two workers of two pool processes each, on Redis and RabbitMQ: still at most the limit."""
+    harness = harness_factory(broker_url)
+    harness.configure(routes={LIMITED: None}, limits={LIMITED: {"concurrency": 2}})
+    limited = harness.enqueue(8, event_type=LIMITED, payload={"mode": "sleep", "seconds": 0.25})
+    harness.worker(concurrency=2, name="flow-a")
+    harness.worker(concurrency=2, name="flow-b")
+    harness.wait_finished(8)
+
+    runs = [c for c in calls(harness.conn) if c["outbox_id"] in limited]
+    assert len(runs) == 8
+    assert max_overlap(runs) == 2, "a limit of 2 was exceeded across the workers (or never reached)"
 
 
 def test_invariant_22_a_killed_workers_slot_comes_back_after_its_lease(harness: Harness) -> None:
