@@ -86,6 +86,10 @@ def _settings(dsn: str) -> str:
         USE_TZ = True
         INSTALLED_APPS = ["django_celery_outbox"]
         DATABASES = {{"default": {db!r}}}
+        # Persistent connections (Django's setting for long-running processes): the relay keeps
+        # one backend through the run, whose CPU the benchmark counts (it would otherwise
+        # reconnect on every loop, and the backends that exited would go uncounted).
+        DATABASES["default"]["CONN_MAX_AGE"] = None
         CELERY_OUTBOX_APP = "peerbench.celeryapp.app"
         LOGGING_CONFIG = None
         """
