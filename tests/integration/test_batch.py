@@ -22,7 +22,7 @@ from outbox_celery.dispatch import Dispatcher, HandlerSpec, publish_units
 from outbox_celery.errors import Defer, PermanentError, RateLimited, RetryableError
 from outbox_celery.store import Claimed, ClaimResult, ScanMarks
 
-from .helpers import LONG, add, claim_ids, fetch
+from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, fetch
 
 EVENT = "metrics.sample"
 
@@ -417,3 +417,17 @@ def test_max_wait_in_the_claim_run_sets_when_the_listener_claims_again(
     time.sleep(run.flow_wait + 0.05)
     dispatcher.claim_and_publish(publish, owner="test")
     assert len(published) == 2
+
+
+def test_invariant_21_max_wait_never_holds_expired_leases(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    # A started claim whose worker died: its rows waited a lease already and come back at once.
+    ids = add(conn, 2, table=table, event_type=EVENT)
+    claims = store.claim(conn, limit=10, lease=SHORT, owner="w", max_attempts=5).claimed
+    pairs = [(c.id, c.lease_version) for c in claims]
+    store.start_many(conn, pairs, lease=SHORT, max_attempts=5, starter="w:1:a")
+    time.sleep(PAST_SHORT)
+    again = _fill_claim(conn, store, max_wait=5.0)
+    assert sorted(c.id for c in again.claimed) == ids
+    assert {c.lease_version for c in again.claimed} == {2}
