@@ -303,6 +303,10 @@ def _brokers(args: argparse.Namespace, svc: Services) -> list[tuple[str, str]]:
     return out
 
 
+#: Roles of a pipeline that are worker-side processes (CPU per message tables).
+_WORKER_ROLES = ("worker", "relay", "deliver", "claim", "beat")
+
+
 def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -629,6 +633,28 @@ class Bench:
             f"medians of {a.repeat} alternated rounds; the peer publishes and deletes rows (no fence, "
             "no record that a handler ran); ours records every outcome. readme: one worker -Q "
             "claim,deliver; split: a solo claim worker beside the delivery worker"
+        )
+        cpu = self.report.table(
+            "CPU ms per message, same runs (the median run of each pipeline)",
+            ["broker", "pipeline", "worker processes", "PostgreSQL", "all roles (ms/msg)"],
+        )
+        for broker, data in out.items():
+            for key, rs in data["runs"].items():
+                roles = sorted(rs, key=lambda r: r["rate"])[len(rs) // 2]["cpu_ms_per_msg"]
+                # Worker processes: the Celery workers, the peer's relay and our beat (everything
+                # but the producer, the broker and the database; ".main" is a part of its worker).
+                workers = sum(v for k, v in roles.items() if "." not in k and k in _WORKER_ROLES)
+                pg = roles.get("postgres")
+                cpu.row(
+                    broker,
+                    key,
+                    f"{workers:.2f}",
+                    "-" if pg is None else f"{pg:.2f}",
+                    ", ".join(f"{k} {v:.2f}" for k, v in roles.items()),
+                )
+        cpu.note(
+            "PostgreSQL: CPU of the benchmark database's backends alive at the end of the run (a "
+            "producer's backend that exited is not counted); bare Celery uses no database"
         )
         self.results["peer"] = out
 

@@ -31,7 +31,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from .counter import CompletionCounter
-from .measure import cpu_seconds, last_json_line, listening_pid
+from .measure import backend_pids, cpu_seconds, last_json_line, listening_pid
 from .pipeline import WORKER_FLAGS, Pipeline, PipelineResult, _broker_name, _broker_port, cleanup_queues
 from .procs import ROOT, Processes, wait_for
 
@@ -86,6 +86,10 @@ def _settings(dsn: str) -> str:
         USE_TZ = True
         INSTALLED_APPS = ["django_celery_outbox"]
         DATABASES = {{"default": {db!r}}}
+        # Persistent connections (Django's setting for long-running processes): the relay keeps
+        # one backend through the run, whose CPU the benchmark counts (it would otherwise
+        # reconnect on every loop, and the backends that exited would go uncounted).
+        DATABASES["default"]["CONN_MAX_AGE"] = None
         CELERY_OUTBOX_APP = "peerbench.celeryapp.app"
         LOGGING_CONFIG = None
         """
@@ -204,7 +208,7 @@ class PeerRun:
         broker = [x for x in [listening_pid(_broker_port(broker_url))] if x is not None]
         py = str(self.python)
         try:
-            with Processes(p.workdir) as procs:
+            with Processes(p.workdir) as procs, psycopg.connect(p.dsn, autocommit=True) as admin:
                 ready = p.workdir / f"{run}.ready"
                 args = ["worker", "-Q", queue, "-P", p.pool, "-c", str(p.concurrency), "-n", f"{run}@%h"]
                 args += [*WORKER_FLAGS, "--prefetch-multiplier", str(prefetch)]
@@ -241,12 +245,16 @@ class PeerRun:
                     "relay": cpu_seconds(relay.tree()),
                     "broker": cpu_seconds(broker),
                 }
+                # The PostgreSQL backends of the benchmark's database (the relay's, the
+                # producer's), as the outbox pipelines count theirs.
+                backends0 = {b.pid: cpu_seconds([b]) for b in backend_pids(admin)}
                 summary, done, last = load(n)
                 cpu = {
                     "worker": cpu_seconds(worker.tree()) - cpu0["worker"],
                     "relay": cpu_seconds(relay.tree()) - cpu0["relay"],
                     "producer": float(summary.get("cpu", 0.0)),
                     "broker": cpu_seconds(broker) - cpu0["broker"],
+                    "postgres": sum(cpu_seconds([b]) - backends0.get(b.pid, 0) for b in backend_pids(admin)),
                 }
         finally:
             counter.close()

@@ -21,6 +21,7 @@ from psycopg_pool import ConnectionPool
 
 from . import producer
 from ._pool import ForkSafePool, IdleCheck
+from ._seconds import seconds
 from .backoff import RetryPolicy
 from .celery_config import configure_app, dsn_exposed, loaded_conf
 from .config import UNSET, OutboxConfig, TableName, Unset
@@ -48,6 +49,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 PURGE_MAX_BATCHES_PER_RUN = 20
 # The largest batch a batch handler may ask for (#22): the task carries two arrays of this size.
 MAX_BATCH = 1000
+# Longest max_wait of a batch handler (#22): a batch fills briefly, never for long.
+MAX_WAIT = 5.0
 # Seconds a pooled connection may sit idle and still be handed out without a check (IdleCheck).
 POOL_CHECK_IDLE = 2.0
 
@@ -247,6 +250,7 @@ class Outbox:
         session_factory: Callable[[], Any] | None = None,
         using: str | None = None,
         batch: int | None = None,
+        max_wait: float | timedelta | None = None,
         concurrency: int | None = None,
         rate: str | float | None = None,
     ) -> Callable[[F], F]:
@@ -281,6 +285,11 @@ class Outbox:
             an exception it raises applies to the whole batch. An int from 1 to
             :data:`MAX_BATCH`; not with ``transactional``. A batch is cut from one claim, so
             it holds at most ``batch_size`` rows and at most one message per ordering key.
+        :param max_wait: with ``batch``: seconds (0 to :data:`MAX_WAIT`, or a ``timedelta``)
+            that due unordered messages of ``event_type`` may wait for a fuller batch: a claim
+            leaves them while they are fewer than a batch and the oldest has been due less than
+            this (database clock), and the push listener claims again when it has. Default 0,
+            never wait. Not with ``concurrency`` or ``rate`` (docs/batch.md).
         :param concurrency: at most this many live deliveries of ``event_type`` at once, across
             every worker and machine (claimed or running rows under a live lease; a worker that
             dies gives its slot back when its lease ends). Enforced by the claim, which hands
@@ -307,11 +316,25 @@ class Outbox:
                 )
         kind = transaction_kind(transactional, session_factory=session_factory, using=using)
         limit = Limit.declared(concurrency=concurrency, rate=rate)
+        wait = 0.0 if max_wait is None else seconds(max_wait, "max_wait", error=ConfigurationError)
+        if wait and batch is None:
+            raise ConfigurationError(f"max_wait is for batch handlers: give {event_type!r} batch= too")
+        if wait > MAX_WAIT:
+            raise ConfigurationError(
+                f"max_wait must be at most {MAX_WAIT:g} s (a batch fills briefly), got {wait:g}"
+            )
+        if wait and limit is not None:
+            raise ConfigurationError(
+                f"max_wait cannot be combined with concurrency= or rate= (the handler of {event_type!r}): "
+                "a limited type is claimed by statements of its own"
+            )
 
         def register(fn: F) -> F:
             if event_type in self._handlers:
                 raise ConfigurationError(f"a handler for {event_type!r} is already registered")
-            spec = HandlerSpec(event_type, fn, queue or "", transaction=kind, batch=batch, limit=limit)
+            spec = HandlerSpec(
+                event_type, fn, queue or "", transaction=kind, batch=batch, limit=limit, max_wait=wait
+            )
             self._handlers[event_type] = spec
             return fn
 

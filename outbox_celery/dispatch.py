@@ -86,6 +86,8 @@ class HandlerSpec:
     batch: int | None = None
     #: Global concurrency and rate limits of the event type (#23, DESIGN invariant 22).
     limit: Limit | None = None
+    #: Seconds a batch handler's due rows may wait for a fuller batch (#22); 0: never wait.
+    max_wait: float = 0.0
 
 
 def publish_units(claims: Sequence[Claimed], handlers: Mapping[str, HandlerSpec]) -> list[list[Claimed]]:
@@ -362,6 +364,13 @@ class Dispatcher:
         # versions of every lease of the last lease period, so it is not repeated per batch.
         in_flight = self.store.in_flight(conn)
         limits = {t: spec.limit for t, spec in self.handlers.items() if spec.limit is not None}
+        # Batch handlers that let a batch fill (max_wait, #22). Capped at scan_lookback: a row
+        # held back longer could fall behind the scan marks (DESIGN invariant 18).
+        fill = {
+            t: (spec.batch, min(spec.max_wait, cfg.scan_lookback))
+            for t, spec in self.handlers.items()
+            if spec.batch and spec.max_wait > 0
+        }
         while True:
             room = limit - in_flight
             # A full bound stops new claims only: the reap and the re-claim of expired leases
@@ -378,6 +387,7 @@ class Dispatcher:
                 unroutable_delay=cfg.unroutable_delay,
                 marks=self.marks,
                 limits=limits,
+                fill=fill,
             )
             if result.flow_wait is not None:
                 run.flow_wait = min(run.flow_wait or result.flow_wait, result.flow_wait)

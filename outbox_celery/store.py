@@ -93,6 +93,9 @@ class ClaimResult:
     flow_wait: float | None = None
     #: Event types this claim left out: paused, or held by a RateLimited outcome.
     held: tuple[str, ...] = ()
+    #: Batch handlers' event types whose due rows this claim left to fill a batch (``max_wait``,
+    #: #22); ``flow_wait`` is then at most when the oldest of them has waited ``max_wait``.
+    filling: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -513,6 +516,7 @@ class Store:
         unroutable_delay: float = 60.0,
         marks: ScanMarks | None = None,
         limits: Mapping[str, Limit] | None = None,
+        fill: Mapping[str, tuple[int, float]] | None = None,
     ) -> ClaimResult:
         """Reap and claim up to ``limit`` rows in one short transaction, then commit.
 
@@ -535,6 +539,11 @@ class Store:
         With ``marks`` (the claim loop's, one per process) the scans start a little behind where
         the previous claim stopped and move the marks on (DESIGN invariant 18); without, every
         scan starts at the beginning of its index.
+
+        ``fill`` maps a batch handler's event type to ``(batch, max_wait)`` (#22): a type whose
+        due unordered rows are fewer than a batch (or than ``limit``) and whose oldest due row has
+        been due for less than ``max_wait`` seconds (database clock) is left out of the pending
+        statement of this claim (:meth:`_filling`); ``flow_wait`` then says when to claim again.
         """
         limit = max(0, limit)
         expired_limit = limit if expired_limit is None else max(0, expired_limit)
@@ -561,6 +570,12 @@ class Store:
             base["pending_since"] = marks.since(marks.pending) if marks else None
             base["heads_since"] = marks.since(marks.heads) if marks else None
             base["expired_since"] = marks.since(marks.expired) if marks else None
+            # Batch handlers with max_wait (#22): left out of claim_pending only (their expired
+            # leases and ordered heads are claimed as ever). Not passed to marks.readmit: a type
+            # comes back within max_wait <= scan_lookback, so its rows are inside the window.
+            filling = self._filling(conn, fill, limit, base, excluded) if fill and limit > 0 else {}
+            if filling:
+                base["excluded_pending"] = sorted(excluded | frozenset(filling))
             lost, unroutable, expired_full = self._release_expired(conn, base, lease, unroutable_delay)
             reaped = conn.execute(self._q["reap"], {**base, "limit": _EXPIRED_BATCH})
             reaped_rows = reaped.fetchall()
@@ -580,6 +595,8 @@ class Store:
             waits: list[float] = []
             if flow is not None and flow.held_for is not None:
                 waits.append(flow.held_for)
+            if filling:
+                waits.append(min(filling.values()))
             allowances = dict(sorted(flow.allowances.items())) if flow else {}
             spent = dict.fromkeys(allowances, 0)
             # A limited type's expired leases first: together with its new rows at most its
@@ -645,6 +662,7 @@ class Store:
             unroutable,
             flow_wait=min(waits) if waits else None,
             held=tuple(sorted(flow.held)) if flow else (),
+            filling=tuple(sorted(filling)),
         )
 
     def _claim_limited(
@@ -733,8 +751,10 @@ class Store:
             claimed += heads
         left = room - len(claimed)
         if left > 0:
+            # Types filling a batch (max_wait, #22) are left out of the pending rows only.
+            pending = {**base, "excluded": base["excluded_pending"]} if "excluded_pending" in base else base
             claimed += self._claim_rows(
-                conn, "claim_pending", base, left, marks, "pending", db_now, event_type
+                conn, "claim_pending", pending, left, marks, "pending", db_now, event_type
             )
         left = room - len(claimed)
         if left > 0 and len(claimed) > 0 and not heads_short:
@@ -1309,3 +1329,36 @@ class Store:
         params = {"event_types": list(event_types) if event_types is not None else None, "within": within}
         row = conn.execute(self._q["next_due"], params).fetchone()
         return None if row is None or row[0] is None else float(row[0])
+
+    # -- batch handlers' max_wait (#22) --------------------------------------------------------
+
+    def _filling(
+        self,
+        conn: psycopg.Connection[Any],
+        fill: Mapping[str, tuple[int, float]],
+        limit: int,
+        base: Mapping[str, Any],
+        excluded: frozenset[str],
+    ) -> dict[str, float]:
+        """Batch handlers' event types to leave out of this claim, each with the seconds it may wait.
+
+        One statement (``fill_due``): per type, its due unordered rows counted up to a batch
+        (``min(batch, limit)``: a claim never cuts a bigger one) and the age of the oldest, both
+        on the database's clock. A type is left to fill when it has due rows, fewer than that,
+        and the oldest has been due less than ``max_wait``; it may wait ``max_wait - age`` more.
+        Types left out anyway (``excluded``: paused, held, limited) and ``max_wait`` 0 are not read.
+        """
+        types = sorted(t for t, (_batch, wait) in fill.items() if wait > 0 and t not in excluded)
+        if not types:
+            return {}
+        wanted = [max(1, min(fill[t][0], limit)) for t in types]
+        since = base.get("pending_since")
+        params = {"types": types, "limits": wanted, "since": [since] * len(types)}
+        rows = conn.execute(self._q["fill_due"], params)
+        out: dict[str, float] = {}
+        for event_type, n, waited in rows.fetchall():
+            batch, max_wait = fill[str(event_type)]
+            if n == 0 or waited is None or n >= min(batch, limit) or waited >= max_wait:
+                continue
+            out[str(event_type)] = max(0.0, max_wait - float(waited))
+        return out

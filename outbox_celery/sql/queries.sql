@@ -766,3 +766,25 @@ SET status = 'processing',
 FROM picked
 WHERE o.id = picked.id
 RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+
+-- name: fill_due
+-- Batch handlers with max_wait (#22, DESIGN invariant 21): per event type (types[i]), its due
+-- unordered rows counted up to limits[i] (a full batch: no need to count further), and how long
+-- (the database's clock) the oldest of them has been due. One read of the pending index per
+-- type from its scan mark (since[i], DESIGN invariant 18), stopping at limits[i] rows; a type
+-- with no due row has n = 0 and no age. Ordered rows are not counted: max_wait never holds a
+-- key's head.
+SELECT u.event_type, d.n, extract(epoch FROM now() - d.oldest)::float8 AS waited
+FROM unnest(%(types)s::text[], %(limits)s::int[], %(since)s::timestamptz[]) AS u(event_type, n, since),
+LATERAL (
+    SELECT count(*)::int AS n, min(due.available_at) AS oldest
+    FROM (
+        SELECT available_at FROM {table}
+        WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()
+          AND available_at >= coalesce(u.since, '-infinity')
+          AND event_type = u.event_type
+        ORDER BY available_at, id
+        LIMIT u.n
+    ) AS due
+) AS d
+ORDER BY u.event_type;

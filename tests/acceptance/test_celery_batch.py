@@ -18,9 +18,11 @@ from collections import Counter, defaultdict
 from typing import Any
 
 import pytest
+from psycopg import sql
 from support.db import calls, statuses
 
 from acceptance.conftest import Harness, HarnessFactory
+from outbox_celery import TableName
 
 pytestmark = pytest.mark.slow
 
@@ -147,3 +149,37 @@ def test_invariant_21_ordered_messages_in_batches_are_never_inverted(
     # At most one message of a key in any batch (each message ran once: its first id names it).
     per_batch = Counter((r["batch_first"], key_of[r["outbox_id"]]) for r in runs)
     assert max(per_batch.values()) == 1
+
+
+def test_max_wait_fills_batches_of_a_low_rate_stream_without_holding_a_row_much_longer(
+    harness: Harness,
+) -> None:
+    # 20 messages a second, one per transaction: without max_wait each producer's commit wakes
+    # the listener, whose claim finds that one row (a batch of one). With max_wait 0.5 s the
+    # rows wait for each other, up to 0.5 s after the oldest became due (database clock).
+    max_wait, rate, seconds = 0.5, 20.0, 3.0
+    harness.configure(routes={}, batches={EVENT: 50}, limits={EVENT: {"max_wait": max_wait}})
+    harness.worker(concurrency=1)
+    harness.beat()
+    harness.enqueue(1, event_type=EVENT)
+    harness.wait_finished(1)  # the worker and its listener are up
+    ids: list[int] = []
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        ids += harness.enqueue(1, event_type=EVENT)
+        time.sleep(1 / rate)
+    harness.wait_finished(len(ids) + 1)
+    runs = [c for c in calls(harness.conn) if c["outbox_id"] in set(ids)]
+    assert sorted(c["outbox_id"] for c in runs) == ids
+    sizes = [c["batch_size"] for c in runs if c["outbox_id"] == c["batch_first"]]
+    # Fuller batches: about rate x max_wait = 10 each; asked generously (a shared machine).
+    assert sum(sizes) == len(ids)
+    assert len(sizes) <= len(ids) / 3, sizes
+    query = sql.SQL(
+        "SELECT extract(epoch FROM c.started_at - o.created_at)::float8"
+        " FROM handler_calls c JOIN {} o ON o.id = c.outbox_id WHERE c.outbox_id = ANY(%s)"
+    ).format(TableName.parse(harness.table).identifier())
+    waits = [float(w) for (w,) in harness.conn.execute(query, [ids]).fetchall()]
+    # No row waits much beyond max_wait: the claim comes back when the oldest has waited it.
+    # A generous bound (claim, broker hop and a loaded machine on top), not a timing claim.
+    assert max(waits) < max_wait + 2.5, sorted(waits)[-5:]

@@ -8,6 +8,7 @@ dispatcher turns a handler's return value or exception into those outcomes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,9 +20,9 @@ from psycopg_pool import ConnectionPool
 from outbox_celery import Message, OutboxConfig, Store, TableName, admin
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, publish_units
 from outbox_celery.errors import Defer, PermanentError, RateLimited, RetryableError
-from outbox_celery.store import Claimed
+from outbox_celery.store import Claimed, ClaimResult, ScanMarks
 
-from .helpers import LONG, add, claim_ids, fetch
+from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, fetch
 
 EVENT = "metrics.sample"
 
@@ -319,3 +320,114 @@ def test_a_batch_finalize_wakes_the_listeners_when_asked(
     loud = [(ids[1], claims[ids[1]], "done", 0.0, "")]
     store.finish_many(conn, loud, max_attempts=5, max_age=MAX_AGE, notify=True)
     assert len(list(listener.notifies(timeout=2.0, stop_after=1))) == 1
+
+
+# -- max_wait: a batch fills briefly at low rates (#22) -----------------------------------------
+
+OTHER = "thing.other"
+
+
+def _fill_claim(
+    conn: psycopg.Connection[Any],
+    store: Store,
+    *,
+    batch: int = 10,
+    max_wait: float = 1.0,
+    limit: int = 100,
+    marks: ScanMarks | None = None,
+) -> ClaimResult:
+    return store.claim(
+        conn, limit=limit, lease=LONG, owner="w", max_attempts=5, marks=marks, fill={EVENT: (batch, max_wait)}
+    )
+
+
+def test_invariant_21_max_wait_holds_a_thin_batch_until_its_oldest_row_has_waited_it(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    marks = ScanMarks(lookback=2.0, full_every=3600.0)
+    ids = add(conn, 3, table=table, event_type=EVENT)
+    [other] = add(conn, 1, table=table, event_type=OTHER)
+    first = _fill_claim(conn, store, marks=marks)
+    # Three due rows of a batch of 10, due for less than max_wait: none taken, other types flow,
+    # and the claim says when to come back (the oldest row's due time + max_wait, DB clock).
+    assert [c.id for c in first.claimed] == [other]
+    assert first.filling == (EVENT,)
+    assert first.flow_wait is not None and 0.5 < first.flow_wait <= 1.0
+    assert {fetch(conn, table, i)["status"] for i in ids} == {"pending"}
+    passes = marks.full_passes
+    time.sleep(first.flow_wait + 0.05)
+    again = _fill_claim(conn, store, marks=marks)
+    assert sorted(c.id for c in again.claimed) == ids
+    assert again.filling == () and again.flow_wait is None
+    # Found from the scan marks, not by a full pass: the rows waited less than scan_lookback.
+    assert marks.full_passes == passes
+
+
+def test_invariant_21_max_wait_a_full_batch_is_taken_at_once(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    ids = add(conn, 10, table=table, event_type=EVENT)
+    result = _fill_claim(conn, store, max_wait=5.0)
+    assert sorted(c.id for c in result.claimed) == ids
+    assert result.filling == () and result.flow_wait is None
+    # Fewer rows than a batch but as many as the claim may take (the in-flight room): at once too.
+    few = add(conn, 3, table=table, event_type=EVENT)
+    assert sorted(c.id for c in _fill_claim(conn, store, max_wait=5.0, limit=3).claimed) == few
+
+
+def test_invariant_21_max_wait_never_holds_ordered_heads_nor_other_types(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [head, _follower] = add(conn, 2, table=table, event_type=EVENT, key="k")
+    add(conn, 2, table=table, event_type=EVENT)
+    others = add(conn, 2, table=table, event_type=OTHER)
+    result = _fill_claim(conn, store, max_wait=5.0)
+    # The unordered rows wait to fill a batch; a key's head never does (it would hold its key).
+    assert sorted(c.id for c in result.claimed) == sorted([head, *others])
+    assert result.filling == (EVENT,)
+
+
+def test_invariant_21_max_wait_zero_or_a_paused_type_is_not_read(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    ids = add(conn, 2, table=table, event_type=EVENT)
+    result = _fill_claim(conn, store, max_wait=0.0)
+    assert sorted(c.id for c in result.claimed) == ids and result.filling == ()
+    admin.pause(conn, table, EVENT)
+    add(conn, 2, table=table, event_type=EVENT)
+    paused = _fill_claim(conn, store, max_wait=5.0)
+    assert paused.claimed == [] and paused.filling == () and paused.held == (EVENT,)
+
+
+def test_max_wait_in_the_claim_run_sets_when_the_listener_claims_again(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    add(conn, 2, table=table, event_type=EVENT)
+    spec = HandlerSpec(EVENT, lambda msgs: None, "q", batch=10, max_wait=0.5)
+    config = OutboxConfig(table=table, done_batch_delay=0)
+    dispatcher = Dispatcher(config, pool.connection, {EVENT: spec})
+    published: list[Claimed] = []
+
+    def publish(claims: Sequence[Claimed]) -> int:
+        published.extend(claims)
+        return len(claims)
+
+    run = dispatcher.claim_and_publish(publish, owner="test")
+    assert published == [] and run.flow_wait is not None and 0 < run.flow_wait <= 0.5
+    time.sleep(run.flow_wait + 0.05)
+    dispatcher.claim_and_publish(publish, owner="test")
+    assert len(published) == 2
+
+
+def test_invariant_21_max_wait_never_holds_expired_leases(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    # A started claim whose worker died: its rows waited a lease already and come back at once.
+    ids = add(conn, 2, table=table, event_type=EVENT)
+    claims = store.claim(conn, limit=10, lease=SHORT, owner="w", max_attempts=5).claimed
+    pairs = [(c.id, c.lease_version) for c in claims]
+    store.start_many(conn, pairs, lease=SHORT, max_attempts=5, starter="w:1:a")
+    time.sleep(PAST_SHORT)
+    again = _fill_claim(conn, store, max_wait=5.0)
+    assert sorted(c.id for c in again.claimed) == ids
+    assert {c.lease_version for c in again.claimed} == {2}

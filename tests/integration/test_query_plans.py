@@ -121,6 +121,8 @@ HOT = [
     "claim_pending_limited",
     "flow_live",
     "finish_rate_limited",
+    # Batch handlers' max_wait (#22): a batch's worth of a type's due rows.
+    "fill_due",
 ]
 
 

@@ -126,7 +126,7 @@ class AppSpec:
     :ivar queries: replacement texts of named queries (``Store(queries=...)``), to make the
         library itself fail where a test needs it to.
     :ivar limits: event type -> keyword arguments of its handler's flow-control limits
-        (``{"concurrency": 2, "rate": "5/s"}``, #23).
+        (``{"concurrency": 2, "rate": "5/s"}``, #23), or of a batch handler's ``max_wait`` (#22).
     """
 
     dsn: str
@@ -201,7 +201,7 @@ def build_app(spec: AppSpec) -> tuple[Celery, Outbox]:
     for event_type, queue in spec.transactional.items():
         outbox.handler(event_type, queue=queue, **options)(scripted_transactional(outbox))
     for event_type, size in spec.batches.items():
-        outbox.handler(event_type, batch=size)(scripted_batch(outbox))
+        outbox.handler(event_type, batch=size, **spec.limits.get(event_type, {}))(scripted_batch(outbox))
     return app, outbox
 
 

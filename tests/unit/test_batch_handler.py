@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from celery import Celery
 
 from outbox_celery import ConfigurationError, Outbox
-from outbox_celery.celery_app import MAX_BATCH
+from outbox_celery.celery_app import MAX_BATCH, MAX_WAIT
 from outbox_celery.dispatch import HandlerSpec, publish_units
 from outbox_celery.store import Claimed
 
@@ -38,6 +38,36 @@ def test_batch_and_transactional_together_are_refused(transactional: Any) -> Non
     outbox = _outbox()
     with pytest.raises(ConfigurationError, match="both batch= and transactional="):
         outbox.handler("metrics.sample", batch=10, transactional=transactional)
+    assert outbox.handlers == {}
+
+
+def test_max_wait_is_registered_in_seconds() -> None:
+    outbox = _outbox()
+    outbox.handler("metrics.sample", batch=100, max_wait=0.5)(lambda msgs: None)
+    outbox.handler("logs.line", batch=100, max_wait=timedelta(seconds=2))(lambda msgs: None)
+    outbox.handler("plain", batch=10)(lambda msgs: None)
+    assert outbox.handlers["metrics.sample"].max_wait == 0.5
+    assert outbox.handlers["logs.line"].max_wait == 2.0
+    assert outbox.handlers["plain"].max_wait == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_wait": 0.5}, "max_wait is for batch handlers"),
+        ({"batch": 10, "max_wait": -0.1}, "max_wait must be a non-negative number of seconds"),
+        ({"batch": 10, "max_wait": float("nan")}, "max_wait must be a non-negative number of seconds"),
+        ({"batch": 10, "max_wait": "1s"}, "max_wait must be a non-negative number of seconds"),
+        ({"batch": 10, "max_wait": True}, "max_wait must be a non-negative number of seconds"),
+        ({"batch": 10, "max_wait": MAX_WAIT + 0.1}, "max_wait must be at most"),
+        ({"batch": 10, "max_wait": 1, "concurrency": 2}, "max_wait cannot be combined with concurrency"),
+        ({"batch": 10, "max_wait": 1, "rate": "10/s"}, "max_wait cannot be combined with concurrency"),
+    ],
+)
+def test_a_bad_max_wait_is_refused_at_registration(kwargs: dict[str, Any], message: str) -> None:
+    outbox = _outbox()
+    with pytest.raises(ConfigurationError, match=message):
+        outbox.handler("metrics.sample", **kwargs)
     assert outbox.handlers == {}
 
 
