@@ -513,7 +513,7 @@ class Dispatcher:
         spec: HandlerSpec,
         kind: TransactionKind,
         msg: Message,
-        version: int,
+        lease_version: int,
         log: dict[str, Any],
         started: float,
     ) -> Outcome:
@@ -546,7 +546,7 @@ class Dispatcher:
                     )
                 called = True
                 spec.fn(msg, handle)
-                if not self.store.done(conn, msg.id, version, ordered=ordered, joined=True):
+                if not self.store.done(conn, msg.id, lease_version, ordered=ordered, joined=True):
                     raise _Superseded
         except _Superseded:
             outcome = Outcome.LOST_LEASE
@@ -554,14 +554,14 @@ class Dispatcher:
             if not called and isinstance(exc, Exception):
                 # The transaction could not be opened or bounded (or an ordered message met
                 # another isolation level): the library's failure, not the handler's (#21).
-                self._failed_before_handler(msg.id, version, exc, log)
+                self._failed_before_handler(msg.id, lease_version, exc, log)
                 raise
             conflict = _transaction_conflict(exc)
             if conflict is not None:
                 exc = RetryableError(f"transaction conflict ({conflict.sqlstate}): {conflict}")
             verdict = classify(exc, msg.attempts, self.retry)
             if verdict is None:
-                self._record_error(msg.id, version, _error_text(exc))
+                self._record_error(msg.id, lease_version, _error_text(exc))
                 logger.error(
                     "outbox id %s transactional handler raised %s; rolled back, row returns after its lease",
                     msg.id,
@@ -569,7 +569,7 @@ class Dispatcher:
                     extra={**log, "outcome": Outcome.ERROR, "duration_ms": _ms_since(started)},
                 )
                 raise
-            outcome = self._finish(verdict, msg, version)
+            outcome = self._finish(verdict, msg, lease_version)
         else:
             outcome = Outcome.DONE
         logger.info(
@@ -797,22 +797,22 @@ class Dispatcher:
             extra={**log, "outcome": Outcome.ERROR},
         )
 
-    def _extender(self, outbox_id: int, version: int) -> Callable[[float], bool]:
-        return lambda seconds: self._extend(outbox_id, version, seconds)
+    def _extender(self, outbox_id: int, lease_version: int) -> Callable[[float], bool]:
+        return lambda seconds: self._extend(outbox_id, lease_version, seconds)
 
     def _extend_many(self, pairs: list[tuple[int, int]], seconds: float) -> bool:
         """The batch's lease heartbeat: true while any row of it still holds its lease."""
         with self.connection() as conn:
             return bool(self.store.extend_leases(conn, pairs, seconds=seconds))
 
-    def _batch_done(self, msg: Message, version: int, lease_end: float) -> bool:
+    def _batch_done(self, msg: Message, lease_version: int, lease_end: float) -> bool:
         """Queue an unordered row's done for the next batch, if the lease has room for the wait."""
         batch = self.done_batch
         if batch is None or msg.ordering_key is not None:
             return False
         if lease_end - time.monotonic() <= batch.delay + DONE_BATCH_MARGIN:
             return False
-        batch.add(msg.id, version)
+        batch.add(msg.id, lease_version)
         return True
 
     def _write_done_batch(self, finished: list[tuple[int, int]]) -> set[int]:
@@ -826,15 +826,15 @@ class Dispatcher:
         if self.done_batch is not None:
             self.done_batch.close()
 
-    def _unroutable(self, msg: Message, version: int, log: dict[str, Any]) -> Outcome:
+    def _unroutable(self, msg: Message, lease_version: int, log: dict[str, Any]) -> Outcome:
         """No handler for this event type in this worker: postpone, attempt refunded."""
         delay = self.config.unroutable_delay
         why = f"unroutable: no handler for event type {msg.event_type!r} in this worker"
         self._fenced_write(
             "postpone",
             msg.id,
-            version,
-            lambda conn: self.store.postpone(conn, msg.id, version, delay=delay, error=why),
+            lease_version,
+            lambda conn: self.store.postpone(conn, msg.id, lease_version, delay=delay, error=why),
         )
         logger.warning(
             "outbox id %s: no handler for %r here; postponed %.0fs",
@@ -846,7 +846,7 @@ class Dispatcher:
         return Outcome.UNROUTABLE
 
     def _failed_before_handler(
-        self, outbox_id: int, version: int, exc: Exception, log: dict[str, Any]
+        self, outbox_id: int, lease_version: int, exc: Exception, log: dict[str, Any]
     ) -> None:
         """The library's own code failed between the claim and the handler: say so at once.
 
@@ -863,11 +863,11 @@ class Dispatcher:
             self._fenced_write(
                 "retry",
                 outbox_id,
-                version,
+                lease_version,
                 lambda conn: self.store.retry(
                     conn,
                     outbox_id,
-                    version,
+                    lease_version,
                     delay=self.backoff.delay(1),
                     error=error,
                     max_attempts=self.config.max_attempts,
@@ -886,17 +886,17 @@ class Dispatcher:
             extra={**log, "outcome": Outcome.ERROR},
         )
 
-    def _record_error(self, outbox_id: int, version: int, error: str) -> None:
+    def _record_error(self, outbox_id: int, lease_version: int, error: str) -> None:
         """Keep an unclassified error; the row comes back through its lease."""
         self._fenced_write(
             "record_error",
             outbox_id,
-            version,
-            lambda conn: self.store.record_error(conn, outbox_id, version, error=error),
+            lease_version,
+            lambda conn: self.store.record_error(conn, outbox_id, lease_version, error=error),
         )
 
     def _fenced_write(
-        self, op: str, outbox_id: int, version: int, write: Callable[[psycopg.Connection[Any]], T]
+        self, op: str, outbox_id: int, lease_version: int, write: Callable[[psycopg.Connection[Any]], T]
     ) -> T:
         """Run one fenced write; on a connection the server broke, once more on a checked one.
 
@@ -917,17 +917,20 @@ class Dispatcher:
                 outbox_id,
                 op,
                 first_line(exc),
-                extra={"outbox_id": outbox_id, "lease_version": version, "operation": op},
+                extra={"outbox_id": outbox_id, "lease_version": lease_version, "operation": op},
             )
         if self._recover is not None:
             self._recover()
         with self.connection() as conn:
             return write(conn)
 
-    def _finish(self, verdict: Verdict, msg: Message, version: int) -> Outcome:
+    def _finish(self, verdict: Verdict, msg: Message, lease_version: int) -> Outcome:
         """The verdict's fenced write; :attr:`Outcome.LOST_LEASE` when another claim won."""
         result = self._fenced_write(
-            verdict.outcome, msg.id, version, lambda conn: self._finalize(conn, verdict, msg, version)
+            verdict.outcome,
+            msg.id,
+            lease_version,
+            lambda conn: self._finalize(conn, verdict, msg, lease_version),
         )
         if not result:
             return Outcome.LOST_LEASE
@@ -935,20 +938,20 @@ class Dispatcher:
         return Outcome.DEAD if result == Status.DEAD else verdict.outcome
 
     def _finalize(
-        self, conn: psycopg.Connection[Any], verdict: Verdict, msg: Message, version: int
+        self, conn: psycopg.Connection[Any], verdict: Verdict, msg: Message, lease_version: int
     ) -> bool | str | None:
         """One fenced finalize; falsy when the lease was lost, else true or the new status."""
         cfg, store = self.config, self.store
         match verdict.outcome:
             case Outcome.DONE:
-                return store.done(conn, msg.id, version, ordered=msg.ordering_key is not None)
+                return store.done(conn, msg.id, lease_version, ordered=msg.ordering_key is not None)
             case Outcome.DEAD:
-                return store.dead(conn, msg.id, version, error=verdict.error)
+                return store.dead(conn, msg.id, lease_version, error=verdict.error)
             case Outcome.RETRY:
                 return store.retry(
                     conn,
                     msg.id,
-                    version,
+                    lease_version,
                     delay=verdict.delay,
                     error=verdict.error,
                     max_attempts=cfg.max_attempts,
@@ -957,7 +960,7 @@ class Dispatcher:
                 return store.rate_limited(
                     conn,
                     msg.id,
-                    version,
+                    lease_version,
                     delay=verdict.delay,
                     reason=verdict.error,
                     max_age=cfg.max_defer_age,
@@ -966,13 +969,13 @@ class Dispatcher:
                 return store.defer(
                     conn,
                     msg.id,
-                    version,
+                    lease_version,
                     delay=verdict.delay,
                     reason=verdict.error,
                     max_age=cfg.max_defer_age,
                 )
         raise ValueError(f"no finalize for {verdict.outcome!r}")
 
-    def _extend(self, outbox_id: int, version: int, seconds: float) -> bool:
+    def _extend(self, outbox_id: int, lease_version: int, seconds: float) -> bool:
         with self.connection() as conn:
-            return self.store.extend_lease(conn, outbox_id, version, seconds=seconds)
+            return self.store.extend_lease(conn, outbox_id, lease_version, seconds=seconds)

@@ -278,16 +278,16 @@ class Store:
         with self._stats_lock:
             return dict(self._stats)
 
-    def _lost(self, op: str, outbox_id: int, version: int) -> bool:
+    def _lost(self, op: str, outbox_id: int, lease_version: int) -> bool:
         self._count(Outcome.LOST_LEASE.counter)
         logger.warning(
             "lost lease: %s of outbox id %s version %s changed nothing",
             op,
             outbox_id,
-            version,
+            lease_version,
             extra={
                 "outbox_id": outbox_id,
-                "lease_version": version,
+                "lease_version": lease_version,
                 "outcome": Outcome.LOST_LEASE,
                 "operation": op,
                 "outbox_table": self.table.qualified,
@@ -888,7 +888,7 @@ class Store:
         with conn.transaction():
             cur = conn.execute(
                 self._q["release"],
-                {"ids": [c.id for c in claims], "versions": [c.lease_version for c in claims]},
+                {"ids": [c.id for c in claims], "lease_versions": [c.lease_version for c in claims]},
             )
             n = len(cur.fetchall())
         self._count("released", n)
@@ -900,7 +900,7 @@ class Store:
         self,
         conn: psycopg.Connection[Any],
         outbox_id: int,
-        version: int,
+        lease_version: int,
         *,
         lease: float,
         max_attempts: int,
@@ -920,7 +920,7 @@ class Store:
         """
         params = {
             "id": outbox_id,
-            "version": version,
+            "lease_version": lease_version,
             "lease": lease,
             "max_attempts": max_attempts,
             "commit_mode": self._commit_mode(conn),
@@ -941,12 +941,12 @@ class Store:
             # Its own statement: it re-checks the fence, whatever happened in between.
             with self._single_statement(conn):
                 exhausted = conn.execute(self._q["start_exhausted"], params).fetchone()
-            self._refused_start(outbox_id, version, dead=exhausted is not None)
+            self._refused_start(outbox_id, lease_version, dead=exhausted is not None)
             return None
         self._count("started")
         return self._message(conn, row)
 
-    def _refused_start(self, outbox_id: int, version: int, *, dead: bool) -> None:
+    def _refused_start(self, outbox_id: int, lease_version: int, *, dead: bool) -> None:
         """Count (and, when its attempts ran out, log) a start that did not start its row."""
         if not dead:
             self._count("stale_starts")
@@ -957,7 +957,7 @@ class Store:
             outbox_id,
             extra={
                 "outbox_id": outbox_id,
-                "lease_version": version,
+                "lease_version": lease_version,
                 "outcome": "dead",
                 "outbox_table": self.table.qualified,
             },
@@ -985,14 +985,14 @@ class Store:
         with self._single_statement(conn):
             row = conn.execute(self._q[op], params).fetchone()
         if row is None:
-            return self._lost(op, params["id"], params["version"])
+            return self._lost(op, params["id"], params["lease_version"])
         return row
 
     def done(
         self,
         conn: psycopg.Connection[Any],
         outbox_id: int,
-        version: int,
+        lease_version: int,
         *,
         ordered: bool | None = None,
         joined: bool = False,
@@ -1015,7 +1015,7 @@ class Store:
         """
         if joined and self._owns_transaction(conn):
             raise RuntimeError("a joined done needs the caller's open transaction")
-        params = {"id": outbox_id, "version": version, "commit_mode": self._commit_mode(conn)}
+        params = {"id": outbox_id, "lease_version": lease_version, "commit_mode": self._commit_mode(conn)}
         scope = contextlib.nullcontext if joined else conn.transaction
         won = False
         if not ordered:
@@ -1026,7 +1026,7 @@ class Store:
                 conn.execute(self._q["lock_key_of"], {"table": self._regclass(conn), "id": outbox_id})
                 won = conn.execute(self._q["finish_done_head"], params).fetchone() is not None
         if not won:
-            return self._lost("finish_done", outbox_id, version)
+            return self._lost("finish_done", outbox_id, lease_version)
         self._count("done")
         return True
 
@@ -1059,15 +1059,15 @@ class Store:
             return set()
         params = {
             "ids": [i for i, _ in finished],
-            "versions": [v for _, v in finished],
+            "lease_versions": [v for _, v in finished],
             "commit_mode": self._commit_mode(conn),
         }
         with self._single_statement(conn):
             won = {int(r[0]) for r in conn.execute(self._q["finish_done_many"], params).fetchall()}
         self._count("done", len(won))
-        for outbox_id, version in finished:
+        for outbox_id, lease_version in finished:
             if outbox_id not in won:
-                self._lost("finish_done", outbox_id, version)
+                self._lost("finish_done", outbox_id, lease_version)
         return won
 
     # -- batches (#22, DESIGN invariant 21) ----------------------------------------------------
@@ -1091,7 +1091,7 @@ class Store:
         """
         params: dict[str, Any] = {
             "ids": [i for i, _ in pairs],
-            "versions": [v for _, v in pairs],
+            "lease_versions": [v for _, v in pairs],
             "lease": lease,
             "max_attempts": max_attempts,
             "commit_mode": self._commit_mode(conn),
@@ -1104,7 +1104,7 @@ class Store:
         missing = [(i, v) for i, v in pairs if i not in {int(r["id"]) for r in rows}]
         if missing:
             params["ids"] = [i for i, _ in missing]
-            params["versions"] = [v for _, v in missing]
+            params["lease_versions"] = [v for _, v in missing]
             with self._single_statement(conn):
                 cur = conn.cursor(row_factory=dict_row)
                 resumed = cur.execute(self._q["resume_many"], params).fetchall()
@@ -1114,11 +1114,11 @@ class Store:
             missing = [(i, v) for i, v in missing if i not in back]
         if missing:
             params["ids"] = [i for i, _ in missing]
-            params["versions"] = [v for _, v in missing]
+            params["lease_versions"] = [v for _, v in missing]
             with self._single_statement(conn):
                 dead = {int(r[0]) for r in conn.execute(self._q["start_exhausted_many"], params).fetchall()}
-            for outbox_id, version in missing:
-                self._refused_start(outbox_id, version, dead=outbox_id in dead)
+            for outbox_id, lease_version in missing:
+                self._refused_start(outbox_id, lease_version, dead=outbox_id in dead)
         return sorted((self._message(conn, r) for r in rows), key=lambda m: m.id)
 
     def finish_many(
@@ -1147,7 +1147,7 @@ class Store:
         relaxed = all(r[2] == Outcome.DONE for r in rows)
         params = {
             "ids": [r[0] for r in rows],
-            "versions": [r[1] for r in rows],
+            "lease_versions": [r[1] for r in rows],
             "outcomes": [str(r[2]) for r in rows],
             "delays": [float(r[3]) for r in rows],
             "errors": [r[4] for r in rows],
@@ -1159,10 +1159,10 @@ class Store:
         }
         with self._single_statement(conn):
             won = {int(i): str(s) for i, s in conn.execute(self._q["finish_many"], params).fetchall()}
-        for outbox_id, version, outcome, _delay, _error in rows:
+        for outbox_id, lease_version, outcome, _delay, _error in rows:
             status = won.get(outbox_id)
             if status is None:
-                self._lost(f"finish_many:{outcome}", outbox_id, version)
+                self._lost(f"finish_many:{outcome}", outbox_id, lease_version)
             elif status == Status.DEAD:
                 self._count(Outcome.DEAD.counter)
             elif outcome != "postpone":
@@ -1173,7 +1173,7 @@ class Store:
         self, conn: psycopg.Connection[Any], pairs: Sequence[tuple[int, int]], *, seconds: float
     ) -> set[int]:
         """Fenced :meth:`extend_lease` of many pairs in one statement; returns the ids extended."""
-        params = {"ids": [i for i, _ in pairs], "versions": [v for _, v in pairs], "seconds": seconds}
+        params = {"ids": [i for i, _ in pairs], "lease_versions": [v for _, v in pairs], "seconds": seconds}
         with self._single_statement(conn):
             return {int(r[0]) for r in conn.execute(self._q["extend_lease_many"], params).fetchall()}
 
@@ -1181,7 +1181,7 @@ class Store:
         self,
         conn: psycopg.Connection[Any],
         outbox_id: int,
-        version: int,
+        lease_version: int,
         *,
         delay: float,
         error: str,
@@ -1189,13 +1189,13 @@ class Store:
     ) -> str | None:
         """Fenced retryable failure. Returns the new status (``pending``/``dead``) or ``None``."""
         params = {"delay": delay, "error": error, "max_attempts": max_attempts}
-        return self._reschedule(conn, "finish_retry", Outcome.RETRY, outbox_id, version, params)
+        return self._reschedule(conn, "finish_retry", Outcome.RETRY, outbox_id, lease_version, params)
 
     def defer(
         self,
         conn: psycopg.Connection[Any],
         outbox_id: int,
-        version: int,
+        lease_version: int,
         *,
         delay: float,
         reason: str,
@@ -1203,13 +1203,13 @@ class Store:
     ) -> str | None:
         """Fenced defer, attempt refunded. Returns the new status or ``None`` if lost."""
         params = {"delay": delay, "reason": reason, "max_age": max_age}
-        return self._reschedule(conn, "finish_defer", Outcome.DEFER, outbox_id, version, params)
+        return self._reschedule(conn, "finish_defer", Outcome.DEFER, outbox_id, lease_version, params)
 
     def rate_limited(
         self,
         conn: psycopg.Connection[Any],
         outbox_id: int,
-        version: int,
+        lease_version: int,
         *,
         delay: float,
         reason: str,
@@ -1222,7 +1222,9 @@ class Store:
         Returns the new status or ``None`` if the lease was lost (then nothing is held either).
         """
         params = {"delay": delay, "reason": reason, "max_age": max_age}
-        return self._reschedule(conn, "finish_rate_limited", Outcome.RATE_LIMITED, outbox_id, version, params)
+        return self._reschedule(
+            conn, "finish_rate_limited", Outcome.RATE_LIMITED, outbox_id, lease_version, params
+        )
 
     def _reschedule(
         self,
@@ -1230,29 +1232,37 @@ class Store:
         op: str,
         outcome: Outcome,
         outbox_id: int,
-        version: int,
+        lease_version: int,
         params: dict[str, Any],
     ) -> str | None:
         """A fenced write back to ``pending`` that goes ``dead`` instead past its limit."""
-        row = self._fenced(conn, op, {"id": outbox_id, "version": version, **params})
+        row = self._fenced(conn, op, {"id": outbox_id, "lease_version": lease_version, **params})
         if not row:
             return None
         status = str(row[1])
         self._count(Outcome.DEAD.counter if status == Status.DEAD else outcome.counter)
         return status
 
-    def dead(self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, error: str) -> bool:
+    def dead(self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, error: str) -> bool:
         """Fenced: ``processing`` -> ``dead`` with ``error``."""
-        won = bool(self._fenced(conn, "finish_dead", {"id": outbox_id, "version": version, "error": error}))
+        won = bool(
+            self._fenced(
+                conn, "finish_dead", {"id": outbox_id, "lease_version": lease_version, "error": error}
+            )
+        )
         if won:
             self._count(Outcome.DEAD.counter)
         return won
 
     def record_error(
-        self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, error: str
+        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, error: str
     ) -> bool:
         """Fenced: store ``error`` and leave the row to return through its lease."""
-        won = bool(self._fenced(conn, "record_error", {"id": outbox_id, "version": version, "error": error}))
+        won = bool(
+            self._fenced(
+                conn, "record_error", {"id": outbox_id, "lease_version": lease_version, "error": error}
+            )
+        )
         if won:
             self._count(Outcome.ERROR.counter)
         return won
@@ -1261,7 +1271,7 @@ class Store:
         self,
         conn: psycopg.Connection[Any],
         outbox_id: int,
-        version: int,
+        lease_version: int,
         *,
         delay: float,
         error: str,
@@ -1271,16 +1281,18 @@ class Store:
             self._fenced(
                 conn,
                 "postpone",
-                {"id": outbox_id, "version": version, "delay": delay, "error": error},
+                {"id": outbox_id, "lease_version": lease_version, "delay": delay, "error": error},
             )
         )
 
     def extend_lease(
-        self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, seconds: float
+        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, seconds: float
     ) -> bool:
         """Fenced: ``lease_until = max(lease_until, now() + seconds)``."""
         return bool(
-            self._fenced(conn, "extend_lease", {"id": outbox_id, "version": version, "seconds": seconds})
+            self._fenced(
+                conn, "extend_lease", {"id": outbox_id, "lease_version": lease_version, "seconds": seconds}
+            )
         )
 
     # -- push (#11) ----------------------------------------------------------------------------

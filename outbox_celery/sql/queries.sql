@@ -258,7 +258,7 @@ SET attempts = attempts + 1,
 FROM (SELECT set_config('synchronous_commit',
                         coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
                         true)) AS commit_mode
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
   AND started_version < lease_version AND attempts < %(max_attempts)s
 RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
           lease_version, ordering_key, trace_context;
@@ -269,7 +269,7 @@ RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, creat
 -- with no attempt counted again and never made dead here (DESIGN invariant 3).
 UPDATE {table}
 SET lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
   AND started_version = lease_version AND lease_owner = %(starter)s
 RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
           lease_version, ordering_key, trace_context;
@@ -285,7 +285,7 @@ SET status = 'dead',
     started_version = lease_version,
     last_error = 'attempts exhausted: ' || attempts || ' handler run(s) of ' || %(max_attempts)s::int
                  || ' started without a result' || coalesce('; last error: ' || last_error, '')
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
   AND started_version < lease_version
   AND attempts >= %(max_attempts)s
 RETURNING id;
@@ -299,7 +299,7 @@ SET status = 'done', done_at = now(), lease_until = NULL
 FROM (SELECT set_config('synchronous_commit',
                         coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
                         true)) AS commit_mode
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
   AND ordering_key IS NULL
 RETURNING id;
 
@@ -313,8 +313,8 @@ SET status = 'done', done_at = now(), lease_until = NULL
 FROM (SELECT set_config('synchronous_commit',
                         coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
                         true)) AS commit_mode,
-     unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS f(id, version)
-WHERE o.id = f.id AND o.lease_version = f.version AND o.status = 'processing'
+     unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS f(id, lease_version)
+WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processing'
   AND o.ordering_key IS NULL
 RETURNING o.id;
 
@@ -338,7 +338,7 @@ WITH fin AS (
     FROM (SELECT set_config('synchronous_commit',
                             coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
                             true)) AS commit_mode
-    WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+    WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
     RETURNING id, ordering_key, head
 ),
 nxt AS (
@@ -385,7 +385,7 @@ SET status = CASE WHEN attempts >= %(max_attempts)s THEN 'dead' ELSE 'pending' E
                       THEN 'attempts exhausted (' || attempts || ' of ' || %(max_attempts)s::int
                            || '): ' || %(error)s
                       ELSE %(error)s END
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
 RETURNING id, status;
 
 -- name: finish_defer
@@ -401,7 +401,7 @@ SET status = CASE WHEN now() + make_interval(secs => %(delay)s)
                            > created_at + make_interval(secs => %(max_age)s)
                       THEN 'deferred past max_defer_age: ' || %(reason)s
                       ELSE 'deferred: ' || %(reason)s END
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
 RETURNING id, status;
 
 -- name: finish_rate_limited
@@ -421,7 +421,7 @@ WITH fin AS (
                                > created_at + make_interval(secs => %(max_age)s)
                           THEN 'rate limited past max_defer_age: ' || %(reason)s
                           ELSE 'rate limited: ' || %(reason)s END
-    WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+    WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
     RETURNING id, status, event_type
 ),
 held AS (
@@ -436,14 +436,14 @@ SELECT fin.id, fin.status FROM fin;
 -- name: finish_dead
 UPDATE {table}
 SET status = 'dead', lease_until = NULL, last_error = %(error)s
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
 RETURNING id;
 
 -- name: record_error
 -- Unexpected exception: keep the error, leave the row to come back through its lease.
 UPDATE {table}
 SET last_error = %(error)s
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
 RETURNING id;
 
 -- name: release
@@ -452,9 +452,9 @@ RETURNING id;
 -- worker that already started this claim must keep its row (DESIGN invariants 4, 12).
 UPDATE {table} AS o
 SET status = 'pending', available_at = now(), lease_until = NULL
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS r(id, version)
-WHERE o.id = r.id AND o.lease_version = r.version AND o.status = 'processing'
-  AND o.started_version < r.version
+FROM unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS r(id, lease_version)
+WHERE o.id = r.id AND o.lease_version = r.lease_version AND o.status = 'processing'
+  AND o.started_version < r.lease_version
 RETURNING o.id;
 
 -- name: postpone
@@ -465,13 +465,13 @@ SET status = 'pending',
     available_at = now() + make_interval(secs => %(delay)s),
     lease_until = NULL,
     last_error = %(error)s
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
 RETURNING id;
 
 -- name: extend_lease
 UPDATE {table}
 SET lease_until = greatest(lease_until, now() + make_interval(secs => %(seconds)s))
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
 RETURNING lease_until;
 
 -- name: canonical_name
@@ -554,8 +554,8 @@ SET attempts = o.attempts + 1,
 FROM (SELECT set_config('synchronous_commit',
                         coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
                         true)) AS commit_mode,
-     unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS s(id, version)
-WHERE o.id = s.id AND o.lease_version = s.version AND o.status = 'processing'
+     unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS s(id, lease_version)
+WHERE o.id = s.id AND o.lease_version = s.lease_version AND o.status = 'processing'
   AND o.started_version < o.lease_version AND o.attempts < %(max_attempts)s
 RETURNING o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.payload, o.attempts,
           o.created_at, o.lease_version, o.ordering_key, o.trace_context;
@@ -565,8 +565,8 @@ RETURNING o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.payload, o.att
 -- reply was lost gets its rows back under its own token, no attempt counted again.
 UPDATE {table} AS o
 SET lease_until = greatest(o.lease_until, now() + make_interval(secs => %(lease)s))
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS s(id, version)
-WHERE o.id = s.id AND o.lease_version = s.version AND o.status = 'processing'
+FROM unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS s(id, lease_version)
+WHERE o.id = s.id AND o.lease_version = s.lease_version AND o.status = 'processing'
   AND o.started_version = o.lease_version AND o.lease_owner = %(starter)s
 RETURNING o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.payload, o.attempts,
           o.created_at, o.lease_version, o.ordering_key, o.trace_context;
@@ -579,8 +579,8 @@ SET status = 'dead',
     started_version = o.lease_version,
     last_error = 'attempts exhausted: ' || o.attempts || ' handler run(s) of ' || %(max_attempts)s::int
                  || ' started without a result' || coalesce('; last error: ' || o.last_error, '')
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS s(id, version)
-WHERE o.id = s.id AND o.lease_version = s.version AND o.status = 'processing'
+FROM unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS s(id, lease_version)
+WHERE o.id = s.id AND o.lease_version = s.lease_version AND o.status = 'processing'
   AND o.started_version < o.lease_version
   AND o.attempts >= %(max_attempts)s
 RETURNING o.id;
@@ -632,9 +632,9 @@ FROM (SELECT set_config('synchronous_commit',
      (SELECT CASE WHEN %(notify)s::bool
                   THEN pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL
              END) AS woke,
-     unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(outcomes)s::text[], %(delays)s::float8[],
-            %(errors)s::text[]) AS f(id, version, outcome, delay, error)
-WHERE o.id = f.id AND o.lease_version = f.version AND o.status = 'processing'
+     unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[], %(outcomes)s::text[], %(delays)s::float8[],
+            %(errors)s::text[]) AS f(id, lease_version, outcome, delay, error)
+WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processing'
   AND f.outcome IN ('done', 'dead', 'retry', 'defer', 'postpone', 'error')
   AND (f.outcome <> 'done' OR o.ordering_key IS NULL)
 RETURNING o.id, o.status;
@@ -643,8 +643,8 @@ RETURNING o.id, o.status;
 -- The lease heartbeat of a batch: extend_lease for every pair, each fenced on its own version.
 UPDATE {table} AS o
 SET lease_until = greatest(o.lease_until, now() + make_interval(secs => %(seconds)s))
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS e(id, version)
-WHERE o.id = e.id AND o.lease_version = e.version AND o.status = 'processing'
+FROM unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS e(id, lease_version)
+WHERE o.id = e.id AND o.lease_version = e.lease_version AND o.status = 'processing'
 RETURNING o.id;
 
 -- name: flow_exists
