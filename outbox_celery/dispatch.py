@@ -27,7 +27,7 @@ from .errors import ConfigurationError, Defer, PermanentError, RateLimited, Retr
 from .flow import Limit
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
-from .store import Claimed, ScanMarks, Store, starter_token
+from .store import Claimed, Finalized, FinalizedMany, ScanMarks, Store, starter_token
 from .tracing import handler_span
 from .transactional import TransactionKind
 
@@ -223,6 +223,14 @@ class Verdict:
     outcome: Outcome
     delay: float = 0.0
     error: str = ""
+
+
+def _outcome_of(verdict: Verdict, result: Finalized) -> Outcome:
+    """What the fenced write of a verdict came to: the verdict's outcome when it applied,
+    ``dead`` when a retry or defer went past its limit, ``lost_lease`` when another claim won."""
+    if not result.applied:
+        return Outcome.LOST_LEASE
+    return Outcome.DEAD if result.status is Status.DEAD else verdict.outcome
 
 
 def classify(exc: BaseException, attempts: int, retry: RetryPolicy) -> Verdict | None:
@@ -430,14 +438,49 @@ class Dispatcher:
             to be written with others (the delivery task does; see ``_done_batch``). The
             outcome is then ``done`` before the row says so.
         """
-        cfg = self.config
         # The start gives the row at least one lease from now on the database's clock; its end
         # is tracked on this process's monotonic clock, a duration, never a wall time.
-        lease_end = time.monotonic() + cfg.lease
+        lease_end = time.monotonic() + self.config.lease
+        log: dict[str, Any] = {"outbox_id": outbox_id, "lease_version": lease_version}
+        msg = self._start(outbox_id, lease_version, log)
+        if msg is None:
+            return Outcome.STALE
+        log.update(event_type=msg.event_type, attempt=msg.attempts)
+        spec = self.handlers.get(msg.event_type)
+        if spec is None:
+            return self._unroutable(msg, lease_version, log)
+        if spec.batch is not None:
+            # A batch handler's event type delivered by a one-row task (sent before a deploy
+            # that added batch=): a batch of one.
+            return self._run_batch(spec, [msg], log)[msg.id]
+        msg = replace(msg, _extend=self._extender(outbox_id, lease_version))
+        started = time.monotonic()
+        if spec.transaction is not None:
+            return self._deliver_in_transaction(spec, spec.transaction, msg, lease_version, log, started)
+        verdict = self._run_handler(spec, msg, log, started)
+        if batch_done and verdict.outcome is Outcome.DONE and self._batch_done(msg, lease_version, lease_end):
+            outcome = Outcome.DONE
+        else:
+            outcome = self._finish(verdict, msg, lease_version)
+        logger.info(
+            "outbox id %s %s -> %s",
+            outbox_id,
+            msg.event_type,
+            outcome,
+            extra={**log, "outcome": outcome, "duration_ms": _ms_since(started)},
+        )
+        return outcome
+
+    def _start(self, outbox_id: int, lease_version: int, log: dict[str, Any]) -> Message | None:
+        """The fenced start of one claim: its message, or ``None`` (stale or exhausted, logged).
+
+        A failure of the start itself is recorded as the library's (:meth:`_failed_before_handler`)
+        and re-raised.
+        """
+        cfg = self.config
         # One token for the start and its retry: a retry after a lost reply gets its own start
         # back uncounted, while any other start of this claim is refused (#21).
         starter = starter_token()
-        log: dict[str, Any] = {"outbox_id": outbox_id, "lease_version": lease_version}
         try:
             msg = self._fenced_write(
                 "start",
@@ -462,51 +505,32 @@ class Dispatcher:
                 lease_version,
                 extra={**log, "outcome": Outcome.STALE},
             )
-            return Outcome.STALE
-        log.update(event_type=msg.event_type, attempt=msg.attempts)
-        spec = self.handlers.get(msg.event_type)
-        if spec is None:
-            return self._unroutable(msg, lease_version, log)
-        if spec.batch is not None:
-            # A batch handler's event type delivered by a one-row task (sent before a deploy
-            # that added batch=): a batch of one.
-            return self._run_batch(spec, [msg], log)[msg.id]
-        msg = replace(msg, _extend=lambda seconds: self._extend(outbox_id, lease_version, seconds))
-        started = time.monotonic()
-        if spec.transaction is not None:
-            return self._deliver_in_transaction(spec, spec.transaction, msg, lease_version, log, started)
+        return msg
+
+    def _run_handler(self, spec: HandlerSpec, msg: Message, log: dict[str, Any], started: float) -> Verdict:
+        """Call a plain handler outside any transaction; the verdict of what it did.
+
+        An exception the handler does not classify is recorded and re-raised: Celery reports a
+        failure and the row comes back through its lease, never a silent "transient" retry.
+        """
         try:
             # The lease heartbeat is a no-op unless configured; the span continues the producer's
             # trace when it had one (tracing.py).
-            with lease_heartbeat(cfg, msg.extend_lease, log=log), handler_span(msg):
+            with lease_heartbeat(self.config, msg.extend_lease, log=log), handler_span(msg):
                 spec.fn(msg)
         except BaseException as exc:
             verdict = classify(exc, msg.attempts, self.retry)
             if verdict is None:
-                # Not classified by the handler: record it, let Celery report a failure, and let
-                # the row come back through its lease. Never a silent "transient" retry.
-                self._record_error(outbox_id, lease_version, _error_text(exc))
+                self._record_error(msg.id, msg.lease_version, _error_text(exc))
                 logger.error(
                     "outbox id %s handler raised %s; row returns after its lease",
-                    outbox_id,
+                    msg.id,
                     type(exc).__name__,
                     extra={**log, "outcome": Outcome.ERROR, "duration_ms": _ms_since(started)},
                 )
                 raise
-        else:
-            verdict = Verdict(Outcome.DONE)
-        if batch_done and verdict.outcome is Outcome.DONE and self._batch_done(msg, lease_version, lease_end):
-            outcome = Outcome.DONE
-        else:
-            outcome = self._finish(verdict, msg, lease_version)
-        logger.info(
-            "outbox id %s %s -> %s",
-            outbox_id,
-            msg.event_type,
-            outcome,
-            extra={**log, "outcome": outcome, "duration_ms": _ms_since(started)},
-        )
-        return outcome
+            return verdict
+        return Verdict(Outcome.DONE)
 
     def _deliver_in_transaction(
         self,
@@ -546,7 +570,7 @@ class Dispatcher:
                     )
                 called = True
                 spec.fn(msg, handle)
-                if not self.store.done(conn, msg.id, lease_version, ordered=ordered, joined=True):
+                if not self.store.done(conn, msg.id, lease_version, ordered=ordered, joined=True).applied:
                     raise _Superseded
         except _Superseded:
             outcome = Outcome.LOST_LEASE
@@ -737,14 +761,7 @@ class Dispatcher:
                 ),
             )
             for m in rest:
-                status = won.get(m.id)
-                outcome = verdicts[m.id].outcome
-                if status is None:
-                    outcomes[m.id] = Outcome.LOST_LEASE
-                elif status == Status.DEAD:
-                    outcomes[m.id] = Outcome.DEAD
-                else:
-                    outcomes[m.id] = outcome
+                outcomes[m.id] = _outcome_of(verdicts[m.id], won.of(m.id))
         for m in one_by_one:
             outcomes[m.id] = self._finish(verdicts[m.id], m, m.lease_version)
         return outcomes
@@ -771,7 +788,7 @@ class Dispatcher:
             delay,
             extra={**log, "outcome": Outcome.UNROUTABLE},
         )
-        return {i: (Outcome.UNROUTABLE if i in won else Outcome.LOST_LEASE) for i in verdicts}
+        return {i: _outcome_of(v, won.of(i)) for i, v in verdicts.items()}
 
     def _failed_before_batch(self, pairs: list[tuple[int, int]], exc: Exception, log: dict[str, Any]) -> None:
         """The batch's start failed: each pair as :meth:`_failed_before_handler`, in one statement."""
@@ -815,7 +832,7 @@ class Dispatcher:
         batch.add(msg.id, lease_version)
         return True
 
-    def _write_done_batch(self, finished: list[tuple[int, int]]) -> set[int]:
+    def _write_done_batch(self, finished: list[tuple[int, int]]) -> FinalizedMany:
         first_id, first_version = finished[0]
         return self._fenced_write(
             "done_many", first_id, first_version, lambda conn: self.store.done_many(conn, finished)
@@ -932,15 +949,12 @@ class Dispatcher:
             lease_version,
             lambda conn: self._finalize(conn, verdict, msg, lease_version),
         )
-        if not result:
-            return Outcome.LOST_LEASE
-        # retry and defer return the row's new status: dead once past their limit.
-        return Outcome.DEAD if result == Status.DEAD else verdict.outcome
+        return _outcome_of(verdict, result)
 
     def _finalize(
         self, conn: psycopg.Connection[Any], verdict: Verdict, msg: Message, lease_version: int
-    ) -> bool | str | None:
-        """One fenced finalize; falsy when the lease was lost, else true or the new status."""
+    ) -> Finalized:
+        """The one fenced finalize of the verdict's outcome."""
         cfg, store = self.config, self.store
         match verdict.outcome:
             case Outcome.DONE:
