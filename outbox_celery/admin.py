@@ -118,11 +118,7 @@ def format_duration(seconds: float | None) -> str:
 def _queries(table: TableName) -> dict[str, sql.Composed]:
     # The operator's queries, plus the dispatcher's where an operator action must do exactly what
     # the dispatcher does (settle_heads after a skip).
-    texts = {**_sql.named("queries.sql"), **_sql.named("admin.sql")}
-    # The dead-letter filters are written once in admin.sql; the list and its count include them.
-    dead_filter = texts.pop("dead_filter")
-    texts = {name: text.replace("{dead_filter}", dead_filter) for name, text in texts.items()}
-    return {name: _sql.compose(text, table) for name, text in texts.items()}
+    return {**_sql.queries("queries.sql", table), **_sql.queries("admin.sql", table)}
 
 
 def _q(table: str | TableName, name: str) -> sql.Composed:

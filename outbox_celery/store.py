@@ -263,8 +263,9 @@ class Store:
         ordering and fencing hold across a crash. The claim itself always commits durably: its
         new ``lease_version`` goes out in published tasks and must never be rolled back.
     :param queries: replacement texts for named queries of ``sql/queries.sql`` (same name, same
-        parameters; ``{table}`` and the index names are bound as identifiers). For benchmarks and
-        experiments: the text is trusted SQL, never user input.
+        parameters; ``{table}`` and the index names are bound as identifiers, the fragments of
+        ``_sql.FRAGMENTS`` filled in). For benchmarks and experiments: the text is trusted SQL,
+        never user input.
     """
 
     def __init__(
@@ -276,14 +277,13 @@ class Store:
     ) -> None:
         self.table = TableName.parse(table)
         self.relaxed_commit = relaxed_commit
-        texts = dict(_sql.named("queries.sql"))
-        unknown = set(queries or {}) - set(texts)
+        self._q: Mapping[str, sql.Composed] = _sql.queries("queries.sql", self.table)
+        unknown = set(queries or {}) - set(self._q)
         if unknown:
             raise ValueError(f"no named queries {sorted(unknown)} to replace")
-        texts.update(queries or {})
-        self._q: dict[str, sql.Composed] = {
-            name: _sql.compose(text, self.table) for name, text in texts.items()
-        }
+        if queries:
+            replaced = {name: _sql.compose(_sql.fill(text), self.table) for name, text in queries.items()}
+            self._q = {**self._q, **replaced}
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._canonical: str | None = None
@@ -315,7 +315,7 @@ class Store:
     @property
     def queries(self) -> Mapping[str, sql.Composed]:
         """The named queries, bound to this table (read-only)."""
-        return MappingProxyType(self._q)
+        return MappingProxyType(dict(self._q))
 
     # -- observability -------------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 -- Operator-side named queries (outbox_celery.admin): stats, dead letters, retention.
--- "{table}" is replaced by the quoted table identifier (psycopg.sql); every value is a bound
--- parameter. All time comparisons use the database clock (now()).
+-- Loaded by the query registry (outbox_celery/_sql.py): "{table}" is replaced by the quoted table
+-- identifier (psycopg.sql), the other "{...}" by fragments written once (_sql.FRAGMENTS, or
+-- "-- fragment: x" here); every value is a bound parameter. All time comparisons use the
+-- database clock (now()).
 --
 -- Live rows (not done) are few and done rows are history, so every query reaches rows through
 -- the schema's partial indexes: pending unordered (pending_idx), ordered not done (ordered_idx),
@@ -113,9 +115,9 @@ SELECT
             ORDER BY attempts), '[]'::json)
      FROM by_attempts) AS attempts;
 
--- name: dead_filter
+-- fragment: dead_filter
 -- The filters of dead_list and dead_count over the alias d (a NULL filter matches every row),
--- written once; admin.py puts them in both. Age filters use created_at: a dead row records no
+-- written once; the query registry (_sql.py) puts them in both. Age filters use created_at: a dead row records no
 -- dead time.
 (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)
   AND (%(aggregate_type)s::text IS NULL OR d.aggregate_type = %(aggregate_type)s::text)
@@ -222,8 +224,7 @@ RETURNING o.id;
 -- Before a skip: the producers' key locks (queries.sql lock_keys) of every ordered message among
 -- the ids, in sorted order, so the head moved by settle_heads sees every message of those keys
 -- committed so far and no producer commits one until the skip does (DESIGN invariant 9).
-SELECT count(pg_advisory_xact_lock(hashtextextended(
-    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || k, 0)))
+SELECT count({key_lock})
 FROM (SELECT DISTINCT ordering_key AS k FROM {table}
       WHERE id = ANY(%(ids)s::bigint[]) AND ordering_key IS NOT NULL
       ORDER BY 1) AS sorted_keys;
@@ -378,4 +379,4 @@ up AS (
 )
 SELECT coalesce((SELECT held FROM before), false) AS was_held,
        (SELECT count(*) FROM up) AS rows,
-       pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL AS woke;
+       pg_notify({notify_channel}, '') IS NULL AS woke;

@@ -1,5 +1,7 @@
--- Named queries of the dispatcher. Loaded once by outbox_celery.store; "{table}" is replaced by
--- the quoted table identifier (psycopg.sql), every value is a bound parameter.
+-- Named queries of the dispatcher. Loaded once by the query registry (outbox_celery/_sql.py):
+-- "{table}" is replaced by the quoted table identifier (psycopg.sql), every value is a bound
+-- parameter. The other "{...}" are fragments written once in _sql.FRAGMENTS (the key lock, the
+-- notify channel, the synchronous_commit switch) or in this file ("-- fragment: x").
 -- All time comparisons use the database clock (now()); worker clocks are never trusted.
 
 -- name: insert
@@ -18,12 +20,8 @@ VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::jsonb
         %(dedup_key)s, %(trace_context)s::jsonb)
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
 RETURNING id, dedup_key,
-          -- Push (#11): wake this table's listeners at commit; evaluated once per statement (an
-          -- init plan), and only when a row was inserted. The channel is named after the table's
-          -- oid, never after user text: distinct per table, the same for "outbox" and "public.outbox".
-          (SELECT CASE WHEN %(notify)s::bool
-                       THEN pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL
-                  END) AS woke;
+          -- Push (#11): wake this table's listeners at commit, only when a row was inserted.
+          {wake_listeners} AS woke;
 
 -- name: insert_many
 -- As insert; within the batch only the first row of a key (lowest n, hence lowest id) can be
@@ -46,12 +44,8 @@ FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_id
 ORDER BY u.n
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
 RETURNING id, dedup_key,
-          -- Push (#11): wake this table's listeners at commit; evaluated once per statement (an
-          -- init plan), and only when a row was inserted. The channel is named after the table's
-          -- oid, never after user text: distinct per table, the same for "outbox" and "public.outbox".
-          (SELECT CASE WHEN %(notify)s::bool
-                       THEN pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL
-                  END) AS woke;
+          -- Push (#11): wake this table's listeners at commit, only when a row was inserted.
+          {wake_listeners} AS woke;
 
 -- name: dedup_ids
 -- The rows holding these dedup keys: inserted by an earlier (committed) transaction, by this
@@ -65,9 +59,7 @@ SELECT id, dedup_key FROM {table} WHERE dedup_key = ANY(%(keys)s::text[]);
 -- The head finalizers (finish_done_head, admin skip) take the same locks. The isolation level
 -- comes back with it: insert decides the head from its statement's snapshot, which is taken
 -- after the lock only under read committed.
-SELECT count(pg_advisory_xact_lock(hashtextextended(
-    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || k, 0))),
-       current_setting('transaction_isolation')
+SELECT count({key_lock}), current_setting('transaction_isolation')
 FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k) ORDER BY k) AS sorted_keys;
 
 -- name: try_claim_lock
@@ -255,9 +247,7 @@ SET attempts = attempts + 1,
     started_version = lease_version,
     lease_owner = %(starter)s,
     lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
-FROM (SELECT set_config('synchronous_commit',
-                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
-                        true)) AS commit_mode
+FROM {commit_mode}
 WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
   AND started_version < lease_version AND attempts < %(max_attempts)s
 RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
@@ -296,9 +286,7 @@ RETURNING id;
 -- extra predicate costs an unordered row nothing: one fenced update, no key lock.
 UPDATE {table}
 SET status = 'done', done_at = now(), lease_until = NULL
-FROM (SELECT set_config('synchronous_commit',
-                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
-                        true)) AS commit_mode
+FROM {commit_mode}
 WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
   AND ordering_key IS NULL
 RETURNING id;
@@ -310,9 +298,7 @@ RETURNING id;
 -- commit_mode as in finish_done.
 UPDATE {table} AS o
 SET status = 'done', done_at = now(), lease_until = NULL
-FROM (SELECT set_config('synchronous_commit',
-                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
-                        true)) AS commit_mode,
+FROM {commit_mode},
      unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS f(id, lease_version)
 WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processing'
   AND o.ordering_key IS NULL
@@ -322,10 +308,8 @@ RETURNING o.id;
 -- First statement of an ordered done: the producers' lock of the row's key (as lock_keys), so
 -- that the next statement's snapshot holds every message of the key committed so far and none
 -- can commit until the head has moved. Nothing is locked for an unordered row.
-SELECT pg_advisory_xact_lock(hashtextextended(
-    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || ordering_key, 0))
-FROM {table}
-WHERE id = %(id)s AND ordering_key IS NOT NULL;
+SELECT {key_lock}
+FROM (SELECT ordering_key AS k FROM {table} WHERE id = %(id)s AND ordering_key IS NOT NULL) AS keyed;
 
 -- name: finish_done_head
 -- The fenced done of an ordered row, under its key lock (lock_key_of): the row goes done and the
@@ -335,9 +319,7 @@ WHERE id = %(id)s AND ordering_key IS NOT NULL;
 WITH fin AS (
     UPDATE {table}
     SET status = 'done', done_at = now(), lease_until = NULL
-    FROM (SELECT set_config('synchronous_commit',
-                            coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
-                            true)) AS commit_mode
+    FROM {commit_mode}
     WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
     RETURNING id, ordering_key, head
 ),
@@ -514,7 +496,7 @@ RETURNING o.id, o.ordering_key;
 -- name: notify_channel
 -- The channel the producer's insert signals on (pg_notify in insert / insert_many); the
 -- listener LISTENs on it (as an identifier).
-SELECT 'outbox_celery_' || %(table)s::regclass::oid::text;
+SELECT {notify_channel};
 
 -- name: next_due
 -- Seconds (database clock) until the next row of these event types becomes claimable within
@@ -551,9 +533,7 @@ SET attempts = o.attempts + 1,
     started_version = o.lease_version,
     lease_owner = %(starter)s,
     lease_until = greatest(o.lease_until, now() + make_interval(secs => %(lease)s))
-FROM (SELECT set_config('synchronous_commit',
-                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
-                        true)) AS commit_mode,
+FROM {commit_mode},
      unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS s(id, lease_version)
 WHERE o.id = s.id AND o.lease_version = s.lease_version AND o.status = 'processing'
   AND o.started_version < o.lease_version AND o.attempts < %(max_attempts)s
@@ -626,12 +606,8 @@ SET status = CASE f.outcome
                                THEN 'deferred past max_defer_age: ' || f.error
                                ELSE 'deferred: ' || f.error END
         ELSE f.error END
-FROM (SELECT set_config('synchronous_commit',
-                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
-                        true)) AS commit_mode,
-     (SELECT CASE WHEN %(notify)s::bool
-                  THEN pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL
-             END) AS woke,
+FROM {commit_mode},
+     {wake_listeners} AS woke,
      unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[], %(outcomes)s::text[], %(delays)s::float8[],
             %(errors)s::text[]) AS f(id, lease_version, outcome, delay, error)
 WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processing'
