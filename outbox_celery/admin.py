@@ -564,8 +564,9 @@ def get_message(
     """Every column of one message (any status) plus what explains its state, or ``None``.
 
     Extra keys: ``now``, ``age`` (seconds since created), ``available_in`` and
-    ``lease_expires_in`` (seconds from now, negative when past), ``key_head`` (lowest unfinished
-    id of its ordering key) and ``waiting_behind`` (unfinished messages after it in its key).
+    ``lease_expires_in`` (seconds from now, negative when past), ``key_head`` (the id of its
+    ordering key's head, the unfinished message flagged ``head``; ``None`` when it has none) and
+    ``waiting_behind`` (unfinished messages after it in its key).
     """
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(_q(table, "show"), {"id": outbox_id}).fetchone()

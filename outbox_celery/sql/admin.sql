@@ -150,7 +150,9 @@ WHERE d.status = 'dead'
 
 -- name: show
 -- One message of any status, with what explains its wait: times relative to now() and, for an
--- ordered message, the head of its key and how many messages wait behind it.
+-- ordered message, the head of its key and how many messages wait behind it. The head is the
+-- flagged one (DESIGN invariant 9: the flag is what the claim reads), never re-derived here; a
+-- key whose unfinished messages carry no flag has none (repair-heads mends it).
 SELECT o.id, o.status, o.event_type, o.aggregate_type, o.aggregate_id, o.ordering_key,
        o.payload, o.attempts, o.created_at, o.available_at, o.lease_owner, o.lease_until,
        o.lease_version, o.last_error, o.done_at,
@@ -160,8 +162,10 @@ SELECT o.id, o.status, o.event_type, o.aggregate_type, o.aggregate_id, o.orderin
        extract(epoch FROM o.available_at - now())::float8 AS available_in,
        extract(epoch FROM o.lease_until - now())::float8 AS lease_expires_in,
        CASE WHEN o.ordering_key IS NULL THEN NULL ELSE (
-           SELECT min(h.id) FROM {table} AS h
-           WHERE h.ordering_key = o.ordering_key AND h.status <> 'done'
+           SELECT h.id FROM {table} AS h
+           WHERE h.ordering_key = o.ordering_key AND h.head AND h.status <> 'done'
+           ORDER BY h.id
+           LIMIT 1
        ) END AS key_head,
        CASE WHEN o.ordering_key IS NULL THEN 0 ELSE (
            SELECT count(*) FROM {table} AS b
