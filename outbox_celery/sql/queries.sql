@@ -153,6 +153,20 @@ FROM doomed
 WHERE o.id = doomed.id
 RETURNING o.id, o.lease_version, o.event_type;
 
+-- fragment: claim_picked
+-- The tail of every claim statement (claim_expired, claim_pending, claim_heads and their
+-- _limited forms), written once: the rows the statement's "picked" chose are processing under a
+-- new lease and a new fencing token, and come back as the claim reads them (Claimed, ScanMarks).
+-- An expired lease's row is processing already; setting it again changes nothing.
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease)s),
+    lease_version = o.lease_version + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+
 -- name: claim_expired
 -- excluded (here, in claim_pending and in claim_heads): event types this statement must not
 -- take (#23, DESIGN invariants 22, 23): paused or held by a RateLimited outcome, and the
@@ -173,13 +187,7 @@ WITH picked AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE {table} AS o
-SET lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+{claim_picked};
 
 -- name: claim_pending
 -- Due unordered rows, oldest first. The scan starts at pending_since, a little behind where this
@@ -197,14 +205,7 @@ WITH picked AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE {table} AS o
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+{claim_picked};
 
 -- name: claim_heads
 -- Ordered rows: only the head of each key (its lowest id not done, flagged "head") is claimable
@@ -223,14 +224,7 @@ WITH picked AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE {table} AS o
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+{claim_picked};
 
 -- name: start
 -- The fenced start: the worker is about to run the handler. Counts the attempt here, not at
@@ -687,13 +681,7 @@ WITH picked AS (
         FOR UPDATE SKIP LOCKED
     ) AS p
 )
-UPDATE {table} AS o
-SET lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+{claim_picked};
 
 -- name: claim_heads_limited
 -- claim_heads for the limited event types, as claim_expired_limited: heads only (invariant 9).
@@ -710,14 +698,7 @@ WITH picked AS (
         FOR UPDATE SKIP LOCKED
     ) AS p
 )
-UPDATE {table} AS o
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+{claim_picked};
 
 -- name: claim_pending_limited
 -- claim_pending for the limited event types, as claim_expired_limited.
@@ -734,11 +715,4 @@ WITH picked AS (
         FOR UPDATE SKIP LOCKED
     ) AS p
 )
-UPDATE {table} AS o
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+{claim_picked};

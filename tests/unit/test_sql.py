@@ -83,6 +83,17 @@ def test_the_lock_and_channel_names_are_in_one_place() -> None:
         assert "set_config('synchronous_commit'" not in raw, filename
 
 
+def test_every_claim_statement_ends_with_the_one_claim_tail() -> None:
+    statements = _sql.named("queries.sql")
+    tail = statements["claim_pending"][statements["claim_pending"].index("\nUPDATE") :]
+    for name in (
+        "claim_expired",
+        "claim_heads",
+        *(f"claim_{p}_limited" for p in ("expired", "heads", "pending")),
+    ):
+        assert statements[name].endswith(tail), name
+
+
 def test_fill_leaves_identifiers_and_unknown_braces_for_compose() -> None:
     assert _sql.fill("SELECT 1 FROM {table}", {"x": "y"}) == "SELECT 1 FROM {table}"
     assert _sql.fill("{a} {b}", {"a": "[{b}]", "b": "B"}) == "[B] B"
