@@ -112,11 +112,16 @@ def fill(text: str, fragments: Mapping[str, str] = FRAGMENTS) -> str:
 
 
 @functools.cache
+def fragments(filename: str) -> Mapping[str, str]:
+    """The fragments the statements of ``sql/<filename>`` may use: :data:`FRAGMENTS` and its own."""
+    return MappingProxyType({**FRAGMENTS, **_entries(filename)[1]})
+
+
+@functools.cache
 def named(filename: str) -> Mapping[str, str]:
     """Split a ``-- name: x`` annotated file into ``{x: text}``, fragments filled in."""
-    statements, local = _entries(filename)
-    fragments = {**FRAGMENTS, **local}
-    return MappingProxyType({name: fill(text, fragments) for name, text in statements.items()})
+    statements, _local = _entries(filename)
+    return MappingProxyType({name: fill(text, fragments(filename)) for name, text in statements.items()})
 
 
 def compose(text: str, table: TableName) -> sql.Composed:

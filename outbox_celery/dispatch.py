@@ -970,17 +970,11 @@ class Dispatcher:
                     error=verdict.error,
                     max_attempts=cfg.max_attempts,
                 )
-            case Outcome.RATE_LIMITED:
-                return store.rate_limited(
-                    conn,
-                    msg.id,
-                    lease_version,
-                    delay=verdict.delay,
-                    reason=verdict.error,
-                    max_age=cfg.max_defer_age,
-                )
-            case Outcome.DEFER:
-                return store.defer(
+            case Outcome.RATE_LIMITED | Outcome.DEFER:
+                # The same write back to pending, attempt refunded; a RateLimited one also holds
+                # its event type (DESIGN invariant 23).
+                defer = store.rate_limited if verdict.outcome is Outcome.RATE_LIMITED else store.defer
+                return defer(
                     conn,
                     msg.id,
                     lease_version,

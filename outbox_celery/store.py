@@ -263,8 +263,8 @@ class Store:
         ordering and fencing hold across a crash. The claim itself always commits durably: its
         new ``lease_version`` goes out in published tasks and must never be rolled back.
     :param queries: replacement texts for named queries of ``sql/queries.sql`` (same name, same
-        parameters; ``{table}`` and the index names are bound as identifiers, the fragments of
-        ``_sql.FRAGMENTS`` filled in). For benchmarks and experiments: the text is trusted SQL,
+        parameters; ``{table}`` and the index names are bound as identifiers, the file's fragments
+        such as ``{claim_picked}`` filled in). For benchmarks and experiments: the text is trusted SQL,
         never user input.
     """
 
@@ -282,7 +282,10 @@ class Store:
         if unknown:
             raise ValueError(f"no named queries {sorted(unknown)} to replace")
         if queries:
-            replaced = {name: _sql.compose(_sql.fill(text), self.table) for name, text in queries.items()}
+            known = _sql.fragments("queries.sql")
+            replaced = {
+                name: _sql.compose(_sql.fill(text, known), self.table) for name, text in queries.items()
+            }
             self._q = {**self._q, **replaced}
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
@@ -1296,25 +1299,37 @@ class Store:
         self._count(Outcome.DEAD.counter if status is Status.DEAD else outcome.counter)
         return Finalized(status)
 
+    def _fenced_to(
+        self,
+        conn: psycopg.Connection[Any],
+        op: str,
+        params: dict[str, Any],
+        *,
+        status: Status,
+        counter: str | None = None,
+    ) -> Finalized:
+        """A fenced write that leaves its row in ``status`` when it applies (counted as ``counter``)."""
+        if self._fenced(conn, op, params) is None:
+            return LOST
+        if counter is not None:
+            self._count(counter)
+        return Finalized(status)
+
     def dead(
         self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, error: str
     ) -> Finalized:
         """Fenced: ``processing`` -> ``dead`` with ``error``."""
         params = {"id": outbox_id, "lease_version": lease_version, "error": error}
-        if self._fenced(conn, "finish_dead", params) is None:
-            return LOST
-        self._count(Outcome.DEAD.counter)
-        return Finalized(Status.DEAD)
+        return self._fenced_to(conn, "finish_dead", params, status=Status.DEAD, counter=Outcome.DEAD.counter)
 
     def record_error(
         self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, error: str
     ) -> Finalized:
         """Fenced: store ``error`` and leave the row (``processing``) to return through its lease."""
         params = {"id": outbox_id, "lease_version": lease_version, "error": error}
-        if self._fenced(conn, "record_error", params) is None:
-            return LOST
-        self._count(Outcome.ERROR.counter)
-        return Finalized(Status.PROCESSING)
+        return self._fenced_to(
+            conn, "record_error", params, status=Status.PROCESSING, counter=Outcome.ERROR.counter
+        )
 
     def postpone(
         self,
@@ -1327,7 +1342,7 @@ class Store:
     ) -> Finalized:
         """Fenced: back to pending after ``delay`` with the attempt refunded (no handler here)."""
         params = {"id": outbox_id, "lease_version": lease_version, "delay": delay, "error": error}
-        return LOST if self._fenced(conn, "postpone", params) is None else Finalized(Status.PENDING)
+        return self._fenced_to(conn, "postpone", params, status=Status.PENDING)
 
     def extend_lease(
         self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, seconds: float
