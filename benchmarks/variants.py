@@ -84,14 +84,7 @@ picked AS (
     LIMIT %(limit)s
     FOR UPDATE OF o SKIP LOCKED
 )
-UPDATE {table} AS o
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at
+{claim_picked}
 """
 
 

@@ -62,13 +62,13 @@ class DoneBatcher:
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _after_fork(ref))
 
-    def add(self, outbox_id: int, version: int) -> None:
+    def add(self, outbox_id: int, lease_version: int) -> None:
         """Queue one handled row's ``done``; written within ``delay`` seconds."""
         full: list[Finished] = []
         with self._cond:
             if not self._pending:
                 self._first = time.monotonic()
-            self._pending.append((outbox_id, version))
+            self._pending.append((outbox_id, lease_version))
             if len(self._pending) >= self.max_rows:
                 full, self._pending = self._pending, []
             elif self._thread is None or not self._thread.is_alive():

@@ -118,11 +118,7 @@ def format_duration(seconds: float | None) -> str:
 def _queries(table: TableName) -> dict[str, sql.Composed]:
     # The operator's queries, plus the dispatcher's where an operator action must do exactly what
     # the dispatcher does (settle_heads after a skip).
-    texts = {**_sql.named("queries.sql"), **_sql.named("admin.sql")}
-    # The dead-letter filters are written once in admin.sql; the list and its count include them.
-    dead_filter = texts.pop("dead_filter")
-    texts = {name: text.replace("{dead_filter}", dead_filter) for name, text in texts.items()}
-    return {name: _sql.compose(text, table) for name, text in texts.items()}
+    return {**_sql.queries("queries.sql", table), **_sql.queries("admin.sql", table)}
 
 
 def _q(table: str | TableName, name: str) -> sql.Composed:
@@ -568,8 +564,9 @@ def get_message(
     """Every column of one message (any status) plus what explains its state, or ``None``.
 
     Extra keys: ``now``, ``age`` (seconds since created), ``available_in`` and
-    ``lease_expires_in`` (seconds from now, negative when past), ``key_head`` (lowest unfinished
-    id of its ordering key) and ``waiting_behind`` (unfinished messages after it in its key).
+    ``lease_expires_in`` (seconds from now, negative when past), ``key_head`` (the id of its
+    ordering key's head, the unfinished message flagged ``head``; ``None`` when it has none) and
+    ``waiting_behind`` (unfinished messages after it in its key).
     """
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(_q(table, "show"), {"id": outbox_id}).fetchone()

@@ -689,7 +689,9 @@ def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
         lines.append(("done at", f"{row['done_at']:%Y-%m-%d %H:%M:%S %Z}"))
     if row["ordering_key"] is not None:
         head = row["key_head"]
-        if head is None:
+        if head is None and (status != "done" or row["waiting_behind"]):
+            position = "no message of the key is its head: none is claimed (outbox-celery repair-heads)"
+        elif head is None:
             position = "every message of the key is done"
         elif head == row["id"]:
             position = f"head of its key; {row['waiting_behind']} message(s) wait behind it"

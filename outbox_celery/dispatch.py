@@ -27,7 +27,7 @@ from .errors import ConfigurationError, Defer, PermanentError, RateLimited, Retr
 from .flow import Limit
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
-from .store import Claimed, ScanMarks, Store, starter_token
+from .store import Claimed, Finalized, FinalizedMany, ScanMarks, Store, starter_token
 from .tracing import handler_span
 from .transactional import TransactionKind
 
@@ -225,6 +225,14 @@ class Verdict:
     outcome: Outcome
     delay: float = 0.0
     error: str = ""
+
+
+def _outcome_of(verdict: Verdict, result: Finalized) -> Outcome:
+    """What the fenced write of a verdict came to: the verdict's outcome when it applied,
+    ``dead`` when a retry or defer went past its limit, ``lost_lease`` when another claim won."""
+    if not result.applied:
+        return Outcome.LOST_LEASE
+    return Outcome.DEAD if result.status is Status.DEAD else verdict.outcome
 
 
 def classify(exc: BaseException, attempts: int, retry: RetryPolicy) -> Verdict | None:
@@ -440,14 +448,49 @@ class Dispatcher:
             to be written with others (the delivery task does; see ``_done_batch``). The
             outcome is then ``done`` before the row says so.
         """
-        cfg = self.config
         # The start gives the row at least one lease from now on the database's clock; its end
         # is tracked on this process's monotonic clock, a duration, never a wall time.
-        lease_end = time.monotonic() + cfg.lease
+        lease_end = time.monotonic() + self.config.lease
+        log: dict[str, Any] = {"outbox_id": outbox_id, "lease_version": lease_version}
+        msg = self._start(outbox_id, lease_version, log)
+        if msg is None:
+            return Outcome.STALE
+        log.update(event_type=msg.event_type, attempt=msg.attempts)
+        spec = self.handlers.get(msg.event_type)
+        if spec is None:
+            return self._unroutable(msg, lease_version, log)
+        if spec.batch is not None:
+            # A batch handler's event type delivered by a one-row task (sent before a deploy
+            # that added batch=): a batch of one.
+            return self._run_batch(spec, [msg], log)[msg.id]
+        msg = replace(msg, _extend=self._extender(outbox_id, lease_version))
+        started = time.monotonic()
+        if spec.transaction is not None:
+            return self._deliver_in_transaction(spec, spec.transaction, msg, lease_version, log, started)
+        verdict = self._run_handler(spec, msg, log, started)
+        if batch_done and verdict.outcome is Outcome.DONE and self._batch_done(msg, lease_version, lease_end):
+            outcome = Outcome.DONE
+        else:
+            outcome = self._finish(verdict, msg, lease_version)
+        logger.info(
+            "outbox id %s %s -> %s",
+            outbox_id,
+            msg.event_type,
+            outcome,
+            extra={**log, "outcome": outcome, "duration_ms": _ms_since(started)},
+        )
+        return outcome
+
+    def _start(self, outbox_id: int, lease_version: int, log: dict[str, Any]) -> Message | None:
+        """The fenced start of one claim: its message, or ``None`` (stale or exhausted, logged).
+
+        A failure of the start itself is recorded as the library's (:meth:`_failed_before_handler`)
+        and re-raised.
+        """
+        cfg = self.config
         # One token for the start and its retry: a retry after a lost reply gets its own start
         # back uncounted, while any other start of this claim is refused (#21).
         starter = starter_token()
-        log: dict[str, Any] = {"outbox_id": outbox_id, "lease_version": lease_version}
         try:
             msg = self._fenced_write(
                 "start",
@@ -472,58 +515,39 @@ class Dispatcher:
                 lease_version,
                 extra={**log, "outcome": Outcome.STALE},
             )
-            return Outcome.STALE
-        log.update(event_type=msg.event_type, attempt=msg.attempts)
-        spec = self.handlers.get(msg.event_type)
-        if spec is None:
-            return self._unroutable(msg, lease_version, log)
-        if spec.batch is not None:
-            # A batch handler's event type delivered by a one-row task (sent before a deploy
-            # that added batch=): a batch of one.
-            return self._run_batch(spec, [msg], log)[msg.id]
-        msg = replace(msg, _extend=lambda seconds: self._extend(outbox_id, lease_version, seconds))
-        started = time.monotonic()
-        if spec.transaction is not None:
-            return self._deliver_in_transaction(spec, spec.transaction, msg, lease_version, log, started)
+        return msg
+
+    def _run_handler(self, spec: HandlerSpec, msg: Message, log: dict[str, Any], started: float) -> Verdict:
+        """Call a plain handler outside any transaction; the verdict of what it did.
+
+        An exception the handler does not classify is recorded and re-raised: Celery reports a
+        failure and the row comes back through its lease, never a silent "transient" retry.
+        """
         try:
             # The lease heartbeat is a no-op unless configured; the span continues the producer's
             # trace when it had one (tracing.py).
-            with lease_heartbeat(cfg, msg.extend_lease, log=log), handler_span(msg):
+            with lease_heartbeat(self.config, msg.extend_lease, log=log), handler_span(msg):
                 spec.fn(msg)
         except BaseException as exc:
             verdict = classify(exc, msg.attempts, self.retry)
             if verdict is None:
-                # Not classified by the handler: record it, let Celery report a failure, and let
-                # the row come back through its lease. Never a silent "transient" retry.
-                self._record_error(outbox_id, lease_version, _error_text(exc))
+                self._record_error(msg.id, msg.lease_version, _error_text(exc))
                 logger.error(
                     "outbox id %s handler raised %s; row returns after its lease",
-                    outbox_id,
+                    msg.id,
                     type(exc).__name__,
                     extra={**log, "outcome": Outcome.ERROR, "duration_ms": _ms_since(started)},
                 )
                 raise
-        else:
-            verdict = Verdict(Outcome.DONE)
-        if batch_done and verdict.outcome is Outcome.DONE and self._batch_done(msg, lease_version, lease_end):
-            outcome = Outcome.DONE
-        else:
-            outcome = self._finish(verdict, msg, lease_version)
-        logger.info(
-            "outbox id %s %s -> %s",
-            outbox_id,
-            msg.event_type,
-            outcome,
-            extra={**log, "outcome": outcome, "duration_ms": _ms_since(started)},
-        )
-        return outcome
+            return verdict
+        return Verdict(Outcome.DONE)
 
     def _deliver_in_transaction(
         self,
         spec: HandlerSpec,
         kind: TransactionKind,
         msg: Message,
-        version: int,
+        lease_version: int,
         log: dict[str, Any],
         started: float,
     ) -> Outcome:
@@ -556,7 +580,7 @@ class Dispatcher:
                     )
                 called = True
                 spec.fn(msg, handle)
-                if not self.store.done(conn, msg.id, version, ordered=ordered, joined=True):
+                if not self.store.done(conn, msg.id, lease_version, ordered=ordered, joined=True).applied:
                     raise _Superseded
         except _Superseded:
             outcome = Outcome.LOST_LEASE
@@ -564,14 +588,14 @@ class Dispatcher:
             if not called and isinstance(exc, Exception):
                 # The transaction could not be opened or bounded (or an ordered message met
                 # another isolation level): the library's failure, not the handler's (#21).
-                self._failed_before_handler(msg.id, version, exc, log)
+                self._failed_before_handler(msg.id, lease_version, exc, log)
                 raise
             conflict = _transaction_conflict(exc)
             if conflict is not None:
                 exc = RetryableError(f"transaction conflict ({conflict.sqlstate}): {conflict}")
             verdict = classify(exc, msg.attempts, self.retry)
             if verdict is None:
-                self._record_error(msg.id, version, _error_text(exc))
+                self._record_error(msg.id, lease_version, _error_text(exc))
                 logger.error(
                     "outbox id %s transactional handler raised %s; rolled back, row returns after its lease",
                     msg.id,
@@ -579,7 +603,7 @@ class Dispatcher:
                     extra={**log, "outcome": Outcome.ERROR, "duration_ms": _ms_since(started)},
                 )
                 raise
-            outcome = self._finish(verdict, msg, version)
+            outcome = self._finish(verdict, msg, lease_version)
         else:
             outcome = Outcome.DONE
         logger.info(
@@ -747,14 +771,7 @@ class Dispatcher:
                 ),
             )
             for m in rest:
-                status = won.get(m.id)
-                outcome = verdicts[m.id].outcome
-                if status is None:
-                    outcomes[m.id] = Outcome.LOST_LEASE
-                elif status == Status.DEAD:
-                    outcomes[m.id] = Outcome.DEAD
-                else:
-                    outcomes[m.id] = outcome
+                outcomes[m.id] = _outcome_of(verdicts[m.id], won.of(m.id))
         for m in one_by_one:
             outcomes[m.id] = self._finish(verdicts[m.id], m, m.lease_version)
         return outcomes
@@ -781,7 +798,7 @@ class Dispatcher:
             delay,
             extra={**log, "outcome": Outcome.UNROUTABLE},
         )
-        return {i: (Outcome.UNROUTABLE if i in won else Outcome.LOST_LEASE) for i in verdicts}
+        return {i: _outcome_of(v, won.of(i)) for i, v in verdicts.items()}
 
     def _failed_before_batch(self, pairs: list[tuple[int, int]], exc: Exception, log: dict[str, Any]) -> None:
         """The batch's start failed: each pair as :meth:`_failed_before_handler`, in one statement."""
@@ -807,25 +824,25 @@ class Dispatcher:
             extra={**log, "outcome": Outcome.ERROR},
         )
 
-    def _extender(self, outbox_id: int, version: int) -> Callable[[float], bool]:
-        return lambda seconds: self._extend(outbox_id, version, seconds)
+    def _extender(self, outbox_id: int, lease_version: int) -> Callable[[float], bool]:
+        return lambda seconds: self._extend(outbox_id, lease_version, seconds)
 
     def _extend_many(self, pairs: list[tuple[int, int]], seconds: float) -> bool:
         """The batch's lease heartbeat: true while any row of it still holds its lease."""
         with self.connection() as conn:
             return bool(self.store.extend_leases(conn, pairs, seconds=seconds))
 
-    def _batch_done(self, msg: Message, version: int, lease_end: float) -> bool:
+    def _batch_done(self, msg: Message, lease_version: int, lease_end: float) -> bool:
         """Queue an unordered row's done for the next batch, if the lease has room for the wait."""
         batch = self.done_batch
         if batch is None or msg.ordering_key is not None:
             return False
         if lease_end - time.monotonic() <= batch.delay + DONE_BATCH_MARGIN:
             return False
-        batch.add(msg.id, version)
+        batch.add(msg.id, lease_version)
         return True
 
-    def _write_done_batch(self, finished: list[tuple[int, int]]) -> set[int]:
+    def _write_done_batch(self, finished: list[tuple[int, int]]) -> FinalizedMany:
         first_id, first_version = finished[0]
         return self._fenced_write(
             "done_many", first_id, first_version, lambda conn: self.store.done_many(conn, finished)
@@ -836,15 +853,15 @@ class Dispatcher:
         if self.done_batch is not None:
             self.done_batch.close()
 
-    def _unroutable(self, msg: Message, version: int, log: dict[str, Any]) -> Outcome:
+    def _unroutable(self, msg: Message, lease_version: int, log: dict[str, Any]) -> Outcome:
         """No handler for this event type in this worker: postpone, attempt refunded."""
         delay = self.config.unroutable_delay
         why = f"unroutable: no handler for event type {msg.event_type!r} in this worker"
         self._fenced_write(
             "postpone",
             msg.id,
-            version,
-            lambda conn: self.store.postpone(conn, msg.id, version, delay=delay, error=why),
+            lease_version,
+            lambda conn: self.store.postpone(conn, msg.id, lease_version, delay=delay, error=why),
         )
         logger.warning(
             "outbox id %s: no handler for %r here; postponed %.0fs",
@@ -856,7 +873,7 @@ class Dispatcher:
         return Outcome.UNROUTABLE
 
     def _failed_before_handler(
-        self, outbox_id: int, version: int, exc: Exception, log: dict[str, Any]
+        self, outbox_id: int, lease_version: int, exc: Exception, log: dict[str, Any]
     ) -> None:
         """The library's own code failed between the claim and the handler: say so at once.
 
@@ -873,11 +890,11 @@ class Dispatcher:
             self._fenced_write(
                 "retry",
                 outbox_id,
-                version,
+                lease_version,
                 lambda conn: self.store.retry(
                     conn,
                     outbox_id,
-                    version,
+                    lease_version,
                     delay=self.backoff.delay(1),
                     error=error,
                     max_attempts=self.config.max_attempts,
@@ -896,17 +913,17 @@ class Dispatcher:
             extra={**log, "outcome": Outcome.ERROR},
         )
 
-    def _record_error(self, outbox_id: int, version: int, error: str) -> None:
+    def _record_error(self, outbox_id: int, lease_version: int, error: str) -> None:
         """Keep an unclassified error; the row comes back through its lease."""
         self._fenced_write(
             "record_error",
             outbox_id,
-            version,
-            lambda conn: self.store.record_error(conn, outbox_id, version, error=error),
+            lease_version,
+            lambda conn: self.store.record_error(conn, outbox_id, lease_version, error=error),
         )
 
     def _fenced_write(
-        self, op: str, outbox_id: int, version: int, write: Callable[[psycopg.Connection[Any]], T]
+        self, op: str, outbox_id: int, lease_version: int, write: Callable[[psycopg.Connection[Any]], T]
     ) -> T:
         """Run one fenced write; on a connection the server broke, once more on a checked one.
 
@@ -927,62 +944,56 @@ class Dispatcher:
                 outbox_id,
                 op,
                 first_line(exc),
-                extra={"outbox_id": outbox_id, "lease_version": version, "operation": op},
+                extra={"outbox_id": outbox_id, "lease_version": lease_version, "operation": op},
             )
         if self._recover is not None:
             self._recover()
         with self.connection() as conn:
             return write(conn)
 
-    def _finish(self, verdict: Verdict, msg: Message, version: int) -> Outcome:
+    def _finish(self, verdict: Verdict, msg: Message, lease_version: int) -> Outcome:
         """The verdict's fenced write; :attr:`Outcome.LOST_LEASE` when another claim won."""
         result = self._fenced_write(
-            verdict.outcome, msg.id, version, lambda conn: self._finalize(conn, verdict, msg, version)
+            verdict.outcome,
+            msg.id,
+            lease_version,
+            lambda conn: self._finalize(conn, verdict, msg, lease_version),
         )
-        if not result:
-            return Outcome.LOST_LEASE
-        # retry and defer return the row's new status: dead once past their limit.
-        return Outcome.DEAD if result == Status.DEAD else verdict.outcome
+        return _outcome_of(verdict, result)
 
     def _finalize(
-        self, conn: psycopg.Connection[Any], verdict: Verdict, msg: Message, version: int
-    ) -> bool | str | None:
-        """One fenced finalize; falsy when the lease was lost, else true or the new status."""
+        self, conn: psycopg.Connection[Any], verdict: Verdict, msg: Message, lease_version: int
+    ) -> Finalized:
+        """The one fenced finalize of the verdict's outcome."""
         cfg, store = self.config, self.store
         match verdict.outcome:
             case Outcome.DONE:
-                return store.done(conn, msg.id, version, ordered=msg.ordering_key is not None)
+                return store.done(conn, msg.id, lease_version, ordered=msg.ordering_key is not None)
             case Outcome.DEAD:
-                return store.dead(conn, msg.id, version, error=verdict.error)
+                return store.dead(conn, msg.id, lease_version, error=verdict.error)
             case Outcome.RETRY:
                 return store.retry(
                     conn,
                     msg.id,
-                    version,
+                    lease_version,
                     delay=verdict.delay,
                     error=verdict.error,
                     max_attempts=cfg.max_attempts,
                 )
-            case Outcome.RATE_LIMITED:
-                return store.rate_limited(
+            case Outcome.RATE_LIMITED | Outcome.DEFER:
+                # The same write back to pending, attempt refunded; a RateLimited one also holds
+                # its event type (DESIGN invariant 23).
+                defer = store.rate_limited if verdict.outcome is Outcome.RATE_LIMITED else store.defer
+                return defer(
                     conn,
                     msg.id,
-                    version,
-                    delay=verdict.delay,
-                    reason=verdict.error,
-                    max_age=cfg.max_defer_age,
-                )
-            case Outcome.DEFER:
-                return store.defer(
-                    conn,
-                    msg.id,
-                    version,
+                    lease_version,
                     delay=verdict.delay,
                     reason=verdict.error,
                     max_age=cfg.max_defer_age,
                 )
         raise ValueError(f"no finalize for {verdict.outcome!r}")
 
-    def _extend(self, outbox_id: int, version: int, seconds: float) -> bool:
+    def _extend(self, outbox_id: int, lease_version: int, seconds: float) -> bool:
         with self.connection() as conn:
-            return self.store.extend_lease(conn, outbox_id, version, seconds=seconds)
+            return self.store.extend_lease(conn, outbox_id, lease_version, seconds=seconds)

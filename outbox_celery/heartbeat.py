@@ -34,7 +34,7 @@ def lease_heartbeat(
 
     :param config: the outbox settings; nothing happens unless ``lease_heartbeat`` is on.
     :param extend: the fenced extension (``seconds -> won``) of the row being delivered.
-    :param log: structured fields for the heartbeat's log lines (outbox id, version...).
+    :param log: structured fields for the heartbeat's log lines (outbox id, lease_version...).
     """
     if not config.lease_heartbeat:
         yield

@@ -27,9 +27,8 @@ backoff and ``max_defer_age``; days, not minutes).
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
@@ -49,26 +48,15 @@ DEFAULT_TABLE = "outbox_inbox"
 MAX_KEY_LENGTH = 400
 
 
-def _compose(text: str, table: TableName) -> sql.Composed:
-    idents: dict[str, sql.Composable] = {
-        "table": table.identifier(),
-        "processed_idx": table.index_name("_processed_idx"),
-    }
-    # SQL(...) marks the file text as trusted: it ships with the package, never user input.
-    return sql.SQL(text).format(**{k: v for k, v in idents.items() if "{" + k + "}" in text})
-
-
 #: The inbox's migrations, fresh schema and ledger (``outbox_celery_inbox_migrations``), run by
 #: the same runner as the outbox's (:func:`outbox_celery.migrations.migrate`).
 INBOX = migrations.MigrationSet(
-    "inbox/migrations", "inbox/schema.sql", "outbox_celery_inbox_migrations", _compose
+    "inbox/migrations", "inbox/schema.sql", "outbox_celery_inbox_migrations", _sql.compose
 )
 
 
-@functools.cache
-def _queries(table: str) -> dict[str, sql.Composed]:
-    t = TableName.parse(table)
-    return {name: _compose(text, t) for name, text in _sql.named("inbox/queries.sql").items()}
+def _queries(table: str) -> Mapping[str, sql.Composed]:
+    return _sql.queries("inbox/queries.sql", TableName.parse(table))
 
 
 def migrate_inbox(conn: psycopg.Connection[Any], table: str | TableName = DEFAULT_TABLE) -> list[int]:

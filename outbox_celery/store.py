@@ -10,7 +10,8 @@ The fenced start and ``done`` commit with ``synchronous_commit = off`` when the 
 transaction (see :class:`Store`); everything else, the claim above all, commits durably.
 
 Each finalizer is fenced: it changes the row only when ``status = 'processing'`` and the
-``lease_version`` still matches the claim the caller came from, and returns whether it won.
+``lease_version`` still matches the claim the caller came from, and returns a :class:`Finalized`
+(:class:`FinalizedMany` for a batch) that says whether it won and the row's status after it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .errors import ProducerError
 from .flow import Allowance, Limit, allowance
 from .message import Message, Outcome, Status, idempotency_key
 
-__all__ = ["Claimed", "FlowRead", "ScanMarks", "Store", "starter_token"]
+__all__ = ["Claimed", "Finalized", "FinalizedMany", "FlowRead", "ScanMarks", "Store", "starter_token"]
 
 # Distinct ordering keys one producer call may lock (#21). Each key's lock is held to commit in
 # PostgreSQL's shared lock table, whose size is max_locks_per_transaction x (max_connections +
@@ -76,6 +77,55 @@ class Claimed:
     lease_version: int
     event_type: str
     lease_until: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Finalized:
+    """What one fenced write of a row did (a finalizer, :meth:`Store.postpone`...).
+
+    :ivar status: the row's status after the write, ``None`` when it changed nothing: the
+        lease was lost (a newer claim, a finished or released row; counted and logged). A retry
+        or defer past its limit says :attr:`Status.DEAD <outbox_celery.message.Status.DEAD>`;
+        :meth:`Store.record_error` leaves the row ``processing``.
+
+    True in a boolean context exactly when the write applied.
+    """
+
+    status: Status | None
+
+    @property
+    def applied(self) -> bool:
+        """The fence held: the write changed the row."""
+        return self.status is not None
+
+    def __bool__(self) -> bool:
+        return self.applied
+
+
+#: The result of a fenced write that lost its lease.
+LOST = Finalized(None)
+
+
+@dataclass(frozen=True, slots=True)
+class FinalizedMany:
+    """What one fenced write of many rows did (:meth:`Store.done_many`, :meth:`Store.finish_many`).
+
+    :ivar statuses: the new status of each row the write changed, by id.
+    :ivar lost: the ids it left alone: their lease was lost (counted and logged).
+    """
+
+    statuses: Mapping[int, Status]
+    lost: frozenset[int]
+
+    @property
+    def applied(self) -> frozenset[int]:
+        """The ids whose fence held."""
+        return frozenset(self.statuses)
+
+    def of(self, outbox_id: int) -> Finalized:
+        """The one-row view of ``outbox_id``'s write."""
+        status = self.statuses.get(outbox_id)
+        return LOST if status is None else Finalized(status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,8 +266,9 @@ class Store:
         ordering and fencing hold across a crash. The claim itself always commits durably: its
         new ``lease_version`` goes out in published tasks and must never be rolled back.
     :param queries: replacement texts for named queries of ``sql/queries.sql`` (same name, same
-        parameters; ``{table}`` and the index names are bound as identifiers). For benchmarks and
-        experiments: the text is trusted SQL, never user input.
+        parameters; ``{table}`` and the index names are bound as identifiers, the file's fragments
+        such as ``{claim_picked}`` filled in). For benchmarks and experiments: the text is trusted SQL,
+        never user input.
     """
 
     def __init__(
@@ -229,14 +280,16 @@ class Store:
     ) -> None:
         self.table = TableName.parse(table)
         self.relaxed_commit = relaxed_commit
-        texts = dict(_sql.named("queries.sql"))
-        unknown = set(queries or {}) - set(texts)
+        self._q: Mapping[str, sql.Composed] = _sql.queries("queries.sql", self.table)
+        unknown = set(queries or {}) - set(self._q)
         if unknown:
             raise ValueError(f"no named queries {sorted(unknown)} to replace")
-        texts.update(queries or {})
-        self._q: dict[str, sql.Composed] = {
-            name: _sql.compose(text, self.table) for name, text in texts.items()
-        }
+        if queries:
+            known = _sql.fragments("queries.sql")
+            replaced = {
+                name: _sql.compose(_sql.fill(text, known), self.table) for name, text in queries.items()
+            }
+            self._q = {**self._q, **replaced}
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._canonical: str | None = None
@@ -268,7 +321,7 @@ class Store:
     @property
     def queries(self) -> Mapping[str, sql.Composed]:
         """The named queries, bound to this table (read-only)."""
-        return MappingProxyType(self._q)
+        return MappingProxyType(dict(self._q))
 
     # -- observability -------------------------------------------------------------------------
 
@@ -281,22 +334,21 @@ class Store:
         with self._stats_lock:
             return dict(self._stats)
 
-    def _lost(self, op: str, outbox_id: int, version: int) -> bool:
+    def _lost(self, op: str, outbox_id: int, lease_version: int) -> None:
         self._count(Outcome.LOST_LEASE.counter)
         logger.warning(
             "lost lease: %s of outbox id %s version %s changed nothing",
             op,
             outbox_id,
-            version,
+            lease_version,
             extra={
                 "outbox_id": outbox_id,
-                "lease_version": version,
+                "lease_version": lease_version,
                 "outcome": Outcome.LOST_LEASE,
                 "operation": op,
                 "outbox_table": self.table.qualified,
             },
         )
-        return False
 
     # -- producer ------------------------------------------------------------------------------
 
@@ -908,7 +960,7 @@ class Store:
         with conn.transaction():
             cur = conn.execute(
                 self._q["release"],
-                {"ids": [c.id for c in claims], "versions": [c.lease_version for c in claims]},
+                {"ids": [c.id for c in claims], "lease_versions": [c.lease_version for c in claims]},
             )
             n = len(cur.fetchall())
         self._count("released", n)
@@ -920,7 +972,7 @@ class Store:
         self,
         conn: psycopg.Connection[Any],
         outbox_id: int,
-        version: int,
+        lease_version: int,
         *,
         lease: float,
         max_attempts: int,
@@ -940,7 +992,7 @@ class Store:
         """
         params = {
             "id": outbox_id,
-            "version": version,
+            "lease_version": lease_version,
             "lease": lease,
             "max_attempts": max_attempts,
             "commit_mode": self._commit_mode(conn),
@@ -961,12 +1013,12 @@ class Store:
             # Its own statement: it re-checks the fence, whatever happened in between.
             with self._single_statement(conn):
                 exhausted = conn.execute(self._q["start_exhausted"], params).fetchone()
-            self._refused_start(outbox_id, version, dead=exhausted is not None)
+            self._refused_start(outbox_id, lease_version, dead=exhausted is not None)
             return None
         self._count("started")
         return self._message(conn, row)
 
-    def _refused_start(self, outbox_id: int, version: int, *, dead: bool) -> None:
+    def _refused_start(self, outbox_id: int, lease_version: int, *, dead: bool) -> None:
         """Count (and, when its attempts ran out, log) a start that did not start its row."""
         if not dead:
             self._count("stale_starts")
@@ -977,7 +1029,7 @@ class Store:
             outbox_id,
             extra={
                 "outbox_id": outbox_id,
-                "lease_version": version,
+                "lease_version": lease_version,
                 "outcome": "dead",
                 "outbox_table": self.table.qualified,
             },
@@ -1001,22 +1053,25 @@ class Store:
             legacy_idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"])),
         )
 
-    def _fenced(self, conn: psycopg.Connection[Any], op: str, params: dict[str, Any]) -> Any:
+    def _fenced(
+        self, conn: psycopg.Connection[Any], op: str, params: dict[str, Any]
+    ) -> tuple[Any, ...] | None:
+        """Run one fenced statement of a row; its returned row, or ``None`` (counted, logged)."""
         with self._single_statement(conn):
-            row = conn.execute(self._q[op], params).fetchone()
+            row: tuple[Any, ...] | None = conn.execute(self._q[op], params).fetchone()
         if row is None:
-            return self._lost(op, params["id"], params["version"])
+            self._lost(op, params["id"], params["lease_version"])
         return row
 
     def done(
         self,
         conn: psycopg.Connection[Any],
         outbox_id: int,
-        version: int,
+        lease_version: int,
         *,
         ordered: bool | None = None,
         joined: bool = False,
-    ) -> bool:
+    ) -> Finalized:
         """Fenced: ``processing`` -> ``done``; an ordered head hands its key to the next message.
 
         Unordered rows finish in one statement and take no key lock.
@@ -1035,7 +1090,7 @@ class Store:
         """
         if joined and self._owns_transaction(conn):
             raise RuntimeError("a joined done needs the caller's open transaction")
-        params = {"id": outbox_id, "version": version, "commit_mode": self._commit_mode(conn)}
+        params = {"id": outbox_id, "lease_version": lease_version, "commit_mode": self._commit_mode(conn)}
         scope = contextlib.nullcontext if joined else conn.transaction
         won = False
         if not ordered:
@@ -1046,9 +1101,10 @@ class Store:
                 conn.execute(self._q["lock_key_of"], {"table": self._regclass(conn), "id": outbox_id})
                 won = conn.execute(self._q["finish_done_head"], params).fetchone() is not None
         if not won:
-            return self._lost("finish_done", outbox_id, version)
+            self._lost("finish_done", outbox_id, lease_version)
+            return LOST
         self._count("done")
-        return True
+        return Finalized(Status.DONE)
 
     def limit_transaction(self, conn: psycopg.Connection[Any], *, seconds: float) -> str:
         """Bound the caller's open transaction to ``seconds`` (a transactional handler's).
@@ -1067,28 +1123,28 @@ class Store:
         assert row is not None
         return str(row[3])
 
-    def done_many(self, conn: psycopg.Connection[Any], finished: Sequence[tuple[int, int]]) -> set[int]:
+    def done_many(self, conn: psycopg.Connection[Any], finished: Sequence[tuple[int, int]]) -> FinalizedMany:
         """Fenced: many unordered ``(id, lease_version)`` rows ``processing`` -> ``done`` at once.
 
         One statement and one transaction for the whole batch; each row is fenced on its own
-        version. Returns the ids that went ``done``; the others lost their lease (counted and
+        version. Returns the rows that went ``done``; the others lost their lease (counted and
         logged as :meth:`done` does). Ordered rows are never finished here: their done moves
         the key's head under the key lock (:meth:`done`).
         """
         if not finished:
-            return set()
+            return FinalizedMany({}, frozenset())
         params = {
             "ids": [i for i, _ in finished],
-            "versions": [v for _, v in finished],
+            "lease_versions": [v for _, v in finished],
             "commit_mode": self._commit_mode(conn),
         }
         with self._single_statement(conn):
             won = {int(r[0]) for r in conn.execute(self._q["finish_done_many"], params).fetchall()}
         self._count("done", len(won))
-        for outbox_id, version in finished:
+        for outbox_id, lease_version in finished:
             if outbox_id not in won:
-                self._lost("finish_done", outbox_id, version)
-        return won
+                self._lost("finish_done", outbox_id, lease_version)
+        return FinalizedMany(dict.fromkeys(won, Status.DONE), frozenset(i for i, _ in finished) - won)
 
     # -- batches (#22, DESIGN invariant 21) ----------------------------------------------------
 
@@ -1111,7 +1167,7 @@ class Store:
         """
         params: dict[str, Any] = {
             "ids": [i for i, _ in pairs],
-            "versions": [v for _, v in pairs],
+            "lease_versions": [v for _, v in pairs],
             "lease": lease,
             "max_attempts": max_attempts,
             "commit_mode": self._commit_mode(conn),
@@ -1124,7 +1180,7 @@ class Store:
         missing = [(i, v) for i, v in pairs if i not in {int(r["id"]) for r in rows}]
         if missing:
             params["ids"] = [i for i, _ in missing]
-            params["versions"] = [v for _, v in missing]
+            params["lease_versions"] = [v for _, v in missing]
             with self._single_statement(conn):
                 cur = conn.cursor(row_factory=dict_row)
                 resumed = cur.execute(self._q["resume_many"], params).fetchall()
@@ -1134,11 +1190,11 @@ class Store:
             missing = [(i, v) for i, v in missing if i not in back]
         if missing:
             params["ids"] = [i for i, _ in missing]
-            params["versions"] = [v for _, v in missing]
+            params["lease_versions"] = [v for _, v in missing]
             with self._single_statement(conn):
                 dead = {int(r[0]) for r in conn.execute(self._q["start_exhausted_many"], params).fetchall()}
-            for outbox_id, version in missing:
-                self._refused_start(outbox_id, version, dead=outbox_id in dead)
+            for outbox_id, lease_version in missing:
+                self._refused_start(outbox_id, lease_version, dead=outbox_id in dead)
         return sorted((self._message(conn, r) for r in rows), key=lambda m: m.id)
 
     def finish_many(
@@ -1149,7 +1205,7 @@ class Store:
         max_attempts: int,
         max_age: float,
         notify: bool = False,
-    ) -> dict[int, str]:
+    ) -> FinalizedMany:
         """The fenced finalize of a batch: one statement, each row with its own outcome.
 
         ``rows`` are ``(id, lease_version, outcome, delay, error)`` with outcome ``done``,
@@ -1157,17 +1213,17 @@ class Store:
         row to its lease); each writes what the one-row finalizer of that outcome writes
         (:meth:`done`, :meth:`dead`, :meth:`retry`, :meth:`defer`, :meth:`postpone`,
         :meth:`record_error`). An ordered row's done is refused here (:meth:`done` moves its
-        key's head). Returns ``{id: new status}`` for the rows it changed; the others lost their
-        lease (counted and logged). The commit is relaxed only when every row is a done. With
+        key's head). Returns the new status of each row it changed; the others lost their lease
+        (counted and logged). The commit is relaxed only when every row is a done. With
         ``notify`` the statement signals the table's listeners at commit (a batch's leases
         ended: room under the in-flight bound), as the producers' insert does.
         """
         if not rows:
-            return {}
+            return FinalizedMany({}, frozenset())
         relaxed = all(r[2] == Outcome.DONE for r in rows)
         params = {
             "ids": [r[0] for r in rows],
-            "versions": [r[1] for r in rows],
+            "lease_versions": [r[1] for r in rows],
             "outcomes": [str(r[2]) for r in rows],
             "delays": [float(r[3]) for r in rows],
             "errors": [r[4] for r in rows],
@@ -1178,22 +1234,22 @@ class Store:
             "table": self._regclass(conn),
         }
         with self._single_statement(conn):
-            won = {int(i): str(s) for i, s in conn.execute(self._q["finish_many"], params).fetchall()}
-        for outbox_id, version, outcome, _delay, _error in rows:
+            won = {int(i): Status(s) for i, s in conn.execute(self._q["finish_many"], params).fetchall()}
+        for outbox_id, lease_version, outcome, _delay, _error in rows:
             status = won.get(outbox_id)
             if status is None:
-                self._lost(f"finish_many:{outcome}", outbox_id, version)
+                self._lost(f"finish_many:{outcome}", outbox_id, lease_version)
             elif status == Status.DEAD:
                 self._count(Outcome.DEAD.counter)
             elif outcome != "postpone":
                 self._count(Outcome(outcome).counter)
-        return won
+        return FinalizedMany(won, frozenset(r[0] for r in rows) - won.keys())
 
     def extend_leases(
         self, conn: psycopg.Connection[Any], pairs: Sequence[tuple[int, int]], *, seconds: float
     ) -> set[int]:
         """Fenced :meth:`extend_lease` of many pairs in one statement; returns the ids extended."""
-        params = {"ids": [i for i, _ in pairs], "versions": [v for _, v in pairs], "seconds": seconds}
+        params = {"ids": [i for i, _ in pairs], "lease_versions": [v for _, v in pairs], "seconds": seconds}
         with self._single_statement(conn):
             return {int(r[0]) for r in conn.execute(self._q["extend_lease_many"], params).fetchall()}
 
@@ -1201,48 +1257,50 @@ class Store:
         self,
         conn: psycopg.Connection[Any],
         outbox_id: int,
-        version: int,
+        lease_version: int,
         *,
         delay: float,
         error: str,
         max_attempts: int,
-    ) -> str | None:
-        """Fenced retryable failure. Returns the new status (``pending``/``dead``) or ``None``."""
+    ) -> Finalized:
+        """Fenced retryable failure: the new status is ``pending``, or ``dead`` at the limit."""
         params = {"delay": delay, "error": error, "max_attempts": max_attempts}
-        return self._reschedule(conn, "finish_retry", Outcome.RETRY, outbox_id, version, params)
+        return self._reschedule(conn, "finish_retry", Outcome.RETRY, outbox_id, lease_version, params)
 
     def defer(
         self,
         conn: psycopg.Connection[Any],
         outbox_id: int,
-        version: int,
+        lease_version: int,
         *,
         delay: float,
         reason: str,
         max_age: float,
-    ) -> str | None:
-        """Fenced defer, attempt refunded. Returns the new status or ``None`` if lost."""
+    ) -> Finalized:
+        """Fenced defer, attempt refunded: the new status is ``pending``, or ``dead`` past ``max_age``."""
         params = {"delay": delay, "reason": reason, "max_age": max_age}
-        return self._reschedule(conn, "finish_defer", Outcome.DEFER, outbox_id, version, params)
+        return self._reschedule(conn, "finish_defer", Outcome.DEFER, outbox_id, lease_version, params)
 
     def rate_limited(
         self,
         conn: psycopg.Connection[Any],
         outbox_id: int,
-        version: int,
+        lease_version: int,
         *,
         delay: float,
         reason: str,
         max_age: float,
-    ) -> str | None:
+    ) -> Finalized:
         """Fenced RateLimited outcome (#23, DESIGN invariant 23): as :meth:`defer` (attempt
         refunded, ``dead`` past ``max_age``), and in the same statement the row's event type is
         held until ``now() + delay``: no claim hands out another of its messages before then.
 
-        Returns the new status or ``None`` if the lease was lost (then nothing is held either).
+        Not applied when the lease was lost (then nothing is held either).
         """
         params = {"delay": delay, "reason": reason, "max_age": max_age}
-        return self._reschedule(conn, "finish_rate_limited", Outcome.RATE_LIMITED, outbox_id, version, params)
+        return self._reschedule(
+            conn, "finish_rate_limited", Outcome.RATE_LIMITED, outbox_id, lease_version, params
+        )
 
     def _reschedule(
         self,
@@ -1250,58 +1308,68 @@ class Store:
         op: str,
         outcome: Outcome,
         outbox_id: int,
-        version: int,
+        lease_version: int,
         params: dict[str, Any],
-    ) -> str | None:
+    ) -> Finalized:
         """A fenced write back to ``pending`` that goes ``dead`` instead past its limit."""
-        row = self._fenced(conn, op, {"id": outbox_id, "version": version, **params})
-        if not row:
-            return None
-        status = str(row[1])
-        self._count(Outcome.DEAD.counter if status == Status.DEAD else outcome.counter)
-        return status
+        row = self._fenced(conn, op, {"id": outbox_id, "lease_version": lease_version, **params})
+        if row is None:
+            return LOST
+        status = Status(row[1])
+        self._count(Outcome.DEAD.counter if status is Status.DEAD else outcome.counter)
+        return Finalized(status)
 
-    def dead(self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, error: str) -> bool:
+    def _fenced_to(
+        self,
+        conn: psycopg.Connection[Any],
+        op: str,
+        params: dict[str, Any],
+        *,
+        status: Status,
+        counter: str | None = None,
+    ) -> Finalized:
+        """A fenced write that leaves its row in ``status`` when it applies (counted as ``counter``)."""
+        if self._fenced(conn, op, params) is None:
+            return LOST
+        if counter is not None:
+            self._count(counter)
+        return Finalized(status)
+
+    def dead(
+        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, error: str
+    ) -> Finalized:
         """Fenced: ``processing`` -> ``dead`` with ``error``."""
-        won = bool(self._fenced(conn, "finish_dead", {"id": outbox_id, "version": version, "error": error}))
-        if won:
-            self._count(Outcome.DEAD.counter)
-        return won
+        params = {"id": outbox_id, "lease_version": lease_version, "error": error}
+        return self._fenced_to(conn, "finish_dead", params, status=Status.DEAD, counter=Outcome.DEAD.counter)
 
     def record_error(
-        self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, error: str
-    ) -> bool:
-        """Fenced: store ``error`` and leave the row to return through its lease."""
-        won = bool(self._fenced(conn, "record_error", {"id": outbox_id, "version": version, "error": error}))
-        if won:
-            self._count(Outcome.ERROR.counter)
-        return won
+        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, error: str
+    ) -> Finalized:
+        """Fenced: store ``error`` and leave the row (``processing``) to return through its lease."""
+        params = {"id": outbox_id, "lease_version": lease_version, "error": error}
+        return self._fenced_to(
+            conn, "record_error", params, status=Status.PROCESSING, counter=Outcome.ERROR.counter
+        )
 
     def postpone(
         self,
         conn: psycopg.Connection[Any],
         outbox_id: int,
-        version: int,
+        lease_version: int,
         *,
         delay: float,
         error: str,
-    ) -> bool:
+    ) -> Finalized:
         """Fenced: back to pending after ``delay`` with the attempt refunded (no handler here)."""
-        return bool(
-            self._fenced(
-                conn,
-                "postpone",
-                {"id": outbox_id, "version": version, "delay": delay, "error": error},
-            )
-        )
+        params = {"id": outbox_id, "lease_version": lease_version, "delay": delay, "error": error}
+        return self._fenced_to(conn, "postpone", params, status=Status.PENDING)
 
     def extend_lease(
-        self, conn: psycopg.Connection[Any], outbox_id: int, version: int, *, seconds: float
+        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, seconds: float
     ) -> bool:
-        """Fenced: ``lease_until = max(lease_until, now() + seconds)``."""
-        return bool(
-            self._fenced(conn, "extend_lease", {"id": outbox_id, "version": version, "seconds": seconds})
-        )
+        """Fenced: ``lease_until = max(lease_until, now() + seconds)``; whether the lease held."""
+        params = {"id": outbox_id, "lease_version": lease_version, "seconds": seconds}
+        return self._fenced(conn, "extend_lease", params) is not None
 
     # -- push (#11) ----------------------------------------------------------------------------
 

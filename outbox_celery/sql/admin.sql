@@ -1,6 +1,8 @@
 -- Operator-side named queries (outbox_celery.admin): stats, dead letters, retention.
--- "{table}" is replaced by the quoted table identifier (psycopg.sql); every value is a bound
--- parameter. All time comparisons use the database clock (now()).
+-- Loaded by the query registry (outbox_celery/_sql.py): "{table}" is replaced by the quoted table
+-- identifier (psycopg.sql), the other "{...}" by fragments written once (_sql.FRAGMENTS, or
+-- "-- fragment: x" here); every value is a bound parameter. All time comparisons use the
+-- database clock (now()).
 --
 -- Live rows (not done) are few and done rows are history, so every query reaches rows through
 -- the schema's partial indexes: pending unordered (pending_idx), ordered not done (ordered_idx),
@@ -113,9 +115,9 @@ SELECT
             ORDER BY attempts), '[]'::json)
      FROM by_attempts) AS attempts;
 
--- name: dead_filter
+-- fragment: dead_filter
 -- The filters of dead_list and dead_count over the alias d (a NULL filter matches every row),
--- written once; admin.py puts them in both. Age filters use created_at: a dead row records no
+-- written once; the query registry (_sql.py) puts them in both. Age filters use created_at: a dead row records no
 -- dead time.
 (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)
   AND (%(aggregate_type)s::text IS NULL OR d.aggregate_type = %(aggregate_type)s::text)
@@ -148,7 +150,9 @@ WHERE d.status = 'dead'
 
 -- name: show
 -- One message of any status, with what explains its wait: times relative to now() and, for an
--- ordered message, the head of its key and how many messages wait behind it.
+-- ordered message, the head of its key and how many messages wait behind it. The head is the
+-- flagged one (DESIGN invariant 9: the flag is what the claim reads), never re-derived here; a
+-- key whose unfinished messages carry no flag has none (repair-heads mends it).
 SELECT o.id, o.status, o.event_type, o.aggregate_type, o.aggregate_id, o.ordering_key,
        o.payload, o.attempts, o.created_at, o.available_at, o.lease_owner, o.lease_until,
        o.lease_version, o.last_error, o.done_at,
@@ -158,8 +162,10 @@ SELECT o.id, o.status, o.event_type, o.aggregate_type, o.aggregate_id, o.orderin
        extract(epoch FROM o.available_at - now())::float8 AS available_in,
        extract(epoch FROM o.lease_until - now())::float8 AS lease_expires_in,
        CASE WHEN o.ordering_key IS NULL THEN NULL ELSE (
-           SELECT min(h.id) FROM {table} AS h
-           WHERE h.ordering_key = o.ordering_key AND h.status <> 'done'
+           SELECT h.id FROM {table} AS h
+           WHERE h.ordering_key = o.ordering_key AND h.head AND h.status <> 'done'
+           ORDER BY h.id
+           LIMIT 1
        ) END AS key_head,
        CASE WHEN o.ordering_key IS NULL THEN 0 ELSE (
            SELECT count(*) FROM {table} AS b
@@ -222,8 +228,7 @@ RETURNING o.id;
 -- Before a skip: the producers' key locks (queries.sql lock_keys) of every ordered message among
 -- the ids, in sorted order, so the head moved by settle_heads sees every message of those keys
 -- committed so far and no producer commits one until the skip does (DESIGN invariant 9).
-SELECT count(pg_advisory_xact_lock(hashtextextended(
-    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || k, 0)))
+SELECT count({key_lock})
 FROM (SELECT DISTINCT ordering_key AS k FROM {table}
       WHERE id = ANY(%(ids)s::bigint[]) AND ordering_key IS NOT NULL
       ORDER BY 1) AS sorted_keys;
@@ -378,4 +383,4 @@ up AS (
 )
 SELECT coalesce((SELECT held FROM before), false) AS was_held,
        (SELECT count(*) FROM up) AS rows,
-       pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL AS woke;
+       pg_notify({notify_channel}, '') IS NULL AS woke;

@@ -1,5 +1,7 @@
--- Named queries of the dispatcher. Loaded once by outbox_celery.store; "{table}" is replaced by
--- the quoted table identifier (psycopg.sql), every value is a bound parameter.
+-- Named queries of the dispatcher. Loaded once by the query registry (outbox_celery/_sql.py):
+-- "{table}" is replaced by the quoted table identifier (psycopg.sql), every value is a bound
+-- parameter. The other "{...}" are fragments written once in _sql.FRAGMENTS (the key lock, the
+-- notify channel, the synchronous_commit switch) or in this file ("-- fragment: x").
 -- All time comparisons use the database clock (now()); worker clocks are never trusted.
 
 -- name: insert
@@ -18,12 +20,8 @@ VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::jsonb
         %(dedup_key)s, %(trace_context)s::jsonb)
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
 RETURNING id, dedup_key,
-          -- Push (#11): wake this table's listeners at commit; evaluated once per statement (an
-          -- init plan), and only when a row was inserted. The channel is named after the table's
-          -- oid, never after user text: distinct per table, the same for "outbox" and "public.outbox".
-          (SELECT CASE WHEN %(notify)s::bool
-                       THEN pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL
-                  END) AS woke;
+          -- Push (#11): wake this table's listeners at commit, only when a row was inserted.
+          {wake_listeners} AS woke;
 
 -- name: insert_many
 -- As insert; within the batch only the first row of a key (lowest n, hence lowest id) can be
@@ -46,12 +44,8 @@ FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_id
 ORDER BY u.n
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
 RETURNING id, dedup_key,
-          -- Push (#11): wake this table's listeners at commit; evaluated once per statement (an
-          -- init plan), and only when a row was inserted. The channel is named after the table's
-          -- oid, never after user text: distinct per table, the same for "outbox" and "public.outbox".
-          (SELECT CASE WHEN %(notify)s::bool
-                       THEN pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL
-                  END) AS woke;
+          -- Push (#11): wake this table's listeners at commit, only when a row was inserted.
+          {wake_listeners} AS woke;
 
 -- name: dedup_ids
 -- The rows holding these dedup keys: inserted by an earlier (committed) transaction, by this
@@ -65,9 +59,7 @@ SELECT id, dedup_key FROM {table} WHERE dedup_key = ANY(%(keys)s::text[]);
 -- The head finalizers (finish_done_head, admin skip) take the same locks. The isolation level
 -- comes back with it: insert decides the head from its statement's snapshot, which is taken
 -- after the lock only under read committed.
-SELECT count(pg_advisory_xact_lock(hashtextextended(
-    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || k, 0))),
-       current_setting('transaction_isolation')
+SELECT count({key_lock}), current_setting('transaction_isolation')
 FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k) ORDER BY k) AS sorted_keys;
 
 -- name: try_claim_lock
@@ -161,6 +153,20 @@ FROM doomed
 WHERE o.id = doomed.id
 RETURNING o.id, o.lease_version, o.event_type;
 
+-- fragment: claim_picked
+-- The tail of every claim statement (claim_expired, claim_pending, claim_heads and their
+-- _limited forms), written once: the rows the statement's "picked" chose are processing under a
+-- new lease and a new fencing token, and come back as the claim reads them (Claimed, ScanMarks).
+-- An expired lease's row is processing already; setting it again changes nothing.
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease)s),
+    lease_version = o.lease_version + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+
 -- name: claim_expired
 -- excluded (here, in claim_pending and in claim_heads): event types this statement must not
 -- take (#23, DESIGN invariants 22, 23): paused or held by a RateLimited outcome, and the
@@ -181,13 +187,7 @@ WITH picked AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE {table} AS o
-SET lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+{claim_picked};
 
 -- name: claim_pending
 -- Due unordered rows, oldest first. The scan starts at pending_since, a little behind where this
@@ -205,14 +205,7 @@ WITH picked AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE {table} AS o
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+{claim_picked};
 
 -- name: claim_heads
 -- Ordered rows: only the head of each key (its lowest id not done, flagged "head") is claimable
@@ -231,14 +224,7 @@ WITH picked AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE {table} AS o
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+{claim_picked};
 
 -- name: start
 -- The fenced start: the worker is about to run the handler. Counts the attempt here, not at
@@ -255,10 +241,8 @@ SET attempts = attempts + 1,
     started_version = lease_version,
     lease_owner = %(starter)s,
     lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
-FROM (SELECT set_config('synchronous_commit',
-                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
-                        true)) AS commit_mode
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+FROM {commit_mode}
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
   AND started_version < lease_version AND attempts < %(max_attempts)s
 RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
           lease_version, ordering_key, trace_context;
@@ -269,7 +253,7 @@ RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, creat
 -- with no attempt counted again and never made dead here (DESIGN invariant 3).
 UPDATE {table}
 SET lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
   AND started_version = lease_version AND lease_owner = %(starter)s
 RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
           lease_version, ordering_key, trace_context;
@@ -285,7 +269,7 @@ SET status = 'dead',
     started_version = lease_version,
     last_error = 'attempts exhausted: ' || attempts || ' handler run(s) of ' || %(max_attempts)s::int
                  || ' started without a result' || coalesce('; last error: ' || last_error, '')
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
   AND started_version < lease_version
   AND attempts >= %(max_attempts)s
 RETURNING id;
@@ -296,10 +280,8 @@ RETURNING id;
 -- extra predicate costs an unordered row nothing: one fenced update, no key lock.
 UPDATE {table}
 SET status = 'done', done_at = now(), lease_until = NULL
-FROM (SELECT set_config('synchronous_commit',
-                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
-                        true)) AS commit_mode
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+FROM {commit_mode}
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
   AND ordering_key IS NULL
 RETURNING id;
 
@@ -310,11 +292,9 @@ RETURNING id;
 -- commit_mode as in finish_done.
 UPDATE {table} AS o
 SET status = 'done', done_at = now(), lease_until = NULL
-FROM (SELECT set_config('synchronous_commit',
-                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
-                        true)) AS commit_mode,
-     unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS f(id, version)
-WHERE o.id = f.id AND o.lease_version = f.version AND o.status = 'processing'
+FROM {commit_mode},
+     unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS f(id, lease_version)
+WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processing'
   AND o.ordering_key IS NULL
 RETURNING o.id;
 
@@ -322,10 +302,8 @@ RETURNING o.id;
 -- First statement of an ordered done: the producers' lock of the row's key (as lock_keys), so
 -- that the next statement's snapshot holds every message of the key committed so far and none
 -- can commit until the head has moved. Nothing is locked for an unordered row.
-SELECT pg_advisory_xact_lock(hashtextextended(
-    'outbox_celery:key:' || %(table)s::regclass::oid::text || ':' || ordering_key, 0))
-FROM {table}
-WHERE id = %(id)s AND ordering_key IS NOT NULL;
+SELECT {key_lock}
+FROM (SELECT ordering_key AS k FROM {table} WHERE id = %(id)s AND ordering_key IS NOT NULL) AS keyed;
 
 -- name: finish_done_head
 -- The fenced done of an ordered row, under its key lock (lock_key_of): the row goes done and the
@@ -335,10 +313,8 @@ WHERE id = %(id)s AND ordering_key IS NOT NULL;
 WITH fin AS (
     UPDATE {table}
     SET status = 'done', done_at = now(), lease_until = NULL
-    FROM (SELECT set_config('synchronous_commit',
-                            coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
-                            true)) AS commit_mode
-    WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+    FROM {commit_mode}
+    WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
     RETURNING id, ordering_key, head
 ),
 nxt AS (
@@ -385,7 +361,7 @@ SET status = CASE WHEN attempts >= %(max_attempts)s THEN 'dead' ELSE 'pending' E
                       THEN 'attempts exhausted (' || attempts || ' of ' || %(max_attempts)s::int
                            || '): ' || %(error)s
                       ELSE %(error)s END
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
 RETURNING id, status;
 
 -- name: finish_defer
@@ -401,7 +377,7 @@ SET status = CASE WHEN now() + make_interval(secs => %(delay)s)
                            > created_at + make_interval(secs => %(max_age)s)
                       THEN 'deferred past max_defer_age: ' || %(reason)s
                       ELSE 'deferred: ' || %(reason)s END
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
 RETURNING id, status;
 
 -- name: finish_rate_limited
@@ -421,7 +397,7 @@ WITH fin AS (
                                > created_at + make_interval(secs => %(max_age)s)
                           THEN 'rate limited past max_defer_age: ' || %(reason)s
                           ELSE 'rate limited: ' || %(reason)s END
-    WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+    WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
     RETURNING id, status, event_type
 ),
 held AS (
@@ -436,14 +412,14 @@ SELECT fin.id, fin.status FROM fin;
 -- name: finish_dead
 UPDATE {table}
 SET status = 'dead', lease_until = NULL, last_error = %(error)s
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
 RETURNING id;
 
 -- name: record_error
 -- Unexpected exception: keep the error, leave the row to come back through its lease.
 UPDATE {table}
 SET last_error = %(error)s
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
 RETURNING id;
 
 -- name: release
@@ -452,9 +428,9 @@ RETURNING id;
 -- worker that already started this claim must keep its row (DESIGN invariants 4, 12).
 UPDATE {table} AS o
 SET status = 'pending', available_at = now(), lease_until = NULL
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS r(id, version)
-WHERE o.id = r.id AND o.lease_version = r.version AND o.status = 'processing'
-  AND o.started_version < r.version
+FROM unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS r(id, lease_version)
+WHERE o.id = r.id AND o.lease_version = r.lease_version AND o.status = 'processing'
+  AND o.started_version < r.lease_version
 RETURNING o.id;
 
 -- name: postpone
@@ -465,13 +441,13 @@ SET status = 'pending',
     available_at = now() + make_interval(secs => %(delay)s),
     lease_until = NULL,
     last_error = %(error)s
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
 RETURNING id;
 
 -- name: extend_lease
 UPDATE {table}
 SET lease_until = greatest(lease_until, now() + make_interval(secs => %(seconds)s))
-WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
+WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
 RETURNING lease_until;
 
 -- name: canonical_name
@@ -514,7 +490,7 @@ RETURNING o.id, o.ordering_key;
 -- name: notify_channel
 -- The channel the producer's insert signals on (pg_notify in insert / insert_many); the
 -- listener LISTENs on it (as an identifier).
-SELECT 'outbox_celery_' || %(table)s::regclass::oid::text;
+SELECT {notify_channel};
 
 -- name: next_due
 -- Seconds (database clock) until the next row of these event types becomes claimable within
@@ -551,11 +527,9 @@ SET attempts = o.attempts + 1,
     started_version = o.lease_version,
     lease_owner = %(starter)s,
     lease_until = greatest(o.lease_until, now() + make_interval(secs => %(lease)s))
-FROM (SELECT set_config('synchronous_commit',
-                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
-                        true)) AS commit_mode,
-     unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS s(id, version)
-WHERE o.id = s.id AND o.lease_version = s.version AND o.status = 'processing'
+FROM {commit_mode},
+     unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS s(id, lease_version)
+WHERE o.id = s.id AND o.lease_version = s.lease_version AND o.status = 'processing'
   AND o.started_version < o.lease_version AND o.attempts < %(max_attempts)s
 RETURNING o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.payload, o.attempts,
           o.created_at, o.lease_version, o.ordering_key, o.trace_context;
@@ -565,8 +539,8 @@ RETURNING o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.payload, o.att
 -- reply was lost gets its rows back under its own token, no attempt counted again.
 UPDATE {table} AS o
 SET lease_until = greatest(o.lease_until, now() + make_interval(secs => %(lease)s))
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS s(id, version)
-WHERE o.id = s.id AND o.lease_version = s.version AND o.status = 'processing'
+FROM unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS s(id, lease_version)
+WHERE o.id = s.id AND o.lease_version = s.lease_version AND o.status = 'processing'
   AND o.started_version = o.lease_version AND o.lease_owner = %(starter)s
 RETURNING o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.payload, o.attempts,
           o.created_at, o.lease_version, o.ordering_key, o.trace_context;
@@ -579,8 +553,8 @@ SET status = 'dead',
     started_version = o.lease_version,
     last_error = 'attempts exhausted: ' || o.attempts || ' handler run(s) of ' || %(max_attempts)s::int
                  || ' started without a result' || coalesce('; last error: ' || o.last_error, '')
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS s(id, version)
-WHERE o.id = s.id AND o.lease_version = s.version AND o.status = 'processing'
+FROM unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS s(id, lease_version)
+WHERE o.id = s.id AND o.lease_version = s.lease_version AND o.status = 'processing'
   AND o.started_version < o.lease_version
   AND o.attempts >= %(max_attempts)s
 RETURNING o.id;
@@ -626,15 +600,11 @@ SET status = CASE f.outcome
                                THEN 'deferred past max_defer_age: ' || f.error
                                ELSE 'deferred: ' || f.error END
         ELSE f.error END
-FROM (SELECT set_config('synchronous_commit',
-                        coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')),
-                        true)) AS commit_mode,
-     (SELECT CASE WHEN %(notify)s::bool
-                  THEN pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL
-             END) AS woke,
-     unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(outcomes)s::text[], %(delays)s::float8[],
-            %(errors)s::text[]) AS f(id, version, outcome, delay, error)
-WHERE o.id = f.id AND o.lease_version = f.version AND o.status = 'processing'
+FROM {commit_mode},
+     {wake_listeners} AS woke,
+     unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[], %(outcomes)s::text[], %(delays)s::float8[],
+            %(errors)s::text[]) AS f(id, lease_version, outcome, delay, error)
+WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processing'
   AND f.outcome IN ('done', 'dead', 'retry', 'defer', 'postpone', 'error')
   AND (f.outcome <> 'done' OR o.ordering_key IS NULL)
 RETURNING o.id, o.status;
@@ -643,8 +613,8 @@ RETURNING o.id, o.status;
 -- The lease heartbeat of a batch: extend_lease for every pair, each fenced on its own version.
 UPDATE {table} AS o
 SET lease_until = greatest(o.lease_until, now() + make_interval(secs => %(seconds)s))
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS e(id, version)
-WHERE o.id = e.id AND o.lease_version = e.version AND o.status = 'processing'
+FROM unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS e(id, lease_version)
+WHERE o.id = e.id AND o.lease_version = e.lease_version AND o.status = 'processing'
 RETURNING o.id;
 
 -- name: flow_exists
@@ -711,13 +681,7 @@ WITH picked AS (
         FOR UPDATE SKIP LOCKED
     ) AS p
 )
-UPDATE {table} AS o
-SET lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+{claim_picked};
 
 -- name: claim_heads_limited
 -- claim_heads for the limited event types, as claim_expired_limited: heads only (invariant 9).
@@ -734,14 +698,7 @@ WITH picked AS (
         FOR UPDATE SKIP LOCKED
     ) AS p
 )
-UPDATE {table} AS o
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+{claim_picked};
 
 -- name: claim_pending_limited
 -- claim_pending for the limited event types, as claim_expired_limited.
@@ -758,14 +715,7 @@ WITH picked AS (
         FOR UPDATE SKIP LOCKED
     ) AS p
 )
-UPDATE {table} AS o
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+{claim_picked};
 
 -- name: fill_due
 -- Batch handlers with max_wait (#22, DESIGN invariant 21): per event type (types[i]), its due

@@ -648,7 +648,12 @@ def test_invariant_9_stats_shows_keys_without_a_head_and_repair_heads_mends_them
     assert "attention: 1 ordered key(s) without a head (outbox-celery repair-heads)" in human
     assert re.search(r"^ordered keys without a head:\s+1$", human, re.M), human
     assert json.loads(ok(run("stats", "--json", dsn=migrated_dsn)))["headless_keys"] == 1
+    # show reads the head as the claim does, from the flag (#25): this key has none.
+    shown = ok(run("dead", "show", str(lost[1]), dsn=migrated_dsn))
+    assert "no message of the key is its head: none is claimed (outbox-celery repair-heads)" in shown
     assert json.loads(ok(run("repair-heads", "--json", dsn=migrated_dsn))) == {"repaired": 1, "keys": ["k"]}
+    shown = ok(run("dead", "show", str(lost[1]), dsn=migrated_dsn))
+    assert f"waits behind id {lost[0]}, the head of its key" in shown
     assert lost[0] in claim(store, conn)
     assert ok(run("repair-heads", dsn=migrated_dsn)).strip() == "repaired 0 ordering key(s) without a head"
     assert "(outbox-celery repair-heads)" not in ok(run("stats", dsn=migrated_dsn))

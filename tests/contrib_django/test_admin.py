@@ -172,6 +172,20 @@ def test_the_detail_page_shows_the_lease(client: Client, shop: dict[str, int]) -
     assert f"behind #{shop['dead_head']}" in client.get(_detail(shop["behind"])).content.decode()
 
 
+def test_a_key_without_a_flagged_head_is_shown_as_such_not_as_claimable(
+    client: Client, shop: dict[str, int], pg: psycopg.Connection[Any]
+) -> None:
+    # The head is the flagged message, as the claim reads it (#25, DESIGN invariant 9): a key an
+    # older release left without one is never claimed, and the page says so.
+    pg.execute("UPDATE outbox SET head = false WHERE ordering_key IS NOT NULL")
+    pg.execute("UPDATE outbox SET status = 'pending' WHERE id = %s", [shop["dead_head"]])
+    page = client.get(_detail(shop["behind"])).content.decode()
+    assert "no message of its ordering key is its head (outbox-celery repair-heads)" in page
+    assert "no head in its key (outbox-celery repair-heads)" in page
+    assert "claimable now" not in page
+    assert listed(client.get(_url(blocked="heads"))) == []
+
+
 def test_the_model_and_the_detail_page_show_the_newer_columns(
     client: Client, shop: dict[str, int], pg: psycopg.Connection[Any]
 ) -> None:

@@ -513,6 +513,9 @@ def test_invariant_9_keys_left_without_a_head_are_counted_and_repaired_while_pro
     assert claim_ids(store, conn, lease=SHORT) == [healthy[0]]
     s = admin.stats(conn, table)
     assert (s.headless_keys, s.blocked_keys, s.ready) == (2, 0, 0)
+    # show names the flagged head, the claim's own definition (#25): such a key has none.
+    shown = admin.get_message(conn, table, inserted[1])
+    assert shown is not None and shown["key_head"] is None
     # A producer of this release holds key "old-insert"'s lock while the repair runs: the repair
     # waits for it, and then sees its message (flagged or not, the key gets one head only).
     producer = connect()

@@ -134,14 +134,14 @@ def test_invariant_21_one_finalize_writes_what_each_one_row_finalizer_writes(
     for i, case in zip(singles, CASES, strict=True):
         _one_row(conn, store, i, claims[i], case)
     rows = [(i, claims[i], *case) for i, case in zip(batch, CASES, strict=True)]
-    won = store.finish_many(conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE)
+    won = store.finish_many(conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE).statuses
     assert set(won) == set(batch)
     for one, many, case in zip(singles, batch, CASES, strict=True):
         assert _written(fetch(conn, table, many)) == _written(fetch(conn, table, one)), case
     statuses = [fetch(conn, table, i)["status"] for i in batch]
     assert statuses == ["done", "pending", "dead", "pending", "dead", "dead", "processing", "pending"]
     # Fenced: written again, or by a stale claim, it changes nothing.
-    assert store.finish_many(conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE) == {
+    assert store.finish_many(conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE).statuses == {
         batch[6]: "processing"  # the recorded error leaves the row processing under its lease
     }
 
@@ -155,7 +155,7 @@ def test_invariant_21_a_batch_finalize_never_finishes_an_ordered_row(
     assert c.id == first
     store.start_many(conn, [(c.id, c.lease_version)], lease=LONG, max_attempts=5, starter="w:1:a")
     done = [(c.id, c.lease_version, "done", 0.0, "")]
-    assert store.finish_many(conn, done, max_attempts=5, max_age=MAX_AGE) == {}
+    assert store.finish_many(conn, done, max_attempts=5, max_age=MAX_AGE).statuses == {}
     assert fetch(conn, table, first)["status"] == "processing"
 
 

@@ -155,13 +155,13 @@ def test_invariant_4_a_stale_owner_changes_nothing_and_says_so(
     v = old.lease_version
     with caplog.at_level(logging.WARNING, logger="outbox_celery.store"):
         assert store.start(conn, i, v, lease=LONG, max_attempts=5) is None
-        assert store.done(conn, i, v) is False
-        assert store.retry(conn, i, v, delay=0, error="x", max_attempts=5) is None
-        assert store.defer(conn, i, v, delay=0, reason="x", max_age=3600) is None
-        assert store.dead(conn, i, v, error="x") is False
-        assert store.record_error(conn, i, v, error="x") is False
+        assert store.done(conn, i, v).applied is False
+        assert store.retry(conn, i, v, delay=0, error="x", max_attempts=5).applied is False
+        assert store.defer(conn, i, v, delay=0, reason="x", max_age=3600).applied is False
+        assert store.dead(conn, i, v, error="x").applied is False
+        assert store.record_error(conn, i, v, error="x").applied is False
         assert store.extend_lease(conn, i, v, seconds=600) is False
-        assert store.postpone(conn, i, v, delay=0, error="x") is False
+        assert store.postpone(conn, i, v, delay=0, error="x").applied is False
         assert store.release(conn, [old]) == 0
 
     assert stable(fetch(conn, table, i)) == before
@@ -171,7 +171,7 @@ def test_invariant_4_a_stale_owner_changes_nothing_and_says_so(
     assert all(getattr(r, "outbox_id", None) == i and getattr(r, "lease_version", None) == v for r in lost)
     # The current owner still wins.
     assert store.start(fresh, i, new.lease_version, lease=LONG, max_attempts=5) is not None
-    assert store.done(fresh, i, new.lease_version) is True
+    assert store.done(fresh, i, new.lease_version).applied
     assert fetch(conn, table, i)["status"] == "done"
 
 
@@ -181,13 +181,13 @@ def test_invariant_4_finalizing_a_finished_row_again_changes_nothing(
     [i] = add(conn, table=table)
     [c] = store.claim(conn, limit=1, lease=LONG, owner="a", max_attempts=5).claimed
     assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=5) is not None
-    assert store.done(conn, i, c.lease_version) is True
+    assert store.done(conn, i, c.lease_version).applied
     before = stable(fetch(conn, table, i))
     # A redelivered task with the same (id, version) after the row is done.
     assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=5) is None
-    assert store.done(conn, i, c.lease_version) is False
-    assert store.dead(conn, i, c.lease_version, error="late") is False
-    assert store.retry(conn, i, c.lease_version, delay=0, error="late", max_attempts=5) is None
+    assert store.done(conn, i, c.lease_version).applied is False
+    assert store.dead(conn, i, c.lease_version, error="late").applied is False
+    assert store.retry(conn, i, c.lease_version, delay=0, error="late", max_attempts=5).applied is False
     assert stable(fetch(conn, table, i)) == before
 
 
@@ -288,7 +288,7 @@ def test_invariant_2_a_second_start_of_a_started_claim_is_refused_while_its_leas
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"]) == ("processing", 1)
     assert store.get_stats()["stale_starts"] == 3
-    assert store.done(first, i, c.lease_version) is True
+    assert store.done(first, i, c.lease_version).applied
 
 
 def test_invariant_3_a_claim_whose_start_never_happens_spends_no_attempt(
@@ -355,7 +355,7 @@ def test_extend_lease_is_fenced(conn: psycopg.Connection[Any], store: Store, tab
     assert claim_ids(store, conn, max_attempts=3) == []
     assert store.extend_lease(conn, i, c.lease_version + 1, seconds=300) is False
     assert fetch(conn, table, i)["lease_in"] <= 90
-    assert store.done(conn, i, c.lease_version) is True
+    assert store.done(conn, i, c.lease_version).applied
     assert store.extend_lease(conn, i, c.lease_version, seconds=300) is False
     assert fetch(conn, table, i)["lease_until"] is None
 
@@ -368,7 +368,7 @@ def test_an_extended_lease_outlives_the_claim_lease(
     assert store.extend_lease(conn, i, c.lease_version, seconds=LONG)
     time.sleep(PAST_SHORT)
     assert claim_ids(store, conn, max_attempts=3) == []
-    assert store.done(conn, i, c.lease_version) is True
+    assert store.done(conn, i, c.lease_version).applied
 
 
 def test_claim_respects_limit_and_event_type_filter(

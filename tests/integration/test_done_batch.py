@@ -43,7 +43,7 @@ def test_invariant_4_done_many_fences_each_row_on_its_own_version(
         ),
         [stale],
     )
-    won = store.done_many(conn, [(i, versions[i]) for i in ids])
+    won = store.done_many(conn, [(i, versions[i]) for i in ids]).applied
     assert won == set(ids[1:])
     assert fetch(conn, table, stale)["status"] == "processing"
     assert {fetch(conn, table, i)["status"] for i in ids[1:]} == {"done"}
@@ -51,7 +51,7 @@ def test_invariant_4_done_many_fences_each_row_on_its_own_version(
     stats = store.get_stats()
     assert (stats["done"], stats["lost_leases"]) == (3, 1)
     # Written twice (a retry after a lost reply): the second changes nothing.
-    assert store.done_many(conn, [(ids[1], versions[ids[1]])]) == set()
+    assert store.done_many(conn, [(ids[1], versions[ids[1]])]).applied == set()
 
 
 def test_done_many_never_finishes_an_ordered_row(
@@ -60,7 +60,7 @@ def test_done_many_never_finishes_an_ordered_row(
     # An ordered row's done moves its key's head under the key lock: only Store.done does that.
     [i] = add(conn, table=table, key="k")
     versions = _claim_all(conn, store, 1)
-    assert store.done_many(conn, [(i, versions[i])]) == set()
+    assert store.done_many(conn, [(i, versions[i])]).applied == set()
     assert fetch(conn, table, i)["status"] == "processing"
 
 

@@ -26,7 +26,7 @@ def started(conn: psycopg.Connection[Any], store: Store, outbox_id: int, max_att
 def test_done_finishes_the_row_for_good(conn: psycopg.Connection[Any], store: Store, table: str) -> None:
     [i] = add(conn, table=table)
     c = started(conn, store, i)
-    assert store.done(conn, i, c.lease_version) is True
+    assert store.done(conn, i, c.lease_version).applied
     row = fetch(conn, table, i)
     assert row["status"] == "done"
     assert row["lease_until"] is None
@@ -41,7 +41,7 @@ def test_invariant_6_retryable_keeps_the_attempt_and_backs_off_by_the_database_c
 ) -> None:
     [i] = add(conn, table=table)
     c = started(conn, store, i)
-    status = store.retry(conn, i, c.lease_version, delay=30, error="HTTP 503", max_attempts=5)
+    status = store.retry(conn, i, c.lease_version, delay=30, error="HTTP 503", max_attempts=5).status
     assert status == "pending"
     row = fetch(conn, table, i)
     assert row["status"] == "pending"
@@ -59,7 +59,10 @@ def test_invariant_6_retry_delay_is_honored_then_the_next_attempt_counts(
     [i] = add(conn, table=table)
     c = started(conn, store, i)
     # An HTTP 429 Retry-After, here a short one.
-    assert store.retry(conn, i, c.lease_version, delay=SHORT, error="HTTP 429", max_attempts=5) == "pending"
+    assert (
+        store.retry(conn, i, c.lease_version, delay=SHORT, error="HTTP 429", max_attempts=5).status
+        == "pending"
+    )
     time.sleep(PAST_SHORT)
     [c2] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
     assert (c2.id, c2.lease_version) == (i, 2)
@@ -75,11 +78,12 @@ def test_invariant_6_retryable_goes_dead_at_max_attempts(
     for attempt in (1, 2):
         c = started(conn, store, i, max_attempts=3)
         assert (
-            store.retry(conn, i, c.lease_version, delay=0, error=f"e{attempt}", max_attempts=3) == "pending"
+            store.retry(conn, i, c.lease_version, delay=0, error=f"e{attempt}", max_attempts=3).status
+            == "pending"
         )
         assert fetch(conn, table, i)["attempts"] == attempt
     c = started(conn, store, i, max_attempts=3)
-    assert store.retry(conn, i, c.lease_version, delay=0, error="HTTP 502", max_attempts=3) == "dead"
+    assert store.retry(conn, i, c.lease_version, delay=0, error="HTTP 502", max_attempts=3).status == "dead"
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"]) == ("dead", 3)
     assert row["last_error"].startswith("attempts exhausted (3 of 3)")
@@ -95,7 +99,8 @@ def test_invariant_7_defer_refunds_the_attempt_and_waits(
     c = started(conn, store, i)
     assert fetch(conn, table, i)["attempts"] == 1
     assert (
-        store.defer(conn, i, c.lease_version, delay=45, reason="payment pending", max_age=3600) == "pending"
+        store.defer(conn, i, c.lease_version, delay=45, reason="payment pending", max_age=3600).status
+        == "pending"
     )
     row = fetch(conn, table, i)
     assert row["status"] == "pending"
@@ -113,7 +118,9 @@ def test_invariant_7_defers_never_use_up_attempts(
     [i] = add(conn, table=table)
     for _ in range(4):
         c = started(conn, store, i, max_attempts=2)
-        assert store.defer(conn, i, c.lease_version, delay=0, reason="not yet", max_age=3600) == "pending"
+        assert (
+            store.defer(conn, i, c.lease_version, delay=0, reason="not yet", max_age=3600).status == "pending"
+        )
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"], row["lease_version"]) == ("pending", 0, 4)
 
@@ -123,7 +130,7 @@ def test_invariant_7_defer_past_max_defer_age_goes_dead(
 ) -> None:
     [i] = add(conn, table=table)
     c = started(conn, store, i)
-    assert store.defer(conn, i, c.lease_version, delay=120, reason="no stock", max_age=60) == "dead"
+    assert store.defer(conn, i, c.lease_version, delay=120, reason="no stock", max_age=60).status == "dead"
     row = fetch(conn, table, i)
     assert row["status"] == "dead"
     assert row["last_error"] == "deferred past max_defer_age: no stock"
@@ -138,7 +145,10 @@ def test_invariant_7_max_defer_age_counts_from_created_at(
     time.sleep(PAST_SHORT)
     c = started(conn, store, i)
     # A zero delay still lands past created_at + max_age: the message is older than that.
-    assert store.defer(conn, i, c.lease_version, delay=0, reason="still no stock", max_age=SHORT) == "dead"
+    assert (
+        store.defer(conn, i, c.lease_version, delay=0, reason="still no stock", max_age=SHORT).status
+        == "dead"
+    )
     assert fetch(conn, table, i)["status"] == "dead"
 
 
@@ -147,7 +157,7 @@ def test_invariant_8_permanent_failure_is_dead_and_never_claimed(
 ) -> None:
     [i] = add(conn, table=table)
     c = started(conn, store, i)
-    assert store.dead(conn, i, c.lease_version, error="HTTP 400: no such mailbox") is True
+    assert store.dead(conn, i, c.lease_version, error="HTTP 400: no such mailbox").applied
     row = fetch(conn, table, i)
     assert (row["status"], row["last_error"]) == ("dead", "HTTP 400: no such mailbox")
     assert row["lease_until"] is None
@@ -169,7 +179,7 @@ def test_record_error_keeps_the_row_processing_until_its_lease_returns_it(
     [i] = add(conn, table=table)
     [c] = store.claim(conn, limit=1, lease=SHORT, owner="w", max_attempts=5).claimed
     assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=5) is not None
-    assert store.record_error(conn, i, c.lease_version, error="KeyError: 'x'") is True
+    assert store.record_error(conn, i, c.lease_version, error="KeyError: 'x'").applied
     row = fetch(conn, table, i)
     assert (row["status"], row["last_error"], row["attempts"]) == ("processing", "KeyError: 'x'", 1)
     time.sleep(PAST_SHORT)
@@ -182,7 +192,7 @@ def test_postpone_waits_with_the_attempt_refunded(
 ) -> None:
     [i] = add(conn, table=table)
     c = started(conn, store, i)
-    assert store.postpone(conn, i, c.lease_version, delay=60, error="no handler for thing.happened") is True
+    assert store.postpone(conn, i, c.lease_version, delay=60, error="no handler for thing.happened").applied
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"]) == ("pending", 0)
     assert 58 < row["available_in"] <= 60
@@ -203,7 +213,7 @@ def test_relaxed_commit_applies_to_start_and_done_only_when_the_store_owns_the_t
     [c] = relaxed.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
     with conn.transaction():
         # The statement sets synchronous_commit for its own transaction only.
-        params = {"id": i, "version": c.lease_version, "lease": LONG, "max_attempts": 5, "starter": "w"}
+        params = {"id": i, "lease_version": c.lease_version, "lease": LONG, "max_attempts": 5, "starter": "w"}
         conn.execute(relaxed._q["start"], {**params, "commit_mode": "off"})
         assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
     assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)

@@ -250,7 +250,9 @@ def test_invariant_23_rate_limited_holds_its_event_type_without_spending_attempt
     [c] = [x for x in claim(store, conn, limit=1).claimed]
     assert c.id == a_ids[0]
     assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
-    status = store.rate_limited(conn, c.id, c.lease_version, delay=30.0, reason="HTTP 429", max_age=3600.0)
+    status = store.rate_limited(
+        conn, c.id, c.lease_version, delay=30.0, reason="HTTP 429", max_age=3600.0
+    ).status
     assert status == "pending"
     row = fetch(conn, table, c.id)
     assert row["attempts"] == 0 and row["last_error"] == "rate limited: HTTP 429"
@@ -262,7 +264,10 @@ def test_invariant_23_rate_limited_holds_its_event_type_without_spending_attempt
     [held] = admin.stats(conn, table).flow
     assert held.event_type == A and not held.paused and held.held_for is not None
     # A shorter hold never shortens the longer one; a stale finalize holds nothing.
-    assert store.rate_limited(conn, c.id, c.lease_version, delay=1.0, reason="x", max_age=3600.0) is None
+    assert (
+        store.rate_limited(conn, c.id, c.lease_version, delay=1.0, reason="x", max_age=3600.0).applied
+        is False
+    )
     # resume ends the hold at once.
     assert admin.resume(conn, table, A) is True
     assert sorted(x.id for x in claim(store, conn).claimed) == a_ids[1:]

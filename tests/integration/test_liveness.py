@@ -143,7 +143,7 @@ def test_invariant_12_release_never_touches_a_claim_whose_fenced_start_has_run(
     assert fetch(conn, table, unsent)["status"] == "pending"
     # Not claimable again while its handler runs, and its worker's finalize wins.
     assert claim_ids(store, conn) == [unsent]
-    assert store.done(worker, started_row, claims[0].lease_version) is True
+    assert store.done(worker, started_row, claims[0].lease_version).applied
 
 
 def _terminate(admin: psycopg.Connection[Any], pid: int) -> None:

@@ -416,7 +416,7 @@ def test_0004_flags_the_head_of_every_key_and_keeps_every_ordering_rule(
     assert claims[7].lease_version == 4
     assert claim_ids(store, conn) == []
     for i in (7, 9):
-        assert store.done(conn, i, claims[i].lease_version) is True
+        assert store.done(conn, i, claims[i].lease_version).applied
     assert sorted(claim_ids(store, conn)) == [8, 10]
     assert admin.skip(conn, upgraded, [2], reason="obsolete") == [2]
     assert claim_ids(store, conn) == [3]
@@ -424,6 +424,6 @@ def test_0004_flags_the_head_of_every_key_and_keeps_every_ordering_rule(
     [e2] = add(conn, table=str(upgraded), key="E")
     [b3] = add(conn, table=str(upgraded), key="B")
     assert claim_ids(store, conn) == [e2]
-    assert store.done(conn, 5, 1) is True
+    assert store.done(conn, 5, 1).applied
     assert claim_ids(store, conn) == [6]
     assert b3 > 6

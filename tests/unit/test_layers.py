@@ -137,3 +137,34 @@ def test_only_the_sql_modules_use_psycopg_sql() -> None:
     }
     assert users - SQL_MODULES == set()
     assert "store" in users  # the rule reads the imports it means to read
+
+
+def _sql_attributes(path: Path) -> set[str]:
+    """The names ``path`` reads from the query registry module (``_sql.x``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "_sql"
+    }
+
+
+# What may read or fill the SQL files' raw text rather than take the composed statements of
+# _sql.queries: the migration runner lists and reads migration files (run once, never named
+# statements), and Store fills the replacement texts its caller passes (benchmarks, experiments).
+RAW_SQL_READERS = {"migrations": {"read", "importlib.resources"}, "store": {"fill"}}
+
+
+def test_only_the_query_registry_reads_the_sql_files() -> None:
+    raw = {"read", "named", "fill", "_entries"}
+    offenders = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        if module == "_sql":
+            continue
+        used = _sql_attributes(path) & raw | {"importlib.resources"} & _imports(path)
+        used -= RAW_SQL_READERS.get(module, set())
+        if used:
+            offenders[module] = sorted(used)
+    assert offenders == {}
+    assert "queries" in _sql_attributes(PACKAGE / "admin.py")  # the rule reads what it means to

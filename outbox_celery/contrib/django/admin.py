@@ -28,7 +28,7 @@ from django.contrib.admin import helpers
 from django.contrib.admin.views.main import ChangeList
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import Case, Count, Exists, IntegerField, OuterRef, Q, QuerySet, Subquery, Value, When
+from django.db.models import Case, Count, IntegerField, OuterRef, Q, QuerySet, Subquery, Value, When
 from django.db.models.functions import Coalesce, Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
@@ -92,15 +92,12 @@ def live_q() -> Q:
     return status_q(Status.PENDING) | Q(status=Status.PROCESSING) | Q(status=Status.DEAD)
 
 
-def _earlier_unfinished() -> QuerySet[OutboxMessage]:
-    return OutboxMessage.objects.filter(
-        ordering_key=OuterRef("ordering_key"), id__lt=OuterRef("id"), ordering_key__isnull=False
-    ).exclude(status=Status.DONE)
-
-
 def blocked_heads_q() -> Q:
-    """Dead messages at the head of their ordering key: each one holds its key (invariant 9)."""
-    return Q(status=Status.DEAD, ordering_key__isnull=False) & ~Q(Exists(_earlier_unfinished()))
+    """Dead messages at the head of their ordering key: each one holds its key (invariant 9).
+
+    The head is the flagged message (the claim reads the flag), as in ``outbox-celery stats``.
+    """
+    return Q(status=Status.DEAD, head=True, ordering_key__isnull=False)
 
 
 class StatusFilter(admin.SimpleListFilter):
@@ -471,7 +468,9 @@ class OutboxMessageAdmin(_ModelAdmin):
         fmt = core_admin.format_duration
         if obj.status == Status.PENDING:
             wait = row.get("available_in") or 0
-            if obj.ordering_key is not None and row.get("key_head") not in (None, obj.pk):
+            if obj.ordering_key is not None and row.get("key_head") is None:
+                return "not claimed: no message of its ordering key is its head (outbox-celery repair-heads)"
+            if obj.ordering_key is not None and row.get("key_head") != obj.pk:
                 return f"waits behind message #{row['key_head']} of its ordering key"
             return f"claimable in {fmt(wait)}" if wait > 0 else "claimable now"
         if obj.status == Status.PROCESSING:
@@ -496,7 +495,10 @@ class OutboxMessageAdmin(_ModelAdmin):
         row = self._explained(obj)
         head = row.get("key_head")
         behind = int(row.get("waiting_behind") or 0)
-        where = "head of its key" if head == obj.pk else ("done" if head is None else f"behind #{head}")
+        if head is None:
+            where = "done" if obj.status == Status.DONE else "no head in its key (outbox-celery repair-heads)"
+        else:
+            where = "head of its key" if head == obj.pk else f"behind #{head}"
         return f"{where}; {behind} unfinished message(s) after it"
 
     # -- actions ---------------------------------------------------------------------------------
