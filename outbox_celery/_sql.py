@@ -20,6 +20,8 @@ INDEX_SUFFIXES = {
     "dead_idx": "_dead_idx",
     "heads_idx": "_heads_idx",
     "dedup_idx": "_dedup_idx",
+    "keyed_idx": "_keyed_idx",
+    "key_lease_idx": "_key_lease_idx",
 }
 
 
@@ -27,6 +29,8 @@ INDEX_SUFFIXES = {
 INSTANCE_SUFFIX = "_instance"
 # The table beside each outbox table that holds its flow-control state per event type (#23).
 FLOW_SUFFIX = "_flow"
+# The table beside each outbox table that holds pauses and holds per limit key (#23).
+FLOW_KEY_SUFFIX = "_flow_key"
 
 
 @functools.cache
@@ -55,6 +59,8 @@ def compose(text: str, table: TableName) -> sql.Composed:
         "instance_table": table.identifier(INSTANCE_SUFFIX),
         # Pause, RateLimited holds and rate buckets per event type (migration 0007, #23).
         "flow_table": table.identifier(FLOW_SUFFIX),
+        # Pause and RateLimited holds per limit key (migration 0008, #23).
+        "flow_key_table": table.identifier(FLOW_KEY_SUFFIX),
     }
     idents.update({k: table.index_name(v) for k, v in INDEX_SUFFIXES.items()})
     used = {k: v for k, v in idents.items() if "{" + k + "}" in text}
