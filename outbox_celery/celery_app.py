@@ -326,6 +326,7 @@ class Outbox:
         batch: int | None = None,
         concurrency: int | None = None,
         rate: str | float | None = None,
+        key_concurrency: int | None = None,
     ) -> Callable[[F], F]:
         """Register the function that delivers ``event_type`` (one per event type).
 
@@ -367,6 +368,10 @@ class Outbox:
             (per second). Enforced by the claim with a token bucket holding ``max(1, rate x
             0.2 s)`` starts. Default: no bound. A bad value raises
             :class:`~outbox_celery.errors.ConfigurationError` (a ``ValueError``).
+        :param key_concurrency: at most this many live deliveries per limit key (the
+            ``limit_key`` given at enqueue: a tenant, a downstream host), counted as
+            ``concurrency`` is; the claim takes the type's keyed rows key by key, round robin,
+            so one busy key does not starve the others (DESIGN invariant 24). Default: no bound.
         """
         if not isinstance(event_type, str) or not event_type:
             raise ConfigurationError("event_type must be a non-empty string")
@@ -383,7 +388,7 @@ class Outbox:
                     "handler"
                 )
         kind = transaction_kind(transactional, session_factory=session_factory, using=using)
-        limit = Limit.declared(concurrency=concurrency, rate=rate)
+        limit = Limit.declared(concurrency=concurrency, rate=rate, key_concurrency=key_concurrency)
 
         def register(fn: F) -> F:
             if event_type in self._handlers:

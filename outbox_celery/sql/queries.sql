@@ -9,13 +9,13 @@
 -- For an unordered row the AND stops at false and the probe never runs. A dedup key already in
 -- the table inserts nothing and returns no row (see dedup_ids).
 INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
-                     head, dedup_key, trace_context)
+                     head, dedup_key, trace_context, limit_key)
 VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::jsonb, %(ordering_key)s,
         now() + make_interval(secs => %(delay)s),
         %(ordering_key)s::text IS NOT NULL AND NOT EXISTS (
             SELECT 1 FROM {table}
             WHERE ordering_key = %(ordering_key)s::text AND status <> 'done'),
-        %(dedup_key)s, %(trace_context)s::jsonb)
+        %(dedup_key)s, %(trace_context)s::jsonb, %(limit_key)s)
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
 RETURNING id, dedup_key,
           -- Push (#11): wake this table's listeners at commit; evaluated once per statement (an
@@ -30,19 +30,19 @@ RETURNING id, dedup_key,
 -- its head, and only if the key has no unfinished message already. Should that first row be
 -- dropped as a duplicate dedup key, the producer settles the key's head afterwards (settle_heads).
 INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
-                     head, dedup_key, trace_context)
+                     head, dedup_key, trace_context, limit_key)
 SELECT u.event_type, u.aggregate_type, u.aggregate_id, u.payload::jsonb, u.ordering_key,
        now() + make_interval(secs => u.delay),
        u.ordering_key IS NOT NULL
        AND row_number() OVER (PARTITION BY u.ordering_key ORDER BY u.n) = 1
        AND NOT EXISTS (SELECT 1 FROM {table} AS o
                        WHERE o.ordering_key = u.ordering_key AND o.status <> 'done'),
-       u.dedup_key, u.trace_context::jsonb
+       u.dedup_key, u.trace_context::jsonb, u.limit_key
 FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_ids)s::text[],
             %(payloads)s::text[], %(ordering_keys)s::text[], %(delays)s::float8[],
-            %(dedup_keys)s::text[], %(trace_contexts)s::text[])
+            %(dedup_keys)s::text[], %(trace_contexts)s::text[], %(limit_keys)s::text[])
      WITH ORDINALITY AS u(event_type, aggregate_type, aggregate_id, payload, ordering_key, delay,
-                          dedup_key, trace_context, n)
+                          dedup_key, trace_context, limit_key, n)
 ORDER BY u.n
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
 RETURNING id, dedup_key,
@@ -407,7 +407,8 @@ RETURNING id, status;
 -- name: finish_rate_limited
 -- A RateLimited outcome (#23, DESIGN invariant 23): the row as finish_defer writes it (attempt
 -- refunded, dead once held past max_defer_age), and, only when that fenced write won, its event
--- type held until the same time in the flow table; a later hold never shortens an earlier one.
+-- type held until the same time in the flow table (its limit key only, in the key table, when
+-- it has one); a later hold never shortens an earlier one.
 -- One statement: the hold and the row's return commit together.
 WITH fin AS (
     UPDATE {table}
@@ -422,12 +423,22 @@ WITH fin AS (
                           THEN 'rate limited past max_defer_age: ' || %(reason)s
                           ELSE 'rate limited: ' || %(reason)s END
     WHERE id = %(id)s AND lease_version = %(version)s AND status = 'processing'
-    RETURNING id, status, event_type
+    RETURNING id, status, event_type, limit_key
 ),
 held AS (
     INSERT INTO {flow_table} AS f (event_type, paused_until)
-    SELECT event_type, now() + make_interval(secs => %(delay)s) FROM fin
+    SELECT event_type, now() + make_interval(secs => %(delay)s) FROM fin WHERE limit_key IS NULL
     ON CONFLICT (event_type) DO UPDATE
+    SET paused_until = greatest(f.paused_until, excluded.paused_until), updated_at = now()
+    RETURNING f.event_type
+),
+-- A message with a limit key holds its key only (DESIGN invariant 24): the type's other keys
+-- flow on.
+key_held AS (
+    INSERT INTO {flow_key_table} AS f (event_type, limit_key, paused_until)
+    SELECT event_type, limit_key, now() + make_interval(secs => %(delay)s) FROM fin
+    WHERE limit_key IS NOT NULL
+    ON CONFLICT (event_type, limit_key) DO UPDATE
     SET paused_until = greatest(f.paused_until, excluded.paused_until), updated_at = now()
     RETURNING f.event_type
 )
@@ -648,9 +659,9 @@ WHERE o.id = e.id AND o.lease_version = e.version AND o.status = 'processing'
 RETURNING o.id;
 
 -- name: flow_exists
--- Whether the flow-control table (migration 0007, #23) is there: a claim of a table not
--- migrated yet runs without pauses and limits (and says so in the log) instead of failing.
-SELECT to_regclass(%(flow_table)s) IS NOT NULL;
+-- Whether the flow-control tables (migrations 0007 and 0008, #23) are there: a claim of a table
+-- not migrated yet runs without pauses and limits (and says so in the log) instead of failing.
+SELECT to_regclass(%(flow_table)s) IS NOT NULL AND to_regclass(%(flow_key_table)s) IS NOT NULL;
 
 -- name: flow_lock
 -- The flow-control rows a claim must respect (#23, DESIGN invariants 22, 23): those of the event
@@ -660,7 +671,7 @@ SELECT to_regclass(%(flow_table)s) IS NOT NULL;
 -- everything an earlier claimer handed out. One row per type, never the backlog.
 SELECT event_type, paused, coalesce(paused_until > now(), false) AS held,
        extract(epoch FROM paused_until - now())::float8 AS held_for,
-       tokens, extract(epoch FROM now() - refilled_at)::float8 AS since_refill
+       tokens, extract(epoch FROM now() - refilled_at)::float8 AS since_refill, key_cursor
 FROM {flow_table}
 WHERE event_type = ANY(%(limited)s::text[]) OR paused OR paused_until > now()
 ORDER BY event_type
@@ -695,7 +706,9 @@ WHERE f.event_type = u.event_type;
 -- name: claim_expired_limited
 -- claim_expired for the limited event types (#23, DESIGN invariant 22), all in one statement:
 -- per type (types[i]), at most limits[i] rows, from that type's own scan mark (since[i]). One
--- index read per type; the allowances were decided under the flow rows' lock.
+-- index read per type; the allowances were decided under the flow rows' lock. Here and in the
+-- two statements after it, the rows of a keyed type that carry a limit key are left to
+-- release_keyed_expired and claim_keyed (DESIGN invariant 24).
 WITH picked AS (
     SELECT p.id
     FROM unnest(%(types)s::text[], %(limits)s::int[], %(since)s::timestamptz[]) AS u(event_type, n, since),
@@ -706,6 +719,7 @@ WITH picked AS (
           AND attempts < %(max_attempts)s
           AND started_version = lease_version
           AND event_type = u.event_type
+          AND (limit_key IS NULL OR event_type <> ALL(%(keyed)s::text[]))
         ORDER BY lease_until
         LIMIT u.n
         FOR UPDATE SKIP LOCKED
@@ -729,6 +743,7 @@ WITH picked AS (
         WHERE status = 'pending' AND head AND available_at <= now()
           AND available_at >= coalesce(u.since, '-infinity')
           AND event_type = u.event_type
+          AND (limit_key IS NULL OR event_type <> ALL(%(keyed)s::text[]))
         ORDER BY available_at, id
         LIMIT u.n
         FOR UPDATE SKIP LOCKED
@@ -753,6 +768,7 @@ WITH picked AS (
         WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()
           AND available_at >= coalesce(u.since, '-infinity')
           AND event_type = u.event_type
+          AND (limit_key IS NULL OR event_type <> ALL(%(keyed)s::text[]))
         ORDER BY available_at, id
         LIMIT u.n
         FOR UPDATE SKIP LOCKED
@@ -766,3 +782,151 @@ SET status = 'processing',
 FROM picked
 WHERE o.id = picked.id
 RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+
+-- name: flow_keys_held
+-- Limit keys paused or held by a RateLimited outcome (#23, DESIGN invariant 24), of the event
+-- types this claimer delivers: their rows are claimed by nobody. One small row per held key.
+SELECT event_type, limit_key, extract(epoch FROM paused_until - now())::float8 AS held_for, paused
+FROM {flow_key_table}
+WHERE (paused OR paused_until > now())
+  AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+ORDER BY event_type, limit_key;
+
+-- name: release_keyed_expired
+-- Started leases of a keyed event type that ran out with attempts left (the worker died or hung
+-- mid-handler; DESIGN invariants 22, 24): back to pending, due as before (at the front of their
+-- key), where claim_keyed takes them under their key's limit. Re-claiming them in place, as
+-- claim_expired does, would not see the key's other live deliveries. The attempt stays counted:
+-- the next start counts another, as a re-claim's would.
+WITH picked AS (
+    SELECT id FROM {table}
+    WHERE status = 'processing' AND lease_until <= now()
+      AND lease_until >= coalesce(%(expired_since)s::timestamptz, '-infinity')
+      AND attempts < %(max_attempts)s
+      AND started_version = lease_version
+      AND limit_key IS NOT NULL AND event_type = ANY(%(keyed)s::text[])
+    ORDER BY lease_until
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'pending', lease_until = NULL
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id;
+
+-- name: claim_keyed
+-- The rows of one keyed event type (#23, DESIGN invariant 24) that carry a limit key, round robin
+-- between its keys: at most %(n)s rows in all, none of a key at its key_cap (live deliveries of
+-- the key counted from the key leases' index, after the flow row's lock) and none of a held key.
+-- The keys are walked in key order from the one after %(after)s (where the previous claim of the
+-- type stopped, kept in its flow row), wrapping around, at most %(max_keys)s of them: one probe
+-- of the keyed index per key (a loose index scan), never the backlog behind a key. Each key
+-- offers its oldest due rows (heads only for ordered keys, invariant 9), at most twice its fair
+-- share of n; the claim takes the first row of every key, then the second, and so on.
+-- The last row (id NULL) holds the last key walked and counts the keys this claim left at their
+-- cap with a row still due (the statement's snapshot still shows the rows it claimed as pending,
+-- hence "more than taken"): the listener claims again soon, as for a type at its concurrency
+-- limit.
+WITH RECURSIVE after_cursor AS (
+    (SELECT limit_key AS k, 1 AS pos FROM {table}
+     WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
+       AND event_type = %(event_type)s
+       AND (%(after)s::text IS NULL OR limit_key > %(after)s::text)
+     ORDER BY event_type, limit_key LIMIT 1)
+    UNION ALL
+    SELECT (SELECT limit_key FROM {table}
+            WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
+              AND event_type = %(event_type)s AND limit_key > a.k
+            ORDER BY event_type, limit_key LIMIT 1), a.pos + 1
+    FROM after_cursor AS a
+    WHERE a.k IS NOT NULL AND a.pos < %(max_keys)s
+),
+before_cursor AS (
+    (SELECT limit_key AS k, 1 AS pos FROM {table}
+     WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
+       AND event_type = %(event_type)s AND %(after)s::text IS NOT NULL
+       AND limit_key <= %(after)s::text
+       AND (SELECT count(*) FROM after_cursor WHERE k IS NOT NULL) < %(max_keys)s
+     ORDER BY event_type, limit_key LIMIT 1)
+    UNION ALL
+    SELECT (SELECT limit_key FROM {table}
+            WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
+              AND event_type = %(event_type)s AND limit_key > b.k AND limit_key <= %(after)s::text
+            ORDER BY event_type, limit_key LIMIT 1), b.pos + 1
+    FROM before_cursor AS b
+    WHERE b.k IS NOT NULL
+      AND b.pos < %(max_keys)s - (SELECT count(*) FROM after_cursor WHERE k IS NOT NULL)
+),
+walked AS (
+    SELECT k, pos FROM after_cursor WHERE k IS NOT NULL
+    UNION ALL
+    SELECT k, pos + (SELECT count(*) FROM after_cursor WHERE k IS NOT NULL) FROM before_cursor
+    WHERE k IS NOT NULL
+),
+keys AS (
+    SELECT k, pos, count(*) OVER () AS walked_keys FROM walked
+    WHERE pos <= %(max_keys)s AND k <> ALL(%(held)s::text[])
+),
+rooms AS (
+    SELECT keys.k, keys.pos,
+           coalesce(%(key_cap)s::int - live.n, %(n)s) AS free,
+           least(coalesce(%(key_cap)s::int - live.n, %(n)s),
+                 ceil(2.0 * %(n)s / keys.walked_keys)::int) AS room
+    FROM keys
+    CROSS JOIN LATERAL (
+        SELECT count(*)::int AS n FROM {table}
+        WHERE status = 'processing' AND limit_key IS NOT NULL
+          AND event_type = %(event_type)s AND limit_key = keys.k AND lease_until > now()
+    ) AS live
+),
+offered AS (
+    SELECT c.id, c.available_at, rooms.k, rooms.pos,
+           row_number() OVER (PARTITION BY rooms.k ORDER BY c.available_at, c.id) AS rn
+    FROM rooms
+    CROSS JOIN LATERAL (
+        SELECT id, available_at FROM {table}
+        WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
+          AND event_type = %(event_type)s AND limit_key = rooms.k AND available_at <= now()
+        ORDER BY event_type, limit_key, available_at, id
+        LIMIT greatest(rooms.room, 0)
+        FOR UPDATE SKIP LOCKED
+    ) AS c
+),
+picked AS (
+    SELECT id, pos, k FROM offered ORDER BY rn, pos LIMIT %(n)s
+),
+claimed AS (
+    UPDATE {table} AS o
+    SET status = 'processing',
+        lease_owner = %(owner)s,
+        lease_until = now() + make_interval(secs => %(lease)s),
+        lease_version = o.lease_version + 1
+    FROM picked
+    WHERE o.id = picked.id
+    RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at, o.limit_key,
+              picked.pos
+)
+SELECT id, lease_version, event_type, lease_until, available_at, limit_key, pos, NULL::bigint
+FROM claimed
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL,
+       (SELECT k FROM keys ORDER BY pos DESC LIMIT 1), NULL,
+       (SELECT count(*) FROM rooms
+        CROSS JOIN LATERAL (SELECT count(*) AS n FROM picked WHERE picked.k = rooms.k) AS taken
+        WHERE rooms.free <= taken.n
+          AND (SELECT count(*) FROM (
+                   SELECT 1 FROM {table}
+                   WHERE status = 'pending' AND limit_key IS NOT NULL
+                     AND (ordering_key IS NULL OR head)
+                     AND event_type = %(event_type)s AND limit_key = rooms.k
+                     AND available_at <= now()
+                   LIMIT taken.n + 1) AS due) > taken.n);
+
+-- name: flow_key_cursor
+-- Where the next claim of each keyed event type starts walking its keys (round robin, DESIGN
+-- invariant 24): the last key this claim took a row of. Written under the flow row's lock.
+UPDATE {flow_table} AS f
+SET key_cursor = u.k, updated_at = now()
+FROM unnest(%(types)s::text[], %(keys)s::text[]) AS u(event_type, k)
+WHERE f.event_type = u.event_type;

@@ -11,9 +11,11 @@ from typing import Any
 
 import psycopg
 
-from outbox_celery import Store, migrate
+from outbox_celery import Store, enqueue, migrate
+from outbox_celery.flow import Limit
 from outbox_celery.migrations import applied_versions, available
 
+from .helpers import LONG
 from .test_migrations import schema_dump
 from .upgrade import TABLE, claim_old_rows, previous_schema, rows
 
@@ -35,7 +37,23 @@ def test_invariant_24_migration_0008_from_the_previous_schema_with_rows_in_every
     assert schema_dump(conn, f"{TABLE}_flow") == schema_dump(conn, f"{table}_flow")
     assert schema_dump(conn, f"{TABLE}_flow_key") == schema_dump(conn, f"{table}_flow_key")
 
-    # The dispatcher works on the old rows (no key).
+    # The dispatcher works on the old rows (no key), and limits per key on new rows.
     store = Store(TABLE)
     claim_old_rows(conn, store, before)
+    # New rows with keys: at most key_concurrency of each key claimed.
+    with conn.transaction():
+        for key in ["t1", "t1", "t1", "t2"]:
+            enqueue(
+                conn,
+                event_type="e",
+                payload={},
+                aggregate_type="a",
+                aggregate_id=1,
+                table=TABLE,
+                limit_key=key,
+            )
+    result = store.claim(
+        conn, limit=10, lease=LONG, owner="w", max_attempts=12, limits={"e": Limit(key_concurrency=2)}
+    )
+    assert len(result.claimed) == 3
     assert migrate(conn, TABLE) == []

@@ -91,6 +91,14 @@ PARAMS: dict[str, Any] = {
     "limits": [200],
     "since": [None],
     "limited": ["thing.happened"],
+    # Limits per key (#23, DESIGN invariant 24).
+    "limit_key": None,
+    "keyed": ["thing.happened"],
+    "n": 200,
+    "key_cap": 2,
+    "held": [],
+    "after": None,
+    "max_keys": 400,
 }
 
 HOT = [
@@ -121,6 +129,9 @@ HOT = [
     "claim_pending_limited",
     "flow_live",
     "finish_rate_limited",
+    # Limits per key (#23, DESIGN invariant 24): the keys' walk, their live leases and rows.
+    "claim_keyed",
+    "release_keyed_expired",
 ]
 
 

@@ -1,0 +1,194 @@
+"""Limits per key within an event type (#23, DESIGN invariant 24), made to happen in the claim on
+a real PostgreSQL: per-key concurrency over rows of several keys, a dead worker's key slot back
+at the end of its lease, fair share between a big and a small key, a RateLimited outcome that
+holds its key only, ordered keys in order under key limits.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox_celery import Store, TableName
+from outbox_celery.flow import Limit
+from outbox_celery.store import ClaimResult, ScanMarks
+
+from .helpers import LONG, add, fetch
+
+A, B = "webhook.a", "webhook.b"
+
+
+def claim(
+    store: Store,
+    conn: psycopg.Connection[Any],
+    *,
+    limits: dict[str, Limit] | None = None,
+    limit: int = 100,
+    marks: ScanMarks | None = None,
+) -> ClaimResult:
+    return store.claim(
+        conn, limit=limit, lease=LONG, owner="test", max_attempts=5, limits=limits, marks=marks
+    )
+
+
+def keys_of(conn: psycopg.Connection[Any], table: str, result: ClaimResult) -> Counter[str | None]:
+    ids = [c.id for c in result.claimed]
+    rows = conn.execute(
+        sql.SQL("SELECT limit_key FROM {} WHERE id = ANY(%s)").format(TableName.parse(table).identifier()),
+        [ids],
+    ).fetchall()
+    return Counter(r[0] for r in rows)
+
+
+def live_per_key(conn: psycopg.Connection[Any], table: str, event_type: str) -> dict[str, int]:
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT limit_key, count(*) FROM {} WHERE status = 'processing' AND lease_until > now()"
+            " AND event_type = %s AND limit_key IS NOT NULL GROUP BY limit_key"
+        ).format(TableName.parse(table).identifier()),
+        [event_type],
+    ).fetchall()
+    return {str(k): int(n) for k, n in rows}
+
+
+def test_invariant_24_key_concurrency_bounds_each_keys_live_deliveries(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    add(conn, 6, event_type=A, limit_key="t1")
+    add(conn, 1, event_type=A, limit_key="t2")
+    add(conn, 5, event_type=A, limit_key="t3")
+    add(conn, 2, event_type=A)  # no limit key: only the type's own limits apply
+    add(conn, 3, event_type=B, limit_key="t1")  # another type: its keys are its own
+    limits = {A: Limit(key_concurrency=2)}
+    first = claim(store, conn, limits=limits)
+    # t1: two of A (its cap), three of B (unlimited).
+    assert keys_of(conn, table, first) == Counter({"t1": 2 + 3, "t2": 1, "t3": 2, None: 2})
+    assert live_per_key(conn, table, A) == {"t1": 2, "t2": 1, "t3": 2}
+    assert first.flow_wait is not None  # keys at their cap: the listener looks again soon
+    assert claim(store, conn, limits=limits).claimed == []
+    # One of t1 finishes: one slot of t1, nothing of the others.
+    done = next(
+        c for c in first.claimed if c.event_type == A and fetch(conn, table, c.id)["limit_key"] == "t1"
+    )
+    assert store.done(conn, done.id, done.lease_version)
+    again = claim(store, conn, limits=limits)
+    assert keys_of(conn, table, again) == Counter({"t1": 1})
+    assert live_per_key(conn, table, A) == {"t1": 2, "t2": 1, "t3": 2}
+
+
+def test_invariant_24_key_concurrency_and_the_types_concurrency_both_hold(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    for key in ["k1", "k2", "k3", "k4"]:
+        add(conn, 3, event_type=A, limit_key=key)
+    limits = {A: Limit(concurrency=5, key_concurrency=2)}
+    first = claim(store, conn, limits=limits)
+    assert len(first.claimed) == 5
+    assert max(live_per_key(conn, table, A).values()) <= 2
+    assert len(live_per_key(conn, table, A)) >= 3  # round robin: every key its turn first
+
+
+def test_invariant_24_a_dead_workers_key_slot_comes_back_when_its_lease_ends(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    add(conn, 4, event_type=A, limit_key="t1")
+    limits = {A: Limit(key_concurrency=1)}
+    [taken] = claim(store, conn, limits=limits).claimed
+    assert store.start(conn, taken.id, taken.lease_version, lease=LONG, max_attempts=5) is not None
+    assert claim(store, conn, limits=limits).claimed == []
+    # The worker dies mid-handler: nothing finishes it, its lease runs out (shortened here).
+    conn.execute(
+        sql.SQL("UPDATE {} SET lease_until = now() - interval '1 second' WHERE id = %s").format(
+            TableName.parse(table).identifier()
+        ),
+        [taken.id],
+    )
+    [again] = claim(store, conn, limits=limits).claimed
+    # The slot came back, and the expired delivery is what takes it (at the front of its key),
+    # fenced by a new lease_version; still one at a time.
+    assert again.id == taken.id and again.lease_version > taken.lease_version
+    assert live_per_key(conn, table, A) == {"t1": 1}
+    assert claim(store, conn, limits=limits).claimed == []
+
+
+def test_invariant_24_a_small_key_is_claimed_in_the_first_claim_beside_a_big_backlog(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    big = add(conn, 2000, event_type=A, limit_key="big")
+    small = add(conn, 20, event_type=A, limit_key="small")
+    assert max(big) < min(small)  # the big backlog is older: FIFO would take it first
+    limits = {A: Limit(key_concurrency=50)}
+    marks = ScanMarks()
+    first = claim(store, conn, limits=limits, limit=40, marks=marks)
+    got = keys_of(conn, table, first)
+    assert got["small"] >= 10 and got["big"] >= 10, got
+    # Every small message starts within a few claims while the big key has work left.
+    seen = got["small"]
+    for _ in range(3):
+        for c in first.claimed:
+            assert store.done(conn, c.id, c.lease_version)
+        first = claim(store, conn, limits=limits, limit=40, marks=marks)
+        seen += keys_of(conn, table, first)["small"]
+    assert seen == 20
+
+
+def test_invariant_24_round_robin_reaches_every_key_when_keys_outnumber_the_batch(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    keys = [f"k{i:03d}" for i in range(120)]
+    for key in keys:
+        add(conn, 3, event_type=A, limit_key=key)
+    limits = {A: Limit(key_concurrency=1)}
+    served: Counter[str | None] = Counter()
+    for _ in range(8):
+        result = claim(store, conn, limits=limits, limit=20)
+        assert len(result.claimed) == 20
+        served += keys_of(conn, table, result)
+        for c in result.claimed:
+            assert store.done(conn, c.id, c.lease_version)
+    # 160 claims over 120 keys: every key at least once, none more than twice.
+    assert set(served) == set(keys) and max(served.values()) <= 2
+
+
+def test_invariant_24_rate_limited_holds_its_key_only(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    t1 = add(conn, 3, event_type=A, limit_key="t1")
+    add(conn, 2, event_type=A, limit_key="t2")
+    add(conn, 1, event_type=B)
+    first = claim(store, conn, limit=1)
+    [c] = first.claimed
+    assert c.id == t1[0]
+    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert store.rate_limited(conn, c.id, c.lease_version, delay=30.0, reason="429", max_age=3600.0)
+    row = fetch(conn, table, c.id)
+    assert row["status"] == "pending" and row["attempts"] == 0
+    # No limits declared at all: the held key alone makes the claim go key by key.
+    result = claim(store, conn)
+    assert keys_of(conn, table, result) == Counter({"t2": 2, None: 1})
+    assert result.held == ()  # the type itself is not held
+    assert result.flow_wait is not None and 29 < result.flow_wait <= 30
+    assert claim(store, conn).claimed == []
+    # With a key limit declared too, the held key still waits.
+    assert claim(store, conn, limits={A: Limit(key_concurrency=5)}).claimed == []
+
+
+def test_invariant_24_ordered_keys_stay_in_order_under_key_limits(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    o1 = add(conn, 4, event_type=A, key="order:1", limit_key="t1")
+    o2 = add(conn, 4, event_type=A, key="order:2", limit_key="t1")
+    limits = {A: Limit(key_concurrency=1)}
+    order: list[int] = []
+    for _ in range(10):
+        result = claim(store, conn, limits=limits)
+        assert len(result.claimed) <= 1
+        for c in result.claimed:
+            order.append(c.id)
+            assert store.done(conn, c.id, c.lease_version)
+    assert len(order) == 8
+    assert [i for i in order if i in o1] == o1
+    assert [i for i in order if i in o2] == o2
