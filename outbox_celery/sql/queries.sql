@@ -824,11 +824,12 @@ RETURNING o.id;
 -- of the keyed index per key (a loose index scan), never the backlog behind a key. Each key
 -- offers its oldest due rows (heads only for ordered keys, invariant 9), at most twice its fair
 -- share of n; the claim takes the first row of every key, then the second, and so on.
+-- The CTEs are named ck_* so that no outbox table name can be shadowed by one of them.
 -- The last row (id NULL) holds the last key walked and counts the keys this claim left at their
 -- cap with a row still due (the statement's snapshot still shows the rows it claimed as pending,
 -- hence "more than taken"): the listener claims again soon, as for a type at its concurrency
 -- limit.
-WITH RECURSIVE after_cursor AS (
+WITH RECURSIVE ck_after AS (
     (SELECT limit_key AS k, 1 AS pos FROM {table}
      WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
        AND event_type = %(event_type)s
@@ -839,87 +840,85 @@ WITH RECURSIVE after_cursor AS (
             WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
               AND event_type = %(event_type)s AND limit_key > a.k
             ORDER BY event_type, limit_key LIMIT 1), a.pos + 1
-    FROM after_cursor AS a
+    FROM ck_after AS a
     WHERE a.k IS NOT NULL AND a.pos < %(max_keys)s
 ),
-before_cursor AS (
+ck_before AS (
     (SELECT limit_key AS k, 1 AS pos FROM {table}
      WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
        AND event_type = %(event_type)s AND %(after)s::text IS NOT NULL
        AND limit_key <= %(after)s::text
-       AND (SELECT count(*) FROM after_cursor WHERE k IS NOT NULL) < %(max_keys)s
      ORDER BY event_type, limit_key LIMIT 1)
     UNION ALL
     SELECT (SELECT limit_key FROM {table}
             WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
               AND event_type = %(event_type)s AND limit_key > b.k AND limit_key <= %(after)s::text
             ORDER BY event_type, limit_key LIMIT 1), b.pos + 1
-    FROM before_cursor AS b
-    WHERE b.k IS NOT NULL
-      AND b.pos < %(max_keys)s - (SELECT count(*) FROM after_cursor WHERE k IS NOT NULL)
+    FROM ck_before AS b
+    WHERE b.k IS NOT NULL AND b.pos < %(max_keys)s
 ),
-walked AS (
-    SELECT k, pos FROM after_cursor WHERE k IS NOT NULL
+ck_walked AS (
+    SELECT k, pos FROM ck_after WHERE k IS NOT NULL
     UNION ALL
-    SELECT k, pos + (SELECT count(*) FROM after_cursor WHERE k IS NOT NULL) FROM before_cursor
+    SELECT k, pos + (SELECT count(*) FROM ck_after WHERE k IS NOT NULL) FROM ck_before
     WHERE k IS NOT NULL
 ),
-keys AS (
-    SELECT k, pos, count(*) OVER () AS walked_keys FROM walked
+ck_keys AS (
+    SELECT k, pos, count(*) OVER () AS walked_keys FROM ck_walked
     WHERE pos <= %(max_keys)s AND k <> ALL(%(held)s::text[])
 ),
-rooms AS (
-    SELECT keys.k, keys.pos,
+ck_rooms AS (
+    SELECT ck_keys.k, ck_keys.pos,
            coalesce(%(key_cap)s::int - live.n, %(n)s) AS free,
            least(coalesce(%(key_cap)s::int - live.n, %(n)s),
-                 ceil(2.0 * %(n)s / keys.walked_keys)::int) AS room
-    FROM keys
+                 ceil(2.0 * %(n)s / ck_keys.walked_keys)::int) AS room
+    FROM ck_keys
     CROSS JOIN LATERAL (
         SELECT count(*)::int AS n FROM {table}
         WHERE status = 'processing' AND limit_key IS NOT NULL
-          AND event_type = %(event_type)s AND limit_key = keys.k AND lease_until > now()
+          AND event_type = %(event_type)s AND limit_key = ck_keys.k AND lease_until > now()
     ) AS live
 ),
-offered AS (
-    SELECT c.id, c.available_at, rooms.k, rooms.pos,
-           row_number() OVER (PARTITION BY rooms.k ORDER BY c.available_at, c.id) AS rn
-    FROM rooms
+ck_offered AS (
+    SELECT c.id, c.available_at, ck_rooms.k, ck_rooms.pos,
+           row_number() OVER (PARTITION BY ck_rooms.k ORDER BY c.available_at, c.id) AS rn
+    FROM ck_rooms
     CROSS JOIN LATERAL (
         SELECT id, available_at FROM {table}
         WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
-          AND event_type = %(event_type)s AND limit_key = rooms.k AND available_at <= now()
+          AND event_type = %(event_type)s AND limit_key = ck_rooms.k AND available_at <= now()
         ORDER BY event_type, limit_key, available_at, id
-        LIMIT greatest(rooms.room, 0)
+        LIMIT greatest(ck_rooms.room, 0)
         FOR UPDATE SKIP LOCKED
     ) AS c
 ),
-picked AS (
-    SELECT id, pos, k FROM offered ORDER BY rn, pos LIMIT %(n)s
+ck_picked AS (
+    SELECT id, pos, k FROM ck_offered ORDER BY rn, pos LIMIT %(n)s
 ),
-claimed AS (
+ck_claimed AS (
     UPDATE {table} AS o
     SET status = 'processing',
         lease_owner = %(owner)s,
         lease_until = now() + make_interval(secs => %(lease)s),
         lease_version = o.lease_version + 1
-    FROM picked
-    WHERE o.id = picked.id
+    FROM ck_picked
+    WHERE o.id = ck_picked.id
     RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at, o.limit_key,
-              picked.pos
+              ck_picked.pos
 )
 SELECT id, lease_version, event_type, lease_until, available_at, limit_key, pos, NULL::bigint
-FROM claimed
+FROM ck_claimed
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL,
-       (SELECT k FROM keys ORDER BY pos DESC LIMIT 1), NULL,
-       (SELECT count(*) FROM rooms
-        CROSS JOIN LATERAL (SELECT count(*) AS n FROM picked WHERE picked.k = rooms.k) AS taken
-        WHERE rooms.free <= taken.n
+       (SELECT k FROM ck_keys ORDER BY pos DESC LIMIT 1), NULL,
+       (SELECT count(*) FROM ck_rooms
+        JOIN (SELECT k, count(*) AS n FROM ck_picked GROUP BY k) AS taken ON taken.k = ck_rooms.k
+        WHERE ck_rooms.free <= taken.n
           AND (SELECT count(*) FROM (
                    SELECT 1 FROM {table}
                    WHERE status = 'pending' AND limit_key IS NOT NULL
                      AND (ordering_key IS NULL OR head)
-                     AND event_type = %(event_type)s AND limit_key = rooms.k
+                     AND event_type = %(event_type)s AND limit_key = ck_rooms.k
                      AND available_at <= now()
                    LIMIT taken.n + 1) AS due) > taken.n);
 

@@ -192,3 +192,19 @@ def test_invariant_24_ordered_keys_stay_in_order_under_key_limits(
     assert len(order) == 8
     assert [i for i in order if i in o1] == o1
     assert [i for i in order if i in o2] == o2
+
+
+def test_invariant_24_a_table_named_like_a_word_of_the_claim_still_claims_by_key(
+    conn: psycopg.Connection[Any],
+) -> None:
+    # The keyed claim's CTEs are named ck_*: an outbox table named "keys" or "rooms" (as the
+    # benchmark's was) is not shadowed by one of them.
+    from outbox_celery import migrate
+
+    for name in ["keys", "rooms"]:
+        migrate(conn, name)
+        add(conn, 3, table=name, event_type=A, limit_key="t1")
+        got = Store(name).claim(
+            conn, limit=10, lease=LONG, owner="t", max_attempts=5, limits={A: Limit(key_concurrency=2)}
+        )
+        assert len(got.claimed) == 2
