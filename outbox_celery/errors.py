@@ -110,7 +110,7 @@ class RateLimited(RetryableError):  # noqa: N818 - it is an outcome, not an erro
     on. A subclass of :class:`RetryableError`, so code that catches that still catches this.
 
     A message enqueued with a ``limit_key`` holds only its key (DESIGN invariant 24): the other
-    keys of the event type flow on; ``outbox-celery resume <event_type> --key <key>`` ends it.
+    keys of the event type flow on.
 
     :param retry_after: seconds (or a :class:`~datetime.timedelta`) to hold the event type,
         for example the response's ``Retry-After``.
