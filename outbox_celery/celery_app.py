@@ -813,24 +813,26 @@ class Outbox:
     def _producer_defaults(self, options: dict[str, Any]) -> dict[str, Any]:
         return {"table": self.config.table, "max_payload_bytes": self.config.max_payload_bytes, **options}
 
-    def pause(self, event_type: str) -> bool:
-        """Pause ``event_type`` in this outbox's table: no claim hands out its messages until
-        :meth:`resume` (docs/flow-control.md, DESIGN invariant 23). Deliveries already running
-        finish. Returns whether it was running before (``False``: already paused).
+    def pause(self, event_type: str, *, limit_key: str | None = None) -> bool:
+        """Pause ``event_type`` (or only its ``limit_key``) in this outbox's table: no claim
+        hands out its messages until :meth:`resume` (docs/flow-control.md, DESIGN invariants 23,
+        24). Deliveries already running finish. Returns whether it was running before
+        (``False``: already paused).
         """
         from .admin import pause
 
         with self.connection() as conn:
-            return pause(conn, self.config.table, event_type)
+            return pause(conn, self.config.table, event_type, limit_key=limit_key)
 
-    def resume(self, event_type: str) -> bool:
-        """Resume ``event_type``: it is claimable at once (the push listeners are woken), and a
-        RateLimited hold on it ends too. Returns whether it was paused or held.
+    def resume(self, event_type: str, *, limit_key: str | None = None) -> bool:
+        """Resume ``event_type`` (or only its ``limit_key``): it is claimable at once (the push
+        listeners are woken), and a RateLimited hold on it ends too. Returns whether it was
+        paused or held.
         """
         from .admin import resume
 
         with self.connection() as conn:
-            return resume(conn, self.config.table, event_type)
+            return resume(conn, self.config.table, event_type, limit_key=limit_key)
 
     def deliver(self, outbox_id: int, lease_version: int) -> Outcome:
         """Deliver one row in this process (what the delivery task does)."""

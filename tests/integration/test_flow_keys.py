@@ -208,3 +208,32 @@ def test_invariant_24_a_table_named_like_a_word_of_the_claim_still_claims_by_key
             conn, limit=10, lease=LONG, owner="t", max_attempts=5, limits={A: Limit(key_concurrency=2)}
         )
         assert len(got.claimed) == 2
+
+
+def test_invariant_24_pause_and_resume_one_key_from_python_and_the_cli(
+    conn: psycopg.Connection[Any], store: Store, table: str, migrated_dsn: str
+) -> None:
+    import subprocess
+    import sys
+
+    from outbox_celery import admin
+
+    t1 = add(conn, 2, event_type=A, limit_key="t1")
+    add(conn, 2, event_type=A, limit_key="t2")
+    assert admin.pause(conn, table, A, limit_key="t1") is True
+    assert admin.pause(conn, table, A, limit_key="t1") is False  # already
+    [state] = admin.key_states(conn, table)
+    assert (state.event_type, state.limit_key, state.paused) == (A, "t1", True)
+    # Paused: the type's other key flows, with or without a key limit declared.
+    assert keys_of(conn, table, claim(store, conn)) == Counter({"t2": 2})
+    assert claim(store, conn, limits={A: Limit(key_concurrency=5)}).claimed == []
+    cli = [sys.executable, "-m", "outbox_celery", "--dsn", migrated_dsn, "--table", table]
+    stats = subprocess.run([*cli, "stats"], capture_output=True, text=True, timeout=60, check=True)
+    assert f"limit keys claimed by nobody: {A} key t1 (paused)" in stats.stdout
+    resumed = subprocess.run(
+        [*cli, "resume", A, "--key", "t1"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert f"resumed {A!r} key 't1'" in resumed.stdout
+    assert admin.key_states(conn, table) == []
+    assert sorted(c.id for c in claim(store, conn).claimed) == t1
+    assert admin.resume(conn, table, A, limit_key="t1") is False
