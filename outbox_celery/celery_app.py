@@ -327,6 +327,7 @@ class Outbox:
         concurrency: int | None = None,
         rate: str | float | None = None,
         key_concurrency: int | None = None,
+        key_rate: str | float | None = None,
     ) -> Callable[[F], F]:
         """Register the function that delivers ``event_type`` (one per event type).
 
@@ -372,6 +373,8 @@ class Outbox:
             ``limit_key`` given at enqueue: a tenant, a downstream host), counted as
             ``concurrency`` is; the claim takes the type's keyed rows key by key, round robin,
             so one busy key does not starve the others (DESIGN invariant 24). Default: no bound.
+        :param key_rate: at most this many deliveries per limit key start per second (rate
+            forms as ``rate``), a token bucket per key kept in the database. Default: no bound.
         """
         if not isinstance(event_type, str) or not event_type:
             raise ConfigurationError("event_type must be a non-empty string")
@@ -388,7 +391,9 @@ class Outbox:
                     "handler"
                 )
         kind = transaction_kind(transactional, session_factory=session_factory, using=using)
-        limit = Limit.declared(concurrency=concurrency, rate=rate, key_concurrency=key_concurrency)
+        limit = Limit.declared(
+            concurrency=concurrency, rate=rate, key_concurrency=key_concurrency, key_rate=key_rate
+        )
 
         def register(fn: F) -> F:
             if event_type in self._handlers:

@@ -68,11 +68,14 @@ class Limit:
         enqueue), counted as ``concurrency`` is; rows of the type are claimed key by key, round
         robin, so that one busy key does not starve the others (DESIGN invariant 24). ``None``:
         no bound per key.
+    :ivar key_rate: starts per second at most per limit key, a token bucket per key holding
+        ``max(1, key_rate x RATE_BURST)`` starts (as ``rate`` for the type); ``None``: no bound.
     """
 
     concurrency: int | None = None
     rate: float | None = None
     key_concurrency: int | None = None
+    key_rate: float | None = None
 
     @classmethod
     def declared(
@@ -81,25 +84,34 @@ class Limit:
         concurrency: int | None,
         rate: str | float | int | None,
         key_concurrency: int | None = None,
+        key_rate: str | float | int | None = None,
     ) -> Limit | None:
-        """The limit ``@outbox.handler(concurrency=..., rate=..., key_concurrency=...)``
-        declares (``None``: none).
+        """The limit ``@outbox.handler(concurrency=..., rate=..., key_concurrency=...,
+        key_rate=...)`` declares (``None``: none).
 
         :raises ConfigurationError: ``concurrency`` or ``key_concurrency`` not a positive
-            integer, or a bad ``rate``.
+            integer, or a bad ``rate`` or ``key_rate``.
         """
         for name, value in (("concurrency", concurrency), ("key_concurrency", key_concurrency)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name} must be a positive integer, not {value!r}")
         per_second = None if rate is None else parse_rate(rate)
-        if concurrency is None and per_second is None and key_concurrency is None:
+        per_key = None if key_rate is None else parse_rate(key_rate)
+        if concurrency is None and per_second is None and key_concurrency is None and per_key is None:
             return None
-        return cls(concurrency=concurrency, rate=per_second, key_concurrency=key_concurrency)
+        return cls(
+            concurrency=concurrency, rate=per_second, key_concurrency=key_concurrency, key_rate=per_key
+        )
 
     @property
     def keyed(self) -> bool:
         """Whether rows of the type are claimed per limit key (a limit per key is declared)."""
-        return self.key_concurrency is not None
+        return self.key_concurrency is not None or self.key_rate is not None
+
+    @property
+    def key_burst(self) -> float:
+        """Tokens a full bucket of one key holds (``max(1, key_rate x RATE_BURST)``); 0 without."""
+        return 0.0 if self.key_rate is None else max(1.0, self.key_rate * RATE_BURST)
 
     @property
     def burst(self) -> float:

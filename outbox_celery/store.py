@@ -119,6 +119,9 @@ class _Keyed:
 
     #: Live deliveries at most per limit key (``None``: no bound per key).
     key_cap: int | None
+    #: Starts per second at most per limit key, and its bucket's size (``None``: no bound).
+    key_rate: float | None
+    key_burst: float | None
     #: Its limit keys paused or held by a RateLimited outcome: claimed by nobody.
     held: list[str]
     #: The key after which this claim walks its keys (round robin).
@@ -127,6 +130,8 @@ class _Keyed:
     moved: bool = False
     #: Whether a key at its cap had a row due (the listener claims again soon).
     blocked: bool = False
+    #: Seconds until a key held by its key_rate alone has its next token (``None``: none).
+    token_wait: float | None = None
 
 
 class ScanMarks:
@@ -586,7 +591,13 @@ class Store:
             keyed: dict[str, _Keyed] = {}
             if flow is not None:
                 keyed = {
-                    t: _Keyed(limits[t].key_concurrency, sorted(keys_held.get(t, ())), flow.cursors.get(t))
+                    t: _Keyed(
+                        limits[t].key_concurrency,
+                        limits[t].key_rate,
+                        limits[t].key_burst if limits[t].key_rate is not None else None,
+                        sorted(keys_held.get(t, ())),
+                        flow.cursors.get(t),
+                    )
                     for t in sorted(flow.allowances)
                     if limits[t].keyed or t in keys_held
                 }
@@ -680,6 +691,7 @@ class Store:
                     waits.append(wait)
             if any(k.blocked for k in keyed.values()):
                 waits.append(LIMIT_RECHECK)
+            waits += [max(LIMIT_RECHECK, k.token_wait) for k in keyed.values() if k.token_wait is not None]
             moved = {t: k.cursor for t, k in keyed.items() if k.moved}
             if moved:
                 conn.execute(self._q["flow_key_cursor"], {"types": list(moved), "keys": list(moved.values())})
@@ -825,6 +837,8 @@ class Store:
             "event_type": event_type,
             "n": room,
             "key_cap": keyed.key_cap,
+            "key_rate": keyed.key_rate,
+            "key_burst": keyed.key_burst,
             "held": keyed.held,
             "after": keyed.cursor,
             "max_keys": min(MAX_KEYS_WALKED, max(2 * min(room, max(batch, 1)), MIN_KEYS_WALKED)),
@@ -834,6 +848,9 @@ class Store:
         marker = next((r for r in rows if r[0] is None), None)
         if marker is not None and marker[7]:
             keyed.blocked = True
+        if marker is not None and marker[8] is not None:
+            wait = float(marker[8])
+            keyed.token_wait = wait if keyed.token_wait is None else min(keyed.token_wait, wait)
         if taken and len(taken) >= room:
             # Stopped by the room: the next claim starts after the last key served.
             cursor = max(taken, key=lambda r: int(r[6]))[5]

@@ -408,13 +408,16 @@ up AS (
 SELECT coalesce((SELECT paused FROM before), false) AS was_paused, (SELECT count(*) FROM up) AS rows;
 
 -- name: flow_key_resume
--- Resume one limit key: its pause and any RateLimited hold end (its row goes: the table keeps
--- only keys paused or held), and the table's push listeners are woken at commit. Returns
--- whether it was paused or held.
-WITH gone AS (
-    DELETE FROM {flow_key_table}
+-- Resume one limit key: its pause and any RateLimited hold end (its key_rate bucket stays), and
+-- the table's push listeners are woken at commit. Returns whether it was paused or held.
+WITH before AS (
+    SELECT paused OR coalesce(paused_until > now(), false) AS held
+    FROM {flow_key_table} WHERE event_type = %(event_type)s AND limit_key = %(limit_key)s FOR UPDATE
+),
+up AS (
+    UPDATE {flow_key_table} SET paused = false, paused_until = NULL, updated_at = now()
     WHERE event_type = %(event_type)s AND limit_key = %(limit_key)s
-    RETURNING paused OR coalesce(paused_until > now(), false) AS held
+    RETURNING event_type
 )
-SELECT coalesce((SELECT bool_or(held) FROM gone), false) AS was_held,
+SELECT coalesce((SELECT held FROM before), false) AS was_held, (SELECT count(*) FROM up) AS rows,
        pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '') IS NULL AS woke;

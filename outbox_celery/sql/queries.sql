@@ -825,10 +825,11 @@ RETURNING o.id;
 -- offers its oldest due rows (heads only for ordered keys, invariant 9), at most twice its fair
 -- share of n; the claim takes the first row of every key, then the second, and so on.
 -- The CTEs are named ck_* so that no outbox table name can be shadowed by one of them.
--- The last row (id NULL) holds the last key walked and counts the keys this claim left at their
--- cap with a row still due (the statement's snapshot still shows the rows it claimed as pending,
--- hence "more than taken"): the listener claims again soon, as for a type at its concurrency
--- limit.
+-- key_rate bounds each key's starts by a token bucket in its <table>_flow_key row, read and
+-- written here, under the type's flow-row lock (as the type's own rate bucket).
+-- The last row (id NULL) holds the last key walked, counts the keys this claim left at their
+-- key_cap with a row still due (the listener claims again soon, as for a type at its
+-- concurrency limit) and the seconds until a key held by its key_rate has its next token.
 WITH RECURSIVE ck_after AS (
     (SELECT limit_key AS k, 1 AS pos FROM {table}
      WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
@@ -869,8 +870,10 @@ ck_keys AS (
 ),
 ck_rooms AS (
     SELECT ck_keys.k, ck_keys.pos,
-           coalesce(%(key_cap)s::int - live.n, %(n)s) AS free,
+           coalesce(%(key_cap)s::int - live.n, %(n)s) AS slots,
+           bucket.tokens,
            least(coalesce(%(key_cap)s::int - live.n, %(n)s),
+                 coalesce(floor(bucket.tokens)::int, %(n)s),
                  ceil(2.0 * %(n)s / ck_keys.walked_keys)::int) AS room
     FROM ck_keys
     CROSS JOIN LATERAL (
@@ -878,6 +881,18 @@ ck_rooms AS (
         WHERE status = 'processing' AND limit_key IS NOT NULL
           AND event_type = %(event_type)s AND limit_key = ck_keys.k AND lease_until > now()
     ) AS live
+    -- key_rate: the key's token bucket refilled to now() (no row yet: a full bucket).
+    CROSS JOIN LATERAL (
+        SELECT CASE WHEN %(key_rate)s::float8 IS NOT NULL THEN least(
+                   %(key_burst)s::float8,
+                   coalesce((SELECT greatest(f.tokens, 0)
+                                    + %(key_rate)s::float8
+                                      * greatest(extract(epoch FROM now() - f.refilled_at), 0)
+                             FROM {flow_key_table} AS f
+                             WHERE f.event_type = %(event_type)s AND f.limit_key = ck_keys.k
+                               AND f.tokens IS NOT NULL),
+                            %(key_burst)s::float8)) END AS tokens
+    ) AS bucket
 ),
 ck_offered AS (
     SELECT c.id, c.available_at, ck_rooms.k, ck_rooms.pos,
@@ -895,6 +910,32 @@ ck_offered AS (
 ck_picked AS (
     SELECT id, pos, k FROM ck_offered ORDER BY rn, pos LIMIT %(n)s
 ),
+ck_taken AS (
+    SELECT k, count(*) AS n FROM ck_picked GROUP BY k
+),
+-- The key_rate buckets of the keys served: the refilled tokens minus what this claim took.
+ck_spent AS (
+    INSERT INTO {flow_key_table} AS f (event_type, limit_key, tokens, refilled_at)
+    SELECT %(event_type)s, r.k, r.tokens - t.n, now()
+    FROM ck_taken AS t JOIN ck_rooms AS r ON r.k = t.k
+    WHERE r.tokens IS NOT NULL
+    ON CONFLICT (event_type, limit_key) DO UPDATE
+    SET tokens = excluded.tokens, refilled_at = excluded.refilled_at, updated_at = now()
+),
+-- The keys this claim left at a limit with a row still due (the statement's snapshot still
+-- shows the rows it claimed as pending, hence "more than taken").
+ck_left AS (
+    SELECT r.k, r.slots, r.tokens, coalesce(t.n, 0) AS taken
+    FROM ck_rooms AS r LEFT JOIN ck_taken AS t ON t.k = r.k
+    WHERE (r.slots <= coalesce(t.n, 0) OR floor(r.tokens) <= coalesce(t.n, 0))
+      AND (SELECT count(*) FROM (
+               SELECT 1 FROM {table}
+               WHERE status = 'pending' AND limit_key IS NOT NULL
+                 AND (ordering_key IS NULL OR head)
+                 AND event_type = %(event_type)s AND limit_key = r.k
+                 AND available_at <= now()
+               LIMIT coalesce(t.n, 0) + 1) AS due) > coalesce(t.n, 0)
+),
 ck_claimed AS (
     UPDATE {table} AS o
     SET status = 'processing',
@@ -906,21 +947,16 @@ ck_claimed AS (
     RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at, o.limit_key,
               ck_picked.pos
 )
-SELECT id, lease_version, event_type, lease_until, available_at, limit_key, pos, NULL::bigint
+SELECT id, lease_version, event_type, lease_until, available_at, limit_key, pos, NULL::bigint,
+       NULL::float8
 FROM ck_claimed
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL,
        (SELECT k FROM ck_keys ORDER BY pos DESC LIMIT 1), NULL,
-       (SELECT count(*) FROM ck_rooms
-        JOIN (SELECT k, count(*) AS n FROM ck_picked GROUP BY k) AS taken ON taken.k = ck_rooms.k
-        WHERE ck_rooms.free <= taken.n
-          AND (SELECT count(*) FROM (
-                   SELECT 1 FROM {table}
-                   WHERE status = 'pending' AND limit_key IS NOT NULL
-                     AND (ordering_key IS NULL OR head)
-                     AND event_type = %(event_type)s AND limit_key = ck_rooms.k
-                     AND available_at <= now()
-                   LIMIT taken.n + 1) AS due) > taken.n);
+       (SELECT count(*) FROM ck_left WHERE slots <= taken),
+       -- Seconds until the first key held by its key_rate alone has its next token.
+       (SELECT min((1 - (tokens - taken)) / %(key_rate)s::float8) FROM ck_left
+        WHERE slots > taken AND floor(tokens) <= taken);
 
 -- name: flow_key_cursor
 -- Where the next claim of each keyed event type starts walking its keys (round robin, DESIGN

@@ -70,12 +70,14 @@ CREATE TABLE {flow_table} (
     -- Where the next claim of a keyed event type starts walking its keys (migration 0008).
     key_cursor   text
 );
--- Pause and RateLimited holds per limit key (migration 0008, #23).
+-- Pause, RateLimited holds and key_rate buckets per limit key (migration 0008, #23).
 CREATE TABLE {flow_key_table} (
     event_type   text        NOT NULL CHECK (event_type <> ''),
     limit_key    text        NOT NULL CHECK (limit_key <> ''),
     paused       boolean     NOT NULL DEFAULT false,
     paused_until timestamptz,
+    tokens       float8,
+    refilled_at  timestamptz,
     updated_at   timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (event_type, limit_key)
 );

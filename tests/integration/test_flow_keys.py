@@ -237,3 +237,32 @@ def test_invariant_24_pause_and_resume_one_key_from_python_and_the_cli(
     assert admin.key_states(conn, table) == []
     assert sorted(c.id for c in claim(store, conn).claimed) == t1
     assert admin.resume(conn, table, A, limit_key="t1") is False
+
+
+def test_invariant_24_key_rate_hands_out_one_burst_per_key_then_what_its_bucket_refills(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    import time
+
+    add(conn, 20, event_type=A, limit_key="t1")
+    add(conn, 20, event_type=A, limit_key="t2")
+    limits = {A: Limit(key_rate=10.0)}  # a bucket of max(1, 10 x 0.2) = 2 starts per key
+    first = claim(store, conn, limits=limits)
+    assert keys_of(conn, table, first) == Counter({"t1": 2, "t2": 2})
+    # Held by the keys' buckets: the listener claims again when the next token is due (0.1 s).
+    assert first.flow_wait is not None and 0.05 <= first.flow_wait <= 0.1
+    # Kept in the database: a fresh Store finds the buckets (nearly) empty.
+    assert (
+        len(Store(table).claim(conn, limit=100, lease=LONG, owner="x", max_attempts=5, limits=limits).claimed)
+        <= 2
+    )
+    started = time.monotonic()
+    taken = Counter[str | None]()
+    while time.monotonic() - started < 1.0:
+        taken += keys_of(conn, table, claim(store, conn, limits=limits))
+        time.sleep(0.02)
+    elapsed = time.monotonic() - started
+    for key in ("t1", "t2"):
+        # At most what the rate refilled (plus the token the fresh Store may have left behind).
+        assert taken[key] <= 10 * (elapsed + 0.05) + 1, taken
+        assert taken[key] >= 10 * (elapsed - 0.4), taken

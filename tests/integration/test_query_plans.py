@@ -96,6 +96,8 @@ PARAMS: dict[str, Any] = {
     "keyed": ["thing.happened"],
     "n": 200,
     "key_cap": 2,
+    "key_rate": 10.0,
+    "key_burst": 2.0,
     "held": [],
     "after": None,
     "max_keys": 400,

@@ -13,7 +13,8 @@ CREATE INDEX {key_lease_idx} ON {table} (event_type, limit_key, lease_until)
     WHERE status = 'processing' AND limit_key IS NOT NULL;
 -- Where the next claim of a keyed event type starts walking its keys (round robin).
 ALTER TABLE {flow_table} ADD COLUMN key_cursor text;
--- Pause and RateLimited holds per limit key: one small row per key that was paused or held.
+-- Pause, RateLimited holds and key_rate buckets per limit key: one small row per key that was
+-- paused, held or rate limited.
 CREATE TABLE {flow_key_table} (
     event_type   text        NOT NULL CHECK (event_type <> ''),
     limit_key    text        NOT NULL CHECK (limit_key <> ''),
@@ -21,6 +22,9 @@ CREATE TABLE {flow_key_table} (
     paused       boolean     NOT NULL DEFAULT false,
     -- A RateLimited outcome of a message with this key: nothing of the key starts before then.
     paused_until timestamptz,
+    -- The key_rate token bucket: starts left, and when it was last refilled (NULL: full).
+    tokens       float8,
+    refilled_at  timestamptz,
     updated_at   timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (event_type, limit_key)
 );
