@@ -266,3 +266,46 @@ def test_invariant_24_key_rate_hands_out_one_burst_per_key_then_what_its_bucket_
         # At most what the rate refilled (plus the token the fresh Store may have left behind).
         assert taken[key] <= 10 * (elapsed + 0.05) + 1, taken
         assert taken[key] >= 10 * (elapsed - 0.4), taken
+
+
+def test_invariant_24_concurrent_claimers_never_exceed_a_key_limit_together(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Any
+) -> None:
+    import threading
+
+    for key in ["t1", "t2", "t3"]:
+        add(conn, 60, event_type=A, limit_key=key)
+    limits = {A: Limit(key_concurrency=2)}
+    claimers, rounds = 4, 12
+    barrier = threading.Barrier(claimers)
+    errors: list[BaseException] = []
+    seen: list[dict[str, int]] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            c = connect()
+            s = Store(table)
+            for _ in range(rounds):
+                barrier.wait(10)
+                got = s.claim(c, limit=50, lease=LONG, owner="t", max_attempts=5, limits=limits).claimed
+                barrier.wait(10)
+                with lock:
+                    seen.append(live_per_key(c, table, A))
+                barrier.wait(10)
+                for g in got:
+                    assert s.done(c, g.id, g.lease_version)
+        except BaseException as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run) for _ in range(claimers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert len(seen) == claimers * rounds
+    assert max(max(s.values(), default=0) for s in seen) == 2, (
+        "a key got more (or never as many) as its limit"
+    )
