@@ -418,6 +418,9 @@ class Stats:
     #: Event types paused or held by a RateLimited outcome, whether or not they have live
     #: messages (#23); empty before migration 0007.
     flow: list[FlowState] = field(default_factory=list)
+    #: Limit keys paused or held by a RateLimited outcome (DESIGN invariant 24); empty before
+    #: migration 0008.
+    keys: list[KeyFlowState] = field(default_factory=list)
 
     @property
     def dead(self) -> int:
@@ -460,6 +463,7 @@ def stats(
         row = cur.execute(_q(t, "stats")).fetchone()
         held = horizon(conn, t)
         flow = flow_states(conn, t)
+        keys = key_states(conn, t)
         if previous is not None:
             cur.execute("SELECT set_config('statement_timeout', %s, true)", [previous["previous"]])
     assert row is not None
@@ -503,6 +507,7 @@ def stats(
         horizon=held,
         headless_keys=int(row["headless_keys"]),
         flow=flow,
+        keys=keys,
     )
 
 

@@ -471,7 +471,7 @@ def stats(target: Target, unclaimed_after: float | None, as_json: bool) -> None:
     with target.connect() as conn:
         s = admin.stats(conn, target.table, handlers=handlers)
         waiting = admin.unclaimed(conn, target.table, older_than=threshold)
-        keys = admin.key_states(conn, target.table)
+    keys = s.keys
     attention = _attention(s, target.outbox, waiting)
     if as_json:
         _echo_json(

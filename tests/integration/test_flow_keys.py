@@ -6,13 +6,18 @@ holds its key only, ordered keys in order under key limits.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+import time
 from collections import Counter
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 
-from outbox_celery import Store, TableName
+from outbox_celery import Store, TableName, admin, migrate
 from outbox_celery.flow import Limit
 from outbox_celery.store import ClaimResult, ScanMarks
 
@@ -199,8 +204,6 @@ def test_invariant_24_a_table_named_like_a_word_of_the_claim_still_claims_by_key
 ) -> None:
     # The keyed claim's CTEs are named ck_*: an outbox table named "keys" or "rooms" (as the
     # benchmark's was) is not shadowed by one of them.
-    from outbox_celery import migrate
-
     for name in ["keys", "rooms"]:
         migrate(conn, name)
         add(conn, 3, table=name, event_type=A, limit_key="t1")
@@ -213,11 +216,6 @@ def test_invariant_24_a_table_named_like_a_word_of_the_claim_still_claims_by_key
 def test_invariant_24_pause_and_resume_one_key_from_python_and_the_cli(
     conn: psycopg.Connection[Any], store: Store, table: str, migrated_dsn: str
 ) -> None:
-    import subprocess
-    import sys
-
-    from outbox_celery import admin
-
     t1 = add(conn, 2, event_type=A, limit_key="t1")
     add(conn, 2, event_type=A, limit_key="t2")
     assert admin.pause(conn, table, A, limit_key="t1") is True
@@ -242,8 +240,6 @@ def test_invariant_24_pause_and_resume_one_key_from_python_and_the_cli(
 def test_invariant_24_key_rate_hands_out_one_burst_per_key_then_what_its_bucket_refills(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
-    import time
-
     add(conn, 20, event_type=A, limit_key="t1")
     add(conn, 20, event_type=A, limit_key="t2")
     limits = {A: Limit(key_rate=10.0)}  # a bucket of max(1, 10 x 0.2) = 2 starts per key
@@ -271,8 +267,6 @@ def test_invariant_24_key_rate_hands_out_one_burst_per_key_then_what_its_bucket_
 def test_invariant_24_concurrent_claimers_never_exceed_a_key_limit_together(
     conn: psycopg.Connection[Any], store: Store, table: str, connect: Any
 ) -> None:
-    import threading
-
     for key in ["t1", "t2", "t3"]:
         add(conn, 60, event_type=A, limit_key=key)
     limits = {A: Limit(key_concurrency=2)}
@@ -309,3 +303,26 @@ def test_invariant_24_concurrent_claimers_never_exceed_a_key_limit_together(
     assert max(max(s.values(), default=0) for s in seen) == 2, (
         "a key got more (or never as many) as its limit"
     )
+
+
+def test_invariant_24_stats_and_the_metrics_show_paused_and_held_keys(
+    conn: psycopg.Connection[Any], store: Store, table: str, migrated_dsn: str
+) -> None:
+    admin.pause(conn, table, A, limit_key="t1")
+    add(conn, 1, event_type=A, limit_key="t2")
+    [c] = claim(store, conn).claimed
+    assert store.rate_limited(conn, c.id, c.lease_version, delay=30.0, reason="429", max_age=3600.0)
+    keys = admin.stats(conn, table).as_dict()["keys"]
+    assert [(k["limit_key"], k["paused"]) for k in keys] == [("t1", True), ("t2", False)]
+    assert 25 < keys[1]["held_for"] <= 30
+    pytest.importorskip("prometheus_client")
+    from outbox_celery.metrics import OutboxCollector
+
+    samples = {
+        (s.name, s.labels.get("event_type"), s.labels.get("limit_key")): s.value
+        for family in OutboxCollector(migrated_dsn, table).collect()
+        for s in family.samples
+    }
+    assert samples[("outbox_limit_key_paused", A, "t1")] == 1
+    assert 25 < samples[("outbox_limit_key_rate_limited_seconds", A, "t2")] <= 30
+    assert ("outbox_event_type_paused", A, None) not in samples  # the type itself flows
