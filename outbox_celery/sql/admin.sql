@@ -388,7 +388,7 @@ SELECT to_regclass(%(flow_key_table)s) IS NOT NULL;
 -- Limit keys paused or held by a RateLimited outcome (DESIGN invariant 24).
 SELECT event_type, limit_key, paused, extract(epoch FROM paused_until - now())::float8 AS held_for
 FROM {flow_key_table}
-WHERE paused OR paused_until > now()
+WHERE (paused OR paused_until IS NOT NULL) AND (paused OR paused_until > now())
 ORDER BY event_type, limit_key;
 
 -- name: flow_key_pause

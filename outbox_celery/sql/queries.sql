@@ -785,10 +785,18 @@ RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
 
 -- name: flow_keys_held
 -- Limit keys paused or held by a RateLimited outcome (#23, DESIGN invariant 24), of the event
--- types this claimer delivers: their rows are claimed by nobody. One small row per held key.
+-- types this claimer delivers: their rows are claimed by nobody. One small row per held key,
+-- read through the held keys' partial index; a hold that ran out is cleared here (once), so it
+-- leaves that index and the read stays the size of what is held now.
+WITH cleared AS (
+    UPDATE {flow_key_table} SET paused_until = NULL
+    WHERE (paused OR paused_until IS NOT NULL) AND paused_until <= now()
+      AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+)
 SELECT event_type, limit_key, extract(epoch FROM paused_until - now())::float8 AS held_for, paused
 FROM {flow_key_table}
-WHERE (paused OR paused_until > now())
+WHERE (paused OR paused_until IS NOT NULL)  -- the held keys' partial index
+  AND (paused OR paused_until > now())
   AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
 ORDER BY event_type, limit_key;
 
@@ -920,7 +928,9 @@ ck_spent AS (
     FROM ck_taken AS t JOIN ck_rooms AS r ON r.k = t.k
     WHERE r.tokens IS NOT NULL
     ON CONFLICT (event_type, limit_key) DO UPDATE
-    SET tokens = excluded.tokens, refilled_at = excluded.refilled_at, updated_at = now()
+    SET tokens = excluded.tokens, refilled_at = excluded.refilled_at, updated_at = now(),
+        -- A key served is not held: an expired hold leaves the held keys' index.
+        paused_until = CASE WHEN f.paused_until > now() THEN f.paused_until END
 ),
 -- The keys this claim left at a limit with a row still due (the statement's snapshot still
 -- shows the rows it claimed as pending, hence "more than taken").

@@ -81,3 +81,5 @@ CREATE TABLE {flow_key_table} (
     updated_at   timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (event_type, limit_key)
 );
+CREATE INDEX {flow_key_held_idx} ON {flow_key_table} (event_type, limit_key)
+    WHERE paused OR paused_until IS NOT NULL;

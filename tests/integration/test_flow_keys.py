@@ -326,3 +326,20 @@ def test_invariant_24_stats_and_the_metrics_show_paused_and_held_keys(
     assert samples[("outbox_limit_key_paused", A, "t1")] == 1
     assert 25 < samples[("outbox_limit_key_rate_limited_seconds", A, "t2")] <= 30
     assert ("outbox_event_type_paused", A, None) not in samples  # the type itself flows
+
+
+def test_invariant_24_a_hold_that_ran_out_leaves_the_held_keys_index(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [first] = add(conn, 1, event_type=A, limit_key="t1")
+    add(conn, 1, event_type=A, limit_key="t1")
+    [c] = claim(store, conn, limit=1).claimed
+    assert c.id == first
+    assert store.rate_limited(conn, c.id, c.lease_version, delay=0.3, reason="429", max_age=3600.0)
+    flow_key = TableName.parse(table).identifier("_flow_key")
+    held = sql.SQL("SELECT count(*) FROM {} WHERE paused OR paused_until IS NOT NULL").format(flow_key)
+    assert conn.execute(held).fetchone() == (1,)
+    assert claim(store, conn).claimed == []
+    time.sleep(0.4)
+    assert len(claim(store, conn).claimed) == 2  # the hold is over: both rows of the key
+    assert conn.execute(held).fetchone() == (0,)  # and its row left the index the claims read

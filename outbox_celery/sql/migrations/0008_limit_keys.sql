@@ -28,3 +28,8 @@ CREATE TABLE {flow_key_table} (
     updated_at   timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (event_type, limit_key)
 );
+-- The keys paused or held, which every claim reads: an index of those rows only, so that the
+-- read does not grow with the keys that have a key_rate bucket (a claim that serves a key
+-- clears its expired hold).
+CREATE INDEX {flow_key_held_idx} ON {flow_key_table} (event_type, limit_key)
+    WHERE paused OR paused_until IS NOT NULL;
