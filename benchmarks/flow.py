@@ -13,7 +13,16 @@
   runs it; median of ``--rounds`` interleaved rounds, each claim's rows then marked done,
   untimed) from a draining backlog of 10 event types
   arriving interleaved, with no limit, then with 1 and 10 of the types declared limited but not
-  binding (a concurrency and a rate far above what is claimed).
+  binding (a concurrency and a rate far above what is claimed);
+* **key cost** (limits per key, DESIGN invariant 24): the same 200-row claim from a backlog of one
+  event type spread over ``--keys`` (1,000) limit keys, with no limit, then with
+  ``key_concurrency`` declared but not binding, then binding (1 per key);
+* **fairness**: one key with ``--big`` (10,000) queued, then one with ``--small`` (100), claims of
+  200 rows, each claim's rows then marked done: the claim run in which the small key's first
+  message starts and the one by which all of them have, with ``key_concurrency`` declared (not
+  binding: the round robin alone decides) beside the same backlog without it (FIFO).
+
+``--only`` runs some parts (``concurrency rate cost keys fairness``; default all).
 
 The delivery side is the plain dispatcher loop (``benchmarks/plain.py``: the library's
 Dispatcher and Store over a psycopg pool, no broker): a claimer thread runs claim runs the way
@@ -139,18 +148,103 @@ def deliver_all(
     return runs, seconds
 
 
-def fill_interleaved(conn: psycopg.Connection[Any], table: str, n: int, types: Sequence[str]) -> None:
+def fill_interleaved(
+    conn: psycopg.Connection[Any], table: str, n: int, types: Sequence[str], *, keys: int = 0
+) -> None:
     """``n`` due pending rows, their event types interleaved, each due a millisecond after the
-    previous one (as traffic of several types arrives)."""
+    previous one (as traffic of several types arrives); with ``keys``, spread over that many
+    limit keys (``k0``, ``k1``...), interleaved too."""
     conn.execute(
         sql.SQL(
-            "INSERT INTO {} (event_type, aggregate_type, aggregate_id, payload, available_at)"
+            "INSERT INTO {} (event_type, aggregate_type, aggregate_id, payload, available_at, limit_key)"
             " SELECT (%s::text[])[1 + g %% cardinality(%s::text[])], 'bench', g::text,"
-            " jsonb_build_object('i', g), now() - make_interval(secs => (%s - g) / 1000.0)"
+            " jsonb_build_object('i', g), now() - make_interval(secs => (%s - g) / 1000.0),"
+            " CASE WHEN %s > 0 THEN 'k' || (g %% greatest(%s, 1)) END"
             " FROM generate_series(1, %s) AS g"
         ).format(TableName.parse(table).identifier()),
-        [list(types), list(types), n, n],
+        [list(types), list(types), n, keys, keys, n],
     )
+
+
+def key_cost(dsn: str, table: str, *, rounds: int, keys: int) -> tuple[int, dict[str, float]]:
+    """Median ms of one 200-row claim of one event type whose rows spread over ``keys`` limit
+    keys: no limit, ``key_concurrency`` not binding, ``key_concurrency=1`` (binding)."""
+    kind = "bench.keyed"
+    variants: dict[str, dict[str, Limit] | None] = {
+        "no limits": None,
+        f"key_concurrency, {keys:,} keys (not binding)": {kind: Limit(key_concurrency=1_000_000)},
+        f"key_concurrency=1, {keys:,} keys (binding)": {kind: Limit(key_concurrency=1)},
+    }
+    store = Store(table)
+    marks = {k: ScanMarks() for k in variants}
+    timings: dict[str, list[float]] = {k: [] for k in variants}
+    backlog = (rounds + 2) * len(variants) * 200
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        fill_interleaved(conn, table, backlog, [kind], keys=keys)
+        conn.execute("ANALYZE")
+        for r in range(rounds + 1):
+            for name, limits in variants.items():
+                began = time.perf_counter()
+                result = store.claim(
+                    conn,
+                    limit=200,
+                    lease=60.0,
+                    owner="bench",
+                    max_attempts=5,
+                    event_types=[kind],
+                    limits=limits,
+                    marks=marks[name],
+                )
+                elapsed = time.perf_counter() - began
+                assert len(result.claimed) == 200, (name, len(result.claimed))
+                store.done_many(conn, [(c.id, c.lease_version) for c in result.claimed])
+                if r > 0:
+                    timings[name].append(elapsed * 1000)
+    return backlog, {name: statistics.median(ms) for name, ms in timings.items()}
+
+
+def fairness(dsn: str, table: str, *, big: int, small: int, keyed: bool) -> tuple[int | None, int | None]:
+    """Claim runs of 200 rows over a big key's backlog queued before a small key's, each run's
+    rows marked done: the run in which the small key's first message starts and the one by which
+    all of them have (1-based; ``None``: never, within the backlog)."""
+    kind = "bench.fair"
+    t = TableName.parse(table).identifier()
+    limits = {kind: Limit(key_concurrency=1_000_000)} if keyed else None
+    store = Store(table)
+    marks = ScanMarks()
+    first = every = None
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("TRUNCATE {}").format(t))
+        for key, n, age in (("big", big, 60.0), ("small", small, 30.0)):
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (event_type, aggregate_type, aggregate_id, payload, available_at,"
+                    " limit_key) SELECT %s, 'bench', g::text, '{{}}', now() - make_interval(secs => %s),"
+                    " %s FROM generate_series(1, %s) AS g"
+                ).format(t),
+                [kind, age, key, n],
+            )
+        conn.execute(sql.SQL("ANALYZE {}").format(t))
+        seen = 0
+        runs = 0
+        while every is None:
+            result = store.claim(
+                conn, limit=200, lease=60.0, owner="bench", max_attempts=5, limits=limits, marks=marks
+            )
+            if not result.claimed:
+                break
+            runs += 1
+            ids = [c.id for c in result.claimed]
+            row = conn.execute(
+                sql.SQL("SELECT count(*) FROM {} WHERE id = ANY(%s) AND limit_key = 'small'").format(t), [ids]
+            ).fetchone()
+            seen += int(row[0]) if row else 0
+            if seen and first is None:
+                first = runs
+            if seen >= small:
+                every = runs
+            store.done_many(conn, [(c.id, c.lease_version) for c in result.claimed])
+    return first, every
 
 
 def claim_cost(dsn: str, table: str, *, rounds: int) -> tuple[int, dict[str, float]]:
@@ -208,8 +302,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate-seconds", type=float, default=10.0)
     p.add_argument("--poll", type=float, default=1.0, help="longest wait between claim runs (listen_poll)")
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--keys", type=int, default=1000, help="limit keys (key cost part)")
+    p.add_argument("--big", type=int, default=10_000, help="the big key's backlog (fairness part)")
+    p.add_argument("--small", type=int, default=100, help="the small key's backlog (fairness part)")
+    parts = ("concurrency", "rate", "cost", "keys", "fairness")
+    p.add_argument("--only", nargs="+", choices=parts, default=list(parts), help="parts to run")
     a = p.parse_args(argv)
-    per_second = parse_rate(a.rate)
     with (
         tempfile.TemporaryDirectory() as tmp,
         services(Path(tmp), dsn=a.dsn, redis_url=None, amqp_url=None, want_amqp=False) as svc,
@@ -217,57 +315,87 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"postgresql: {svc.describe()['postgresql']}")
         with psycopg.connect(svc.dsn, autocommit=True) as conn:
             version = conn.execute("SHOW server_version").fetchone()
-            for t in ("conc", "rate", "cost"):
+            for t in ("conc", "rate", "cost", "keys", "fair"):
                 migrate(conn, t)
         print(f"server version: {version[0] if version else '?'}")
 
-        runs, seconds = deliver_all(
-            svc.dsn,
-            "conc",
-            a.messages,
-            Limit(concurrency=a.concurrency),
-            workers=a.workers,
-            sleep=a.sleep,
-            poll=a.poll,
-        )
-        ideal = a.concurrency / a.sleep if a.sleep else math.inf
-        print(
-            f"\nconcurrency: limit {a.concurrency}, {a.messages} messages, handler {a.sleep * 1000:.0f} ms, "
-            f"{a.workers} delivery threads"
-        )
-        print(f"  max handlers running at once: {runs.max_overlap()} (limit {a.concurrency})")
-        print(f"  throughput: {a.messages / seconds:.1f}/s (limit / handler time = {ideal:.1f}/s)")
-
-        n = int(per_second * a.rate_seconds)
-        runs, seconds = deliver_all(
-            svc.dsn, "rate", n, Limit(rate=per_second), workers=a.workers, sleep=0.0, poll=a.poll
-        )
-        starts = sorted(s for s, _ in runs.spans)
-        first = starts[0]
-        windows: dict[int, int] = {}
-        for s in starts:
-            windows[int(s - first)] = windows.get(int(s - first), 0) + 1
-        burst = Limit(rate=per_second).burst
-        span = starts[-1] - first
-        print(f"\nrate: limit {a.rate} ({per_second:g}/s), {n} messages")
-        print(
-            f"  most starts in a 1-s window: {max(windows.values())} "
-            f"(rate {per_second:g} + one burst {burst:g} = {per_second + burst:g})"
-        )
-        print(
-            f"  {n} starts over {span:.2f} s: {n / span if span else math.inf:.1f}/s "
-            f"(expected {(n - burst) / per_second:.2f} s at the rate after one burst)"
-        )
-
-        backlog, cost = claim_cost(svc.dsn, "cost", rounds=a.rounds)
-        print(
-            f"\nclaim cost: one claim of 200 rows from a draining backlog of {backlog:,} pending rows "
-            f"of 10 interleaved event types, median of {a.rounds} rounds"
-        )
-        base = cost["no limits"]
-        for name, ms in cost.items():
-            print(f"  {name:<34} {ms:7.2f} ms  ({(ms / base - 1) * 100:+.0f}%)")
+        if "concurrency" in a.only:
+            concurrency_part(svc.dsn, a)
+        if "rate" in a.only:
+            rate_part(svc.dsn, a)
+        if "cost" in a.only:
+            backlog, cost = claim_cost(svc.dsn, "cost", rounds=a.rounds)
+            print(
+                f"\nclaim cost: one claim of 200 rows from a draining backlog of {backlog:,} pending "
+                f"rows of 10 interleaved event types, median of {a.rounds} rounds"
+            )
+            show(cost)
+        if "keys" in a.only:
+            backlog, cost = key_cost(svc.dsn, "keys", rounds=a.rounds, keys=a.keys)
+            print(
+                f"\nkey cost: one claim of 200 rows from a draining backlog of {backlog:,} pending rows "
+                f"of one event type over {a.keys:,} limit keys, median of {a.rounds} rounds"
+            )
+            show(cost)
+        if "fairness" in a.only:
+            print(
+                f"\nfairness: key 'big' with {a.big:,} queued, then key 'small' with {a.small:,}; "
+                "claims of 200 rows, each claim's rows then done"
+            )
+            for keyed in (False, True):
+                first, every = fairness(svc.dsn, "fair", big=a.big, small=a.small, keyed=keyed)
+                label = "key_concurrency declared (round robin)" if keyed else "no key limit (FIFO)"
+                print(f"  {label:<40} small key's first start in claim run {first}, all by run {every}")
     return 0
+
+
+def show(cost: dict[str, float]) -> None:
+    base = cost["no limits"]
+    for name, ms in cost.items():
+        print(f"  {name:<44} {ms:7.2f} ms  ({(ms / base - 1) * 100:+.0f}%)")
+
+
+def concurrency_part(dsn: str, a: argparse.Namespace) -> None:
+    runs, seconds = deliver_all(
+        dsn,
+        "conc",
+        a.messages,
+        Limit(concurrency=a.concurrency),
+        workers=a.workers,
+        sleep=a.sleep,
+        poll=a.poll,
+    )
+    ideal = a.concurrency / a.sleep if a.sleep else math.inf
+    print(
+        f"\nconcurrency: limit {a.concurrency}, {a.messages} messages, handler {a.sleep * 1000:.0f} ms, "
+        f"{a.workers} delivery threads"
+    )
+    print(f"  max handlers running at once: {runs.max_overlap()} (limit {a.concurrency})")
+    print(f"  throughput: {a.messages / seconds:.1f}/s (limit / handler time = {ideal:.1f}/s)")
+
+
+def rate_part(dsn: str, a: argparse.Namespace) -> None:
+    per_second = parse_rate(a.rate)
+    n = int(per_second * a.rate_seconds)
+    runs, _seconds = deliver_all(
+        dsn, "rate", n, Limit(rate=per_second), workers=a.workers, sleep=0.0, poll=a.poll
+    )
+    starts = sorted(s for s, _ in runs.spans)
+    first = starts[0]
+    windows: dict[int, int] = {}
+    for s in starts:
+        windows[int(s - first)] = windows.get(int(s - first), 0) + 1
+    burst = Limit(rate=per_second).burst
+    span = starts[-1] - first
+    print(f"\nrate: limit {a.rate} ({per_second:g}/s), {n} messages")
+    print(
+        f"  most starts in a 1-s window: {max(windows.values())} "
+        f"(rate {per_second:g} + one burst {burst:g} = {per_second + burst:g})"
+    )
+    print(
+        f"  {n} starts over {span:.2f} s: {n / span if span else math.inf:.1f}/s "
+        f"(expected {(n - burst) / per_second:.2f} s at the rate after one burst)"
+    )
 
 
 if __name__ == "__main__":

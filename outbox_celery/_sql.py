@@ -35,6 +35,8 @@ INDEX_SUFFIXES = {
     "dead_idx": "_dead_idx",
     "heads_idx": "_heads_idx",
     "dedup_idx": "_dedup_idx",
+    "keyed_idx": "_keyed_idx",
+    "key_lease_idx": "_key_lease_idx",
 }
 # The inbox table's own index (inbox/schema.sql); an outbox table has none of that name.
 INBOX_INDEX_SUFFIXES = {"processed_idx": "_processed_idx"}
@@ -44,6 +46,8 @@ INBOX_INDEX_SUFFIXES = {"processed_idx": "_processed_idx"}
 INSTANCE_SUFFIX = "_instance"
 # The table beside each outbox table that holds its flow-control state per event type (#23).
 FLOW_SUFFIX = "_flow"
+# The table beside each outbox table that holds pauses and holds per limit key (#23).
+FLOW_KEY_SUFFIX = "_flow_key"
 
 #: Rules written once for every file. Names are after the table's oid, never after user text:
 #: distinct per table, and the same for "outbox" and "public.outbox".
@@ -132,6 +136,9 @@ def compose(text: str, table: TableName) -> sql.Composed:
         "instance_table": table.identifier(INSTANCE_SUFFIX),
         # Pause, RateLimited holds and rate buckets per event type (migration 0007, #23).
         "flow_table": table.identifier(FLOW_SUFFIX),
+        # Pause and RateLimited holds per limit key (migration 0008, #23).
+        "flow_key_table": table.identifier(FLOW_KEY_SUFFIX),
+        "flow_key_held_idx": table.index_name(FLOW_KEY_SUFFIX + "_held_idx"),
     }
     idents.update({k: table.index_name(v) for k, v in {**INDEX_SUFFIXES, **INBOX_INDEX_SUFFIXES}.items()})
     used = {k: v for k, v in idents.items() if "{" + k + "}" in text}

@@ -38,6 +38,7 @@ __all__ = [
     "EventTypeStats",
     "FlowState",
     "Horizon",
+    "KeyFlowState",
     "Stats",
     "Unclaimed",
     "count_dead",
@@ -46,6 +47,7 @@ __all__ = [
     "format_duration",
     "get_message",
     "horizon",
+    "key_states",
     "list_dead",
     "parse_duration",
     "pause",
@@ -284,24 +286,80 @@ def _event_type(event_type: str) -> str:
     return event_type
 
 
-def pause(conn: psycopg.Connection[Any], table: str | TableName, event_type: str) -> bool:
-    """Pause ``event_type`` (docs/flow-control.md, DESIGN invariant 23).
+@dataclass(frozen=True, slots=True)
+class KeyFlowState:
+    """A limit key the claims hold back (#23, DESIGN invariant 24).
+
+    :ivar paused: paused by an operator (:func:`pause` with ``limit_key``) until resumed.
+    :ivar held_for: seconds a :class:`~outbox_celery.errors.RateLimited` outcome of one of its
+        messages still holds it (``None``: not held).
+    """
+
+    event_type: str
+    limit_key: str
+    paused: bool
+    held_for: float | None
+
+
+def _flow_keys_ready(conn: psycopg.Connection[Any], t: TableName) -> bool:
+    name = t.identifier(_sql.FLOW_KEY_SUFFIX).as_string(conn)
+    row = conn.execute(_q(t, "flow_keys_exist"), {"flow_key_table": name}).fetchone()
+    return bool(row and row[0])
+
+
+def key_states(conn: psycopg.Connection[Any], table: str | TableName = "outbox") -> list[KeyFlowState]:
+    """Limit keys paused or held by a RateLimited outcome (empty before migration 0008)."""
+    t = TableName.parse(table)
+    if not _flow_keys_ready(conn, t):
+        return []
+    rows = conn.execute(_q(t, "flow_key_list")).fetchall()
+    return [
+        KeyFlowState(str(r[0]), str(r[1]), bool(r[2]), None if r[3] is None or r[3] <= 0 else float(r[3]))
+        for r in rows
+    ]
+
+
+def _limit_key(limit_key: str) -> str:
+    if not isinstance(limit_key, str) or not limit_key:
+        raise AdminError(f"invalid limit key {limit_key!r}: expected a non-empty string")
+    return limit_key
+
+
+def pause(
+    conn: psycopg.Connection[Any], table: str | TableName, event_type: str, *, limit_key: str | None = None
+) -> bool:
+    """Pause ``event_type`` (docs/flow-control.md, DESIGN invariant 23), or only its
+    ``limit_key`` (DESIGN invariant 24: the type's other keys flow on).
 
     From the next claim on (every claim reads the pause under its row's lock) no claim hands out
     its messages, on any worker; deliveries already running finish. An event type with no
     message yet can be paused too. Returns whether it was running (``False``: paused already).
     """
     t = TableName.parse(table)
+    if limit_key is not None:
+        params = {"event_type": _event_type(event_type), "limit_key": _limit_key(limit_key)}
+        row = conn.execute(_q(t, "flow_key_pause"), params).fetchone()
+        return not bool(row and row[0])
     row = conn.execute(_q(t, "flow_pause"), {"event_type": _event_type(event_type)}).fetchone()
     return not bool(row and row[0])
 
 
-def resume(conn: psycopg.Connection[Any], table: str | TableName, event_type: str) -> bool:
-    """Resume ``event_type``: its pause and any RateLimited hold on it end, and the table's push
-    listeners are woken at commit, so its messages are claimed at once. Returns whether it was
-    paused or held.
+def resume(
+    conn: psycopg.Connection[Any], table: str | TableName, event_type: str, *, limit_key: str | None = None
+) -> bool:
+    """Resume ``event_type`` (or only its ``limit_key``): its pause and any RateLimited hold on
+    it end, and the table's push listeners are woken at commit, so its messages are claimed at
+    once. Returns whether it was paused or held.
     """
     t = TableName.parse(table)
+    if limit_key is not None:
+        params = {
+            "event_type": _event_type(event_type),
+            "limit_key": _limit_key(limit_key),
+            "table": t.identifier().as_string(conn),
+        }
+        row = conn.execute(_q(t, "flow_key_resume"), params).fetchone()
+        return bool(row and row[0])
     params = {"event_type": _event_type(event_type), "table": t.identifier().as_string(conn)}
     row = conn.execute(_q(t, "flow_resume"), params).fetchone()
     return bool(row and row[0])
@@ -356,6 +414,9 @@ class Stats:
     #: Event types paused or held by a RateLimited outcome, whether or not they have live
     #: messages (#23); empty before migration 0007.
     flow: list[FlowState] = field(default_factory=list)
+    #: Limit keys paused or held by a RateLimited outcome (DESIGN invariant 24); empty before
+    #: migration 0008.
+    keys: list[KeyFlowState] = field(default_factory=list)
 
     @property
     def dead(self) -> int:
@@ -398,6 +459,7 @@ def stats(
         row = cur.execute(_q(t, "stats")).fetchone()
         held = horizon(conn, t)
         flow = flow_states(conn, t)
+        keys = key_states(conn, t)
         if previous is not None:
             cur.execute("SELECT set_config('statement_timeout', %s, true)", [previous["previous"]])
     assert row is not None
@@ -441,6 +503,7 @@ def stats(
         horizon=held,
         headless_keys=int(row["headless_keys"]),
         flow=flow,
+        keys=keys,
     )
 
 

@@ -253,6 +253,8 @@ class Outbox:
         max_wait: float | timedelta | None = None,
         concurrency: int | None = None,
         rate: str | float | None = None,
+        key_concurrency: int | None = None,
+        key_rate: str | float | None = None,
     ) -> Callable[[F], F]:
         """Register the function that delivers ``event_type`` (one per event type).
 
@@ -299,6 +301,12 @@ class Outbox:
             (per second). Enforced by the claim with a token bucket holding ``max(1, rate x
             0.2 s)`` starts. Default: no bound. A bad value raises
             :class:`~outbox_celery.errors.ConfigurationError` (a ``ValueError``).
+        :param key_concurrency: at most this many live deliveries per limit key (the
+            ``limit_key`` given at enqueue: a tenant, a downstream host), counted as
+            ``concurrency`` is; the claim takes the type's keyed rows key by key, round robin,
+            so one busy key does not starve the others (DESIGN invariant 24). Default: no bound.
+        :param key_rate: at most this many deliveries per limit key start per second (rate
+            forms as ``rate``), a token bucket per key kept in the database. Default: no bound.
         """
         if not isinstance(event_type, str) or not event_type:
             raise ConfigurationError("event_type must be a non-empty string")
@@ -315,7 +323,9 @@ class Outbox:
                     "handler"
                 )
         kind = transaction_kind(transactional, session_factory=session_factory, using=using)
-        limit = Limit.declared(concurrency=concurrency, rate=rate)
+        limit = Limit.declared(
+            concurrency=concurrency, rate=rate, key_concurrency=key_concurrency, key_rate=key_rate
+        )
         wait = 0.0 if max_wait is None else seconds(max_wait, "max_wait", error=ConfigurationError)
         if wait and batch is None:
             raise ConfigurationError(f"max_wait is for batch handlers: give {event_type!r} batch= too")
@@ -325,7 +335,8 @@ class Outbox:
             )
         if wait and limit is not None:
             raise ConfigurationError(
-                f"max_wait cannot be combined with concurrency= or rate= (the handler of {event_type!r}): "
+                f"max_wait cannot be combined with concurrency=, rate=, key_concurrency= or key_rate= "
+                f"(the handler of {event_type!r}): "
                 "a limited type is claimed by statements of its own"
             )
 
@@ -590,24 +601,26 @@ class Outbox:
     def _producer_defaults(self, options: dict[str, Any]) -> dict[str, Any]:
         return {"table": self.config.table, "max_payload_bytes": self.config.max_payload_bytes, **options}
 
-    def pause(self, event_type: str) -> bool:
-        """Pause ``event_type`` in this outbox's table: no claim hands out its messages until
-        :meth:`resume` (docs/flow-control.md, DESIGN invariant 23). Deliveries already running
-        finish. Returns whether it was running before (``False``: already paused).
+    def pause(self, event_type: str, *, limit_key: str | None = None) -> bool:
+        """Pause ``event_type`` (or only its ``limit_key``) in this outbox's table: no claim
+        hands out its messages until :meth:`resume` (docs/flow-control.md, DESIGN invariants 23,
+        24). Deliveries already running finish. Returns whether it was running before
+        (``False``: already paused).
         """
         from .admin import pause
 
         with self.connection() as conn:
-            return pause(conn, self.config.table, event_type)
+            return pause(conn, self.config.table, event_type, limit_key=limit_key)
 
-    def resume(self, event_type: str) -> bool:
-        """Resume ``event_type``: it is claimable at once (the push listeners are woken), and a
-        RateLimited hold on it ends too. Returns whether it was paused or held.
+    def resume(self, event_type: str, *, limit_key: str | None = None) -> bool:
+        """Resume ``event_type`` (or only its ``limit_key``): it is claimable at once (the push
+        listeners are woken), and a RateLimited hold on it ends too. Returns whether it was
+        paused or held.
         """
         from .admin import resume
 
         with self.connection() as conn:
-            return resume(conn, self.config.table, event_type)
+            return resume(conn, self.config.table, event_type, limit_key=limit_key)
 
     def deliver(self, outbox_id: int, lease_version: int) -> Outcome:
         """Deliver one row in this process (what the delivery task does)."""

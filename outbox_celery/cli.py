@@ -471,6 +471,7 @@ def stats(target: Target, unclaimed_after: float | None, as_json: bool) -> None:
     with target.connect() as conn:
         s = admin.stats(conn, target.table, handlers=handlers)
         waiting = admin.unclaimed(conn, target.table, older_than=threshold)
+    keys = s.keys
     attention = _attention(s, target.outbox, waiting)
     if as_json:
         _echo_json(
@@ -559,6 +560,14 @@ def stats(target: Target, unclaimed_after: float | None, as_json: bool) -> None:
     click.echo(f"paused (claimed by nobody until resumed): {', '.join(paused) or 'none'}")
     if held:
         click.echo(f"held by a RateLimited outcome: {', '.join(held)}")
+    if keys:
+        shown = [
+            f"{k.event_type} key {k.limit_key} ("
+            + ("paused" if k.paused else f"held, {fd(k.held_for)} left")
+            + ")"
+            for k in keys
+        ]
+        click.echo(f"limit keys claimed by nobody: {', '.join(shown)}")
     if s.unroutable is None:
         click.echo("unroutable: unknown (pass -A module:outbox to check event types against the handlers)")
     elif s.unroutable:
@@ -848,38 +857,46 @@ def repair_heads(target: Target, batch_size: int, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("event_type")
+@click.option("--key", "limit_key", default=None, help="Only this limit key of EVENT_TYPE.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_target
-def pause(target: Target, event_type: str, as_json: bool) -> None:
+def pause(target: Target, event_type: str, limit_key: str | None, as_json: bool) -> None:
     """Pause EVENT_TYPE: no worker is handed its messages until `resume` (running ones finish).
 
     The pause lives in the database (the table's flow-control rows, migration 0007): every
     claim, on every worker, respects it from its next run on. `stats` lists paused event types.
+    With --key, only that limit key of the type is paused (migration 0008); its other keys flow.
     """
     with target.connect() as conn:
-        changed = admin.pause(conn, target.table, event_type)
+        changed = admin.pause(conn, target.table, event_type, limit_key=limit_key)
+    what = f"{event_type!r}" if limit_key is None else f"{event_type!r} key {limit_key!r}"
     if as_json:
-        _echo_json({"event_type": event_type, "paused": True, "changed": changed})
+        _echo_json({"event_type": event_type, "limit_key": limit_key, "paused": True, "changed": changed})
     elif changed:
-        click.echo(f"paused {event_type!r}: its messages are claimed by nobody until resumed")
+        click.echo(f"paused {what}: its messages are claimed by nobody until resumed")
     else:
-        click.echo(f"{event_type!r} was already paused")
+        click.echo(f"{what} was already paused")
 
 
 @cli.command()
 @click.argument("event_type")
+@click.option("--key", "limit_key", default=None, help="Only this limit key of EVENT_TYPE.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_target
-def resume(target: Target, event_type: str, as_json: bool) -> None:
-    """Resume EVENT_TYPE: claimable at once (push listeners are woken); ends a RateLimited hold too."""
+def resume(target: Target, event_type: str, limit_key: str | None, as_json: bool) -> None:
+    """Resume EVENT_TYPE: claimable at once (push listeners are woken); ends a RateLimited hold too.
+
+    With --key, only that limit key of the type (its pause or its RateLimited hold).
+    """
     with target.connect() as conn:
-        changed = admin.resume(conn, target.table, event_type)
+        changed = admin.resume(conn, target.table, event_type, limit_key=limit_key)
+    what = f"{event_type!r}" if limit_key is None else f"{event_type!r} key {limit_key!r}"
     if as_json:
-        _echo_json({"event_type": event_type, "paused": False, "changed": changed})
+        _echo_json({"event_type": event_type, "limit_key": limit_key, "paused": False, "changed": changed})
     elif changed:
-        click.echo(f"resumed {event_type!r}: its messages are claimable now")
+        click.echo(f"resumed {what}: its messages are claimable now")
     else:
-        click.echo(f"{event_type!r} was not paused")
+        click.echo(f"{what} was not paused")
 
 
 # -- metrics -----------------------------------------------------------------------------------

@@ -109,6 +109,9 @@ class RateLimited(RetryableError):  # noqa: N818 - it is an outcome, not an erro
     finish. ``outbox-celery resume <event_type>`` ends the hold at once. Other event types flow
     on. A subclass of :class:`RetryableError`, so code that catches that still catches this.
 
+    A message enqueued with a ``limit_key`` holds only its key (DESIGN invariant 24): the other
+    keys of the event type flow on.
+
     :param retry_after: seconds (or a :class:`~datetime.timedelta`) to hold the event type,
         for example the response's ``Retry-After``.
     :param reason: stored in ``last_error``.

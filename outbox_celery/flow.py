@@ -27,6 +27,9 @@ RATE_BURST = 0.2
 #: concurrency limit (a delivery's end sends no notification; its slot is found by this poll).
 LIMIT_RECHECK = 0.05
 
+#: The allowance of a type that only limits its keys: the claim's batch is the bound.
+UNBOUNDED = 1 << 30
+
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:/\s*([smh]))?\s*$")
 
@@ -61,25 +64,54 @@ class Limit:
         or running, counted over every worker; ``None``: no bound.
     :ivar rate: starts per second at most (claims handed out, re-claims of expired leases
         included); ``None``: no bound.
+    :ivar key_concurrency: live deliveries at most per limit key (the ``limit_key`` given at
+        enqueue), counted as ``concurrency`` is; rows of the type are claimed key by key, round
+        robin, so that one busy key does not starve the others (DESIGN invariant 24). ``None``:
+        no bound per key.
+    :ivar key_rate: starts per second at most per limit key, a token bucket per key holding
+        ``max(1, key_rate x RATE_BURST)`` starts (as ``rate`` for the type); ``None``: no bound.
     """
 
     concurrency: int | None = None
     rate: float | None = None
+    key_concurrency: int | None = None
+    key_rate: float | None = None
 
     @classmethod
-    def declared(cls, *, concurrency: int | None, rate: str | float | int | None) -> Limit | None:
-        """The limit ``@outbox.handler(concurrency=..., rate=...)`` declares (``None``: none).
+    def declared(
+        cls,
+        *,
+        concurrency: int | None,
+        rate: str | float | int | None,
+        key_concurrency: int | None = None,
+        key_rate: str | float | int | None = None,
+    ) -> Limit | None:
+        """The limit ``@outbox.handler(concurrency=..., rate=..., key_concurrency=...,
+        key_rate=...)`` declares (``None``: none).
 
-        :raises ConfigurationError: ``concurrency`` not a positive integer, or a bad ``rate``.
+        :raises ConfigurationError: ``concurrency`` or ``key_concurrency`` not a positive
+            integer, or a bad ``rate`` or ``key_rate``.
         """
-        if concurrency is not None and (
-            isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
-        ):
-            raise ConfigurationError(f"concurrency must be a positive integer, not {concurrency!r}")
+        for name, value in (("concurrency", concurrency), ("key_concurrency", key_concurrency)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"{name} must be a positive integer, not {value!r}")
         per_second = None if rate is None else parse_rate(rate)
-        if concurrency is None and per_second is None:
+        per_key = None if key_rate is None else parse_rate(key_rate)
+        if concurrency is None and per_second is None and key_concurrency is None and per_key is None:
             return None
-        return cls(concurrency=concurrency, rate=per_second)
+        return cls(
+            concurrency=concurrency, rate=per_second, key_concurrency=key_concurrency, key_rate=per_key
+        )
+
+    @property
+    def keyed(self) -> bool:
+        """Whether rows of the type are claimed per limit key (a limit per key is declared)."""
+        return self.key_concurrency is not None or self.key_rate is not None
+
+    @property
+    def key_burst(self) -> float:
+        """Tokens a full bucket of one key holds (``max(1, key_rate x RATE_BURST)``); 0 without."""
+        return 0.0 if self.key_rate is None else max(1.0, self.key_rate * RATE_BURST)
 
     @property
     def burst(self) -> float:
@@ -134,4 +166,5 @@ def allowance(limit: Limit, *, live: int, tokens: float | None, since_refill: fl
         now_tokens = burst if tokens is None else min(burst, max(0.0, tokens) + limit.rate * elapsed)
         by_rate = math.floor(now_tokens) < rows
         rows = min(rows, math.floor(now_tokens))
-    return Allowance(rows=int(rows), tokens=now_tokens, by_rate=by_rate)
+    # No bound of the type itself (a limit per key only): the claim's batch bounds it.
+    return Allowance(rows=int(min(rows, UNBOUNDED)), tokens=now_tokens, by_rate=by_rate)

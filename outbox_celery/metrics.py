@@ -223,6 +223,16 @@ class OutboxCollector:
                 "Seconds a RateLimited outcome still holds the event type back (claimed by nobody).",
                 labels=["table", "event_type"],
             ),
+            "key_paused": g(
+                f"{ns}_limit_key_paused",
+                "1 for a limit key paused by an operator (outbox-celery pause --key): claimed by nobody.",
+                labels=["table", "event_type", "limit_key"],
+            ),
+            "key_held": g(
+                f"{ns}_limit_key_rate_limited_seconds",
+                "Seconds a RateLimited outcome still holds the limit key back (claimed by nobody).",
+                labels=["table", "event_type", "limit_key"],
+            ),
         }
         if self.handlers is not None:
             fams["unroutable"] = g(
@@ -285,6 +295,11 @@ class OutboxCollector:
                 fams["paused"].add_metric([name, f.event_type], 1)
             if f.held_for:
                 fams["held"].add_metric([name, f.event_type], f.held_for)
+        for k in s.keys:
+            if k.paused:
+                fams["key_paused"].add_metric([name, k.event_type, k.limit_key], 1)
+            if k.held_for:
+                fams["key_held"].add_metric([name, k.event_type, k.limit_key], k.held_for)
         for a in s.attempts:
             for status in _LIVE:
                 fams["attempts"].add_metric([name, str(a.attempts), status], getattr(a, status))

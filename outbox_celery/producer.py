@@ -38,6 +38,7 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 MAX_EVENT_TYPE_LENGTH = 200
 MAX_AGGREGATE_LENGTH = 200
 MAX_DEDUP_KEY_LENGTH = 400
+MAX_LIMIT_KEY_LENGTH = 400
 # PostgreSQL's SQLSTATE for "relation does not exist": the schema was never migrated.
 UNDEFINED_TABLE = "42P01"
 
@@ -68,6 +69,7 @@ class Event:
     delay: float | timedelta | None = None
     ordering_key: str | None = None
     dedup_key: str | None = None
+    limit_key: str | None = None
 
 
 def checked_text(value: Any, name: str, limit: int) -> str:
@@ -112,6 +114,9 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
         if isinstance(event.dedup_key, int):  # a str only: 1 and "1" must not be two keys
             raise ProducerError(f"dedup_key must be a string, got {type(event.dedup_key).__name__}")
         dedup_key = checked_text(event.dedup_key, "dedup_key", MAX_DEDUP_KEY_LENGTH)
+    limit_key = None
+    if event.limit_key is not None:
+        limit_key = checked_text(event.limit_key, "limit_key", MAX_LIMIT_KEY_LENGTH)
     return {
         "event_type": event_type,
         "aggregate_type": aggregate_type,
@@ -121,6 +126,7 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
         "delay": delay_seconds,
         "dedup_key": dedup_key,
         "trace_context": None,
+        "limit_key": limit_key,
     }
 
 
@@ -273,6 +279,7 @@ def enqueue(
     allow_autocommit: bool = False,
     dedup_key: str | None = None,
     notify: bool = True,
+    limit_key: str | None = None,
 ) -> int:
     """Insert one event in ``conn``'s current transaction and return its id.
 
@@ -298,11 +305,17 @@ def enqueue(
         (committed, or written earlier in this transaction), nothing is inserted and that row's
         id is returned; concurrent producers of one key end with exactly one row. The key is free
         again once retention has purged its row (``done`` rows older than ``purge_older_than``).
+    :param limit_key: 1-400 characters: the key the limits per key of the event type's handler
+        count this message under (a tenant, a downstream host; ``key_concurrency``, DESIGN
+        invariant 24), and the key a ``RateLimited`` outcome of it holds. Rows of a type with
+        limits per key are claimed key by key, round robin (docs/flow-control.md).
     :raises ProducerError: bad input, an unsupported connection, or no transaction; nothing is
         written. Also when the table does not exist (the schema was never migrated): the message
         says to run ``outbox-celery migrate``, the driver's error is its ``__cause__``.
     """
-    event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key, dedup_key)
+    event = Event(
+        event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key, dedup_key, limit_key
+    )
     return _write(conn, [_row(event, max_payload_bytes)], table, allow_autocommit, notify)[0]
 
 
@@ -340,13 +353,16 @@ async def enqueue_async(
     allow_autocommit: bool = False,
     dedup_key: str | None = None,
     notify: bool = True,
+    limit_key: str | None = None,
 ) -> int:
     """:func:`enqueue` for asyncio: same arguments, validation, key locks and errors.
 
     :param conn: a psycopg 3 ``AsyncConnection``, or a SQLAlchemy ``AsyncSession`` or
         ``AsyncConnection`` on the psycopg 3 driver (``postgresql+psycopg://``).
     """
-    event = Event(event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key, dedup_key)
+    event = Event(
+        event_type, payload, aggregate_type, aggregate_id, ordered, delay, ordering_key, dedup_key, limit_key
+    )
     return (await _write_async(conn, [_row(event, max_payload_bytes)], table, allow_autocommit, notify))[0]
 
 

@@ -26,7 +26,7 @@ import uuid
 from collections import Counter
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any
@@ -38,7 +38,7 @@ from psycopg.rows import dict_row, tuple_row
 from . import _sql
 from .config import TableName
 from .errors import ProducerError
-from .flow import Allowance, Limit, allowance
+from .flow import LIMIT_RECHECK, Allowance, Limit, allowance
 from .message import Message, Outcome, Status, idempotency_key
 
 __all__ = ["Claimed", "Finalized", "FinalizedMany", "FlowRead", "ScanMarks", "Store", "starter_token"]
@@ -49,6 +49,10 @@ __all__ = ["Claimed", "Finalized", "FinalizedMany", "FlowRead", "ScanMarks", "St
 # 20,000 keys failed with "out of shared memory", and every other session needing a lock failed
 # with it meanwhile. Refused before anything is written instead; split such batches.
 MAX_ORDERING_KEYS = 1000
+#: Limit keys one claim walks per keyed event type, at least and at most (DESIGN invariant 24):
+#: twice its room, within these. Keys beyond are walked by the next claims (round robin).
+MIN_KEYS_WALKED = 50
+MAX_KEYS_WALKED = 1000
 
 # A producer's statement and the plan that yields them (see Store.write_plan).
 Statement = tuple[sql.Composed, dict[str, Any]]
@@ -158,6 +162,29 @@ class FlowRead:
     held_for: float | None
     #: Allowance of each limited type that is not held.
     allowances: dict[str, Allowance]
+    #: Where the next claim of each keyed type starts walking its keys (DESIGN invariant 24).
+    cursors: dict[str, str | None] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Keyed:
+    """One keyed event type within one claim (DESIGN invariant 24)."""
+
+    #: Live deliveries at most per limit key (``None``: no bound per key).
+    key_cap: int | None
+    #: Starts per second at most per limit key, and its bucket's size (``None``: no bound).
+    key_rate: float | None
+    key_burst: float | None
+    #: Its limit keys paused or held by a RateLimited outcome: claimed by nobody.
+    held: list[str]
+    #: The key after which this claim walks its keys (round robin).
+    cursor: str | None
+    #: Whether the cursor moved (written back to the flow row).
+    moved: bool = False
+    #: Whether a key at its cap had a row due (the listener claims again soon).
+    blocked: bool = False
+    #: Seconds until a key held by its key_rate alone has its next token (``None``: none).
+    token_wait: float | None = None
 
 
 class ScanMarks:
@@ -462,6 +489,7 @@ class Store:
             "delays": [r["delay"] for r in rows],
             "dedup_keys": [r.get("dedup_key") for r in rows],
             "trace_contexts": [r.get("trace_context") for r in rows],
+            "limit_keys": [r.get("limit_key") for r in rows],
         }
 
     def write_plan(
@@ -495,7 +523,7 @@ class Store:
             self._check_isolation(locked)
         wake = {"notify": notify, "table": self._regclass(None)}
         if len(rows) == 1:
-            params = {"dedup_key": None, "trace_context": None, **rows[0], **wake}
+            params = {"dedup_key": None, "trace_context": None, "limit_key": None, **rows[0], **wake}
             inserted = yield self._q["insert"], params
         else:
             inserted = yield self._q["insert_many"], {**self._many_params(rows), **wake}
@@ -606,6 +634,7 @@ class Store:
             "max_attempts": max_attempts,
             "event_types": list(event_types) if event_types is not None else None,
             "excluded": [],
+            "keyed": [],
         }
         claimed: list[Claimed] = []
         now_mono = time.monotonic()
@@ -614,8 +643,26 @@ class Store:
         with conn.transaction():
             settings = conn.execute(self._q["claim_settings"]).fetchone()
             db_now: datetime | None = settings[1] if settings is not None and len(settings) > 1 else None
+            keys_held, keys_held_for = self._read_key_holds(conn, base["event_types"])
+            # A type with a held or paused key is claimed key by key for as long as it is, with
+            # whatever limits it declares (none: a Limit without bounds).
+            limits = {**{t: Limit() for t in keys_held}, **limits}
             flow = self._read_flow(conn, limits)
             excluded = frozenset(flow.held) | frozenset(flow.allowances) if flow else frozenset()
+            keyed: dict[str, _Keyed] = {}
+            if flow is not None:
+                keyed = {
+                    t: _Keyed(
+                        limits[t].key_concurrency,
+                        limits[t].key_rate,
+                        limits[t].key_burst if limits[t].key_rate is not None else None,
+                        sorted(keys_held.get(t, ())),
+                        flow.cursors.get(t),
+                    )
+                    for t in sorted(flow.allowances)
+                    if limits[t].keyed or t in keys_held
+                }
+            base["keyed"] = list(keyed)
             if marks is not None:
                 marks.readmit(frozenset(flow.held) if flow else frozenset(), now_mono)
             base["excluded"] = sorted(excluded)
@@ -649,6 +696,12 @@ class Store:
                 waits.append(flow.held_for)
             if filling:
                 waits.append(min(filling.values()))
+            if keyed and keys_held_for is not None:
+                waits.append(keys_held_for)
+            if keyed:
+                # Their expired started leases go back to pending, then through claim_keyed.
+                released = conn.execute(self._q["release_keyed_expired"], {**base, "limit": _EXPIRED_BATCH})
+                expired_full = expired_full or len(released.fetchall()) >= _EXPIRED_BATCH
             allowances = dict(sorted(flow.allowances.items())) if flow else {}
             spent = dict.fromkeys(allowances, 0)
             # A limited type's expired leases first: together with its new rows at most its
@@ -680,7 +733,9 @@ class Store:
                     rooms[t] = min(max(0, rooms[t]), cap)
                     cap -= rooms[t]
             fresh = 0
-            for event_type, rows in self._claim_fresh_limited(conn, rooms, base, marks, db_now).items():
+            for event_type, rows in self._claim_fresh_limited(
+                conn, rooms, base, marks, db_now, keyed, limit
+            ).items():
                 fresh += len(rows)
                 spent[event_type] += len(rows)
                 claimed += rows
@@ -694,13 +749,21 @@ class Store:
                 if room > 0 and spent[event_type] >= share:
                     more[event_type] = room
                     left -= room
-            for event_type, rows in self._claim_fresh_limited(conn, more, base, marks, db_now).items():
+            for event_type, rows in self._claim_fresh_limited(
+                conn, more, base, marks, db_now, keyed, limit
+            ).items():
                 spent[event_type] += len(rows)
                 claimed += rows
             for event_type, allowed in allowances.items():
                 wait = allowed.wait(limits[event_type], spent[event_type])
                 if wait is not None:
                     waits.append(wait)
+            if any(k.blocked for k in keyed.values()):
+                waits.append(LIMIT_RECHECK)
+            waits += [max(LIMIT_RECHECK, k.token_wait) for k in keyed.values() if k.token_wait is not None]
+            moved = {t: k.cursor for t, k in keyed.items() if k.moved}
+            if moved:
+                conn.execute(self._q["flow_key_cursor"], {"types": list(moved), "keys": list(moved.values())})
             if flow is not None:
                 self._spend(conn, flow, spent)
         self._count("claimed", len(claimed))
@@ -757,9 +820,22 @@ class Store:
         base: dict[str, Any],
         marks: ScanMarks | None,
         db_now: datetime | None,
+        keyed: Mapping[str, _Keyed] | None = None,
+        batch: int = 0,
     ) -> dict[str, list[Claimed]]:
         """:meth:`_claim_fresh` for every limited type at once: heads and pending rows share
-        each type's room, three statements whatever the number of types."""
+        each type's room, three statements whatever the number of types.
+
+        A keyed type (``keyed``) first takes its rows that carry a limit key, key by key
+        (:meth:`_claim_keyed`); its rows without one share what is left.
+        """
+        rooms = {t: r for t, r in rooms.items() if r > 0}
+        by_key = {
+            t: self._claim_keyed(conn, t, rooms[t], k, base, batch)
+            for t, k in (keyed or {}).items()
+            if t in rooms
+        }
+        rooms = {t: r - len(by_key.get(t, ())) for t, r in rooms.items()}
         rooms = {t: r for t, r in rooms.items() if r > 0}
         got: dict[str, list[Claimed]] = {t: [] for t in rooms}
         shares = {t: max(1, (r + 1) // 2) for t, r in rooms.items()}
@@ -781,6 +857,8 @@ class Store:
             conn, "claim_heads_limited", "heads", again, base, marks, db_now
         ).items():
             got[t] += rows
+        for t, rows in by_key.items():
+            got[t] = rows + got.get(t, [])
         return got
 
     def _claim_fresh(
@@ -814,13 +892,74 @@ class Store:
             claimed += self._claim_rows(conn, "claim_heads", base, left, marks, "heads", db_now, event_type)
         return claimed
 
+    def _claim_keyed(
+        self,
+        conn: psycopg.Connection[Any],
+        event_type: str,
+        room: int,
+        keyed: _Keyed,
+        base: dict[str, Any],
+        batch: int,
+    ) -> list[Claimed]:
+        """Up to ``room`` rows of a keyed type that carry a limit key, round robin between its
+        keys, none of a key at its cap or held (``claim_keyed``, DESIGN invariant 24); moves
+        the type's key cursor on."""
+        params = {
+            **base,
+            "event_type": event_type,
+            "n": room,
+            "key_cap": keyed.key_cap,
+            "key_rate": keyed.key_rate,
+            "key_burst": keyed.key_burst,
+            "held": keyed.held,
+            "after": keyed.cursor,
+            "max_keys": min(MAX_KEYS_WALKED, max(2 * min(room, max(batch, 1)), MIN_KEYS_WALKED)),
+        }
+        rows = conn.execute(self._q["claim_keyed"], params).fetchall()
+        taken = [r for r in rows if r[0] is not None]
+        marker = next((r for r in rows if r[0] is None), None)
+        if marker is not None and marker[7]:
+            keyed.blocked = True
+        if marker is not None and marker[8] is not None:
+            wait = float(marker[8])
+            keyed.token_wait = wait if keyed.token_wait is None else min(keyed.token_wait, wait)
+        if taken and len(taken) >= room:
+            # Stopped by the room: the next claim starts after the last key served.
+            cursor = max(taken, key=lambda r: int(r[6]))[5]
+        else:
+            # Every key walked offered what it could: the next claim walks on from the last.
+            cursor = marker[5] if marker is not None else None
+        if cursor is not None and cursor != keyed.cursor:
+            keyed.cursor = str(cursor)
+            keyed.moved = True
+        return [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in taken]
+
+    def _read_key_holds(
+        self, conn: psycopg.Connection[Any], event_types: Sequence[str] | None
+    ) -> tuple[dict[str, list[str]], float | None]:
+        """The limit keys paused or held, by event type, and the seconds until the earliest
+        RateLimited hold of a key ends (DESIGN invariant 24)."""
+        if not self.flow_ready(conn):
+            return {}, None
+        held: dict[str, list[str]] = {}
+        held_for: float | None = None
+        for event_type, key, seconds, paused in conn.execute(
+            self._q["flow_keys_held"], {"event_types": event_types}
+        ).fetchall():
+            held.setdefault(str(event_type), []).append(str(key))
+            if not paused and seconds is not None:
+                held_for = float(seconds) if held_for is None else min(held_for, float(seconds))
+        return held, held_for
+
     # -- flow control (#23) --------------------------------------------------------------------
 
     def flow_ready(self, conn: psycopg.Connection[Any]) -> bool:
-        """Whether the flow-control table (migration 0007) exists; cached once it does."""
+        """Whether the flow-control tables (migrations 0007, 0008) exist; cached once they do."""
         if not self._flow_ready:
             name = self.table.identifier(_sql.FLOW_SUFFIX).as_string(conn)
-            row = conn.execute(self._q["flow_exists"], {"flow_table": name}).fetchone()
+            keys = self.table.identifier(_sql.FLOW_KEY_SUFFIX).as_string(conn)
+            params = {"flow_table": name, "flow_key_table": keys}
+            row = conn.execute(self._q["flow_exists"], params).fetchone()
             self._flow_ready = bool(row and row[0])
         return self._flow_ready
 
@@ -830,7 +969,7 @@ class Store:
             if not self._flow_warned:
                 self._flow_warned = True
                 logger.error(
-                    "outbox table %s has no flow-control table (migration 0007 not applied): "
+                    "outbox table %s lacks its flow-control tables (migration 0007 not applied, or 0008): "
                     "pauses and limits are not enforced until it is (outbox-celery migrate)",
                     self.table.qualified,
                     extra={"outbox_table": self.table.qualified},
@@ -862,7 +1001,8 @@ class Store:
             for t, lim in limits.items()
             if t not in held
         }
-        return FlowRead(held=held, held_for=held_for, allowances=allowances)
+        cursors = {str(r[0]): None if r[6] is None else str(r[6]) for r in rows}
+        return FlowRead(held=held, held_for=held_for, allowances=allowances, cursors=cursors)
 
     def _spend(self, conn: psycopg.Connection[Any], flow: FlowRead, spent: Mapping[str, int]) -> None:
         """Write the rate buckets back: the refilled tokens minus what this claim took.
@@ -1294,6 +1434,7 @@ class Store:
         """Fenced RateLimited outcome (#23, DESIGN invariant 23): as :meth:`defer` (attempt
         refunded, ``dead`` past ``max_age``), and in the same statement the row's event type is
         held until ``now() + delay``: no claim hands out another of its messages before then.
+        A row with a limit key holds its key only (DESIGN invariant 24).
 
         Not applied when the lease was lost (then nothing is held either).
         """

@@ -384,3 +384,45 @@ up AS (
 SELECT coalesce((SELECT held FROM before), false) AS was_held,
        (SELECT count(*) FROM up) AS rows,
        pg_notify({notify_channel}, '') IS NULL AS woke;
+
+-- name: flow_keys_exist
+-- Whether the table of holds per limit key (migration 0008, #23) is there.
+SELECT to_regclass(%(flow_key_table)s) IS NOT NULL;
+
+-- name: flow_key_list
+-- Limit keys paused or held by a RateLimited outcome (DESIGN invariant 24).
+SELECT event_type, limit_key, paused, extract(epoch FROM paused_until - now())::float8 AS held_for
+FROM {flow_key_table}
+WHERE (paused OR paused_until IS NOT NULL) AND (paused OR paused_until > now())
+ORDER BY event_type, limit_key;
+
+-- name: flow_key_pause
+-- Pause one limit key of an event type (DESIGN invariant 24): no claim hands out its messages
+-- from the next one on (the claim reads the held keys before the type's flow-row lock; a claim
+-- already past that read finishes as it began). Returns whether it was paused already.
+WITH before AS (
+    SELECT paused FROM {flow_key_table}
+    WHERE event_type = %(event_type)s AND limit_key = %(limit_key)s FOR UPDATE
+),
+up AS (
+    INSERT INTO {flow_key_table} AS f (event_type, limit_key, paused)
+    VALUES (%(event_type)s, %(limit_key)s, true)
+    ON CONFLICT (event_type, limit_key) DO UPDATE SET paused = true, updated_at = now()
+    RETURNING f.event_type
+)
+SELECT coalesce((SELECT paused FROM before), false) AS was_paused, (SELECT count(*) FROM up) AS rows;
+
+-- name: flow_key_resume
+-- Resume one limit key: its pause and any RateLimited hold end (its key_rate bucket stays), and
+-- the table's push listeners are woken at commit. Returns whether it was paused or held.
+WITH before AS (
+    SELECT paused OR coalesce(paused_until > now(), false) AS held
+    FROM {flow_key_table} WHERE event_type = %(event_type)s AND limit_key = %(limit_key)s FOR UPDATE
+),
+up AS (
+    UPDATE {flow_key_table} SET paused = false, paused_until = NULL, updated_at = now()
+    WHERE event_type = %(event_type)s AND limit_key = %(limit_key)s
+    RETURNING event_type
+)
+SELECT coalesce((SELECT held FROM before), false) AS was_held, (SELECT count(*) FROM up) AS rows,
+       pg_notify({notify_channel}, '') IS NULL AS woke;

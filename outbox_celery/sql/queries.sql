@@ -11,13 +11,13 @@
 -- For an unordered row the AND stops at false and the probe never runs. A dedup key already in
 -- the table inserts nothing and returns no row (see dedup_ids).
 INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
-                     head, dedup_key, trace_context)
+                     head, dedup_key, trace_context, limit_key)
 VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::jsonb, %(ordering_key)s,
         now() + make_interval(secs => %(delay)s),
         %(ordering_key)s::text IS NOT NULL AND NOT EXISTS (
             SELECT 1 FROM {table}
             WHERE ordering_key = %(ordering_key)s::text AND status <> 'done'),
-        %(dedup_key)s, %(trace_context)s::jsonb)
+        %(dedup_key)s, %(trace_context)s::jsonb, %(limit_key)s)
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
 RETURNING id, dedup_key,
           -- Push (#11): wake this table's listeners at commit, only when a row was inserted.
@@ -28,19 +28,19 @@ RETURNING id, dedup_key,
 -- its head, and only if the key has no unfinished message already. Should that first row be
 -- dropped as a duplicate dedup key, the producer settles the key's head afterwards (settle_heads).
 INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
-                     head, dedup_key, trace_context)
+                     head, dedup_key, trace_context, limit_key)
 SELECT u.event_type, u.aggregate_type, u.aggregate_id, u.payload::jsonb, u.ordering_key,
        now() + make_interval(secs => u.delay),
        u.ordering_key IS NOT NULL
        AND row_number() OVER (PARTITION BY u.ordering_key ORDER BY u.n) = 1
        AND NOT EXISTS (SELECT 1 FROM {table} AS o
                        WHERE o.ordering_key = u.ordering_key AND o.status <> 'done'),
-       u.dedup_key, u.trace_context::jsonb
+       u.dedup_key, u.trace_context::jsonb, u.limit_key
 FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_ids)s::text[],
             %(payloads)s::text[], %(ordering_keys)s::text[], %(delays)s::float8[],
-            %(dedup_keys)s::text[], %(trace_contexts)s::text[])
+            %(dedup_keys)s::text[], %(trace_contexts)s::text[], %(limit_keys)s::text[])
      WITH ORDINALITY AS u(event_type, aggregate_type, aggregate_id, payload, ordering_key, delay,
-                          dedup_key, trace_context, n)
+                          dedup_key, trace_context, limit_key, n)
 ORDER BY u.n
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
 RETURNING id, dedup_key,
@@ -383,7 +383,8 @@ RETURNING id, status;
 -- name: finish_rate_limited
 -- A RateLimited outcome (#23, DESIGN invariant 23): the row as finish_defer writes it (attempt
 -- refunded, dead once held past max_defer_age), and, only when that fenced write won, its event
--- type held until the same time in the flow table; a later hold never shortens an earlier one.
+-- type held until the same time in the flow table (its limit key only, in the key table, when
+-- it has one); a later hold never shortens an earlier one.
 -- One statement: the hold and the row's return commit together.
 WITH fin AS (
     UPDATE {table}
@@ -398,12 +399,22 @@ WITH fin AS (
                           THEN 'rate limited past max_defer_age: ' || %(reason)s
                           ELSE 'rate limited: ' || %(reason)s END
     WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
-    RETURNING id, status, event_type
+    RETURNING id, status, event_type, limit_key
 ),
 held AS (
     INSERT INTO {flow_table} AS f (event_type, paused_until)
-    SELECT event_type, now() + make_interval(secs => %(delay)s) FROM fin
+    SELECT event_type, now() + make_interval(secs => %(delay)s) FROM fin WHERE limit_key IS NULL
     ON CONFLICT (event_type) DO UPDATE
+    SET paused_until = greatest(f.paused_until, excluded.paused_until), updated_at = now()
+    RETURNING f.event_type
+),
+-- A message with a limit key holds its key only (DESIGN invariant 24): the type's other keys
+-- flow on.
+key_held AS (
+    INSERT INTO {flow_key_table} AS f (event_type, limit_key, paused_until)
+    SELECT event_type, limit_key, now() + make_interval(secs => %(delay)s) FROM fin
+    WHERE limit_key IS NOT NULL
+    ON CONFLICT (event_type, limit_key) DO UPDATE
     SET paused_until = greatest(f.paused_until, excluded.paused_until), updated_at = now()
     RETURNING f.event_type
 )
@@ -618,9 +629,9 @@ WHERE o.id = e.id AND o.lease_version = e.lease_version AND o.status = 'processi
 RETURNING o.id;
 
 -- name: flow_exists
--- Whether the flow-control table (migration 0007, #23) is there: a claim of a table not
--- migrated yet runs without pauses and limits (and says so in the log) instead of failing.
-SELECT to_regclass(%(flow_table)s) IS NOT NULL;
+-- Whether the flow-control tables (migrations 0007 and 0008, #23) are there: a claim of a table
+-- not migrated yet runs without pauses and limits (and says so in the log) instead of failing.
+SELECT to_regclass(%(flow_table)s) IS NOT NULL AND to_regclass(%(flow_key_table)s) IS NOT NULL;
 
 -- name: flow_lock
 -- The flow-control rows a claim must respect (#23, DESIGN invariants 22, 23): those of the event
@@ -630,7 +641,7 @@ SELECT to_regclass(%(flow_table)s) IS NOT NULL;
 -- everything an earlier claimer handed out. One row per type, never the backlog.
 SELECT event_type, paused, coalesce(paused_until > now(), false) AS held,
        extract(epoch FROM paused_until - now())::float8 AS held_for,
-       tokens, extract(epoch FROM now() - refilled_at)::float8 AS since_refill
+       tokens, extract(epoch FROM now() - refilled_at)::float8 AS since_refill, key_cursor
 FROM {flow_table}
 WHERE event_type = ANY(%(limited)s::text[]) OR paused OR paused_until > now()
 ORDER BY event_type
@@ -665,7 +676,9 @@ WHERE f.event_type = u.event_type;
 -- name: claim_expired_limited
 -- claim_expired for the limited event types (#23, DESIGN invariant 22), all in one statement:
 -- per type (types[i]), at most limits[i] rows, from that type's own scan mark (since[i]). One
--- index read per type; the allowances were decided under the flow rows' lock.
+-- index read per type; the allowances were decided under the flow rows' lock. Here and in the
+-- two statements after it, the rows of a keyed type that carry a limit key are left to
+-- release_keyed_expired and claim_keyed (DESIGN invariant 24).
 WITH picked AS (
     SELECT p.id
     FROM unnest(%(types)s::text[], %(limits)s::int[], %(since)s::timestamptz[]) AS u(event_type, n, since),
@@ -676,6 +689,7 @@ WITH picked AS (
           AND attempts < %(max_attempts)s
           AND started_version = lease_version
           AND event_type = u.event_type
+          AND (limit_key IS NULL OR event_type <> ALL(%(keyed)s::text[]))
         ORDER BY lease_until
         LIMIT u.n
         FOR UPDATE SKIP LOCKED
@@ -693,6 +707,7 @@ WITH picked AS (
         WHERE status = 'pending' AND head AND available_at <= now()
           AND available_at >= coalesce(u.since, '-infinity')
           AND event_type = u.event_type
+          AND (limit_key IS NULL OR event_type <> ALL(%(keyed)s::text[]))
         ORDER BY available_at, id
         LIMIT u.n
         FOR UPDATE SKIP LOCKED
@@ -710,6 +725,7 @@ WITH picked AS (
         WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()
           AND available_at >= coalesce(u.since, '-infinity')
           AND event_type = u.event_type
+          AND (limit_key IS NULL OR event_type <> ALL(%(keyed)s::text[]))
         ORDER BY available_at, id
         LIMIT u.n
         FOR UPDATE SKIP LOCKED
@@ -738,3 +754,196 @@ LATERAL (
     ) AS due
 ) AS d
 ORDER BY u.event_type;
+
+-- name: flow_keys_held
+-- Limit keys paused or held by a RateLimited outcome (#23, DESIGN invariant 24), of the event
+-- types this claimer delivers: their rows are claimed by nobody. One small row per held key,
+-- read through the held keys' partial index; a hold that ran out is cleared here (once), so it
+-- leaves that index and the read stays the size of what is held now.
+WITH cleared AS (
+    UPDATE {flow_key_table} SET paused_until = NULL
+    WHERE (paused OR paused_until IS NOT NULL) AND paused_until <= now()
+      AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+)
+SELECT event_type, limit_key, extract(epoch FROM paused_until - now())::float8 AS held_for, paused
+FROM {flow_key_table}
+WHERE (paused OR paused_until IS NOT NULL)  -- the held keys' partial index
+  AND (paused OR paused_until > now())
+  AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+ORDER BY event_type, limit_key;
+
+-- name: release_keyed_expired
+-- Started leases of a keyed event type that ran out with attempts left (the worker died or hung
+-- mid-handler; DESIGN invariants 22, 24): back to pending, due as before (at the front of their
+-- key), where claim_keyed takes them under their key's limit. Re-claiming them in place, as
+-- claim_expired does, would not see the key's other live deliveries. The attempt stays counted:
+-- the next start counts another, as a re-claim's would.
+WITH picked AS (
+    SELECT id FROM {table}
+    WHERE status = 'processing' AND lease_until <= now()
+      AND lease_until >= coalesce(%(expired_since)s::timestamptz, '-infinity')
+      AND attempts < %(max_attempts)s
+      AND started_version = lease_version
+      AND limit_key IS NOT NULL AND event_type = ANY(%(keyed)s::text[])
+    ORDER BY lease_until
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'pending', lease_until = NULL
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id;
+
+-- name: claim_keyed
+-- The rows of one keyed event type (#23, DESIGN invariant 24) that carry a limit key, round robin
+-- between its keys: at most %(n)s rows in all, none of a key at its key_cap (live deliveries of
+-- the key counted from the key leases' index, after the flow row's lock) and none of a held key.
+-- The keys are walked in key order from the one after %(after)s (where the previous claim of the
+-- type stopped, kept in its flow row), wrapping around, at most %(max_keys)s of them: one probe
+-- of the keyed index per key (a loose index scan), never the backlog behind a key. Each key
+-- offers its oldest due rows (heads only for ordered keys, invariant 9), at most twice its fair
+-- share of n; the claim takes the first row of every key, then the second, and so on.
+-- The CTEs are named ck_* so that no outbox table name can be shadowed by one of them.
+-- key_rate bounds each key's starts by a token bucket in its <table>_flow_key row, read and
+-- written here, under the type's flow-row lock (as the type's own rate bucket).
+-- The last row (id NULL) holds the last key walked, counts the keys this claim left at their
+-- key_cap with a row still due (the listener claims again soon, as for a type at its
+-- concurrency limit) and the seconds until a key held by its key_rate has its next token.
+WITH RECURSIVE ck_after AS (
+    (SELECT limit_key AS k, 1 AS pos FROM {table}
+     WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
+       AND event_type = %(event_type)s
+       AND (%(after)s::text IS NULL OR limit_key > %(after)s::text)
+     ORDER BY event_type, limit_key LIMIT 1)
+    UNION ALL
+    SELECT (SELECT limit_key FROM {table}
+            WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
+              AND event_type = %(event_type)s AND limit_key > a.k
+            ORDER BY event_type, limit_key LIMIT 1), a.pos + 1
+    FROM ck_after AS a
+    WHERE a.k IS NOT NULL AND a.pos < %(max_keys)s
+),
+ck_before AS (
+    (SELECT limit_key AS k, 1 AS pos FROM {table}
+     WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
+       AND event_type = %(event_type)s AND %(after)s::text IS NOT NULL
+       AND limit_key <= %(after)s::text
+     ORDER BY event_type, limit_key LIMIT 1)
+    UNION ALL
+    SELECT (SELECT limit_key FROM {table}
+            WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
+              AND event_type = %(event_type)s AND limit_key > b.k AND limit_key <= %(after)s::text
+            ORDER BY event_type, limit_key LIMIT 1), b.pos + 1
+    FROM ck_before AS b
+    WHERE b.k IS NOT NULL AND b.pos < %(max_keys)s
+),
+ck_walked AS (
+    SELECT k, pos FROM ck_after WHERE k IS NOT NULL
+    UNION ALL
+    SELECT k, pos + (SELECT count(*) FROM ck_after WHERE k IS NOT NULL) FROM ck_before
+    WHERE k IS NOT NULL
+),
+ck_keys AS (
+    SELECT k, pos, count(*) OVER () AS walked_keys FROM ck_walked
+    WHERE pos <= %(max_keys)s AND k <> ALL(%(held)s::text[])
+),
+ck_rooms AS (
+    SELECT ck_keys.k, ck_keys.pos,
+           coalesce(%(key_cap)s::int - live.n, %(n)s) AS slots,
+           bucket.tokens,
+           least(coalesce(%(key_cap)s::int - live.n, %(n)s),
+                 coalesce(floor(bucket.tokens)::int, %(n)s),
+                 ceil(2.0 * %(n)s / ck_keys.walked_keys)::int) AS room
+    FROM ck_keys
+    CROSS JOIN LATERAL (
+        SELECT count(*)::int AS n FROM {table}
+        WHERE status = 'processing' AND limit_key IS NOT NULL
+          AND event_type = %(event_type)s AND limit_key = ck_keys.k AND lease_until > now()
+    ) AS live
+    -- key_rate: the key's token bucket refilled to now() (no row yet: a full bucket).
+    CROSS JOIN LATERAL (
+        SELECT CASE WHEN %(key_rate)s::float8 IS NOT NULL THEN least(
+                   %(key_burst)s::float8,
+                   coalesce((SELECT greatest(f.tokens, 0)
+                                    + %(key_rate)s::float8
+                                      * greatest(extract(epoch FROM now() - f.refilled_at), 0)
+                             FROM {flow_key_table} AS f
+                             WHERE f.event_type = %(event_type)s AND f.limit_key = ck_keys.k
+                               AND f.tokens IS NOT NULL),
+                            %(key_burst)s::float8)) END AS tokens
+    ) AS bucket
+),
+ck_offered AS (
+    SELECT c.id, c.available_at, ck_rooms.k, ck_rooms.pos,
+           row_number() OVER (PARTITION BY ck_rooms.k ORDER BY c.available_at, c.id) AS rn
+    FROM ck_rooms
+    CROSS JOIN LATERAL (
+        SELECT id, available_at FROM {table}
+        WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
+          AND event_type = %(event_type)s AND limit_key = ck_rooms.k AND available_at <= now()
+        ORDER BY event_type, limit_key, available_at, id
+        LIMIT greatest(ck_rooms.room, 0)
+        FOR UPDATE SKIP LOCKED
+    ) AS c
+),
+ck_picked AS (
+    SELECT id, pos, k FROM ck_offered ORDER BY rn, pos LIMIT %(n)s
+),
+ck_taken AS (
+    SELECT k, count(*) AS n FROM ck_picked GROUP BY k
+),
+-- The key_rate buckets of the keys served: the refilled tokens minus what this claim took.
+ck_spent AS (
+    INSERT INTO {flow_key_table} AS f (event_type, limit_key, tokens, refilled_at)
+    SELECT %(event_type)s, r.k, r.tokens - t.n, now()
+    FROM ck_taken AS t JOIN ck_rooms AS r ON r.k = t.k
+    WHERE r.tokens IS NOT NULL
+    ON CONFLICT (event_type, limit_key) DO UPDATE
+    SET tokens = excluded.tokens, refilled_at = excluded.refilled_at, updated_at = now(),
+        -- A key served is not held: an expired hold leaves the held keys' index.
+        paused_until = CASE WHEN f.paused_until > now() THEN f.paused_until END
+),
+-- The keys this claim left at a limit with a row still due (the statement's snapshot still
+-- shows the rows it claimed as pending, hence "more than taken").
+ck_left AS (
+    SELECT r.k, r.slots, r.tokens, coalesce(t.n, 0) AS taken
+    FROM ck_rooms AS r LEFT JOIN ck_taken AS t ON t.k = r.k
+    WHERE (r.slots <= coalesce(t.n, 0) OR floor(r.tokens) <= coalesce(t.n, 0))
+      AND (SELECT count(*) FROM (
+               SELECT 1 FROM {table}
+               WHERE status = 'pending' AND limit_key IS NOT NULL
+                 AND (ordering_key IS NULL OR head)
+                 AND event_type = %(event_type)s AND limit_key = r.k
+                 AND available_at <= now()
+               LIMIT coalesce(t.n, 0) + 1) AS due) > coalesce(t.n, 0)
+),
+ck_claimed AS (
+    UPDATE {table} AS o
+    SET status = 'processing',
+        lease_owner = %(owner)s,
+        lease_until = now() + make_interval(secs => %(lease)s),
+        lease_version = o.lease_version + 1
+    FROM ck_picked
+    WHERE o.id = ck_picked.id
+    RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at, o.limit_key,
+              ck_picked.pos
+)
+SELECT id, lease_version, event_type, lease_until, available_at, limit_key, pos, NULL::bigint,
+       NULL::float8
+FROM ck_claimed
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL,
+       (SELECT k FROM ck_keys ORDER BY pos DESC LIMIT 1), NULL,
+       (SELECT count(*) FROM ck_left WHERE slots <= taken),
+       -- Seconds until the first key held by its key_rate alone has its next token.
+       (SELECT min((1 - (tokens - taken)) / %(key_rate)s::float8) FROM ck_left
+        WHERE slots > taken AND floor(tokens) <= taken);
+
+-- name: flow_key_cursor
+-- Where the next claim of each keyed event type starts walking its keys (round robin, DESIGN
+-- invariant 24): the last key this claim took a row of. Written under the flow row's lock.
+UPDATE {flow_table} AS f
+SET key_cursor = u.k, updated_at = now()
+FROM unnest(%(types)s::text[], %(keys)s::text[]) AS u(event_type, k)
+WHERE f.event_type = u.event_type;

@@ -22,7 +22,9 @@ CREATE TABLE {table} (
     started_version bigint    NOT NULL DEFAULT 0,
     head          boolean     NOT NULL DEFAULT false,
     dedup_key     text CHECK (dedup_key <> ''),
-    trace_context jsonb
+    trace_context jsonb,
+    -- The limit key given at enqueue (migration 0008, #23): limits per key within an event type.
+    limit_key     text CHECK (limit_key <> '')
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_threshold = 1000,
@@ -43,6 +45,10 @@ CREATE INDEX {dead_idx} ON {table} (id)
     WHERE status = 'dead';
 CREATE UNIQUE INDEX {dedup_idx} ON {table} (dedup_key)
     WHERE dedup_key IS NOT NULL;
+CREATE INDEX {keyed_idx} ON {table} (event_type, limit_key, available_at, id)
+    WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head);
+CREATE INDEX {key_lease_idx} ON {table} (event_type, limit_key, lease_until)
+    WHERE status = 'processing' AND limit_key IS NOT NULL;
 -- The table's identity, the discriminator of idempotency keys (migration 0006, #21).
 CREATE TABLE {instance_table} (
     singleton  boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
@@ -60,5 +66,20 @@ CREATE TABLE {flow_table} (
     -- The rate limit's token bucket: starts left, and when it was last refilled (NULL: full).
     tokens       float8,
     refilled_at  timestamptz,
-    updated_at   timestamptz NOT NULL DEFAULT now()
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    -- Where the next claim of a keyed event type starts walking its keys (migration 0008).
+    key_cursor   text
 );
+-- Pause, RateLimited holds and key_rate buckets per limit key (migration 0008, #23).
+CREATE TABLE {flow_key_table} (
+    event_type   text        NOT NULL CHECK (event_type <> ''),
+    limit_key    text        NOT NULL CHECK (limit_key <> ''),
+    paused       boolean     NOT NULL DEFAULT false,
+    paused_until timestamptz,
+    tokens       float8,
+    refilled_at  timestamptz,
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (event_type, limit_key)
+);
+CREATE INDEX {flow_key_held_idx} ON {flow_key_table} (event_type, limit_key)
+    WHERE paused OR paused_until IS NOT NULL;

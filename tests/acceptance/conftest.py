@@ -146,8 +146,10 @@ class Harness:
         event_type: str = DEFAULT_EVENT,
         payload: dict[str, Any] | Callable[[int], dict[str, Any]] | None = None,
         ordering_key: str | None = None,
+        limit_key: str | Callable[[int], str] | None = None,
     ) -> list[int]:
-        """Commit ``n`` events in one transaction; returns their ids."""
+        """Commit ``n`` events in one transaction; returns their ids. ``limit_key``: theirs, or
+        a function of ``i`` giving each its own."""
         events = [
             Event(
                 event_type=event_type,
@@ -155,6 +157,7 @@ class Harness:
                 aggregate_type="thing",
                 aggregate_id=str(i),
                 ordering_key=ordering_key,
+                limit_key=limit_key(i) if callable(limit_key) else limit_key,
             )
             for i in range(n)
         ]

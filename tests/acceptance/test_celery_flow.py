@@ -80,6 +80,28 @@ def test_invariant_22_the_bound_holds_across_worker_processes_on_either_broker(
     assert max_overlap(runs) == 2, "a limit of 2 was exceeded across the workers (or never reached)"
 
 
+def test_invariant_24_key_concurrency_bounds_handler_runs_per_key_across_worker_processes(
+    harness: Harness,
+) -> None:
+    harness.configure(routes={LIMITED: None}, limits={LIMITED: {"key_concurrency": 2}})
+    sleepy = {"mode": "sleep", "seconds": 0.3}
+    keys = ["tenant-1", "tenant-2", "tenant-3"]
+    ids = harness.enqueue(24, event_type=LIMITED, payload=sleepy, limit_key=lambda i: keys[i % 3])
+    key_of = {outbox_id: keys[i % 3] for i, outbox_id in enumerate(ids)}
+    # Two worker processes of four each: eight handlers could run at once, six would be allowed.
+    harness.worker(concurrency=4)
+    harness.worker(concurrency=4)
+    harness.wait_finished(24)
+
+    seen = calls(harness.conn)
+    assert sorted(c["outbox_id"] for c in seen) == sorted(ids)
+    per_key = {k: max_overlap([c for c in seen if key_of[c["outbox_id"]] == k]) for k in keys}
+    assert per_key == dict.fromkeys(keys, 2), f"a key limit of 2 was exceeded (or never reached): {per_key}"
+    # The keys ran side by side, not one after the other.
+    assert max_overlap(seen) > 2
+    assert {r["attempts"] for r in harness.rows()} == {1}
+
+
 def test_invariant_22_a_killed_workers_slot_comes_back_after_its_lease(harness: Harness) -> None:
     lease = 3.0
     harness.configure(routes={LIMITED: None}, limits={LIMITED: {"concurrency": 1}}, lease=lease)

@@ -20,7 +20,7 @@ def _events(dsn: str, table: str = "outbox") -> list[dict[str, Any]]:
     with psycopg.connect(dsn) as c, c.cursor(row_factory=psycopg.rows.dict_row) as cur:
         return cur.execute(
             psycopg.sql.SQL(
-                "SELECT id, event_type, payload, ordering_key, status FROM {} ORDER BY id"
+                "SELECT id, event_type, payload, ordering_key, limit_key, status FROM {} ORDER BY id"
             ).format(psycopg.sql.Identifier(*table.split(".")))
         ).fetchall()
 
@@ -116,10 +116,13 @@ def test_enqueue_many_and_the_core_options_pass_through(django_db: str) -> None:
                 },
             ]
         )
-        single = enqueue(event_type="x", payload=[], aggregate_type="a", aggregate_id="1", delay=3600)
+        single = enqueue(
+            event_type="x", payload=[], aggregate_type="a", aggregate_id="1", delay=3600, limit_key="tenant-1"
+        )
     rows = _events(django_db)
     assert [r["id"] for r in rows] == [*ids, single]
     assert [r["ordering_key"] for r in rows] == ["order:9", "order:9", None]
+    assert [r["limit_key"] for r in rows] == [None, None, "tenant-1"]
 
 
 def test_bad_input_is_refused_before_anything_is_written(django_db: str) -> None:

@@ -30,8 +30,10 @@ def add(
     key: str | None = None,
     delay: float | None = None,
     payload: Callable[[int], Any] | None = None,
+    limit_key: str | None = None,
 ) -> list[int]:
-    """Commit ``n`` events (``payload(i)`` or ``{"i": i}``); ``key`` makes them ordered."""
+    """Commit ``n`` events (``payload(i)`` or ``{"i": i}``); ``key`` makes them ordered;
+    ``limit_key`` is their limit key (DESIGN invariant 24)."""
     events = [
         Event(
             event_type=event_type,
@@ -40,6 +42,7 @@ def add(
             aggregate_id=str(i),
             ordering_key=key,
             delay=delay,
+            limit_key=limit_key,
         )
         for i in range(n)
     ]

@@ -236,20 +236,26 @@ def test_applying_every_migration_in_order_yields_exactly_the_fresh_schema(
         expected = schema_dump(c1, fresh)
         expected_instance = schema_dump(c1, fresh + "_instance")
         expected_flow = schema_dump(c1, fresh + "_flow")
+        expected_keys = schema_dump(c1, fresh + "_flow_key")
         if two_databases:
             with temporary_database(server_dsn) as other, psycopg.connect(other, autocommit=True) as c2:
                 assert migrate(c2, replayed, fresh_schema=False) == [m.version for m in available()]
                 got = schema_dump(c2, replayed)
                 got_instance = schema_dump(c2, replayed + "_instance")
                 got_flow = schema_dump(c2, replayed + "_flow")
+                got_keys = schema_dump(c2, replayed + "_flow_key")
         else:
             assert migrate(c1, replayed, fresh_schema=False) == [m.version for m in available()]
             got = schema_dump(c1, replayed)
             got_instance = schema_dump(c1, replayed + "_instance")
             got_flow = schema_dump(c1, replayed + "_flow")
+            got_keys = schema_dump(c1, replayed + "_flow_key")
     assert got == expected
     assert got_instance == expected_instance
     assert got_flow == expected_flow
+    # ... and its pauses and holds per limit key (migration 0008).
+    assert got_keys == expected_keys
+    assert [c[0] for c in expected_keys["columns"]][:2] == ["event_type", "limit_key"]
     assert [c[0] for c in expected_flow["columns"]][:3] == ["event_type", "paused", "paused_until"]
     assert [c[0] for c in expected_instance["columns"]] == ["singleton", "instance", "created_at"]
     assert len(expected["indexes"]) == 1 + len(_sql.INDEX_SUFFIXES)

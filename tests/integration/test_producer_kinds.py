@@ -164,6 +164,25 @@ def test_kinds_that_do_not_fit_are_refused_by_name(migrated_dsn: str, table: str
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("kind", SYNC_KINDS)
+def test_invariant_24_each_kind_writes_the_limit_key(
+    kind: str, migrated_dsn: str, business: psycopg.Connection[Any], table: str
+) -> None:
+    with SYNC_KINDS[kind](migrated_dsn) as h:
+        one = enqueue(h.conn, payload={}, table=table, limit_key="tenant-1", **ORDER)
+        many = enqueue_many(
+            h.conn,
+            [Event("e", {}, "a", 1, limit_key="tenant-2"), {**ORDER, "payload": {}, "limit_key": "tenant-3"}],
+            table=table,
+        )
+        h.commit()
+    assert [fetch(business, table, i)["limit_key"] for i in [one, *many]] == [
+        "tenant-1",
+        "tenant-2",
+        "tenant-3",
+    ]
+
+
 # -- async ------------------------------------------------------------------------------------
 
 
@@ -183,10 +202,11 @@ def test_each_async_kind_commits_and_rolls_back_with_the_caller(
             await h.rollback()
             assert _counts(business, table) == (0, 0)
             await h.execute(BUSINESS)
-            await enqueue_async(h.conn, payload={"kind": kind}, table=table, **ORDER)
+            one = await enqueue_async(h.conn, payload={"kind": kind}, table=table, limit_key="t", **ORDER)
             assert _counts(business, table) == (0, 0), "visible before commit"
             await h.commit()
         assert _counts(business, table) == (1, 1)
+        assert fetch(business, table, one)["limit_key"] == "t"
 
     asyncio.run(main())
 

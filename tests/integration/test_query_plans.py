@@ -91,6 +91,16 @@ PARAMS: dict[str, Any] = {
     "limits": [200],
     "since": [None],
     "limited": ["thing.happened"],
+    # Limits per key (#23, DESIGN invariant 24).
+    "limit_key": None,
+    "keyed": ["thing.happened"],
+    "n": 200,
+    "key_cap": 2,
+    "key_rate": 10.0,
+    "key_burst": 2.0,
+    "held": [],
+    "after": None,
+    "max_keys": 400,
 }
 
 HOT = [
@@ -123,6 +133,9 @@ HOT = [
     "finish_rate_limited",
     # Batch handlers' max_wait (#22): a batch's worth of a type's due rows.
     "fill_due",
+    # Limits per key (#23, DESIGN invariant 24): the keys' walk, their live leases and rows.
+    "claim_keyed",
+    "release_keyed_expired",
 ]
 
 

@@ -49,6 +49,12 @@ def rows(conn: psycopg.Connection[Any], table: str = TABLE) -> list[dict[str, An
         return cur.execute(sql.SQL("SELECT * FROM {} ORDER BY id").format(t)).fetchall()
 
 
+def old_columns(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``after`` with only the columns ``before`` had (later migrations add columns)."""
+    names = set(before[0]) if before else set()
+    return [{k: v for k, v in r.items() if k in names} for r in after]
+
+
 def previous_schema(conn: psycopg.Connection[Any], version: int) -> int:
     """Build :data:`TABLE` with the migrations before ``version``, one row of each of
     :data:`STATES` in it; return the version it was left at."""

@@ -48,6 +48,29 @@ def test_no_limit_declared_is_none() -> None:
     assert Limit.declared(concurrency=3, rate="3000/m") == Limit(concurrency=3, rate=50.0)
 
 
+@pytest.mark.parametrize("key_concurrency", [0, -1, 1.5, True, "2"])
+def test_bad_key_concurrency_is_refused(key_concurrency: object) -> None:
+    with pytest.raises(ConfigurationError, match="key_concurrency"):
+        Limit.declared(concurrency=None, rate=None, key_concurrency=key_concurrency)  # type: ignore[arg-type]
+
+
+def test_a_limit_per_key_alone_is_a_keyed_limit_whose_type_is_unbounded() -> None:
+    limit = Limit.declared(concurrency=None, rate=None, key_concurrency=2)
+    assert limit == Limit(key_concurrency=2) and limit.keyed
+    assert not Limit(concurrency=2).keyed
+    # The type itself is not bounded: the claim's batch is.
+    a = allowance(limit, live=0, tokens=None, since_refill=None)
+    assert a.rows > 1_000_000 and a.wait(limit, 200) is None
+
+
+def test_a_rate_per_key_is_a_keyed_limit_with_a_bucket_per_key() -> None:
+    limit = Limit.declared(concurrency=None, rate=None, key_rate="600/m")
+    assert limit == Limit(key_rate=10.0) and limit.keyed and limit.key_burst == 2.0
+    assert Limit(key_concurrency=1).key_burst == 0.0
+    with pytest.raises(ValueError, match="rate"):
+        Limit.declared(concurrency=None, rate=None, key_rate="0/s")
+
+
 def test_concurrency_allowance_is_what_the_live_deliveries_leave() -> None:
     limit = Limit(concurrency=5)
     assert allowance(limit, live=3, tokens=None, since_refill=None).rows == 2

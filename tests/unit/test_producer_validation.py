@@ -40,6 +40,7 @@ def test_valid_event_becomes_a_row() -> None:
         "delay": 0.0,
         "dedup_key": None,
         "trace_context": None,
+        "limit_key": None,
     }
 
 

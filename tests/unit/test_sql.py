@@ -11,7 +11,14 @@ from outbox_celery.config import TableName
 
 FILES = ["queries.sql", "admin.sql", "inbox/queries.sql"]
 # What compose binds as identifiers; everything else in braces must be a fragment, filled.
-IDENTIFIERS = {"table", "instance_table", "flow_table", *_sql.INDEX_SUFFIXES, *_sql.INBOX_INDEX_SUFFIXES}
+IDENTIFIERS = {
+    "table",
+    "instance_table",
+    "flow_table",
+    "flow_key_table",
+    *_sql.INDEX_SUFFIXES,
+    *_sql.INBOX_INDEX_SUFFIXES,
+}
 
 
 @pytest.mark.parametrize("filename", FILES)

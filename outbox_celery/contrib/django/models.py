@@ -54,6 +54,7 @@ class OutboxMessage(models.Model):
     head: models.BooleanField[bool, bool] = models.BooleanField()
     dedup_key: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
     trace_context: models.JSONField[Any, Any] = models.JSONField(null=True, blank=True)
+    limit_key: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
     last_error: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
     done_at: models.DateTimeField[datetime | None, datetime | None] = models.DateTimeField(
         null=True, blank=True
