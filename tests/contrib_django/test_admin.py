@@ -403,3 +403,32 @@ def test_pause_and_resume_the_event_types_of_a_selection(
     assert "neither paused nor held: order.created" in page
     summary = client.get(_url()).content.decode()
     assert "<b>order.created</b>" not in summary[summary.index('id="outbox-summary"') :].split("</div>")[0]
+
+
+def test_pause_and_resume_the_limit_keys_of_a_selection(client: Client, pg: psycopg.Connection[Any]) -> None:
+    """#23: a limit key paused from the admin, shown above the list, resumed; other keys untouched."""
+    a, b, _ = add(
+        pg,
+        Event("webhook.sent", {"n": 1}, "tenant", 1, limit_key="tenant-1"),
+        Event("webhook.sent", {"n": 2}, "tenant", 2, limit_key="tenant-2"),
+        Event("webhook.sent", {"n": 3}, "tenant", 3),
+    )
+
+    def key_paused(key: str) -> bool:
+        row = pg.execute(
+            "SELECT coalesce(bool_or(paused), false) FROM outbox_flow_key WHERE limit_key = %s", [key]
+        ).fetchone()
+        return bool(row and row[0])
+
+    page = _act(client, "pause_limit_keys", [a])
+    assert "Paused webhook.sent key tenant-1" in page
+    assert key_paused("tenant-1") and not key_paused("tenant-2") and not _paused(pg, "webhook.sent")
+    summary = client.get(_url()).content.decode()
+    held = summary[summary.index('id="outbox-flow-keys"') :]
+    assert "<b>tenant-1</b>" in held and "paused" in held and "tenant-2" not in held.split("</p>")[0]
+
+    page = _act(client, "resume_limit_keys", [a, b])
+    assert "Resumed webhook.sent key tenant-1" in page
+    assert "neither paused nor held: webhook.sent key tenant-2" in page.lower()
+    assert not key_paused("tenant-1")
+    assert 'id="outbox-flow-keys"' not in client.get(_url()).content.decode()

@@ -302,7 +302,14 @@ class OutboxMessageAdmin(_ModelAdmin):
     if hasattr(admin, "ShowFacets"):
         show_facets = admin.ShowFacets.NEVER
     paginator = EstimatedCountPaginator
-    actions = ["requeue_dead", "skip_messages", "pause_event_types", "resume_event_types"]
+    actions = [
+        "requeue_dead",
+        "skip_messages",
+        "pause_event_types",
+        "resume_event_types",
+        "pause_limit_keys",
+        "resume_limit_keys",
+    ]
     change_list_template = "admin/outbox_celery/outboxmessage/change_list.html"
     fieldsets = (
         (None, {"fields": ("id", "event_type", "status", "state", "aggregate_type", "aggregate_id")}),
@@ -559,22 +566,35 @@ class OutboxMessageAdmin(_ModelAdmin):
         }
         return TemplateResponse(request, "admin/outbox_celery/outboxmessage/skip_confirmation.html", context)
 
-    def _event_types(self, queryset: QuerySet[OutboxMessage]) -> list[str]:
-        # The distinct event types of the selection (at most the action's row cap of them).
-        rows = queryset.order_by().values_list("event_type", flat=True).distinct()[:MAX_ACTION_ROWS]
-        return sorted(str(t) for t in rows)
+    def _targets(self, queryset: QuerySet[OutboxMessage], *, keys: bool) -> list[tuple[str, str | None]]:
+        # The distinct event types (or (event type, limit key) pairs) of the selection, at most
+        # the action's row cap of them; messages without a limit key have no key to act on.
+        qs = queryset.order_by()
+        if keys:
+            pairs = qs.filter(limit_key__isnull=False).values_list("event_type", "limit_key").distinct()
+            return sorted((str(t), str(k)) for t, k in pairs[:MAX_ACTION_ROWS])
+        types = qs.values_list("event_type", flat=True).distinct()[:MAX_ACTION_ROWS]
+        return sorted((str(t), None) for t in types)
 
-    def _flow_action(self, request: HttpRequest, queryset: QuerySet[OutboxMessage], verb: str) -> None:
+    def _flow_action(
+        self, request: HttpRequest, queryset: QuerySet[OutboxMessage], verb: str, *, keys: bool = False
+    ) -> None:
         conn = _psycopg(self.using)
         change = core_admin.pause if verb == "pause" else core_admin.resume
         changed: list[str] = []
         unchanged: list[str] = []
+        targets = self._targets(queryset, keys=keys)
+        if not targets:
+            self.message_user(request, "none of the selected messages has a limit key", messages.WARNING)
+            return
         try:
-            for event_type in self._event_types(queryset):
-                (changed if change(conn, outbox_table(), event_type) else unchanged).append(event_type)
+            for event_type, key in targets:
+                name = event_type if key is None else f"{event_type} key {key}"
+                done = change(conn, outbox_table(), event_type, limit_key=key)
+                (changed if done else unchanged).append(name)
         except (core_admin.AdminError, psycopg.Error) as exc:
-            done = f" ({', '.join(changed)} done first)" if changed else ""
-            self.message_user(request, f"could not {verb}: {first_line(exc)}{done}", messages.ERROR)
+            done_first = f" ({', '.join(changed)} done first)" if changed else ""
+            self.message_user(request, f"could not {verb}: {first_line(exc)}{done_first}", messages.ERROR)
             return
         past = "paused" if verb == "pause" else "resumed"
         if changed:
@@ -594,6 +614,18 @@ class OutboxMessageAdmin(_ModelAdmin):
         """End a pause or a ``RateLimited`` hold of these event types; the push listeners are
         woken, so their messages are claimed at once (``outbox-celery resume``)."""
         self._flow_action(request, queryset, "resume")
+
+    @admin.action(description="Pause the limit keys of the selected messages", permissions=["change"])
+    def pause_limit_keys(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
+        """Only these limit keys of their event types wait; the types' other keys flow on
+        (``outbox-celery pause EVENT_TYPE --key KEY``, DESIGN invariant 24)."""
+        self._flow_action(request, queryset, "pause", keys=True)
+
+    @admin.action(description="Resume the limit keys of the selected messages", permissions=["change"])
+    def resume_limit_keys(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
+        """End a pause or a ``RateLimited`` hold of these limit keys
+        (``outbox-celery resume EVENT_TYPE --key KEY``)."""
+        self._flow_action(request, queryset, "resume", keys=True)
 
 
 def _id_list(ids: list[int]) -> str:
