@@ -152,12 +152,12 @@ def batch(messages: list[Message]) -> dict[int, Exception] | None:
     return failed or None
 
 
-@outbox.handler("chaos.slow", concurrency=4)
+@outbox.handler("chaos.slow", concurrency=4, key_concurrency=2)
 def slow(message: Message) -> None:
     """Takes a while (well below the time limit), so kills often catch it running.
 
-    Limited to 4 live deliveries across every worker (flow control, #23): kills, restarts and
-    outages must not lose a slot for good nor a message.
+    Limited to 4 live deliveries across every worker and 2 per limit key (three tenants; flow
+    control, #23): kills, restarts and outages must not lose a slot for good nor a message.
     """
     time.sleep(float(message.payload["sleep"]))
     record(message, "ok")

@@ -51,12 +51,15 @@ def plan(count: int, keys: int, seed: int, slow_max: float) -> list[Event]:
     for n, kind in enumerate(kinds):
         payload: dict[str, object] = {"kind": kind, "n": n}
         key: str | None = None
+        limit_key: str | None = None
         if kind == "retry":
             payload["fail"] = rng.choice((1, 1, 2))
         elif kind == "defer":
             payload["delay"] = round(rng.uniform(0.3, 1.5), 2)
         elif kind == "slow":
             payload["sleep"] = round(rng.uniform(0.2, slow_max), 2)
+            # Limits per key (#23, DESIGN invariant 24): three tenants, at most two each at once.
+            limit_key = f"tenant-{rng.randrange(3)}"
         elif kind == "tx":
             payload["sleep"] = round(rng.uniform(0.0, slow_max / 2), 2)
         elif kind == "ordered":
@@ -68,7 +71,7 @@ def plan(count: int, keys: int, seed: int, slow_max: float) -> list[Event]:
             payload["sleep"] = round(rng.uniform(0.0, slow_max / 4), 2)
             if rng.random() < 1 / 3:
                 key = f"batch-key-{rng.randrange(keys)}"
-        events.append(Event(f"chaos.{kind}", payload, "chaos", str(n), ordering_key=key))
+        events.append(Event(f"chaos.{kind}", payload, "chaos", str(n), ordering_key=key, limit_key=limit_key))
     return events
 
 
