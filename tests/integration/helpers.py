@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -99,3 +100,50 @@ def claim_ids(
     """Ids of one claim, in the order the claim returned them."""
     result = store.claim(conn, limit=limit, lease=lease, owner=owner, max_attempts=max_attempts)
     return [c.id for c in result.claimed]
+
+
+T = TypeVar("T")
+
+
+def claim_together(
+    connect: Connect,
+    table: str,
+    limits: Mapping[str, Any],
+    observe: Callable[[psycopg.Connection[Any]], T],
+    *,
+    claimers: int,
+    rounds: int,
+) -> list[T]:
+    """``claimers`` threads, each on its own connection, claim at the same moment ``rounds``
+    times; after each claim (all of them done) every thread records ``observe(conn)``, then
+    finishes what it took so the next round claims again. Returns what was observed."""
+    barrier = threading.Barrier(claimers)
+    errors: list[BaseException] = []
+    seen: list[T] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            c = connect()
+            s = Store(table)
+            for _ in range(rounds):
+                barrier.wait(10)
+                got = s.claim(c, limit=50, lease=LONG, owner="t", max_attempts=5, limits=limits).claimed
+                barrier.wait(10)
+                with lock:
+                    seen.append(observe(c))
+                barrier.wait(10)
+                for g in got:
+                    assert s.done(c, g.id, g.lease_version)
+        except BaseException as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run) for _ in range(claimers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert len(seen) == claimers * rounds
+    return seen

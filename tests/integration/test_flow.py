@@ -6,7 +6,6 @@ real PostgreSQL with the Store the dispatcher uses, concurrent claimers included
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -18,7 +17,7 @@ from outbox_celery import Store, TableName, admin
 from outbox_celery.flow import Limit
 from outbox_celery.store import ClaimResult, ScanMarks
 
-from .helpers import LONG, Connect, add, fetch
+from .helpers import LONG, Connect, add, claim_together, fetch
 
 A, B = "webhook.a", "webhook.b"
 
@@ -164,38 +163,7 @@ def test_invariant_22_concurrent_claimers_never_exceed_the_limit_together(
 ) -> None:
     add(conn, 200, event_type=A)
     limits = {A: Limit(concurrency=3)}
-    claimers = 4
-    rounds = 15
-    barrier = threading.Barrier(claimers)
-    errors: list[BaseException] = []
-    seen: list[int] = []
-    lock = threading.Lock()
-
-    def run() -> None:
-        try:
-            c = connect()
-            s = Store(table)
-            for _ in range(rounds):
-                barrier.wait(10)
-                got = s.claim(c, limit=50, lease=LONG, owner="t", max_attempts=5, limits=limits).claimed
-                barrier.wait(10)
-                with lock:
-                    seen.append(live(c, table, A))
-                barrier.wait(10)
-                # Finish what this claimer holds, so the next round claims again.
-                for g in got:
-                    assert s.done(c, g.id, g.lease_version)
-        except BaseException as exc:  # pragma: no cover - surfaced below
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run) for _ in range(claimers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    assert len(seen) == claimers * rounds
+    seen = claim_together(connect, table, limits, lambda c: live(c, table, A), claimers=4, rounds=15)
     assert max(seen) == 3, "the claimers together handed out more (or never as many) as the limit"
 
 

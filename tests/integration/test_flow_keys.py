@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from typing import Any
@@ -21,7 +20,7 @@ from outbox_celery import Store, TableName, admin, migrate
 from outbox_celery.flow import Limit
 from outbox_celery.store import ClaimResult, ScanMarks
 
-from .helpers import LONG, add, fetch
+from .helpers import LONG, add, claim_together, fetch
 
 A, B = "webhook.a", "webhook.b"
 
@@ -270,36 +269,7 @@ def test_invariant_24_concurrent_claimers_never_exceed_a_key_limit_together(
     for key in ["t1", "t2", "t3"]:
         add(conn, 60, event_type=A, limit_key=key)
     limits = {A: Limit(key_concurrency=2)}
-    claimers, rounds = 4, 12
-    barrier = threading.Barrier(claimers)
-    errors: list[BaseException] = []
-    seen: list[dict[str, int]] = []
-    lock = threading.Lock()
-
-    def run() -> None:
-        try:
-            c = connect()
-            s = Store(table)
-            for _ in range(rounds):
-                barrier.wait(10)
-                got = s.claim(c, limit=50, lease=LONG, owner="t", max_attempts=5, limits=limits).claimed
-                barrier.wait(10)
-                with lock:
-                    seen.append(live_per_key(c, table, A))
-                barrier.wait(10)
-                for g in got:
-                    assert s.done(c, g.id, g.lease_version)
-        except BaseException as exc:  # pragma: no cover - surfaced below
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run) for _ in range(claimers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    assert len(seen) == claimers * rounds
+    seen = claim_together(connect, table, limits, lambda c: live_per_key(c, table, A), claimers=4, rounds=12)
     assert max(max(s.values(), default=0) for s in seen) == 2, (
         "a key got more (or never as many) as its limit"
     )
