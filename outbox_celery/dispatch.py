@@ -474,7 +474,10 @@ class Dispatcher:
         msg = replace(msg, _extend=lambda seconds: self._extend(outbox_id, lease_version, seconds))
         started = time.monotonic()
         if spec.transaction is not None:
-            return self._deliver_in_transaction(spec, spec.transaction, msg, lease_version, log, started)
+            outcome = self._deliver_in_transaction(spec, spec.transaction, msg, lease_version, log, started)
+            if outcome is Outcome.DONE and self._wakes_claim(spec):
+                self._wake()  # its done committed with the handler's transaction: a slot is free
+            return outcome
         try:
             # The lease heartbeat is a no-op unless configured; the span continues the producer's
             # trace when it had one (tracing.py).
@@ -495,7 +498,10 @@ class Dispatcher:
                 raise
         else:
             verdict = Verdict(Outcome.DONE)
-        if batch_done and verdict.outcome is Outcome.DONE and self._batch_done(msg, lease_version, lease_end):
+        batchable = batch_done and verdict.outcome is Outcome.DONE
+        if self._wakes_claim(spec):
+            outcome = self._finish_freeing_slot(verdict, msg, lease_version)
+        elif batchable and self._batch_done(msg, lease_version, lease_end):
             outcome = Outcome.DONE
         else:
             outcome = self._finish(verdict, msg, lease_version)
@@ -814,6 +820,35 @@ class Dispatcher:
             return False
         batch.add(msg.id, version)
         return True
+
+    def _wakes_claim(self, spec: HandlerSpec) -> bool:
+        """Whether a finished delivery of ``spec``'s type frees a slot the claim waits for (#23).
+
+        A concurrency-limited type's finalize is written at once (never held by the done
+        batcher) and wakes the push listeners at its commit, so the next claim hands the slot
+        out then, not ``LIMIT_RECHECK`` later (docs/flow-control.md).
+        """
+        return self.config.listen and spec.limit is not None and spec.limit.concurrency is not None
+
+    def _finish_freeing_slot(self, verdict: Verdict, msg: Message, version: int) -> Outcome:
+        """The fenced finalize of a concurrency-limited delivery, waking the claim at commit.
+
+        Through ``finish_many`` (one statement carrying the notification, as a batch's finish
+        does); an ordered done moves its key's head (its own statement), then wakes. A
+        ``RateLimited`` outcome holds the type: no claim could use the slot, no wake.
+        """
+        outcome = self._finish_batch([msg], {msg.id: verdict})[msg.id]
+        if outcome is Outcome.DONE and msg.ordering_key is not None:
+            self._wake()
+        return outcome
+
+    def _wake(self) -> None:
+        """Signal the table's channel; a failure only costs the claim's ``LIMIT_RECHECK``."""
+        try:
+            with self.connection() as conn:
+                self.store.notify(conn)
+        except psycopg.Error as exc:
+            logger.warning("outbox: waking the claim failed (%s)", first_line(exc))
 
     def _write_done_batch(self, finished: list[tuple[int, int]]) -> set[int]:
         first_id, first_version = finished[0]

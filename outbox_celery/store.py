@@ -1291,6 +1291,10 @@ class Store:
         assert row is not None
         return str(row[0])
 
+    def notify(self, conn: psycopg.Connection[Any]) -> None:
+        """Signal this table's channel (:meth:`notify_channel`): the push listeners claim again."""
+        conn.execute(self._q["notify"], {"table": self._regclass(conn)})
+
     def listen(self, conn: psycopg.Connection[Any]) -> str:
         """``LISTEN`` on this table's channel (a session-level setting); return the channel."""
         channel = self.notify_channel(conn)

@@ -516,6 +516,13 @@ RETURNING o.id, o.ordering_key;
 -- listener LISTENs on it (as an identifier).
 SELECT 'outbox_celery_' || %(table)s::regclass::oid::text;
 
+-- name: notify
+-- Wake this table's listeners (at commit; at once on an autocommit connection) on the channel
+-- of notify_channel and insert's pg_notify: a finished delivery of a concurrency-limited event
+-- type whose finalize could not carry the notification itself (an ordered done, a transactional
+-- handler's done) freed a slot (#23).
+SELECT pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '');
+
 -- name: next_due
 -- Seconds (database clock) until the next row of these event types becomes claimable within
 -- the next %(within)s seconds: a delayed, backed-off or deferred pending row or ordered head
