@@ -27,7 +27,7 @@ from .errors import ConfigurationError, Defer, PermanentError, RateLimited, Retr
 from .flow import Limit
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
-from .store import Claimed, ScanMarks, Store, starter_token
+from .store import SLOT_FREED, Claimed, ScanMarks, Store, starter_token
 from .tracing import handler_span
 from .transactional import TransactionKind
 
@@ -822,31 +822,31 @@ class Dispatcher:
         return True
 
     def _wakes_claim(self, spec: HandlerSpec) -> bool:
-        """Whether a finished delivery of ``spec``'s type frees a slot the claim waits for (#23).
+        """Whether a finished delivery of ``spec``'s type frees a slot the claim may wait for.
 
         A concurrency-limited type's finalize is written at once (never held by the done
-        batcher) and wakes the push listeners at its commit, so the next claim hands the slot
-        out then, not ``LIMIT_RECHECK`` later (docs/flow-control.md).
+        batcher) and then notifies the table's channel with :data:`SLOT_FREED`; a push listener
+        held back by a limit claims at once and hands the slot out, not ``LIMIT_RECHECK``
+        later; one held back by nothing ignores it (#23, docs/flow-control.md).
         """
         return self.config.listen and spec.limit is not None and spec.limit.concurrency is not None
 
     def _finish_freeing_slot(self, verdict: Verdict, msg: Message, version: int) -> Outcome:
-        """The fenced finalize of a concurrency-limited delivery, waking the claim at commit.
+        """The fenced finalize of a concurrency-limited delivery, then the wake.
 
-        Through ``finish_many`` (one statement carrying the notification, as a batch's finish
-        does); an ordered done moves its key's head (its own statement), then wakes. A
-        ``RateLimited`` outcome holds the type: no claim could use the slot, no wake.
+        A ``RateLimited`` outcome holds the type (no claim could use the slot) and a lost
+        lease freed nothing: no wake.
         """
-        outcome = self._finish_batch([msg], {msg.id: verdict})[msg.id]
-        if outcome is Outcome.DONE and msg.ordering_key is not None:
+        outcome = self._finish(verdict, msg, version)
+        if outcome in (Outcome.DONE, Outcome.RETRY, Outcome.DEFER, Outcome.DEAD):
             self._wake()
         return outcome
 
     def _wake(self) -> None:
-        """Signal the table's channel; a failure only costs the claim's ``LIMIT_RECHECK``."""
+        """Notify the table's channel that a slot is free; a failure costs a ``LIMIT_RECHECK``."""
         try:
             with self.connection() as conn:
-                self.store.notify(conn)
+                self.store.notify(conn, SLOT_FREED)
         except psycopg.Error as exc:
             logger.warning("outbox: waking the claim failed (%s)", first_line(exc))
 

@@ -518,10 +518,10 @@ SELECT 'outbox_celery_' || %(table)s::regclass::oid::text;
 
 -- name: notify
 -- Wake this table's listeners (at commit; at once on an autocommit connection) on the channel
--- of notify_channel and insert's pg_notify: a finished delivery of a concurrency-limited event
--- type whose finalize could not carry the notification itself (an ordered done, a transactional
--- handler's done) freed a slot (#23).
-SELECT pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, '');
+-- of notify_channel and insert's pg_notify, with a payload saying why: a finished delivery of
+-- a concurrency-limited event type freed a slot (#23; the listener answers it only while a
+-- limit holds a type back).
+SELECT pg_notify('outbox_celery_' || %(table)s::regclass::oid::text, %(payload)s);
 
 -- name: next_due
 -- Seconds (database clock) until the next row of these event types becomes claimable within

@@ -1,6 +1,7 @@
 """A freed slot wakes the claim (#23): a concurrency-limited delivery's finish is written at once
-and notifies the table's channel, so the push listener hands the slot out at its commit, not
-``LIMIT_RECHECK`` (or a held done's ``done_batch_delay``) later (docs/flow-control.md).
+and notifies the table's channel (``SLOT_FREED``), so a push listener held back by the limit
+hands the slot out then, not ``LIMIT_RECHECK`` (or a held done's ``done_batch_delay``) later
+(docs/flow-control.md; the listener's side: tests/unit/test_listener.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from outbox_celery.errors import Defer, PermanentError, RetryableError
 from outbox_celery.flow import Limit
 from outbox_celery.listener import Listener
 from outbox_celery.message import Message
-from outbox_celery.store import Claimed
+from outbox_celery.store import SLOT_FREED, Claimed
 
 from .helpers import LONG, add, fetch
 
@@ -85,7 +86,7 @@ def test_a_finished_concurrency_limited_delivery_is_written_at_once_and_wakes_th
         assert dispatcher.deliver(i, c.lease_version, batch_done=True) == outcome
         assert fetch(conn, table, i)["status"] == status  # written, not held
         got = list(listener.notifies(timeout=5.0, stop_after=1))
-        assert [n.channel for n in got] == [channel]
+        assert [(n.channel, n.payload) for n in got] == [(channel, SLOT_FREED)]
     assert dispatcher.done_batch is not None and dispatcher.done_batch.pending() == 0
 
 
