@@ -18,8 +18,8 @@ the same run without limits:
   starts in the first ``--rate-seconds`` (default 20 for a quick run; the issue's figure is 60)
   beside ``rate x T`` (5 % band); beside the same backlog without limits;
 * **cost**: end-to-end throughput of ``--cost-messages`` (5,000) no-op messages with limits
-  declared but not binding (``concurrency=1000, rate="100000/s"``) beside no limits, alternated
-  for ``--cost-rounds`` (3) rounds, medians.
+  declared but not binding (``concurrency=1000, rate="100000/s"``), with and without the
+  freed-slot wake, beside no limits, alternated for ``--cost-rounds`` (3) rounds, medians.
 
 Handler starts follow the claims after a hop through the broker: their 1-s windows can bunch by
 that hop's jitter (the bound is on the claims). Short runs on a shared development machine; the
@@ -185,6 +185,9 @@ class FlowBench:
         variants: dict[str, dict[str, Any]] = {
             "no limits": {},
             'limits not binding (concurrency=1000, rate="100000/s")': dict(concurrency=1000, rate="100000/s"),
+            "the same, no wake (no_slot_wake: dones batched)": dict(
+                concurrency=1000, rate="100000/s", variant="no_slot_wake"
+            ),
         }
         rates: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(a.cost_rounds):
