@@ -33,6 +33,10 @@ Sections (``--only`` picks some):
 * ``batch`` (opt-in, #22): end to end, batch handlers of ``--handler-batches`` (50, 100) beside
   bare Celery's per-message rate and the outbox's one-message handler, same broker, pool,
   concurrency and prefetch, per deployment, alternated for ``--batch-rounds`` (3) rounds, medians.
+* ``flow`` (opt-in, #23): flow control with real workers (3 workers x prefork 4 and a claim
+  worker, Redis): a concurrency limit's most handlers at once and rate (with and without the
+  freed-slot wake), a rate limit's 1-s windows, the cost of limits that do not bind; the
+  defaults of ``python -m benchmarks.flow_celery`` (its options there).
 * ``transactional`` (opt-in, #24): the plain loop with a handler that inserts one effect row,
   transactional (effect and done in one transaction) beside plain (the effect on its own
   connection, then the done), interleaved twice.
@@ -108,6 +112,7 @@ SECTIONS = (
     "transactional",
     "peer",
     "batch",
+    "flow",
 )
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 # The end-to-end deployments: a solo claim worker beside the delivery worker, and the README's
@@ -328,6 +333,13 @@ class Bench:
     def close(self) -> None:
         """Stop what the sections started for themselves (the horizon sections' server)."""
         self.stack.close()
+
+    def flow(self) -> None:
+        """Flow control with real workers (#23): ``benchmarks/flow_celery.py`` with its defaults."""
+        from .flow_celery import PARTS, parser, run_parts
+
+        self.report.flush()
+        run_parts(parser().parse_args([]), self.svc.dsn, self.svc.redis_url, self.workdir, PARTS)
 
     def _outbox(self, broker_url: str, n: int, **kw: Any) -> PipelineResult:
         a = self.args
@@ -1413,6 +1425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "transactional": bench.transactional,
             "peer": bench.peer,
             "batch": bench.batch,
+            "flow": bench.flow,
         }
         failures = 0
         try:

@@ -2,14 +2,16 @@
 
 Configured by the runner through ``BENCH_*`` environment variables (broker, DSN, table, queues,
 prefetch, claim interval, batch size; ``BENCH_HANDLER_BATCH`` makes the handler a batch handler
-of that size, #22). ``BENCH_VARIANT`` selects labelled, benchmark-only
-variants used to measure a change against what it replaced in the same run (see
-:mod:`benchmarks.variants`).
+of that size, #22; ``BENCH_LIMIT_CONCURRENCY`` and ``BENCH_LIMIT_RATE`` declare the handler's
+flow limits, ``BENCH_HANDLER_SLEEP`` makes it sleep that many seconds, #23).
+``BENCH_VARIANT`` selects labelled, benchmark-only variants used to measure a change against
+what it replaced in the same run (see :mod:`benchmarks.variants`).
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from celery import Celery
 
@@ -53,11 +55,21 @@ if BATCH:
             hooks.record_start(message.id)
 
 else:
+    SLEEP = float(os.environ.get("BENCH_HANDLER_SLEEP", "0"))
+    CONCURRENCY = os.environ.get("BENCH_LIMIT_CONCURRENCY")
 
-    @outbox.handler("bench.noop")
+    @outbox.handler(
+        "bench.noop",
+        concurrency=int(CONCURRENCY) if CONCURRENCY else None,
+        rate=os.environ.get("BENCH_LIMIT_RATE") or None,
+    )
     def noop(message: Message) -> None:
-        """Do nothing (records its start time in latency runs)."""
+        """Do nothing (records its start time in latency runs), or sleep (flow runs)."""
+        started = time.time()
         hooks.record_start(message.id)
+        if SLEEP:
+            time.sleep(SLEEP)
+        hooks.record_span(message.id, started, time.time())
 
 
 variants.apply(outbox, os.environ.get("BENCH_VARIANT", ""))

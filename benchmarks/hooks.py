@@ -7,6 +7,8 @@ Configured through environment variables set by the benchmark runner:
 * ``BENCH_READY``: a file written once the worker is ready to consume.
 * ``BENCH_CLAIM_COUNTER``: a line per claim task run (claims that went through the broker).
 * ``BENCH_LATENCY_DIR``: handlers append ``"<id> <time.time()>"`` lines here (latency runs only).
+* ``BENCH_SPANS_DIR``: handlers append ``"<id> <start> <end>"`` lines here (``time.time()``,
+  the machine's one wall clock), one file per process (the flow benchmark).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from celery import signals
 
 from .counter import CompletionCounter
 
-__all__ = ["install", "record_published", "record_start", "time_publish"]
+__all__ = ["install", "record_published", "record_span", "record_start", "time_publish"]
 
 _counter: CompletionCounter | None = None
 _latency_file: IO[str] | None = None
 _latency_pid = 0
+_spans_file: IO[str] | None = None
+_spans_pid = 0
 
 
 def _on_postrun(sender: Any = None, args: Any = None, **kwargs: Any) -> None:
@@ -72,6 +76,18 @@ def record_start(outbox_id: int) -> None:
         _latency_pid = os.getpid()
         _latency_file = open(Path(folder) / f"start-{_latency_pid}.txt", "a", buffering=1)  # noqa: SIM115
     _latency_file.write(f"{outbox_id} {now:.6f}\n")
+
+
+def record_span(outbox_id: int, started: float, finished: float) -> None:
+    """Note a handler run's start and end (``time.time()``; flow runs only)."""
+    global _spans_file, _spans_pid
+    folder = os.environ.get("BENCH_SPANS_DIR")
+    if not folder:
+        return
+    if _spans_file is None or _spans_pid != os.getpid():
+        _spans_pid = os.getpid()
+        _spans_file = open(Path(folder) / f"spans-{_spans_pid}.txt", "a", buffering=1)  # noqa: SIM115
+    _spans_file.write(f"{outbox_id} {started:.6f} {finished:.6f}\n")
 
 
 def record_published(ids: list[int]) -> None:

@@ -244,6 +244,8 @@ class Pipeline:
         idle: float = 0.0,
         on_measured: Callable[[str], Any] | None = None,
         handler_batch: int = 0,
+        delivery_workers: int = 1,
+        extra_env: dict[str, str] | None = None,
     ) -> PipelineResult:
         """The outbox: a producer process committing events, beat, a claim worker, delivery workers.
 
@@ -264,6 +266,9 @@ class Pipeline:
         before the measured run, counting the claim tasks that went through the broker.
         ``on_measured(table)`` is called (after ``attach``) right before the measured load starts:
         the horizon benchmark starts its sampler and its pinned snapshot there.
+        ``delivery_workers`` starts that many delivery workers of ``concurrency`` processes each
+        (split deployment only); ``extra_env`` is added to every process's environment (the
+        flow benchmark's limits and handler sleep, ``benchmarks/flow_celery.py``).
         """
         if rate is not None:
             n = int(rate * duration)
@@ -289,6 +294,7 @@ class Pipeline:
             "BENCH_NOTIFY": "1" if notify else "0",
             "BENCH_DELAY": str(delay),
             "BENCH_HANDLER_BATCH": str(handler_batch),
+            **(extra_env or {}),
         }
         latency_dir = self.workdir / f"{run}.latency"
         measured_env = dict(env)
@@ -319,6 +325,24 @@ class Pipeline:
                     pool=self.pool,
                     concurrency=self.concurrency,
                 )
+                more = [
+                    self._worker(
+                        procs,
+                        app,
+                        f"deliver{k}-{run}",
+                        queue,
+                        {
+                            **env,
+                            "BENCH_COUNTER": str(counter.path),
+                            "BENCH_READY": str(self.workdir / f"{run}.d{k}"),
+                        },
+                        pool=self.pool,
+                        concurrency=self.concurrency,
+                    )
+                    for k in range(1, delivery_workers if not single_worker else 1)
+                ]
+                for k in range(1, len(more) + 1):
+                    wait_for(self.workdir / f"{run}.d{k}", [deliver, *more], 60)
                 if single_worker:
                     claim = deliver
                     wait_for(self.workdir / f"{run}.d", [deliver], 60)
@@ -342,6 +366,7 @@ class Pipeline:
                 roles = {"deliver": deliver, "claim": claim, "beat": beat}
                 if single_worker:
                     roles = {"worker": deliver, "beat": beat}
+                roles.update({f"deliver{k}": w for k, w in enumerate(more, start=1)})
                 watch = list(roles.values())
                 # Statistics before the warm-up and after every backend exited: backends report
                 # theirs with a delay (at most once a second, or after 10 s idle, or on exit).
@@ -441,6 +466,7 @@ class Pipeline:
                 "listen": listen,
                 "notify": notify,
                 "handler_batch": handler_batch,
+                "delivery_workers": delivery_workers,
             },
             extra={
                 "status": status,

@@ -25,6 +25,9 @@ Nothing here is used by the library. A variant spec is a comma-separated list of
 * ``done_each``: every ``done`` is written at once, in its own statement
   (``done_batch_delay=0``; before #12 it was).
 * ``before-12``: all four of the above (the claim and delivery paths before #12).
+* ``no_slot_wake``: a concurrency-limited event type's finish goes through the done batcher
+  and wakes nobody, as before #23's freed-slot wake: the claim finds the slot at its next
+  ``LIMIT_RECHECK``.
 * ``push_broker``: the listener (#11) sends the claim task through the broker on every wake-up
   instead of running the claim in the worker's main process. Measured only: the library claims
   in-process.
@@ -56,6 +59,7 @@ KNOWN = {
     "bound_each_run",
     "check_each",
     "done_each",
+    "no_slot_wake",
 }
 
 # Benchmark-only: the claim_heads query as it was before #10 (it ignores the head flag).
@@ -157,6 +161,11 @@ def apply(outbox: Any, spec: str) -> None:
         # Benchmark-only: no batched done, each written by its delivery.
         outbox._settings["done_batch_delay"] = 0.0
         outbox._config = None
+    if "no_slot_wake" in names:
+        from outbox_celery import dispatch
+
+        # Benchmark-only: a freed slot waits for the claim's next LIMIT_RECHECK.
+        dispatch.Dispatcher._wakes_claim = lambda self, spec: False  # type: ignore[method-assign]
     if "acks_early" in names:
         outbox.deliver_task.acks_late = False
     if "push_broker" in names:

@@ -27,7 +27,7 @@ from .errors import ConfigurationError, Defer, PermanentError, RateLimited, Retr
 from .flow import Limit
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
-from .store import Claimed, Finalized, FinalizedMany, ScanMarks, Store, starter_token
+from .store import SLOT_FREED, Claimed, Finalized, FinalizedMany, ScanMarks, Store, starter_token
 from .tracing import handler_span
 from .transactional import TransactionKind
 
@@ -466,9 +466,15 @@ class Dispatcher:
         msg = replace(msg, _extend=self._extender(outbox_id, lease_version))
         started = time.monotonic()
         if spec.transaction is not None:
-            return self._deliver_in_transaction(spec, spec.transaction, msg, lease_version, log, started)
+            outcome = self._deliver_in_transaction(spec, spec.transaction, msg, lease_version, log, started)
+            if outcome is Outcome.DONE and self._wakes_claim(spec):
+                self._wake()  # its done committed with the handler's transaction: a slot is free
+            return outcome
         verdict = self._run_handler(spec, msg, log, started)
-        if batch_done and verdict.outcome is Outcome.DONE and self._batch_done(msg, lease_version, lease_end):
+        batchable = batch_done and verdict.outcome is Outcome.DONE
+        if self._wakes_claim(spec):
+            outcome = self._finish_freeing_slot(verdict, msg, lease_version)
+        elif batchable and self._batch_done(msg, lease_version, lease_end):
             outcome = Outcome.DONE
         else:
             outcome = self._finish(verdict, msg, lease_version)
@@ -841,6 +847,35 @@ class Dispatcher:
             return False
         batch.add(msg.id, lease_version)
         return True
+
+    def _wakes_claim(self, spec: HandlerSpec) -> bool:
+        """Whether a finished delivery of ``spec``'s type frees a slot the claim may wait for.
+
+        A concurrency-limited type's finalize is written at once (never held by the done
+        batcher) and then notifies the table's channel with :data:`SLOT_FREED`; a push listener
+        held back by a limit claims at once and hands the slot out, not ``LIMIT_RECHECK``
+        later; one held back by nothing ignores it (#23, docs/flow-control.md).
+        """
+        return self.config.listen and spec.limit is not None and spec.limit.concurrency is not None
+
+    def _finish_freeing_slot(self, verdict: Verdict, msg: Message, version: int) -> Outcome:
+        """The fenced finalize of a concurrency-limited delivery, then the wake.
+
+        A ``RateLimited`` outcome holds the type (no claim could use the slot) and a lost
+        lease freed nothing: no wake.
+        """
+        outcome = self._finish(verdict, msg, version)
+        if outcome in (Outcome.DONE, Outcome.RETRY, Outcome.DEFER, Outcome.DEAD):
+            self._wake()
+        return outcome
+
+    def _wake(self) -> None:
+        """Notify the table's channel that a slot is free; a failure costs a ``LIMIT_RECHECK``."""
+        try:
+            with self.connection() as conn:
+                self.store.notify(conn, SLOT_FREED)
+        except psycopg.Error as exc:
+            logger.warning("outbox: waking the claim failed (%s)", first_line(exc))
 
     def _write_done_batch(self, finished: list[tuple[int, int]]) -> FinalizedMany:
         first_id, first_version = finished[0]

@@ -29,7 +29,7 @@ import psycopg
 
 from .dispatch import ClaimRun
 from .dsn import error_line
-from .store import Store
+from .store import SLOT_FREED, Store
 
 __all__ = ["Listener"]
 
@@ -80,6 +80,8 @@ class Listener:
         self._stats: dict[str, int] = {"notifications": 0, "claims": 0, "connects": 0, "errors": 0}
         self._stats_lock = threading.Lock()
         self.connected = threading.Event()
+        # Whether the last claim run left a type held back by a limit: freed slots then matter.
+        self._held = False
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
@@ -166,13 +168,18 @@ class Listener:
                         break
 
     def _wait_notification(self, conn: psycopg.Connection[Any], timeout: float) -> bool:
-        """Wait up to ``timeout`` for a notification; drain the ones already there."""
-        got = sum(1 for _ in conn.notifies(timeout=timeout, stop_after=1))
+        """Wait up to ``timeout`` for a notification; drain the ones already there.
+
+        True when one calls for a claim: any but a freed slot's (:data:`SLOT_FREED`), which
+        only matters while the last run left a type held back by a limit (#23); otherwise
+        every finished delivery of a limit that does not bind would start a claim run.
+        """
+        got = list(conn.notifies(timeout=timeout, stop_after=1))
         if got:
             # Coalesce: every notification received meanwhile is answered by the same claim.
-            got += sum(1 for _ in conn.notifies(timeout=0.0))
-            self._count("notifications", got)
-        return got > 0
+            got += list(conn.notifies(timeout=0.0))
+            self._count("notifications", len(got))
+        return any(n.payload != SLOT_FREED for n in got) or (self._held and bool(got))
 
     def _hold_off(self, conn: psycopg.Connection[Any], seconds: float) -> None:
         """Wait ``seconds`` (or until stopped), draining every notification that arrives."""
@@ -208,6 +215,7 @@ class Listener:
                 continue  # a backlog: keep claiming
             break
         due = self.store.next_due(conn, self.event_types(), within=self.poll)
+        self._held = run is not None and run.flow_wait is not None
         if run is not None and run.flow_wait is not None:
             # An event type held back by its limit or a RateLimited outcome (#23): a finished
             # delivery, a refilled rate bucket or a hold's end sends no notification.

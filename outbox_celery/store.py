@@ -60,6 +60,9 @@ WritePlan = Generator[Statement, list[tuple[Any, ...]], list[int]]
 
 logger = logging.getLogger(__name__)
 
+#: The payload of a finished concurrency-limited delivery's notification (#23): a slot is free.
+SLOT_FREED = "slot_freed"
+
 # Expired leases handled per statement of a claim (release_expired, reap).
 _EXPIRED_BATCH = 1000
 
@@ -1519,6 +1522,11 @@ class Store:
         row = conn.execute(self._q["notify_channel"], {"table": self._regclass(conn)}).fetchone()
         assert row is not None
         return str(row[0])
+
+    def notify(self, conn: psycopg.Connection[Any], payload: str = "") -> None:
+        """Signal this table's channel (:meth:`notify_channel`) with ``payload``: the push
+        listeners claim again (:data:`SLOT_FREED`: only while a limit holds a type back)."""
+        conn.execute(self._q["notify"], {"table": self._regclass(conn), "payload": payload})
 
     def listen(self, conn: psycopg.Connection[Any]) -> str:
         """``LISTEN`` on this table's channel (a session-level setting); return the channel."""

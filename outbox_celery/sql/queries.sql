@@ -503,6 +503,13 @@ RETURNING o.id, o.ordering_key;
 -- listener LISTENs on it (as an identifier).
 SELECT {notify_channel};
 
+-- name: notify
+-- Wake this table's listeners (at commit; at once on an autocommit connection) on the channel
+-- of notify_channel and insert's pg_notify, with a payload saying why: a finished delivery of
+-- a concurrency-limited event type freed a slot (#23; the listener answers it only while a
+-- limit holds a type back).
+SELECT pg_notify({notify_channel}, %(payload)s);
+
 -- name: next_due
 -- Seconds (database clock) until the next row of these event types becomes claimable within
 -- the next %(within)s seconds: a delayed, backed-off or deferred pending row or ordered head

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -20,23 +21,29 @@ import pytest
 from outbox_celery import listener as listener_module
 from outbox_celery.dispatch import ClaimRun
 from outbox_celery.listener import _BUSY_RETRY, _MIN_WAIT, Listener
+from outbox_celery.store import SLOT_FREED
 
 SETTLE = 10.0
 HOUR = 3600.0
 
 
+@dataclass(frozen=True)
+class Notification:
+    payload: str
+
+
 class FakeConn:
-    """A LISTEN session: ``notifies`` yields what the test puts in ``inbox``."""
+    """A LISTEN session: ``notifies`` yields the payloads the test puts in ``inbox``."""
 
     def __init__(self) -> None:
         self.inbox: queue.Queue[str] = queue.Queue()
 
-    def notifies(self, *, timeout: float, stop_after: int | None = None) -> Iterator[str]:
+    def notifies(self, *, timeout: float, stop_after: int | None = None) -> Iterator[Notification]:
         got = 0
         deadline = time.monotonic() + timeout
         while stop_after is None or got < stop_after:
             try:
-                yield self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                yield Notification(self.inbox.get(timeout=max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 return
             got += 1
@@ -246,3 +253,38 @@ def test_a_failure_after_a_connect_resets_the_backoff(monkeypatch: pytest.Monkey
     listener._stop = Stop()
     listener._run()
     assert waits == pytest.approx([0.2, 0.4, 0.2])
+
+
+def test_a_freed_slot_wakes_it_only_while_a_limit_holds_a_type_back(session: FakeConn) -> None:
+    # #23: a finished concurrency-limited delivery notifies SLOT_FREED. Claimed while a type
+    # was at its limit (the run's flow_wait), it claims at once; held back by nothing, the
+    # notification is drained and nothing runs (a limit that does not bind starts no claims).
+    runs = [ClaimRun(), ClaimRun(flow_wait=HOUR), ClaimRun()]
+    calls: list[ClaimRun] = []
+
+    def claim() -> ClaimRun:
+        run = runs.pop(0) if runs else ClaimRun()
+        calls.append(run)
+        return run
+
+    listener = _listener(claim)  # type: ignore[arg-type]
+    listener.start()
+    try:
+        assert listener.connected.wait(SETTLE)
+        deadline = time.monotonic() + SETTLE
+        while not calls:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        session.inbox.put(SLOT_FREED)  # nothing held: ignored
+        time.sleep(0.3)
+        assert len(calls) == 1 and listener.get_stats()["notifications"] == 1
+        session.inbox.put("")  # a producer's commit: claims; that run holds a type back
+        while len(calls) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        session.inbox.put(SLOT_FREED)  # now it claims at once
+        while len(calls) < 3:
+            assert time.monotonic() < deadline, "a freed slot did not wake a held listener"
+            time.sleep(0.002)
+    finally:
+        listener.stop()
