@@ -8,6 +8,7 @@ and a ``publish`` callable to hand claimed rows to the broker.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -24,7 +25,7 @@ from ._done_batch import DoneBatcher
 from .backoff import Backoff, RetryPolicy
 from .config import OutboxConfig
 from .errors import ConfigurationError, Defer, PermanentError, RateLimited, RetryableError, first_line
-from .flow import Limit
+from .flow import AT_CAP_TTL, Limit
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
 from .store import SLOT_FREED, Claimed, Finalized, FinalizedMany, ScanMarks, Store, starter_token
@@ -290,6 +291,9 @@ class Dispatcher:
         self.done_batch: DoneBatcher | None = None
         if config.done_batch_delay > 0:
             self.done_batch = DoneBatcher(self._write_done_batch, delay=config.done_batch_delay)
+        #: The concurrency-limited types the last claim left at their limit, and when this
+        #: process read that (monotonic; read again after AT_CAP_TTL).
+        self._capped: tuple[float, frozenset[str]] = (-math.inf, frozenset())
 
     @property
     def retry(self) -> RetryPolicy:
@@ -849,14 +853,33 @@ class Dispatcher:
         return True
 
     def _wakes_claim(self, spec: HandlerSpec) -> bool:
-        """Whether a finished delivery of ``spec``'s type frees a slot the claim may wait for.
+        """Whether a finished delivery of ``spec``'s type frees a slot the claim waits for.
 
-        A concurrency-limited type's finalize is written at once (never held by the done
-        batcher) and then notifies the table's channel with :data:`SLOT_FREED`; a push listener
-        held back by a limit claims at once and hands the slot out, not ``LIMIT_RECHECK``
-        later; one held back by nothing ignores it (#23, docs/flow-control.md).
+        True for a concurrency-limited type that the last claim left at its limit (its flow
+        row's ``at_cap``, read at most every :data:`AT_CAP_TTL` by this process): its finalize
+        is written at once (never held by the done batcher) and then notifies the table's
+        channel with :data:`SLOT_FREED`; a push listener held back by a limit claims at once and
+        hands the slot out, not ``LIMIT_RECHECK`` later. Below its limit the done stays batched:
+        nobody waits for the slot (#23, docs/flow-control.md).
         """
-        return self.config.listen and spec.limit is not None and spec.limit.concurrency is not None
+        if not (self.config.listen and spec.limit is not None and spec.limit.concurrency is not None):
+            return False
+        return spec.event_type in self._capped_types()
+
+    def _capped_types(self) -> frozenset[str]:
+        read_at, capped = self._capped
+        now = time.monotonic()
+        if now - read_at < AT_CAP_TTL:
+            return capped
+        bounded = sorted(t for t, s in self.handlers.items() if s.limit is not None and s.limit.concurrency)
+        try:
+            with self.connection() as conn:
+                capped = self.store.capped(conn, bounded)
+        except psycopg.Error as exc:  # the slot is then found by LIMIT_RECHECK: nothing is lost
+            logger.warning("outbox: reading the limited types' state failed (%s)", first_line(exc))
+            capped = frozenset()
+        self._capped = (now, capped)
+        return capped
 
     def _finish_freeing_slot(self, verdict: Verdict, msg: Message, version: int) -> Outcome:
         """The fenced finalize of a concurrency-limited delivery, then the wake.

@@ -24,8 +24,12 @@ __all__ = ["LIMIT_RECHECK", "RATE_BURST", "Allowance", "Limit", "allowance", "pa
 RATE_BURST = 0.2
 
 #: Seconds the push listener waits before claiming again while an event type is held at its
-#: concurrency limit (a delivery's end sends no notification; its slot is found by this poll).
+#: concurrency limit, when no freed slot's notification came first.
 LIMIT_RECHECK = 0.05
+
+#: Seconds a delivery process trusts what it last read of which concurrency-limited types the
+#: claim left at their limit (whose finishes wake the claim) before reading it again.
+AT_CAP_TTL = 0.1
 
 #: The allowance of a type that only limits its keys: the claim's batch is the bound.
 UNBOUNDED = 1 << 30
@@ -132,6 +136,12 @@ class Allowance:
     rows: int
     tokens: float | None
     by_rate: bool
+
+    def at_cap(self, limit: Limit, taken: int) -> bool:
+        """Whether this claim left the type at its concurrency limit: it took all it was allowed
+        and concurrency, not the rate, decided how much that was (a freed slot then wakes the
+        claim, docs/flow-control.md)."""
+        return limit.concurrency is not None and not self.by_rate and taken >= self.rows
 
     def wait(self, limit: Limit, taken: int) -> float | None:
         """Seconds until claiming again can take more, when this claim was held by the limit.

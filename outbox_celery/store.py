@@ -167,6 +167,8 @@ class FlowRead:
     allowances: dict[str, Allowance]
     #: Where the next claim of each keyed type starts walking its keys (DESIGN invariant 24).
     cursors: dict[str, str | None] = field(default_factory=dict)
+    #: The at_cap flag of each type as the previous claim left it.
+    at_cap: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -769,6 +771,7 @@ class Store:
                 conn.execute(self._q["flow_key_cursor"], {"types": list(moved), "keys": list(moved.values())})
             if flow is not None:
                 self._spend(conn, flow, spent)
+                self._mark_capped(conn, flow, limits, spent)
         self._count("claimed", len(claimed))
         self._count("reaped", len(reaped_rows))
         self._count("lost_tasks", lost)
@@ -1005,7 +1008,8 @@ class Store:
             if t not in held
         }
         cursors = {str(r[0]): None if r[6] is None else str(r[6]) for r in rows}
-        return FlowRead(held=held, held_for=held_for, allowances=allowances, cursors=cursors)
+        at_cap = {str(r[0]): bool(r[7]) for r in rows}
+        return FlowRead(held=held, held_for=held_for, allowances=allowances, cursors=cursors, at_cap=at_cap)
 
     def _spend(self, conn: psycopg.Connection[Any], flow: FlowRead, spent: Mapping[str, int]) -> None:
         """Write the rate buckets back: the refilled tokens minus what this claim took.
@@ -1023,6 +1027,31 @@ class Store:
         if buckets:
             types = sorted(buckets)
             conn.execute(self._q["flow_spend"], {"types": types, "tokens": [buckets[t] for t in types]})
+
+    def _mark_capped(
+        self,
+        conn: psycopg.Connection[Any],
+        flow: FlowRead,
+        limits: Mapping[str, Limit],
+        spent: Mapping[str, int],
+    ) -> None:
+        """Record which concurrency-limited types this claim left at their limit (only changes)."""
+        flags = {
+            t: a.at_cap(limits[t], spent.get(t, 0))
+            for t, a in flow.allowances.items()
+            if limits[t].concurrency is not None
+        }
+        changed = sorted(t for t, f in flags.items() if f != flow.at_cap.get(t, False))
+        if changed:
+            conn.execute(self._q["flow_at_cap"], {"types": changed, "flags": [flags[t] for t in changed]})
+
+    def capped(self, conn: psycopg.Connection[Any], event_types: Sequence[str]) -> frozenset[str]:
+        """The types among ``event_types`` the last claim left at their concurrency limit
+        (empty before migration 0008)."""
+        if not event_types or not self.flow_ready(conn):
+            return frozenset()
+        rows = conn.execute(self._q["flow_capped"], {"types": list(event_types)}).fetchall()
+        return frozenset(str(r[0]) for r in rows)
 
     def _release_expired(
         self, conn: psycopg.Connection[Any], base: dict[str, Any], lease: float, unroutable_delay: float

@@ -648,7 +648,7 @@ SELECT to_regclass(%(flow_table)s) IS NOT NULL AND to_regclass(%(flow_key_table)
 -- everything an earlier claimer handed out. One row per type, never the backlog.
 SELECT event_type, paused, coalesce(paused_until > now(), false) AS held,
        extract(epoch FROM paused_until - now())::float8 AS held_for,
-       tokens, extract(epoch FROM now() - refilled_at)::float8 AS since_refill, key_cursor
+       tokens, extract(epoch FROM now() - refilled_at)::float8 AS since_refill, key_cursor, at_cap
 FROM {flow_table}
 WHERE event_type = ANY(%(limited)s::text[]) OR paused OR paused_until > now()
 ORDER BY event_type
@@ -669,6 +669,21 @@ SELECT event_type, count(*)
 FROM {table}
 WHERE status = 'processing' AND lease_until > now() AND event_type = ANY(%(limited)s::text[])
 GROUP BY event_type;
+
+-- name: flow_at_cap
+-- After a claim, under the flow rows' lock: the concurrency-limited types whose at_cap flag
+-- changed (DESIGN invariant 22). Written only on a change, so a type that stays at (or below)
+-- its limit leaves no row version per claim.
+UPDATE {flow_table} AS f
+SET at_cap = u.at_cap, updated_at = now()
+FROM unnest(%(types)s::text[], %(flags)s::boolean[]) AS u(event_type, at_cap)
+WHERE f.event_type = u.event_type;
+
+-- name: flow_capped
+-- The event types among these that the last claim left at their concurrency limit: a worker
+-- reads it (at most every AT_CAP_TTL per process) to decide whether a finish frees a slot the
+-- claim waits for.
+SELECT event_type FROM {flow_table} WHERE at_cap AND event_type = ANY(%(types)s::text[]);
 
 -- name: flow_spend
 -- The rate buckets after a claim: the tokens left and the time they were counted at (the

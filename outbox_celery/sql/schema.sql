@@ -68,7 +68,10 @@ CREATE TABLE {flow_table} (
     refilled_at  timestamptz,
     updated_at   timestamptz NOT NULL DEFAULT now(),
     -- Where the next claim of a keyed event type starts walking its keys (migration 0008).
-    key_cursor   text
+    key_cursor   text,
+    -- The last claim left the type at its concurrency limit: a worker that finishes one of its
+    -- deliveries writes the finish at once and wakes the claim (migration 0008).
+    at_cap       boolean     NOT NULL DEFAULT false
 );
 -- Pause, RateLimited holds and key_rate buckets per limit key (migration 0008, #23).
 CREATE TABLE {flow_key_table} (

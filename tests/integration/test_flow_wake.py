@@ -15,9 +15,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from outbox_celery import OutboxConfig, Store
+from outbox_celery import OutboxConfig, Store, TableName
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
 from outbox_celery.errors import Defer, PermanentError, RetryableError
 from outbox_celery.flow import Limit
@@ -80,7 +81,11 @@ def test_a_finished_concurrency_limited_delivery_is_written_at_once_and_wakes_th
         pool, table, handler, Limit(concurrency=1), lease=LONG, done_batch_delay=LONG / 5
     )
     [i] = add(conn, table=table, event_type=T, key="k" if ordered else None)
-    [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+    # The claim takes the one row its limit allows: it leaves the type at its limit (at_cap).
+    claimed = dispatcher.store.claim(
+        conn, limit=1, lease=LONG, owner="w", max_attempts=5, limits={T: Limit(concurrency=1)}
+    )
+    [c] = claimed.claimed
     with psycopg.connect(migrated_dsn, autocommit=True) as listener:
         channel = Store(table).listen(listener)
         assert dispatcher.deliver(i, c.lease_version, batch_done=True) == outcome
@@ -108,6 +113,47 @@ def test_other_types_dones_are_still_batched_and_wake_nobody(
         assert list(listener.notifies(timeout=0.3)) == []
     dispatcher.flush()
     assert fetch(conn, table, i)["status"] == "done"
+
+
+def _at_cap(conn: psycopg.Connection[Any], table: str) -> bool:
+    flow = TableName.parse(table).identifier("_flow")
+    query = sql.SQL("SELECT at_cap FROM {} WHERE event_type = %s").format(flow)
+    row = conn.execute(query, [T]).fetchone()
+    return bool(row and row[0])
+
+
+def test_below_its_limit_a_limited_types_done_stays_batched_and_wakes_nobody(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any], migrated_dsn: str
+) -> None:
+    """The cost side: a limit that does not bind keeps the batched done (nobody waits for a slot)."""
+    limit = Limit(concurrency=5)
+    dispatcher = _dispatcher(pool, table, lambda m: None, limit, lease=LONG, done_batch_delay=LONG / 5)
+    ids = add(conn, 2, table=table, event_type=T)
+    got = dispatcher.store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits={T: limit})
+    assert len(got.claimed) == 2 and not _at_cap(conn, table)  # 2 of the 5 allowed
+    with psycopg.connect(migrated_dsn, autocommit=True) as listener:
+        Store(table).listen(listener)
+        for c in got.claimed:
+            assert dispatcher.deliver(c.id, c.lease_version, batch_done=True) == Outcome.DONE
+        assert {fetch(conn, table, i)["status"] for i in ids} == {"processing"}  # held by the batcher
+        assert list(listener.notifies(timeout=0.3)) == []
+    dispatcher.flush()
+    assert {fetch(conn, table, i)["status"] for i in ids} == {"done"}
+
+
+def test_the_claim_records_whether_it_left_a_type_at_its_limit(
+    conn: psycopg.Connection[Any], table: str, store: Store
+) -> None:
+    limits = {T: Limit(concurrency=2)}
+    add(conn, 3, table=table, event_type=T)
+    first = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits=limits).claimed
+    assert len(first) == 2 and _at_cap(conn, table)
+    assert store.capped(conn, [T, "other"]) == {T}
+    for c in first:
+        assert store.done(conn, c.id, c.lease_version)
+    # The last row: 1 of the 2 allowed, so the type is no longer at its limit.
+    assert len(store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits=limits).claimed) == 1
+    assert not _at_cap(conn, table) and store.capped(conn, [T]) == frozenset()
 
 
 def test_a_freed_slot_is_handed_out_by_the_listener_at_once(

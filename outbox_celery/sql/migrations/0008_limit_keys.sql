@@ -13,6 +13,9 @@ CREATE INDEX {key_lease_idx} ON {table} (event_type, limit_key, lease_until)
     WHERE status = 'processing' AND limit_key IS NOT NULL;
 -- Where the next claim of a keyed event type starts walking its keys (round robin).
 ALTER TABLE {flow_table} ADD COLUMN key_cursor text;
+-- Whether the last claim left the type at its concurrency limit (a freed slot then wakes the
+-- claim). A constant default: added without rewriting the (small) table.
+ALTER TABLE {flow_table} ADD COLUMN at_cap boolean NOT NULL DEFAULT false;
 -- Pause, RateLimited holds and key_rate buckets per limit key: one small row per key that was
 -- paused, held or rate limited.
 CREATE TABLE {flow_key_table} (
