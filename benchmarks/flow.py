@@ -166,21 +166,24 @@ def fill_interleaved(
     )
 
 
-def key_cost(dsn: str, table: str, *, rounds: int, keys: int) -> tuple[int, dict[str, float]]:
-    """Median ms of one 200-row claim of one event type whose rows spread over ``keys`` limit
-    keys: no limit, ``key_concurrency`` not binding, ``key_concurrency=1`` (binding)."""
-    kind = "bench.keyed"
-    variants: dict[str, dict[str, Limit] | None] = {
-        "no limits": None,
-        f"key_concurrency, {keys:,} keys (not binding)": {kind: Limit(key_concurrency=1_000_000)},
-        f"key_concurrency=1, {keys:,} keys (binding)": {kind: Limit(key_concurrency=1)},
-    }
+def _median_claims(
+    dsn: str,
+    table: str,
+    variants: dict[str, dict[str, Limit] | None],
+    types: list[str],
+    *,
+    rounds: int,
+    keys: int = 0,
+) -> tuple[int, dict[str, float]]:
+    """Median ms of one 200-row claim per variant, alternated over a draining backlog of
+    ``types`` (spread over ``keys`` limit keys when given); the backlog size and the medians."""
     store = Store(table)
+    # Each variant claims as its own process would: with its own scan marks (the claim loop's).
     marks = {k: ScanMarks() for k in variants}
     timings: dict[str, list[float]] = {k: [] for k in variants}
     backlog = (rounds + 2) * len(variants) * 200
     with psycopg.connect(dsn, autocommit=True) as conn:
-        fill_interleaved(conn, table, backlog, [kind], keys=keys)
+        fill_interleaved(conn, table, backlog, types, keys=keys)
         conn.execute("ANALYZE")
         for r in range(rounds + 1):
             for name, limits in variants.items():
@@ -191,16 +194,30 @@ def key_cost(dsn: str, table: str, *, rounds: int, keys: int) -> tuple[int, dict
                     lease=60.0,
                     owner="bench",
                     max_attempts=5,
-                    event_types=[kind],
+                    event_types=types,
                     limits=limits,
                     marks=marks[name],
                 )
                 elapsed = time.perf_counter() - began
                 assert len(result.claimed) == 200, (name, len(result.claimed))
+                # Delivered (untimed): live leases stay what the in-flight bound allows, as in a
+                # running outbox, rather than piling up across rounds.
                 store.done_many(conn, [(c.id, c.lease_version) for c in result.claimed])
-                if r > 0:
+                if r > 0:  # the first round warms caches and creates the flow rows
                     timings[name].append(elapsed * 1000)
     return backlog, {name: statistics.median(ms) for name, ms in timings.items()}
+
+
+def key_cost(dsn: str, table: str, *, rounds: int, keys: int) -> tuple[int, dict[str, float]]:
+    """Median ms of one 200-row claim of one event type whose rows spread over ``keys`` limit
+    keys: no limit, ``key_concurrency`` not binding, ``key_concurrency=1`` (binding)."""
+    kind = "bench.keyed"
+    variants: dict[str, dict[str, Limit] | None] = {
+        "no limits": None,
+        f"key_concurrency, {keys:,} keys (not binding)": {kind: Limit(key_concurrency=1_000_000)},
+        f"key_concurrency=1, {keys:,} keys (binding)": {kind: Limit(key_concurrency=1)},
+    }
+    return _median_claims(dsn, table, variants, [kind], rounds=rounds, keys=keys)
 
 
 def fairness(dsn: str, table: str, *, big: int, small: int, keyed: bool) -> tuple[int | None, int | None]:
@@ -260,35 +277,7 @@ def claim_cost(dsn: str, table: str, *, rounds: int) -> tuple[int, dict[str, flo
         "1 limited type (not binding)": {types[0]: roomy},
         "10 limited types (not binding)": {t: roomy for t in types},
     }
-    store = Store(table)
-    # Each variant claims as its own process would: with its own scan marks (the claim loop's).
-    marks = {k: ScanMarks() for k in variants}
-    timings: dict[str, list[float]] = {k: [] for k in variants}
-    backlog = (rounds + 2) * len(variants) * 200
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        fill_interleaved(conn, table, backlog, types)
-        conn.execute("ANALYZE")
-        for r in range(rounds + 1):
-            for name, limits in variants.items():
-                began = time.perf_counter()
-                result = store.claim(
-                    conn,
-                    limit=200,
-                    lease=60.0,
-                    owner="bench",
-                    max_attempts=5,
-                    event_types=types,
-                    limits=limits,
-                    marks=marks[name],
-                )
-                elapsed = time.perf_counter() - began
-                assert len(result.claimed) == 200, len(result.claimed)
-                # Delivered (untimed): live leases stay what the in-flight bound allows, as in a
-                # running outbox, rather than piling up across rounds.
-                store.done_many(conn, [(c.id, c.lease_version) for c in result.claimed])
-                if r > 0:  # the first round warms caches and creates the flow rows
-                    timings[name].append(elapsed * 1000)
-    return backlog, {name: statistics.median(ms) for name, ms in timings.items()}
+    return _median_claims(dsn, table, variants, types, rounds=rounds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
