@@ -11,6 +11,8 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from outbox_celery import Event, Store, TableName, enqueue_many
+from outbox_celery.flow import Limit
+from outbox_celery.store import ClaimResult, ScanMarks
 
 # Generous default lease for claims that must not expire during a test.
 LONG = 60.0
@@ -147,3 +149,18 @@ def claim_together(
     assert not errors, errors
     assert len(seen) == claimers * rounds
     return seen
+
+
+def claim(
+    store: Store,
+    conn: psycopg.Connection[Any],
+    *,
+    limits: dict[str, Limit] | None = None,
+    limit: int = 100,
+    marks: ScanMarks | None = None,
+    lease: float = LONG,
+) -> ClaimResult:
+    """One claim run as the flow-control tests make it (owner ``test``, 5 attempts)."""
+    return store.claim(
+        conn, limit=limit, lease=lease, owner="test", max_attempts=5, limits=limits, marks=marks
+    )

@@ -17,23 +17,9 @@ from outbox_celery import Store, TableName, admin
 from outbox_celery.flow import Limit
 from outbox_celery.store import ClaimResult, ScanMarks
 
-from .helpers import LONG, Connect, add, claim_together, fetch
+from .helpers import LONG, Connect, add, claim, claim_together, fetch
 
 A, B = "webhook.a", "webhook.b"
-
-
-def claim(
-    store: Store,
-    conn: psycopg.Connection[Any],
-    *,
-    limits: dict[str, Limit] | None = None,
-    limit: int = 100,
-    marks: ScanMarks | None = None,
-    lease: float = LONG,
-) -> ClaimResult:
-    return store.claim(
-        conn, limit=limit, lease=lease, owner="test", max_attempts=5, limits=limits, marks=marks
-    )
 
 
 def types_of(result: ClaimResult) -> list[str]:

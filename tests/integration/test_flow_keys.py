@@ -20,22 +20,9 @@ from outbox_celery import Store, TableName, admin, migrate
 from outbox_celery.flow import Limit
 from outbox_celery.store import ClaimResult, ScanMarks
 
-from .helpers import LONG, add, claim_together, fetch
+from .helpers import LONG, add, claim, claim_together, fetch
 
 A, B = "webhook.a", "webhook.b"
-
-
-def claim(
-    store: Store,
-    conn: psycopg.Connection[Any],
-    *,
-    limits: dict[str, Limit] | None = None,
-    limit: int = 100,
-    marks: ScanMarks | None = None,
-) -> ClaimResult:
-    return store.claim(
-        conn, limit=limit, lease=LONG, owner="test", max_attempts=5, limits=limits, marks=marks
-    )
 
 
 def keys_of(conn: psycopg.Connection[Any], table: str, result: ClaimResult) -> Counter[str | None]:
