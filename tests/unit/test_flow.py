@@ -8,7 +8,7 @@ import pytest
 
 from outbox_celery import ConfigurationError, RateLimited, RetryableError
 from outbox_celery.dispatch import classify
-from outbox_celery.flow import LIMIT_RECHECK, Limit, allowance, parse_rate
+from outbox_celery.flow import CAP_RECHECK, LIMIT_RECHECK, Limit, allowance, parse_rate
 from outbox_celery.message import Outcome
 
 
@@ -76,7 +76,7 @@ def test_concurrency_allowance_is_what_the_live_deliveries_leave() -> None:
     assert allowance(limit, live=3, tokens=None, since_refill=None).rows == 2
     assert allowance(limit, live=7, tokens=None, since_refill=None).rows == 0
     a = allowance(limit, live=3, tokens=None, since_refill=None)
-    assert a.wait(limit, 2) == LIMIT_RECHECK  # took all it could: look again soon
+    assert a.wait(limit, 2) == CAP_RECHECK  # took all it could: a finish wakes the claim, else 1 s
     assert a.wait(limit, 1) is None  # took less: nothing more was claimable
 
 
