@@ -834,23 +834,6 @@ UPDATE {flow_key_table} SET paused_until = NULL
 WHERE paused_until IS NOT NULL AND paused_until <= now()
   AND event_type = ANY(%(types)s::text[]);
 
--- name: flow_keys_prune
--- Per-key state worth nothing any more (DESIGN invariant 25): rows of keys neither paused nor
--- held whose key_rate bucket is full again (or that never had one), untouched for a minute, so
--- that a key served now and then is not deleted and written again by every claim. An absent row
--- is a full bucket and no hold: deleting these changes no claim. At most %(limit)s per call.
-WITH doomed AS (
-    SELECT event_type, limit_key FROM {flow_key_table}
-    WHERE NOT paused AND (paused_until IS NULL OR paused_until <= now())
-      AND (tokens IS NULL OR full_at <= now())
-      AND updated_at < now() - interval '60 seconds'
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
-DELETE FROM {flow_key_table} AS f
-USING doomed
-WHERE f.event_type = doomed.event_type AND f.limit_key = doomed.limit_key;
-
 -- name: release_keyed_expired
 -- Started leases of a keyed event type that ran out with attempts left (the worker died or hung
 -- mid-handler; DESIGN invariants 22, 24): back to pending, due as before (at the front of their
