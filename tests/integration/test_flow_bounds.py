@@ -92,34 +92,52 @@ def test_invariant_25_a_key_back_from_a_pause_or_hold_is_claimed_at_once_behind_
     assert marks.full_passes <= passes + 1
 
 
+def _lock_waiters(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _until(what: Any, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 def test_invariant_22_first_claims_of_newly_limited_types_never_deadlock(
-    connect: Connect, table: str
+    conn: psycopg.Connection[Any], connect: Connect, table: str
 ) -> None:
-    # Claimers on their own connections, each limiting its own mix of types that have no flow row
-    # yet, all at once, round after round: the rows are created before any flow lock is taken and
-    # locked in one order, so none waits for another's new row while holding an existing one.
-    claimers, rounds = 4, 25
-    barrier = threading.Barrier(claimers)
+    # Claimers on their own connections, made to interleave at the first claims of types that
+    # have no flow row yet, while an operator pauses an existing one. A claim that locks existing
+    # rows, then inserts the new ones, then locks again, held "z" and waited for "a" while
+    # another held "a" and waited for "z": a deadlock. The rows are now created before any flow
+    # lock and locked in one order.
+    flow = _flow(table)
+    conn.execute(sql.SQL("INSERT INTO {} (event_type) VALUES ('z')").format(flow))
+    blocker = connect()
+    blocker.autocommit = False
+    blocker.execute(sql.SQL("INSERT INTO {} (event_type) VALUES ('b')").format(flow))  # not committed
     errors: list[BaseException] = []
 
-    def run(i: int) -> None:
+    def claimer(limits: dict[str, Limit]) -> None:
         try:
-            c = connect()
-            s = Store(table)
-            for r in range(rounds):
-                names = [f"r{r:02d}.{x}" for x in ("a", "m", "z")]
-                mine = {n: Limit(concurrency=5) for j, n in enumerate(names) if j != i % 3 or i == 3}
-                barrier.wait(30)
-                s.claim(c, limit=10, lease=LONG, owner="t", max_attempts=5, limits=mine)
+            Store(table).claim(connect(), limit=10, lease=LONG, owner="t", max_attempts=5, limits=limits)
         except BaseException as exc:  # pragma: no cover - surfaced below
             errors.append(exc)
-            barrier.abort()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(claimers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    first = threading.Thread(target=claimer, args=({"a": Limit(concurrency=2), "b": Limit(concurrency=2)},))
+    first.start()
+    _until(lambda: _lock_waiters(conn) == 1)  # it created "a" and waits for the blocker's "b"
+    admin.pause(conn, table, "z")
+    second = threading.Thread(target=claimer, args=({"a": Limit(concurrency=2), "z": Limit(concurrency=2)},))
+    second.start()
+    _until(lambda: _lock_waiters(conn) == 2)  # it waits for the first's "a"
+    blocker.commit()
+    first.join(30)
+    second.join(30)
     assert not [e for e in errors if isinstance(e, psycopg.errors.DeadlockDetected)], errors
     assert not errors, errors
 
