@@ -19,7 +19,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Store, TableName, admin
+from outbox_celery import Store, TableName, admin, migrate
+from outbox_celery.errors import MigrationError
 from outbox_celery.flow import CAP_RECHECK, Limit
 from outbox_celery.store import ScanMarks
 
@@ -294,3 +295,38 @@ def test_invariant_25_the_database_clock_stepping_back_stalls_neither_marks_nor_
     assert types[A] >= 1 and types[B] >= 1, types
     assert types[A] <= 3 and types[B] <= 3
     assert set(got) <= set(rated) | set(keyed)
+
+
+@pytest.mark.parametrize("order", [("x", "x_flow"), ("x_flow", "x"), ("x", "x_flow_key")])
+def test_invariant_25_an_outbox_named_like_another_outboxs_flow_table_is_refused(
+    conn: psycopg.Connection[Any], order: tuple[str, str]
+) -> None:
+    first, second = order
+    assert migrate(conn, first)
+    with pytest.raises(MigrationError, match=r"give one of them another name"):
+        migrate(conn, second)
+    # The first still claims with its flow control.
+    add(conn, 1, table=first, event_type=A)
+    admin.pause(conn, first, A)
+    assert Store(first).claim(conn, limit=5, lease=LONG, owner="t", max_attempts=5).claimed == []
+
+
+def test_invariant_25_metrics_of_many_held_keys_stay_a_bounded_number_of_series(
+    conn: psycopg.Connection[Any], table: str, migrated_dsn: str
+) -> None:
+    pytest.importorskip("prometheus_client")
+    from outbox_celery.metrics import METRIC_KEYS, OutboxCollector
+
+    conn.execute(
+        sql.SQL(
+            "INSERT INTO {} (event_type, limit_key, paused, paused_until)"
+            " SELECT %s, 'k' || i, i %% 2 = 0, CASE WHEN i %% 2 = 1 THEN now() + i * interval '1 second' END"
+            " FROM generate_series(1, 3000) AS i"
+        ).format(_flow_key(table)),
+        [A],
+    )
+    samples = [s for family in OutboxCollector(migrated_dsn, table).collect() for s in family.samples]
+    per_key = [s for s in samples if "limit_key" in s.labels]
+    assert 0 < len(per_key) <= METRIC_KEYS
+    totals = {s.name: s.value for s in samples if s.name.startswith("outbox_limit_keys_")}
+    assert totals == {"outbox_limit_keys_paused": 1500, "outbox_limit_keys_rate_limited": 1500}
