@@ -296,20 +296,26 @@ def claim_cost(dsn: str, table: str, *, rounds: int) -> tuple[int, dict[str, flo
     return _median_claims(dsn, table, variants, types, rounds=rounds)
 
 
-def held_cost(dsn: str, *, rounds: int, keys: int, held: int) -> dict[str, float]:
-    """Median ms of one 200-row claim of one event type over ``keys`` limit keys, from two tables
-    with the same draining backlog, claims alternated: one with no key paused or held, one with
-    ``held`` keys more (half paused, half held by a RateLimited outcome for an hour), each with a
-    row waiting. With ``key_concurrency`` declared (not binding), and with no limit at all (the
-    held keys then make the claim go key by key)."""
+def held_cost(dsn: str, *, rounds: int, keys: int, held: int) -> dict[str, tuple[float, float]]:
+    """Median ms of one 200-row claim of one event type over ``keys`` limit keys, from three
+    tables with the same draining backlog, claims alternated: one with no key paused or held, one
+    with ``held`` keys more (half paused, half held by a RateLimited outcome for an hour), each
+    with a row waiting, and one with those keys held but no row of theirs waiting. With
+    ``key_concurrency`` declared (not binding), and with no limit at all (the held keys then make
+    the claim go key by key). Per variant: the median ms and rows claimed."""
     kind = "bench.held"
-    tables = {"none held": "held_none", f"{held:,} held": "held_many"}
+    tables = {
+        "none held": "held_none",
+        f"{held:,} held": "held_many",
+        f"{held:,} held, no row waiting": "held_idle",
+    }
     variants: dict[str, dict[str, Limit] | None] = {
         "key_concurrency (not binding)": {kind: Limit(key_concurrency=1_000_000)},
         "no limit": None,
     }
     store = Store("held_none")
     timings: dict[str, list[float]] = {f"{v}, {h}": [] for v in variants for h in tables}
+    taken: dict[str, list[int]] = {name: [] for name in timings}
     with psycopg.connect(dsn, autocommit=True) as conn:
         for t in tables.values():
             migrate(conn, t)
@@ -322,14 +328,16 @@ def held_cost(dsn: str, *, rounds: int, keys: int, held: int) -> dict[str, float
             ).format(many.identifier()),
             [kind, held],
         )
-        conn.execute(
-            sql.SQL(
-                "INSERT INTO {} (event_type, limit_key, paused, paused_until)"
-                " SELECT %s, 'h' || g, g %% 2 = 0, CASE WHEN g %% 2 = 1 THEN now() + interval '1 hour' END"
-                " FROM generate_series(1, %s) AS g"
-            ).format(many.identifier("_flow_key")),
-            [kind, held],
-        )
+        for name in (f"{held:,} held", f"{held:,} held, no row waiting"):
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (event_type, limit_key, paused, paused_until)"
+                    " SELECT %s, 'h' || g, g %% 2 = 0,"
+                    " CASE WHEN g %% 2 = 1 THEN now() + interval '1 hour' END"
+                    " FROM generate_series(1, %s) AS g"
+                ).format(TableName.parse(tables[name]).identifier("_flow_key")),
+                [kind, held],
+            )
         conn.execute("ANALYZE")
         stores = {h: Store(t) for h, t in tables.items()}
         marks = {name: ScanMarks() for name in timings}
@@ -352,7 +360,8 @@ def held_cost(dsn: str, *, rounds: int, keys: int, held: int) -> dict[str, float
                     store.done_many(conn, [(c.id, c.lease_version) for c in result.claimed])
                     if r > 0:
                         timings[f"{v}, {h}"].append(elapsed * 1000)
-    return {name: statistics.median(ms) for name, ms in timings.items()}
+                        taken[f"{v}, {h}"].append(len(result.claimed))
+    return {name: (statistics.median(ms), statistics.median(taken[name])) for name, ms in timings.items()}
 
 
 def claim_runs_at_cap(dsn: str, table: str, *, seconds: float, recheck: float | None) -> float:
@@ -443,8 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"beside {a.held:,} more keys paused or held (each with a row waiting), median of "
                 f"{a.rounds} rounds, alternated with the same claim where none is held"
             )
-            for name, ms in held_cost(svc.dsn, rounds=a.rounds, keys=a.keys, held=a.held).items():
-                print(f"  {name:<52} {ms:7.2f} ms")
+            for name, (ms, rows) in held_cost(svc.dsn, rounds=a.rounds, keys=a.keys, held=a.held).items():
+                print(f"  {name:<52} {ms:7.2f} ms  {rows:5.0f} rows")
         if "cap" in a.only:
             print(
                 "\nclaim runs per second while one key sits at key_concurrency=1, nothing finishing "

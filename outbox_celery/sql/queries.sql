@@ -887,11 +887,13 @@ WITH RECURSIVE ck_after AS (
     FROM ck_after AS a
     WHERE a.k IS NOT NULL AND a.pos < %(max_keys)s
 ),
+-- The wrap-around, only when the keys after the cursor did not fill the walk.
 ck_before AS (
     (SELECT limit_key AS k, 1 AS pos FROM {table}
      WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
        AND event_type = %(event_type)s AND %(after)s::text IS NOT NULL
        AND limit_key <= %(after)s::text
+       AND (SELECT count(*) FROM ck_after WHERE k IS NOT NULL) < %(max_keys)s
      ORDER BY event_type, limit_key LIMIT 1)
     UNION ALL
     SELECT (SELECT limit_key FROM {table}
