@@ -287,7 +287,7 @@ def claim_cost(dsn: str, table: str, *, rounds: int) -> tuple[int, dict[str, flo
     loop does; returns the backlog size and the medians.
     """
     types = [f"bench.t{i}" for i in range(10)]
-    roomy = Limit(concurrency=1_000_000, rate=1e9)
+    roomy = Limit(concurrency=1_000_000, rate=1_000_000)
     variants: dict[str, dict[str, Limit] | None] = {
         "no limits": None,
         "1 limited type (not binding)": {types[0]: roomy},

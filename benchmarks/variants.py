@@ -162,10 +162,13 @@ def apply(outbox: Any, spec: str) -> None:
         outbox._settings["done_batch_delay"] = 0.0
         outbox._config = None
     if "no_slot_wake" in names:
-        from outbox_celery import dispatch
+        from outbox_celery import dispatch, flow, store
 
-        # Benchmark-only: a freed slot waits for the claim's next LIMIT_RECHECK.
+        # Benchmark-only: a freed slot waits for the claim's next LIMIT_RECHECK (the recheck at a
+        # limit was LIMIT_RECHECK then; it is CAP_RECHECK since finishes wake the claim).
         dispatch.Dispatcher._wakes_claim = lambda self, spec: False  # type: ignore[method-assign]
+        flow.CAP_RECHECK = flow.LIMIT_RECHECK
+        setattr(store, "CAP_RECHECK", flow.LIMIT_RECHECK)  # noqa: B010 - imported by name there
     if "acks_early" in names:
         outbox.deliver_task.acks_late = False
     if "push_broker" in names:
