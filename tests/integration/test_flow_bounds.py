@@ -330,3 +330,28 @@ def test_invariant_25_metrics_of_many_held_keys_stay_a_bounded_number_of_series(
     assert 0 < len(per_key) <= METRIC_KEYS
     totals = {s.name: s.value for s in samples if s.name.startswith("outbox_limit_keys_")}
     assert totals == {"outbox_limit_keys_paused": 1500, "outbox_limit_keys_rate_limited": 1500}
+
+
+def test_invariant_25_odd_flow_state_of_one_type_fails_no_claim(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    # Buckets holding NaN or infinity (written by hand, or by a bug) are clamped where they are
+    # read: every type, the unlimited ones included, is still claimed.
+    add(conn, 2, event_type=A)
+    add(conn, 2, event_type=B, limit_key="t1")
+    others = add(conn, 2, event_type="plain")
+    conn.execute(
+        sql.SQL(
+            "INSERT INTO {} (event_type, tokens, refilled_at, key_cursor) VALUES (%s, 'NaN', now(), '')"
+        ).format(_flow(table)),
+        [A],
+    )
+    conn.execute(
+        sql.SQL(
+            "INSERT INTO {} (event_type, limit_key, tokens, refilled_at) VALUES (%s, 't1', 'Infinity', now())"
+        ).format(_flow_key(table)),
+        [B],
+    )
+    got = claim(store, conn, limits={A: Limit(rate=10), B: Limit(key_rate=10, key_concurrency=5)})
+    types = Counter(c.event_type for c in got.claimed)
+    assert types["plain"] == len(others) and types[B] >= 1
