@@ -40,7 +40,7 @@ from typing import Any
 
 import psycopg
 
-from outbox_celery import Store, TableName
+from outbox_celery import Store, TableName, _sql
 
 __all__ = ["ExplicitTransactionStore", "apply", "make_store", "parse"]
 
@@ -118,7 +118,9 @@ def make_store(table: str | TableName, spec: str) -> Store:
     queries = {}
     if "claim_jit" in names:
         # Benchmark-only: the claim transaction's first statement no longer turns JIT off.
-        queries["claim_settings"] = "SELECT 1"
+        queries["claim_settings"] = "SELECT 1, now()"
+        flow_read = _sql.named("queries.sql")["claim_settings_flow"]
+        queries["claim_settings_flow"] = flow_read.replace("set_config('jit', 'off', true)", "NULL")
     if "skip_scan" in names:
         queries["claim_heads"] = SKIP_SCAN_CLAIM_HEADS
     return cls(table, relaxed_commit="durable" not in names, queries=queries)

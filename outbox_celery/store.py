@@ -994,7 +994,7 @@ class Store:
         nothing paused or held (DESIGN invariant 25)."""
         if not self.flow_ready(conn):
             row = conn.execute(self._q["claim_settings"]).fetchone()
-            return _Seen(now=row[1] if row is not None else None)
+            return _Seen(now=row[1] if row is not None and len(row) > 1 else None)
         row = conn.execute(self._q["claim_settings_flow"], {"event_types": event_types}).fetchone()
         if row is None:  # pragma: no cover - a SELECT without FROM returns its row
             return _Seen(now=None)

@@ -91,7 +91,7 @@ SELECT count(*) FROM (
 SELECT set_config('jit', 'off', true), now();
 
 -- name: claim_settings_flow
--- claim_settings of a table with its flow-control tables (migrations 0007 to 0009, #23): the
+-- claim_settings of a table with its flow-control tables (migrations 0007 to 0009): the
 -- same, and in the same statement, without a lock, what the claim must leave out or claim key
 -- by key (DESIGN invariants 23, 24, 25). A claim with no limit declared and nothing paused or
 -- held runs no other flow statement: no lock, no count, no write.
@@ -682,7 +682,7 @@ RETURNING o.id;
 SELECT to_regclass(%(flow_table)s) IS NOT NULL AND to_regclass(%(flow_key_table)s) IS NOT NULL;
 
 -- name: flow_lock
--- The flow-control rows of the event types this claim limits or claims key by key (#23, DESIGN
+-- The flow-control rows of the event types this claim limits or claims key by key (DESIGN
 -- invariants 22 to 25), every one of which exists (flow_add ran first, before any flow lock):
 -- locked in event-type order, the one order every claimer takes them in, so concurrent claimers
 -- never deadlock on them and serialize on these small rows; the live deliveries the next
