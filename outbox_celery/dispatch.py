@@ -866,7 +866,7 @@ class Dispatcher:
         :data:`AT_CAP_TTL` by this process): its finalize
         is written at once (never held by the done batcher) and then notifies the table's
         channel with :data:`SLOT_FREED`; a push listener held back by a limit claims at once and
-        hands the slot out, not ``LIMIT_RECHECK`` later. Below its limit the done stays batched:
+        hands the slot out, not ``CAP_RECHECK`` later. Below its limit the done stays batched:
         nobody waits for the slot (#23, docs/flow-control.md).
         """
         if not (self.config.listen and spec.limit is not None and _bounds_live(spec.limit)):
@@ -882,7 +882,7 @@ class Dispatcher:
         try:
             with self.connection() as conn:
                 capped = self.store.capped(conn, bounded)
-        except psycopg.Error as exc:  # the slot is then found by LIMIT_RECHECK: nothing is lost
+        except psycopg.Error as exc:  # the slot is then found by CAP_RECHECK: nothing is lost
             logger.warning("outbox: reading the limited types' state failed (%s)", first_line(exc))
             capped = frozenset()
         self._capped = (now, capped)
@@ -900,7 +900,7 @@ class Dispatcher:
         return outcome
 
     def _wake(self) -> None:
-        """Notify the table's channel that a slot is free; a failure costs a ``LIMIT_RECHECK``."""
+        """Notify the table's channel that a slot is free; a failure costs a ``CAP_RECHECK``."""
         try:
             with self.connection() as conn:
                 self.store.notify(conn, SLOT_FREED)
