@@ -18,6 +18,14 @@ psycopg 3 connection underneath, on which the store runs its statements:
   Django's connection (psycopg 3 backend); the handler gets that connection wrapper and may use
   the ORM.
 
+Whatever kind, the connection the handler used is never used again after its run: the
+psycopg one is closed before it goes back to the outbox's pool (the pool opens a new one),
+SQLAlchemy's is invalidated as it goes back to its engine's pool (closed, replaced), Django's
+is closed after ``atomic()`` (the next use connects again). A handler may leave session state
+on it (``SET``, a row factory, adapters, ``LISTEN``, ``WITH HOLD`` cursors, a role, temporary
+tables, a reference it kept): none of it reaches a later run, a claim or a finalizer (DESIGN
+invariant 20).
+
 SQLAlchemy and Django are imported only by their kinds.
 """
 
@@ -37,6 +45,7 @@ __all__ = [
     "PsycopgTransaction",
     "SqlAlchemyTransaction",
     "TransactionKind",
+    "TransactionRolledBack",
     "transaction_kind",
 ]
 
@@ -44,6 +53,15 @@ __all__ = [
 KINDS = ("psycopg", "sqlalchemy", "django")
 
 ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
+
+
+class TransactionRolledBack(Exception):  # noqa: N818 - a fact, not a fault of the library
+    """The handler returned, but its transaction will not commit (or was ended by the handler).
+
+    Raised inside the transaction by a kind or the dispatcher (the transaction then rolls back),
+    and recorded as a retryable failure whose ``last_error`` says why: nothing the handler wrote
+    committed, and neither did its ``done`` (DESIGN invariant 20).
+    """
 
 
 class TransactionKind(Protocol):
@@ -57,7 +75,8 @@ class TransactionKind(Protocol):
     ) -> AbstractContextManager[tuple[Any, psycopg.Connection[Any]]]:
         """A transaction: yields what the handler receives and the psycopg connection under it.
 
-        Leaving the block normally commits; leaving it by an exception rolls back.
+        Leaving the block normally commits; leaving it by an exception rolls back. Either way
+        the connection is discarded afterwards, never handed to anyone else.
 
         :param connection: the outbox's pooled autocommit connections.
         """
@@ -72,8 +91,16 @@ class PsycopgTransaction:
     @contextmanager
     def begin(self, connection: ConnectionSource) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
         """See :meth:`TransactionKind.begin`."""
-        with connection() as conn, conn.transaction():
-            yield conn, conn
+        with connection() as conn:
+            try:
+                with conn.transaction():
+                    yield conn, conn
+            finally:
+                # Closed before the pool takes it back: the pool discards a closed connection
+                # and opens another in the background (psycopg_pool), so whatever the handler
+                # left on this one (session settings, row factory, adapters, LISTEN, cursors)
+                # dies with it (DESIGN invariant 20).
+                conn.close()
 
 
 class SqlAlchemyTransaction:
@@ -95,13 +122,38 @@ class SqlAlchemyTransaction:
     def begin(self, connection: ConnectionSource) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
         """See :meth:`TransactionKind.begin`."""
         with self.session_factory() as session, session.begin():
-            raw = session.connection().connection.driver_connection
+            connection_ = session.connection()
+            # Invalidated as it goes back to the engine's pool (after the commit): SQLAlchemy
+            # closes it and opens another for the engine's next user, so nothing the handler
+            # left on it reaches anyone (DESIGN invariant 20).
+            _discard_on_checkin(connection_.engine)
+            connection_.connection.info[_DISCARD] = True
+            raw = connection_.connection.driver_connection
             if not isinstance(raw, psycopg.Connection):
                 raise ConfigurationError(
                     "transactional='sqlalchemy' needs the psycopg 3 dialect (postgresql+psycopg://), "
                     f"got a {type(raw).__module__}.{type(raw).__name__} connection"
                 )
             yield session, raw
+
+
+# The mark, in a pooled SQLAlchemy connection's info (kept with its pool entry), of one a
+# transactional handler used.
+_DISCARD = "outbox_celery.discard"
+
+
+def _discard_marked(dbapi_connection: Any, entry: Any) -> None:
+    """A SQLAlchemy pool ``checkin`` listener: invalidate (close) a marked connection."""
+    if entry is not None and entry.info.pop(_DISCARD, False):
+        entry.invalidate()
+
+
+def _discard_on_checkin(engine: Any) -> None:
+    """Listen to ``engine``'s pool check-ins once (the listener survives ``dispose()``)."""
+    from sqlalchemy import event
+
+    if not event.contains(engine, "checkin", _discard_marked):
+        event.listen(engine, "checkin", _discard_marked)
 
 
 class DjangoTransaction:
@@ -123,20 +175,34 @@ class DjangoTransaction:
 
         alias = self.using or DEFAULT_DB_ALIAS
         wrapper = connections[alias]
-        if not wrapper.in_atomic_block:
-            # What Django does around each request: drop a connection that broke (a session
-            # ended by a previous run's idle_in_transaction_session_timeout) or grew too old;
-            # outside a request nothing else would, and every later run would fail on it.
+        outermost = not wrapper.in_atomic_block
+        if outermost:
+            # What Django does around each request: drop a connection that broke or grew too
+            # old (one the application used outside a run); outside a request nothing else would.
             wrapper.close_if_unusable_or_obsolete()
-        with transaction.atomic(using=alias):
-            wrapper.ensure_connection()
-            raw = wrapper.connection
-            if not isinstance(raw, psycopg.Connection):
-                raise ConfigurationError(
-                    "transactional='django' needs Django's postgresql backend on psycopg 3, "
-                    f"got a {type(raw).__module__}.{type(raw).__name__} connection"
-                )
-            yield wrapper, raw
+        try:
+            with transaction.atomic(using=alias):
+                wrapper.ensure_connection()
+                raw = wrapper.connection
+                if not isinstance(raw, psycopg.Connection):
+                    raise ConfigurationError(
+                        "transactional='django' needs Django's postgresql backend on psycopg 3, "
+                        f"got a {type(raw).__module__}.{type(raw).__name__} connection"
+                    )
+                yield wrapper, raw
+                if transaction.get_rollback(using=alias):
+                    # atomic() would roll back without a word: the done would not commit.
+                    raise TransactionRolledBack(
+                        "the transactional handler marked its transaction for rollback "
+                        "(transaction.set_rollback(True))"
+                    )
+        finally:
+            if outermost:
+                # Closed after the transaction, as Django does at the end of a request with
+                # CONN_MAX_AGE = 0: the next use connects again, so nothing the handler left on
+                # this session reaches a later run (DESIGN invariant 20). A run inside an outer
+                # atomic() (a caller's transaction) leaves the connection to that caller.
+                wrapper.close()
 
 
 def transaction_kind(
