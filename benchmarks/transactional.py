@@ -5,6 +5,12 @@ One process, no Celery: claim -> no-op publish -> fenced start -> handler -> don
 writes it on a pooled connection of its own (its own transaction; the done follows in another,
 relaxed as usual); the transactional handler writes it inside the transaction whose last
 statement is the fenced done (one durable commit for both). Runs are interleaved.
+
+The transactional handler's connection is discarded after its run (DESIGN invariant 20: the pool
+opens another in the background). Two baselines show what that costs: ``kept``, the connection
+handed back to the pool as the handler left it (unsafe, measurement only), and ``reset``, the
+connection reset with ``DISCARD ALL`` instead (one more round trip; psycopg then forgets its
+prepared statements).
 """
 
 from __future__ import annotations
@@ -23,12 +29,38 @@ from outbox_celery import OutboxConfig, TableName, migrate
 from outbox_celery.dispatch import Dispatcher, HandlerSpec
 from outbox_celery.message import Message
 from outbox_celery.store import Claimed
-from outbox_celery.transactional import PsycopgTransaction
+from outbox_celery.transactional import ConnectionSource, PsycopgTransaction
 
 from .pipeline import drop_table
 from .plain import fill_pending
 
-__all__ = ["EffectResult", "run_effect"]
+__all__ = ["CONNECTION_HANDLING", "EffectResult", "run_effect"]
+
+#: What becomes of a transactional handler's connection after its run.
+CONNECTION_HANDLING = ("discarded", "kept", "reset")
+
+
+class _Kept(PsycopgTransaction):
+    """Baseline only: the connection goes back to the pool as the handler left it (unsafe)."""
+
+    @contextlib.contextmanager
+    def begin(self, connection: ConnectionSource) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
+        with connection() as conn, conn.transaction():
+            yield conn, conn
+
+
+class _Reset(PsycopgTransaction):
+    """Baseline only: the connection is reset with ``DISCARD ALL`` before the pool takes it back."""
+
+    @contextlib.contextmanager
+    def begin(self, connection: ConnectionSource) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
+        with connection() as conn:
+            try:
+                with conn.transaction():
+                    yield conn, conn
+            finally:
+                conn.execute("DISCARD ALL")
+
 
 EFFECT = "INSERT INTO bench_effects (outbox_id, lease_version) VALUES (%s, %s)"
 
@@ -42,6 +74,7 @@ class EffectResult:
     n: int
     seconds: float
     effects: int
+    handling: str = "discarded"
 
     @property
     def rate(self) -> float:
@@ -49,8 +82,14 @@ class EffectResult:
         return self.n / self.seconds if self.seconds > 0 else 0.0
 
 
-def run_effect(dsn: str, n: int, *, label: str, transactional: bool, batch_size: int = 200) -> EffectResult:
-    """Drain ``n`` pending rows whose handler inserts one effect row each."""
+def run_effect(
+    dsn: str, n: int, *, label: str, transactional: bool, batch_size: int = 200, handling: str = "discarded"
+) -> EffectResult:
+    """Drain ``n`` pending rows whose handler inserts one effect row each.
+
+    :param handling: for a transactional handler, what becomes of its connection (one of
+        :data:`CONNECTION_HANDLING`; only ``discarded`` is what the library does).
+    """
     table = f"bench_tx_{label.replace('-', '_')}"
     with psycopg.connect(dsn, autocommit=True) as admin:
         drop_table(dsn, table)
@@ -78,8 +117,9 @@ def run_effect(dsn: str, n: int, *, label: str, transactional: bool, batch_size:
             def in_transaction(message: Message, conn: psycopg.Connection[Any]) -> None:
                 conn.execute(EFFECT, [message.id, message.lease_version])
 
+            kind = {"discarded": PsycopgTransaction, "kept": _Kept, "reset": _Reset}[handling]()
             spec = (
-                HandlerSpec("bench.effect", in_transaction, "q", transaction=PsycopgTransaction())
+                HandlerSpec("bench.effect", in_transaction, "q", transaction=kind)
                 if transactional
                 else HandlerSpec("bench.effect", plain, "q")
             )
@@ -105,4 +145,6 @@ def run_effect(dsn: str, n: int, *, label: str, transactional: bool, batch_size:
         effects = int(row[0]) if row else 0
         admin.execute("DROP TABLE bench_effects")
     drop_table(dsn, table)
-    return EffectResult(label=label, transactional=transactional, n=n, seconds=seconds, effects=effects)
+    return EffectResult(
+        label=label, transactional=transactional, n=n, seconds=seconds, effects=effects, handling=handling
+    )

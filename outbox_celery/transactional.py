@@ -31,6 +31,8 @@ SQLAlchemy and Django are imported only by their kinds.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
@@ -83,6 +85,29 @@ class TransactionKind(Protocol):
         ...
 
 
+# The pool connections closed here on purpose (PsycopgTransaction), while they go back to the
+# pool: psycopg_pool warns about every closed connection it is given back ("discarding closed
+# connection"), which would be one warning per transactional run.
+_DISCARDED: weakref.WeakSet[Any] = weakref.WeakSet()
+_POOL_DISCARDS_CLOSED = "discarding closed connection: %s"
+
+
+class _QuietDiscards(logging.Filter):
+    """Drop psycopg_pool's warning for the connections this module closed on purpose only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (
+            record.msg == _POOL_DISCARDS_CLOSED
+            and isinstance(args, tuple)
+            and len(args) == 1
+            and args[0] in _DISCARDED
+        )
+
+
+logging.getLogger("psycopg.pool").addFilter(_QuietDiscards())
+
+
 class PsycopgTransaction:
     """A transaction on a connection of the outbox's pool; the handler gets that connection."""
 
@@ -100,6 +125,7 @@ class PsycopgTransaction:
                 # and opens another in the background (psycopg_pool), so whatever the handler
                 # left on this one (session settings, row factory, adapters, LISTEN, cursors)
                 # dies with it (DESIGN invariant 20).
+                _DISCARDED.add(conn)
                 conn.close()
 
 
