@@ -18,13 +18,12 @@ psycopg 3 connection underneath, on which the store runs its statements:
   Django's connection (psycopg 3 backend); the handler gets that connection wrapper and may use
   the ORM.
 
-Whatever kind, the connection the handler used is never used again after its run: the
-psycopg one is closed before it goes back to the outbox's pool (the pool opens a new one),
-SQLAlchemy's is invalidated as it goes back to its engine's pool (closed, replaced), Django's
-is closed after ``atomic()`` (the next use connects again). A handler may leave session state
-on it (``SET``, a row factory, adapters, ``LISTEN``, ``WITH HOLD`` cursors, a role, temporary
-tables, a reference it kept): none of it reaches a later run, a claim or a finalizer (DESIGN
-invariant 20).
+Whatever kind, nothing a handler leaves on its connection (``SET``, a role, ``LISTEN``,
+``WITH HOLD`` cursors, temporary tables, a row factory, adapters) reaches a later run, a claim
+or a finalizer (DESIGN invariant 20): the psycopg one is reset before it goes back to the
+outbox's pool, or closed (the pool opens a new one) when its Python side changed; SQLAlchemy's
+is invalidated as it goes back to its engine's pool (closed, replaced); Django's is closed after
+``atomic()`` (the next use connects again).
 
 SQLAlchemy and Django are imported only by their kinds.
 """
@@ -38,6 +37,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import psycopg
+from psycopg import pq
 
 from .errors import ConfigurationError
 
@@ -108,8 +108,82 @@ class _QuietDiscards(logging.Filter):
 logging.getLogger("psycopg.pool").addFilter(_QuietDiscards())
 
 
+# The server side of a session back to its defaults, in one round trip: DISCARD ALL without its
+# DEALLOCATE ALL, so psycopg's own prepared statements stay valid (a handler's settings, role,
+# cursors, LISTENs, advisory locks, temporary tables, sequences' state and cached plans go).
+# Several statements in one simple query: one implicit transaction, all or nothing.
+SESSION_RESET = (
+    "CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; UNLISTEN *; "
+    "SELECT pg_advisory_unlock_all(); DISCARD PLANS; DISCARD TEMP; DISCARD SEQUENCES"
+)
+
+
+def _identities(obj: Any) -> tuple[Any, ...] | None:
+    """The identities of ``obj``'s attributes, one level into lists and dicts; ``None`` if
+    unreadable.
+
+    psycopg's adapter maps are copy-on-write: the first change made through a connection
+    replaces the inner map it changes, so a changed identity means a changed map. Their
+    ``_own*`` flags are left out: a cursor made from the map resets them, with no change.
+    """
+    state = getattr(obj, "__dict__", None)
+    if not state:
+        return None
+    out: list[tuple[str, Any]] = []
+    for name, value in sorted(state.items()):
+        if name.startswith("_own"):
+            continue
+        if isinstance(value, dict):
+            out.append((name, tuple((k, id(v)) for k, v in value.items())))
+        elif isinstance(value, list):
+            out.append((name, tuple(map(id, value))))
+        else:
+            out.append((name, id(value)))
+    return tuple(out)
+
+
+def _client_state(conn: psycopg.Connection[Any]) -> tuple[Any, ...] | None:
+    """What a handler can change on the Python side of a psycopg connection, as identities:
+    row and cursor factories, prepared-statement settings, adapters, notice and notify handlers.
+    ``None`` when it cannot all be read (then nothing vouches for the connection)."""
+    adapters = _identities(conn.adapters), _identities(conn.adapters.types)
+    if None in adapters:
+        return None
+    return (
+        id(conn.row_factory),
+        id(conn.cursor_factory),
+        id(conn.server_cursor_factory),
+        conn.prepare_threshold,
+        conn.prepared_max,
+        adapters,
+        tuple(map(id, getattr(conn, "_notice_handlers", ()))),
+        tuple(map(id, getattr(conn, "_notify_handlers", ()))),
+    )
+
+
+def _reset(conn: psycopg.Connection[Any], before: tuple[Any, ...] | None) -> bool:
+    """Reset a connection a handler used for its next user; ``False`` if that cannot be vouched
+    for (then it must be discarded): broken, still in a transaction, its Python side changed, or
+    the reset failed."""
+    if before is None or conn.closed or conn.info.transaction_status != pq.TransactionStatus.IDLE:
+        return False
+    if _client_state(conn) != before:
+        return False
+    try:
+        conn.execute(SESSION_RESET, prepare=False)
+    except psycopg.Error:
+        return False
+    return conn.info.transaction_status == pq.TransactionStatus.IDLE
+
+
 class PsycopgTransaction:
-    """A transaction on a connection of the outbox's pool; the handler gets that connection."""
+    """A transaction on a connection of the outbox's pool; the handler gets that connection.
+
+    After the run, whatever its end, the connection is reset (``SESSION_RESET``, one round trip)
+    when nothing on its Python side changed, else closed before the pool takes it back (the
+    pool opens another): nothing a handler left on it reaches a later claim, finalizer or run
+    (DESIGN invariant 20). A handler must not keep the connection past its run.
+    """
 
     name = "psycopg"
 
@@ -117,16 +191,16 @@ class PsycopgTransaction:
     def begin(self, connection: ConnectionSource) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
         """See :meth:`TransactionKind.begin`."""
         with connection() as conn:
+            before = _client_state(conn)
             try:
                 with conn.transaction():
                     yield conn, conn
             finally:
-                # Closed before the pool takes it back: the pool discards a closed connection
-                # and opens another in the background (psycopg_pool), so whatever the handler
-                # left on this one (session settings, row factory, adapters, LISTEN, cursors)
-                # dies with it (DESIGN invariant 20).
-                _DISCARDED.add(conn)
-                conn.close()
+                if not _reset(conn, before) and not conn.closed:
+                    # Closed before the pool takes it back: the pool discards a closed
+                    # connection and opens another in the background (psycopg_pool).
+                    _DISCARDED.add(conn)
+                    conn.close()
 
 
 class SqlAlchemyTransaction:

@@ -176,8 +176,9 @@ def test_invariant_20_ordered_transactional_messages_keep_their_order(harness: H
 def test_invariant_20_a_handler_s_session_state_never_reaches_later_claims_or_runs_on_prefork_and_threads(
     harness: Harness, kind: str
 ) -> None:
-    """A handler leaves settings, a row factory, a text loader, LISTEN and a WITH HOLD cursor on
-    its connection; every later run and claim, in the same processes, meets none of it."""
+    """A handler leaves settings, LISTEN, a WITH HOLD cursor, an advisory lock, a row factory and
+    a text loader on its connection; every later run and claim, in the same processes, meets
+    none of it."""
     harness.spec.transactional_kind = kind
     queues = {"prefork": harness.q("tx.prefork"), "threads": harness.q("tx.threads")}
     types = {pool: f"tx.{pool}" for pool in queues}
@@ -188,7 +189,9 @@ def test_invariant_20_a_handler_s_session_state_never_reaches_later_claims_or_ru
         harness.worker([harness.claim_queue, queue], name=pool, pool=pool, concurrency=2)
     harness.beat()
     for event_type in types.values():
-        harness.enqueue(2, event_type=event_type, payload={"mode": "leak"})
+        # Server-side state only (the psycopg kind resets the connection), then the Python side
+        # too (every kind discards it).
+        harness.enqueue(2, event_type=event_type, payload=lambda i: {"mode": "leak", "python_side": i == 1})
     harness.wait_finished(4, timeout=60)
     probes = {p: harness.enqueue(6, event_type=et, payload={"mode": "probe"}) for p, et in types.items()}
     harness.wait_finished(16, timeout=60)

@@ -293,11 +293,13 @@ def test_invariant_20_an_ordered_done_moves_the_head_in_the_same_transaction(
 # What a later user of a pooled connection reads: all of it is the session's default unless a
 # handler's session state survived its run.
 SESSION_STATE = (
-    "SELECT current_setting('app.tenant', true), current_setting('synchronous_commit'),"
+    "SELECT nullif(current_setting('app.tenant', true), ''), current_setting('synchronous_commit'),"
     " (SELECT count(*) FROM pg_cursors)::int, (SELECT count(*) FROM pg_listening_channels())::int,"
-    " 'plain'::text"
+    " (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242)::int,"
+    " to_regclass('pg_temp.leak') IS NULL, 'plain'::text"
 )
-CLEAN = (None, "on", 0, 0, "plain")
+# (A reset leaves a custom setting that was set empty rather than unknown, hence the nullif.)
+CLEAN = (None, "on", 0, 0, 0, True, "plain")
 
 
 class _Shout(Loader):
@@ -307,14 +309,17 @@ class _Shout(Loader):
         return bytes(data).decode().upper()
 
 
-def _leave_state(tx: psycopg.Connection[Any]) -> None:
-    """Everything a handler can leave on its connection, by the issue's examples."""
+def _leave_state(tx: psycopg.Connection[Any], *, python_side: bool = True) -> None:
+    """Everything a handler can leave on its connection: the issue's examples and more."""
     tx.execute("SET app.tenant = '42'")
     tx.execute("SET synchronous_commit = off")
     tx.execute("LISTEN outbox_leak")
     tx.execute("DECLARE leak CURSOR WITH HOLD FOR SELECT 1")
-    tx.adapters.register_loader("text", _Shout)
-    tx.row_factory = dict_row  # type: ignore[assignment]
+    tx.execute("SELECT pg_advisory_lock(4242)")
+    tx.execute("CREATE TEMP TABLE leak (x int)")
+    if python_side:
+        tx.adapters.register_loader("text", _Shout)
+        tx.row_factory = dict_row  # type: ignore[assignment]
 
 
 def _publish_into(claims: list[Claimed]) -> Callable[[Any], int]:
@@ -326,9 +331,16 @@ def _publish_into(claims: list[Claimed]) -> Callable[[Any], int]:
 
 
 @pytest.mark.usefixtures("effects")
-@pytest.mark.parametrize("ends", ["returns", "raises"])
+@pytest.mark.parametrize(
+    ("ends", "python_side"), [("returns", False), ("raises", False), ("returns", True), ("raises", True)]
+)
 def test_invariant_20_a_handler_s_session_state_never_reaches_a_later_user_of_its_connection(
-    conn: psycopg.Connection[Any], table: str, migrated_dsn: str, ends: str, caplog: pytest.LogCaptureFixture
+    conn: psycopg.Connection[Any],
+    table: str,
+    migrated_dsn: str,
+    ends: str,
+    python_side: bool,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Two pooled connections: every later claim, start, finalizer and run meets the one the
     # leaking handler used, unless it was discarded.
@@ -339,7 +351,7 @@ def test_invariant_20_a_handler_s_session_state_never_reaches_a_later_user_of_it
         used.append(tx)
         if len(used) == 1:
             _post(message, tx, table)
-            _leave_state(tx)
+            _leave_state(tx, python_side=python_side)
             if ends == "raises":
                 raise RetryableError("after leaving state", delay=0)
         else:
@@ -364,8 +376,9 @@ def test_invariant_20_a_handler_s_session_state_never_reaches_a_later_user_of_it
         assert seen == [CLEAN]
         with pool.connection() as a, pool.connection() as b:
             assert [c.execute(SESSION_STATE).fetchone() for c in (a, b)] == [CLEAN, CLEAN]
+        # The server side is reset on the connection; a changed Python side has it discarded.
+        assert used[0].closed is python_side
     assert fetch(conn, table, second)["status"] == "done"
-    assert used[0].closed  # discarded, not reset: a reference the handler kept is dead too
     # The pool's warning about a closed connection given back is not one per run.
     assert [
         r.getMessage() for r in caplog.records if r.name == "psycopg.pool" and r.levelno >= logging.WARNING

@@ -25,7 +25,8 @@ worker serves every situation a test needs::
                                             RateLimited(3) on the message's first run, then ok
     {"mode": "leak"}                        (transactional) leave session state on the handler's
                                             connection: SET app.tenant, SET synchronous_commit,
-                                            LISTEN, a WITH HOLD cursor, a text loader, dict rows
+                                            LISTEN, a WITH HOLD cursor, an advisory lock, and
+                                            (unless "python_side": false) a text loader, dict rows
     {"mode": "probe"}                       (transactional) return what the handler's connection
                                             holds of that state (PROBE), as the call's result
 
@@ -289,7 +290,7 @@ def scripted_transactional(outbox: Outbox) -> Any:
             if active and mode == "stall":
                 result = _stall(outbox, message, raw)
             elif mode == "leak":
-                leave_state(raw)
+                leave_state(raw, python_side=bool(payload.get("python_side", True)))
                 result = "left state"
             elif mode == "probe":
                 result = repr(raw.execute(PROBE).fetchone())
@@ -307,8 +308,9 @@ def scripted_transactional(outbox: Outbox) -> Any:
 # What a transactional handler's connection holds of the state a "leak" run leaves; a fresh
 # session's answer is CLEAN_PROBE (tuple rows, no text loader, nothing set, no cursor, no LISTEN).
 PROBE = (
-    "SELECT current_setting('app.tenant', true), current_setting('synchronous_commit'),"
+    "SELECT nullif(current_setting('app.tenant', true), ''), current_setting('synchronous_commit'),"
     " (SELECT count(*) FROM pg_cursors)::int + (SELECT count(*) FROM pg_listening_channels())::int"
+    " + (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242)::int"
 )
 CLEAN_PROBE = repr((None, "on", 0))
 
@@ -320,14 +322,17 @@ class _Shout(Loader):
         return bytes(data).decode().upper()
 
 
-def leave_state(raw: psycopg.Connection[Any]) -> None:
-    """Everything a handler can leave on its connection (the "leak" mode)."""
+def leave_state(raw: psycopg.Connection[Any], *, python_side: bool = True) -> None:
+    """Everything a handler can leave on its connection (the "leak" mode); with
+    ``python_side``, on the psycopg object too (a text loader, dict rows)."""
     raw.execute("SET app.tenant = '42'")
     raw.execute("SET synchronous_commit = off")
     raw.execute("LISTEN outbox_leak")
     raw.execute("DECLARE leak CURSOR WITH HOLD FOR SELECT 1")
-    raw.adapters.register_loader("text", _Shout)
-    raw.row_factory = dict_row  # type: ignore[assignment]
+    raw.execute("SELECT pg_advisory_lock(4242)")
+    if python_side:
+        raw.adapters.register_loader("text", _Shout)
+        raw.row_factory = dict_row  # type: ignore[assignment]
 
 
 EFFECT = (
