@@ -32,7 +32,7 @@ from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
 from .store import SLOT_FREED, Claimed, Finalized, FinalizedMany, ScanMarks, Store, starter_token
 from .tracing import handler_span
-from .transactional import TransactionKind, TransactionRolledBack
+from .transactional import NOTHING_COMMITTED, TransactionKind, TransactionRolledBack
 
 __all__ = ["BatchResult", "ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome", "publish_units"]
 
@@ -207,6 +207,12 @@ class _Superseded(Exception):  # noqa: N818 - control flow inside the dispatcher
 _ROLLBACK_CLASS = "40"
 
 
+# What a rolled-back run's last_error says when the handler raised psycopg.Rollback.
+_RAISED_ROLLBACK = (
+    "the transactional handler rolled back its transaction (psycopg.Rollback)" + NOTHING_COMMITTED
+)
+
+
 def _transaction_ended(conn: psycopg.Connection[Any]) -> str | None:
     """Why the handler's transaction can no longer commit its done, read from libpq's state
     (no round trip); ``None`` while it is open and healthy."""
@@ -214,12 +220,12 @@ def _transaction_ended(conn: psycopg.Connection[Any]) -> str | None:
     if status == pq.TransactionStatus.IDLE:
         return (
             "the transactional handler ended its transaction itself (a COMMIT or ROLLBACK on its "
-            "connection); its done was not written"
+            "connection): its done was not written, what it wrote before may have committed"
         )
     if status == pq.TransactionStatus.INERROR:
         return (
             "a statement failed in the transactional handler's transaction and the handler went "
-            "on: the transaction could only roll back"
+            f"on: the transaction could only roll back{NOTHING_COMMITTED}"
         )
     return None
 
@@ -634,6 +640,10 @@ class Dispatcher:
                 exc = RetryableError(f"transaction conflict ({conflict.sqlstate}): {conflict}")
             elif isinstance(exc, TransactionRolledBack):
                 exc = self._rolled_back(msg, str(exc), log)
+            elif isinstance(exc, psycopg.Rollback):
+                # Raised where no psycopg transaction() swallows it (the SQLAlchemy and Django
+                # kinds): the transaction rolls back all the same.
+                exc = self._rolled_back(msg, _RAISED_ROLLBACK, log)
             verdict = classify(exc, msg.attempts, self.retry)
             if verdict is None:
                 self._record_error(msg.id, lease_version, _error_text(exc))
@@ -651,9 +661,7 @@ class Dispatcher:
             else:
                 # The block ended without an exception and without the done: the handler raised
                 # psycopg.Rollback, which the psycopg transaction swallows after rolling back.
-                rolled_back = self._rolled_back(
-                    msg, "the transactional handler rolled back its transaction (psycopg.Rollback)", log
-                )
+                rolled_back = self._rolled_back(msg, _RAISED_ROLLBACK, log)
                 verdict = classify(rolled_back, msg.attempts, self.retry)
                 assert verdict is not None
                 outcome = self._finish(verdict, msg, lease_version)
@@ -669,14 +677,12 @@ class Dispatcher:
     def _rolled_back(self, msg: Message, why: str, log: dict[str, Any]) -> RetryableError:
         """The retryable failure of a transactional run that returned but did not commit.
 
-        Nothing it wrote committed, its done neither: said in ``last_error``, the row is back
+        Its done did not commit, ``why`` says why in ``last_error``; the row is back
         after a backoff with the attempt kept (``dead`` at ``max_attempts``, so a handler that
         always rolls back ends), never left to its lease (invariant 20).
         """
-        logger.warning(
-            "outbox id %s: %s; nothing was committed, retried after a backoff", msg.id, why, extra=log
-        )
-        return RetryableError(f"{why}; nothing it wrote was committed, nor its done")
+        logger.warning("outbox id %s: %s; retried after a backoff", msg.id, why, extra=log)
+        return RetryableError(why)
 
     def _follow_ups_at_commit(self, conn: psycopg.Connection[Any], follow_ups: Noted) -> None:
         """Move a long transaction's follow-ups, table by table, to the time of its commit."""

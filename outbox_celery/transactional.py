@@ -43,6 +43,7 @@ from .errors import ConfigurationError
 
 __all__ = [
     "KINDS",
+    "NOTHING_COMMITTED",
     "DjangoTransaction",
     "PsycopgTransaction",
     "SqlAlchemyTransaction",
@@ -55,6 +56,10 @@ __all__ = [
 KINDS = ("psycopg", "sqlalchemy", "django")
 
 ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
+
+
+#: How a rolled-back run's ``last_error`` ends.
+NOTHING_COMMITTED = "; nothing it wrote was committed, nor its done"
 
 
 class TransactionRolledBack(Exception):  # noqa: N818 - a fact, not a fault of the library
@@ -294,7 +299,7 @@ class DjangoTransaction:
                     # atomic() would roll back without a word: the done would not commit.
                     raise TransactionRolledBack(
                         "the transactional handler marked its transaction for rollback "
-                        "(transaction.set_rollback(True))"
+                        f"(transaction.set_rollback(True)){NOTHING_COMMITTED}"
                     )
         finally:
             if outermost:
