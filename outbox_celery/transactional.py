@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import psycopg
 from psycopg import pq
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, OutboxError
 
 __all__ = [
     "KINDS",
@@ -62,7 +62,7 @@ ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
 NOTHING_COMMITTED = "; nothing it wrote was committed, nor its done"
 
 
-class TransactionRolledBack(Exception):  # noqa: N818 - a fact, not a fault of the library
+class TransactionRolledBack(OutboxError):  # noqa: N818 - a fact, not a fault of the library
     """The handler returned, but its transaction will not commit (or was ended by the handler).
 
     Raised inside the transaction by a kind or the dispatcher (the transaction then rolls back),
