@@ -96,7 +96,7 @@ from .producer_cost import producer_rate
 from .profiling import Profiler
 from .report import Report
 from .services import Services, services
-from .transactional import EffectResult, run_effect
+from .transactional import CONNECTION_HANDLING, EffectResult, run_effect
 from .variants import make_store
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -479,20 +479,33 @@ class Bench:
     def transactional(self) -> None:
         a = self.args
         runs: list[EffectResult] = []
+        # The library's transactional handler (its connection reset after each run), the two
+        # other ways its connection could go back to the pool, and the plain handler.
+        variants = [(True, h) for h in CONNECTION_HANDLING] + [(False, "library")]
         for i in (1, 2):
-            for tx in (True, False):
-                label = f"{'tx' if tx else 'plain'}-{i}"
+            for tx, handling in variants:
+                label = f"{'tx-' + handling if tx else 'plain'}-{i}"
                 runs.append(
                     run_effect(
-                        self.svc.dsn, a.plain_messages, label=label, transactional=tx, batch_size=a.batch_size
+                        self.svc.dsn,
+                        a.plain_messages,
+                        label=label,
+                        transactional=tx,
+                        batch_size=a.batch_size,
+                        handling=handling,
                     )
                 )
-        tx_rate = _median([r.rate for r in runs if r.transactional])
-        plain_rate = _median([r.rate for r in runs if not r.transactional])
+
+        def rate(tx: bool, handling: str = "library") -> float:
+            return _median([r.rate for r in runs if r.transactional is tx and r.handling == handling])
+
+        tx_rate, plain_rate = rate(True), rate(False)
         self.results["transactional"] = {
             "runs": [asdict(r) | {"rate": r.rate} for r in runs],
             "rate_transactional": tx_rate,
             "rate_plain": plain_rate,
+            "rate_transactional_kept": rate(True, "kept"),
+            "rate_transactional_discarded": rate(True, "discarded"),
         }
         t = self.report.table(
             "Transactional handler (#24) vs a plain handler doing the same write on its own connection "
@@ -505,8 +518,19 @@ class Bench:
             f"{plain_rate:,.0f}",
             f"{tx_rate / plain_rate:.2f}x",
         )
+        for handling in ("kept", "discarded"):
+            other = rate(True, handling)
+            t.row(
+                f"messages/s, transactional: connection reset vs {handling}",
+                f"{tx_rate:,.0f}",
+                f"{other:,.0f}",
+                f"{tx_rate / other:.2f}x",
+            )
         t.note(
             f"{a.plain_messages} messages per run, batch_size {a.batch_size}, runs interleaved twice; "
+            "the library resets the connection (one round trip); 'kept' hands it back as the handler "
+            "left it (unsafe, the baseline before invariant 20 said so), 'discarded' closes it after "
+            "every run; "
             f"effect rows per run: {', '.join(f'{r.label} {r.effects}' for r in runs)}"
         )
 

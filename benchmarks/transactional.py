@@ -5,6 +5,13 @@ One process, no Celery: claim -> no-op publish -> fenced start -> handler -> don
 writes it on a pooled connection of its own (its own transaction; the done follows in another,
 relaxed as usual); the transactional handler writes it inside the transaction whose last
 statement is the fenced done (one durable commit for both). Runs are interleaved.
+
+After its run, the library resets the transactional handler's connection (one round trip:
+``SESSION_RESET``), or discards it when the handler changed its Python side (DESIGN invariant
+20); the benchmark's handler changes nothing there, so ``library`` measures the reset. Two
+baselines: ``kept``, the connection handed back to the pool as the handler left it (unsafe,
+measurement only), and ``discarded``, the connection closed after every run (the pool opens
+another in the background).
 """
 
 from __future__ import annotations
@@ -23,14 +30,40 @@ from outbox_celery import OutboxConfig, TableName, migrate
 from outbox_celery.dispatch import Dispatcher, HandlerSpec
 from outbox_celery.message import Message
 from outbox_celery.store import Claimed
-from outbox_celery.transactional import PsycopgTransaction
+from outbox_celery.transactional import _DISCARDED, ConnectionSource, PsycopgTransaction
 
 from .pipeline import drop_table
 from .plain import fill_pending
 
-__all__ = ["EffectResult", "run_effect"]
+__all__ = ["CONNECTION_HANDLING", "EffectResult", "run_effect"]
 
 EFFECT = "INSERT INTO bench_effects (outbox_id, lease_version) VALUES (%s, %s)"
+
+#: What becomes of a transactional handler's connection after its run.
+CONNECTION_HANDLING = ("library", "kept", "discarded")
+
+
+class _Kept(PsycopgTransaction):
+    """Baseline only: the connection goes back to the pool as the handler left it (unsafe)."""
+
+    @contextlib.contextmanager
+    def begin(self, connection: ConnectionSource) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
+        with connection() as conn, conn.transaction():
+            yield conn, conn
+
+
+class _Discarded(PsycopgTransaction):
+    """Baseline only: the connection is closed after every run (the pool opens another)."""
+
+    @contextlib.contextmanager
+    def begin(self, connection: ConnectionSource) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
+        with connection() as conn:
+            try:
+                with conn.transaction():
+                    yield conn, conn
+            finally:
+                _DISCARDED.add(conn)  # the pool's warning about it, as for the library's discards
+                conn.close()
 
 
 @dataclass
@@ -42,6 +75,7 @@ class EffectResult:
     n: int
     seconds: float
     effects: int
+    handling: str = "library"
 
     @property
     def rate(self) -> float:
@@ -49,8 +83,14 @@ class EffectResult:
         return self.n / self.seconds if self.seconds > 0 else 0.0
 
 
-def run_effect(dsn: str, n: int, *, label: str, transactional: bool, batch_size: int = 200) -> EffectResult:
-    """Drain ``n`` pending rows whose handler inserts one effect row each."""
+def run_effect(
+    dsn: str, n: int, *, label: str, transactional: bool, batch_size: int = 200, handling: str = "library"
+) -> EffectResult:
+    """Drain ``n`` pending rows whose handler inserts one effect row each.
+
+    :param handling: for a transactional handler, what becomes of its connection (one of
+        :data:`CONNECTION_HANDLING`; ``library`` is what the library does).
+    """
     table = f"bench_tx_{label.replace('-', '_')}"
     with psycopg.connect(dsn, autocommit=True) as admin:
         drop_table(dsn, table)
@@ -78,8 +118,9 @@ def run_effect(dsn: str, n: int, *, label: str, transactional: bool, batch_size:
             def in_transaction(message: Message, conn: psycopg.Connection[Any]) -> None:
                 conn.execute(EFFECT, [message.id, message.lease_version])
 
+            kind = {"library": PsycopgTransaction, "kept": _Kept, "discarded": _Discarded}[handling]()
             spec = (
-                HandlerSpec("bench.effect", in_transaction, "q", transaction=PsycopgTransaction())
+                HandlerSpec("bench.effect", in_transaction, "q", transaction=kind)
                 if transactional
                 else HandlerSpec("bench.effect", plain, "q")
             )
@@ -105,4 +146,6 @@ def run_effect(dsn: str, n: int, *, label: str, transactional: bool, batch_size:
         effects = int(row[0]) if row else 0
         admin.execute("DROP TABLE bench_effects")
     drop_table(dsn, table)
-    return EffectResult(label=label, transactional=transactional, n=n, seconds=seconds, effects=effects)
+    return EffectResult(
+        label=label, transactional=transactional, n=n, seconds=seconds, effects=effects, handling=handling
+    )

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 import psycopg
+from psycopg import pq
 
+from ._connections import FOLLOW_UPS, Noted
 from ._done_batch import DoneBatcher
 from .backoff import Backoff, RetryPolicy
 from .config import OutboxConfig
@@ -30,7 +32,7 @@ from .heartbeat import lease_heartbeat
 from .message import Message, Outcome, Status
 from .store import SLOT_FREED, Claimed, Finalized, FinalizedMany, ScanMarks, Store, starter_token
 from .tracing import handler_span
-from .transactional import TransactionKind
+from .transactional import NOTHING_COMMITTED, TransactionKind, TransactionRolledBack
 
 __all__ = ["BatchResult", "ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome", "publish_units"]
 
@@ -209,6 +211,29 @@ class _Superseded(Exception):  # noqa: N818 - control flow inside the dispatcher
 # (40001) between a transactional handler's transaction and another. Nothing was committed; the
 # same run may well succeed a moment later.
 _ROLLBACK_CLASS = "40"
+
+
+# What a rolled-back run's last_error says when the handler raised psycopg.Rollback.
+_RAISED_ROLLBACK = (
+    "the transactional handler rolled back its transaction (psycopg.Rollback)" + NOTHING_COMMITTED
+)
+
+
+def _transaction_ended(conn: psycopg.Connection[Any]) -> str | None:
+    """Why the handler's transaction can no longer commit its done, read from libpq's state
+    (no round trip); ``None`` while it is open and healthy."""
+    status = conn.info.transaction_status
+    if status == pq.TransactionStatus.IDLE:
+        return (
+            "the transactional handler ended its transaction itself (a COMMIT or ROLLBACK on its "
+            "connection): its done was not written, what it wrote before may have committed"
+        )
+    if status == pq.TransactionStatus.INERROR:
+        return (
+            "a statement failed in the transactional handler's transaction and the handler went "
+            f"on: the transaction could only roll back{NOTHING_COMMITTED}"
+        )
+    return None
 
 
 def _transaction_conflict(exc: BaseException) -> psycopg.Error | None:
@@ -579,7 +604,7 @@ class Dispatcher:
         """
         cfg = self.config
         ordered = msg.ordering_key is not None
-        called = False
+        called = done = False
         try:
             with (
                 lease_heartbeat(cfg, msg.extend_lease, log=log),
@@ -595,9 +620,19 @@ class Dispatcher:
                         f"transactional handler of {msg.event_type!r} runs in {isolation}"
                     )
                 called = True
-                spec.fn(msg, handle)
+                began = time.monotonic()
+                with FOLLOW_UPS.watch(conn) as follow_ups:
+                    spec.fn(msg, handle)
+                ended = _transaction_ended(conn)
+                if ended is not None:
+                    raise TransactionRolledBack(ended)
+                if follow_ups and time.monotonic() - began >= cfg.scan_lookback / 2:
+                    # A long transaction: its follow-ups would commit behind the claims' scan
+                    # marks, at its start; they move to its commit (invariant 18).
+                    self._follow_ups_at_commit(conn, follow_ups)
                 if not self.store.done(conn, msg.id, lease_version, ordered=ordered, joined=True).applied:
                     raise _Superseded
+                done = True
         except _Superseded:
             outcome = Outcome.LOST_LEASE
         except BaseException as exc:
@@ -609,6 +644,12 @@ class Dispatcher:
             conflict = _transaction_conflict(exc)
             if conflict is not None:
                 exc = RetryableError(f"transaction conflict ({conflict.sqlstate}): {conflict}")
+            elif isinstance(exc, TransactionRolledBack):
+                exc = self._rolled_back(msg, str(exc), log)
+            elif isinstance(exc, psycopg.Rollback):
+                # Raised where no psycopg transaction() swallows it (the SQLAlchemy and Django
+                # kinds): the transaction rolls back all the same.
+                exc = self._rolled_back(msg, _RAISED_ROLLBACK, log)
             verdict = classify(exc, msg.attempts, self.retry)
             if verdict is None:
                 self._record_error(msg.id, lease_version, _error_text(exc))
@@ -621,7 +662,15 @@ class Dispatcher:
                 raise
             outcome = self._finish(verdict, msg, lease_version)
         else:
-            outcome = Outcome.DONE
+            if done:
+                outcome = Outcome.DONE
+            else:
+                # The block ended without an exception and without the done: the handler raised
+                # psycopg.Rollback, which the psycopg transaction swallows after rolling back.
+                rolled_back = self._rolled_back(msg, _RAISED_ROLLBACK, log)
+                verdict = classify(rolled_back, msg.attempts, self.retry)
+                assert verdict is not None
+                outcome = self._finish(verdict, msg, lease_version)
         logger.info(
             "outbox id %s %s -> %s",
             msg.id,
@@ -630,6 +679,22 @@ class Dispatcher:
             extra={**log, "outcome": outcome, "transactional": kind.name, "duration_ms": _ms_since(started)},
         )
         return outcome
+
+    def _rolled_back(self, msg: Message, why: str, log: dict[str, Any]) -> RetryableError:
+        """The retryable failure of a transactional run that returned but did not commit.
+
+        Its done did not commit, ``why`` says why in ``last_error``; the row is back
+        after a backoff with the attempt kept (``dead`` at ``max_attempts``, so a handler that
+        always rolls back ends), never left to its lease (invariant 20).
+        """
+        logger.warning("outbox id %s: %s; retried after a backoff", msg.id, why, extra=log)
+        return RetryableError(why)
+
+    def _follow_ups_at_commit(self, conn: psycopg.Connection[Any], follow_ups: Noted) -> None:
+        """Move a long transaction's follow-ups, table by table, to the time of its commit."""
+        for table, ids in follow_ups.items():
+            store = self.store if table == self.store.table else Store(table)
+            store.follow_ups_at_commit(conn, ids)
 
     # -- batch handlers (#22, DESIGN invariant 21) --------------------------------------------
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ._connections import IDLE, INERROR, _View, async_view, drive, drive_async, sync_view
+from ._connections import FOLLOW_UPS, IDLE, INERROR, _View, async_view, drive, drive_async, sync_view
 from ._seconds import seconds
 from .config import TableName
 from .errors import ProducerError, first_line
@@ -244,7 +244,10 @@ def _write(
         return []
     with _explained(table):
         if not _owns_transaction(view):
-            return drive(view, plan)
+            ids = drive(view, plan)
+            # In a transactional handler's transaction: its follow-ups (DESIGN invariant 18).
+            FOLLOW_UPS.note(view, TableName.parse(table), ids)
+            return ids
         with view.own_transaction():
             return drive(view, plan)
 

@@ -1356,6 +1356,19 @@ class Store:
         self._count("done")
         return Finalized(Status.DONE)
 
+    def follow_ups_at_commit(self, conn: psycopg.Connection[Any], ids: Sequence[int]) -> int:
+        """Move rows the caller's open transaction enqueued, already due, to this statement's time.
+
+        A transactional handler's long transaction runs it just before its done (named query
+        ``follow_ups_at_commit``, DESIGN invariant 18): its follow-ups then land at its commit,
+        in front of the claims' scan marks, not at its start. Returns how many moved.
+
+        :raises RuntimeError: ``conn`` is in autocommit outside a transaction block.
+        """
+        if self._owns_transaction(conn):
+            raise RuntimeError("follow_ups_at_commit needs the transaction that enqueued the rows")
+        return conn.execute(self._q["follow_ups_at_commit"], {"ids": list(ids)}).rowcount
+
     def limit_transaction(self, conn: psycopg.Connection[Any], *, seconds: float) -> str:
         """Bound the caller's open transaction to ``seconds`` (a transactional handler's).
 

@@ -18,25 +18,37 @@ psycopg 3 connection underneath, on which the store runs its statements:
   Django's connection (psycopg 3 backend); the handler gets that connection wrapper and may use
   the ORM.
 
+Whatever kind, nothing a handler leaves on its connection (``SET``, a role, ``LISTEN``,
+``WITH HOLD`` cursors, temporary tables, a row factory, adapters) reaches a later run, a claim
+or a finalizer (DESIGN invariant 20): the psycopg one is reset before it goes back to the
+outbox's pool, or closed (the pool opens a new one) when its Python side changed; SQLAlchemy's
+is invalidated as it goes back to its engine's pool (closed, replaced); Django's is closed after
+``atomic()`` (the next use connects again).
+
 SQLAlchemy and Django are imported only by their kinds.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import psycopg
+from psycopg import pq
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, OutboxError
 
 __all__ = [
     "KINDS",
+    "NOTHING_COMMITTED",
     "DjangoTransaction",
     "PsycopgTransaction",
     "SqlAlchemyTransaction",
     "TransactionKind",
+    "TransactionRolledBack",
     "transaction_kind",
 ]
 
@@ -44,6 +56,19 @@ __all__ = [
 KINDS = ("psycopg", "sqlalchemy", "django")
 
 ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
+
+
+#: How a rolled-back run's ``last_error`` ends.
+NOTHING_COMMITTED = "; nothing it wrote was committed, nor its done"
+
+
+class TransactionRolledBack(OutboxError):  # noqa: N818 - a fact, not a fault of the library
+    """The handler returned, but its transaction will not commit (or was ended by the handler).
+
+    Raised inside the transaction by a kind or the dispatcher (the transaction then rolls back),
+    and recorded as a retryable failure whose ``last_error`` says why: nothing the handler wrote
+    committed, and neither did its ``done`` (DESIGN invariant 20).
+    """
 
 
 class TransactionKind(Protocol):
@@ -57,23 +82,130 @@ class TransactionKind(Protocol):
     ) -> AbstractContextManager[tuple[Any, psycopg.Connection[Any]]]:
         """A transaction: yields what the handler receives and the psycopg connection under it.
 
-        Leaving the block normally commits; leaving it by an exception rolls back.
+        Leaving the block normally commits; leaving it by an exception rolls back. Either way
+        the connection is discarded afterwards, never handed to anyone else.
 
         :param connection: the outbox's pooled autocommit connections.
         """
         ...
 
 
+# The pool connections closed here on purpose (PsycopgTransaction), while they go back to the
+# pool: psycopg_pool warns about every closed connection it is given back ("discarding closed
+# connection"), which would be one warning per transactional run.
+_DISCARDED: weakref.WeakSet[Any] = weakref.WeakSet()
+_POOL_DISCARDS_CLOSED = "discarding closed connection: %s"
+
+
+class _QuietDiscards(logging.Filter):
+    """Drop psycopg_pool's warning for the connections this module closed on purpose only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (
+            record.msg == _POOL_DISCARDS_CLOSED
+            and isinstance(args, tuple)
+            and len(args) == 1
+            and args[0] in _DISCARDED
+        )
+
+
+logging.getLogger("psycopg.pool").addFilter(_QuietDiscards())
+
+
+# The server side of a session back to its defaults, in one round trip: DISCARD ALL without its
+# DEALLOCATE ALL, so psycopg's own prepared statements stay valid (a handler's settings, role,
+# cursors, LISTENs, advisory locks, temporary tables, sequences' state and cached plans go).
+# Several statements in one simple query: one implicit transaction, all or nothing.
+SESSION_RESET = (
+    "CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; UNLISTEN *; "
+    "SELECT pg_advisory_unlock_all(); DISCARD PLANS; DISCARD TEMP; DISCARD SEQUENCES"
+)
+
+
+def _identities(obj: Any) -> tuple[Any, ...] | None:
+    """The identities of ``obj``'s attributes, one level into lists and dicts; ``None`` if
+    unreadable.
+
+    psycopg's adapter maps are copy-on-write: the first change made through a connection
+    replaces the inner map it changes, so a changed identity means a changed map. Their
+    ``_own*`` flags are left out: a cursor made from the map resets them, with no change.
+    """
+    state = getattr(obj, "__dict__", None)
+    if not state:
+        return None
+    out: list[tuple[str, Any]] = []
+    for name, value in sorted(state.items()):
+        if name.startswith("_own"):
+            continue
+        if isinstance(value, dict):
+            out.append((name, tuple((k, id(v)) for k, v in value.items())))
+        elif isinstance(value, list):
+            out.append((name, tuple(map(id, value))))
+        else:
+            out.append((name, id(value)))
+    return tuple(out)
+
+
+def _client_state(conn: psycopg.Connection[Any]) -> tuple[Any, ...] | None:
+    """What a handler can change on the Python side of a psycopg connection, as identities:
+    row and cursor factories, prepared-statement settings, adapters, notice and notify handlers.
+    ``None`` when it cannot all be read (then nothing vouches for the connection)."""
+    adapters = _identities(conn.adapters), _identities(conn.adapters.types)
+    if None in adapters:
+        return None
+    return (
+        id(conn.row_factory),
+        id(conn.cursor_factory),
+        id(conn.server_cursor_factory),
+        conn.prepare_threshold,
+        conn.prepared_max,
+        adapters,
+        tuple(map(id, getattr(conn, "_notice_handlers", ()))),
+        tuple(map(id, getattr(conn, "_notify_handlers", ()))),
+    )
+
+
+def _reset(conn: psycopg.Connection[Any], before: tuple[Any, ...] | None) -> bool:
+    """Reset a connection a handler used for its next user; ``False`` if that cannot be vouched
+    for (then it must be discarded): broken, still in a transaction, its Python side changed, or
+    the reset failed."""
+    if before is None or conn.closed or conn.info.transaction_status != pq.TransactionStatus.IDLE:
+        return False
+    if _client_state(conn) != before:
+        return False
+    try:
+        conn.execute(SESSION_RESET, prepare=False)
+    except psycopg.Error:
+        return False
+    return conn.info.transaction_status == pq.TransactionStatus.IDLE
+
+
 class PsycopgTransaction:
-    """A transaction on a connection of the outbox's pool; the handler gets that connection."""
+    """A transaction on a connection of the outbox's pool; the handler gets that connection.
+
+    After the run, whatever its end, the connection is reset (``SESSION_RESET``, one round trip)
+    when nothing on its Python side changed, else closed before the pool takes it back (the
+    pool opens another): nothing a handler left on it reaches a later claim, finalizer or run
+    (DESIGN invariant 20). A handler must not keep the connection past its run.
+    """
 
     name = "psycopg"
 
     @contextmanager
     def begin(self, connection: ConnectionSource) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
         """See :meth:`TransactionKind.begin`."""
-        with connection() as conn, conn.transaction():
-            yield conn, conn
+        with connection() as conn:
+            before = _client_state(conn)
+            try:
+                with conn.transaction():
+                    yield conn, conn
+            finally:
+                if not _reset(conn, before) and not conn.closed:
+                    # Closed before the pool takes it back: the pool discards a closed
+                    # connection and opens another in the background (psycopg_pool).
+                    _DISCARDED.add(conn)
+                    conn.close()
 
 
 class SqlAlchemyTransaction:
@@ -95,13 +227,38 @@ class SqlAlchemyTransaction:
     def begin(self, connection: ConnectionSource) -> Iterator[tuple[Any, psycopg.Connection[Any]]]:
         """See :meth:`TransactionKind.begin`."""
         with self.session_factory() as session, session.begin():
-            raw = session.connection().connection.driver_connection
+            connection_ = session.connection()
+            # Invalidated as it goes back to the engine's pool (after the commit): SQLAlchemy
+            # closes it and opens another for the engine's next user, so nothing the handler
+            # left on it reaches anyone (DESIGN invariant 20).
+            _discard_on_checkin(connection_.engine)
+            connection_.connection.info[_DISCARD] = True
+            raw = connection_.connection.driver_connection
             if not isinstance(raw, psycopg.Connection):
                 raise ConfigurationError(
                     "transactional='sqlalchemy' needs the psycopg 3 dialect (postgresql+psycopg://), "
                     f"got a {type(raw).__module__}.{type(raw).__name__} connection"
                 )
             yield session, raw
+
+
+# The mark, in a pooled SQLAlchemy connection's info (kept with its pool entry), of one a
+# transactional handler used.
+_DISCARD = "outbox_celery.discard"
+
+
+def _discard_marked(dbapi_connection: Any, entry: Any) -> None:
+    """A SQLAlchemy pool ``checkin`` listener: invalidate (close) a marked connection."""
+    if entry is not None and entry.info.pop(_DISCARD, False):
+        entry.invalidate()
+
+
+def _discard_on_checkin(engine: Any) -> None:
+    """Listen to ``engine``'s pool check-ins once (the listener survives ``dispose()``)."""
+    from sqlalchemy import event
+
+    if not event.contains(engine, "checkin", _discard_marked):
+        event.listen(engine, "checkin", _discard_marked)
 
 
 class DjangoTransaction:
@@ -123,20 +280,34 @@ class DjangoTransaction:
 
         alias = self.using or DEFAULT_DB_ALIAS
         wrapper = connections[alias]
-        if not wrapper.in_atomic_block:
-            # What Django does around each request: drop a connection that broke (a session
-            # ended by a previous run's idle_in_transaction_session_timeout) or grew too old;
-            # outside a request nothing else would, and every later run would fail on it.
+        outermost = not wrapper.in_atomic_block
+        if outermost:
+            # What Django does around each request: drop a connection that broke or grew too
+            # old (one the application used outside a run); outside a request nothing else would.
             wrapper.close_if_unusable_or_obsolete()
-        with transaction.atomic(using=alias):
-            wrapper.ensure_connection()
-            raw = wrapper.connection
-            if not isinstance(raw, psycopg.Connection):
-                raise ConfigurationError(
-                    "transactional='django' needs Django's postgresql backend on psycopg 3, "
-                    f"got a {type(raw).__module__}.{type(raw).__name__} connection"
-                )
-            yield wrapper, raw
+        try:
+            with transaction.atomic(using=alias):
+                wrapper.ensure_connection()
+                raw = wrapper.connection
+                if not isinstance(raw, psycopg.Connection):
+                    raise ConfigurationError(
+                        "transactional='django' needs Django's postgresql backend on psycopg 3, "
+                        f"got a {type(raw).__module__}.{type(raw).__name__} connection"
+                    )
+                yield wrapper, raw
+                if transaction.get_rollback(using=alias):
+                    # atomic() would roll back without a word: the done would not commit.
+                    raise TransactionRolledBack(
+                        "the transactional handler marked its transaction for rollback "
+                        f"(transaction.set_rollback(True)){NOTHING_COMMITTED}"
+                    )
+        finally:
+            if outermost:
+                # Closed after the transaction, as Django does at the end of a request with
+                # CONN_MAX_AGE = 0: the next use connects again, so nothing the handler left on
+                # this session reaches a later run (DESIGN invariant 20). A run inside an outer
+                # atomic() (a caller's transaction) leaves the connection to that caller.
+                wrapper.close()
 
 
 def transaction_kind(

@@ -366,12 +366,25 @@ nxt AS (
     WHERE fin.head AND fin.ordering_key IS NOT NULL
 ),
 -- The new head enters the heads index at the time it became claimable, never behind the claims'
--- scan marks (DESIGN invariant 18); a later available_at (a delayed event) is kept.
+-- scan marks (DESIGN invariant 18); a later available_at (a delayed event) is kept. The
+-- statement's time, not the transaction's: a transactional handler's done ends a transaction
+-- that may have run for longer than scan_lookback (the same as now() for a done of its own).
 moved AS (
-    UPDATE {table} AS o SET head = true, available_at = greatest(o.available_at, now())
+    UPDATE {table} AS o SET head = true, available_at = greatest(o.available_at, statement_timestamp())
     FROM nxt WHERE o.id = nxt.id RETURNING o.id
 )
 SELECT fin.id, (SELECT o.id FROM moved AS o) FROM fin;
+
+-- name: follow_ups_at_commit
+-- The rows a transactional handler enqueued in its transaction (DESIGN invariants 18, 20), when
+-- that transaction ran long: they were given the transaction's start (now()) plus their delay,
+-- and would commit behind the claims' scan marks. Run just before the done, in the same
+-- transaction: those already due move to this statement's time, at the commit, never before
+-- now(); a row whose delay runs further keeps it. The rows are the transaction's own, uncommitted:
+-- nobody else sees or locks them; the primary key finds them.
+UPDATE {table}
+SET available_at = statement_timestamp()
+WHERE id = ANY(%(ids)s::bigint[]) AND status = 'pending' AND available_at < statement_timestamp();
 
 -- name: transaction_limits
 -- First statement of a transactional handler's transaction (DESIGN invariant 20): bounds it
@@ -528,7 +541,7 @@ SELECT instance::text FROM {instance_table};
 -- head becomes its head. A key that has one is left alone: by invariant 9 that head is its
 -- lowest unfinished message already (a processing head while a message behind it was skipped).
 UPDATE {table} AS o
-SET head = true, available_at = greatest(o.available_at, now())  -- as in finish_done_head
+SET head = true, available_at = greatest(o.available_at, statement_timestamp())  -- as in finish_done_head
 FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
      LATERAL (SELECT id FROM {table}
               WHERE ordering_key = keys.k AND status <> 'done'

@@ -12,6 +12,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from support.apps import CLEAN_PROBE
 from support.db import calls
 
 from acceptance.conftest import Harness
@@ -169,3 +170,31 @@ def test_invariant_20_ordered_transactional_messages_keep_their_order(harness: H
         assert [e["outbox_id"] for e in effects if e["ordering_key"] == f"acct:{k}"] == ids
     rows = {r["id"]: r for r in harness.rows()}
     assert [rows[keys[k][2]]["attempts"] for k in "ab"] == [2, 2]
+
+
+@KINDS
+def test_invariant_20_a_handler_s_session_state_never_reaches_later_claims_or_runs_on_prefork_and_threads(
+    harness: Harness, kind: str
+) -> None:
+    """A handler leaves settings, LISTEN, a WITH HOLD cursor, an advisory lock, a row factory and
+    a text loader on its connection; every later run and claim, in the same processes, meets
+    none of it."""
+    harness.spec.transactional_kind = kind
+    queues = {"prefork": harness.q("tx.prefork"), "threads": harness.q("tx.threads")}
+    types = {pool: f"tx.{pool}" for pool in queues}
+    harness.configure(lease=5.0, transactional={types[p]: q for p, q in queues.items()})
+    # Each worker consumes the claim queue too: with threads, the claims run in the process
+    # whose pool the leaking handler used (the listener's claims crash-looped on it).
+    for pool, queue in queues.items():
+        harness.worker([harness.claim_queue, queue], name=pool, pool=pool, concurrency=2)
+    harness.beat()
+    for event_type in types.values():
+        # Server-side state only (the psycopg kind resets the connection), then the Python side
+        # too (every kind discards it).
+        harness.enqueue(2, event_type=event_type, payload=lambda i: {"mode": "leak", "python_side": i == 1})
+    harness.wait_finished(4, timeout=60)
+    probes = {p: harness.enqueue(6, event_type=et, payload={"mode": "probe"}) for p, et in types.items()}
+    harness.wait_finished(16, timeout=60)
+    results = {c["outbox_id"]: c["result"] for c in calls(harness.conn)}
+    for pool, ids in probes.items():
+        assert [results.get(i) for i in ids] == [CLEAN_PROBE] * len(ids), pool

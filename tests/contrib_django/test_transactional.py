@@ -74,3 +74,63 @@ def test_invariant_20_django_orm_writes_follow_up_and_done_commit_together(
     assert _committed(django_db, "SELECT total FROM testapp_order") == [(2,)]
     assert _committed(django_db, f"SELECT status FROM outbox WHERE id = {int(i)}") == [("done",)]
     assert len(_committed(django_db, "SELECT id FROM outbox WHERE event_type = 'order.paid'")) == 1
+
+
+def _claim(dsn: str, outbox_id: int) -> int:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        claimed = Store().claim(c, limit=1, lease=60.0, owner="w", max_attempts=5, event_types=[EVENT])
+        [claim] = claimed.claimed
+        assert claim.id == outbox_id
+        return claim.lease_version
+
+
+def _enqueue(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as c, c.transaction():
+        return enqueue(c, event_type=EVENT, payload={}, aggregate_type="order", aggregate_id="1")
+
+
+def test_invariant_20_a_django_handler_s_session_state_never_reaches_the_next_user_of_the_connection(
+    django_db: str, pool: ConnectionPool[Any]
+) -> None:
+    def handler(message: Message, conn: Any) -> None:
+        Order.objects.create(total=1)
+        with conn.cursor() as cur:
+            cur.execute("SET app.tenant = '42'")
+            cur.execute("SET synchronous_commit = off")
+
+    spec = HandlerSpec(EVENT, handler, "q", transaction=DjangoTransaction())
+    dispatcher = Dispatcher(OutboxConfig(lease=60.0), pool.connection, {EVENT: spec})
+    i = _enqueue(django_db)
+    assert dispatcher.deliver(i, _claim(django_db, i)) == Outcome.DONE
+    # The thread's Django connection, as the application's next query in this worker uses it.
+    with connection.cursor() as cur:
+        cur.execute("SELECT current_setting('app.tenant', true), current_setting('synchronous_commit')")
+        assert cur.fetchone() == (None, "on")
+    assert _committed(django_db, "SELECT total FROM testapp_order") == [(1,)]
+
+
+def test_invariant_20_a_django_handler_that_sets_rollback_is_a_retryable_failure_not_done(
+    django_db: str, pool: ConnectionPool[Any]
+) -> None:
+    from django.db import transaction
+
+    def handler(message: Message, conn: Any) -> None:
+        Order.objects.create(total=message.attempts)
+        if message.attempts == 1:
+            transaction.set_rollback(True)
+
+    spec = HandlerSpec(EVENT, handler, "q", transaction=DjangoTransaction())
+    dispatcher = Dispatcher(OutboxConfig(lease=60.0, max_attempts=2), pool.connection, {EVENT: spec})
+    i = _enqueue(django_db)
+    assert dispatcher.deliver(i, _claim(django_db, i)) == Outcome.RETRY
+    [(status, attempts, lease_until, error)] = _committed(
+        django_db, f"SELECT status, attempts, lease_until, last_error FROM outbox WHERE id = {int(i)}"
+    )
+    # Nothing committed, and it says so: back after a backoff, no lease left to run out.
+    assert (status, attempts, lease_until) == ("pending", 1, None)
+    assert "transaction.set_rollback(True)" in error and "nothing it wrote was committed" in error
+    assert _committed(django_db, "SELECT total FROM testapp_order") == []
+    with psycopg.connect(django_db, autocommit=True) as c:
+        c.execute("UPDATE outbox SET available_at = now() WHERE id = %s", [i])
+    assert dispatcher.deliver(i, _claim(django_db, i)) == Outcome.DONE
+    assert _committed(django_db, "SELECT total FROM testapp_order") == [(2,)]

@@ -7,6 +7,8 @@ superseded claim or any exception rolls them back. Real workers (SIGKILL, stale 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,6 +16,8 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.adapt import Loader
+from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from outbox_celery import (
@@ -27,6 +31,7 @@ from outbox_celery import (
     enqueue,
 )
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
+from outbox_celery.store import Claimed
 from outbox_celery.transactional import PsycopgTransaction
 
 from .helpers import LONG, add, count, fetch
@@ -283,6 +288,201 @@ def test_invariant_20_an_ordered_done_moves_the_head_in_the_same_transaction(
     assert count(conn, table, "status = 'done'") == 2
 
 
+# -- the connection a handler used (invariant 20) ------------------------------------------------
+
+# What a later user of a pooled connection reads: all of it is the session's default unless a
+# handler's session state survived its run.
+SESSION_STATE = (
+    "SELECT nullif(current_setting('app.tenant', true), ''), current_setting('synchronous_commit'),"
+    " (SELECT count(*) FROM pg_cursors)::int, (SELECT count(*) FROM pg_listening_channels())::int,"
+    " (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242)::int,"
+    " to_regclass('pg_temp.leak') IS NULL, 'plain'::text"
+)
+# (A reset leaves a custom setting that was set empty rather than unknown, hence the nullif.)
+CLEAN = (None, "on", 0, 0, 0, True, "plain")
+
+
+class _Shout(Loader):
+    """A text loader a handler registers on its connection (an adapter that must not outlive it)."""
+
+    def load(self, data: Any) -> str:
+        return bytes(data).decode().upper()
+
+
+def _leave_state(tx: psycopg.Connection[Any], *, python_side: bool = True) -> None:
+    """Everything a handler can leave on its connection: the issue's examples and more."""
+    tx.execute("SET app.tenant = '42'")
+    tx.execute("SET synchronous_commit = off")
+    tx.execute("LISTEN outbox_leak")
+    tx.execute("DECLARE leak CURSOR WITH HOLD FOR SELECT 1")
+    tx.execute("SELECT pg_advisory_lock(4242)")
+    tx.execute("CREATE TEMP TABLE leak (x int)")
+    if python_side:
+        tx.adapters.register_loader("text", _Shout)
+        tx.row_factory = dict_row  # type: ignore[assignment]
+
+
+def _publish_into(claims: list[Claimed]) -> Callable[[Any], int]:
+    def publish(batch: Any) -> int:
+        claims.extend(batch)
+        return len(batch)
+
+    return publish
+
+
+@pytest.mark.usefixtures("effects")
+@pytest.mark.parametrize(
+    ("ends", "python_side"), [("returns", False), ("raises", False), ("returns", True), ("raises", True)]
+)
+def test_invariant_20_a_handler_s_session_state_never_reaches_a_later_user_of_its_connection(
+    conn: psycopg.Connection[Any],
+    table: str,
+    migrated_dsn: str,
+    ends: str,
+    python_side: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Two pooled connections: every later claim, start, finalizer and run meets the one the
+    # leaking handler used, unless it was discarded.
+    seen: list[tuple[Any, ...]] = []
+    used: list[psycopg.Connection[Any]] = []
+
+    def handler(message: Message, tx: psycopg.Connection[Any]) -> None:
+        used.append(tx)
+        if len(used) == 1:
+            _post(message, tx, table)
+            _leave_state(tx, python_side=python_side)
+            if ends == "raises":
+                raise RetryableError("after leaving state", delay=0)
+        else:
+            seen.append(tx.execute(SESSION_STATE).fetchone() or ())
+
+    with ConnectionPool(migrated_dsn, min_size=2, max_size=2, kwargs={"autocommit": True}, open=True) as pool:
+        dispatcher = _dispatcher(pool, table, handler)
+        dispatcher.handlers[FOLLOW_UP] = HandlerSpec(
+            FOLLOW_UP, lambda m, tx: None, "q", transaction=PsycopgTransaction()
+        )
+        first, second = add(conn, 2, table=table, event_type=EVENT)
+        claims: list[Claimed] = []
+        assert dispatcher.claim_and_publish(_publish_into(claims)).claimed == 2
+        versions = {c.id: c.lease_version for c in claims}
+        expected = Outcome.DONE if ends == "returns" else Outcome.RETRY
+        assert dispatcher.deliver(first, versions[first]) == expected
+        # Later claims (tuple rows, the connection's own row factory), starts and finalizers
+        # run on the pool's connections: none meets the handler's row factory or settings.
+        claims.clear()
+        dispatcher.claim_and_publish(_publish_into(claims))
+        assert dispatcher.deliver(second, versions[second]) == Outcome.DONE
+        assert seen == [CLEAN]
+        with pool.connection() as a, pool.connection() as b:
+            assert [c.execute(SESSION_STATE).fetchone() for c in (a, b)] == [CLEAN, CLEAN]
+        # The server side is reset on the connection; a changed Python side has it discarded.
+        assert used[0].closed is python_side
+    assert fetch(conn, table, second)["status"] == "done"
+    # The pool's warning about a closed connection given back is not one per run.
+    assert [
+        r.getMessage() for r in caplog.records if r.name == "psycopg.pool" and r.levelno >= logging.WARNING
+    ] == []
+
+
+# -- a run that rolled back (invariant 20) ------------------------------------------------------
+
+
+def _rollback(tx: psycopg.Connection[Any]) -> None:
+    raise psycopg.Rollback  # psycopg's transaction() rolls back and swallows it
+
+
+def _raw_rollback(tx: psycopg.Connection[Any]) -> None:
+    tx.execute("ROLLBACK")
+
+
+def _swallowed_error(tx: psycopg.Connection[Any]) -> None:
+    with contextlib.suppress(psycopg.errors.DivisionByZero):
+        tx.execute("SELECT 1 / 0")
+
+
+@pytest.mark.usefixtures("effects")
+@pytest.mark.parametrize(
+    ("ends", "says"),
+    [
+        (_rollback, "rolled back its transaction (psycopg.Rollback); nothing it wrote was committed"),
+        (_raw_rollback, "ended its transaction itself (a COMMIT or ROLLBACK on its connection)"),
+        (_swallowed_error, "could only roll back; nothing it wrote was committed"),
+    ],
+)
+def test_invariant_20_a_handler_that_rolls_back_is_a_retryable_failure_not_done(
+    conn: psycopg.Connection[Any],
+    table: str,
+    pool: ConnectionPool[Any],
+    ends: Callable[[psycopg.Connection[Any]], None],
+    says: str,
+) -> None:
+    def handler(message: Message, tx: psycopg.Connection[Any]) -> None:
+        _post(message, tx, table)
+        if message.attempts == 1:
+            ends(tx)
+
+    dispatcher = _dispatcher(pool, table, handler, max_attempts=2)
+    [i] = add(conn, table=table, event_type=EVENT)
+    assert dispatcher.deliver(i, _claim_one(dispatcher, conn)) == Outcome.RETRY
+    row = fetch(conn, table, i)
+    # Nothing committed, and it says so: back after a backoff, no lease left to run out.
+    assert (row["status"], row["attempts"], row["lease_until"]) == ("pending", 1, None)
+    assert says in row["last_error"]
+    assert (_ledger(conn), _follow_ups(conn, table)) == ([], 0)
+    # The next run commits, once: a healthy message never ends dead from a rollback.
+    t = TableName.parse(table).identifier()
+    conn.execute(sql.SQL("UPDATE {} SET available_at = now() WHERE id = %s").format(t), [i])
+    version = _claim_one(dispatcher, conn)
+    assert dispatcher.deliver(i, version) == Outcome.DONE
+    assert fetch(conn, table, i)["status"] == "done"
+    assert _ledger(conn) == [(i, version)]
+
+
+# -- a long transaction's follow-ups and next head (invariants 18, 20) ----------------------------
+
+
+def test_invariant_18_a_long_transactional_handler_s_follow_ups_and_next_head_are_claimed_at_once(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    # scan_lookback 1 s, a handler of 2.5 s; no full pass for an hour. While the handler runs, a
+    # claim finds nothing due and moves its marks to its now(): before the fix its follow-up
+    # (available_at = the transaction's start) and the key's next head (greatest(available_at,
+    # now()) in the done's transaction) committed 2.5 s behind those marks, 1.5 s past lookback.
+    claims: list[Claimed] = []
+    follow_ups: list[int] = []
+
+    def handler(message: Message, tx: psycopg.Connection[Any]) -> None:
+        if message.id != first:
+            return
+        for delay in (None, 3600.0):
+            follow_ups.append(
+                enqueue(
+                    tx,
+                    event_type=FOLLOW_UP,
+                    payload={"after": message.id},
+                    aggregate_type="ledger",
+                    aggregate_id=str(message.id),
+                    delay=delay,
+                    table=table,
+                )
+            )
+        tx.execute("SELECT pg_sleep(2.5)")
+        assert dispatcher.claim_and_publish(_publish_into(claims)).claimed == 0
+
+    dispatcher = _dispatcher(pool, table, handler, scan_lookback=1.0, full_scan_interval=3600.0)
+    dispatcher.handlers[FOLLOW_UP] = HandlerSpec(FOLLOW_UP, handler, "q", transaction=PsycopgTransaction())
+    first, second = add(conn, 2, table=table, event_type=EVENT, key="acct-1")
+    assert dispatcher.claim_and_publish(_publish_into(claims)).claimed == 1  # the first claim: a full pass
+    [c] = claims
+    claims.clear()
+    assert dispatcher.deliver(first, c.lease_version) == Outcome.DONE
+    assert dispatcher.claim_and_publish(_publish_into(claims)).claimed == 2
+    assert sorted(c.id for c in claims) == sorted([second, follow_ups[0]])
+    # The delayed follow-up keeps its delay (from the transaction's start).
+    assert fetch(conn, table, follow_ups[1])["available_in"] > 3590
+
+
 # -- SQLAlchemy --------------------------------------------------------------------------------
 
 
@@ -353,3 +553,58 @@ def test_invariant_20_an_ordered_message_is_refused_outside_read_committed(
     # The library's failure, not the handler's: retried after a backoff, said so (#21).
     assert row["status"] == "pending"
     assert "handler did not run" in row["last_error"] and "repeatable read" in row["last_error"]
+
+
+@pytest.mark.usefixtures("effects")
+def test_invariant_20_a_sqlalchemy_handler_s_session_state_never_reaches_the_engine_s_next_user(
+    conn: psycopg.Connection[Any], table: str, migrated_dsn: str
+) -> None:
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy import text
+    from sqlalchemy.orm import sessionmaker
+
+    from outbox_celery.transactional import SqlAlchemyTransaction
+
+    # One pooled connection in the engine: its next user gets the handler's unless discarded.
+    engine = sqlalchemy.create_engine(
+        "postgresql+psycopg://", creator=lambda: psycopg.connect(migrated_dsn), pool_size=1, max_overflow=0
+    )
+    factory = sessionmaker(engine)
+
+    def handler(message: Message, session: Any) -> None:
+        _session_post(message, session, table)
+        _leave_state(session.connection().connection.driver_connection)
+
+    spec = HandlerSpec(EVENT, handler, "q", transaction=SqlAlchemyTransaction(factory))
+    with ConnectionPool(migrated_dsn, min_size=1, max_size=2, kwargs={"autocommit": True}, open=True) as pool:
+        dispatcher = Dispatcher(OutboxConfig(table=table, lease=LONG), pool.connection, {EVENT: spec})
+        [i] = add(conn, table=table, event_type=EVENT)
+        version = _claim_one(dispatcher, conn)
+        assert dispatcher.deliver(i, version) == Outcome.DONE
+    try:
+        with factory() as session:
+            assert tuple(session.execute(text(SESSION_STATE)).one()) == CLEAN
+    finally:
+        engine.dispose()
+    assert fetch(conn, table, i)["status"] == "done"
+    assert (_ledger(conn), _follow_ups(conn, table)) == ([(i, version)], 1)
+
+
+@pytest.mark.usefixtures("effects")
+def test_invariant_20_a_sqlalchemy_handler_that_raises_rollback_is_a_retryable_failure(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any], session_factory: Any
+) -> None:
+    from outbox_celery.transactional import SqlAlchemyTransaction
+
+    def handler(message: Message, session: Any) -> None:
+        _session_post(message, session, table)
+        raise psycopg.Rollback
+
+    spec = HandlerSpec(EVENT, handler, "q", transaction=SqlAlchemyTransaction(session_factory))
+    dispatcher = Dispatcher(OutboxConfig(table=table, lease=LONG), pool.connection, {EVENT: spec})
+    [i] = add(conn, table=table, event_type=EVENT)
+    assert dispatcher.deliver(i, _claim_one(dispatcher, conn)) == Outcome.RETRY
+    row = fetch(conn, table, i)
+    assert (row["status"], row["lease_until"]) == ("pending", None)
+    assert "rolled back its transaction (psycopg.Rollback)" in row["last_error"]
+    assert (_ledger(conn), _follow_ups(conn, table)) == ([], 0)

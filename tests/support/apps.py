@@ -23,6 +23,12 @@ worker serves every situation a test needs::
     {"mode": "extend", "seconds": 30}       extend its own lease, record whether it won
     {"mode": "rate_limited", "retry_after": 3}
                                             RateLimited(3) on the message's first run, then ok
+    {"mode": "leak"}                        (transactional) leave session state on the handler's
+                                            connection: SET app.tenant, SET synchronous_commit,
+                                            LISTEN, a WITH HOLD cursor, an advisory lock, and
+                                            (unless "python_side": false) a text loader, dict rows
+    {"mode": "probe"}                       (transactional) return what the handler's connection
+                                            holds of that state (PROBE), as the call's result
 
 Event types in ``transactional`` get :func:`scripted_transactional` instead (#24): the same
 modes, run inside the handler's transaction after it wrote its effect (a row in ``effects``)
@@ -52,6 +58,8 @@ from typing import Any
 import psycopg
 from celery import Celery, current_task
 from psycopg import sql
+from psycopg.adapt import Loader
+from psycopg.rows import dict_row
 
 from outbox_celery import Defer, Message, PermanentError, RateLimited, RetryableError, Store, TableName
 from outbox_celery.celery_app import Outbox
@@ -281,6 +289,11 @@ def scripted_transactional(outbox: Outbox) -> Any:
                 )
             if active and mode == "stall":
                 result = _stall(outbox, message, raw)
+            elif mode == "leak":
+                leave_state(raw, python_side=bool(payload.get("python_side", True)))
+                result = "left state"
+            elif mode == "probe":
+                result = repr(raw.execute(PROBE).fetchone())
             else:
                 result = _act(outbox, message, mode if active else "ok", payload)
         except BaseException as exc:
@@ -290,6 +303,36 @@ def scripted_transactional(outbox: Outbox) -> Any:
 
     handler.__name__ = "scripted_transactional_handler"
     return handler
+
+
+# What a transactional handler's connection holds of the state a "leak" run leaves; a fresh
+# session's answer is CLEAN_PROBE (tuple rows, no text loader, nothing set, no cursor, no LISTEN).
+PROBE = (
+    "SELECT nullif(current_setting('app.tenant', true), ''), current_setting('synchronous_commit'),"
+    " (SELECT count(*) FROM pg_cursors)::int + (SELECT count(*) FROM pg_listening_channels())::int"
+    " + (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242)::int"
+)
+CLEAN_PROBE = repr((None, "on", 0))
+
+
+class _Shout(Loader):
+    """A text loader a "leak" handler registers on its connection."""
+
+    def load(self, data: Any) -> str:
+        return bytes(data).decode().upper()
+
+
+def leave_state(raw: psycopg.Connection[Any], *, python_side: bool = True) -> None:
+    """Everything a handler can leave on its connection (the "leak" mode); with
+    ``python_side``, on the psycopg object too (a text loader, dict rows)."""
+    raw.execute("SET app.tenant = '42'")
+    raw.execute("SET synchronous_commit = off")
+    raw.execute("LISTEN outbox_leak")
+    raw.execute("DECLARE leak CURSOR WITH HOLD FOR SELECT 1")
+    raw.execute("SELECT pg_advisory_lock(4242)")
+    if python_side:
+        raw.adapters.register_loader("text", _Shout)
+        raw.row_factory = dict_row  # type: ignore[assignment]
 
 
 EFFECT = (

@@ -31,6 +31,9 @@ if spec.transactional and spec.transactional_kind == "django":
                 "PASSWORD": parts.get("password", ""),
                 "HOST": parts.get("host", ""),
                 "PORT": str(parts.get("port", "")),
+                # Persistent connections, as a worker is usually configured: with the default
+                # (0) Django would close its connection before each run anyway.
+                "CONN_MAX_AGE": None,
             }
         },
     )
