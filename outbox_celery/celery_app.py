@@ -169,6 +169,7 @@ class Outbox:
         done_batch_delay: float | timedelta | Unset = UNSET,
         scan_lookback: float | timedelta | Unset = UNSET,
         full_scan_interval: float | timedelta | Unset = UNSET,
+        unreachable_exit_after: float | timedelta | Unset | None = UNSET,
         store: Store | None = None,
         retry: RetryPolicy | None = None,
         **unknown: Any,
