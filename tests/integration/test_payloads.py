@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
+from psycopg_pool import ConnectionPool
 from support.payloads import PAYLOADS, same
 
 from outbox_celery import (
@@ -27,7 +28,10 @@ from outbox_celery import (
     enqueue_many,
     enqueue_many_async,
 )
+from outbox_celery.config import OutboxConfig
+from outbox_celery.dispatch import Dispatcher, HandlerSpec
 from outbox_celery.message import Message
+from outbox_celery.transactional import PsycopgTransaction
 
 from .helpers import LONG
 from .producer_kinds import ASYNC_KINDS, SYNC_KINDS
@@ -134,3 +138,40 @@ def test_invariant_27_a_payload_that_would_change_is_refused_before_anything_is_
                 table=table,
             )
     assert conn.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("how", ["plain", "transactional", "batch"])
+def test_invariant_27_every_handler_kind_receives_what_was_enqueued(
+    how: str, migrated_dsn: str, conn: psycopg.Connection[Any], table: str
+) -> None:
+    seen: dict[int, Any] = {}
+
+    def plain(message: Message) -> None:
+        seen[message.id] = message.payload
+
+    def transactional(message: Message, tx: Any) -> None:
+        seen[message.id] = message.payload
+
+    def batch(messages: list[Message]) -> None:
+        seen.update({m.id: m.payload for m in messages})
+
+    spec = {
+        "plain": HandlerSpec("e", plain, "q"),
+        "transactional": HandlerSpec("e", transactional, "q", transaction=PsycopgTransaction()),
+        "batch": HandlerSpec("e", batch, "q", batch=10),
+    }[how]
+    with conn.transaction():
+        ids = enqueue_many(conn, [Event("e", value, "a", 1) for value in SENT], table=table)
+    with ConnectionPool(migrated_dsn, min_size=1, max_size=4, kwargs={"autocommit": True}, open=True) as pool:
+        dispatcher = Dispatcher(
+            OutboxConfig(table=table, lease=LONG, done_batch_delay=0), pool.connection, {"e": spec}
+        )
+        claimed = Store(table).claim(conn, limit=50, lease=LONG, owner="w", max_attempts=5).claimed
+        pairs = [(c.id, c.lease_version) for c in claimed]
+        if how == "batch":
+            dispatcher.deliver_batch(pairs)
+        else:
+            for outbox_id, version in pairs:
+                dispatcher.deliver(outbox_id, version)
+    for outbox_id, value in zip(ids, SENT, strict=True):
+        assert same(value, seen[outbox_id]), (value, seen[outbox_id])
