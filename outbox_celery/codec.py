@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import kombu.utils.json
 
-from .errors import OutboxError
+from .errors import PayloadError as PayloadError  # also importable from here
 
 __all__ = ["PayloadError", "decode", "encode", "register_type"]
 
@@ -39,10 +39,6 @@ T = TypeVar("T")
 # The containers and scalars JSON itself carries; their subclasses come back as these.
 _PLAIN = (str, bool, int, float, type(None))
 _KEYS = (str, int, float, bool, type(None))
-
-
-class PayloadError(OutboxError, ValueError):
-    """A payload that cannot be written, or that would not come back as itself."""
 
 
 def register_type(t: type[T], marker: str, encoder: Callable[[T], Any], decoder: Callable[[Any], T]) -> None:
