@@ -5,8 +5,7 @@ which together are ``kombu.utils.json.dumps`` and ``kombu.utils.json.loads``: th
 carries in Celery's arguments (``Decimal``, ``datetime``, ``date``, ``time``, ``UUID``,
 ``bytes``, and any added with :func:`register_type`) come back as themselves, wrapped on the
 way as ``{"__type__": marker, "__value__": ...}``. The column is ``json`` (migration 0009), which
-keeps the text as written: key order, duplicate-free objects and number spelling (``1e+20`` stays
-a float).
+keeps the text as written: key order and number spelling (``1e+20`` stays a float).
 
 A payload that would not come back as itself is refused by :func:`encode` with a
 :class:`PayloadError`, except for the conversions Celery's JSON makes to task arguments too,

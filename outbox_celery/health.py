@@ -111,7 +111,6 @@ def check(
         return health
     if "connect_timeout" not in params:
         extra["connect_timeout"] = max(1, math.ceil(timeout))
-    extra["options"] = f"-c statement_timeout={max(1, int(timeout * 1000))}"
     try:
         conn = psycopg.connect(dsn, **extra)
     except psycopg.Error as exc:
@@ -122,15 +121,33 @@ def check(
     with conn:
         health.checks["database"] = "ok" if "database" in checks else "reachable"
         try:
-            _schema(conn, t, health, "schema" in checks)
-            if "claims" in checks:
-                _claims(conn, t, health, claim_interval, intervals, handlers)
-            _horizon(conn, t, health)
+            # One read-only transaction with a local statement timeout: no startup option, which
+            # PgBouncer refuses, and nothing left on a pooled server connection.
+            with conn.transaction():
+                conn.execute(
+                    "SELECT set_config('statement_timeout', %s, true)", [f"{max(1, int(timeout * 1000))}ms"]
+                )
+                _run_checks(conn, t, health, checks, claim_interval, intervals, handlers)
         except psycopg.Error as exc:
             health.fail("database", f"a query failed: {first_line(exc)}")
     if "database" not in checks and health.checks.get("database") == "reachable":
         del health.checks["database"]
     return health
+
+
+def _run_checks(
+    conn: psycopg.Connection[Any],
+    t: TableName,
+    health: Health,
+    checks: Sequence[str],
+    claim_interval: float,
+    intervals: int,
+    handlers: Collection[str] | None,
+) -> None:
+    _schema(conn, t, health, "schema" in checks)
+    if "claims" in checks:
+        _claims(conn, t, health, claim_interval, intervals, handlers)
+    _horizon(conn, t, health)
 
 
 def _schema(conn: psycopg.Connection[Any], t: TableName, health: Health, report: bool) -> None:
