@@ -4,7 +4,7 @@ A payload is written with :func:`encode` and handed to the handler through :func
 which together are ``kombu.utils.json.dumps`` and ``kombu.utils.json.loads``: the types kombu
 carries in Celery's arguments (``Decimal``, ``datetime``, ``date``, ``time``, ``UUID``,
 ``bytes``, and any added with :func:`register_type`) come back as themselves, wrapped on the
-way as ``{"__type__": marker, "__value__": ...}``. The column is ``json`` (migration 0009), which
+way as ``{"__type__": marker, "__value__": ...}``. The column is ``json`` (migration 0010), which
 keeps the text as written: key order and number spelling (``1e+20`` stays a float).
 
 A payload that would not come back as itself is refused by :func:`encode` with a

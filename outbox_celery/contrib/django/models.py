@@ -33,7 +33,7 @@ class ReadOnlyError(OutboxError):
 
 
 class PayloadField(models.JSONField):
-    """The ``json`` payload column (migration 0009), as stored: kombu's typed values stay their
+    """The ``json`` payload column (migration 0010), as stored: kombu's typed values stay their
     ``{"__type__": ..., "__value__": ...}`` objects, which is what the admin shows.
 
     Both drivers decode a ``json`` column themselves (Django hands only ``jsonb`` over as text),

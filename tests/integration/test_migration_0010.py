@@ -1,4 +1,4 @@
-"""Migration 0009 (the payload kept as its ``json`` text, DESIGN invariant 27) applied to a table
+"""Migration 0010 (the payload kept as its ``json`` text, DESIGN invariant 27) applied to a table
 of the previous schema holding rows in every state, with payloads of every JSON shape: every row
 decodes as the previous release decoded it (psycopg's ``jsonb`` loader), the column is exactly
 the fresh schema's, and the dispatcher hands the old rows over unchanged. An unfinished row whose
@@ -22,7 +22,7 @@ from .helpers import LONG
 from .test_migrations import schema_dump
 from .upgrade import STATES, TABLE, claim_old_rows, previous_schema, rows
 
-VERSION = 9
+VERSION = 10
 
 # One payload per row of STATES (as the previous release stored them, in jsonb).
 OLD_PAYLOADS: list[Any] = [
@@ -43,7 +43,7 @@ def _set_payloads(conn: psycopg.Connection[Any], old: list[dict[str, Any]], payl
         conn.execute(sql.SQL("UPDATE {} SET payload = %s WHERE id = %s").format(t), [Jsonb(payload), r["id"]])
 
 
-def test_invariant_27_migration_0009_from_the_previous_schema_with_rows_in_every_state(
+def test_invariant_27_migration_0010_from_the_previous_schema_with_rows_in_every_state(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
     previous = previous_schema(conn, VERSION)
@@ -74,7 +74,7 @@ def test_invariant_27_migration_0009_from_the_previous_schema_with_rows_in_every
     assert migrate(conn, TABLE) == []
 
 
-def test_invariant_27_migration_0009_refuses_while_an_unfinished_row_holds_an_envelope(
+def test_invariant_27_migration_0010_refuses_while_an_unfinished_row_holds_an_envelope(
     conn: psycopg.Connection[Any],
 ) -> None:
     previous_schema(conn, VERSION)
@@ -85,7 +85,7 @@ def test_invariant_27_migration_0009_refuses_while_an_unfinished_row_holds_an_en
         sql.SQL("UPDATE {} SET payload = %s WHERE id = %s").format(t),
         [Jsonb({"amount": {"__value__": "1.10", "__type__": "decimal"}}), pending["id"]],
     )
-    with pytest.raises(psycopg.Error, match="migration 0009: 1 unfinished row"):
+    with pytest.raises(psycopg.Error, match="migration 0010: 1 unfinished row"):
         migrate(conn, TABLE)
     assert VERSION not in applied_versions(conn, TABLE)
     kind = conn.execute(

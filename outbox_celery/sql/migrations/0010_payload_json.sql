@@ -22,7 +22,7 @@ BEGIN
             AND (SELECT array_agg(k ORDER BY k) FROM jsonb_object_keys(v.obj) AS k)
                 = ARRAY['__type__', '__value__']);
     IF held > 0 THEN
-        RAISE EXCEPTION 'outbox-celery migration 0009: % unfinished row(s) hold a payload object of exactly the keys __type__ and __value__, which the new payload decoder reads as a typed value; deliver or delete them with the previous release, then migrate', held;
+        RAISE EXCEPTION 'outbox-celery migration 0010: % unfinished row(s) hold a payload object of exactly the keys __type__ and __value__, which the new payload decoder reads as a typed value; deliver or delete them with the previous release, then migrate', held;
     END IF;
 END
 $migration$;
