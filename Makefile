@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-pg15 lint bench chaos ci clean
+.PHONY: install demo test test-pg15 lint bench chaos ci clean dist dist-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,5 +37,16 @@ bench: $(STAMP)
 chaos: $(STAMP)
 	$(BIN)/python -m chaos $(CHAOS_ARGS)
 
+## The release files: dist/*.tar.gz and dist/*.whl, checked by twine (docs/releasing.md).
+dist: $(STAMP)
+	rm -rf dist build
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/twine check --strict dist/*
+
+## The wheel alone in a clean virtualenv: imports, data files, the CLI; with OUTBOX_SMOKE_DSN,
+## migrate + enqueue + claim against that database.
+dist-check: dist
+	PYTHON=$(PYTHON) .ci/smoke-wheel
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .outbox-demo .chaos
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .outbox-demo .chaos dist build

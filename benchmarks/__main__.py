@@ -37,6 +37,9 @@ Sections (``--only`` picks some):
   worker, Redis): a concurrency limit's most handlers at once and rate (with and without the
   freed-slot wake), a rate limit's 1-s windows, the cost of limits that do not bind; the
   defaults of ``python -m benchmarks.flow_celery`` (its options there).
+* ``flow-bounds`` (opt-in, #31): ``python -m benchmarks.flow --only held cap``: one claim of 200
+  rows beside 50,000 paused or held limit keys and claim runs per second while a key sits at its
+  ``key_concurrency``, each beside its baseline from the same run (DESIGN invariant 25).
 * ``transactional`` (opt-in, #24): the plain loop with a handler that inserts one effect row,
   transactional (effect and done in one transaction) beside plain (the effect on its own
   connection, then the done), interleaved twice.
@@ -113,6 +116,7 @@ SECTIONS = (
     "peer",
     "batch",
     "flow",
+    "flow-bounds",
 )
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 # The end-to-end deployments: a solo claim worker beside the delivery worker, and the README's
@@ -340,6 +344,45 @@ class Bench:
 
         self.report.flush()
         run_parts(parser().parse_args([]), self.svc.dsn, self.svc.redis_url, self.workdir, PARTS)
+
+    def flow_bounds(self) -> None:
+        """Flow control's bounds (DESIGN invariant 25): ``benchmarks/flow.py``'s held and cap
+        parts, each beside its baseline from the same run."""
+        from outbox_celery import migrate
+
+        from .flow import claim_runs_at_cap, held_cost
+
+        with psycopg.connect(self.svc.dsn, autocommit=True) as conn:
+            migrate(conn, "cap")
+        held = 50_000
+        cost = held_cost(self.svc.dsn, rounds=20, keys=1000, held=held)
+        t = self.report.table(
+            f"Claim of 200 rows over 1,000 limit keys beside {held:,} paused or held keys (median of 20)",
+            ["figure", "value", "baseline (none held)", "ratio", "rows claimed"],
+        )
+        for variant in ("key_concurrency (not binding)", "no limit"):
+            for which in (f"{held:,} held", f"{held:,} held, no row waiting"):
+                (many, got), (none, base) = cost[f"{variant}, {which}"], cost[f"{variant}, none held"]
+                t.row(
+                    f"{variant}; {which}",
+                    f"{many:.2f} ms",
+                    f"{none:.2f} ms",
+                    f"{many / none:.2f}x",
+                    f"{got:.0f} vs {base:.0f}",
+                )
+        now = claim_runs_at_cap(self.svc.dsn, "cap", seconds=5.0, recheck=None)
+        before = claim_runs_at_cap(self.svc.dsn, "cap", seconds=5.0, recheck=0.05)
+        t = self.report.table(
+            "Claim runs per second, one key at key_concurrency=1, nothing finishing (5 s)",
+            ["figure", "value", "baseline (50 ms recheck)", "ratio"],
+        )
+        t.row("claim runs/s", f"{now:.1f}", f"{before:.1f}", f"{now / before:.2f}x")
+        self.report.flush()
+        self.results["flow-bounds"] = {
+            "claim_ms": cost,
+            "runs_per_second": now,
+            "runs_per_second_50ms": before,
+        }
 
     def _outbox(self, broker_url: str, n: int, **kw: Any) -> PipelineResult:
         a = self.args
@@ -1426,6 +1469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "peer": bench.peer,
             "batch": bench.batch,
             "flow": bench.flow,
+            "flow-bounds": bench.flow_bounds,
         }
         failures = 0
         try:

@@ -22,7 +22,15 @@
   message starts and the one by which all of them have, with ``key_concurrency`` declared (not
   binding: the round robin alone decides) beside the same backlog without it (FIFO).
 
-``--only`` runs some parts (``concurrency rate cost keys fairness``; default all).
+* **held keys** (DESIGN invariant 25): the same 200-row claim over ``--keys`` limit keys beside
+  ``--held`` (50,000) more keys paused or held (half each, a row waiting behind every one),
+  alternated with the same claim on a table where none is held, with ``key_concurrency``
+  declared and with no limit;
+* **cap**: claim runs per second while one key sits at ``key_concurrency=1`` and nothing
+  finishes, for ``--cap-seconds`` (5 s), claiming again after each run's ``flow_wait`` as the
+  push listener does, beside the same loop with the former 50 ms recheck.
+
+``--only`` runs some parts (``concurrency rate cost keys fairness held cap``; default all).
 
 The delivery side is the plain dispatcher loop (``benchmarks/plain.py``: the library's
 Dispatcher and Store over a psycopg pool, no broker): a claimer thread runs claim runs the way
@@ -111,13 +119,20 @@ def deliver_all(
             tasks.put(c)
         return len(claims)
 
+    # A finish wakes a claimer held back by a limit, as the push listener's slot_freed
+    # notification does (this harness does not LISTEN).
+    freed = threading.Event()
+
     def claimer() -> None:
         while not stop.is_set():
             run = dispatcher.claim_and_publish(publish, owner="bench")
             if run.stopped_by == "budget":
                 continue
-            wait = poll if run.flow_wait is None else min(poll, run.flow_wait)
-            stop.wait(wait)
+            if run.flow_wait is None:
+                stop.wait(poll)
+                continue
+            freed.clear()
+            freed.wait(min(poll, run.flow_wait))
 
     def worker() -> None:
         while True:
@@ -125,6 +140,7 @@ def deliver_all(
             if c is None:
                 return
             dispatcher.deliver(c.id, c.lease_version)
+            freed.set()
 
     started = time.monotonic()
     threads = [threading.Thread(target=worker) for _ in range(workers)]
@@ -271,13 +287,106 @@ def claim_cost(dsn: str, table: str, *, rounds: int) -> tuple[int, dict[str, flo
     loop does; returns the backlog size and the medians.
     """
     types = [f"bench.t{i}" for i in range(10)]
-    roomy = Limit(concurrency=1_000_000, rate=1e9)
+    roomy = Limit(concurrency=1_000_000, rate=1_000_000)
     variants: dict[str, dict[str, Limit] | None] = {
         "no limits": None,
         "1 limited type (not binding)": {types[0]: roomy},
         "10 limited types (not binding)": {t: roomy for t in types},
     }
     return _median_claims(dsn, table, variants, types, rounds=rounds)
+
+
+def held_cost(dsn: str, *, rounds: int, keys: int, held: int) -> dict[str, tuple[float, float]]:
+    """Median ms of one 200-row claim of one event type over ``keys`` limit keys, from three
+    tables with the same draining backlog, claims alternated: one with no key paused or held, one
+    with ``held`` keys more (half paused, half held by a RateLimited outcome for an hour), each
+    with a row waiting, and one with those keys held but no row of theirs waiting. With
+    ``key_concurrency`` declared (not binding), and with no limit at all (the held keys then make
+    the claim go key by key). Per variant: the median ms and rows claimed."""
+    kind = "bench.held"
+    tables = {
+        "none held": "held_none",
+        f"{held:,} held": "held_many",
+        f"{held:,} held, no row waiting": "held_idle",
+    }
+    variants: dict[str, dict[str, Limit] | None] = {
+        "key_concurrency (not binding)": {kind: Limit(key_concurrency=1_000_000)},
+        "no limit": None,
+    }
+    store = Store("held_none")
+    timings: dict[str, list[float]] = {f"{v}, {h}": [] for v in variants for h in tables}
+    taken: dict[str, list[int]] = {name: [] for name in timings}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for t in tables.values():
+            migrate(conn, t)
+            fill_interleaved(conn, t, (rounds + 2) * len(variants) * 200, [kind], keys=keys)
+        many = TableName.parse(tables[f"{held:,} held"])
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (event_type, aggregate_type, aggregate_id, payload, limit_key)"
+                " SELECT %s, 'bench', g::text, '{{}}', 'h' || g FROM generate_series(1, %s) AS g"
+            ).format(many.identifier()),
+            [kind, held],
+        )
+        for name in (f"{held:,} held", f"{held:,} held, no row waiting"):
+            conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (event_type, limit_key, paused, paused_until)"
+                    " SELECT %s, 'h' || g, g %% 2 = 0,"
+                    " CASE WHEN g %% 2 = 1 THEN now() + interval '1 hour' END"
+                    " FROM generate_series(1, %s) AS g"
+                ).format(TableName.parse(tables[name]).identifier("_flow_key")),
+                [kind, held],
+            )
+        conn.execute("ANALYZE")
+        stores = {h: Store(t) for h, t in tables.items()}
+        marks = {name: ScanMarks() for name in timings}
+        for r in range(rounds + 1):
+            for v, limits in variants.items():
+                for h in tables:
+                    store = stores[h]
+                    began = time.perf_counter()
+                    result = store.claim(
+                        conn,
+                        limit=200,
+                        lease=60.0,
+                        owner="bench",
+                        max_attempts=5,
+                        event_types=[kind],
+                        limits=limits,
+                        marks=marks[f"{v}, {h}"],
+                    )
+                    elapsed = time.perf_counter() - began
+                    store.done_many(conn, [(c.id, c.lease_version) for c in result.claimed])
+                    if r > 0:
+                        timings[f"{v}, {h}"].append(elapsed * 1000)
+                        taken[f"{v}, {h}"].append(len(result.claimed))
+    return {name: (statistics.median(ms), statistics.median(taken[name])) for name, ms in timings.items()}
+
+
+def claim_runs_at_cap(dsn: str, table: str, *, seconds: float, recheck: float | None) -> float:
+    """Claim runs per second while one limit key sits at its ``key_concurrency`` and nothing
+    finishes, run as the push listener runs them (again after the run's ``flow_wait``, at most
+    ``listen_poll``, 1 s, apart); ``recheck`` replaces a held run's wait (the former 50 ms)."""
+    kind = "bench.capped"
+    limits = {kind: Limit(key_concurrency=1)}
+    store = Store(table)
+    marks = ScanMarks()
+    runs = 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("TRUNCATE {}").format(TableName.parse(table).identifier()))
+        fill_interleaved(conn, table, 100, [kind], keys=1)
+        ends = time.monotonic() + seconds
+        while time.monotonic() < ends:
+            result = store.claim(
+                conn, limit=200, lease=600.0, owner="bench", max_attempts=5, limits=limits, marks=marks
+            )
+            runs += 1
+            wait = 1.0 if result.flow_wait is None else min(1.0, result.flow_wait)
+            if recheck is not None and result.flow_wait is not None:
+                wait = recheck
+            time.sleep(max(0.0, min(wait, ends - time.monotonic())))
+    return runs / seconds
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -294,7 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keys", type=int, default=1000, help="limit keys (key cost part)")
     p.add_argument("--big", type=int, default=10_000, help="the big key's backlog (fairness part)")
     p.add_argument("--small", type=int, default=100, help="the small key's backlog (fairness part)")
-    parts = ("concurrency", "rate", "cost", "keys", "fairness")
+    p.add_argument("--held", type=int, default=50_000, help="limit keys paused or held (held part)")
+    p.add_argument("--cap-seconds", type=float, default=5.0, help="seconds at a key's limit (cap part)")
+    parts = ("concurrency", "rate", "cost", "keys", "fairness", "held", "cap")
     p.add_argument("--only", nargs="+", choices=parts, default=list(parts), help="parts to run")
     a = p.parse_args(argv)
     with (
@@ -304,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"postgresql: {svc.describe()['postgresql']}")
         with psycopg.connect(svc.dsn, autocommit=True) as conn:
             version = conn.execute("SHOW server_version").fetchone()
-            for t in ("conc", "rate", "cost", "keys", "fair"):
+            for t in ("conc", "rate", "cost", "keys", "fair", "cap"):
                 migrate(conn, t)
         print(f"server version: {version[0] if version else '?'}")
 
@@ -335,6 +446,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                 first, every = fairness(svc.dsn, "fair", big=a.big, small=a.small, keyed=keyed)
                 label = "key_concurrency declared (round robin)" if keyed else "no key limit (FIFO)"
                 print(f"  {label:<40} small key's first start in claim run {first}, all by run {every}")
+        if "held" in a.only:
+            print(
+                f"\nheld keys: one claim of 200 rows of one event type over {a.keys:,} limit keys, "
+                f"beside {a.held:,} more keys paused or held (each with a row waiting), median of "
+                f"{a.rounds} rounds, alternated with the same claim where none is held"
+            )
+            for name, (ms, rows) in held_cost(svc.dsn, rounds=a.rounds, keys=a.keys, held=a.held).items():
+                print(f"  {name:<52} {ms:7.2f} ms  {rows:5.0f} rows")
+        if "cap" in a.only:
+            print(
+                "\nclaim runs per second while one key sits at key_concurrency=1, nothing finishing "
+                f"({a.cap_seconds:g} s)"
+            )
+            for label, recheck in (
+                ("this release (a finish wakes the claim)", None),
+                ("a 50 ms recheck", 0.05),
+            ):
+                per_second = claim_runs_at_cap(svc.dsn, "cap", seconds=a.cap_seconds, recheck=recheck)
+                print(f"  {label:<52} {per_second:7.1f} runs/s")
     return 0
 
 

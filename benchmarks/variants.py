@@ -40,7 +40,7 @@ from typing import Any
 
 import psycopg
 
-from outbox_celery import Store, TableName
+from outbox_celery import Store, TableName, _sql
 
 __all__ = ["ExplicitTransactionStore", "apply", "make_store", "parse"]
 
@@ -118,7 +118,9 @@ def make_store(table: str | TableName, spec: str) -> Store:
     queries = {}
     if "claim_jit" in names:
         # Benchmark-only: the claim transaction's first statement no longer turns JIT off.
-        queries["claim_settings"] = "SELECT 1"
+        queries["claim_settings"] = "SELECT 1, now()"
+        flow_read = _sql.named("queries.sql")["claim_settings_flow"]
+        queries["claim_settings_flow"] = flow_read.replace("set_config('jit', 'off', true)", "NULL")
     if "skip_scan" in names:
         queries["claim_heads"] = SKIP_SCAN_CLAIM_HEADS
     return cls(table, relaxed_commit="durable" not in names, queries=queries)
@@ -162,10 +164,13 @@ def apply(outbox: Any, spec: str) -> None:
         outbox._settings["done_batch_delay"] = 0.0
         outbox._config = None
     if "no_slot_wake" in names:
-        from outbox_celery import dispatch
+        from outbox_celery import dispatch, flow, store
 
-        # Benchmark-only: a freed slot waits for the claim's next LIMIT_RECHECK.
+        # Benchmark-only: a freed slot waits for the claim's next LIMIT_RECHECK (the recheck at a
+        # limit was LIMIT_RECHECK then; it is CAP_RECHECK since finishes wake the claim).
         dispatch.Dispatcher._wakes_claim = lambda self, spec: False  # type: ignore[method-assign]
+        flow.CAP_RECHECK = flow.LIMIT_RECHECK
+        setattr(store, "CAP_RECHECK", flow.LIMIT_RECHECK)  # noqa: B010 - imported by name there
     if "acks_early" in names:
         outbox.deliver_task.acks_late = False
     if "push_broker" in names:

@@ -139,6 +139,8 @@ def compose(text: str, table: TableName) -> sql.Composed:
         # Pause and RateLimited holds per limit key (migration 0008, #23).
         "flow_key_table": table.identifier(FLOW_KEY_SUFFIX),
         "flow_key_held_idx": table.index_name(FLOW_KEY_SUFFIX + "_held_idx"),
+        # The keys' RateLimited holds by their end (migration 0009).
+        "flow_key_until_idx": table.index_name(FLOW_KEY_SUFFIX + "_until_idx"),
     }
     idents.update({k: table.index_name(v) for k, v in {**INDEX_SUFFIXES, **INBOX_INDEX_SUFFIXES}.items()})
     used = {k: v for k, v in idents.items() if "{" + k + "}" in text}

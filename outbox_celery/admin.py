@@ -51,6 +51,7 @@ __all__ = [
     "list_dead",
     "parse_duration",
     "pause",
+    "prune_flow_keys",
     "purge_done",
     "repair_heads",
     "requeue",
@@ -842,6 +843,46 @@ def count_purgeable(conn: psycopg.Connection[Any], table: str | TableName, *, ol
     return int(row[0]) if row else 0
 
 
+def prune_flow_keys(
+    conn: psycopg.Connection[Any],
+    table: str | TableName = "outbox",
+    *,
+    batch_size: int = 5000,
+    max_batches: int | None = None,
+) -> int:
+    """Delete the per-key flow state that is worth nothing any more; return rows deleted.
+
+    A row of ``<table>_flow_key`` whose key is neither paused nor held, whose ``key_rate``
+    bucket is full again (or that never had one) and that nothing touched for a minute says
+    nothing an absent row does not (DESIGN invariant 25): the table stays the size of the keys
+    paused, held or recently rate limited, not of every key ever seen. :func:`purge_done` (the
+    retention task, ``outbox-celery purge``) runs it. Batches of ``batch_size``, each its own
+    short transaction, so ``conn`` must not be inside a transaction. Nothing before migration
+    0009.
+    """
+    _outside_transaction(conn, "prune")
+    t = TableName.parse(table)
+    if not _flow_keys_ready(conn, t) or not _flow_key_prunable(conn, t):
+        return 0
+    query = _q(t, "flow_keys_prune")
+    total = batches = 0
+    while max_batches is None or batches < max_batches:
+        with conn.transaction():
+            n = conn.execute(query, {"limit": batch_size}).rowcount
+        total += n
+        batches += 1
+        if n < batch_size:
+            break
+    return total
+
+
+def _flow_key_prunable(conn: psycopg.Connection[Any], t: TableName) -> bool:
+    """Whether migration 0009 (the buckets' ``full_at``) is applied."""
+    name = t.identifier(_sql.FLOW_KEY_SUFFIX).as_string(conn)
+    row = conn.execute(_q(t, "flow_key_full_at_exists"), {"flow_key_table": name}).fetchone()
+    return bool(row and row[0])
+
+
 def purge_done(
     conn: psycopg.Connection[Any],
     table: str | TableName,
@@ -856,7 +897,8 @@ def purge_done(
     starts) are deleted; pending, processing and dead rows are never touched. Each batch of at
     most ``batch_size`` rows is its own short transaction (``FOR UPDATE SKIP LOCKED``, so two
     purges never wait on each other), hence ``conn`` must not be inside a transaction.
-    ``max_batches`` bounds the run; the next run continues.
+    ``max_batches`` bounds the run; the next run continues. Then the per-key flow state
+    worth nothing any more goes too (:func:`prune_flow_keys`, not counted in the result).
     """
     _outside_transaction(conn, "purge")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -871,6 +913,7 @@ def purge_done(
         batches += 1
         if n < batch_size:
             break
+    prune_flow_keys(conn, table, batch_size=batch_size, max_batches=max_batches)
     if total:
         logger.info(
             "outbox purge: deleted %s done row(s) older than %s in %s batch(es)",

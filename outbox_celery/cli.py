@@ -23,13 +23,14 @@ User errors print one line and exit 1.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from datetime import datetime
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -241,7 +242,7 @@ def _json_default(value: Any) -> Any:
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
     """A plain text table; columns whose index is in ``right`` are right-aligned."""
-    cells = [[str(h) for h in headers]] + [["-" if v is None else str(v) for v in r] for r in rows]
+    cells = [[str(h) for h in headers]] + [["-" if v is None else _shown(v) for v in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for r in cells:
@@ -250,10 +251,25 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequenc
     return "\n".join(lines)
 
 
+def _shown(text: Any) -> str:
+    """``text`` safe to print on a terminal: producer-supplied text (event types, keys, errors)
+    with a control or format character (an escape sequence, a bidi override) is shown as its
+    escaped repr, quoted; plain printable text is shown as it is.
+    """
+    text = str(text)
+    return text if text.isprintable() else repr(text)
+
+
+def _shown_lines(text: str) -> str:
+    """Multi-line text (a traceback) with each line made safe by :func:`_shown`."""
+    return "\n".join(_shown(line) for line in text.splitlines())
+
+
 def _short(text: str | None, width: int = 60) -> str:
     if not text:
         return "-"
     line = text.strip().splitlines()[0] if text.strip() else ""
+    line = _shown(line)
     return line if len(line) <= width else line[: width - 3] + "..."
 
 
@@ -368,15 +384,18 @@ def _unstarted_line(e: admin.EventTypeStats, outbox: Outbox | None) -> str:
     )
 
 
-# A claimable message left this many claim intervals unclaimed is not being claimed at all.
-UNCLAIMED_INTERVALS = 6
+# A running outbox claims a due message at its next claim run, one claim interval at most (at
+# once with push). A claimable message left one interval plus this margin (a claim run's own
+# budget, beat sending late) is overdue: no claim ran for it.
+CLAIM_OVERDUE_MARGIN = 5.0
 DEFAULT_CLAIM_INTERVAL = OutboxConfig().claim_interval
 
 
 def _unclaimed_after(outbox: Outbox | None) -> float:
-    """``stats``' default threshold: several claim intervals of the loaded Outbox (or the default)."""
+    """``stats``' default threshold: one claim interval of the loaded Outbox (or the default)
+    plus :data:`CLAIM_OVERDUE_MARGIN`: a claim is overdue from then on."""
     interval = outbox.config.claim_interval if outbox is not None else DEFAULT_CLAIM_INTERVAL
-    return UNCLAIMED_INTERVALS * interval
+    return interval + CLAIM_OVERDUE_MARGIN
 
 
 def _unclaimed_line(u: admin.Unclaimed, outbox: Outbox | None, processing: int) -> str:
@@ -410,7 +429,7 @@ def _attention(
     if s.expired_leases:
         items.append(f"{s.expired_leases} expired lease(s) (workers lost or stuck?)")
     if s.unroutable:
-        items.append(f"no handler for {', '.join(s.unroutable)}")
+        items.append(f"no handler for {', '.join(map(_shown, s.unroutable))}")
     items += [_unstarted_line(e, outbox) for e in s.event_types if e.unstarted]
     # Paused and held event types are left unclaimed on purpose (#23); stats lists them below.
     reported = set(s.unroutable or ()) | {f.event_type for f in s.flow}
@@ -420,7 +439,7 @@ def _attention(
     h = s.horizon
     if h is not None and _holds_long(h):
         items.append(
-            f"the xmin horizon is held by {h.holder()}: VACUUM cleans nothing meanwhile "
+            f"the xmin horizon is held by {_shown(h.holder())}: VACUUM cleans nothing meanwhile "
             f"({h.dead_row_versions:,} dead row versions in the outbox; docs/operations.md, "
             "long transactions)"
         )
@@ -454,16 +473,16 @@ def _done_note(outbox: Outbox | None) -> str:
     "--unclaimed-after",
     metavar="DURATION",
     callback=_duration,
-    help="Report ready messages left unclaimed this long (default: "
-    f"{UNCLAIMED_INTERVALS} claim intervals of the -A Outbox, else "
-    f"{admin.format_duration(UNCLAIMED_INTERVALS * DEFAULT_CLAIM_INTERVAL)}).",
+    help="Report ready messages left unclaimed this long (default: a claim interval of the -A "
+    f"Outbox plus {admin.format_duration(CLAIM_OVERDUE_MARGIN)}, else "
+    f"{admin.format_duration(DEFAULT_CLAIM_INTERVAL + CLAIM_OVERDUE_MARGIN)}).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_target
 def stats(target: Target, unclaimed_after: float | None, as_json: bool) -> None:
     """Health at a glance: depth, ages, leases, attempts, event types.
 
-    Ready messages that no claim took for several claim intervals are flagged (a stopped claim
+    Ready messages that no claim took within a claim interval (plus a margin) are flagged (a stopped claim
     worker or beat, or an event type no claiming app handles). With -A, pending event types
     that have no handler are reported as unroutable.
     """
@@ -514,7 +533,7 @@ def stats(target: Target, unclaimed_after: float | None, as_json: bool) -> None:
     ]
     if h is not None:
         facts += [
-            ("xmin horizon held by", h.holder()),
+            ("xmin horizon held by", _shown(h.holder())),
             (
                 "dead row versions (table statistics)",
                 f"{h.dead_row_versions:,} beside {h.live_row_versions:,} live; last vacuum "
@@ -556,14 +575,14 @@ def stats(target: Target, unclaimed_after: float | None, as_json: bool) -> None:
         click.echo("")
     else:
         click.echo("no live messages (nothing pending, processing or dead)")
-    paused = [f.event_type for f in s.flow if f.paused]
-    held = [f"{f.event_type} ({fd(f.held_for)} left)" for f in s.flow if not f.paused and f.held_for]
+    paused = [_shown(f.event_type) for f in s.flow if f.paused]
+    held = [f"{_shown(f.event_type)} ({fd(f.held_for)} left)" for f in s.flow if not f.paused and f.held_for]
     click.echo(f"paused (claimed by nobody until resumed): {', '.join(paused) or 'none'}")
     if held:
         click.echo(f"held by a RateLimited outcome: {', '.join(held)}")
     if keys:
         shown = [
-            f"{k.event_type} key {k.limit_key} ("
+            f"{_shown(k.event_type)} key {_shown(k.limit_key)} ("
             + ("paused" if k.paused else f"held, {fd(k.held_for)} left")
             + ")"
             for k in keys
@@ -572,7 +591,7 @@ def stats(target: Target, unclaimed_after: float | None, as_json: bool) -> None:
     if s.unroutable is None:
         click.echo("unroutable: unknown (pass -A module:outbox to check event types against the handlers)")
     elif s.unroutable:
-        click.echo(f"unroutable (pending, no handler): {', '.join(s.unroutable)}")
+        click.echo(f"unroutable (pending, no handler): {', '.join(map(_shown, s.unroutable))}")
     else:
         click.echo("unroutable: none")
 
@@ -641,7 +660,7 @@ def dead_list(
                 (
                     r.id,
                     r.event_type,
-                    f"{r.aggregate_type}:{r.aggregate_id}",
+                    _shown(f"{r.aggregate_type}:{r.aggregate_id}"),
                     r.attempts,
                     admin.format_duration(r.age),
                     r.waiting_behind if r.ordering_key is not None else "-",
@@ -677,8 +696,8 @@ def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
     lines = [
         ("id", row["id"]),
         ("status", status),
-        ("event type", row["event_type"]),
-        ("aggregate", f"{row['aggregate_type']}:{row['aggregate_id']}"),
+        ("event type", _shown(row["event_type"])),
+        ("aggregate", _shown(f"{row['aggregate_type']}:{row['aggregate_id']}")),
         ("created", f"{row['created_at']:%Y-%m-%d %H:%M:%S %Z} ({fd(row['age'])} ago)"),
         ("attempts", row["attempts"]),
         ("lease version", row["lease_version"]),
@@ -689,7 +708,7 @@ def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
     if status == "processing":
         exp = row["lease_expires_in"]
         lease = f"expires in {fd(exp)}" if exp is not None and exp > 0 else f"EXPIRED {fd(-(exp or 0))} ago"
-        lines.append(("lease", f"{lease}, owner {row['lease_owner'] or '-'}"))
+        lines.append(("lease", f"{lease}, owner {_shown(row['lease_owner'] or '-')}"))
     unstarted = int(row.get("unstarted_claims") or 0)
     if status in ("pending", "processing") and unstarted:
         # Claims whose task no worker started (DESIGN invariants 10, 16): a live lease's own
@@ -707,13 +726,13 @@ def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
             position = f"head of its key; {row['waiting_behind']} message(s) wait behind it"
         else:
             position = f"waits behind id {head}, the head of its key"
-        lines.append(("ordering key", f"{row['ordering_key']} ({position})"))
+        lines.append(("ordering key", f"{_shown(row['ordering_key'])} ({position})"))
     for label, value in lines:
         click.echo(f"{label + ':':<15}{value}")
     click.echo("payload:")
-    click.echo(json.dumps(row["payload"], indent=2, ensure_ascii=False))
+    click.echo(_shown_lines(json.dumps(row["payload"], indent=2, ensure_ascii=False)))
     click.echo("last error:")
-    click.echo(row["last_error"] or "-")
+    click.echo(_shown_lines(row["last_error"] or "-"))
     expired = status == "processing" and (row["lease_expires_in"] or 0) <= 0
     if status == "dead" or expired:
         click.echo("")
@@ -761,7 +780,7 @@ def dead_requeue(
     if as_json:
         _echo_json({"requeued": n, "ids": changed})
         return
-    scope = f" of event type {event_type}" if event_type else ""
+    scope = f" of event type {_shown(event_type)}" if event_type else ""
     listed = f": {', '.join(map(str, changed))}" if changed else ""
     click.echo(f"requeued {n} dead message(s){scope}{listed}")
 
@@ -856,6 +875,36 @@ def repair_heads(target: Target, batch_size: int, as_json: bool) -> None:
 # -- flow control ------------------------------------------------------------------------------
 
 
+def _close(word: str, candidates: Collection[str]) -> str | None:
+    """The candidate closest to ``word`` (a likely typo's intended spelling), if any is close."""
+    found = difflib.get_close_matches(word, sorted(candidates), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _require_handler(target: Target, event_type: str) -> None:
+    """Refuse an event type the loaded Outbox has no handler for (a typo, most likely).
+
+    Without ``-A`` the handlers are unknown and any event type is accepted: an event type can
+    be paused before its first message or its handler's deploy.
+    """
+    handlers = target.handlers
+    if handlers is None or event_type in handlers:
+        return
+    close = _close(event_type, handlers)
+    if close is not None:
+        hint = f"; did you mean {close!r}?"
+    elif handlers:
+        hint = f"; its handlers: {', '.join(_shown(h) for h in sorted(handlers))}"
+    else:
+        hint = "; it has no handlers"
+    raise click.ClickException(f"the loaded Outbox has no handler for event type {event_type!r}{hint}")
+
+
+def _flow_what(event_type: str, limit_key: str | None) -> str:
+    """``'type'`` or ``'type' key 'key'``, quoted and escaped (operator- and producer-supplied)."""
+    return f"{event_type!r}" if limit_key is None else f"{event_type!r} key {limit_key!r}"
+
+
 @cli.command()
 @click.argument("event_type")
 @click.option("--key", "limit_key", default=None, help="Only this limit key of EVENT_TYPE.")
@@ -867,16 +916,19 @@ def pause(target: Target, event_type: str, limit_key: str | None, as_json: bool)
     The pause lives in the database (the table's flow-control rows, migration 0007): every
     claim, on every worker, respects it from its next run on. `stats` lists paused event types.
     With --key, only that limit key of the type is paused (migration 0008); its other keys flow.
+    With -A, an event type the Outbox has no handler for is refused (exit 1) with the closest
+    handled type.
     """
+    _require_handler(target, event_type)
     with target.connect() as conn:
         changed = admin.pause(conn, target.table, event_type, limit_key=limit_key)
-    what = f"{event_type!r}" if limit_key is None else f"{event_type!r} key {limit_key!r}"
+    what = _flow_what(event_type, limit_key)
     if as_json:
         _echo_json({"event_type": event_type, "limit_key": limit_key, "paused": True, "changed": changed})
     elif changed:
         click.echo(f"paused {what}: its messages are claimed by nobody until resumed")
     else:
-        click.echo(f"{what} was already paused")
+        click.echo(f"{what} was already paused: nothing changed")
 
 
 @cli.command()
@@ -887,17 +939,37 @@ def pause(target: Target, event_type: str, limit_key: str | None, as_json: bool)
 def resume(target: Target, event_type: str, limit_key: str | None, as_json: bool) -> None:
     """Resume EVENT_TYPE: claimable at once (push listeners are woken); ends a RateLimited hold too.
 
-    With --key, only that limit key of the type (its pause or its RateLimited hold).
+    With --key, only that limit key of the type (its pause or its RateLimited hold). A type
+    (or key) that was neither paused nor held changes nothing: the output says so and names
+    the closest one that is paused, if any. With -A, such a type that the Outbox has no handler
+    for is refused (exit 1).
     """
     with target.connect() as conn:
         changed = admin.resume(conn, target.table, event_type, limit_key=limit_key)
-    what = f"{event_type!r}" if limit_key is None else f"{event_type!r} key {limit_key!r}"
+        held: list[str] = []
+        if not changed:
+            if limit_key is None:
+                held = [f.event_type for f in admin.flow_states(conn, target.table)]
+            else:
+                held = [
+                    k.limit_key for k in admin.key_states(conn, target.table) if k.event_type == event_type
+                ]
+    what = _flow_what(event_type, limit_key)
+    close = None
+    if not changed:
+        if limit_key is None:
+            _require_handler(target, event_type)
+            close = _close(event_type, held)
+        else:
+            found = _close(limit_key, held)
+            close = None if found is None else _flow_what(event_type, found)
     if as_json:
         _echo_json({"event_type": event_type, "limit_key": limit_key, "paused": False, "changed": changed})
     elif changed:
         click.echo(f"resumed {what}: its messages are claimable now")
     else:
-        click.echo(f"{what} was not paused")
+        hint = "" if close is None else f"; did you mean {close if limit_key is not None else repr(close)}?"
+        click.echo(f"{what} was not paused or held: nothing changed{hint}")
 
 
 # -- health ------------------------------------------------------------------------------------
@@ -914,7 +986,7 @@ def resume(target: Target, event_type: str, limit_key: str | None, as_json: bool
 @click.option(
     "--claim-intervals",
     type=click.IntRange(1),
-    default=UNCLAIMED_INTERVALS,
+    default=health_checks.DEFAULT_INTERVALS,
     show_default=True,
     help="Claims are overdue when a ready message waited this many claim intervals.",
 )

@@ -1,15 +1,23 @@
 """Settings of an outbox, in one frozen dataclass with every default documented here.
 
-Every field can also come from the Celery configuration as ``outbox_<field>`` (for example
-``app.conf.outbox_lease = 30``); keyword arguments to :class:`~outbox_celery.Outbox` win.
+:class:`OutboxConfig` is the one declaration of every setting. An
+:class:`~outbox_celery.Outbox` takes them as keywords named after its fields (``Outbox(app,
+lease=30)``), checked against them by :func:`check_setting_names`; a field not given comes from
+the Celery configuration as ``outbox_<field>`` (``app.conf.outbox_lease = 30``), then from its
+default. ``Outbox(app, config=OutboxConfig(...))`` takes a whole configuration instead.
+:func:`resolve` applies that order. docs/celery.md's settings table lists every field with its
+default (``tests/unit/test_config.py`` checks it against this class).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
+import os
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +26,10 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from ._seconds import seconds
-from .dsn import invalid_dsn
+from .dsn import DSN_ENV, invalid_dsn
 from .errors import ConfigurationError
 
-__all__ = ["UNSET", "OutboxConfig", "TableName", "Unset"]
+__all__ = ["UNSET", "OutboxConfig", "TableName", "Unset", "check_setting_names", "given_settings", "resolve"]
 
 
 class Unset(enum.Enum):
@@ -33,8 +41,8 @@ class Unset(enum.Enum):
         return "UNSET"
 
 
-#: A setting not given to ``Outbox(...)``: it comes from the Celery configuration
-#: (``outbox_<name>``), then from the default.
+#: Deprecated: a setting left out of ``Outbox(...)`` comes from the Celery configuration
+#: (``outbox_<name>``), then from the default; passing ``UNSET`` for it warns and does the same.
 UNSET = Unset.UNSET
 
 # Leaves room under PostgreSQL's 63-byte identifier limit for the index-name suffixes. The
@@ -238,7 +246,7 @@ class OutboxConfig:
         "Health checks and probes").
     """
 
-    # Left out of repr (#21): error reporters that record locals (Sentry) send repr(config).
+    # Left out of repr: error reporters that record locals (Sentry) send repr(config).
     dsn: str | None = field(default=None, repr=False)
     table: TableName = field(default_factory=lambda: TableName("outbox"))
     lease: float = 60.0
@@ -332,13 +340,17 @@ class OutboxConfig:
                 f"done_batch_delay must be below lease / 4 ({self.lease / 4:g} s), got "
                 f"{self.done_batch_delay:g} s: a done held longer could outlive its lease"
             )
+        self._check_strings()
+
+    def _check_strings(self) -> None:
+        """The connection strings parse, the queue names are non-empty strings."""
         for name in ("dsn", "listen_dsn"):
             value = getattr(self, name)
             if value is None:
                 continue
             if not isinstance(value, str):
                 raise ConfigurationError(f"{name} must be a string")
-            # Refused here, before anything connects with it (#21): libpq quotes the part of a
+            # Refused here, before anything connects with it: libpq quotes the part of a
             # DSN it cannot parse (an unencoded "%" in a password) in its error, which the
             # connection pool logs on every attempt and the listener on every reconnect.
             try:
@@ -389,7 +401,7 @@ class OutboxConfig:
         A delivery may run for :attr:`task_time_limit` and its row keeps a lease beyond that; a
         broker that redelivers sooner (Redis ``visibility_timeout``, RabbitMQ
         ``consumer_timeout``) hands a running claim to a second worker. Its fenced start is
-        refused (#21), but the copy is wasted work and, on RabbitMQ, the first channel is closed.
+        refused (invariant 2), but the copy is wasted work and, on RabbitMQ, the first channel is closed.
         """
         return self.task_time_limit + self.lease
 
@@ -400,19 +412,86 @@ class OutboxConfig:
     @classmethod
     def from_mapping(cls, conf: Mapping[str, Any], **overrides: Any) -> OutboxConfig:
         """Build from ``outbox_*`` keys of a Celery configuration plus explicit overrides."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(overrides) - names
-        if unknown:
-            raise ConfigurationError(f"unknown outbox setting(s): {', '.join(sorted(unknown))}")
-        values: dict[str, Any] = {}
-        for name in names:
-            key = f"outbox_{name}"
-            try:
-                present = key in conf
-            except TypeError:  # pragma: no cover - exotic mappings
-                present = False
-            # None is a value of its own for prepare_threshold (disabled), not "unset".
-            if present and (conf[key] is not None or name == "prepare_threshold"):
-                values[name] = conf[key]
-        values.update({k: v for k, v in overrides.items()})
-        return cls(**values)
+        check_setting_names(overrides)
+        return cls(**{**_celery_settings(conf), **overrides})
+
+
+SETTINGS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(OutboxConfig))
+
+
+def check_setting_names(names: Iterable[str]) -> None:
+    """Raise :class:`ConfigurationError` for names that are not :class:`OutboxConfig` fields.
+
+    The message names each unknown setting with the fields it most resembles (``leese``: did
+    you mean ``lease``?).
+    """
+    unknown = sorted(set(names) - SETTINGS)
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, sorted(SETTINGS), n=3, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        hints.append(f"{name!r}{hint}")
+    raise ConfigurationError(
+        f"unknown outbox setting(s): {', '.join(hints)}; the settings are the fields of OutboxConfig"
+    )
+
+
+def _celery_settings(conf: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``outbox_<field>`` values set in a Celery configuration, by field name."""
+    values: dict[str, Any] = {}
+    for name in SETTINGS:
+        key = f"outbox_{name}"
+        try:
+            present = key in conf
+        except TypeError:  # pragma: no cover - exotic mappings
+            present = False
+        # None is a value of its own for prepare_threshold (disabled), not "unset".
+        if present and (conf[key] is not None or name == "prepare_threshold"):
+            values[name] = conf[key]
+    return values
+
+
+def given_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword settings of an ``Outbox(...)`` call, names checked, ``UNSET`` ones left out.
+
+    Passing :data:`UNSET` is deprecated (leaving the keyword out does the same) and warns.
+    """
+    check_setting_names(settings)
+    unset = sorted(k for k, v in settings.items() if v is UNSET)
+    if unset:
+        warnings.warn(
+            f"passing UNSET to Outbox() is deprecated: leave out {', '.join(f'{k}=' for k in unset)} "
+            "instead (a setting not given comes from the Celery configuration, then the default)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return {k: v for k, v in settings.items() if v is not UNSET}
+
+
+def resolve(
+    conf: Mapping[str, Any], settings: Mapping[str, Any], base: OutboxConfig | None = None
+) -> OutboxConfig:
+    """The configuration of an outbox: ``settings`` (keywords) over ``base`` or the Celery one.
+
+    Without ``base``: a keyword wins over ``outbox_<name>`` in ``conf``, which wins over the
+    default. With ``base`` (``Outbox(config=...)``), the keywords override ``base`` and ``conf``
+    may hold no ``outbox_*`` setting: one given in two places would leave one of them ignored.
+    Either way a ``dsn`` still unset is read from the ``OUTBOX_DSN`` environment variable.
+    """
+    if base is None:
+        config = OutboxConfig.from_mapping(conf, **settings)
+    else:
+        also = sorted(f"outbox_{name}" for name in _celery_settings(conf))
+        if also:
+            raise ConfigurationError(
+                f"Outbox(config=...) was given, and the Celery configuration sets {', '.join(also)}: "
+                "put these in the OutboxConfig (or pass them as keywords), or leave config= out"
+            )
+        config = base.replace(**settings)
+    if config.dsn is None and os.environ.get(DSN_ENV):
+        # Read from the environment, the DSN never enters app.conf, which `celery report` and
+        # `celery inspect conf` print (Celery masks only names it knows).
+        config = config.replace(dsn=os.environ[DSN_ENV])
+    return config

@@ -155,6 +155,12 @@ class ClaimRun:
         }
 
 
+def _bounds_live(limit: Limit) -> bool:
+    """Whether a limit bounds live deliveries (``concurrency`` or ``key_concurrency``): a finish
+    of its type may free a slot the claim waits for."""
+    return limit.concurrency is not None or limit.key_concurrency is not None
+
+
 def default_owner() -> str:
     """``host:pid``: who holds a lease, for humans only (never used for decisions)."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -855,14 +861,15 @@ class Dispatcher:
     def _wakes_claim(self, spec: HandlerSpec) -> bool:
         """Whether a finished delivery of ``spec``'s type frees a slot the claim waits for.
 
-        True for a concurrency-limited type that the last claim left at its limit (its flow
-        row's ``at_cap``, read at most every :data:`AT_CAP_TTL` by this process): its finalize
+        True for a concurrency-limited type that the last claim left at its limit, or with a
+        limit key at its ``key_concurrency`` (its flow row's ``at_cap``, read at most every
+        :data:`AT_CAP_TTL` by this process): its finalize
         is written at once (never held by the done batcher) and then notifies the table's
         channel with :data:`SLOT_FREED`; a push listener held back by a limit claims at once and
-        hands the slot out, not ``LIMIT_RECHECK`` later. Below its limit the done stays batched:
+        hands the slot out, not ``CAP_RECHECK`` later. Below its limit the done stays batched:
         nobody waits for the slot (#23, docs/flow-control.md).
         """
-        if not (self.config.listen and spec.limit is not None and spec.limit.concurrency is not None):
+        if not (self.config.listen and spec.limit is not None and _bounds_live(spec.limit)):
             return False
         return spec.event_type in self._capped_types()
 
@@ -871,11 +878,11 @@ class Dispatcher:
         now = time.monotonic()
         if now - read_at < AT_CAP_TTL:
             return capped
-        bounded = sorted(t for t, s in self.handlers.items() if s.limit is not None and s.limit.concurrency)
+        bounded = sorted(t for t, s in self.handlers.items() if s.limit is not None and _bounds_live(s.limit))
         try:
             with self.connection() as conn:
                 capped = self.store.capped(conn, bounded)
-        except psycopg.Error as exc:  # the slot is then found by LIMIT_RECHECK: nothing is lost
+        except psycopg.Error as exc:  # the slot is then found by CAP_RECHECK: nothing is lost
             logger.warning("outbox: reading the limited types' state failed (%s)", first_line(exc))
             capped = frozenset()
         self._capped = (now, capped)
@@ -893,7 +900,7 @@ class Dispatcher:
         return outcome
 
     def _wake(self) -> None:
-        """Notify the table's channel that a slot is free; a failure costs a ``LIMIT_RECHECK``."""
+        """Notify the table's channel that a slot is free; a failure costs a ``CAP_RECHECK``."""
         try:
             with self.connection() as conn:
                 self.store.notify(conn, SLOT_FREED)

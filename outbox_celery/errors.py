@@ -17,6 +17,7 @@ message comes back through its lease: it is not silently classified as transient
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 from ._seconds import MAX_DELAY_SECONDS as MAX_DELAY_SECONDS  # the longest delay (tests, docs)
@@ -105,6 +106,19 @@ class Defer(OutboxError):  # noqa: N818 - it is an outcome, not an error
         self.reason = reason
 
 
+#: Seconds a :class:`RateLimited` holds when its ``retry_after`` is not a number of seconds.
+RATE_LIMITED_DEFAULT = 60.0
+
+
+def _retry_after(value: object) -> float:
+    """A downstream's Retry-After as seconds from 0 to 100 years (:class:`RateLimited`)."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        return RATE_LIMITED_DEFAULT
+    return min(max(float(value), 0.0), MAX_DELAY_SECONDS)
+
+
 class RateLimited(RetryableError):  # noqa: N818 - it is an outcome, not an error
     """The downstream is rate limiting (an HTTP 429): hold back the whole event type.
 
@@ -120,12 +134,16 @@ class RateLimited(RetryableError):  # noqa: N818 - it is an outcome, not an erro
     keys of the event type flow on.
 
     :param retry_after: seconds (or a :class:`~datetime.timedelta`) to hold the event type,
-        for example the response's ``Retry-After``.
+        for example the response's ``Retry-After``. A downstream's number is taken as it comes,
+        never refused (a 429 stays a 429, DESIGN invariant 25): a negative one counts as 0, one
+        over 100 years as 100 years, and what is not a number of seconds at all (NaN, a string,
+        ``None``) as :data:`RATE_LIMITED_DEFAULT` (60 s). The hold of the event type or key is
+        at most ``max_defer_age`` whatever it says (docs/flow-control.md).
     :param reason: stored in ``last_error``.
     """
 
     def __init__(self, retry_after: float | timedelta, reason: str = "rate limited"):
-        held = seconds(retry_after, "retry_after", delay=True)
+        held = _retry_after(retry_after)
         super().__init__(reason, delay=held)
         self.retry_after: float = held
         self.reason = reason

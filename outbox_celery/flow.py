@@ -16,7 +16,18 @@ from dataclasses import dataclass
 
 from .errors import ConfigurationError
 
-__all__ = ["LIMIT_RECHECK", "RATE_BURST", "Allowance", "Limit", "allowance", "parse_rate"]
+__all__ = [
+    "CAP_RECHECK",
+    "LIMIT_RECHECK",
+    "MAX_CONCURRENCY",
+    "MAX_RATE",
+    "MIN_RATE",
+    "RATE_BURST",
+    "Allowance",
+    "Limit",
+    "allowance",
+    "parse_rate",
+]
 
 #: Seconds of a rate limit's starts one claim may take at once: the token bucket holds
 #: ``max(1, rate x RATE_BURST)`` tokens. It is also the tolerance of the rate bound: any window
@@ -26,6 +37,22 @@ RATE_BURST = 0.2
 #: Seconds the push listener waits before claiming again while an event type is held at its
 #: concurrency limit, when no freed slot's notification came first.
 LIMIT_RECHECK = 0.05
+
+#: Seconds the push listener waits before claiming again while an event type (or one of its limit
+#: keys) sits at its concurrency limit and no freed slot's notification came: a finish notifies
+#: (``slot_freed``), so this only catches slots freed without one (a lease that ran out). At most
+#: one claim run per second per type held at its limit while nothing finishes.
+CAP_RECHECK = 1.0
+
+#: The largest ``concurrency`` and ``key_concurrency`` accepted: far above any real bound, and
+#: inside PostgreSQL's ``int`` (the claim passes them as ``int``).
+MAX_CONCURRENCY = 1_000_000
+
+#: The largest ``rate`` and ``key_rate`` accepted, starts per second.
+MAX_RATE = 1_000_000.0
+
+#: The smallest ``rate`` and ``key_rate`` accepted, starts per second: one a day.
+MIN_RATE = 1.0 / 86400.0
 
 #: Seconds a delivery process trusts what it last read of which concurrency-limited types the
 #: claim left at their limit (whose finishes wake the claim) before reading it again.
@@ -42,7 +69,8 @@ def parse_rate(value: str | float | int) -> float:
     """Starts per second from Celery's rate forms: ``"50/s"``, ``"3000/m"``, ``"10/h"``, or a
     number (or a bare number in a string), meaning per second.
 
-    :raises ConfigurationError: (a :class:`ValueError`) anything else, zero or negative.
+    :raises ConfigurationError: (a :class:`ValueError`) anything else, or a rate outside
+        :data:`MIN_RATE` (one a day) to :data:`MAX_RATE` starts per second.
     """
     if isinstance(value, bool):
         raise ConfigurationError(f"rate must be a number or a string like '50/s', not {value!r}")
@@ -57,6 +85,10 @@ def parse_rate(value: str | float | int) -> float:
         )
     if not math.isfinite(per_second) or per_second <= 0:
         raise ConfigurationError(f"rate {value!r} must be more than zero starts per second")
+    if not MIN_RATE <= per_second <= MAX_RATE:
+        raise ConfigurationError(
+            f"rate {value!r} must be from one a day to {MAX_RATE:,.0f} starts per second"
+        )
     return per_second
 
 
@@ -81,6 +113,22 @@ class Limit:
     key_concurrency: int | None = None
     key_rate: float | None = None
 
+    def __post_init__(self) -> None:
+        # Every bound checked where a Limit is made, so that no claim ever carries one out of
+        # range into SQL (one bad limit would fail the claim of every type).
+        for name in ("concurrency", "key_concurrency"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CONCURRENCY
+            ):
+                raise ConfigurationError(
+                    f"{name} must be an integer from 1 to {MAX_CONCURRENCY:,}, not {value!r}"
+                )
+        for name in ("rate", "key_rate"):
+            value = getattr(self, name)
+            if value is not None:
+                parse_rate(value)
+
     @classmethod
     def declared(
         cls,
@@ -93,12 +141,9 @@ class Limit:
         """The limit ``@outbox.handler(concurrency=..., rate=..., key_concurrency=...,
         key_rate=...)`` declares (``None``: none).
 
-        :raises ConfigurationError: ``concurrency`` or ``key_concurrency`` not a positive
-            integer, or a bad ``rate`` or ``key_rate``.
+        :raises ConfigurationError: ``concurrency`` or ``key_concurrency`` not an integer from 1
+            to :data:`MAX_CONCURRENCY`, or a bad ``rate`` or ``key_rate`` (:func:`parse_rate`).
         """
-        for name, value in (("concurrency", concurrency), ("key_concurrency", key_concurrency)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigurationError(f"{name} must be a positive integer, not {value!r}")
         per_second = None if rate is None else parse_rate(rate)
         per_key = None if key_rate is None else parse_rate(key_rate)
         if concurrency is None and per_second is None and key_concurrency is None and per_key is None:
@@ -154,7 +199,9 @@ class Allowance:
         if self.by_rate and limit.rate is not None and self.tokens is not None:
             left = self.tokens - taken
             return max(LIMIT_RECHECK, (1.0 - left) / limit.rate)
-        return LIMIT_RECHECK
+        # At its concurrency limit: a finish wakes the claim (at_cap); this only catches a slot
+        # freed without one.
+        return CAP_RECHECK
 
 
 def allowance(limit: Limit, *, live: int, tokens: float | None, since_refill: float | None) -> Allowance:

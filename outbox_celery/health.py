@@ -31,10 +31,13 @@ from .config import TableName
 from .dsn import error_line, invalid_dsn, redact
 from .errors import first_line
 
-__all__ = ["CHECKS", "HORIZON_WARNING_SECONDS", "Health", "check"]
+__all__ = ["CHECKS", "DEFAULT_INTERVALS", "HORIZON_WARNING_SECONDS", "Health", "check"]
 
 #: The checks :func:`check` can run, in the order it runs them.
 CHECKS = ("database", "schema", "claims")
+#: Claims are overdue for a probe after this many claim intervals: more than ``stats``' attention
+#: line waits (one interval and a margin), so that a slow moment restarts no worker.
+DEFAULT_INTERVALS = 6
 #: A horizon held this long is reported as a warning.
 HORIZON_WARNING_SECONDS = 60.0
 
@@ -83,7 +86,7 @@ def check(
     table: str | TableName = "outbox",
     *,
     claim_interval: float,
-    intervals: int = 6,
+    intervals: int = DEFAULT_INTERVALS,
     checks: Sequence[str] = CHECKS,
     handlers: Collection[str] | None = None,
     timeout: float = 5.0,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter as Tally
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,10 @@ __all__ = ["DEFAULT_PORT", "OutboxCollector", "start_exporter", "track_deliverie
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 9808
+#: Limit keys paused or held that get series of their own (paused first, then the longest
+#: held); every key is counted per event type in ``outbox_limit_keys_paused`` and
+#: ``outbox_limit_keys_rate_limited``.
+METRIC_KEYS = 10
 
 ConnectionFactory = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
 
@@ -233,6 +238,17 @@ class OutboxCollector:
                 "Seconds a RateLimited outcome still holds the limit key back (claimed by nobody).",
                 labels=["table", "event_type", "limit_key"],
             ),
+            "keys_paused": g(
+                f"{ns}_limit_keys_paused",
+                "Limit keys of the event type paused by an operator (all of them; the per-key "
+                "series name the first few only).",
+                labels=["table", "event_type"],
+            ),
+            "keys_held": g(
+                f"{ns}_limit_keys_rate_limited",
+                "Limit keys of the event type a RateLimited outcome holds back (all of them).",
+                labels=["table", "event_type"],
+            ),
         }
         if self.handlers is not None:
             fams["unroutable"] = g(
@@ -295,7 +311,17 @@ class OutboxCollector:
                 fams["paused"].add_metric([name, f.event_type], 1)
             if f.held_for:
                 fams["held"].add_metric([name, f.event_type], f.held_for)
-        for k in s.keys:
+        # Keys by count per event type; one series per key for the first METRIC_KEYS only
+        # (paused first, then the longest held): the series stay bounded by the event types,
+        # whatever the number of keys paused or held (DESIGN invariant 25).
+        paused_keys: Tally[str] = Tally(k.event_type for k in s.keys if k.paused)
+        held_keys: Tally[str] = Tally(k.event_type for k in s.keys if k.held_for)
+        for event_type in sorted(paused_keys):
+            fams["keys_paused"].add_metric([name, event_type], paused_keys[event_type])
+        for event_type in sorted(held_keys):
+            fams["keys_held"].add_metric([name, event_type], held_keys[event_type])
+        named = sorted(s.keys, key=lambda k: (not k.paused, -(k.held_for or 0.0), k.event_type, k.limit_key))
+        for k in named[:METRIC_KEYS]:
             if k.paused:
                 fams["key_paused"].add_metric([name, k.event_type, k.limit_key], 1)
             if k.held_for:

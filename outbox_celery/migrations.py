@@ -97,6 +97,43 @@ def _ledger_exists(conn: psycopg.Connection[Any], ledger: sql.Identifier) -> boo
     return bool(row and row[0])
 
 
+# The tables an outbox table owns beside it, named after it (DESIGN invariant 25).
+_SIBLINGS = {
+    _sql.INSTANCE_SUFFIX: "identity",
+    _sql.FLOW_SUFFIX: "flow-control",
+    _sql.FLOW_KEY_SUFFIX: "per-key flow-control",
+}
+
+
+def _refuse_name_clash(conn: psycopg.Connection[Any], t: TableName) -> None:
+    """Refuse a new outbox table whose name is one another outbox's tables beside it take (an
+    outbox ``x_flow`` beside an outbox ``x``, whose flow table is ``x_flow``), or whose own
+    tables would take another outbox's name: either would share a table between two roles."""
+    ledger = _ledger(t)
+    if not _ledger_exists(conn, ledger):
+        return
+    names = [t.name + suffix for suffix in _SIBLINGS]
+    names += [t.name[: -len(suffix)] for suffix in _SIBLINGS if t.name.endswith(suffix)]
+    recorded = {
+        str(r[0])
+        for r in conn.execute(
+            sql.SQL("SELECT DISTINCT table_name FROM {} WHERE table_name = ANY(%s)").format(ledger), [names]
+        ).fetchall()
+    }
+    for suffix, role in _SIBLINGS.items():
+        if t.name + suffix in recorded:
+            raise MigrationError(
+                f"cannot create outbox table {t.qualified}: its {role} table {t.name + suffix!r} "
+                "would be the outbox table of that name; give one of them another name (table=)"
+            )
+        base = t.name[: -len(suffix)]
+        if t.name.endswith(suffix) and base in recorded:
+            raise MigrationError(
+                f"cannot create outbox table {t.qualified}: {t.name!r} is the {role} table of the "
+                f"outbox table {base!r}; give one of them another name (table=)"
+            )
+
+
 def applied_versions(
     conn: psycopg.Connection[Any], table: str | TableName = "outbox", *, migrations: MigrationSet = OUTBOX
 ) -> list[int]:
@@ -157,6 +194,8 @@ def migrate(
         todo = [m for m in available(migrations) if m.version not in done]
         if not todo:
             return []
+        if migrations is OUTBOX and not done:
+            _refuse_name_clash(conn, t)
         exists = _table_exists(conn, t)
         if not done and exists:
             raise MigrationError(

@@ -38,7 +38,7 @@ from psycopg.rows import dict_row, tuple_row
 from . import _sql, codec
 from .config import TableName
 from .errors import ProducerError
-from .flow import LIMIT_RECHECK, Allowance, Limit, allowance
+from .flow import CAP_RECHECK, LIMIT_RECHECK, Allowance, Limit, allowance
 from .message import Message, Outcome, Status, idempotency_key
 
 __all__ = ["Claimed", "Finalized", "FinalizedMany", "FlowRead", "ScanMarks", "Store", "starter_token"]
@@ -49,6 +49,10 @@ __all__ = ["Claimed", "Finalized", "FinalizedMany", "FlowRead", "ScanMarks", "St
 # 20,000 keys failed with "out of shared memory", and every other session needing a lock failed
 # with it meanwhile. Refused before anything is written instead; split such batches.
 MAX_ORDERING_KEYS = 1000
+#: Seconds a rate bucket may be refilled ahead of the database's now() (concurrent claimers'
+#: transactions began at different times); further ahead, the clock stepped back (the same
+#: 60 seconds are written in claim_keyed and flow_spend).
+CLOCK_STEP = 60.0
 #: Limit keys one claim walks per keyed event type, at least and at most (DESIGN invariant 24):
 #: twice its room, within these. Keys beyond are walked by the next claims (round robin).
 MIN_KEYS_WALKED = 50
@@ -169,6 +173,26 @@ class FlowRead:
     cursors: dict[str, str | None] = field(default_factory=dict)
     #: The at_cap flag of each type as the previous claim left it.
     at_cap: dict[str, bool] = field(default_factory=dict)
+    #: Rate-limited types whose bucket was refilled ahead of now() (the clock stepped back).
+    reclock: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """What a claim's first statement read, without a lock (``claim_settings_flow``)."""
+
+    #: The transaction's now().
+    now: datetime | None
+    #: Event types that have a flow row.
+    known: frozenset[str] = frozenset()
+    #: Types paused or held by a RateLimited outcome.
+    held: frozenset[str] = frozenset()
+    #: Seconds until the earliest hold of a type ends.
+    held_for: float | None = None
+    #: Types with a limit key paused or held (claimed key by key).
+    key_types: tuple[str, ...] = ()
+    #: Seconds until the earliest hold of a key ends.
+    key_held_for: float | None = None
 
 
 @dataclass(slots=True)
@@ -180,8 +204,6 @@ class _Keyed:
     #: Starts per second at most per limit key, and its bucket's size (``None``: no bound).
     key_rate: float | None
     key_burst: float | None
-    #: Its limit keys paused or held by a RateLimited outcome: claimed by nobody.
-    held: list[str]
     #: The key after which this claim walks its keys (round robin).
     cursor: str | None
     #: Whether the cursor moved (written back to the flow row).
@@ -213,12 +235,14 @@ class ScanMarks:
     """
 
     __slots__ = (
+        "db_now",
         "excluded",
         "expired",
         "full_at",
         "full_every",
         "full_passes",
         "heads",
+        "keyed",
         "lookback",
         "pending",
         "typed",
@@ -240,6 +264,11 @@ class ScanMarks:
         #: Event types the previous claim left out of every statement (paused, or held by a
         #: RateLimited outcome): their rows may lie behind the marks (#23).
         self.excluded: frozenset[str] = frozenset()
+        #: Event types the previous claim took key by key: their keyed rows were left out of
+        #: their own statements, whose marks moved past them (DESIGN invariant 25).
+        self.keyed: frozenset[str] = frozenset()
+        #: The database's now() of the previous claim.
+        self.db_now: datetime | None = None
 
     def begin(self, monotonic_now: float) -> bool:
         """Start a claim: forget the marks when a full pass is due; return whether it is."""
@@ -255,7 +284,18 @@ class ScanMarks:
         self.full_at = monotonic_now
         self.full_passes += 1
 
-    def readmit(self, excluded: frozenset[str], monotonic_now: float) -> None:
+    def check_clock(self, db_now: datetime, monotonic_now: float) -> None:
+        """A full pass when the database's clock went back more than ``lookback`` since the
+        previous claim (a failover to a lagging host): rows written since lie behind marks
+        taken on the other clock (DESIGN invariant 25)."""
+        stepped_back = self.db_now is not None and db_now < self.db_now - timedelta(seconds=self.lookback)
+        if stepped_back and self.full_at != monotonic_now:
+            self.forget(monotonic_now)
+        self.db_now = db_now
+
+    def readmit(
+        self, excluded: frozenset[str], monotonic_now: float, *, keyed: frozenset[str] = frozenset()
+    ) -> None:
         """Note the types this claim leaves out; a full pass when one of the last claim's is back.
 
         While an event type is left out of the general statements (paused, held by a
@@ -265,7 +305,12 @@ class ScanMarks:
         """
         if self.excluded - excluded and self.full_at != monotonic_now:
             self.forget(monotonic_now)
+        for event_type in self.keyed - keyed:
+            # Its keyed rows come back to its own statements: from the start of their index.
+            for scan in ("expired", "heads", "pending"):
+                self.typed.pop((scan, event_type), None)
         self.excluded = excluded
+        self.keyed = keyed
 
     def since(self, mark: datetime | None) -> datetime | None:
         """The lower bound of a scan whose previous claim stopped at ``mark`` (None: from the start)."""
@@ -646,13 +691,14 @@ class Store:
         if marks is not None:
             marks.begin(now_mono)
         with conn.transaction():
-            settings = conn.execute(self._q["claim_settings"]).fetchone()
-            db_now: datetime | None = settings[1] if settings is not None and len(settings) > 1 else None
-            keys_held, keys_held_for = self._read_key_holds(conn, base["event_types"])
+            seen = self._claim_settings(conn, base["event_types"])
+            db_now = seen.now
+            if marks is not None and db_now is not None:
+                marks.check_clock(db_now, now_mono)
             # A type with a held or paused key is claimed key by key for as long as it is, with
             # whatever limits it declares (none: a Limit without bounds).
-            limits = {**{t: Limit() for t in keys_held}, **limits}
-            flow = self._read_flow(conn, limits)
+            limits = {**dict.fromkeys(seen.key_types, Limit()), **limits}
+            flow = self._read_flow(conn, limits, seen)
             excluded = frozenset(flow.held) | frozenset(flow.allowances) if flow else frozenset()
             keyed: dict[str, _Keyed] = {}
             if flow is not None:
@@ -661,15 +707,16 @@ class Store:
                         limits[t].key_concurrency,
                         limits[t].key_rate,
                         limits[t].key_burst if limits[t].key_rate is not None else None,
-                        sorted(keys_held.get(t, ())),
                         flow.cursors.get(t),
                     )
                     for t in sorted(flow.allowances)
-                    if limits[t].keyed or t in keys_held
+                    if limits[t].keyed or t in seen.key_types
                 }
             base["keyed"] = list(keyed)
             if marks is not None:
-                marks.readmit(frozenset(flow.held) if flow else frozenset(), now_mono)
+                # Every type left out of the general statements (held, limited, claimed key by
+                # key): one that comes back finds its rows behind the marks (invariant 25).
+                marks.readmit(excluded, now_mono, keyed=frozenset(keyed))
             base["excluded"] = sorted(excluded)
             base["pending_since"] = marks.since(marks.pending) if marks else None
             base["heads_since"] = marks.since(marks.heads) if marks else None
@@ -701,8 +748,8 @@ class Store:
                 waits.append(flow.held_for)
             if filling:
                 waits.append(min(filling.values()))
-            if keyed and keys_held_for is not None:
-                waits.append(keys_held_for)
+            if keyed and seen.key_held_for is not None:
+                waits.append(seen.key_held_for)
             if keyed:
                 # Their expired started leases go back to pending, then through claim_keyed.
                 released = conn.execute(self._q["release_keyed_expired"], {**base, "limit": _EXPIRED_BATCH})
@@ -764,14 +811,15 @@ class Store:
                 if wait is not None:
                     waits.append(wait)
             if any(k.blocked for k in keyed.values()):
-                waits.append(LIMIT_RECHECK)
+                # A key at its key_concurrency: its finishes wake the claim (at_cap, below).
+                waits.append(CAP_RECHECK)
             waits += [max(LIMIT_RECHECK, k.token_wait) for k in keyed.values() if k.token_wait is not None]
             moved = {t: k.cursor for t, k in keyed.items() if k.moved}
             if moved:
                 conn.execute(self._q["flow_key_cursor"], {"types": list(moved), "keys": list(moved.values())})
             if flow is not None:
                 self._spend(conn, flow, spent)
-                self._mark_capped(conn, flow, limits, spent)
+                self._mark_capped(conn, flow, limits, spent, keyed)
         self._count("claimed", len(claimed))
         self._count("reaped", len(reaped_rows))
         self._count("lost_tasks", lost)
@@ -917,7 +965,6 @@ class Store:
             "key_cap": keyed.key_cap,
             "key_rate": keyed.key_rate,
             "key_burst": keyed.key_burst,
-            "held": keyed.held,
             "after": keyed.cursor,
             "max_keys": min(MAX_KEYS_WALKED, max(2 * min(room, max(batch, 1)), MIN_KEYS_WALKED)),
         }
@@ -940,22 +987,26 @@ class Store:
             keyed.moved = True
         return [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in taken]
 
-    def _read_key_holds(
-        self, conn: psycopg.Connection[Any], event_types: Sequence[str] | None
-    ) -> tuple[dict[str, list[str]], float | None]:
-        """The limit keys paused or held, by event type, and the seconds until the earliest
-        RateLimited hold of a key ends (DESIGN invariant 24)."""
+    def _claim_settings(self, conn: psycopg.Connection[Any], event_types: Sequence[str] | None) -> _Seen:
+        """The claim's first statement: its settings and ``now()``, and on a table with its flow
+        tables what the claim must leave out or claim key by key, read without a lock
+        (``claim_settings_flow``): the one flow read of a claim with no limit declared and
+        nothing paused or held (DESIGN invariant 25)."""
         if not self.flow_ready(conn):
-            return {}, None
-        held: dict[str, list[str]] = {}
-        held_for: float | None = None
-        for event_type, key, seconds, paused in conn.execute(
-            self._q["flow_keys_held"], {"event_types": event_types}
-        ).fetchall():
-            held.setdefault(str(event_type), []).append(str(key))
-            if not paused and seconds is not None:
-                held_for = float(seconds) if held_for is None else min(held_for, float(seconds))
-        return held, held_for
+            row = conn.execute(self._q["claim_settings"]).fetchone()
+            return _Seen(now=row[1] if row is not None and len(row) > 1 else None)
+        row = conn.execute(self._q["claim_settings_flow"], {"event_types": event_types}).fetchone()
+        if row is None:  # pragma: no cover - a SELECT without FROM returns its row
+            return _Seen(now=None)
+        _jit, now, known, held, held_for, key_types, key_held_for = row
+        return _Seen(
+            now=now,
+            known=frozenset(known),
+            held=frozenset(held),
+            held_for=None if held_for is None else float(held_for),
+            key_types=tuple(key_types),
+            key_held_for=None if key_held_for is None else float(key_held_for),
+        )
 
     # -- flow control (#23) --------------------------------------------------------------------
 
@@ -969,8 +1020,12 @@ class Store:
             self._flow_ready = bool(row and row[0])
         return self._flow_ready
 
-    def _read_flow(self, conn: psycopg.Connection[Any], limits: Mapping[str, Limit]) -> FlowRead | None:
-        """Lock and read the flow rows; the allowance of every limited type (invariant 22)."""
+    def _read_flow(
+        self, conn: psycopg.Connection[Any], limits: Mapping[str, Limit], seen: _Seen
+    ) -> FlowRead | None:
+        """Lock and read the flow rows of the limited types; the allowance of every one
+        (invariant 22). Paused and held types come from ``seen`` (no lock needed to leave a
+        type out). Nothing at all to lock: no statement."""
         if not self.flow_ready(conn):
             if not self._flow_warned:
                 self._flow_warned = True
@@ -982,34 +1037,55 @@ class Store:
                 )
             return None
         limited = sorted(limits)
+        if not limited:
+            return FlowRead(held=seen.held, held_for=seen.held_for, allowances={})
+        missing = [t for t in limited if t not in seen.known]
+        if missing:
+            # First claim that limits a type: its row, before any flow lock (one lock order).
+            conn.execute(self._q["flow_add"], {"types": missing})
         rows = conn.execute(self._q["flow_lock"], {"limited": limited}).fetchall()
-        if len({r[0] for r in rows} & set(limited)) < len(limited):
-            # First claim that limits a type: its row, then the lock again (now on every row).
-            conn.execute(self._q["flow_add"], {"types": limited})
-            rows = conn.execute(self._q["flow_lock"], {"limited": limited}).fetchall()
-        held = frozenset(str(r[0]) for r in rows if r[1] or r[2])
-        held_for = min((float(r[3]) for r in rows if r[2] and not r[1]), default=None)
+        locked_held = frozenset(str(r[0]) for r in rows if r[1] or r[2])
+        held = (seen.held - frozenset(limited)) | locked_held
+        holds = [float(r[3]) for r in rows if r[2] and not r[1]]
+        held_for = min(holds + ([] if seen.held_for is None else [seen.held_for]), default=None)
         state = {str(r[0]): r for r in rows}
+        keyed_types = [t for t in limited if t in seen.key_types]
+        if keyed_types:
+            # Holds of keys that ran out, cleared under their type's lock (one lock order).
+            conn.execute(self._q["flow_keys_clear"], {"types": keyed_types})
         live: dict[str, int] = {}
-        bounded = [t for t in limited if limits[t].concurrency is not None]
+        bounded = [t for t in limited if limits[t].concurrency is not None and t not in held]
         if bounded:
             # After the lock: a new snapshot (read committed) that holds every earlier claimer's
             # claims of these types. Rate-only types need no count.
             counted = conn.execute(self._q["flow_live"], {"limited": bounded}).fetchall()
             live = {str(t): int(n) for t, n in counted}
-        allowances = {
-            t: allowance(
+        allowances: dict[str, Allowance] = {}
+        reclock: set[str] = set()
+        for t, lim in limits.items():
+            if t in held or t not in state:
+                continue
+            since = None if state[t][5] is None else float(state[t][5])
+            if since is not None and since < -CLOCK_STEP:
+                # Refilled ahead of now(): the database's clock stepped back. Nothing refills for
+                # the gap and the bucket counts from now() (written by _spend).
+                reclock.add(t)
+            allowances[t] = allowance(
                 lim,
                 live=live.get(t, 0),
                 tokens=None if state[t][4] is None else float(state[t][4]),
-                since_refill=None if state[t][5] is None else float(state[t][5]),
+                since_refill=since,
             )
-            for t, lim in limits.items()
-            if t not in held
-        }
         cursors = {str(r[0]): None if r[6] is None else str(r[6]) for r in rows}
         at_cap = {str(r[0]): bool(r[7]) for r in rows}
-        return FlowRead(held=held, held_for=held_for, allowances=allowances, cursors=cursors, at_cap=at_cap)
+        return FlowRead(
+            held=held,
+            held_for=held_for,
+            allowances=allowances,
+            cursors=cursors,
+            at_cap=at_cap,
+            reclock=frozenset(reclock),
+        )
 
     def _spend(self, conn: psycopg.Connection[Any], flow: FlowRead, spent: Mapping[str, int]) -> None:
         """Write the rate buckets back: the refilled tokens minus what this claim took.
@@ -1020,9 +1096,9 @@ class Store:
         the type's starts, bounded by its rate, not the number of claims.
         """
         buckets = {
-            t: a.tokens - spent[t]
+            t: a.tokens - spent.get(t, 0)
             for t, a in flow.allowances.items()
-            if a.tokens is not None and spent.get(t, 0) > 0
+            if a.tokens is not None and (spent.get(t, 0) > 0 or t in flow.reclock)
         }
         if buckets:
             types = sorted(buckets)
@@ -1034,12 +1110,14 @@ class Store:
         flow: FlowRead,
         limits: Mapping[str, Limit],
         spent: Mapping[str, int],
+        keyed: Mapping[str, _Keyed],
     ) -> None:
-        """Record which concurrency-limited types this claim left at their limit (only changes)."""
+        """Record which concurrency-limited types this claim left at their limit, or with a key
+        at its ``key_concurrency`` and a row due (only changes): their finishes wake the claim."""
         flags = {
-            t: a.at_cap(limits[t], spent.get(t, 0))
+            t: a.at_cap(limits[t], spent.get(t, 0)) or (t in keyed and keyed[t].blocked)
             for t, a in flow.allowances.items()
-            if limits[t].concurrency is not None
+            if limits[t].concurrency is not None or limits[t].key_concurrency is not None
         }
         changed = sorted(t for t, f in flags.items() if f != flow.at_cap.get(t, False))
         if changed:

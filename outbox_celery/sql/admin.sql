@@ -267,6 +267,23 @@ WHERE id IN (
     FOR UPDATE SKIP LOCKED
 );
 
+-- name: flow_keys_prune
+-- Per-key state worth nothing any more (DESIGN invariant 25): rows of keys neither paused nor
+-- held whose key_rate bucket is full again (or that never had one), untouched for a minute, so
+-- that a key served now and then is not deleted and written again by every claim. An absent row
+-- is a full bucket and no hold: deleting these changes no claim. At most %(limit)s per call.
+WITH doomed AS (
+    SELECT event_type, limit_key FROM {flow_key_table}
+    WHERE NOT paused AND (paused_until IS NULL OR paused_until <= now())
+      AND (tokens IS NULL OR full_at <= now())
+      AND updated_at < now() - interval '60 seconds'
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {flow_key_table} AS f
+USING doomed
+WHERE f.event_type = doomed.event_type AND f.limit_key = doomed.limit_key;
+
 -- name: horizon
 -- What holds back the xmin horizon (DESIGN invariant 18): while it is held, VACUUM can remove no
 -- dead row version anywhere in the database, the outbox's included. The oldest holder of each
@@ -388,6 +405,12 @@ SELECT coalesce((SELECT held FROM before), false) AS was_held,
 -- name: flow_keys_exist
 -- Whether the table of holds per limit key (migration 0008, #23) is there.
 SELECT to_regclass(%(flow_key_table)s) IS NOT NULL;
+
+-- name: flow_key_full_at_exists
+-- Whether migration 0009 (when a key's bucket is full again) is applied.
+SELECT EXISTS (SELECT 1 FROM pg_attribute
+               WHERE attrelid = to_regclass(%(flow_key_table)s) AND attname = 'full_at'
+                 AND NOT attisdropped);
 
 -- name: flow_key_list
 -- Limit keys paused or held by a RateLimited outcome (DESIGN invariant 24).

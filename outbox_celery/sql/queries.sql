@@ -90,6 +90,44 @@ SELECT count(*) FROM (
 -- Also returns the transaction's now(): where the claim's scan marks move to (ScanMarks).
 SELECT set_config('jit', 'off', true), now();
 
+-- name: claim_settings_flow
+-- claim_settings of a table with its flow-control tables (migrations 0007 to 0009): the
+-- same, and in the same statement, without a lock, what the claim must leave out or claim key
+-- by key (DESIGN invariants 23, 24, 25). A claim with no limit declared and nothing paused or
+-- held runs no other flow statement: no lock, no count, no write.
+--   known: every event type with a flow row (a limited type without one gets it first, before
+--          any flow lock, so that the locks are always taken in one order);
+--   held: the types paused or held by a RateLimited outcome (claimed by nobody);
+--   held_for: seconds until the earliest hold of a type ends;
+--   key_types: the types (of those this claimer delivers) with a limit key paused or held, or
+--          a key hold that ran out and is not yet cleared: one probe per type of the held keys'
+--          index (a loose index scan), however many keys are held;
+--   key_held_for: seconds until the earliest hold of a key ends (the holds' index, one probe).
+WITH RECURSIVE kt AS (
+    (SELECT event_type FROM {flow_key_table}
+     WHERE (paused OR paused_until IS NOT NULL)
+       AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
+     ORDER BY event_type, limit_key LIMIT 1)
+    UNION ALL
+    SELECT (SELECT f.event_type FROM {flow_key_table} AS f
+            WHERE (f.paused OR f.paused_until IS NOT NULL) AND f.event_type > kt.event_type
+              AND (%(event_types)s::text[] IS NULL OR f.event_type = ANY(%(event_types)s::text[]))
+            ORDER BY f.event_type, f.limit_key LIMIT 1)
+    FROM kt WHERE kt.event_type IS NOT NULL
+)
+SELECT set_config('jit', 'off', true), now(),
+       (SELECT coalesce(array_agg(event_type ORDER BY event_type), ARRAY[]::text[]) FROM {flow_table}) AS known,
+       (SELECT coalesce(array_agg(event_type ORDER BY event_type), ARRAY[]::text[]) FROM {flow_table}
+        WHERE paused OR paused_until > now()) AS held,
+       (SELECT min(extract(epoch FROM paused_until - now()))::float8 FROM {flow_table}
+        WHERE NOT paused AND paused_until > now()) AS held_for,
+       (SELECT coalesce(array_agg(event_type ORDER BY event_type), ARRAY[]::text[]) FROM kt
+        WHERE event_type IS NOT NULL) AS key_types,
+       (SELECT extract(epoch FROM f.paused_until - now())::float8 FROM {flow_key_table} AS f
+        WHERE f.paused_until > now()
+          AND (%(event_types)s::text[] IS NULL OR f.event_type = ANY(%(event_types)s::text[]))
+        ORDER BY f.paused_until LIMIT 1) AS key_held_for;
+
 -- name: release_expired
 -- Expired leases that must not be re-claimed at once (DESIGN invariants 10, 16), back to
 -- pending with no attempt spent:
@@ -384,7 +422,9 @@ RETURNING id, status;
 -- A RateLimited outcome (#23, DESIGN invariant 23): the row as finish_defer writes it (attempt
 -- refunded, dead once held past max_defer_age), and, only when that fenced write won, its event
 -- type held until the same time in the flow table (its limit key only, in the key table, when
--- it has one); a later hold never shortens an earlier one.
+-- it has one), for max_defer_age at most (DESIGN invariant 25: the type's later messages are
+-- claimed again, and go dead past max_defer_age, instead of sitting unclaimed); a later hold
+-- never shortens an earlier one.
 -- One statement: the hold and the row's return commit together.
 WITH fin AS (
     UPDATE {table}
@@ -403,7 +443,8 @@ WITH fin AS (
 ),
 held AS (
     INSERT INTO {flow_table} AS f (event_type, paused_until)
-    SELECT event_type, now() + make_interval(secs => %(delay)s) FROM fin WHERE limit_key IS NULL
+    SELECT event_type, now() + make_interval(secs => least(%(delay)s, %(max_age)s)) FROM fin
+    WHERE limit_key IS NULL
     ON CONFLICT (event_type) DO UPDATE
     SET paused_until = greatest(f.paused_until, excluded.paused_until), updated_at = now()
     RETURNING f.event_type
@@ -412,8 +453,8 @@ held AS (
 -- flow on.
 key_held AS (
     INSERT INTO {flow_key_table} AS f (event_type, limit_key, paused_until)
-    SELECT event_type, limit_key, now() + make_interval(secs => %(delay)s) FROM fin
-    WHERE limit_key IS NOT NULL
+    SELECT event_type, limit_key, now() + make_interval(secs => least(%(delay)s, %(max_age)s))
+    FROM fin WHERE limit_key IS NOT NULL
     ON CONFLICT (event_type, limit_key) DO UPDATE
     SET paused_until = greatest(f.paused_until, excluded.paused_until), updated_at = now()
     RETURNING f.event_type
@@ -641,23 +682,27 @@ RETURNING o.id;
 SELECT to_regclass(%(flow_table)s) IS NOT NULL AND to_regclass(%(flow_key_table)s) IS NOT NULL;
 
 -- name: flow_lock
--- The flow-control rows a claim must respect (#23, DESIGN invariants 22, 23): those of the event
--- types this claimer limits, and those paused or held by a RateLimited outcome. Locked, in
--- event-type order (no deadlocks): concurrent claimers serialize on these small rows, so the
--- live deliveries the next statement counts (a new snapshot under read committed) include
--- everything an earlier claimer handed out. One row per type, never the backlog.
+-- The flow-control rows of the event types this claim limits or claims key by key (DESIGN
+-- invariants 22 to 25), every one of which exists (flow_add ran first, before any flow lock):
+-- locked in event-type order, the one order every claimer takes them in, so concurrent claimers
+-- never deadlock on them and serialize on these small rows; the live deliveries the next
+-- statement counts (a new snapshot under read committed) include everything an earlier claimer
+-- handed out. Types merely paused or held are left out of the claim as claim_settings_flow read
+-- them and need no lock. One row per type, never the backlog.
 SELECT event_type, paused, coalesce(paused_until > now(), false) AS held,
        extract(epoch FROM paused_until - now())::float8 AS held_for,
        tokens, extract(epoch FROM now() - refilled_at)::float8 AS since_refill, key_cursor, at_cap
 FROM {flow_table}
-WHERE event_type = ANY(%(limited)s::text[]) OR paused OR paused_until > now()
+WHERE event_type = ANY(%(limited)s::text[])
 ORDER BY event_type
 FOR UPDATE;
 
 -- name: flow_add
--- A row for each limited event type that has none yet (the first claim that limits it).
+-- A row for each limited event type that has none yet (the first claim that limits it), in
+-- event-type order, before the claim holds any flow lock: a claim never waits for another's
+-- new row while it holds an existing one (flow_lock).
 INSERT INTO {flow_table} (event_type)
-SELECT DISTINCT t FROM unnest(%(types)s::text[]) AS u(t)
+SELECT DISTINCT t FROM unnest(%(types)s::text[]) AS u(t) ORDER BY t
 ON CONFLICT (event_type) DO NOTHING;
 
 -- name: flow_live
@@ -690,7 +735,11 @@ SELECT event_type FROM {flow_table} WHERE at_cap AND event_type = ANY(%(types)s:
 -- transaction's now(), never moved back by a claimer whose transaction began earlier).
 UPDATE {flow_table} AS f
 SET tokens = u.tokens,
-    refilled_at = greatest(coalesce(f.refilled_at, now()), now()),
+    -- Never moved back by a claimer whose transaction began earlier; but a bucket refilled more
+    -- than a minute ahead of now() was written before the database's clock stepped back (a
+    -- failover to a lagging host): it counts from now(), granting nothing for the gap.
+    refilled_at = CASE WHEN f.refilled_at > now() + interval '60 seconds' THEN now()
+                       ELSE greatest(coalesce(f.refilled_at, now()), now()) END,
     updated_at = now()
 FROM unnest(%(types)s::text[], %(tokens)s::float8[]) AS u(event_type, tokens)
 WHERE f.event_type = u.event_type;
@@ -777,22 +826,13 @@ LATERAL (
 ) AS d
 ORDER BY u.event_type;
 
--- name: flow_keys_held
--- Limit keys paused or held by a RateLimited outcome (#23, DESIGN invariant 24), of the event
--- types this claimer delivers: their rows are claimed by nobody. One small row per held key,
--- read through the held keys' partial index; a hold that ran out is cleared here (once), so it
--- leaves that index and the read stays the size of what is held now.
-WITH cleared AS (
-    UPDATE {flow_key_table} SET paused_until = NULL
-    WHERE (paused OR paused_until IS NOT NULL) AND paused_until <= now()
-      AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
-)
-SELECT event_type, limit_key, extract(epoch FROM paused_until - now())::float8 AS held_for, paused
-FROM {flow_key_table}
-WHERE (paused OR paused_until IS NOT NULL)  -- the held keys' partial index
-  AND (paused OR paused_until > now())
-  AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))
-ORDER BY event_type, limit_key;
+-- name: flow_keys_clear
+-- Key holds that ran out, of the types this claim locked (their flow rows, so after the lock:
+-- one lock order), cleared so that they leave the held keys' index: one range of the holds'
+-- index (migration 0009), the holds that ended since the last claim.
+UPDATE {flow_key_table} SET paused_until = NULL
+WHERE paused_until IS NOT NULL AND paused_until <= now()
+  AND event_type = ANY(%(types)s::text[]);
 
 -- name: release_keyed_expired
 -- Started leases of a keyed event type that ran out with attempts left (the worker died or hung
@@ -820,7 +860,8 @@ RETURNING o.id;
 -- name: claim_keyed
 -- The rows of one keyed event type (#23, DESIGN invariant 24) that carry a limit key, round robin
 -- between its keys: at most %(n)s rows in all, none of a key at its key_cap (live deliveries of
--- the key counted from the key leases' index, after the flow row's lock) and none of a held key.
+-- the key counted from the key leases' index, after the flow row's lock) and none of a key paused
+-- or held (read here, after the lock).
 -- The keys are walked in key order from the one after %(after)s (where the previous claim of the
 -- type stopped, kept in its flow row), wrapping around, at most %(max_keys)s of them: one probe
 -- of the keyed index per key (a loose index scan), never the backlog behind a key. Each key
@@ -846,11 +887,13 @@ WITH RECURSIVE ck_after AS (
     FROM ck_after AS a
     WHERE a.k IS NOT NULL AND a.pos < %(max_keys)s
 ),
+-- The wrap-around, only when the keys after the cursor did not fill the walk.
 ck_before AS (
     (SELECT limit_key AS k, 1 AS pos FROM {table}
      WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head)
        AND event_type = %(event_type)s AND %(after)s::text IS NOT NULL
        AND limit_key <= %(after)s::text
+       AND (SELECT count(*) FROM ck_after WHERE k IS NOT NULL) < %(max_keys)s
      ORDER BY event_type, limit_key LIMIT 1)
     UNION ALL
     SELECT (SELECT limit_key FROM {table}
@@ -866,9 +909,14 @@ ck_walked AS (
     SELECT k, pos + (SELECT count(*) FROM ck_after WHERE k IS NOT NULL) FROM ck_before
     WHERE k IS NOT NULL
 ),
+-- Keys paused or held are walked (the cursor moves past them) but offer nothing: one probe of
+-- the key table's primary key per key walked, read after the flow row's lock.
 ck_keys AS (
     SELECT k, pos, count(*) OVER () AS walked_keys FROM ck_walked
-    WHERE pos <= %(max_keys)s AND k <> ALL(%(held)s::text[])
+    WHERE pos <= %(max_keys)s
+      AND NOT EXISTS (SELECT 1 FROM {flow_key_table} AS h
+                      WHERE h.event_type = %(event_type)s AND h.limit_key = ck_walked.k
+                        AND (h.paused OR h.paused_until > now()))
 ),
 ck_rooms AS (
     SELECT ck_keys.k, ck_keys.pos,
@@ -887,6 +935,8 @@ ck_rooms AS (
     CROSS JOIN LATERAL (
         SELECT CASE WHEN %(key_rate)s::float8 IS NOT NULL THEN least(
                    %(key_burst)s::float8,
+                   -- A bucket refilled ahead of now() (the clock stepped back) refills
+                   -- nothing until ck_reclock's write, then counts from now().
                    coalesce((SELECT greatest(f.tokens, 0)
                                     + %(key_rate)s::float8
                                       * greatest(extract(epoch FROM now() - f.refilled_at), 0)
@@ -917,14 +967,29 @@ ck_taken AS (
 ),
 -- The key_rate buckets of the keys served: the refilled tokens minus what this claim took.
 ck_spent AS (
-    INSERT INTO {flow_key_table} AS f (event_type, limit_key, tokens, refilled_at)
-    SELECT %(event_type)s, r.k, r.tokens - t.n, now()
+    INSERT INTO {flow_key_table} AS f (event_type, limit_key, tokens, refilled_at, full_at)
+    SELECT %(event_type)s, r.k, r.tokens - t.n, now(),
+           -- When the bucket is full again: past it the row may be pruned (flow_keys_prune).
+           now() + make_interval(secs => greatest(%(key_burst)s::float8 - (r.tokens - t.n), 0)
+                                         / %(key_rate)s::float8)
     FROM ck_taken AS t JOIN ck_rooms AS r ON r.k = t.k
     WHERE r.tokens IS NOT NULL
     ON CONFLICT (event_type, limit_key) DO UPDATE
-    SET tokens = excluded.tokens, refilled_at = excluded.refilled_at, updated_at = now(),
+    SET tokens = excluded.tokens, refilled_at = excluded.refilled_at, full_at = excluded.full_at,
+        updated_at = now(),
         -- A key served is not held: an expired hold leaves the held keys' index.
         paused_until = CASE WHEN f.paused_until > now() THEN f.paused_until END
+),
+-- Buckets of the keys walked that were refilled more than a minute ahead of now(): written
+-- before the database's clock stepped back. They count from now() from the next claim on
+-- (this claim refills them nothing): neither a stall until the clock catches up nor a grant
+-- for the gap. Bounded by the keys walked.
+ck_reclock AS (
+    UPDATE {flow_key_table} AS f SET refilled_at = now(), updated_at = now()
+    FROM ck_keys
+    WHERE f.event_type = %(event_type)s AND f.limit_key = ck_keys.k
+      AND f.refilled_at > now() + interval '60 seconds'
+      AND NOT EXISTS (SELECT 1 FROM ck_taken WHERE ck_taken.k = ck_keys.k)
 ),
 -- The keys this claim left at a limit with a row still due (the statement's snapshot still
 -- shows the rows it claimed as pending, hence "more than taken").
@@ -956,7 +1021,9 @@ SELECT id, lease_version, event_type, lease_until, available_at, limit_key, pos,
 FROM ck_claimed
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL,
-       (SELECT k FROM ck_keys ORDER BY pos DESC LIMIT 1), NULL,
+       -- The last key walked, paused and held ones included: a window of held keys never
+       -- keeps the cursor (and the keys behind it) still.
+       (SELECT k FROM ck_walked WHERE pos <= %(max_keys)s ORDER BY pos DESC LIMIT 1), NULL,
        (SELECT count(*) FROM ck_left WHERE slots <= taken),
        -- Seconds until the first key held by its key_rate alone has its next token.
        (SELECT min((1 - (tokens - taken)) / %(key_rate)s::float8) FROM ck_left

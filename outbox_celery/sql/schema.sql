@@ -83,7 +83,13 @@ CREATE TABLE {flow_key_table} (
     tokens       float8,
     refilled_at  timestamptz,
     updated_at   timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (event_type, limit_key)
+    PRIMARY KEY (event_type, limit_key),
+    -- When the key_rate bucket is full again: past it, an unpaused, unheld row is pruned
+    -- (migration 0009).
+    full_at      timestamptz
 );
 CREATE INDEX {flow_key_held_idx} ON {flow_key_table} (event_type, limit_key)
     WHERE paused OR paused_until IS NOT NULL;
+-- The keys' RateLimited holds by their end (migration 0009).
+CREATE INDEX {flow_key_until_idx} ON {flow_key_table} (paused_until)
+    WHERE paused_until IS NOT NULL;

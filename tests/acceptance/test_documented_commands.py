@@ -73,6 +73,10 @@ NOT_RUN = {
     "Checked: `make -n bench` and BENCH_ARGS parsed by the benchmarks' parser.",
     "make chaos": "real workers under faults for 2-5 minutes; CI runs `make chaos CHAOS_ARGS=--short` "
     "itself. Checked: `make -n chaos` and CHAOS_ARGS parsed by the suite's parser.",
+    "make dist": "docs/releasing.md: builds the sdist and wheel (rm -rf dist build first, in the "
+    "checkout); tests/unit/test_release.py builds and checks the wheel. Checked: `make -n dist`.",
+    "make dist-check": "docs/releasing.md: a clean virtualenv and a pip install from the index; "
+    ".ci/run runs it. Checked: `make -n dist-check`.",
     "celery -A proj worker": "docs/django.md: a Django project's worker (its proj/celery.py); the "
     "same command runs against the Django example in tests/acceptance/test_django_shop.py.",
     "celery -A proj beat": "docs/django.md: a Django project's beat; run against the Django example "

@@ -207,3 +207,33 @@ def test_a_freed_slot_is_handed_out_by_the_listener_at_once(
     gaps = [b[0] - a[1] for a, b in itertools.pairwise(spans)]
     # Generous for a shared machine; a held done alone would make each gap about 1 s.
     assert max(gaps) < 0.5, gaps
+
+
+@pytest.mark.parametrize("kind", ["batch", "key_concurrency"])
+def test_invariant_25_a_batch_or_a_key_at_its_limit_wakes_the_listeners_when_it_finishes(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any], migrated_dsn: str, kind: str
+) -> None:
+    # The listener looks again only after CAP_RECHECK (1 s) at a limit: a batch handler's finish
+    # and a finish of a key at its key_concurrency must wake it, as a one-row delivery's does.
+    if kind == "batch":
+        limit = Limit(concurrency=2)
+        spec = HandlerSpec(T, lambda ms: None, "q", batch=2, limit=limit)
+        ids = add(conn, 2, table=table, event_type=T)
+    else:
+        limit = Limit(key_concurrency=1)
+        spec = HandlerSpec(T, lambda m: None, "q", limit=limit)
+        ids = add(conn, 2, table=table, event_type=T, limit_key="t1")[:1]
+    dispatcher = Dispatcher(OutboxConfig(table=table, lease=LONG), pool.connection, {T: spec})
+    claimed = dispatcher.store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits={T: limit})
+    assert sorted(c.id for c in claimed.claimed) == ids
+    with psycopg.connect(migrated_dsn, autocommit=True) as listener:
+        channel = Store(table).listen(listener)
+        if kind == "batch":
+            dispatcher.deliver_batch([(c.id, c.lease_version) for c in claimed.claimed])
+        else:
+            [c] = claimed.claimed
+            assert dispatcher.deliver(c.id, c.lease_version) == Outcome.DONE
+        got = list(listener.notifies(timeout=5.0, stop_after=1))
+        # A batch's finish notifies with every batch (an empty payload: the listener claims);
+        # a one-row finish of a type at its limit with SLOT_FREED.
+        assert [(n.channel, n.payload) for n in got] == [(channel, "" if kind == "batch" else SLOT_FREED)]

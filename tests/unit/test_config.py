@@ -248,17 +248,6 @@ def test_bad_heartbeat_settings_raise_configuration_error(changes: dict[str, Any
         OutboxConfig(**changes)
 
 
-def test_every_outbox_setting_is_a_typed_keyword_of_outbox() -> None:
-    import inspect
-
-    from outbox_celery import Outbox
-
-    params = inspect.signature(Outbox).parameters
-    for name in OutboxConfig.__dataclass_fields__:
-        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
-        assert "Unset" in str(params[name].annotation), name
-
-
 def test_outbox_keywords_win_over_celery_settings_and_unknown_names_still_raise() -> None:
     from celery import Celery
 

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
 from outbox_celery import ConfigurationError, RateLimited, RetryableError
 from outbox_celery.dispatch import classify
-from outbox_celery.flow import LIMIT_RECHECK, Limit, allowance, parse_rate
+from outbox_celery.errors import MAX_DELAY_SECONDS, RATE_LIMITED_DEFAULT
+from outbox_celery.flow import (
+    CAP_RECHECK,
+    LIMIT_RECHECK,
+    MAX_CONCURRENCY,
+    MAX_RATE,
+    Limit,
+    allowance,
+    parse_rate,
+)
 from outbox_celery.message import Outcome
 
 
@@ -76,7 +87,7 @@ def test_concurrency_allowance_is_what_the_live_deliveries_leave() -> None:
     assert allowance(limit, live=3, tokens=None, since_refill=None).rows == 2
     assert allowance(limit, live=7, tokens=None, since_refill=None).rows == 0
     a = allowance(limit, live=3, tokens=None, since_refill=None)
-    assert a.wait(limit, 2) == LIMIT_RECHECK  # took all it could: look again soon
+    assert a.wait(limit, 2) == CAP_RECHECK  # took all it could: a finish wakes the claim, else 1 s
     assert a.wait(limit, 1) is None  # took less: nothing more was claimable
 
 
@@ -103,5 +114,48 @@ def test_rate_limited_is_a_retryable_error_whose_attempt_does_not_count() -> Non
     assert exc.retry_after == 30.0 and exc.delay == 30.0
     verdict = classify(exc, 1, lambda attempt, error: 1.0)
     assert verdict is not None and verdict.outcome is Outcome.RATE_LIMITED and verdict.delay == 30.0
-    with pytest.raises(ValueError, match="retry_after"):
-        RateLimited(retry_after=-1)
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "held"),
+    [
+        (-1, 0.0),
+        (float("-inf"), 0.0),
+        (float("nan"), RATE_LIMITED_DEFAULT),
+        ("30", RATE_LIMITED_DEFAULT),
+        (None, RATE_LIMITED_DEFAULT),
+        (200 * 365 * 86400.0, MAX_DELAY_SECONDS),
+        (float("inf"), MAX_DELAY_SECONDS),
+        (timedelta(days=365 * 1000), MAX_DELAY_SECONDS),
+    ],
+)
+def test_invariant_25_a_rate_limited_with_any_retry_after_stays_a_429(retry_after: Any, held: float) -> None:
+    # A downstream's Retry-After never turns the 429 into an unclassified crash (which would
+    # spend an attempt): clamped to 0 .. 100 years, what is not a number holds 60 s.
+    exc = RateLimited(retry_after=retry_after, reason="HTTP 429")
+    assert exc.retry_after == held and exc.delay == held
+    verdict = classify(exc, 1, lambda attempt, error: 1.0)
+    assert verdict is not None and verdict.outcome is Outcome.RATE_LIMITED and verdict.delay == held
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [
+        {"key_concurrency": sys.maxsize},
+        {"concurrency": 2**31},
+        {"concurrency": MAX_CONCURRENCY + 1},
+        {"key_concurrency": 0},
+        {"rate": 1e300},
+        {"key_rate": "1e12/s"},
+        {"key_rate": 1e-9},
+        {"rate": "1/h", "key_rate": float("inf")},
+    ],
+)
+def test_invariant_25_every_limit_is_bounded_where_it_is_declared(declared: dict[str, Any]) -> None:
+    # sys.maxsize as key_concurrency was accepted and failed every claim of every type with
+    # "integer out of range": refused where the handler is registered, and by Limit itself.
+    with pytest.raises(ConfigurationError):
+        Limit.declared(**{"concurrency": None, "rate": None, **declared})
+    with pytest.raises(ConfigurationError):
+        Limit(**declared)
+    assert Limit.declared(concurrency=MAX_CONCURRENCY, rate=MAX_RATE, key_concurrency=1, key_rate="1/h")

@@ -73,10 +73,11 @@ def _reachable(module: str) -> dict[str, list[str]]:
     return chains
 
 
-# dispatch decides, store runs the SQL, the done batcher and the listener are threads around them:
-# none of them needs Celery, which only celery_app (and publisher, celery_config, push,
-# worker_settings, cli) bring in.
-CELERY_FREE = ["dispatch", "store", "_done_batch", "listener"]
+# dispatch decides, store runs the SQL, the done batcher and the listener are threads around them,
+# handlers checks and records handler registrations: none of them needs Celery, which only
+# celery_app (and publisher, celery_config, push, tasks, worker_signals, worker_settings, cli)
+# bring in.
+CELERY_FREE = ["dispatch", "store", "_done_batch", "listener", "handlers"]
 CELERY = ("celery", "kombu", "billiard")
 
 

@@ -1,0 +1,142 @@
+"""Handler registration: what ``@outbox.handler(...)`` checks and records.
+
+:func:`register_handler` validates a handler's options once, at registration (a bad option is a
+:class:`~outbox_celery.errors.ConfigurationError` where the handler is declared, not at its
+first delivery), and records a :class:`~outbox_celery.dispatch.HandlerSpec` in the outbox's
+handler table, which the dispatcher and the publisher read. Celery is not needed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from ._seconds import seconds
+from .dispatch import HandlerSpec
+from .errors import ConfigurationError
+from .flow import Limit
+from .transactional import transaction_kind
+
+__all__ = ["MAX_BATCH", "MAX_WAIT", "register_handler"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The largest batch a batch handler may ask for: the task carries two arrays of this size.
+MAX_BATCH = 1000
+# Longest max_wait of a batch handler: a batch fills briefly, never for long.
+MAX_WAIT = 5.0
+
+
+def register_handler(
+    handlers: dict[str, HandlerSpec],
+    event_type: str,
+    *,
+    queue: str | None = None,
+    transactional: bool | str = False,
+    session_factory: Callable[[], Any] | None = None,
+    using: str | None = None,
+    batch: int | None = None,
+    max_wait: float | timedelta | None = None,
+    concurrency: int | None = None,
+    rate: str | float | None = None,
+    key_concurrency: int | None = None,
+    key_rate: str | float | None = None,
+) -> Callable[[F], F]:
+    """Check the options of ``event_type``'s handler; the decorator records it in ``handlers``.
+
+    What :meth:`Outbox.handler <outbox_celery.celery_app.Outbox.handler>` does; one handler per
+    event type.
+
+    The handler receives a :class:`~outbox_celery.message.Message` and runs outside any
+    database transaction. It raises :class:`~outbox_celery.errors.RetryableError`,
+    :class:`~outbox_celery.errors.PermanentError` or :class:`~outbox_celery.errors.Defer` to
+    say what happened; returning normally means delivered.
+
+    A *transactional* handler (docs/transactional.md, DESIGN invariant 20) receives
+    ``(message, conn)`` and runs inside one transaction on the outbox's database whose last
+    statement is the fenced ``done``: its writes (and the events it enqueues on ``conn``)
+    commit exactly when the done does. A run whose claim was superseded, or that raises,
+    rolls them back.
+
+    :param queue: the Celery queue its delivery tasks go to (default: ``default_queue``).
+    :param transactional: ``False`` (default), ``True`` or ``"psycopg"`` (``conn`` is a
+        ``psycopg.Connection`` of the outbox's pool), ``"sqlalchemy"`` (``conn`` is a
+        ``Session`` from ``session_factory``) or ``"django"`` (``conn`` is Django's
+        connection, the handler runs inside ``transaction.atomic()``).
+    :param session_factory: with ``transactional="sqlalchemy"``: returns a new ``Session``
+        on the outbox's database (psycopg 3 dialect), e.g. a ``sessionmaker``.
+    :param using: with ``transactional="django"``: the database alias (default
+        ``"default"``).
+    :param batch: make it a *batch handler* (docs/batch.md, DESIGN invariant 21): it receives
+        a list of up to ``batch`` messages of ``event_type`` (sorted by id), carried by one
+        Celery task, started and finished by one fenced statement each. It returns ``None``
+        (every message delivered) or a mapping from message id to a
+        :class:`~outbox_celery.errors.RetryableError`, :class:`~outbox_celery.errors.Defer`
+        or :class:`~outbox_celery.errors.PermanentError` instance for those that were not;
+        an exception it raises applies to the whole batch. An int from 1 to
+        :data:`MAX_BATCH`; not with ``transactional``. A batch is cut from one claim, so
+        it holds at most ``batch_size`` rows and at most one message per ordering key.
+    :param max_wait: with ``batch``: seconds (0 to :data:`MAX_WAIT`, or a ``timedelta``)
+        that due unordered messages of ``event_type`` may wait for a fuller batch: a claim
+        leaves them while they are fewer than a batch and the oldest has been due less than
+        this (database clock), and the push listener claims again when it has. Default 0,
+        never wait. Not with ``concurrency`` or ``rate`` (docs/batch.md).
+    :param concurrency: at most this many live deliveries of ``event_type`` at once, across
+        every worker and machine (claimed or running rows under a live lease; a worker that
+        dies gives its slot back when its lease ends). Enforced by the claim, which hands
+        out no more (docs/flow-control.md, DESIGN invariant 22). Default: no bound.
+    :param rate: at most this many deliveries of ``event_type`` start per second, across
+        every worker: Celery's rate forms ``"50/s"``, ``"3000/m"``, ``"10/h"``, or a number
+        (per second). Enforced by the claim with a token bucket holding ``max(1, rate x
+        0.2 s)`` starts. Default: no bound. A bad value raises
+        :class:`~outbox_celery.errors.ConfigurationError` (a ``ValueError``).
+    :param key_concurrency: at most this many live deliveries per limit key (the
+        ``limit_key`` given at enqueue: a tenant, a downstream host), counted as
+        ``concurrency`` is; the claim takes the type's keyed rows key by key, round robin,
+        so one busy key does not starve the others (DESIGN invariant 24). Default: no bound.
+    :param key_rate: at most this many deliveries per limit key start per second (rate
+        forms as ``rate``), a token bucket per key kept in the database. Default: no bound.
+    """
+    if not isinstance(event_type, str) or not event_type:
+        raise ConfigurationError("event_type must be a non-empty string")
+    if batch is not None:
+        if isinstance(batch, bool) or not isinstance(batch, int):
+            raise ConfigurationError(f"batch must be an int from 1 to {MAX_BATCH}, not {batch!r}")
+        if not 1 <= batch <= MAX_BATCH:
+            raise ConfigurationError(f"batch must be from 1 to {MAX_BATCH}, not {batch}")
+        if transactional is not False:
+            raise ConfigurationError(
+                f"the handler of {event_type!r} cannot be both batch= and transactional=: a "
+                "transactional handler commits one message's writes with its done (DESIGN "
+                "invariant 20); register a plain batch handler, or a transactional one-message "
+                "handler"
+            )
+    kind = transaction_kind(transactional, session_factory=session_factory, using=using)
+    limit = Limit.declared(
+        concurrency=concurrency, rate=rate, key_concurrency=key_concurrency, key_rate=key_rate
+    )
+    wait = 0.0 if max_wait is None else seconds(max_wait, "max_wait", error=ConfigurationError)
+    if wait and batch is None:
+        raise ConfigurationError(f"max_wait is for batch handlers: give {event_type!r} batch= too")
+    if wait > MAX_WAIT:
+        raise ConfigurationError(
+            f"max_wait must be at most {MAX_WAIT:g} s (a batch fills briefly), got {wait:g}"
+        )
+    if wait and limit is not None:
+        raise ConfigurationError(
+            f"max_wait cannot be combined with concurrency=, rate=, key_concurrency= or key_rate= "
+            f"(the handler of {event_type!r}): "
+            "a limited type is claimed by statements of its own"
+        )
+
+    def register(fn: F) -> F:
+        if event_type in handlers:
+            raise ConfigurationError(f"a handler for {event_type!r} is already registered")
+        spec = HandlerSpec(
+            event_type, fn, queue or "", transaction=kind, batch=batch, limit=limit, max_wait=wait
+        )
+        handlers[event_type] = spec
+        return fn
+
+    return register
