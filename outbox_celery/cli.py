@@ -40,6 +40,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from . import admin, migrations
+from . import health as health_checks
 from .config import OutboxConfig, TableName
 from .discovery import celery_outbox_finder, resolve_outbox
 from .dsn import invalid_dsn, password, redact
@@ -969,6 +970,74 @@ def resume(target: Target, event_type: str, limit_key: str | None, as_json: bool
     else:
         hint = "" if close is None else f"; did you mean {close if limit_key is not None else repr(close)}?"
         click.echo(f"{what} was not paused or held: nothing changed{hint}")
+
+
+# -- health ------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option(
+    "--check",
+    "checks",
+    type=click.Choice(health_checks.CHECKS),
+    multiple=True,
+    help="Run only this check (repeatable); default: all. The horizon is always reported, as a warning.",
+)
+@click.option(
+    "--claim-intervals",
+    type=click.IntRange(1),
+    default=health_checks.DEFAULT_INTERVALS,
+    show_default=True,
+    help="Claims are overdue when a ready message waited this many claim intervals.",
+)
+@click.option(
+    "--claim-interval",
+    metavar="DURATION",
+    callback=_duration,
+    help="The outbox's claim_interval (default: the -A Outbox's, else "
+    f"{admin.format_duration(DEFAULT_CLAIM_INTERVAL)}).",
+)
+@click.option(
+    "--timeout",
+    metavar="DURATION",
+    callback=_duration,
+    default="5s",
+    show_default=True,
+    help="Connect and statement timeout.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def health(
+    target: Target,
+    checks: tuple[str, ...],
+    claim_intervals: int,
+    claim_interval: float | None,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Exit 0 when the outbox is healthy, 1 with the reason on one line (for probes).
+
+    Checks the database answers, the schema is current, and claims ran within
+    --claim-intervals claim intervals; warns about what holds the xmin horizon.
+    """
+    outbox = target.outbox
+    if claim_interval is None:
+        claim_interval = outbox.config.claim_interval if outbox is not None else DEFAULT_CLAIM_INTERVAL
+    result = health_checks.check(
+        target.dsn,
+        target.table,
+        claim_interval=claim_interval,
+        intervals=claim_intervals,
+        checks=checks or health_checks.CHECKS,
+        handlers=target.handlers,
+        timeout=timeout or 5.0,
+    )
+    if as_json:
+        _echo_json({"table": target.table.qualified, **result.as_dict()})
+    else:
+        click.echo(target.scrub(result.line()))
+    if not result.healthy:
+        raise SystemExit(1)
 
 
 # -- metrics -----------------------------------------------------------------------------------

@@ -131,6 +131,7 @@ _SECONDS_FIELDS = (
     "done_batch_delay",
     "scan_lookback",
     "full_scan_interval",
+    "unreachable_exit_after",
 )
 _INT_FIELDS = (
     "batch_size",
@@ -238,6 +239,11 @@ class OutboxConfig:
     :ivar full_scan_interval: seconds between a process's claims that scan from the start of
         the indexes (the first claim of a process always does), for messages committed later
         than ``scan_lookback`` behind the marks. Default 60.
+    :ivar unreachable_exit_after: seconds a worker running the push listener (one that consumes
+        ``claim_queue``, with ``listen`` on) may go without a working session with its database
+        before it stops (a warm shutdown, exit code 1), so that its supervisor restarts it and
+        probes see it. Default ``None``: it keeps retrying and logging (docs/operations.md,
+        "Health checks and probes").
     """
 
     # Left out of repr: error reporters that record locals (Sentry) send repr(config).
@@ -275,6 +281,7 @@ class OutboxConfig:
     done_batch_delay: float = 0.05
     scan_lookback: float = 10.0
     full_scan_interval: float = 60.0
+    unreachable_exit_after: float | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -286,6 +293,7 @@ class OutboxConfig:
                 "retention",
                 "claim_time_limit",
                 "handler_time_limit",
+                "unreachable_exit_after",
             ):
                 continue
             set_(

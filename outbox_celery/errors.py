@@ -30,6 +30,7 @@ __all__ = [
     "InboxError",
     "MigrationError",
     "OutboxError",
+    "PayloadError",
     "PermanentError",
     "ProducerError",
     "RateLimited",
@@ -65,6 +66,12 @@ class MigrationError(OutboxError):
 
 class ProducerError(OutboxError, ValueError):
     """An enqueue was refused; nothing was written."""
+
+
+class PayloadError(OutboxError, ValueError):
+    """A payload that cannot be written, or that would not come back as itself
+    (:mod:`outbox_celery.codec`, DESIGN invariant 27). ``enqueue`` raises it as the cause of its
+    :class:`ProducerError`."""
 
 
 class RetryableError(OutboxError):

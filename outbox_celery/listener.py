@@ -19,6 +19,7 @@ queue, in the worker's main process after the pool has forked (a Celery bootstep
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from .dispatch import ClaimRun
 from .dsn import error_line
@@ -55,6 +57,10 @@ class Listener:
     :param poll: seconds between claim runs at most when nothing wakes the listener.
     :param max_backoff: longest wait between reconnection attempts, in seconds.
     :param name: for logs and the thread's name.
+    :param exit_after: seconds the listener may go without a working session with its database
+        (connect refused or failing, every session ending in an error) before it gives up:
+        it logs an error, calls ``on_unreachable`` and stops. ``None`` retries forever.
+    :param on_unreachable: what giving up does (the Celery step stops the worker, exit code 1).
     """
 
     def __init__(
@@ -67,6 +73,8 @@ class Listener:
         poll: float = 1.0,
         max_backoff: float = 10.0,
         name: str = "outbox",
+        exit_after: float | None = None,
+        on_unreachable: Callable[[], None] | None = None,
     ) -> None:
         self.dsn = dsn
         self.store = store
@@ -75,6 +83,8 @@ class Listener:
         self.poll = poll
         self.max_backoff = max_backoff
         self.name = name
+        self.exit_after = exit_after
+        self.on_unreachable = on_unreachable
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stats: dict[str, int] = {"notifications": 0, "claims": 0, "connects": 0, "errors": 0}
@@ -120,16 +130,26 @@ class Listener:
 
     def _run(self) -> None:
         failures = 0
+        # When the database stopped answering (monotonic): the first failure after a session.
+        down_since: float | None = None
         while not self._stop.is_set():
             try:
                 self._session()
                 failures = 0
             except Exception as exc:
                 # Beat-driven claims keep delivering meanwhile; this only costs latency.
+                now = time.monotonic()
+                if self.connected.is_set() or down_since is None:
+                    down_since = now
                 self.connected.clear()
                 self._count("errors")
                 failures += 1
+                if self.exit_after is not None and now - down_since >= self.exit_after:
+                    self._give_up(exc, now - down_since)
+                    return
                 delay = min(self.max_backoff, 0.1 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0)
+                if self.exit_after is not None:  # the next attempt comes at the bound at the latest
+                    delay = max(0.0, min(delay, down_since + self.exit_after - now))
                 logger.warning(
                     "outbox listener %s: %s: %s; reconnecting in %.1fs",
                     self.name,
@@ -141,9 +161,30 @@ class Listener:
                 self._stop.wait(delay)
         self.connected.clear()
 
+    def _give_up(self, exc: BaseException, down_for: float) -> None:
+        """The database stayed unreachable past ``exit_after``: say so and stop the worker."""
+        logger.error(
+            "outbox listener %s: no working database session for %.1fs (unreachable_exit_after "
+            "%.1fs), last error %s: %s; stopping the worker so that its supervisor sees it",
+            self.name,
+            down_for,
+            self.exit_after,
+            type(exc).__name__,
+            error_line(exc, self.dsn),
+            extra={"outcome": "listener_unreachable"},
+        )
+        self.connected.clear()
+        if self.on_unreachable is not None:
+            self.on_unreachable()
+
     def _session(self) -> None:
+        extra: dict[str, Any] = {}
+        if self.exit_after is not None and "connect_timeout" not in conninfo_to_dict(self.dsn):
+            # A host that does not answer must fail within the bound, not after the kernel's
+            # SYN retries (minutes).
+            extra["connect_timeout"] = max(2, math.ceil(min(self.exit_after, 10.0)))
         with psycopg.connect(
-            self.dsn, autocommit=True, application_name=f"outbox-celery:{self.name}:listen"
+            self.dsn, autocommit=True, application_name=f"outbox-celery:{self.name}:listen", **extra
         ) as conn:
             channel = self.store.listen(conn)
             self._count("connects")

@@ -59,9 +59,11 @@ class Message:
     :ivar event_type: the routing key of the event, e.g. ``"order.created"``.
     :ivar aggregate_type: the kind of business object, e.g. ``"order"``.
     :ivar aggregate_id: the business object's id, as text.
-    :ivar payload: the JSON value that was enqueued, as it was given: a ``dict``, ``list``,
-        ``str``, ``int``, ``float``, ``bool`` or ``None`` (a string payload, ``json.dumps``
-        output included, arrives as that same ``str``).
+    :ivar payload: what was enqueued, as a Celery task argument would arrive (kombu's JSON,
+        DESIGN invariant 27): a ``dict`` (keys in the order given), ``list``, ``str``, ``int``,
+        ``float``, ``bool``, ``None``, or a type kombu registers (``Decimal``, ``datetime``,
+        ``date``, ``time``, ``UUID``, ``bytes``, :func:`outbox_celery.codec.register_type`). A
+        string payload, ``json.dumps`` output included, arrives as that same ``str``.
     :ivar attempts: handler runs so far, this one included (1 on the first run).
     :ivar created_at: when the producer's transaction wrote the row (database clock).
     :ivar lease_version: the fencing token of the claim this run belongs to.

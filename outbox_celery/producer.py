@@ -10,7 +10,6 @@ same statements (:meth:`Store.write_plan`).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from . import codec
 from ._connections import FOLLOW_UPS, IDLE, INERROR, _View, async_view, drive, drive_async, sync_view
 from ._seconds import seconds
 from .config import TableName
@@ -44,8 +44,9 @@ UNDEFINED_TABLE = "42P01"
 
 _stores: dict[str, Store] = {}
 
-# json.dumps writes NUL as the escape \u0000 (jsonb refuses it) and a literal backslash as \\,
-# so only a \u0000 preceded by an even number of backslashes is a NUL.
+# JSON writes NUL as the escape \u0000 (PostgreSQL cannot turn it into text, so a search of the
+# payload would fail on the row) and a literal backslash as \\, so only a \u0000 preceded by an
+# even number of backslashes is a NUL.
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
@@ -91,13 +92,14 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
     aggregate_type = checked_text(event.aggregate_type, "aggregate_type", MAX_AGGREGATE_LENGTH)
     aggregate_id = checked_text(event.aggregate_id, "aggregate_id", MAX_AGGREGATE_LENGTH)
     try:
-        payload = json.dumps(event.payload, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-        # Raises on a lone surrogate, which jsonb would refuse inside the caller's transaction.
-        size = len(payload.encode("utf-8"))
-    except (TypeError, ValueError) as exc:
-        raise ProducerError(f"payload of {event_type!r} is not JSON-serializable: {exc}") from exc
+        # Kombu's JSON, as Celery's task arguments: refused unless it comes back as itself
+        # (DESIGN invariant 27).
+        payload = codec.encode(event.payload)
+    except codec.PayloadError as exc:
+        raise ProducerError(f"payload of {event_type!r}: {exc}") from exc
+    size = len(payload.encode("utf-8"))
     if _NUL_ESCAPE.search(payload):
-        raise ProducerError("payload must not contain NUL characters (jsonb rejects them)")
+        raise ProducerError("payload must not contain NUL characters (PostgreSQL cannot search them)")
     if size > max_payload_bytes:
         raise ProducerError(
             f"payload of {event_type!r} is {size} bytes as JSON; the limit is {max_payload_bytes}"
@@ -290,9 +292,14 @@ def enqueue(
         ``Session`` or ``Connection`` on the psycopg 3 or psycopg2 driver (a Session or
         Connection that has not begun yet begins, as its next ``execute()`` would).
     :param event_type: routes the event to its handler and queue; 1-200 characters.
-    :param payload: any JSON value :func:`json.dumps` accepts (no NaN/Infinity), at most
-        ``max_payload_bytes`` once encoded. The handler receives it as given: a ``str`` is
-        stored as a JSON string and arrives as that ``str``, never parsed.
+    :param payload: what a Celery task argument may be: any JSON value (no NaN/Infinity) and
+        the types kombu's JSON carries (``Decimal``, ``datetime``, ``date``, ``time``, ``UUID``,
+        ``bytes``, and those added with :func:`outbox_celery.codec.register_type`), at most
+        ``max_payload_bytes`` once encoded. The handler receives it as given (key order and
+        number types included; a ``str`` arrives as that ``str``, never parsed), up to the
+        conversions Celery makes too (a tuple arrives as a list, an ``int`` key as a string:
+        :mod:`outbox_celery.codec`); anything else that would not come back as itself is
+        refused (DESIGN invariant 27).
     :param aggregate_type: the kind of business object (``"order"``); 1-200 characters.
     :param aggregate_id: its id; 1-200 characters.
     :param ordered: deliver in commit order with the other ordered events of the same

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from celery import Celery, bootsteps
+from celery.platforms import EX_FAILURE
+from celery.worker import state as worker_state
 
 from .config import OutboxConfig
 from .dispatch import ClaimRun, HandlerSpec
@@ -69,7 +71,15 @@ def listener_for(outbox: ListenedOutbox) -> Listener:
         event_types=lambda: sorted(outbox.handlers),
         poll=cfg.listen_poll,
         name=outbox.name,
+        exit_after=cfg.unreachable_exit_after,
+        on_unreachable=_stop_worker,
     )
+
+
+def _stop_worker() -> None:
+    """A warm shutdown with exit code 1, as Celery's own SIGTERM handler starts one: the worker's
+    loop reads the flag and raises ``WorkerShutdown`` (the listener's thread cannot)."""
+    worker_state.should_stop = EX_FAILURE  # type: ignore[assignment]  # Celery types it as None
 
 
 def install_listener_step(outbox: ListenedOutbox) -> None:

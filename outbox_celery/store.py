@@ -35,7 +35,7 @@ import psycopg
 from psycopg import pq, sql
 from psycopg.rows import dict_row, tuple_row
 
-from . import _sql
+from . import _sql, codec
 from .config import TableName
 from .errors import ProducerError
 from .flow import CAP_RECHECK, LIMIT_RECHECK, Allowance, Limit, allowance
@@ -1291,9 +1291,9 @@ class Store:
             event_type=row["event_type"],
             aggregate_type=row["aggregate_type"],
             aggregate_id=row["aggregate_id"],
-            # Decoded by psycopg's jsonb loader: whatever JSON value was enqueued, a string
-            # included (a str payload is a JSON string, never JSON text to decode again).
-            payload=row["payload"],
+            # psycopg's json loader, then kombu's object hook (DESIGN invariant 27): what was
+            # enqueued, a string included (a str payload is a JSON string, never decoded again).
+            payload=codec.decode(row["payload"]),
             attempts=int(row["attempts"]),
             created_at=row["created_at"],
             lease_version=int(row["lease_version"]),

@@ -12,7 +12,7 @@
 -- the table inserts nothing and returns no row (see dedup_ids).
 INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
                      head, dedup_key, trace_context, limit_key)
-VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::jsonb, %(ordering_key)s,
+VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::json, %(ordering_key)s,
         now() + make_interval(secs => %(delay)s),
         %(ordering_key)s::text IS NOT NULL AND NOT EXISTS (
             SELECT 1 FROM {table}
@@ -29,7 +29,7 @@ RETURNING id, dedup_key,
 -- dropped as a duplicate dedup key, the producer settles the key's head afterwards (settle_heads).
 INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
                      head, dedup_key, trace_context, limit_key)
-SELECT u.event_type, u.aggregate_type, u.aggregate_id, u.payload::jsonb, u.ordering_key,
+SELECT u.event_type, u.aggregate_type, u.aggregate_id, u.payload::json, u.ordering_key,
        now() + make_interval(secs => u.delay),
        u.ordering_key IS NOT NULL
        AND row_number() OVER (PARTITION BY u.ordering_key ORDER BY u.n) = 1

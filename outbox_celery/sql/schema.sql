@@ -5,7 +5,8 @@ CREATE TABLE {table} (
     event_type    text        NOT NULL CHECK (event_type <> ''),
     aggregate_type text       NOT NULL,
     aggregate_id  text        NOT NULL,
-    payload       jsonb       NOT NULL,
+    -- kombu's JSON text as the producer wrote it (migration 0010, DESIGN invariant 27).
+    payload       json        NOT NULL,
     ordering_key  text,
     created_at    timestamptz NOT NULL DEFAULT now(),
     status        text        NOT NULL DEFAULT 'pending'

@@ -9,10 +9,15 @@ claim and the handler, the row says so at once, never later as a lost worker.
 from __future__ import annotations
 
 import json
+import uuid
+from datetime import UTC, date, datetime
+from decimal import Decimal
 from typing import Any
 
+import kombu.utils.json
 import pytest
 from support.db import calls, row, signals
+from support.payloads import same
 
 from acceptance.conftest import DEFAULT_EVENT, HarnessFactory
 from outbox_celery import enqueue
@@ -65,6 +70,42 @@ def test_every_json_value_arrives_in_the_handler_as_it_was_enqueued(
         assert (got["payload_type"], json.loads(got["payload_json"])) == (type(sent).__name__, sent)
         assert row(h.conn, h.table, outbox_id)["last_error"] is None
     assert signals(h.conn, "task_failure") == []
+
+
+# The report's cases (DESIGN invariant 27): key order, a float that jsonb made an int, and
+# kombu's registered types, which Celery's own arguments carry.
+TYPED: list[Any] = [
+    {"b": 1, "a": 2},
+    1e20,
+    Decimal("1.10"),
+    {
+        "at": datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
+        "id": uuid.UUID(int=5),
+        "day": date(2026, 1, 2),
+    },
+]
+
+
+def test_invariant_27_typed_payloads_arrive_as_a_celery_argument_would(
+    harness_factory: HarnessFactory, amqp_url: str
+) -> None:
+    h = harness_factory(amqp_url)
+    with h.conn.transaction():
+        ids = [
+            enqueue(
+                h.conn, event_type=DEFAULT_EVENT, payload=p, aggregate_type="t", aggregate_id=i, table=h.table
+            )
+            for i, p in enumerate(TYPED)
+        ]
+    h.worker()
+    h.beat()
+    h.wait_finished(len(TYPED))
+    received = {c["outbox_id"]: c for c in calls(h.conn)}
+    for outbox_id, sent in zip(ids, TYPED, strict=True):
+        got = received[outbox_id]
+        assert got["payload_type"] == type(sent).__name__
+        assert same(sent, kombu.utils.json.loads(got["payload_json"]))
+    assert list(kombu.utils.json.loads(received[ids[0]]["payload_json"])) == ["b", "a"]
 
 
 def _failing_start() -> str:

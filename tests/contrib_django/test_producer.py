@@ -166,3 +166,35 @@ def test_enqueue_before_migrate_says_to_run_migrate(django_db: str) -> None:
     ):
         _order_created(Order.objects.create(total=3))
     assert _events(django_db) == []
+
+
+def test_invariant_27_djangos_enqueue_hands_over_what_was_enqueued(django_db: str) -> None:
+    from decimal import Decimal
+
+    from support.payloads import same
+
+    from outbox_celery import Store
+    from outbox_celery.contrib.django.models import OutboxMessage
+
+    sent = [{"b": 1, "a": 2}, 1e20, {"total": Decimal("1.10")}, "1"]
+    with transaction.atomic():
+        order = Order.objects.create(total=3)
+        ids = [
+            enqueue(event_type="e", payload=p, aggregate_type="order", aggregate_id=order.pk) for p in sent
+        ]
+        ids += enqueue_many([Event("e", p, "order", order.pk) for p in sent])
+    # The admin's model shows the stored JSON (kombu's typed values as their objects).
+    shown = {m.pk: m.payload for m in OutboxMessage.objects.filter(pk__in=ids)}
+    assert shown[ids[2]] == {"total": {"__type__": "decimal", "__value__": "1.10"}}
+    assert shown[ids[3]] == "1" and list(shown[ids[0]]) == ["b", "a"]
+    store = Store("outbox")
+    with psycopg.connect(django_db, autocommit=True) as c:
+        claimed = store.claim(c, limit=20, lease=60, owner="w", max_attempts=5).claimed
+        got = {
+            m.id: m.payload
+            for m in store.start_many(
+                c, [(x.id, x.lease_version) for x in claimed], lease=60, max_attempts=5, starter="t"
+            )
+        }
+    for outbox_id, value in zip(ids, sent + sent, strict=True):
+        assert same(value, got[outbox_id])

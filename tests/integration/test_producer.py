@@ -355,7 +355,7 @@ def test_invariant_9_an_autocommit_ordered_enqueue_still_holds_its_key_until_com
     conn.execute(
         sql.SQL(
             "CREATE FUNCTION {}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
-            " IF NEW.payload ? 'slow' THEN PERFORM pg_sleep(0.5); END IF; RETURN NEW; END $$"
+            " IF NEW.payload::jsonb ? 'slow' THEN PERFORM pg_sleep(0.5); END IF; RETURN NEW; END $$"
         ).format(slow)
     )
     conn.execute(

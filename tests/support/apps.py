@@ -55,6 +55,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import kombu.utils.json
 import psycopg
 from celery import Celery, current_task
 from psycopg import sql
@@ -442,8 +443,9 @@ def _record_start(outbox: Outbox, message: Message, batch: tuple[int, int] | Non
                 message.lease_version,
                 message.idempotency_key,
                 # What the handler was given, type included: a str must not arrive as a dict.
+                # Written as Celery's JSON (kombu's), which carries Decimal, datetime, UUID...
                 type(message.payload).__name__,
-                json.dumps(message.payload),
+                kombu.utils.json.dumps(message.payload),
                 os.getpid(),
                 hostname,
                 delivery.get("routing_key"),

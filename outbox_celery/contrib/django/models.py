@@ -32,6 +32,20 @@ class ReadOnlyError(OutboxError):
     """An ORM write to the outbox table was attempted."""
 
 
+class PayloadField(models.JSONField):
+    """The ``json`` payload column (migration 0010), as stored: kombu's typed values stay their
+    ``{"__type__": ..., "__value__": ...}`` objects, which is what the admin shows.
+
+    Both drivers decode a ``json`` column themselves (Django hands only ``jsonb`` over as text),
+    so the value is taken as they give it; decoding it again would turn a string payload such as
+    ``"1"`` into a number. Key lookups (``payload__order_id``) compare ``jsonb`` and do not apply
+    to this column; search with ``payload::jsonb`` in SQL (docs/design.md, "The payload").
+    """
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        return value
+
+
 class OutboxMessage(models.Model):
     """One row of the outbox table (``CELERY_OUTBOX_TABLE``)."""
 
@@ -39,7 +53,7 @@ class OutboxMessage(models.Model):
     event_type: models.TextField[str, str] = models.TextField()
     aggregate_type: models.TextField[str, str] = models.TextField()
     aggregate_id: models.TextField[str, str] = models.TextField()
-    payload: models.JSONField[Any, Any] = models.JSONField()
+    payload: PayloadField = PayloadField()
     ordering_key: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
     created_at: models.DateTimeField[datetime, datetime] = models.DateTimeField()
     status: models.TextField[str, str] = models.TextField(choices=Status.choices)
