@@ -94,7 +94,7 @@ class _Pools:
                     db.dsn,
                     min_size=1,
                     max_size=4,
-                    timeout=5,
+                    timeout=3,
                     name=f"outbox-console-{name}",
                     kwargs={
                         "autocommit": True,
