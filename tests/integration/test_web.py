@@ -211,7 +211,7 @@ def test_refused_requests_get_a_clear_status_and_change_nothing(
     with TestClient(create_app([Database("main", migrated_dsn)])) as ro:
         ro.get("/")
         refused = ro.post(url, data={"csrf": "x"})
-        assert refused.status_code == 403 and "read-only" in refused.text
+        assert refused.status_code == 403 and "actions are disabled" in refused.text
         assert ro.post("/db/main/flow/pause", data={"event_type": "webhook.sent"}).status_code == 403
     assert _statuses(conn) == before
     assert admin.flow_states(conn, "outbox") == []
