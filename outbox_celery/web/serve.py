@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Sequence
+import signal
+from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 import click
@@ -50,11 +53,28 @@ def serve(
     basic_auth: tuple[str, str] | None,
     flower_url: str | None,
 ) -> None:
-    """Run the console with uvicorn until stopped (SIGINT/SIGTERM)."""
+    """Run the console with uvicorn until stopped (SIGINT/SIGTERM: a clean exit, status 0)."""
     import uvicorn
 
     app = create_app(databases, actions=actions, token=token, basic_auth=basic_auth, flower_url=flower_url)
     mode = "actions enabled" if actions else "read-only"
     shown = ", ".join(f"{d.name} ({redact(d.dsn)})" for d in databases)
     click.echo(f"outbox console ({mode}) of {shown} on http://{host}:{port}/", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", server_header=False)
+
+    class Server(uvicorn.Server):
+        # Without uvicorn's signal capture, which re-raises SIGTERM once stopped (a clean stop
+        # would end with status -15): the handlers below stop it and the command exits 0.
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", server_header=False))
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+    server.run()
+    if not server.started:
+        raise click.ClickException(f"cannot listen on {host}:{port}")
