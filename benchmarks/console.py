@@ -6,7 +6,8 @@ On a throw-away database of ``--dsn``'s server (default ``OUTBOX_TEST_DSN``): th
 each console page (served in process by Starlette's TestClient: the queries, the template and
 the HTTP round trip), of :func:`outbox_celery.console.overview` alone, of today's
 :func:`outbox_celery.admin.stats` and of one metrics scrape (``OutboxCollector.collect``, which
-runs ``admin.stats``), first at 0 rows, then with ``--done`` done rows and ``--unfinished``
+runs ``admin.stats``; over a DSN as ``outbox-celery metrics`` does, a connection per scrape,
+and over a kept connection), first at 0 rows, then with ``--done`` done rows and ``--unfinished``
 unfinished ones (half ready, a fifth scheduled or retrying, a tenth in flight, a fifth dead).
 The table is vacuumed and analysed after the load (as autovacuum would have), and the server's
 version and autovacuum setting are printed with the figures.
@@ -15,6 +16,7 @@ version and autovacuum setting are printed with the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -86,6 +88,11 @@ def _measure(dsn: str, runs: int) -> dict[str, float]:
         first_dead = conn.execute("SELECT min(id) FROM outbox WHERE status = 'dead'").fetchone()
     collector = OutboxCollector(dsn, "outbox")
     out["metrics scrape (today)"] = _median_ms(lambda: list(collector.collect()), runs)
+    with psycopg.connect(dsn, autocommit=True) as kept:
+        # The same scrape over a kept connection (a pool, as OutboxCollector.from_outbox uses):
+        # what the stats statement costs without the connection set-up.
+        pooled = OutboxCollector(lambda: contextlib.nullcontext(kept), "outbox")
+        out["metrics scrape, kept connection"] = _median_ms(lambda: list(pooled.collect()), runs)
     dead_id = (first_dead[0] if first_dead else None) or 1
     pages = {
         "page /": "/",
