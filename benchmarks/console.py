@@ -74,6 +74,22 @@ def _load(dsn: str, done: int, unfinished: int) -> None:
         conn.execute("VACUUM ANALYZE outbox")
 
 
+def _churn(dsn: str, versions: int) -> None:
+    """Leave ``versions`` dead row versions in the unfinished rows' indexes: rewrite every
+    unfinished row (an indexed column, so no HOT update) until that many old versions exist."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        made = 0
+        while made < versions:
+            cur = conn.execute(
+                "UPDATE outbox SET available_at = available_at + interval '1 microsecond'"
+                " WHERE id IN (SELECT id FROM outbox WHERE status <> 'done' ORDER BY id LIMIT %s)",
+                [versions - made],
+            )
+            made += cur.rowcount
+            if not cur.rowcount:
+                break
+
+
 def _measure(dsn: str, runs: int) -> dict[str, float]:
     from starlette.testclient import TestClient
 
@@ -124,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--done", type=int, default=2_000_000)
     p.add_argument("--unfinished", type=int, default=100_000)
     p.add_argument("--runs", type=int, default=15)
+    p.add_argument(
+        "--dead-versions",
+        type=int,
+        default=0,
+        help="then also measure with this many dead row versions of the unfinished rows, kept by a "
+        "snapshot pinned meanwhile (e.g. 500000)",
+    )
     args = p.parse_args(argv)
     if not args.dsn:
         p.error("give --dsn or set OUTBOX_TEST_DSN")
@@ -140,18 +163,27 @@ def main(argv: list[str] | None = None) -> int:
         _load(db, args.done, args.unfinished)
         print(f"loaded {args.done:,} done + {args.unfinished:,} unfinished in {time.monotonic() - t0:.0f} s")
         loaded = _measure(db, args.runs)
+        pinned: dict[str, float] = {}
+        if args.dead_versions:
+            with psycopg.connect(db, autocommit=True) as pin:
+                # A snapshot held open: VACUUM and index scans can remove none of the versions.
+                pin.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                pin.execute("SELECT count(*) FROM outbox_instance")
+                _churn(db, args.dead_versions)
+                pinned = _measure(db, args.runs)
+                pin.execute("ROLLBACK")
     size = f"{args.done // 1000:,}k done + {args.unfinished // 1000:,}k"
-    print(f"{'what':40} {'0 rows':>10} {size:>22}  goal")
+    extra = f"+ {args.dead_versions // 1000:,}k dead versions" if pinned else ""
+    print(f"{'what':36} {'0 rows':>8} {size:>20} {extra:>24}  goal")
     for name in empty:
-        goal = (
-            GOAL_SCRAPE_MS
-            if name.startswith("metrics")
-            else GOAL_PAGE_MS
-            if name.startswith("page")
-            else None
-        )
-        verdict = "" if goal is None else f"< {goal:.0f} " + ("ok" if loaded[name] < goal else "MISSED")
-        print(f"{name:40} {empty[name]:10.1f} {loaded[name]:22.1f}  {verdict}")
+        if name.startswith("metrics"):
+            goal: float | None = GOAL_SCRAPE_MS
+        else:
+            goal = GOAL_PAGE_MS if name.startswith("page") else None
+        worst = max(loaded[name], pinned.get(name, 0.0))
+        verdict = "" if goal is None else f"< {goal:.0f} " + ("ok" if worst < goal else "MISSED")
+        third = f"{pinned[name]:.1f}" if pinned else ""
+        print(f"{name:36} {empty[name]:8.1f} {loaded[name]:20.1f} {third:>24}  {verdict}")
     return 0
 
 
