@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from acceptance.conftest import DEFAULT_EVENT, Harness, HarnessFactory
-from outbox_celery import Event, enqueue_many
+from outbox_celery import Event, admin, enqueue_many
 from outbox_celery.migrations import migrate
 from outbox_celery.web import Database, create_app
 
@@ -152,6 +152,21 @@ def test_pause_and_resume_from_the_page_hold_and_release_delivery(
     harness.configure(routes={DEFAULT_EVENT: None})
     harness.worker(concurrency=2)
     page.goto(f"{console}/db/shop/flow")
+    # Refused: a POST from the signed-in page without the form's CSRF token, and any request
+    # from a browser that has not signed in. Nothing changes.
+    forged = page.evaluate(
+        """async (t) => (await fetch("/db/shop/flow/pause", {method: "POST",
+             headers: {"Content-Type": "application/x-www-form-urlencoded"},
+             body: "event_type=" + encodeURIComponent(t)})).status""",
+        DEFAULT_EVENT,
+    )
+    assert forged == 403
+    stranger = page.context.browser.new_context() if page.context.browser else None
+    assert stranger is not None
+    assert stranger.new_page().goto(f"{console}/db/shop/flow").status == 401
+    stranger.close()
+    assert admin.flow_states(harness.conn, harness.table) == []
+
     page.fill("input[name=event_type]", DEFAULT_EVENT)
     page.click("#pause-form")
     assert "paused" in page.locator(f"tr[data-type='{DEFAULT_EVENT}'] .state").inner_text()
