@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import jinja2
 import psycopg
@@ -216,7 +216,8 @@ def create_app(
         if not login:
             refuse_unauthenticated(request)
         origin = request.headers.get("origin")
-        if origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}":
+        # The host only: behind a proxy that ends TLS the scheme seen here may be http.
+        if origin is not None and urlsplit(origin).netloc != request.headers.get("host", ""):
             raise _RefusedError(403, "cross-origin request refused")
         form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
         cookie = csrf_cookie(request)
