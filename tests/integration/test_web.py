@@ -252,3 +252,30 @@ def test_no_dsn_or_password_on_any_page_or_error(migrated_dsn: str, seeded: dict
             assert text not in p.text
     assert "database &#39;gone&#39; is unavailable (PoolTimeout)" in pages[3].text
     assert secret not in repr(dbs)
+
+
+def test_mounted_under_a_prefix_with_the_host_apps_authorization(
+    migrated_dsn: str, conn: psycopg.Connection[Any], seeded: dict[str, list[int]]
+) -> None:
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    def staff(request: Any) -> bool:
+        return request.headers.get("x-user") == "staff"
+
+    console = create_app([Database("main", migrated_dsn)], actions=True, authorize=staff)
+    host = Starlette(routes=[Mount("/outbox", console)])
+    dead = seeded["hooks"][0]
+    with TestClient(host) as c:
+        assert c.get("/outbox/").status_code == 401
+        c.headers["x-user"] = "staff"
+        page = c.get(f"/outbox/db/main/message/{dead}")
+        assert page.status_code == 200
+        assert f'action="/outbox/db/main/message/{dead}/requeue"' in page.text
+        fields = _form(c, f"/outbox/db/main/message/{dead}")
+        done = c.post(f"/outbox/db/main/message/{dead}/requeue", data=fields, follow_redirects=False)
+        assert done.status_code == 303 and done.headers["location"] == f"/outbox/db/main/message/{dead}"
+        c.headers["x-user"] = "visitor"
+        assert c.post(f"/outbox/db/main/message/{seeded['hooks'][1]}/requeue", data=fields).status_code == 401
+    after = _statuses(conn)
+    assert after[dead] == "pending" and after[seeded["hooks"][1]] == "dead"
