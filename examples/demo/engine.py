@@ -62,6 +62,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--orders", type=int, default=300, help="orders to push (default 300)")
     p.add_argument("--no-flower", action="store_true", help="do not start Flower")
     p.add_argument("--flower-port", type=int, default=5555, help="Flower's port (default 5555)")
+    p.add_argument("--no-console", action="store_true", help="do not start the operator console")
+    p.add_argument("--console-port", type=int, default=8808, help="the console's port (default 8808)")
     p.add_argument(
         "--state-dir",
         default=str(ROOT / ".outbox-demo"),
@@ -537,6 +539,13 @@ def _start_stack(
             port = new
         sup.start("flower", [*celery, "flower", f"--port={port}", "--address=127.0.0.1"])
         flower_url = f"http://127.0.0.1:{port}"
+    console_url = None
+    if not args.no_console:
+        port = args.console_port if _port_free(args.console_port) else free_port()
+        # Read-only (no --actions), so it needs no login; its task ids link to Flower.
+        command = [py, "-m", "outbox_celery", "web", f"--port={port}"]
+        sup.start("console", command + ([f"--flower-url={flower_url}"] if flower_url else []))
+        console_url = f"http://127.0.0.1:{port}/"
 
     host = socket.gethostname()
     ready: dict[str, Callable[[], bool]] = {
@@ -546,6 +555,8 @@ def _start_stack(
     }
     if flower_url:
         ready["flower"] = lambda: _http_ok(f"{flower_url}/healthcheck")
+    if console_url:
+        ready["console"] = lambda: _http_ok(console_url)
     t0 = time.monotonic()
     _wait_ready(sup, out, ready, timeout=120.0)
     out.line(
@@ -555,6 +566,8 @@ def _start_stack(
     )
     if flower_url:
         out.line(f"  Flower: {flower_url}  (live while the demo runs)")
+    if console_url:
+        out.line(f"  Console: {console_url}  (outbox-celery web, read-only; live while the demo runs)")
     out.line(f"  logs: {sup.log_dir}")
     return flower_url
 

@@ -323,12 +323,13 @@ def test_demo_fully_embedded_with_flower(tmp_path: Path, demo_runs: list[DemoRun
     orders = 8
     state = tmp_path / "state"
     summary_file = tmp_path / "summary.json"
-    flower_port = free_port()
+    flower_port, console_port = free_port(), free_port()
     run = _start(
         demo_runs,
         [
             *("--orders", str(orders), "--state-dir", str(state)),
             *("--json", str(summary_file), "--flower-port", str(flower_port)),
+            *("--console-port", str(console_port)),
         ],
         _env(),
     )
@@ -340,6 +341,12 @@ def test_demo_fully_embedded_with_flower(tmp_path: Path, demo_runs: list[DemoRun
         assert response.status == 200
     with urllib.request.urlopen(f"{url}/workers", timeout=10) as response:
         assert response.status == 200
+    # The operator console is announced beside Flower (docs/console.md), read-only.
+    line = run.wait_for_line(lambda s: s.strip().startswith("Console: http://"), timeout=30)
+    console = line.split()[1]
+    assert console == f"http://127.0.0.1:{console_port}/"
+    with urllib.request.urlopen(console, timeout=10) as response:
+        assert response.status == 200 and "read-only" in response.read().decode()
 
     rc = run.wait()
     assert rc == 0, run.output

@@ -55,7 +55,12 @@ DOC_BROKER = "redis://localhost:6379/0"
 TIMEOUT = 120.0  # seconds; bounds a hung command, never asserts speed
 # The last line of each banner (their "ready" lines are INFO, below the default log level), and how
 # long the process must then stay up: it has connected to the broker and imported the project.
-READY = {"worker": "[queues]", "beat": ". maxinterval ->", "metrics": "serving metrics of"}
+READY = {
+    "worker": "[queues]",
+    "beat": ". maxinterval ->",
+    "metrics": "serving metrics of",
+    "web": "outbox console (",
+}
 STAY_UP = 5.0
 REFUSED = "refused as documented (exit 1, one line): "
 
@@ -87,6 +92,10 @@ NOT_RUN = {
     "documented lines install from source, every extra explained); the fresh-virtualenv run "
     "(worker and beat on Redis after only this line) is done by hand, see CHANGELOG.md.",
     "cd examples/django_shop": "only sets the directory of the next command (the screenshot script).",
+    "python -m benchmarks.console": "loads 2 million rows and times every console page for a minute or "
+    "two on a shared machine; figures belong in benchmarks/ (docs/console.md quotes its output).",
+    "python -m examples.console_screenshot": "drives headless Chromium against the console to make "
+    "docs/images/console-*.png by hand; tests/acceptance/test_web_browser.py drives the same pages.",
     "python screenshot.py": "drives headless Chromium against the Django example running with a "
     "superuser, to make docs/images/*.png by hand; the example's README itself is run by "
     "tests/acceptance/test_django_shop.py.",
@@ -256,6 +265,8 @@ def _run(command: Command, cwd: Path, env: dict[str, str], dsn: str, broker: str
         return _run_server(text, "worker" if "worker" in words else "beat", cwd, env)
     if words[0] == "outbox-celery" and "metrics" in words:
         return _run_server(text, "metrics", cwd, env, refusal_ok=command.listed)
+    if words[0] == "outbox-celery" and "web" in words:
+        return _run_server(text, "web", cwd, env, refusal_ok=command.listed)
     result = subprocess.run(
         ["bash", "-c", text], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
     )

@@ -121,9 +121,10 @@ def test_no_module_imports_itself_through_others() -> None:
 
 
 # The modules that compose SQL text: the query files' loader, the one module that runs the
-# outbox's queries, the operator commands, the inbox, the migrations, the table name's
-# identifiers (invariant 15) and the test helpers that create databases.
-SQL_MODULES = {"_sql", "store", "admin", "inbox", "migrations", "config", "testing"}
+# outbox's queries, the operator commands and the console's bounded reads, the inbox, the
+# migrations, the table name's identifiers (invariant 15) and the test helpers that create
+# databases.
+SQL_MODULES = {"_sql", "store", "admin", "console", "inbox", "migrations", "config", "testing"}
 
 
 def _uses_psycopg_sql(path: Path) -> bool:

@@ -9,7 +9,7 @@ import pytest
 from outbox_celery import _sql
 from outbox_celery.config import TableName
 
-FILES = ["queries.sql", "admin.sql", "inbox/queries.sql"]
+FILES = ["queries.sql", "admin.sql", "console.sql", "inbox/queries.sql"]
 # What compose binds as identifiers; everything else in braces must be a fragment, filled.
 IDENTIFIERS = {
     "table",

@@ -1,0 +1,191 @@
+"""What the operator console's pages cost, beside ``stats`` and the metrics scrape (#33).
+
+``python -m benchmarks.console [--dsn DSN] [--done 2000000] [--unfinished 100000] [--runs 15]``
+
+On a throw-away database of ``--dsn``'s server (default ``OUTBOX_TEST_DSN``): the median time of
+each console page (served in process by Starlette's TestClient: the queries, the template and
+the HTTP round trip), of :func:`outbox_celery.console.overview` alone, of today's
+:func:`outbox_celery.admin.stats` and of one metrics scrape (``OutboxCollector.collect``, which
+runs ``admin.stats``; over a DSN as ``outbox-celery metrics`` does, a connection per scrape,
+and over a kept connection), first at 0 rows, then with ``--done`` done rows and ``--unfinished``
+unfinished ones (half ready, a fifth scheduled or retrying, a tenth in flight, a fifth dead).
+The table is vacuumed and analysed after the load (as autovacuum would have), and the server's
+version and autovacuum setting are printed with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from outbox_celery import admin, console
+from outbox_celery.migrations import migrate
+from outbox_celery.testing import temporary_database
+
+GOAL_PAGE_MS = 150.0
+GOAL_SCRAPE_MS = 20.0
+
+LOAD = """
+INSERT INTO outbox (event_type, aggregate_type, aggregate_id, payload, status, created_at,
+                    available_at, attempts, lease_until, lease_version, started_version, done_at,
+                    last_error)
+SELECT 'type.' || (g %% 8), 'agg', g::text, jsonb_build_object('n', g, 'note', 'x'),
+       s.status,
+       now() - make_interval(secs => (%(n)s - g) * 0.3),
+       CASE WHEN s.status = 'pending' AND g %% 5 < 2 THEN now() + interval '1 hour' ELSE now() END,
+       CASE WHEN s.status = 'dead' THEN 5 WHEN g %% 5 = 0 THEN 1 ELSE 0 END,
+       CASE WHEN s.status = 'processing' THEN now() + interval '1 minute' END,
+       1, 1,
+       CASE WHEN s.status = 'done' THEN now() - make_interval(secs => (%(n)s - g) * 0.3) END,
+       CASE WHEN s.status = 'dead' THEN 'HTTP 503 from partner ' || (g %% 17) END
+FROM generate_series(1, %(n)s) AS g,
+     LATERAL (SELECT %(status)s::text AS status) AS s
+"""
+
+
+def _median_ms(fn: Callable[[], Any], runs: int) -> float:
+    fn()  # warm: pools, plans, caches
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def _load(dsn: str, done: int, unfinished: int) -> None:
+    parts = {
+        "done": done,
+        "pending": unfinished // 2 + unfinished // 5,
+        "processing": unfinished // 10,
+        "dead": unfinished - unfinished // 2 - unfinished // 5 - unfinished // 10,
+    }
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for status, n in parts.items():
+            if n:
+                conn.execute(LOAD, {"n": n, "status": status})  # type: ignore[arg-type]
+        conn.execute("VACUUM ANALYZE outbox")
+
+
+def _churn(dsn: str, versions: int) -> None:
+    """Leave ``versions`` dead row versions in the unfinished rows' indexes: rewrite every
+    unfinished row (an indexed column, so no HOT update) until that many old versions exist."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        made = 0
+        while made < versions:
+            cur = conn.execute(
+                "UPDATE outbox SET available_at = available_at + interval '1 microsecond'"
+                " WHERE id IN (SELECT id FROM outbox WHERE status <> 'done' ORDER BY id LIMIT %s)",
+                [versions - made],
+            )
+            made += cur.rowcount
+            if not cur.rowcount:
+                break
+
+
+def _measure(dsn: str, runs: int) -> dict[str, float]:
+    from starlette.testclient import TestClient
+
+    from outbox_celery.metrics import OutboxCollector
+    from outbox_celery.web import Database, create_app
+
+    out: dict[str, float] = {}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        out["console.overview()"] = _median_ms(lambda: console.overview(conn, "outbox"), runs)
+        out["console.minutes()"] = _median_ms(lambda: console.minutes(conn, "outbox"), runs)
+        out["stats (admin.stats, today)"] = _median_ms(lambda: admin.stats(conn, "outbox"), runs)
+        first_dead = conn.execute("SELECT min(id) FROM outbox WHERE status = 'dead'").fetchone()
+    collector = OutboxCollector(dsn, "outbox")
+    out["metrics scrape (today)"] = _median_ms(lambda: list(collector.collect()), runs)
+    with psycopg.connect(dsn, autocommit=True) as kept:
+        # The same scrape over a kept connection (a pool, as OutboxCollector.from_outbox uses):
+        # what the stats statement costs without the connection set-up.
+        pooled = OutboxCollector(lambda: contextlib.nullcontext(kept), "outbox")
+        out["metrics scrape, kept connection"] = _median_ms(lambda: list(pooled.collect()), runs)
+    dead_id = (first_dead[0] if first_dead else None) or 1
+    pages = {
+        "page /": "/",
+        "page /?partial=1 (live refresh)": "/?partial=1",
+        "page dead letters": "/db/main/dead",
+        "page dead, error filter": "/db/main/dead?error=partner%2016",
+        "page dead, payload filter": "/db/main/dead?payload=%22n%22%3A%2042",
+        "page replay-all confirm": "/db/main/dead/confirm?action=requeue&event_type=type.3",
+        "page message": f"/db/main/message/{dead_id}",
+        "page flow": "/db/main/flow",
+    }
+    with TestClient(create_app([Database("main", dsn)])) as client:
+        for name, url in pages.items():
+
+            def get(url: str = url) -> None:
+                r = client.get(url)
+                assert r.status_code in (200, 404), (url, r.status_code)
+
+            out[name] = _median_ms(get, runs)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the table of medians at 0 rows and at the loaded size."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--dsn", default=os.environ.get("OUTBOX_TEST_DSN"), help="a server to create a database on"
+    )
+    p.add_argument("--done", type=int, default=2_000_000)
+    p.add_argument("--unfinished", type=int, default=100_000)
+    p.add_argument("--runs", type=int, default=15)
+    p.add_argument(
+        "--dead-versions",
+        type=int,
+        default=0,
+        help="then also measure with this many dead row versions of the unfinished rows, kept by a "
+        "snapshot pinned meanwhile (e.g. 500000)",
+    )
+    args = p.parse_args(argv)
+    if not args.dsn:
+        p.error("give --dsn or set OUTBOX_TEST_DSN")
+    with temporary_database(args.dsn, prefix="bench_console") as db:
+        with psycopg.connect(db, autocommit=True) as conn:
+            migrate(conn, "outbox")
+            row = conn.execute(
+                "SELECT current_setting('server_version'), current_setting('autovacuum')"
+            ).fetchone()
+        assert row is not None
+        print(f"server: PostgreSQL {row[0]}, autovacuum {row[1]}; median of {args.runs} runs, ms")
+        empty = _measure(db, args.runs)
+        t0 = time.monotonic()
+        _load(db, args.done, args.unfinished)
+        print(f"loaded {args.done:,} done + {args.unfinished:,} unfinished in {time.monotonic() - t0:.0f} s")
+        loaded = _measure(db, args.runs)
+        pinned: dict[str, float] = {}
+        if args.dead_versions:
+            with psycopg.connect(db, autocommit=True) as pin:
+                # A snapshot held open: VACUUM and index scans can remove none of the versions.
+                pin.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                pin.execute("SELECT count(*) FROM outbox_instance")
+                _churn(db, args.dead_versions)
+                pinned = _measure(db, args.runs)
+                pin.execute("ROLLBACK")
+    size = f"{args.done // 1000:,}k done + {args.unfinished // 1000:,}k"
+    extra = f"+ {args.dead_versions // 1000:,}k dead versions" if pinned else ""
+    print(f"{'what':36} {'0 rows':>8} {size:>20} {extra:>24}  goal")
+    for name in empty:
+        if name.startswith("metrics"):
+            goal: float | None = GOAL_SCRAPE_MS
+        else:
+            goal = GOAL_PAGE_MS if name.startswith("page") else None
+        worst = max(loaded[name], pinned.get(name, 0.0))
+        verdict = "" if goal is None else f"< {goal:.0f} " + ("ok" if worst < goal else "MISSED")
+        third = f"{pinned[name]:.1f}" if pinned else ""
+        print(f"{name:36} {empty[name]:8.1f} {loaded[name]:20.1f} {third:>24}  {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

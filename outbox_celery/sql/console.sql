@@ -1,0 +1,171 @@
+-- The operator console's reads (outbox_celery.console, outbox_celery.web): bounded reads only.
+-- Loaded by the query registry (outbox_celery/_sql.py) like admin.sql. Every read of live rows
+-- goes through one of the schema's partial indexes and stops after %(cap)s entries, so its cost
+-- is bounded by the cap whatever the done history or the backlog holds; a figure that reached
+-- the cap is shown as "cap+" (console.Count.capped). Done rows are read only through done_idx,
+-- only within the last hour and at most %(minute_cap)s per minute.
+
+-- name: console_counts
+-- Per event type: ready, in flight, retrying, scheduled, waiting behind a key, dead, and the
+-- oldest ready row. Each branch reads the first %(cap)s entries of one partial index in its
+-- order; "capped" says a branch stopped at the cap (its figures are then lower bounds, and event
+-- types whose rows all lie past the cap are not seen by that branch).
+WITH ready_free AS (
+    SELECT event_type, available_at, created_at FROM {table}
+    WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()
+    ORDER BY available_at, id LIMIT %(cap)s
+),
+ready_heads AS (
+    SELECT event_type, available_at, created_at FROM {table}
+    WHERE status = 'pending' AND head AND available_at <= now()
+    ORDER BY available_at, id LIMIT %(cap)s
+),
+later AS (
+    -- Pending, not yet due: a backoff (attempts spent) or a delay or defer (none spent).
+    SELECT event_type, attempts FROM {table}
+    WHERE status = 'pending' AND ordering_key IS NULL AND available_at > now()
+    ORDER BY available_at, id LIMIT %(cap)s
+),
+later_heads AS (
+    SELECT event_type, attempts FROM {table}
+    WHERE status = 'pending' AND head AND available_at > now()
+    ORDER BY available_at, id LIMIT %(cap)s
+),
+ordered AS (
+    -- Ordered rows that are neither done nor a head: they wait behind their key's head.
+    SELECT event_type FROM {table}
+    WHERE ordering_key IS NOT NULL AND status <> 'done' AND NOT head
+    ORDER BY ordering_key, id LIMIT %(cap)s
+),
+flight AS (
+    SELECT event_type FROM {table}
+    WHERE status = 'processing' ORDER BY lease_until LIMIT %(cap)s
+),
+dead AS (
+    SELECT event_type FROM {table} WHERE status = 'dead' ORDER BY id LIMIT %(cap)s
+),
+rows AS (
+    SELECT event_type, 'ready' AS what, 0 AS attempts, available_at FROM ready_free
+    UNION ALL SELECT event_type, 'ready', 0, available_at FROM ready_heads
+    UNION ALL SELECT event_type, CASE WHEN attempts > 0 THEN 'retrying' ELSE 'scheduled' END, attempts,
+                     NULL FROM later
+    UNION ALL SELECT event_type, CASE WHEN attempts > 0 THEN 'retrying' ELSE 'scheduled' END, attempts,
+                     NULL FROM later_heads
+    UNION ALL SELECT event_type, 'behind_key', 0, NULL FROM ordered
+    UNION ALL SELECT event_type, 'in_flight', 0, NULL FROM flight
+    UNION ALL SELECT event_type, 'dead', 0, NULL FROM dead
+)
+SELECT now() AS now,
+       (SELECT count(*) FROM ready_free) >= %(cap)s OR (SELECT count(*) FROM ready_heads) >= %(cap)s
+           AS ready_capped,
+       (SELECT count(*) FROM later) >= %(cap)s OR (SELECT count(*) FROM later_heads) >= %(cap)s
+           AS later_capped,
+       (SELECT count(*) FROM ordered) >= %(cap)s AS behind_key_capped,
+       (SELECT count(*) FROM flight) >= %(cap)s AS in_flight_capped,
+       (SELECT count(*) FROM dead) >= %(cap)s AS dead_capped,
+       (SELECT coalesce(json_agg(t ORDER BY t.event_type), '[]'::json) FROM (
+            SELECT event_type,
+                   count(*) FILTER (WHERE what = 'ready') AS ready,
+                   count(*) FILTER (WHERE what = 'in_flight') AS in_flight,
+                   count(*) FILTER (WHERE what = 'retrying') AS retrying,
+                   count(*) FILTER (WHERE what = 'scheduled') AS scheduled,
+                   count(*) FILTER (WHERE what = 'behind_key') AS behind_key,
+                   count(*) FILTER (WHERE what = 'dead') AS dead,
+                   extract(epoch FROM now() - min(available_at))::float8 AS oldest_ready_wait
+            FROM rows GROUP BY event_type) AS t) AS event_types;
+
+-- name: console_headless
+-- Ordering keys with unfinished messages and no head (see admin.sql stats), among the first
+-- %(cap)s entries of the ordered index: a bounded read (a key past the cap is not seen).
+SELECT count(*) AS keys, (SELECT count(*) FROM (
+           SELECT 1 FROM {table} WHERE ordering_key IS NOT NULL AND status <> 'done'
+           LIMIT %(cap)s) AS c) >= %(cap)s AS capped
+FROM (
+    SELECT ordering_key FROM (
+        SELECT ordering_key, head FROM {table}
+        WHERE ordering_key IS NOT NULL AND status <> 'done'
+        ORDER BY ordering_key, id LIMIT %(cap)s
+    ) AS o
+    GROUP BY ordering_key HAVING NOT bool_or(head)
+) AS h;
+
+-- name: console_blocked
+-- Ordering keys whose head is dead (they block their key), with the dead head's id; read from
+-- dead_idx, at most %(cap)s.
+SELECT ordering_key, id, event_type FROM {table}
+WHERE status = 'dead' AND head AND ordering_key IS NOT NULL
+ORDER BY id LIMIT %(cap)s;
+
+-- name: console_minutes
+-- Done rows per minute over the last hour and their enqueue -> done latency (done_at -
+-- created_at: created_at is the producing transaction's now(), so the latency includes the
+-- producer's transaction, any intended delay, retries and backoffs). Each minute reads at most
+-- %(minute_cap)s rows of done_idx; "capped" marks a minute that had more (its count is a lower
+-- bound, its percentiles are of the first rows of that minute). Skipped rows are left out.
+SELECT m.minute,
+       s.done,
+       s.done >= %(minute_cap)s AS capped,
+       s.p50,
+       s.p99
+FROM generate_series(date_trunc('minute', now()) - interval '59 minutes',
+                     date_trunc('minute', now()), interval '1 minute') AS m(minute)
+CROSS JOIN LATERAL (
+    SELECT count(*) AS done,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY lat) AS p50,
+           percentile_cont(0.99) WITHIN GROUP (ORDER BY lat) AS p99
+    FROM (
+        SELECT extract(epoch FROM d.done_at - d.created_at)::float8 AS lat
+        FROM {table} AS d
+        WHERE d.status = 'done' AND d.done_at >= m.minute AND d.done_at < m.minute + interval '1 minute'
+          AND (d.last_error IS NULL OR d.last_error NOT LIKE %(skip_like)s)
+        ORDER BY d.done_at
+        LIMIT %(minute_cap)s
+    ) AS x
+) AS s
+ORDER BY m.minute;
+
+-- name: console_key_use
+-- Live leases per limit key (key_lease_idx), the busiest first, at most %(cap)s leases read.
+SELECT event_type, limit_key, count(*) AS in_flight FROM (
+    SELECT event_type, limit_key FROM {table}
+    WHERE status = 'processing' AND limit_key IS NOT NULL AND lease_until > now()
+    ORDER BY event_type, limit_key, lease_until LIMIT %(cap)s
+) AS k
+GROUP BY event_type, limit_key
+ORDER BY count(*) DESC, event_type, limit_key
+LIMIT 50;
+
+-- fragment: console_dead_filter
+-- The console's dead-letter filters over the alias d (a NULL filter matches every row): type,
+-- key (ordering, limit or aggregate id), and text found in the last error or the payload
+-- (case-insensitive substring; LIKE's wildcards in the text are matched literally).
+(%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)
+  AND (%(key)s::text IS NULL OR d.ordering_key = %(key)s::text OR d.limit_key = %(key)s::text
+       OR d.aggregate_id = %(key)s::text)
+  AND (%(error)s::text IS NULL
+       OR strpos(lower(coalesce(d.last_error, '')), lower(%(error)s::text)) > 0)
+  AND (%(payload)s::text IS NULL OR strpos(lower(d.payload::text), lower(%(payload)s::text)) > 0)
+  AND d.id <= coalesce(%(upto)s::bigint, d.id)
+
+-- name: console_dead_list
+-- One page of matching dead rows by id (dead_idx), after the previous page's last id.
+SELECT d.id, d.event_type, d.aggregate_type, d.aggregate_id, d.ordering_key, d.limit_key,
+       d.attempts, d.created_at, extract(epoch FROM now() - d.created_at)::float8 AS age,
+       left(d.last_error, 300) AS last_error, left(d.payload::text, 200) AS payload
+FROM {table} AS d
+WHERE d.status = 'dead' AND d.id > %(after)s AND {console_dead_filter}
+ORDER BY d.id
+LIMIT %(limit)s;
+
+-- name: console_dead_count
+-- How many dead rows match, and the highest id among them (what a bulk action is bounded by, so
+-- that a row that dies after the count is not taken by it).
+SELECT count(*) AS n, max(d.id) AS upto FROM {table} AS d
+WHERE d.status = 'dead' AND {console_dead_filter};
+
+-- name: console_dead_ids
+-- The next batch of matching dead ids for a bulk action, after the previous batch's last id.
+SELECT d.id FROM {table} AS d
+WHERE d.status = 'dead' AND d.id > %(after)s AND {console_dead_filter}
+ORDER BY d.id
+LIMIT %(limit)s;

@@ -1,0 +1,522 @@
+"""The console's routes, its authentication and CSRF checks, and its database pools.
+
+Reads are bounded (:mod:`outbox_celery.console`); actions reuse :mod:`outbox_celery.admin`.
+Every refusal happens before any database call, so a refused request changes nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+import jinja2
+import psycopg
+from psycopg_pool import ConnectionPool
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from .. import admin, console
+from ..config import TableName
+from ..dsn import password
+from ..errors import AdminError, first_line
+from ..flow import Limit
+
+__all__ = ["Database", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+CSRF_COOKIE = "outbox_console_csrf"
+AUTH_COOKIE = "outbox_console_auth"
+#: How often the overview's live part reloads itself (seconds).
+REFRESH_SECONDS = 5
+_TEMPLATES = Path(__file__).parent / "templates"
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+@dataclass(frozen=True)
+class Database:
+    """One outbox table the console shows: a name for the pages, a DSN that never reaches them.
+
+    :ivar name: shown on the pages and used in their URLs (letters, digits, ``_ . -``).
+    :ivar dsn: a libpq connection string; kept out of ``repr`` and of every page and error.
+    :ivar table: the outbox table (``schema.table`` allowed).
+    :ivar limits: the declared limits per event type, when the app is known (``-A``).
+    """
+
+    name: str
+    dsn: str = field(repr=False)
+    table: str = "outbox"
+    limits: Mapping[str, Limit] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.name or not set(self.name) <= _NAME_CHARS:
+            raise ValueError(f"invalid console database name {self.name!r}: use letters, digits, _ . -")
+        TableName.parse(self.table)
+
+
+class _RefusedError(Exception):
+    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = dict(headers or {})
+
+
+class _Pools:
+    """One small connection pool per database, opened on first use."""
+
+    def __init__(self, databases: Sequence[Database]) -> None:
+        self._databases = {d.name: d for d in databases}
+        self._pools: dict[str, ConnectionPool[Any]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> ConnectionPool[Any]:
+        with self._lock:
+            pool = self._pools.get(name)
+            if pool is None:
+                db = self._databases[name]
+                pool = ConnectionPool(
+                    db.dsn,
+                    min_size=1,
+                    max_size=4,
+                    timeout=3,
+                    name=f"outbox-console-{name}",
+                    kwargs={
+                        "autocommit": True,
+                        "application_name": "outbox-celery-web",
+                        "connect_timeout": 5,
+                    },
+                    open=True,
+                )
+                self._pools[name] = pool
+            return pool
+
+    def close(self) -> None:
+        with self._lock:
+            for pool in self._pools.values():
+                pool.close()
+            self._pools.clear()
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(_TEMPLATES),
+        # Payloads, keys, event types and errors are untrusted input: everything is escaped.
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters["duration"] = admin.format_duration
+    env.filters["ms"] = lambda s: "-" if s is None else f"{s * 1000:,.0f} ms"
+    return env
+
+
+def create_app(
+    databases: Sequence[Database],
+    *,
+    actions: bool = False,
+    token: str | None = None,
+    basic_auth: tuple[str, str] | None = None,
+    authorize: Callable[[Request], bool] | None = None,
+    flower_url: str | None = None,
+    cap: int = console.DEFAULT_CAP,
+    minute_cap: int = console.DEFAULT_MINUTE_CAP,
+    secret: bytes | None = None,
+) -> Starlette:
+    """The console as an ASGI app over ``databases`` (shown side by side).
+
+    :param actions: allow replay, skip, pause and resume; read-only otherwise.
+    :param token: a bearer token every request must carry (``Authorization: Bearer`` or the
+        cookie the login form sets).
+    :param basic_auth: ``(user, password)`` every request must carry (HTTP basic auth).
+    :param authorize: the host application's check (mounted): called with each request, it
+        returns whether the request may see and act on the console.
+    :param flower_url: Flower's base URL; a message's Celery task ids link to it.
+    :param cap: index entries a count reads at most per status (``10,000+`` beyond).
+    :param minute_cap: done rows the hour's chart reads at most per minute.
+    :param secret: the key of the CSRF and login cookies (random per process by default).
+
+    Actions need one of ``token``, ``basic_auth`` or ``authorize`` (:class:`ValueError`
+    otherwise); every POST needs the page's CSRF token.
+    """
+    if not databases:
+        raise ValueError("the console needs at least one database")
+    names = [d.name for d in databases]
+    if len(set(names)) != len(names):
+        raise ValueError(f"console database names must be distinct, got {names}")
+    if actions and token is None and basic_auth is None and authorize is None:
+        raise ValueError("actions need authentication: give token=, basic_auth= or authorize=")
+    key = secret or secrets.token_bytes(32)
+    env = _environment()
+    pools = _Pools(databases)
+    by_name = {d.name: d for d in databases}
+    secrets_to_hide = [s for s in (password(d.dsn) for d in databases) if s]
+    flower = flower_url.rstrip("/") if flower_url else None
+
+    def sign(value: str) -> str:
+        return hmac.new(key, value.encode(), hashlib.sha256).hexdigest()
+
+    def authenticated(request: Request) -> bool:
+        if authorize is not None and not authorize(request):
+            return False
+        header = request.headers.get("authorization", "")
+        if basic_auth is not None:
+            scheme, _, value = header.partition(" ")
+            if scheme.lower() != "basic":
+                return False
+            try:
+                user, _, pw = base64.b64decode(value, validate=True).decode().partition(":")
+            except (binascii.Error, UnicodeDecodeError):
+                return False
+            ok_user = hmac.compare_digest(user.encode(), basic_auth[0].encode())
+            ok_pw = hmac.compare_digest(pw.encode(), basic_auth[1].encode())
+            if not (ok_user and ok_pw):
+                return False
+        if token is not None:
+            scheme, _, value = header.partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(value.encode(), token.encode()):
+                return True
+            cookie = request.cookies.get(AUTH_COOKIE, "")
+            return hmac.compare_digest(cookie.encode(), sign("auth:" + token).encode())
+        return True
+
+    def refuse_unauthenticated(request: Request) -> None:
+        if authenticated(request):
+            return
+        if basic_auth is not None:
+            raise _RefusedError(
+                401, "authentication required", {"WWW-Authenticate": 'Basic realm="outbox console"'}
+            )
+        raise _RefusedError(401, "authentication required: sign in with the console's token")
+
+    def csrf_cookie(request: Request) -> str:
+        value = request.cookies.get(CSRF_COOKIE, "")
+        return value if len(value) == 32 and all(c in "0123456789abcdef" for c in value) else ""
+
+    async def check_post(request: Request, *, login: bool = False) -> dict[str, str]:
+        """Every refusal of a POST, before anything runs: actions off, no auth, bad CSRF."""
+        if not login and not actions:
+            raise _RefusedError(
+                403, "actions are disabled: this console is read-only (start it with --actions)"
+            )
+        if not login:
+            refuse_unauthenticated(request)
+        origin = request.headers.get("origin")
+        # The host only: behind a proxy that ends TLS the scheme seen here may be http.
+        if origin is not None and urlsplit(origin).netloc != request.headers.get("host", ""):
+            raise _RefusedError(403, "cross-origin request refused")
+        form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
+        cookie = csrf_cookie(request)
+        given = form.get("csrf", "")
+        if not cookie or not hmac.compare_digest(given.encode(), sign("csrf:" + cookie).encode()):
+            raise _RefusedError(403, "invalid or missing CSRF token: reload the page and try again")
+        return form
+
+    def scrub(text: str) -> str:
+        for s in secrets_to_hide:
+            text = text.replace(s, "***")
+        return text
+
+    def database(request: Request) -> Database:
+        db = by_name.get(request.path_params.get("db", ""))
+        if db is None:
+            raise _RefusedError(404, "no such database")
+        return db
+
+    async def run(db: Database, fn: Callable[[psycopg.Connection[Any]], Any]) -> Any:
+        def call() -> Any:
+            with pools.get(db.name).connection() as conn:
+                return fn(conn)
+
+        try:
+            return await run_in_threadpool(call)
+        except AdminError as exc:
+            raise _RefusedError(409, scrub(first_line(exc))) from None
+        except Exception as exc:
+            # The driver's text may name hosts or users: the page says only which database and
+            # what kind of failure; the log keeps the detail, password masked.
+            logger.warning("console: database %s: %s", db.name, scrub(first_line(exc)))
+            raise _RefusedError(503, f"database {db.name!r} is unavailable ({type(exc).__name__})") from None
+
+    def render(request: Request, template: str, status: int = 200, **context: Any) -> Response:
+        cookie = csrf_cookie(request)
+        new_cookie = not cookie
+        if new_cookie:
+            cookie = secrets.token_hex(16)
+        nonce = secrets.token_urlsafe(12)
+        root = request.scope.get("root_path", "")
+        html = env.get_template(template).render(
+            request=request,
+            root=root,
+            databases=databases,
+            actions=actions,
+            csrf=sign("csrf:" + cookie),
+            nonce=nonce,
+            flower=flower,
+            refresh=REFRESH_SECONDS,
+            login=token is not None,
+            **context,
+        )
+        response = HTMLResponse(html, status_code=status)
+        response.headers["Content-Security-Policy"] = (
+            f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; "
+            "connect-src 'self'; img-src 'self' data:; form-action 'self'; frame-ancestors 'none'; "
+            "base-uri 'none'"
+        )
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["Referrer-Policy"] = "same-origin"
+        response.headers["Cache-Control"] = "no-store"
+        if new_cookie:
+            response.set_cookie(CSRF_COOKIE, cookie, httponly=True, samesite="strict", path=root or "/")
+        return response
+
+    def page(
+        handler: Callable[[Request], Awaitable[Response]], *, public: bool = False
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def wrapped(request: Request) -> Response:
+            try:
+                if not public and request.method == "GET":
+                    refuse_unauthenticated(request)
+                return await handler(request)
+            except _RefusedError as exc:
+                response = render(request, "error.html", status=exc.status, message=exc.message)
+                response.headers.update(exc.headers)
+                return response
+
+        return wrapped
+
+    # -- pages --------------------------------------------------------------------------------
+
+    async def overview(request: Request) -> Response:
+        panels = []
+        for db in databases:
+
+            def read(conn: psycopg.Connection[Any], db: Database = db) -> dict[str, Any]:
+                return {
+                    "overview": console.overview(conn, db.table, cap=cap),
+                    "minutes": console.minutes(conn, db.table, minute_cap=minute_cap),
+                }
+
+            try:
+                panels.append({"db": db, "error": None, **(await run(db, read))})
+            except _RefusedError as exc:
+                panels.append({"db": db, "error": exc.message})
+        for p in panels:
+            if p["error"] is None:
+                p["chart"] = _chart(p["minutes"])
+        template = "overview_live.html" if request.query_params.get("partial") else "overview.html"
+        return render(request, template, panels=panels)
+
+    def dead_query(params: Mapping[str, str], *, upto: bool = False) -> console.DeadQuery:
+        def text(name: str) -> str | None:
+            value = params.get(name, "").strip()
+            if "\x00" in value:
+                raise _RefusedError(400, f"invalid {name} filter")
+            return value or None
+
+        bound = None
+        if upto:
+            try:
+                bound = int(params.get("upto", ""))
+            except ValueError:
+                raise _RefusedError(400, "a bulk action needs the count it confirmed (upto)") from None
+        return console.DeadQuery(
+            event_type=text("event_type"),
+            key=text("key"),
+            error=text("error"),
+            payload=text("payload"),
+            upto=bound,
+        )
+
+    def filter_qs(q: console.DeadQuery) -> str:
+        pairs = {"event_type": q.event_type, "key": q.key, "error": q.error, "payload": q.payload}
+        return urlencode({k: v for k, v in pairs.items() if v})
+
+    async def dead(request: Request) -> Response:
+        db = database(request)
+        q = dead_query(request.query_params)
+        try:
+            after = max(0, int(request.query_params.get("after", "0")))
+        except ValueError:
+            raise _RefusedError(400, "invalid page (after)") from None
+
+        def read(conn: psycopg.Connection[Any]) -> tuple[list[dict[str, Any]], tuple[int, int | None]]:
+            return console.list_dead(conn, db.table, q, after=after, limit=50), console.count_dead(
+                conn, db.table, q
+            )
+
+        rows, (count, upto) = await run(db, read)
+        return render(request, "dead.html", db=db, q=q, rows=rows, count=count, upto=upto, qs=filter_qs(q))
+
+    async def confirm(request: Request) -> Response:
+        db = database(request)
+        action = request.query_params.get("action", "")
+        if action not in ("requeue", "skip"):
+            raise _RefusedError(400, "unknown action")
+        q = dead_query(request.query_params)
+        count, upto = await run(db, lambda conn: console.count_dead(conn, db.table, q))
+        return render(
+            request, "confirm.html", db=db, q=q, action=action, count=count, upto=upto, qs=filter_qs(q)
+        )
+
+    async def bulk(request: Request) -> Response:
+        db = database(request)
+        form = await check_post(request)
+        action = form.get("action", "")
+        if action not in ("requeue", "skip"):
+            raise _RefusedError(400, "unknown action")
+        q = dead_query(form, upto=True)
+        reason = form.get("reason", "").strip() or f"{action} from the console"
+        result = await run(
+            db, lambda conn: console.bulk_dead(conn, db.table, q, action=action, reason=reason)
+        )
+        return render(request, "done.html", db=db, action=action, result=result, qs=filter_qs(q))
+
+    async def message(request: Request) -> Response:
+        db = database(request)
+        outbox_id = _positive(request.path_params["id"])
+        row = await run(db, lambda conn: admin.get_message(conn, db.table, outbox_id))
+        if row is None:
+            raise _RefusedError(404, f"no message {outbox_id}")
+        tasks = console.task_ids(db.table, outbox_id, int(row["lease_version"]))
+        return render(
+            request,
+            "message.html",
+            db=db,
+            m=row,
+            payload=json.dumps(row["payload"], indent=2, ensure_ascii=False, sort_keys=True),
+            tasks=tasks,
+            skipped=admin.was_skipped(row["status"], row["last_error"]),
+        )
+
+    async def message_action(request: Request) -> Response:
+        db = database(request)
+        form = await check_post(request)
+        outbox_id = _positive(request.path_params["id"])
+        action = request.path_params["action"]
+        reason = form.get("reason", "").strip() or f"{action} from the console"
+        if action == "requeue":
+            await run(db, lambda conn: admin.requeue(conn, db.table, [outbox_id], reason=reason))
+        elif action == "skip":
+            await run(db, lambda conn: admin.skip(conn, db.table, [outbox_id], reason=reason))
+        else:
+            raise _RefusedError(404, "unknown action")
+        return RedirectResponse(f"{request.scope.get('root_path', '')}/db/{db.name}/message/{outbox_id}", 303)
+
+    async def flow(request: Request) -> Response:
+        db = database(request)
+
+        def read(conn: psycopg.Connection[Any]) -> console.Overview:
+            return console.overview(conn, db.table, cap=cap)
+
+        ov = await run(db, read)
+        types = sorted(
+            {e.event_type for e in ov.event_types} | {p.event_type for p in ov.paused} | set(db.limits)
+        )
+        use = {e.event_type: e.in_flight for e in ov.event_types}
+        held = {p.event_type: p for p in ov.paused}
+        return render(request, "flow.html", db=db, ov=ov, types=types, use=use, held=held, limits=db.limits)
+
+    async def flow_action(request: Request) -> Response:
+        db = database(request)
+        form = await check_post(request)
+        action = request.path_params["action"]
+        event_type = form.get("event_type", "").strip()
+        limit_key = form.get("limit_key", "").strip() or None
+        if action == "pause":
+            await run(db, lambda conn: admin.pause(conn, db.table, event_type, limit_key=limit_key))
+        elif action == "resume":
+            await run(db, lambda conn: admin.resume(conn, db.table, event_type, limit_key=limit_key))
+        else:
+            raise _RefusedError(404, "unknown action")
+        return RedirectResponse(f"{request.scope.get('root_path', '')}/db/{db.name}/flow", 303)
+
+    async def login(request: Request) -> Response:
+        if token is None:
+            raise _RefusedError(404, "this console has no token sign-in")
+        if request.method == "GET":
+            return render(request, "login.html")
+        form = await check_post(request, login=True)
+        if not hmac.compare_digest(form.get("token", "").encode(), token.encode()):
+            raise _RefusedError(401, "wrong token")
+        root = request.scope.get("root_path", "")
+        response = RedirectResponse(f"{root}/", 303)
+        response.set_cookie(
+            AUTH_COOKIE, sign("auth:" + token), httponly=True, samesite="strict", path=root or "/"
+        )
+        return response
+
+    routes = [
+        Route("/", page(overview)),
+        Route("/login", page(login, public=True), methods=["GET", "POST"]),
+        Route("/db/{db}/dead", page(dead)),
+        Route("/db/{db}/dead/confirm", page(confirm)),
+        Route("/db/{db}/dead/bulk", page(bulk), methods=["POST"]),
+        Route("/db/{db}/message/{id}", page(message)),
+        Route("/db/{db}/message/{id}/{action}", page(message_action), methods=["POST"]),
+        Route("/db/{db}/flow", page(flow)),
+        Route("/db/{db}/flow/{action}", page(flow_action), methods=["POST"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        pools.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.pools = pools
+    return app
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise _RefusedError(404, "no such message") from None
+    if value < 1:
+        raise _RefusedError(404, "no such message")
+    return value
+
+
+def _chart(minutes: Sequence[console.Minute]) -> dict[str, Any]:
+    """The hour as SVG coordinates: bars of done per minute, lines of p50 and p99 latency."""
+    width, height = 600, 120
+    step = width / max(1, len(minutes))
+    top = max([m.done for m in minutes] + [1])
+    slowest = max([m.p99 or 0.0 for m in minutes] + [0.001])
+    bars = []
+    p50, p99 = [], []
+    for i, m in enumerate(minutes):
+        h = height * m.done / top
+        bars.append({"x": round(i * step, 1), "y": round(height - h, 1), "h": round(h, 1), "m": m})
+        x = round(i * step + step / 2, 1)
+        if m.p50 is not None:
+            p50.append(f"{x},{round(height - height * m.p50 / slowest, 1)}")
+        if m.p99 is not None:
+            p99.append(f"{x},{round(height - height * m.p99 / slowest, 1)}")
+    return {
+        "width": width,
+        "height": height,
+        "step": round(step - 1, 1),
+        "bars": bars,
+        "p50": " ".join(p50),
+        "p99": " ".join(p99),
+        "top": top,
+        "slowest": slowest,
+        "done": sum(m.done for m in minutes),
+        "capped": any(m.capped for m in minutes),
+    }

@@ -1,0 +1,281 @@
+"""The operator console (outbox_celery.web) through Starlette's TestClient, on a real PostgreSQL.
+
+What the console shows, what it changes, and above all what it refuses: a POST without auth,
+with actions off, without or with a wrong CSRF token, or from another origin changes nothing;
+untrusted text renders as text; no DSN or password reaches a page or an error.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from starlette.testclient import TestClient
+
+from outbox_celery import Event, admin, enqueue_many
+from outbox_celery.cli import cli
+from outbox_celery.migrations import migrate
+from outbox_celery.web import Database, create_app
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SCRIPT = "<script>window.pwned = 1</script>"
+
+
+def _dead(conn: psycopg.Connection[Any], ids: list[int], error: str) -> None:
+    conn.execute(
+        "UPDATE outbox SET status = 'dead', attempts = 3, last_error = %s WHERE id = ANY(%s)", [error, ids]
+    )
+
+
+def _statuses(conn: psycopg.Connection[Any]) -> dict[int, str]:
+    return {int(r[0]): str(r[1]) for r in conn.execute("SELECT id, status FROM outbox ORDER BY id")}
+
+
+@pytest.fixture
+def seeded(conn: psycopg.Connection[Any]) -> dict[str, list[int]]:
+    with conn.transaction():
+        hooks = enqueue_many(
+            conn, [Event("webhook.sent", {"n": i, "to": "partner-a"}, "hook", str(i)) for i in range(4)]
+        )
+        mails = enqueue_many(
+            conn, [Event("mail.sent", {"n": i, "body": SCRIPT}, "mail", str(i)) for i in range(3)]
+        )
+    _dead(conn, hooks[:3], "HTTP 410 gone from partner-a")
+    _dead(conn, [hooks[3]], "HTTP 500 from partner-b")
+    _dead(conn, [mails[0]], f"mailer said {SCRIPT}")
+    return {"hooks": hooks, "mails": mails}
+
+
+@pytest.fixture
+def client(migrated_dsn: str) -> Iterator[TestClient]:
+    app = create_app([Database("main", migrated_dsn)], actions=True, token=TOKEN)
+    with TestClient(app, headers=AUTH) as c:
+        yield c
+
+
+def _form(client: TestClient, url: str) -> dict[str, str]:
+    """The hidden fields of the first POST form on ``url`` (its CSRF token among them)."""
+    page = client.get(url)
+    assert page.status_code == 200, page.text
+    form = re.search(r'<form method="post".*?</form>', page.text, re.S)
+    assert form is not None, page.text
+    return dict(re.findall(r'<input type="hidden" name="([a-z_]+)" value="([^"]*)"', form.group(0)))
+
+
+def test_overview_counts_each_type_and_two_tables_side_by_side(
+    migrated_dsn: str, conn: psycopg.Connection[Any], seeded: dict[str, list[int]]
+) -> None:
+    with psycopg.connect(migrated_dsn, autocommit=True) as other:
+        other.execute("CREATE SCHEMA billing")
+        migrate(other, "billing.outbox")
+        with other.transaction():
+            enqueue_many(other, [Event("invoice.paid", {}, "invoice", "1")], table="billing.outbox")
+    app = create_app([Database("shop", migrated_dsn), Database("billing", migrated_dsn, "billing.outbox")])
+    with TestClient(app) as c:
+        page = c.get("/")
+    assert page.status_code == 200
+    panels = re.findall(r'<section class="panel database" data-db="([^"]+)">(.*?)</section>', page.text, re.S)
+    assert [name for name, _ in panels] == ["shop", "billing"]
+    shop, billing = (body for _, body in panels)
+    row = re.search(r"<td>webhook.sent</td>(.*?)</tr>", shop, re.S)
+    assert row is not None
+    cells = re.findall(r'<td class="n">(.*?)</td>', row.group(1), re.S)
+    # ready, in flight, retrying, scheduled, behind key, dead
+    assert [re.sub(r"<[^>]+>", "", c) for c in cells[:6]] == ["0", "0", "0", "0", "0", "4"]
+    assert "<td>mail.sent</td>" in shop and "invoice.paid" not in shop
+    assert "<td>invoice.paid</td>" in billing and "webhook.sent" not in billing
+    assert "read-only" in page.text
+
+
+def test_a_count_past_the_cap_reads_as_a_lower_bound(migrated_dsn: str, seeded: dict[str, list[int]]) -> None:
+    with TestClient(create_app([Database("main", migrated_dsn)], cap=3)) as c:
+        page = c.get("/").text
+    assert re.search(
+        r'<tr class="total"><td>all</td>.*?<td class="n">3\+</td><td class="n">[^<]*</td></tr>', page, re.S
+    ), page
+
+
+def test_dead_letters_filter_by_type_key_error_and_payload(
+    client: TestClient, seeded: dict[str, list[int]]
+) -> None:
+    def ids(query: str) -> list[int]:
+        page = client.get(f"/db/main/dead?{query}")
+        assert page.status_code == 200
+        return [int(i) for i in re.findall(r'<a href="/db/main/message/(\d+)">', page.text)]
+
+    hooks, mails = seeded["hooks"], seeded["mails"]
+    assert ids("") == sorted(hooks + mails[:1])
+    assert ids("event_type=mail.sent") == mails[:1]
+    assert ids("error=partner-A") == hooks[:3]  # case-insensitive
+    assert ids(f"key={hooks[3]}") == []  # keys are matched, not ids
+    assert ids("key=3") == [hooks[3]]  # the aggregate id
+    assert ids("payload=window.pwned") == mails[:1]
+    assert ids("error=%25") == []  # LIKE's wildcards are plain text
+
+
+def test_untrusted_text_renders_as_text(client: TestClient, seeded: dict[str, list[int]]) -> None:
+    mail = seeded["mails"][0]
+    for url in ("/db/main/dead", f"/db/main/message/{mail}", "/db/main/dead?payload=pwned"):
+        page = client.get(url)
+        assert page.status_code == 200
+        assert SCRIPT not in page.text, url
+        assert "&lt;script&gt;window.pwned = 1&lt;/script&gt;" in page.text, url
+    # And a script that got in anyway would not run: only the page's own nonce'd script may.
+    assert "script-src 'nonce-" in page.headers["content-security-policy"]
+
+
+def test_a_bulk_replay_by_filter_moves_exactly_the_matching_rows(
+    client: TestClient, conn: psycopg.Connection[Any], seeded: dict[str, list[int]]
+) -> None:
+    confirm = client.get("/db/main/dead/confirm?action=requeue&error=partner-a")
+    assert re.search(r'id="confirm-count"><strong>3</strong>', confirm.text), confirm.text
+    fields = _form(client, "/db/main/dead/confirm?action=requeue&error=partner-a")
+    # A message that dies matching the filter after the count is not taken by the action.
+    [late] = enqueue_many(conn, [Event("webhook.sent", {}, "hook", "9")], allow_autocommit=True)
+    _dead(conn, [late], "HTTP 410 gone from partner-a")
+
+    done = client.post("/db/main/dead/bulk", data={**fields, "reason": "partner back"})
+    assert done.status_code == 200, done.text
+    assert re.search(r'id="result"><strong>3</strong>', done.text)
+    after = _statuses(conn)
+    hooks, mails = seeded["hooks"], seeded["mails"]
+    assert [after[i] for i in hooks] == ["pending", "pending", "pending", "dead"]
+    assert after[mails[0]] == "dead" and after[late] == "dead"
+
+
+def test_replay_and_skip_one_message(
+    client: TestClient, conn: psycopg.Connection[Any], seeded: dict[str, list[int]]
+) -> None:
+    first, second = seeded["hooks"][:2]
+    fields = _form(client, f"/db/main/message/{first}")
+    assert client.post(f"/db/main/message/{first}/requeue", data=fields).status_code == 200
+    assert (
+        client.post(f"/db/main/message/{second}/skip", data={**fields, "reason": "obsolete"}).status_code
+        == 200
+    )
+    after = _statuses(conn)
+    assert after[first] == "pending" and after[second] == "done"
+    assert "skipped" in client.get(f"/db/main/message/{second}").text
+    # A second replay of a message no longer dead is refused with a clear status.
+    again = client.post(f"/db/main/message/{first}/requeue", data=fields)
+    assert again.status_code == 409 and "cannot requeue" in again.text
+
+
+def test_pause_and_resume_a_type_and_a_limit_key(client: TestClient, conn: psycopg.Connection[Any]) -> None:
+    fields = _form(client, "/db/main/flow")
+    assert (
+        client.post("/db/main/flow/pause", data={**fields, "event_type": "webhook.sent"}).status_code == 200
+    )
+    key = {**fields, "event_type": "webhook.sent", "limit_key": "partner-a"}
+    assert client.post("/db/main/flow/pause", data=key).status_code == 200
+    assert [(f.event_type, f.paused) for f in admin.flow_states(conn, "outbox")] == [("webhook.sent", True)]
+    assert [(k.limit_key, k.paused) for k in admin.key_states(conn, "outbox")] == [("partner-a", True)]
+    page = client.get("/db/main/flow").text
+    assert re.search(r'<tr data-type="webhook.sent">.*?paused', page, re.S)
+    assert (
+        client.post("/db/main/flow/resume", data={**fields, "event_type": "webhook.sent"}).status_code == 200
+    )
+    assert client.post("/db/main/flow/resume", data=key).status_code == 200
+    assert admin.flow_states(conn, "outbox") == [] and admin.key_states(conn, "outbox") == []
+
+
+def test_refused_requests_get_a_clear_status_and_change_nothing(
+    migrated_dsn: str, conn: psycopg.Connection[Any], seeded: dict[str, list[int]]
+) -> None:
+    dead = seeded["hooks"][0]
+    before = _statuses(conn)
+    url = f"/db/main/message/{dead}/requeue"
+    app = create_app([Database("main", migrated_dsn)], actions=True, token=TOKEN)
+    with TestClient(app) as c:
+        # No auth at all: the pages and the action.
+        assert c.get("/").status_code == 401
+        assert c.post(url, data={"csrf": "x"}).status_code == 401
+        # Authenticated, but no CSRF token, a forged one, another session's, another origin.
+        c.headers.update(AUTH)
+        fields = _form(c, f"/db/main/message/{dead}")
+        assert c.post(url, data={}).status_code == 403
+        assert c.post(url, data={"csrf": "0" * 64}).status_code == 403
+        other = TestClient(app, headers=AUTH)
+        assert other.post(url, data=fields).status_code == 403  # its cookie is not this token's
+        evil = c.post(url, data=fields, headers={"Origin": "https://evil.example"})
+        assert evil.status_code == 403 and "cross-origin" in evil.text
+        # A wrong token.
+        assert c.post(url, data=fields, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    # A read-only console refuses every action, whatever the request carries.
+    with TestClient(create_app([Database("main", migrated_dsn)])) as ro:
+        ro.get("/")
+        refused = ro.post(url, data={"csrf": "x"})
+        assert refused.status_code == 403 and "actions are disabled" in refused.text
+        assert ro.post("/db/main/flow/pause", data={"event_type": "webhook.sent"}).status_code == 403
+    assert _statuses(conn) == before
+    assert admin.flow_states(conn, "outbox") == []
+
+
+def test_basic_auth_guards_pages_and_actions(migrated_dsn: str, seeded: dict[str, list[int]]) -> None:
+    app = create_app([Database("main", migrated_dsn)], actions=True, basic_auth=("ops", "pw"))
+    with TestClient(app) as c:
+        refused = c.get("/")
+        assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Basic")
+        assert c.get("/", auth=("ops", "wrong")).status_code == 401
+        assert c.get("/", auth=("ops", "pw")).status_code == 200
+
+
+def test_actions_need_authentication() -> None:
+    with pytest.raises(ValueError, match="actions need authentication"):
+        create_app([Database("main", "dbname=x")], actions=True)
+    result = CliRunner().invoke(cli, ["web", "--dsn", "postgresql://u:pw@127.0.0.1/x", "--actions"])
+    assert result.exit_code != 0 and "--actions needs --token or --basic-auth" in result.output
+    assert "pw@" not in result.output
+
+
+def test_no_dsn_or_password_on_any_page_or_error(migrated_dsn: str, seeded: dict[str, list[int]]) -> None:
+    secret = "hunter2-Very-Secret"
+    # The test server trusts local logins, so the password is carried and ignored: it must still
+    # appear nowhere. A second database's server is not there at all.
+    params = conninfo_to_dict(migrated_dsn)
+    good = make_conninfo(migrated_dsn, password=secret)
+    gone = make_conninfo(migrated_dsn, password=secret, port="9", connect_timeout="1")
+    dbs = [Database("main", good), Database("gone", gone)]
+    with TestClient(create_app(dbs, token=TOKEN), headers=AUTH) as c:
+        pages = [
+            c.get(u) for u in ("/", "/db/main/dead", "/db/main/message/1", "/db/gone/flow", "/db/x/dead")
+        ]
+    assert [p.status_code for p in pages] == [200, 200, 200, 503, 404]
+    for p in pages:
+        for text in (secret, good, str(params["dbname"]), str(params.get("host", "/"))):
+            assert text not in p.text
+    assert "database &#39;gone&#39; is unavailable (PoolTimeout)" in pages[3].text
+    assert secret not in repr(dbs)
+
+
+def test_mounted_under_a_prefix_with_the_host_apps_authorization(
+    migrated_dsn: str, conn: psycopg.Connection[Any], seeded: dict[str, list[int]]
+) -> None:
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    def staff(request: Any) -> bool:
+        return request.headers.get("x-user") == "staff"
+
+    console = create_app([Database("main", migrated_dsn)], actions=True, authorize=staff)
+    host = Starlette(routes=[Mount("/outbox", console)])
+    dead = seeded["hooks"][0]
+    with TestClient(host) as c:
+        assert c.get("/outbox/").status_code == 401
+        c.headers["x-user"] = "staff"
+        page = c.get(f"/outbox/db/main/message/{dead}")
+        assert page.status_code == 200
+        assert f'action="/outbox/db/main/message/{dead}/requeue"' in page.text
+        fields = _form(c, f"/outbox/db/main/message/{dead}")
+        done = c.post(f"/outbox/db/main/message/{dead}/requeue", data=fields, follow_redirects=False)
+        assert done.status_code == 303 and done.headers["location"] == f"/outbox/db/main/message/{dead}"
+        c.headers["x-user"] = "visitor"
+        assert c.post(f"/outbox/db/main/message/{seeded['hooks'][1]}/requeue", data=fields).status_code == 401
+    after = _statuses(conn)
+    assert after[dead] == "pending" and after[seeded["hooks"][1]] == "dead"
