@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import psycopg
 from psycopg.rows import class_row
@@ -46,9 +46,11 @@ logger = logging.getLogger(__name__)
 INLINE_BYTES = 16 * 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Lease:
-    """One claim of one row: the row's id and the ``lease_version`` its claim wrote (the fence)."""
+class Lease(NamedTuple):
+    """One claim of one row: the row's id and the ``lease_version`` its claim wrote (the fence).
+
+    A named tuple: it unpacks and compares as the ``(id, lease_version)`` pair it replaces.
+    """
 
     id: int
     lease_version: int
