@@ -240,6 +240,13 @@ class FinishedRow:
     delay: float
 
 
+# Row factories of the statements' results, made once.
+_STARTED = class_row(StartedRow)
+_FINISHED = class_row(FinishedRow)
+_IDS = class_row(IdRow)
+_PAYLOADS = class_row(PayloadRow)
+
+
 def chunks(rows: Iterable[StartedRow], budget: int) -> list[list[int]]:
     """The ids of ``rows`` cut, in order, into groups of at most ``budget`` stored payload bytes
     (a group holds at least one row)."""
@@ -333,7 +340,7 @@ class Completer:
         if missing:
             # Its own statement: it re-checks the fence, whatever happened in between.
             with store._single_statement(conn):
-                cur = conn.cursor(row_factory=class_row(IdRow))
+                cur = conn.cursor(row_factory=_IDS)
                 query = self._query("start_exhausted", len(missing))
                 dead = {r.id for r in cur.execute(query, self._for(params, missing))}
             for x in missing:
@@ -347,7 +354,7 @@ class Completer:
 
     def _started(self, conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> list[StartedRow]:
         with self.store._single_statement(conn):
-            cur = conn.cursor(row_factory=class_row(StartedRow))
+            cur = conn.cursor(row_factory=_STARTED)
             return cur.execute(self._query(query, len(params["ids"])), params).fetchall()
 
     @staticmethod
@@ -382,7 +389,7 @@ class Completer:
         out: dict[int, Any] = {}
         if not rows:
             return out
-        cur = conn.cursor(row_factory=class_row(PayloadRow))
+        cur = conn.cursor(row_factory=_PAYLOADS)
         for ids in chunks(sorted(rows, key=lambda r: r.id), self.inline_bytes):
             out.update((r.id, r.payload) for r in cur.execute(self.store._q["payloads"], {"ids": ids}))
         return out
@@ -437,15 +444,8 @@ class Completer:
             raise RuntimeError("a joined finish needs the caller's open transaction")
         locks = [f.lease.id for f in finishes if f.locks_key]
         holds = any(f.step is Step.RATE_LIMITED for f in finishes)
-        first = finishes[0]
         params = {
-            **self._leases([f.lease for f in finishes]),
-            "outcomes": [str(f.step) for f in finishes],
-            "delays": [float(f.delay) for f in finishes],
-            "errors": [f.error for f in finishes],
-            "outcome": str(first.step),
-            "delay": float(first.delay),
-            "error": first.error,
+            **self._rows(finishes),
             "max_attempts": max_attempts,
             "max_age": max_age,
             "keys_locked": bool(locks),
@@ -463,7 +463,7 @@ class Completer:
         with scope:
             if locks:
                 conn.execute(store._q["lock_key_of"], {"table": params["table"], "ids": locks})
-            cur = conn.cursor(row_factory=class_row(FinishedRow))
+            cur = conn.cursor(row_factory=_FINISHED)
             won = {r.id: r for r in cur.execute(self._query("finish", len(finishes)), params)}
             keys = sorted({r.ordering_key for r in won.values() if r.outcome == Step.DONE and r.ordering_key})
             if keys:
@@ -478,6 +478,26 @@ class Completer:
                 }
                 conn.execute(store._q["flow_hold"], hold)
         return self._tally(finishes, won)
+
+    @staticmethod
+    def _rows(finishes: Sequence[Finish]) -> dict[str, Any]:
+        """The parameters of ``{finishes}``: scalars for its one-row form, else arrays."""
+        if len(finishes) == 1:
+            [f] = finishes
+            return {
+                "id": f.lease.id,
+                "lease_version": f.lease.lease_version,
+                "outcome": str(f.step),
+                "delay": float(f.delay),
+                "error": f.error,
+            }
+        return {
+            "ids": [f.lease.id for f in finishes],
+            "lease_versions": [f.lease.lease_version for f in finishes],
+            "outcomes": [str(f.step) for f in finishes],
+            "delays": [float(f.delay) for f in finishes],
+            "errors": [f.error for f in finishes],
+        }
 
     def _tally(self, finishes: Sequence[Finish], won: dict[int, FinishedRow]) -> FinalizedMany:
         """Count what won, log what lost its lease; the result by id."""
@@ -521,7 +541,7 @@ class Completer:
         """Fenced: each lease's ``lease_until = max(lease_until, now() + seconds)``; the ids extended."""
         params = {**self._leases(leases), "seconds": seconds}
         with self.store._single_statement(conn):
-            cur = conn.cursor(row_factory=class_row(IdRow))
+            cur = conn.cursor(row_factory=_IDS)
             won = {r.id for r in cur.execute(self._query("extend_lease", len(leases)), params)}
         for x in leases:
             if x.id not in won:
