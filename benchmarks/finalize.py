@@ -8,7 +8,9 @@ through :class:`~outbox_celery.store.Store`'s public calls: the fenced start
 :meth:`Store.retry`). The package as it is at ``--baseline`` (extracted with ``git archive``) and
 the working tree's run in turn, ``--rounds`` times each, alternated, each run in a fresh process
 and a fresh database on the same server; the medians of the rounds are printed side by side, in
-microseconds per delivery (start + finalize).
+microseconds per delivery (start + finalize): wall time, the client process's CPU time and,
+when the server runs on this host, its backend's CPU time (``/proc``), which a shared, busy
+machine disturbs far less than the wall time.
 """
 
 from __future__ import annotations
@@ -31,8 +33,19 @@ LEASE, MAX_ATTEMPTS = 300.0, 5
 OUTCOMES = ("done", "retry")
 
 
+def _backend_cpu(pid: int) -> float | None:
+    """Seconds of CPU the server backend ``pid`` has used (``/proc``: a server on this host)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def child(dsn: str, rows: int) -> dict[str, float]:
-    """One run (in the process whose ``outbox_celery`` is measured): microseconds per delivery."""
+    """One run (in the process whose ``outbox_celery`` is measured): microseconds per delivery,
+    of wall time (``<outcome>``), of this process's CPU (``<outcome> client cpu``) and of the
+    server backend's CPU (``<outcome> server cpu``, when the server runs on this host)."""
     import psycopg
 
     from outbox_celery import migrate
@@ -62,15 +75,21 @@ def child(dsn: str, rows: int) -> dict[str, float]:
     with temporary_database(dsn, prefix="outbox_bench") as db, psycopg.connect(db, autocommit=True) as conn:
         migrate(conn, "bench_finalize")
         store = Store("bench_finalize")
+        row = conn.execute("SELECT pg_backend_pid()").fetchone()
+        backend = int(row[0]) if row else 0
         for outcome in OUTCOMES:
             fill_pending(conn, "bench_finalize", rows + 20)
             leases = claim(conn, store, rows + 20)
             for i, v in leases[:20]:  # warm up: psycopg prepares a statement after five runs
                 deliver(conn, store, outcome, i, v)
-            started = time.perf_counter()
+            started, cpu, server = time.perf_counter(), time.process_time(), _backend_cpu(backend)
             for i, v in leases[20:]:
                 deliver(conn, store, outcome, i, v)
             out[outcome] = (time.perf_counter() - started) / rows * 1e6
+            out[f"{outcome} client cpu"] = (time.process_time() - cpu) / rows * 1e6
+            after = _backend_cpu(backend)
+            if server is not None and after is not None:
+                out[f"{outcome} server cpu"] = (after - server) / rows * 1e6
     return out
 
 
@@ -128,11 +147,13 @@ def main() -> None:
         f"one-row start + finalize, us per delivery (median of {args.rounds} alternated rounds of "
         f"{args.rows}); PostgreSQL {row[0] if row else '?'}; baseline {args.baseline}"
     )
-    print(f"{'outcome':<8} {'baseline':>10} {'this tree':>10} {'ratio':>6}")
-    for outcome in OUTCOMES:
-        base = statistics.median(samples["baseline"][outcome])
-        new = statistics.median(samples["this tree"][outcome])
-        print(f"{outcome:<8} {base:>10.1f} {new:>10.1f} {new / base:>6.2f}")
+    print(f"{'figure':<20} {'baseline':>10} {'this tree':>10} {'ratio':>6}")
+    for figure in samples["this tree"]:
+        if figure not in samples["baseline"]:
+            continue
+        base = statistics.median(samples["baseline"][figure])
+        new = statistics.median(samples["this tree"][figure])
+        print(f"{figure:<20} {base:>10.1f} {new:>10.1f} {new / base:>6.2f}")
 
 
 if __name__ == "__main__":
