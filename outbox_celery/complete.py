@@ -331,7 +331,7 @@ class Completer:
         }
         rows = self._started(conn, "start", params)
         store._count("started", len(rows))
-        missing = self._missing(leases, rows)
+        missing = self._missing(leases, rows) if len(rows) < len(leases) else []
         if missing and resume:
             resumed = self._started(conn, "resume", self._for(params, missing))
             store._count("resumed_starts", len(resumed))
@@ -345,8 +345,10 @@ class Completer:
                 dead = {r.id for r in cur.execute(query, self._for(params, missing))}
             for x in missing:
                 self._refused_start(x, dead=x.id in dead)
-        payloads = self._payloads(conn, [r for r in rows if not r.payload_inline])
-        rows.sort(key=lambda r: r.id)
+        left_out = [r for r in rows if not r.payload_inline]
+        payloads = self._payloads(conn, left_out) if left_out else {}
+        if len(rows) > 1:
+            rows.sort(key=lambda r: r.id)
         return [
             store._message(conn, r.as_mapping(r.payload if r.payload_inline else payloads[r.id]))
             for r in rows
@@ -443,13 +445,14 @@ class Completer:
         if joined and store._owns_transaction(conn):
             raise RuntimeError("a joined finish needs the caller's open transaction")
         locks = [f.lease.id for f in finishes if f.locks_key]
-        holds = any(f.step is Step.RATE_LIMITED for f in finishes)
+        steps = {f.step for f in finishes}
+        holds = Step.RATE_LIMITED in steps
         params = {
             **self._rows(finishes),
             "max_attempts": max_attempts,
             "max_age": max_age,
             "keys_locked": bool(locks),
-            "commit_mode": store._commit_mode(conn) if all(f.step is Step.DONE for f in finishes) else None,
+            "commit_mode": store._commit_mode(conn) if steps == {Step.DONE} else None,
             "notify": notify,
             "table": self._table,
         }
@@ -464,12 +467,12 @@ class Completer:
             if locks:
                 conn.execute(store._q["lock_key_of"], {"table": params["table"], "ids": locks})
             cur = conn.cursor(row_factory=_FINISHED)
-            won = {r.id: r for r in cur.execute(self._query("finish", len(finishes)), params)}
+            won = {r.id: r for r in cur.execute(self._query("finish", len(finishes)), params).fetchall()}
             keys = sorted({r.ordering_key for r in won.values() if r.outcome == Step.DONE and r.ordering_key})
             if keys:
                 # Still under the key locks: each key's next message becomes its head.
                 conn.execute(store._q["settle_heads"], {"keys": keys})
-            held = [r for r in won.values() if r.outcome == Step.RATE_LIMITED]
+            held = [r for r in won.values() if r.outcome == Step.RATE_LIMITED] if holds else []
             if held:
                 hold = {
                     "event_types": [r.event_type for r in held],

@@ -1165,8 +1165,8 @@ class Store:
         :param joined: the done is the last statement of the caller's open transaction (a
             transactional handler's, DESIGN invariant 20).
         """
-        x = Lease(outbox_id, lease_version)
-        return self._finish(conn, [Finish(x, Step.DONE, ordered=ordered)], joined=joined).of(outbox_id)
+        done = [Finish(Lease(outbox_id, lease_version), Step.DONE, ordered=ordered)]
+        return self.completer.finish(conn, done, max_attempts=0, max_age=0.0, joined=joined).of(outbox_id)
 
     def done_many(
         self, conn: psycopg.Connection[Any], finished: Sequence[Lease | tuple[int, int]]
