@@ -23,16 +23,17 @@ finalizes when the store owns the transaction).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import psycopg
-from psycopg.rows import class_row
+from psycopg.rows import RowFactory, RowMaker, class_row
 
 from .config import TableName
 from .message import Message, Outcome, Status
@@ -40,6 +41,8 @@ from .message import Message, Outcome, Status
 __all__ = ["INLINE_BYTES", "LOST", "Completer", "Finalized", "FinalizedMany", "Finish", "Lease", "Step"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Stored payload bytes one start result carries at most (the first row's always): the payloads
 #: of a batch beyond it are read in chunks of at most this many bytes (``payloads``).
@@ -188,8 +191,8 @@ class StartedRow:
     aggregate_type: str
     aggregate_id: str
     payload: Any
-    payload_inline: bool
     payload_bytes: int
+    payload_inline: bool
     attempts: int
     created_at: datetime
     lease_version: int
@@ -240,11 +243,30 @@ class FinishedRow:
     delay: float
 
 
+def _rows_of(cls: type[T]) -> RowFactory[T]:
+    """A row factory making ``cls`` (a dataclass) of each row, by column name.
+
+    When the result's columns are the dataclass's fields in order (the statements are written
+    so), rows are made by position after that check, once per result; otherwise by name
+    (psycopg's ``class_row``).
+    """
+    fields = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    by_name = class_row(cls)
+
+    def factory(cursor: Any) -> RowMaker[T]:
+        names = tuple(d.name for d in cursor.description or ())
+        if names == fields:
+            return lambda values: cls(*values)
+        return by_name(cursor)
+
+    return factory
+
+
 # Row factories of the statements' results, made once.
-_STARTED = class_row(StartedRow)
-_FINISHED = class_row(FinishedRow)
-_IDS = class_row(IdRow)
-_PAYLOADS = class_row(PayloadRow)
+_STARTED = _rows_of(StartedRow)
+_FINISHED = _rows_of(FinishedRow)
+_IDS = _rows_of(IdRow)
+_PAYLOADS = _rows_of(PayloadRow)
 
 
 def chunks(rows: Iterable[StartedRow], budget: int) -> list[list[int]]:
@@ -506,6 +528,13 @@ class Completer:
         """Count what won, log what lost its lease; the result by id."""
         store = self.store
         statuses: dict[int, Status] = {}
+        if len(finishes) == 1 and won:
+            [f] = finishes
+            status = statuses[f.lease.id] = Status(won[f.lease.id].status)
+            counter = Outcome.DEAD.counter if status is Status.DEAD else _COUNTER[f.step]
+            if counter is not None:
+                store._count(counter)
+            return FinalizedMany(statuses, frozenset())
         for f in finishes:
             row = won.get(f.lease.id)
             if row is None:
