@@ -250,12 +250,12 @@ def _rows_of(cls: type[T]) -> RowFactory[T]:
     so), rows are made by position after that check, once per result; otherwise by name
     (psycopg's ``class_row``).
     """
-    fields = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    fields = [f.name.encode() for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     by_name = class_row(cls)
 
     def factory(cursor: Any) -> RowMaker[T]:
-        names = tuple(d.name for d in cursor.description or ())
-        if names == fields:
+        res = cursor.pgresult  # its column names, without building the description
+        if res is not None and [res.fname(i) for i in range(res.nfields)] == fields:
             return lambda values: cls(*values)
         return by_name(cursor)
 
