@@ -27,6 +27,8 @@ import time
 import weakref
 from collections.abc import Callable
 
+from .complete import Lease
+
 __all__ = ["DoneBatcher"]
 
 logger = logging.getLogger(__name__)
@@ -34,11 +36,11 @@ logger = logging.getLogger(__name__)
 # A batch never holds more rows than this; a full batch is written at once.
 MAX_ROWS = 500
 
-Finished = tuple[int, int]  # (id, lease_version)
+Finished = Lease
 
 
 class DoneBatcher:
-    """Collects ``(id, lease_version)`` of handled rows and writes them together.
+    """Collects the :class:`~outbox_celery.complete.Lease` of handled rows and writes them together.
 
     :param write: the fenced write of one batch (the dispatcher's, which retries on a broken
         connection); returns the ids that went ``done``.
@@ -68,7 +70,7 @@ class DoneBatcher:
         with self._cond:
             if not self._pending:
                 self._first = time.monotonic()
-            self._pending.append((outbox_id, lease_version))
+            self._pending.append(Lease(outbox_id, lease_version))
             if len(self._pending) >= self.max_rows:
                 full, self._pending = self._pending, []
             elif self._thread is None or not self._thread.is_alive():

@@ -148,6 +148,40 @@ def compose(text: str, table: TableName) -> sql.Composed:
     return sql.SQL(text).format(**used)
 
 
+#: Row sources of many rows (a fragment taking arrays) and their one-row forms (scalar
+#: parameters). PostgreSQL cannot know an array parameter's length when it plans a prepared
+#: statement once for all calls, so it plans a statement of arrays again for every call; the
+#: one-row form of the same statement is planned once. One statement, one definition of its rules:
+#: only the row source differs (:func:`one_row`).
+ONE_ROW: Mapping[str, str] = MappingProxyType({"leases": "one_lease", "finishes": "one_finish"})
+
+
+def one_row(filename: str, text: str) -> str | None:
+    """``text`` (a filled statement of ``filename``) with its row sources of many rows in their
+    one-row forms (:data:`ONE_ROW`); ``None`` when it has none."""
+    known = fragments(filename)
+    out = text
+    for many, one in ONE_ROW.items():
+        if many in known and one in known:
+            out = out.replace(fill(known[many], known), fill(known[one], known))
+    return None if out == text else out
+
+
+def one_row_queries(
+    filename: str, table: TableName, replaced: Mapping[str, str] | None = None
+) -> Mapping[str, sql.Composed]:
+    """The one-row forms (:func:`one_row`) of the statements of ``sql/<filename>`` that have
+    one, bound to ``table``; ``replaced`` holds filled texts that replace named statements."""
+    texts = {**named(filename), **(replaced or {})}
+    return MappingProxyType(
+        {
+            name: compose(one, table)
+            for name, text in texts.items()
+            if (one := one_row(filename, text)) is not None
+        }
+    )
+
+
 @functools.cache
 def queries(filename: str, table: TableName) -> Mapping[str, sql.Composed]:
     """The named statements of ``sql/<filename>``, fragments filled, bound to ``table`` (cached)."""

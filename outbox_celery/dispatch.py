@@ -25,6 +25,7 @@ from psycopg import pq
 from ._connections import FOLLOW_UPS, Noted
 from ._done_batch import DoneBatcher
 from .backoff import Backoff, RetryPolicy
+from .complete import Finish, Lease, Step
 from .config import OutboxConfig
 from .errors import ConfigurationError, Defer, PermanentError, RateLimited, RetryableError, first_line
 from .flow import AT_CAP_TTL, Limit
@@ -257,6 +258,30 @@ class Verdict:
     outcome: Outcome
     delay: float = 0.0
     error: str = ""
+
+    def finish(self, msg: Message, lease_version: int | None = None) -> Finish:
+        """The completer's finish of this verdict for ``msg`` (under ``lease_version``, default
+        the message's own)."""
+        version = msg.lease_version if lease_version is None else lease_version
+        return Finish(
+            Lease(msg.id, version),
+            _STEPS[self.outcome],
+            self.delay,
+            self.error,
+            ordered=msg.ordering_key is not None,
+        )
+
+
+# What the completer writes for each verdict's outcome.
+_STEPS = {
+    Outcome.DONE: Step.DONE,
+    Outcome.RETRY: Step.RETRY,
+    Outcome.DEFER: Step.DEFER,
+    Outcome.RATE_LIMITED: Step.RATE_LIMITED,
+    Outcome.DEAD: Step.DEAD,
+    Outcome.ERROR: Step.ERROR,
+    Outcome.UNROUTABLE: Step.POSTPONE,
+}
 
 
 def _outcome_of(verdict: Verdict, result: Finalized) -> Outcome:
@@ -528,24 +553,9 @@ class Dispatcher:
         A failure of the start itself is recorded as the library's (:meth:`_failed_before_handler`)
         and re-raised.
         """
-        cfg = self.config
-        # One token for the start and its retry: a retry after a lost reply gets its own start
-        # back uncounted, while any other start of this claim is refused (#21).
-        starter = starter_token()
         try:
-            msg = self._fenced_write(
-                "start",
-                outbox_id,
-                lease_version,
-                lambda conn: self.store.start(
-                    conn,
-                    outbox_id,
-                    lease_version,
-                    lease=cfg.lease,
-                    max_attempts=cfg.max_attempts,
-                    starter=starter,
-                ),
-            )
+            started = self._begin("start", [Lease(outbox_id, lease_version)])
+            msg = started[0] if started else None
         except Exception as exc:
             self._failed_before_handler(outbox_id, lease_version, exc, log)
             raise
@@ -557,6 +567,22 @@ class Dispatcher:
                 extra={**log, "outcome": Outcome.STALE},
             )
         return msg
+
+    def _begin(self, op: str, leases: list[Lease]) -> list[Message]:
+        """The fenced start of one lease or many (the completer's), retried once on a broken
+        connection: the started messages, sorted by id."""
+        cfg = self.config
+        # One token for the start and its retry: a retry after a lost reply gets its own start
+        # back uncounted, while any other start of these claims is refused.
+        starter = starter_token()
+        return self._fenced_write(
+            op,
+            leases[0].id,
+            leases[0].lease_version,
+            lambda conn: self.store.completer.start(
+                conn, leases, lease=cfg.lease, max_attempts=cfg.max_attempts, starter=starter
+            ),
+        )
 
     def _run_handler(self, spec: HandlerSpec, msg: Message, log: dict[str, Any], started: float) -> Verdict:
         """Call a plain handler outside any transaction; the verdict of what it did.
@@ -630,7 +656,8 @@ class Dispatcher:
                     # A long transaction: its follow-ups would commit behind the claims' scan
                     # marks, at its start; they move to its commit (invariant 18).
                     self._follow_ups_at_commit(conn, follow_ups)
-                if not self.store.done(conn, msg.id, lease_version, ordered=ordered, joined=True).applied:
+                finish = Verdict(Outcome.DONE).finish(msg, lease_version)
+                if not self._complete("finish_done", [finish], conn=conn).of(msg.id).applied:
                     raise _Superseded
                 done = True
         except _Superseded:
@@ -698,46 +725,42 @@ class Dispatcher:
 
     # -- batch handlers (#22, DESIGN invariant 21) --------------------------------------------
 
-    def deliver_batch(self, pairs: Sequence[tuple[int, int]]) -> dict[str, int]:
+    def deliver_batch(self, pairs: Sequence[Lease | tuple[int, int]]) -> dict[str, int]:
         """One batch task: one fenced start, the batch handler once, one fenced finalize.
 
-        ``pairs`` are the ``(id, lease_version)`` claims the task carries. The start is fenced
+        ``pairs`` are the leases (``(id, lease_version)``) the task carries. The start is fenced
         per pair; pairs it does not start (a newer claim, a finished row, a claim started by
         another task) are dropped from the batch and counted ``stale``. The handler receives the
         started messages of its event type, sorted by id, and returns ``None`` (all delivered) or
         a mapping from message id to the outcome of those that were not; an exception it raises
-        applies to every message of the batch. Every outcome is written by one fenced statement
-        (an ordered message's done in its own, under its key lock). An unclassified exception is
+        applies to every message of the batch. Every outcome is written by the completer's one
+        fenced statement (an ordered message's done under its key lock, in the same
+        transaction). An unclassified exception is
         recorded for every row and re-raised (the rows come back through their lease).
 
         Returns how many rows ended in each :class:`~outbox_celery.message.Outcome`.
         """
-        cfg = self.config
-        pairs = list(dict.fromkeys((int(i), int(v)) for i, v in pairs))
+        leases = list(dict.fromkeys(Lease.of(p) for p in pairs))
         counts: Counter[str] = Counter()
-        if not pairs:
+        if not leases:
             return {}
-        starter = starter_token()
-        first_id, first_version = pairs[0]
-        log: dict[str, Any] = {"outbox_id": first_id, "lease_version": first_version, "batch": len(pairs)}
+        first = leases[0]
+        log: dict[str, Any] = {
+            "outbox_id": first.id,
+            "lease_version": first.lease_version,
+            "batch": len(leases),
+        }
         try:
-            msgs = self._fenced_write(
-                "start_many",
-                first_id,
-                first_version,
-                lambda conn: self.store.start_many(
-                    conn, pairs, lease=cfg.lease, max_attempts=cfg.max_attempts, starter=starter
-                ),
-            )
+            msgs = self._begin("start_many", leases)
         except Exception as exc:
-            self._failed_before_batch(pairs, exc, log)
+            self._failed_before_batch(leases, exc, log)
             raise
-        stale = len(pairs) - len(msgs)
+        stale = len(leases) - len(msgs)
         if stale:
             counts[Outcome.STALE] += stale
             logger.info(
                 "outbox batch of %s: %s pair(s) stale or exhausted, dropped; handler not called for them",
-                len(pairs),
+                len(leases),
                 stale,
                 extra={**log, "outcome": Outcome.STALE, "stale": stale},
             )
@@ -763,12 +786,12 @@ class Dispatcher:
         """Call a batch handler on started messages, then write every outcome (one statement)."""
         assert spec.batch is not None
         cfg = self.config
-        pairs = [(m.id, m.lease_version) for m in msgs]
+        leases = [Lease(m.id, m.lease_version) for m in msgs]
         msgs = [replace(m, _extend=self._extender(m.id, m.lease_version)) for m in msgs]
         log = {**log, "event_type": spec.event_type, "batch": len(msgs)}
         started = time.monotonic()
         try:
-            with lease_heartbeat(cfg, lambda seconds: self._extend_many(pairs, seconds), log=log):
+            with lease_heartbeat(cfg, lambda seconds: self._extend(leases, seconds), log=log):
                 result = spec.fn(list(msgs))
             failures = _batch_failures(result, {m.id for m in msgs})
         except BaseException as exc:
@@ -814,64 +837,20 @@ class Dispatcher:
         return outcomes
 
     def _finish_batch(self, msgs: list[Message], verdicts: Mapping[int, Verdict]) -> dict[int, Outcome]:
-        """Write a batch's verdicts: one fenced statement, plus one per ordered done."""
-        cfg = self.config
-        # An ordered done moves its key's head under the key lock (DESIGN invariant 9); a
-        # RateLimited item holds its event type (invariant 23): both go through the one-row
-        # finalizer of their outcome, the rest through one statement.
-        one_by_one = [
-            m
-            for m in msgs
-            if verdicts[m.id].outcome is Outcome.RATE_LIMITED
-            or (m.ordering_key is not None and verdicts[m.id].outcome is Outcome.DONE)
-        ]
-        rest = [m for m in msgs if m not in one_by_one]
-        outcomes: dict[int, Outcome] = {}
-        if rest:
-            rows = [
-                (
-                    m.id,
-                    m.lease_version,
-                    str(verdicts[m.id].outcome),
-                    verdicts[m.id].delay,
-                    verdicts[m.id].error,
-                )
-                for m in rest
-            ]
-            won = self._fenced_write(
-                "finish_many",
-                rest[0].id,
-                rest[0].lease_version,
-                lambda conn: self.store.finish_many(
-                    conn,
-                    rows,
-                    max_attempts=cfg.max_attempts,
-                    max_age=cfg.max_defer_age,
-                    # Wake the claim: a batch's leases ended at once, room under the bound.
-                    notify=cfg.listen,
-                ),
-            )
-            for m in rest:
-                outcomes[m.id] = _outcome_of(verdicts[m.id], won.of(m.id))
-        for m in one_by_one:
-            outcomes[m.id] = self._finish(verdicts[m.id], m, m.lease_version)
-        return outcomes
+        """Write a batch's verdicts: the completer's one fenced statement for them all (an
+        ordered done under its key lock, a RateLimited item's hold, in the same transaction)."""
+        finishes = [verdicts[m.id].finish(m) for m in msgs]
+        # Wake the claim: a batch's leases ended at once, room under the bound.
+        won = self._complete("finish_many", finishes, notify=self.config.listen)
+        return {m.id: _outcome_of(verdicts[m.id], won.of(m.id)) for m in msgs}
 
     def _unroutable_batch(self, msgs: list[Message], log: dict[str, Any]) -> dict[int, Outcome]:
         """No batch handler for these messages here (a deploy changed it): postpone, attempt refunded."""
         event_type = msgs[0].event_type
         delay = self.config.unroutable_delay
         why = f"unroutable: no batch handler for event type {event_type!r} in this worker"
-        verdicts = {m.id: Verdict(Outcome.UNROUTABLE, delay=delay, error=why) for m in msgs}
-        rows = [(m.id, m.lease_version, "postpone", delay, why) for m in msgs]
-        won = self._fenced_write(
-            "postpone",
-            msgs[0].id,
-            msgs[0].lease_version,
-            lambda conn: self.store.finish_many(
-                conn, rows, max_attempts=self.config.max_attempts, max_age=self.config.max_defer_age
-            ),
-        )
+        verdict = Verdict(Outcome.UNROUTABLE, delay=delay, error=why)
+        won = self._complete("postpone", [verdict.finish(m) for m in msgs])
         logger.warning(
             "outbox batch of %s %r: no batch handler here; postponed %.0fs",
             len(msgs),
@@ -879,39 +858,30 @@ class Dispatcher:
             delay,
             extra={**log, "outcome": Outcome.UNROUTABLE},
         )
-        return {i: _outcome_of(v, won.of(i)) for i, v in verdicts.items()}
+        return {m.id: _outcome_of(verdict, won.of(m.id)) for m in msgs}
 
-    def _failed_before_batch(self, pairs: list[tuple[int, int]], exc: Exception, log: dict[str, Any]) -> None:
-        """The batch's start failed: each pair as :meth:`_failed_before_handler`, in one statement."""
-        error = f"{PRE_HANDLER_FAILURE}: {_error_text(exc)}"[:4000]
-        rows = [(i, v, "retry", self.backoff.delay(1), error) for i, v in pairs]
+    def _failed_before_batch(self, leases: list[Lease], exc: Exception, log: dict[str, Any]) -> None:
+        """The batch's start failed: each lease as :meth:`_failed_before_handler`, in one statement."""
         try:
-            self._fenced_write(
-                "retry",
-                pairs[0][0],
-                pairs[0][1],
-                lambda conn: self.store.finish_many(
-                    conn, rows, max_attempts=self.config.max_attempts, max_age=self.config.max_defer_age
-                ),
-            )
+            self._complete("finish_retry", [self._pre_handler_failure(x, exc) for x in leases])
         except Exception:
             logger.exception("outbox batch: could not record the failure before the handler", extra=log)
         logger.error(
             "outbox batch of %s: outbox-celery failed before calling the handler (%s: %s); the "
             "handler did not run, the messages are retried after a backoff",
-            len(pairs),
+            len(leases),
             type(exc).__name__,
             exc,
             extra={**log, "outcome": Outcome.ERROR},
         )
 
     def _extender(self, outbox_id: int, lease_version: int) -> Callable[[float], bool]:
-        return lambda seconds: self._extend(outbox_id, lease_version, seconds)
+        return lambda seconds: self._extend([Lease(outbox_id, lease_version)], seconds)
 
-    def _extend_many(self, pairs: list[tuple[int, int]], seconds: float) -> bool:
-        """The batch's lease heartbeat: true while any row of it still holds its lease."""
+    def _extend(self, leases: list[Lease], seconds: float) -> bool:
+        """The lease heartbeat of a delivery or a batch: true while any row of it holds its lease."""
         with self.connection() as conn:
-            return bool(self.store.extend_leases(conn, pairs, seconds=seconds))
+            return bool(self.store.completer.extend(conn, leases, seconds=seconds))
 
     def _batch_done(self, msg: Message, lease_version: int, lease_end: float) -> bool:
         """Queue an unordered row's done for the next batch, if the lease has room for the wait."""
@@ -972,11 +942,8 @@ class Dispatcher:
         except psycopg.Error as exc:
             logger.warning("outbox: waking the claim failed (%s)", first_line(exc))
 
-    def _write_done_batch(self, finished: list[tuple[int, int]]) -> FinalizedMany:
-        first_id, first_version = finished[0]
-        return self._fenced_write(
-            "done_many", first_id, first_version, lambda conn: self.store.done_many(conn, finished)
-        )
+    def _write_done_batch(self, finished: list[Lease]) -> FinalizedMany:
+        return self._complete("done_many", [Finish(x, Step.DONE) for x in finished])
 
     def flush(self) -> None:
         """Write the ``done`` of every handled message this process still holds."""
@@ -987,11 +954,8 @@ class Dispatcher:
         """No handler for this event type in this worker: postpone, attempt refunded."""
         delay = self.config.unroutable_delay
         why = f"unroutable: no handler for event type {msg.event_type!r} in this worker"
-        self._fenced_write(
-            "postpone",
-            msg.id,
-            lease_version,
-            lambda conn: self.store.postpone(conn, msg.id, lease_version, delay=delay, error=why),
+        self._complete(
+            "postpone", [Verdict(Outcome.UNROUTABLE, delay=delay, error=why).finish(msg, lease_version)]
         )
         logger.warning(
             "outbox id %s: no handler for %r here; postponed %.0fs",
@@ -1015,21 +979,8 @@ class Dispatcher:
         handler, as the culprit. When even that write fails (the database is unreachable), the
         row comes back through its lease.
         """
-        error = f"{PRE_HANDLER_FAILURE}: {_error_text(exc)}"[:4000]
         try:
-            self._fenced_write(
-                "retry",
-                outbox_id,
-                lease_version,
-                lambda conn: self.store.retry(
-                    conn,
-                    outbox_id,
-                    lease_version,
-                    delay=self.backoff.delay(1),
-                    error=error,
-                    max_attempts=self.config.max_attempts,
-                ),
-            )
+            self._complete("finish_retry", [self._pre_handler_failure(Lease(outbox_id, lease_version), exc)])
         except Exception:
             logger.exception(
                 "outbox id %s: could not record the failure before the handler", outbox_id, extra=log
@@ -1043,14 +994,45 @@ class Dispatcher:
             extra={**log, "outcome": Outcome.ERROR},
         )
 
+    def _pre_handler_failure(self, lease: Lease, exc: Exception) -> Finish:
+        """The retry that records a failure of the library's own code before the handler."""
+        error = f"{PRE_HANDLER_FAILURE}: {_error_text(exc)}"[:4000]
+        return Finish(lease, Step.RETRY, self.backoff.delay(1), error)
+
     def _record_error(self, outbox_id: int, lease_version: int, error: str) -> None:
         """Keep an unclassified error; the row comes back through its lease."""
-        self._fenced_write(
-            "record_error",
-            outbox_id,
-            lease_version,
-            lambda conn: self.store.record_error(conn, outbox_id, lease_version, error=error),
-        )
+        self._complete("record_error", [Finish(Lease(outbox_id, lease_version), Step.ERROR, error=error)])
+
+    def _complete(
+        self,
+        op: str,
+        finishes: Sequence[Finish],
+        *,
+        notify: bool = False,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> FinalizedMany:
+        """Every finalize of a delivery: the completer's one fenced statement (complete.py).
+
+        On its own connection, retried once when the server broke it (:meth:`_fenced_write`);
+        with ``conn`` as the last statements of that connection's open transaction (a
+        transactional handler's, invariant 20), which commits or rolls back as a whole.
+        """
+        cfg = self.config
+
+        def write(c: psycopg.Connection[Any]) -> FinalizedMany:
+            return self.store.completer.finish(
+                c,
+                finishes,
+                max_attempts=cfg.max_attempts,
+                max_age=cfg.max_defer_age,
+                notify=notify,
+                joined=conn is not None,
+            )
+
+        if conn is not None:
+            return write(conn)
+        first = finishes[0].lease
+        return self._fenced_write(op, first.id, first.lease_version, write)
 
     def _fenced_write(
         self, op: str, outbox_id: int, lease_version: int, write: Callable[[psycopg.Connection[Any]], T]
@@ -1083,47 +1065,5 @@ class Dispatcher:
 
     def _finish(self, verdict: Verdict, msg: Message, lease_version: int) -> Outcome:
         """The verdict's fenced write; :attr:`Outcome.LOST_LEASE` when another claim won."""
-        result = self._fenced_write(
-            verdict.outcome,
-            msg.id,
-            lease_version,
-            lambda conn: self._finalize(conn, verdict, msg, lease_version),
-        )
-        return _outcome_of(verdict, result)
-
-    def _finalize(
-        self, conn: psycopg.Connection[Any], verdict: Verdict, msg: Message, lease_version: int
-    ) -> Finalized:
-        """The one fenced finalize of the verdict's outcome."""
-        cfg, store = self.config, self.store
-        match verdict.outcome:
-            case Outcome.DONE:
-                return store.done(conn, msg.id, lease_version, ordered=msg.ordering_key is not None)
-            case Outcome.DEAD:
-                return store.dead(conn, msg.id, lease_version, error=verdict.error)
-            case Outcome.RETRY:
-                return store.retry(
-                    conn,
-                    msg.id,
-                    lease_version,
-                    delay=verdict.delay,
-                    error=verdict.error,
-                    max_attempts=cfg.max_attempts,
-                )
-            case Outcome.RATE_LIMITED | Outcome.DEFER:
-                # The same write back to pending, attempt refunded; a RateLimited one also holds
-                # its event type (DESIGN invariant 23).
-                defer = store.rate_limited if verdict.outcome is Outcome.RATE_LIMITED else store.defer
-                return defer(
-                    conn,
-                    msg.id,
-                    lease_version,
-                    delay=verdict.delay,
-                    reason=verdict.error,
-                    max_age=cfg.max_defer_age,
-                )
-        raise ValueError(f"no finalize for {verdict.outcome!r}")
-
-    def _extend(self, outbox_id: int, lease_version: int, seconds: float) -> bool:
-        with self.connection() as conn:
-            return self.store.extend_lease(conn, outbox_id, lease_version, seconds=seconds)
+        won = self._complete(str(verdict.outcome), [verdict.finish(msg, lease_version)])
+        return _outcome_of(verdict, won.of(msg.id))

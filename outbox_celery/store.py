@@ -33,15 +33,26 @@ from typing import Any
 
 import psycopg
 from psycopg import pq, sql
-from psycopg.rows import dict_row, tuple_row
+from psycopg.rows import tuple_row
 
 from . import _sql, codec
+from .complete import LOST, Completer, Finalized, FinalizedMany, Finish, Lease, Step
 from .config import TableName
 from .errors import ProducerError
 from .flow import CAP_RECHECK, LIMIT_RECHECK, Allowance, Limit, allowance
-from .message import Message, Outcome, Status, idempotency_key
+from .message import Message, idempotency_key
 
-__all__ = ["Claimed", "Finalized", "FinalizedMany", "FlowRead", "ScanMarks", "Store", "starter_token"]
+__all__ = [
+    "LOST",
+    "Claimed",
+    "Finalized",
+    "FinalizedMany",
+    "FlowRead",
+    "Lease",
+    "ScanMarks",
+    "Store",
+    "starter_token",
+]
 
 # Distinct ordering keys one producer call may lock (#21). Each key's lock is held to commit in
 # PostgreSQL's shared lock table, whose size is max_locks_per_transaction x (max_connections +
@@ -89,54 +100,10 @@ class Claimed:
     event_type: str
     lease_until: datetime
 
-
-@dataclass(frozen=True, slots=True)
-class Finalized:
-    """What one fenced write of a row did (a finalizer, :meth:`Store.postpone`...).
-
-    :ivar status: the row's status after the write, ``None`` when it changed nothing: the
-        lease was lost (a newer claim, a finished or released row; counted and logged). A retry
-        or defer past its limit says :attr:`Status.DEAD <outbox_celery.message.Status.DEAD>`;
-        :meth:`Store.record_error` leaves the row ``processing``.
-
-    True in a boolean context exactly when the write applied.
-    """
-
-    status: Status | None
-
     @property
-    def applied(self) -> bool:
-        """The fence held: the write changed the row."""
-        return self.status is not None
-
-    def __bool__(self) -> bool:
-        return self.applied
-
-
-#: The result of a fenced write that lost its lease.
-LOST = Finalized(None)
-
-
-@dataclass(frozen=True, slots=True)
-class FinalizedMany:
-    """What one fenced write of many rows did (:meth:`Store.done_many`, :meth:`Store.finish_many`).
-
-    :ivar statuses: the new status of each row the write changed, by id.
-    :ivar lost: the ids it left alone: their lease was lost (counted and logged).
-    """
-
-    statuses: Mapping[int, Status]
-    lost: frozenset[int]
-
-    @property
-    def applied(self) -> frozenset[int]:
-        """The ids whose fence held."""
-        return frozenset(self.statuses)
-
-    def of(self, outbox_id: int) -> Finalized:
-        """The one-row view of ``outbox_id``'s write."""
-        status = self.statuses.get(outbox_id)
-        return LOST if status is None else Finalized(status)
+    def lease(self) -> Lease:
+        """The claim's lease: what its fenced start and finalize are fenced on."""
+        return Lease(self.id, self.lease_version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,18 +328,21 @@ class Store:
         unknown = set(queries or {}) - set(self._q)
         if unknown:
             raise ValueError(f"no named queries {sorted(unknown)} to replace")
-        if queries:
-            known = _sql.fragments("queries.sql")
-            replaced = {
-                name: _sql.compose(_sql.fill(text, known), self.table) for name, text in queries.items()
-            }
-            self._q = {**self._q, **replaced}
+        filled = {
+            name: _sql.fill(text, _sql.fragments("queries.sql")) for name, text in (queries or {}).items()
+        }
+        if filled:
+            self._q = {**self._q, **{name: _sql.compose(text, self.table) for name, text in filled.items()}}
+        #: The one-row forms of the fenced statements (the completer's calls with one row).
+        self._one: Mapping[str, sql.Composed] = _sql.one_row_queries("queries.sql", self.table, filled)
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._canonical: str | None = None
         self._instance: str | None = None
         self._flow_ready = False
         self._flow_warned = False
+        #: The fenced transitions of this table: start, finalize, lease extension.
+        self.completer = Completer(self)
 
     # -- transactions --------------------------------------------------------------------------
 
@@ -410,22 +380,6 @@ class Store:
         """Counters of this process: claims, fenced outcomes, lost leases."""
         with self._stats_lock:
             return dict(self._stats)
-
-    def _lost(self, op: str, outbox_id: int, lease_version: int) -> None:
-        self._count(Outcome.LOST_LEASE.counter)
-        logger.warning(
-            "lost lease: %s of outbox id %s version %s changed nothing",
-            op,
-            outbox_id,
-            lease_version,
-            extra={
-                "outbox_id": outbox_id,
-                "lease_version": lease_version,
-                "outcome": Outcome.LOST_LEASE,
-                "operation": op,
-                "outbox_table": self.table.qualified,
-            },
-        )
 
     # -- producer ------------------------------------------------------------------------------
 
@@ -1208,15 +1162,10 @@ class Store:
         if not claims:
             return 0
         with conn.transaction():
-            cur = conn.execute(
-                self._q["release"],
-                {"ids": [c.id for c in claims], "lease_versions": [c.lease_version for c in claims]},
-            )
-            n = len(cur.fetchall())
-        self._count("released", n)
-        return n
+            won = self._finish(conn, [Finish(c.lease, Step.RELEASE) for c in claims])
+        return len(won.statuses)
 
-    # -- worker side ---------------------------------------------------------------------------
+    # -- worker side: the fenced transitions, run by the completer (complete.py) ---------------
 
     def start(
         self,
@@ -1230,60 +1179,183 @@ class Store:
     ) -> Message | None:
         """The fenced start: count the attempt, extend the lease, return the message.
 
-        A claim starts once (#21): ``None`` when the claim is stale (version superseded, row
-        finished or released) or already started by another task (a redelivery while the first
-        run holds the lease: two runs of one claim at once are refused here). ``None`` too when
-        a claim that never started finds every attempt spent, in which case the row goes
-        ``dead``; a started claim is never made dead here, the reap judges it when its lease ends.
+        A claim starts once: ``None`` when the claim is stale (version superseded, row finished
+        or released) or already started by another task (a redelivery while the first run holds
+        the lease: two runs of one claim at once are refused here). ``None`` too when a claim
+        that never started finds every attempt spent, in which case the row goes ``dead``; a
+        started claim is never made dead here, the reap judges it when its lease ends.
 
         :param starter: names this start (:func:`starter_token`; a fresh one by default). Called
             again with the same token after its reply was lost, the start returns the row
             without counting the attempt again.
         """
-        params = {
-            "id": outbox_id,
-            "lease_version": lease_version,
-            "lease": lease,
-            "max_attempts": max_attempts,
-            "commit_mode": self._commit_mode(conn),
-            "starter": starter or starter_token(),
-        }
-        with self._single_statement(conn):
-            cur = conn.cursor(row_factory=dict_row)
-            row = cur.execute(self._q["start"], params).fetchone()
-        if row is None and starter is not None:
-            # The retry of a start that committed although its reply was lost: our own claim.
-            with self._single_statement(conn):
-                cur = conn.cursor(row_factory=dict_row)
-                row = cur.execute(self._q["resume"], params).fetchone()
-            if row is not None:
-                self._count("resumed_starts")
-                return self._message(conn, row)
-        if row is None:
-            # Its own statement: it re-checks the fence, whatever happened in between.
-            with self._single_statement(conn):
-                exhausted = conn.execute(self._q["start_exhausted"], params).fetchone()
-            self._refused_start(outbox_id, lease_version, dead=exhausted is not None)
-            return None
-        self._count("started")
-        return self._message(conn, row)
-
-    def _refused_start(self, outbox_id: int, lease_version: int, *, dead: bool) -> None:
-        """Count (and, when its attempts ran out, log) a start that did not start its row."""
-        if not dead:
-            self._count("stale_starts")
-            return
-        self._count("dead")
-        logger.error(
-            "outbox id %s went dead: attempts exhausted before this run",
-            outbox_id,
-            extra={
-                "outbox_id": outbox_id,
-                "lease_version": lease_version,
-                "outcome": "dead",
-                "outbox_table": self.table.qualified,
-            },
+        started = self.completer.start(
+            conn,
+            [Lease(outbox_id, lease_version)],
+            lease=lease,
+            max_attempts=max_attempts,
+            starter=starter or starter_token(),
+            resume=starter is not None,
         )
+        return started[0] if started else None
+
+    def start_many(
+        self,
+        conn: psycopg.Connection[Any],
+        pairs: Sequence[Lease | tuple[int, int]],
+        *,
+        lease: float,
+        max_attempts: int,
+        starter: str,
+    ) -> list[Message]:
+        """The fenced start of a batch: :meth:`start` for many leases (or ``(id, lease_version)``
+        pairs) in one statement; the started messages sorted by id (:meth:`Completer.start
+        <outbox_celery.complete.Completer.start>`)."""
+        leases = [Lease.of(p) for p in pairs]
+        return self.completer.start(conn, leases, lease=lease, max_attempts=max_attempts, starter=starter)
+
+    def _finish(self, conn: psycopg.Connection[Any], finishes: Sequence[Finish], **kw: Any) -> FinalizedMany:
+        """:meth:`Completer.finish <outbox_celery.complete.Completer.finish>` with limits that the
+        given steps do not read (retry's ``max_attempts``, defer's ``max_age``) left at zero."""
+        kw.setdefault("max_attempts", 0)
+        kw.setdefault("max_age", 0.0)
+        return self.completer.finish(conn, finishes, **kw)
+
+    def done(
+        self,
+        conn: psycopg.Connection[Any],
+        outbox_id: int,
+        lease_version: int,
+        *,
+        ordered: bool | None = None,
+        joined: bool = False,
+    ) -> Finalized:
+        """Fenced: ``processing`` -> ``done``; an ordered head hands its key to the next message.
+
+        Unordered rows finish in one statement and take no key lock. An ordered row's done is
+        one transaction: the key lock first (the producers' lock), then the fenced done and the
+        head's move in one statement whose snapshot follows the lock, so a producer committing
+        a message of the key meanwhile is either seen or waits (invariant 9).
+
+        :param ordered: whether the row has an ordering key, when the caller knows (the worker
+            does, from the fenced start). ``None`` takes the lock statement too (it locks
+            nothing for an unordered row).
+        :param joined: the done is the last statement of the caller's open transaction (a
+            transactional handler's, DESIGN invariant 20).
+        """
+        done = [Finish(Lease(outbox_id, lease_version), Step.DONE, ordered=ordered)]
+        return self.completer.finish(conn, done, max_attempts=0, max_age=0.0, joined=joined).of(outbox_id)
+
+    def done_many(
+        self, conn: psycopg.Connection[Any], finished: Sequence[Lease | tuple[int, int]]
+    ) -> FinalizedMany:
+        """Fenced: many unordered leases (or ``(id, lease_version)`` pairs) ``done`` at once.
+
+        One statement and one transaction for the whole batch; each row is fenced on its own
+        version. Ordered rows are never finished here (left as they are, counted as lost): their
+        done moves the key's head under the key lock (:meth:`done`).
+        """
+        return self._finish(conn, [Finish(Lease.of(p), Step.DONE) for p in finished])
+
+    def finish_many(
+        self,
+        conn: psycopg.Connection[Any],
+        rows: Sequence[tuple[int, int, str, float, str]],
+        *,
+        max_attempts: int,
+        max_age: float,
+        notify: bool = False,
+    ) -> FinalizedMany:
+        """The fenced finalize of a batch: ``(id, lease_version, step, delay, error)`` rows, each
+        with its own :class:`~outbox_celery.complete.Step` (an ordered row's done is refused
+        here, as in :meth:`done_many`); see :meth:`Completer.finish
+        <outbox_celery.complete.Completer.finish>`."""
+        finishes = [Finish(Lease(i, v), Step(step), delay, error) for i, v, step, delay, error in rows]
+        return self._finish(conn, finishes, max_attempts=max_attempts, max_age=max_age, notify=notify)
+
+    def retry(
+        self,
+        conn: psycopg.Connection[Any],
+        outbox_id: int,
+        lease_version: int,
+        *,
+        delay: float,
+        error: str,
+        max_attempts: int,
+    ) -> Finalized:
+        """Fenced retryable failure: the new status is ``pending``, or ``dead`` at the limit."""
+        finish = Finish(Lease(outbox_id, lease_version), Step.RETRY, delay, error)
+        return self._finish(conn, [finish], max_attempts=max_attempts).of(outbox_id)
+
+    def defer(
+        self,
+        conn: psycopg.Connection[Any],
+        outbox_id: int,
+        lease_version: int,
+        *,
+        delay: float,
+        reason: str,
+        max_age: float,
+    ) -> Finalized:
+        """Fenced defer, attempt refunded: the new status is ``pending``, or ``dead`` past ``max_age``."""
+        finish = Finish(Lease(outbox_id, lease_version), Step.DEFER, delay, reason)
+        return self._finish(conn, [finish], max_age=max_age).of(outbox_id)
+
+    def rate_limited(
+        self,
+        conn: psycopg.Connection[Any],
+        outbox_id: int,
+        lease_version: int,
+        *,
+        delay: float,
+        reason: str,
+        max_age: float,
+    ) -> Finalized:
+        """Fenced RateLimited outcome (DESIGN invariant 23): as :meth:`defer`, and in the same
+        transaction the row's event type is held until ``now() + delay`` (a row with a limit
+        key holds its key only, invariant 24). Nothing is held when the lease was lost."""
+        finish = Finish(Lease(outbox_id, lease_version), Step.RATE_LIMITED, delay, reason)
+        return self._finish(conn, [finish], max_age=max_age).of(outbox_id)
+
+    def dead(
+        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, error: str
+    ) -> Finalized:
+        """Fenced: ``processing`` -> ``dead`` with ``error``."""
+        return self._finish(conn, [Finish(Lease(outbox_id, lease_version), Step.DEAD, error=error)]).of(
+            outbox_id
+        )
+
+    def record_error(
+        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, error: str
+    ) -> Finalized:
+        """Fenced: store ``error`` and leave the row (``processing``) to return through its lease."""
+        finish = Finish(Lease(outbox_id, lease_version), Step.ERROR, error=error)
+        return self._finish(conn, [finish]).of(outbox_id)
+
+    def postpone(
+        self,
+        conn: psycopg.Connection[Any],
+        outbox_id: int,
+        lease_version: int,
+        *,
+        delay: float,
+        error: str,
+    ) -> Finalized:
+        """Fenced: back to pending after ``delay`` with the attempt refunded (no handler here)."""
+        finish = Finish(Lease(outbox_id, lease_version), Step.POSTPONE, delay, error)
+        return self._finish(conn, [finish]).of(outbox_id)
+
+    def extend_lease(
+        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, seconds: float
+    ) -> bool:
+        """Fenced: ``lease_until = max(lease_until, now() + seconds)``; whether the lease held."""
+        return bool(self.completer.extend(conn, [Lease(outbox_id, lease_version)], seconds=seconds))
+
+    def extend_leases(
+        self, conn: psycopg.Connection[Any], pairs: Sequence[Lease | tuple[int, int]], *, seconds: float
+    ) -> set[int]:
+        """Fenced :meth:`extend_lease` of many leases in one statement; returns the ids extended."""
+        return self.completer.extend(conn, [Lease.of(p) for p in pairs], seconds=seconds)
 
     def _message(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> Message:
         return Message(
@@ -1302,59 +1374,6 @@ class Store:
             trace_context=row.get("trace_context"),
             legacy_idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"])),
         )
-
-    def _fenced(
-        self, conn: psycopg.Connection[Any], op: str, params: dict[str, Any]
-    ) -> tuple[Any, ...] | None:
-        """Run one fenced statement of a row; its returned row, or ``None`` (counted, logged)."""
-        with self._single_statement(conn):
-            row: tuple[Any, ...] | None = conn.execute(self._q[op], params).fetchone()
-        if row is None:
-            self._lost(op, params["id"], params["lease_version"])
-        return row
-
-    def done(
-        self,
-        conn: psycopg.Connection[Any],
-        outbox_id: int,
-        lease_version: int,
-        *,
-        ordered: bool | None = None,
-        joined: bool = False,
-    ) -> Finalized:
-        """Fenced: ``processing`` -> ``done``; an ordered head hands its key to the next message.
-
-        Unordered rows finish in one statement and take no key lock.
-        An ordered row's done is one transaction: the key lock first (the producers' lock), then
-        the fenced done and the head's move in one statement whose snapshot follows the lock, so
-        a producer committing a message of the key meanwhile is either seen or waits
-        (invariant 9).
-
-        :param ordered: whether the row has an ordering key, when the caller knows (the worker
-            does, from the fenced start): it saves the statement that does not apply. ``None``
-            tries the unordered statement first and the ordered done when it changed nothing.
-        :param joined: the done is the last statement of the caller's open transaction (a
-            transactional handler's, DESIGN invariant 20), which commits or rolls back as a
-            whole: its statements run there directly, without the savepoint a nested
-            transaction would cost (two round trips).
-        """
-        if joined and self._owns_transaction(conn):
-            raise RuntimeError("a joined done needs the caller's open transaction")
-        params = {"id": outbox_id, "lease_version": lease_version, "commit_mode": self._commit_mode(conn)}
-        scope = contextlib.nullcontext if joined else conn.transaction
-        won = False
-        if not ordered:
-            with contextlib.nullcontext() if joined else self._single_statement(conn):
-                won = conn.execute(self._q["finish_done"], params).fetchone() is not None
-        if not won and ordered is not False:
-            with scope():
-                conn.execute(self._q["lock_key_of"], {"table": self._regclass(conn), "id": outbox_id})
-                won = conn.execute(self._q["finish_done_head"], params).fetchone() is not None
-        if not won:
-            self._lost("finish_done", outbox_id, lease_version)
-            return LOST
-        self._count("done")
-        return Finalized(Status.DONE)
 
     def follow_ups_at_commit(self, conn: psycopg.Connection[Any], ids: Sequence[int]) -> int:
         """Move rows the caller's open transaction enqueued, already due, to this statement's time.
@@ -1385,255 +1404,6 @@ class Store:
         row = conn.execute(self._q["transaction_limits"], {"ms": ms}).fetchone()
         assert row is not None
         return str(row[3])
-
-    def done_many(self, conn: psycopg.Connection[Any], finished: Sequence[tuple[int, int]]) -> FinalizedMany:
-        """Fenced: many unordered ``(id, lease_version)`` rows ``processing`` -> ``done`` at once.
-
-        One statement and one transaction for the whole batch; each row is fenced on its own
-        version. Returns the rows that went ``done``; the others lost their lease (counted and
-        logged as :meth:`done` does). Ordered rows are never finished here: their done moves
-        the key's head under the key lock (:meth:`done`).
-        """
-        if not finished:
-            return FinalizedMany({}, frozenset())
-        params = {
-            "ids": [i for i, _ in finished],
-            "lease_versions": [v for _, v in finished],
-            "commit_mode": self._commit_mode(conn),
-        }
-        with self._single_statement(conn):
-            won = {int(r[0]) for r in conn.execute(self._q["finish_done_many"], params).fetchall()}
-        self._count("done", len(won))
-        for outbox_id, lease_version in finished:
-            if outbox_id not in won:
-                self._lost("finish_done", outbox_id, lease_version)
-        return FinalizedMany(dict.fromkeys(won, Status.DONE), frozenset(i for i, _ in finished) - won)
-
-    # -- batches (#22, DESIGN invariant 21) ----------------------------------------------------
-
-    def start_many(
-        self,
-        conn: psycopg.Connection[Any],
-        pairs: Sequence[tuple[int, int]],
-        *,
-        lease: float,
-        max_attempts: int,
-        starter: str,
-    ) -> list[Message]:
-        """The fenced start of a batch: :meth:`start` for many ``(id, lease_version)`` pairs.
-
-        One statement starts every pair that :meth:`start` would start, each fenced on its own
-        version; the others (stale, already started, no attempt left) are left out of the
-        result, sorted by id. Only when some pair found nothing: the retry of a start whose reply
-        was lost gets its rows back under the same ``starter`` (no attempt counted again), and a
-        claim that never started and has no attempt left goes ``dead`` (as :meth:`start`).
-        """
-        params: dict[str, Any] = {
-            "ids": [i for i, _ in pairs],
-            "lease_versions": [v for _, v in pairs],
-            "lease": lease,
-            "max_attempts": max_attempts,
-            "commit_mode": self._commit_mode(conn),
-            "starter": starter,
-        }
-        with self._single_statement(conn):
-            cur = conn.cursor(row_factory=dict_row)
-            rows = cur.execute(self._q["start_many"], params).fetchall()
-        self._count("started", len(rows))
-        missing = [(i, v) for i, v in pairs if i not in {int(r["id"]) for r in rows}]
-        if missing:
-            params["ids"] = [i for i, _ in missing]
-            params["lease_versions"] = [v for _, v in missing]
-            with self._single_statement(conn):
-                cur = conn.cursor(row_factory=dict_row)
-                resumed = cur.execute(self._q["resume_many"], params).fetchall()
-            self._count("resumed_starts", len(resumed))
-            rows += resumed
-            back = {int(r["id"]) for r in resumed}
-            missing = [(i, v) for i, v in missing if i not in back]
-        if missing:
-            params["ids"] = [i for i, _ in missing]
-            params["lease_versions"] = [v for _, v in missing]
-            with self._single_statement(conn):
-                dead = {int(r[0]) for r in conn.execute(self._q["start_exhausted_many"], params).fetchall()}
-            for outbox_id, lease_version in missing:
-                self._refused_start(outbox_id, lease_version, dead=outbox_id in dead)
-        return sorted((self._message(conn, r) for r in rows), key=lambda m: m.id)
-
-    def finish_many(
-        self,
-        conn: psycopg.Connection[Any],
-        rows: Sequence[tuple[int, int, str, float, str]],
-        *,
-        max_attempts: int,
-        max_age: float,
-        notify: bool = False,
-    ) -> FinalizedMany:
-        """The fenced finalize of a batch: one statement, each row with its own outcome.
-
-        ``rows`` are ``(id, lease_version, outcome, delay, error)`` with outcome ``done``,
-        ``dead``, ``retry``, ``defer``, ``postpone`` or ``error`` (record the error, leave the
-        row to its lease); each writes what the one-row finalizer of that outcome writes
-        (:meth:`done`, :meth:`dead`, :meth:`retry`, :meth:`defer`, :meth:`postpone`,
-        :meth:`record_error`). An ordered row's done is refused here (:meth:`done` moves its
-        key's head). Returns the new status of each row it changed; the others lost their lease
-        (counted and logged). The commit is relaxed only when every row is a done. With
-        ``notify`` the statement signals the table's listeners at commit (a batch's leases
-        ended: room under the in-flight bound), as the producers' insert does.
-        """
-        if not rows:
-            return FinalizedMany({}, frozenset())
-        relaxed = all(r[2] == Outcome.DONE for r in rows)
-        params = {
-            "ids": [r[0] for r in rows],
-            "lease_versions": [r[1] for r in rows],
-            "outcomes": [str(r[2]) for r in rows],
-            "delays": [float(r[3]) for r in rows],
-            "errors": [r[4] for r in rows],
-            "max_attempts": max_attempts,
-            "max_age": max_age,
-            "commit_mode": self._commit_mode(conn) if relaxed else None,
-            "notify": notify,
-            "table": self._regclass(conn),
-        }
-        with self._single_statement(conn):
-            won = {int(i): Status(s) for i, s in conn.execute(self._q["finish_many"], params).fetchall()}
-        for outbox_id, lease_version, outcome, _delay, _error in rows:
-            status = won.get(outbox_id)
-            if status is None:
-                self._lost(f"finish_many:{outcome}", outbox_id, lease_version)
-            elif status == Status.DEAD:
-                self._count(Outcome.DEAD.counter)
-            elif outcome != "postpone":
-                self._count(Outcome(outcome).counter)
-        return FinalizedMany(won, frozenset(r[0] for r in rows) - won.keys())
-
-    def extend_leases(
-        self, conn: psycopg.Connection[Any], pairs: Sequence[tuple[int, int]], *, seconds: float
-    ) -> set[int]:
-        """Fenced :meth:`extend_lease` of many pairs in one statement; returns the ids extended."""
-        params = {"ids": [i for i, _ in pairs], "lease_versions": [v for _, v in pairs], "seconds": seconds}
-        with self._single_statement(conn):
-            return {int(r[0]) for r in conn.execute(self._q["extend_lease_many"], params).fetchall()}
-
-    def retry(
-        self,
-        conn: psycopg.Connection[Any],
-        outbox_id: int,
-        lease_version: int,
-        *,
-        delay: float,
-        error: str,
-        max_attempts: int,
-    ) -> Finalized:
-        """Fenced retryable failure: the new status is ``pending``, or ``dead`` at the limit."""
-        params = {"delay": delay, "error": error, "max_attempts": max_attempts}
-        return self._reschedule(conn, "finish_retry", Outcome.RETRY, outbox_id, lease_version, params)
-
-    def defer(
-        self,
-        conn: psycopg.Connection[Any],
-        outbox_id: int,
-        lease_version: int,
-        *,
-        delay: float,
-        reason: str,
-        max_age: float,
-    ) -> Finalized:
-        """Fenced defer, attempt refunded: the new status is ``pending``, or ``dead`` past ``max_age``."""
-        params = {"delay": delay, "reason": reason, "max_age": max_age}
-        return self._reschedule(conn, "finish_defer", Outcome.DEFER, outbox_id, lease_version, params)
-
-    def rate_limited(
-        self,
-        conn: psycopg.Connection[Any],
-        outbox_id: int,
-        lease_version: int,
-        *,
-        delay: float,
-        reason: str,
-        max_age: float,
-    ) -> Finalized:
-        """Fenced RateLimited outcome (#23, DESIGN invariant 23): as :meth:`defer` (attempt
-        refunded, ``dead`` past ``max_age``), and in the same statement the row's event type is
-        held until ``now() + delay``: no claim hands out another of its messages before then.
-        A row with a limit key holds its key only (DESIGN invariant 24).
-
-        Not applied when the lease was lost (then nothing is held either).
-        """
-        params = {"delay": delay, "reason": reason, "max_age": max_age}
-        return self._reschedule(
-            conn, "finish_rate_limited", Outcome.RATE_LIMITED, outbox_id, lease_version, params
-        )
-
-    def _reschedule(
-        self,
-        conn: psycopg.Connection[Any],
-        op: str,
-        outcome: Outcome,
-        outbox_id: int,
-        lease_version: int,
-        params: dict[str, Any],
-    ) -> Finalized:
-        """A fenced write back to ``pending`` that goes ``dead`` instead past its limit."""
-        row = self._fenced(conn, op, {"id": outbox_id, "lease_version": lease_version, **params})
-        if row is None:
-            return LOST
-        status = Status(row[1])
-        self._count(Outcome.DEAD.counter if status is Status.DEAD else outcome.counter)
-        return Finalized(status)
-
-    def _fenced_to(
-        self,
-        conn: psycopg.Connection[Any],
-        op: str,
-        params: dict[str, Any],
-        *,
-        status: Status,
-        counter: str | None = None,
-    ) -> Finalized:
-        """A fenced write that leaves its row in ``status`` when it applies (counted as ``counter``)."""
-        if self._fenced(conn, op, params) is None:
-            return LOST
-        if counter is not None:
-            self._count(counter)
-        return Finalized(status)
-
-    def dead(
-        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, error: str
-    ) -> Finalized:
-        """Fenced: ``processing`` -> ``dead`` with ``error``."""
-        params = {"id": outbox_id, "lease_version": lease_version, "error": error}
-        return self._fenced_to(conn, "finish_dead", params, status=Status.DEAD, counter=Outcome.DEAD.counter)
-
-    def record_error(
-        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, error: str
-    ) -> Finalized:
-        """Fenced: store ``error`` and leave the row (``processing``) to return through its lease."""
-        params = {"id": outbox_id, "lease_version": lease_version, "error": error}
-        return self._fenced_to(
-            conn, "record_error", params, status=Status.PROCESSING, counter=Outcome.ERROR.counter
-        )
-
-    def postpone(
-        self,
-        conn: psycopg.Connection[Any],
-        outbox_id: int,
-        lease_version: int,
-        *,
-        delay: float,
-        error: str,
-    ) -> Finalized:
-        """Fenced: back to pending after ``delay`` with the attempt refunded (no handler here)."""
-        params = {"id": outbox_id, "lease_version": lease_version, "delay": delay, "error": error}
-        return self._fenced_to(conn, "postpone", params, status=Status.PENDING)
-
-    def extend_lease(
-        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, seconds: float
-    ) -> bool:
-        """Fenced: ``lease_until = max(lease_until, now() + seconds)``; whether the lease held."""
-        params = {"id": outbox_id, "lease_version": lease_version, "seconds": seconds}
-        return self._fenced(conn, "extend_lease", params) is not None
 
     # -- push (#11) ----------------------------------------------------------------------------
 

@@ -265,36 +265,72 @@ WITH picked AS (
 {claim_picked};
 
 -- name: start
--- The fenced start: the worker is about to run the handler. Counts the attempt here, not at
--- claim, because a broker hop sits between the two (DESIGN invariant 3).
--- Once per claim (#21): a claim that already started (started_version = lease_version) is never
+-- The fenced start of one claim or many (a batch task's, DESIGN invariants 3, 21): the worker is
+-- about to run the handler. Counts the attempt here, not at claim, because a broker hop sits
+-- between the two (DESIGN invariant 3). Each (id, lease_version) pair is fenced on its own
+-- version; a pair that does not match (a newer claim, a finished row, a claim already started,
+-- no attempt left) is left out of the result.
+-- Once per claim: a claim that already started (started_version = lease_version) is never
 -- started again, so a task the broker redelivers while the first run still holds the lease (a
 -- Redis visibility_timeout or RabbitMQ consumer_timeout shorter than the run) calls nothing;
 -- only the start's own retry after a lost reply gets its row back (resume). The starter's token
 -- goes into lease_owner: who runs the claim now, and what resume matches.
 -- commit_mode 'off' relaxes synchronous_commit for this statement's own transaction (NULL keeps
 -- the current setting): see Store's relaxed_commit for why losing it costs at most a redelivery.
+-- inline_payload: one result carries a bounded number of stored payload bytes.
 UPDATE {table}
 SET attempts = attempts + 1,
     started_version = lease_version,
     lease_owner = %(starter)s,
     lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
-FROM {commit_mode}
-WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
+FROM {commit_mode}, {leases} AS s(claim_id, claim_version)
+WHERE id = s.claim_id AND lease_version = s.claim_version AND status = 'processing'
   AND started_version < lease_version AND attempts < %(max_attempts)s
-RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
+RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attempts, created_at,
           lease_version, ordering_key, trace_context;
 
 -- name: resume
--- The retry of a start whose reply was lost with its connection (#21): the start committed, so
--- the claim is started under this starter's token. The row comes back as the start returned it,
+-- The retry of a start whose reply was lost with its connection: the start committed, so the
+-- claim is started under this starter's token. The row comes back as the start returned it,
 -- with no attempt counted again and never made dead here (DESIGN invariant 3).
 UPDATE {table}
 SET lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
-WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
+FROM {leases} AS s(claim_id, claim_version)
+WHERE id = s.claim_id AND lease_version = s.claim_version AND status = 'processing'
   AND started_version = lease_version AND lease_owner = %(starter)s
-RETURNING id, event_type, aggregate_type, aggregate_id, payload, attempts, created_at,
+RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attempts, created_at,
           lease_version, ordering_key, trace_context;
+
+-- fragment: inline_payload
+-- The payload, when it is read with the start, its stored size, and whether it was: each of the
+-- n rows may take %(inline_share)s = 1/n of the completer's inline_bytes, so one result never
+-- carries a whole batch of large payloads; the others are read in bounded chunks (payloads).
+CASE WHEN pg_column_size(payload) <= %(inline_share)s THEN payload END AS payload,
+pg_column_size(payload) AS payload_bytes,
+pg_column_size(payload) <= %(inline_share)s AS payload_inline
+
+-- fragment: leases
+-- The (id, lease_version) pairs a fenced statement applies to, one or many. A statement of one
+-- row is run with one_lease in its place (_sql.one_row): its plan is made once and reused,
+-- where an array's unknown length would have it planned again for every call.
+unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[])
+
+-- fragment: one_lease
+(VALUES (%(id)s::bigint, %(lease_version)s::bigint))
+
+-- fragment: finishes
+-- The finishes of the finish statement, one or many (one_finish for one, as leases).
+unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[], %(outcomes)s::text[], %(delays)s::float8[],
+       %(errors)s::text[])
+
+-- fragment: one_finish
+(VALUES (%(id)s::bigint, %(lease_version)s::bigint, %(outcome)s::text, %(delay)s::float8,
+         %(error)s::text))
+
+-- name: payloads
+-- The payloads start left out of its result (beyond its byte budget), one bounded chunk of ids
+-- at a time. A payload never changes after the insert: read without a fence.
+SELECT id, payload FROM {table} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id;
 
 -- name: start_exhausted
 -- A claim that never started and whose row has no attempt left (max_attempts lowered since,
@@ -307,73 +343,118 @@ SET status = 'dead',
     started_version = lease_version,
     last_error = 'attempts exhausted: ' || attempts || ' handler run(s) of ' || %(max_attempts)s::int
                  || ' started without a result' || coalesce('; last error: ' || last_error, '')
-WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
+FROM {leases} AS s(claim_id, claim_version)
+WHERE id = s.claim_id AND lease_version = s.claim_version AND status = 'processing'
   AND started_version < lease_version
   AND attempts >= %(max_attempts)s
 RETURNING id;
 
--- name: finish_done
--- commit_mode as in start: a lost done means a redelivery after the lease, nothing worse.
--- Unordered rows only: an ordered head moves its key's head as it goes (finish_done_head). The
--- extra predicate costs an unordered row nothing: one fenced update, no key lock.
-UPDATE {table}
-SET status = 'done', done_at = now(), lease_until = NULL
-FROM {commit_mode}
-WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
-  AND ordering_key IS NULL
-RETURNING id;
-
--- name: finish_done_many
--- The fenced done of many unordered rows in one statement: a worker process's handled messages
--- written together (done_batch_delay, DoneBatcher). Each row is fenced on its own
--- lease_version; one whose lease was lost is left as it is and missing from the result.
--- commit_mode as in finish_done.
-UPDATE {table} AS o
-SET status = 'done', done_at = now(), lease_until = NULL
-FROM {commit_mode},
-     unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS f(id, lease_version)
-WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processing'
-  AND o.ordering_key IS NULL
-RETURNING o.id;
-
 -- name: lock_key_of
--- First statement of an ordered done: the producers' lock of the row's key (as lock_keys), so
--- that the next statement's snapshot holds every message of the key committed so far and none
--- can commit until the head has moved. Nothing is locked for an unordered row.
-SELECT {key_lock}
-FROM (SELECT ordering_key AS k FROM {table} WHERE id = %(id)s AND ordering_key IS NOT NULL) AS keyed;
+-- First statement of a finalize that holds an ordered done: the producers' locks (lock_keys) of
+-- those rows' keys, sorted, so that the finish statement's snapshot holds every message of the
+-- keys committed so far and none can commit until the heads have moved (DESIGN invariant 9).
+-- Nothing is locked for an unordered row.
+SELECT count({key_lock})
+FROM (SELECT DISTINCT ordering_key AS k FROM {table}
+      WHERE id = ANY(%(ids)s::bigint[]) AND ordering_key IS NOT NULL
+      ORDER BY 1) AS sorted_keys;
 
--- name: finish_done_head
--- The fenced done of an ordered row, under its key lock (lock_key_of): the row goes done and the
--- key's next unfinished message, if any, becomes its head in the same transaction, so a key is
--- never without a claimable head nor with two (DESIGN invariant 9). The snapshot predates this
--- statement's own update, hence "id > fin.id" to step over the row just finished.
-WITH fin AS (
-    UPDATE {table}
-    SET status = 'done', done_at = now(), lease_until = NULL
-    FROM {commit_mode}
-    WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
-    RETURNING id, ordering_key, head
+-- name: finish
+-- The one fenced finalize (the completer, DESIGN invariants 4, 9, 21): every outcome of one row
+-- or many in one statement, each row fenced on its own lease_version and status 'processing'.
+-- Each outcome's rule is written here and nowhere else:
+--   done          'done', done_at now(); an ordered row only under its key lock (keys_locked:
+--                 lock_key_of ran first in this transaction; settle_heads then gives the key
+--                 its next head, invariant 9);
+--   retry         'pending' after the delay, the attempt kept; 'dead' once attempts are spent;
+--   defer,
+--   rate_limited  'pending' after the delay, the attempt refunded; 'dead' once it would wait
+--                 past max_defer_age (a rate_limited row's hold: flow_hold, same transaction);
+--   dead          'dead' with the error;
+--   error         the error kept, the row left 'processing' to return through its lease;
+--   postpone      'pending' after the delay, the attempt refunded (no handler here, unroutable);
+--   release       'pending' now, nothing spent, only while the claim never started (a publish
+--                 that failed; a worker that started the claim keeps its row, invariant 12).
+-- commit_mode as in start (the completer relaxes only an all-done finalize). With notify the
+-- table's listeners hear at commit that leases ended (a claim that the in-flight bound stopped
+-- runs again then), on the channel the producers' insert signals.
+UPDATE {table} AS o
+SET status = CASE
+        WHEN f.outcome IN ('done', 'dead') THEN f.outcome
+        WHEN f.outcome = 'retry' AND {attempts_spent} THEN 'dead'
+        WHEN f.outcome IN ('defer', 'rate_limited') AND {past_max_defer_age} THEN 'dead'
+        WHEN f.outcome = 'error' THEN o.status
+        ELSE 'pending' END,
+    attempts = CASE WHEN f.outcome IN ('defer', 'rate_limited', 'postpone')
+                    THEN greatest(o.attempts - 1, 0) ELSE o.attempts END,
+    available_at = CASE
+        WHEN f.outcome = 'release' THEN now()
+        WHEN f.outcome IN ('defer', 'rate_limited', 'postpone')
+             OR f.outcome = 'retry' AND NOT {attempts_spent}
+        THEN now() + make_interval(secs => f.delay)
+        ELSE o.available_at END,
+    lease_until = CASE WHEN f.outcome = 'error' THEN o.lease_until END,
+    done_at = CASE WHEN f.outcome = 'done' THEN now() ELSE o.done_at END,
+    last_error = CASE
+        WHEN f.outcome IN ('done', 'release') THEN o.last_error
+        WHEN f.outcome = 'retry' AND {attempts_spent}
+        THEN 'attempts exhausted (' || o.attempts || ' of ' || %(max_attempts)s::int || '): '
+             || f.error
+        WHEN f.outcome IN ('defer', 'rate_limited')
+        THEN CASE f.outcome WHEN 'defer' THEN 'deferred' ELSE 'rate limited' END
+             || CASE WHEN {past_max_defer_age} THEN ' past max_defer_age: ' ELSE ': ' END
+             || f.error
+        ELSE f.error END
+FROM {commit_mode},
+     {wake_listeners} AS woke,
+     {finishes} AS f(id, lease_version, outcome, delay, error)
+WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processing'
+  AND f.outcome IN ('done', 'retry', 'defer', 'rate_limited', 'dead', 'error', 'postpone', 'release')
+  AND (f.outcome <> 'done' OR o.ordering_key IS NULL OR %(keys_locked)s::bool)
+  AND (f.outcome <> 'release' OR o.started_version < o.lease_version)
+RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay;
+
+-- fragment: attempts_spent
+-- A retry at the limit goes dead (finish).
+o.attempts >= %(max_attempts)s
+
+-- fragment: past_max_defer_age
+-- A defer or RateLimited row that would wait past max_defer_age goes dead (finish).
+now() + make_interval(secs => f.delay) > o.created_at + make_interval(secs => %(max_age)s)
+
+-- fragment: hold_until
+-- The end of a RateLimited hold (flow_hold): the longest delay asked, for max_defer_age at most
+-- (invariant 25).
+now() + make_interval(secs => least(max(delay), %(max_hold)s::float8))
+
+-- name: flow_hold
+-- The hold of RateLimited outcomes (DESIGN invariant 23), in the transaction of their finish:
+-- each row's event type held until now() + its delay in the flow table (its limit key only, in
+-- the key table, when it has one: invariant 24), for max_defer_age at most (invariant 25: the
+-- type's later messages are claimed again, and go dead past max_defer_age, instead of sitting
+-- unclaimed); a later hold never shortens an earlier one. Only rows whose fenced finish won come
+-- here (a lost lease holds nothing).
+WITH h AS (
+    SELECT * FROM unnest(%(event_types)s::text[], %(limit_keys)s::text[], %(delays)s::float8[])
+        AS h(event_type, limit_key, delay)
 ),
-nxt AS (
-    SELECT n.id
-    FROM fin, LATERAL (
-        SELECT id FROM {table}
-        WHERE ordering_key = fin.ordering_key AND status <> 'done' AND id > fin.id
-        ORDER BY id
-        LIMIT 1
-    ) AS n
-    WHERE fin.head AND fin.ordering_key IS NOT NULL
+held AS (
+    INSERT INTO {flow_table} AS f (event_type, paused_until)
+    SELECT event_type, {hold_until} FROM h WHERE limit_key IS NULL
+    GROUP BY event_type
+    ON CONFLICT (event_type) DO UPDATE
+    SET paused_until = greatest(f.paused_until, excluded.paused_until), updated_at = now()
+    RETURNING f.event_type
 ),
--- The new head enters the heads index at the time it became claimable, never behind the claims'
--- scan marks (DESIGN invariant 18); a later available_at (a delayed event) is kept. The
--- statement's time, not the transaction's: a transactional handler's done ends a transaction
--- that may have run for longer than scan_lookback (the same as now() for a done of its own).
-moved AS (
-    UPDATE {table} AS o SET head = true, available_at = greatest(o.available_at, statement_timestamp())
-    FROM nxt WHERE o.id = nxt.id RETURNING o.id
+key_held AS (
+    INSERT INTO {flow_key_table} AS f (event_type, limit_key, paused_until)
+    SELECT event_type, limit_key, {hold_until} FROM h WHERE limit_key IS NOT NULL
+    GROUP BY event_type, limit_key
+    ON CONFLICT (event_type, limit_key) DO UPDATE
+    SET paused_until = greatest(f.paused_until, excluded.paused_until), updated_at = now()
+    RETURNING f.event_type
 )
-SELECT fin.id, (SELECT o.id FROM moved AS o) FROM fin;
+SELECT (SELECT count(*) FROM held) + (SELECT count(*) FROM key_held);
 
 -- name: follow_ups_at_commit
 -- The rows a transactional handler enqueued in its transaction (DESIGN invariants 18, 20), when
@@ -401,119 +482,14 @@ SELECT set_config('statement_timeout', %(ms)s::text, true),
             THEN set_config('transaction_timeout', %(ms)s::text, true) END,
        current_setting('transaction_isolation');
 
--- name: finish_retry
--- Retryable failure: back to pending after the delay, the attempt kept; dead at the limit.
-UPDATE {table}
-SET status = CASE WHEN attempts >= %(max_attempts)s THEN 'dead' ELSE 'pending' END,
-    available_at = CASE WHEN attempts >= %(max_attempts)s THEN available_at
-                        ELSE now() + make_interval(secs => %(delay)s) END,
-    lease_until = NULL,
-    last_error = CASE WHEN attempts >= %(max_attempts)s
-                      THEN 'attempts exhausted (' || attempts || ' of ' || %(max_attempts)s::int
-                           || '): ' || %(error)s
-                      ELSE %(error)s END
-WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
-RETURNING id, status;
-
--- name: finish_defer
--- Business "not yet": the attempt is refunded; dead once it would wait past max_defer_age.
-UPDATE {table}
-SET status = CASE WHEN now() + make_interval(secs => %(delay)s)
-                       > created_at + make_interval(secs => %(max_age)s)
-                  THEN 'dead' ELSE 'pending' END,
-    attempts = greatest(attempts - 1, 0),
-    available_at = now() + make_interval(secs => %(delay)s),
-    lease_until = NULL,
-    last_error = CASE WHEN now() + make_interval(secs => %(delay)s)
-                           > created_at + make_interval(secs => %(max_age)s)
-                      THEN 'deferred past max_defer_age: ' || %(reason)s
-                      ELSE 'deferred: ' || %(reason)s END
-WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
-RETURNING id, status;
-
--- name: finish_rate_limited
--- A RateLimited outcome (#23, DESIGN invariant 23): the row as finish_defer writes it (attempt
--- refunded, dead once held past max_defer_age), and, only when that fenced write won, its event
--- type held until the same time in the flow table (its limit key only, in the key table, when
--- it has one), for max_defer_age at most (DESIGN invariant 25: the type's later messages are
--- claimed again, and go dead past max_defer_age, instead of sitting unclaimed); a later hold
--- never shortens an earlier one.
--- One statement: the hold and the row's return commit together.
-WITH fin AS (
-    UPDATE {table}
-    SET status = CASE WHEN now() + make_interval(secs => %(delay)s)
-                           > created_at + make_interval(secs => %(max_age)s)
-                      THEN 'dead' ELSE 'pending' END,
-        attempts = greatest(attempts - 1, 0),
-        available_at = now() + make_interval(secs => %(delay)s),
-        lease_until = NULL,
-        last_error = CASE WHEN now() + make_interval(secs => %(delay)s)
-                               > created_at + make_interval(secs => %(max_age)s)
-                          THEN 'rate limited past max_defer_age: ' || %(reason)s
-                          ELSE 'rate limited: ' || %(reason)s END
-    WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
-    RETURNING id, status, event_type, limit_key
-),
-held AS (
-    INSERT INTO {flow_table} AS f (event_type, paused_until)
-    SELECT event_type, now() + make_interval(secs => least(%(delay)s, %(max_age)s)) FROM fin
-    WHERE limit_key IS NULL
-    ON CONFLICT (event_type) DO UPDATE
-    SET paused_until = greatest(f.paused_until, excluded.paused_until), updated_at = now()
-    RETURNING f.event_type
-),
--- A message with a limit key holds its key only (DESIGN invariant 24): the type's other keys
--- flow on.
-key_held AS (
-    INSERT INTO {flow_key_table} AS f (event_type, limit_key, paused_until)
-    SELECT event_type, limit_key, now() + make_interval(secs => least(%(delay)s, %(max_age)s))
-    FROM fin WHERE limit_key IS NOT NULL
-    ON CONFLICT (event_type, limit_key) DO UPDATE
-    SET paused_until = greatest(f.paused_until, excluded.paused_until), updated_at = now()
-    RETURNING f.event_type
-)
-SELECT fin.id, fin.status FROM fin;
-
--- name: finish_dead
-UPDATE {table}
-SET status = 'dead', lease_until = NULL, last_error = %(error)s
-WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
-RETURNING id;
-
--- name: record_error
--- Unexpected exception: keep the error, leave the row to come back through its lease.
-UPDATE {table}
-SET last_error = %(error)s
-WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
-RETURNING id;
-
--- name: release
--- Claimed rows that never reached a worker (publish failed): pending now, no attempt spent.
--- Fenced on the start too: a publish can raise although the broker got the message, and a
--- worker that already started this claim must keep its row (DESIGN invariants 4, 12).
-UPDATE {table} AS o
-SET status = 'pending', available_at = now(), lease_until = NULL
-FROM unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS r(id, lease_version)
-WHERE o.id = r.id AND o.lease_version = r.lease_version AND o.status = 'processing'
-  AND o.started_version < r.lease_version
-RETURNING o.id;
-
--- name: postpone
--- A worker has no handler for this event type: wait, attempt refunded, never dead by surprise.
-UPDATE {table}
-SET status = 'pending',
-    attempts = greatest(attempts - 1, 0),
-    available_at = now() + make_interval(secs => %(delay)s),
-    lease_until = NULL,
-    last_error = %(error)s
-WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
-RETURNING id;
-
 -- name: extend_lease
-UPDATE {table}
-SET lease_until = greatest(lease_until, now() + make_interval(secs => %(seconds)s))
-WHERE id = %(id)s AND lease_version = %(lease_version)s AND status = 'processing'
-RETURNING lease_until;
+-- The lease heartbeat of one claim or many: lease_until = max(lease_until, now() + seconds),
+-- each pair fenced on its own version.
+UPDATE {table} AS o
+SET lease_until = greatest(o.lease_until, now() + make_interval(secs => %(seconds)s))
+FROM {leases} AS e(id, lease_version)
+WHERE o.id = e.id AND o.lease_version = e.lease_version AND o.status = 'processing'
+RETURNING o.id;
 
 -- name: canonical_name
 -- The table as PostgreSQL resolves it, schema included: the base of idempotency keys, so that
@@ -535,13 +511,18 @@ SELECT instance::text FROM {instance_table};
 
 -- name: settle_heads
 -- The one definition of giving a key its head back, under the keys' locks (the statement before
--- takes them): after a skip (admin), a batch insert that dropped a key's first row as a
--- duplicate dedup key (producer), or a repair of keys an older release left without a head
+-- takes them): after an ordered done (the completer, in the transaction of its finish), a skip
+-- (admin), a batch insert that dropped a key's first row as a duplicate dedup key (producer),
+-- or a repair of keys an older release left without a head
 -- (admin repair-heads, #21). The lowest unfinished message of each key that has no unfinished
 -- head becomes its head. A key that has one is left alone: by invariant 9 that head is its
 -- lowest unfinished message already (a processing head while a message behind it was skipped).
+-- The new head enters the heads index at the time it became claimable, never behind the claims'
+-- scan marks (DESIGN invariant 18); a later available_at (a delayed event) is kept. The
+-- statement's time, not the transaction's: a transactional handler's done ends a transaction
+-- that may have run for longer than scan_lookback.
 UPDATE {table} AS o
-SET head = true, available_at = greatest(o.available_at, statement_timestamp())  -- as in finish_done_head
+SET head = true, available_at = greatest(o.available_at, statement_timestamp())
 FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k)) AS keys,
      LATERAL (SELECT id FROM {table}
               WHERE ordering_key = keys.k AND status <> 'done'
@@ -588,106 +569,6 @@ SELECT extract(epoch FROM least(
        AND lease_until <= now() + make_interval(secs => %(within)s)
      ORDER BY lease_until LIMIT 1)
 ) - now())::float8;
-
--- name: start_many
--- The fenced start of a batch (#22): start over many (id, lease_version) pairs in one statement,
--- each pair fenced on its own version exactly as start is (DESIGN invariants 3, 21). A pair that
--- does not match (a newer claim, a finished row, a claim already started, no attempt left) is
--- left out of the result: the batch goes on without it.
-UPDATE {table} AS o
-SET attempts = o.attempts + 1,
-    started_version = o.lease_version,
-    lease_owner = %(starter)s,
-    lease_until = greatest(o.lease_until, now() + make_interval(secs => %(lease)s))
-FROM {commit_mode},
-     unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS s(id, lease_version)
-WHERE o.id = s.id AND o.lease_version = s.lease_version AND o.status = 'processing'
-  AND o.started_version < o.lease_version AND o.attempts < %(max_attempts)s
-RETURNING o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.payload, o.attempts,
-          o.created_at, o.lease_version, o.ordering_key, o.trace_context;
-
--- name: resume_many
--- As resume, for the pairs of a batch whose start found nothing: the retry of a start_many whose
--- reply was lost gets its rows back under its own token, no attempt counted again.
-UPDATE {table} AS o
-SET lease_until = greatest(o.lease_until, now() + make_interval(secs => %(lease)s))
-FROM unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS s(id, lease_version)
-WHERE o.id = s.id AND o.lease_version = s.lease_version AND o.status = 'processing'
-  AND o.started_version = o.lease_version AND o.lease_owner = %(starter)s
-RETURNING o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.payload, o.attempts,
-          o.created_at, o.lease_version, o.ordering_key, o.trace_context;
-
--- name: start_exhausted_many
--- As start_exhausted, for the pairs of a batch whose start found nothing.
-UPDATE {table} AS o
-SET status = 'dead',
-    lease_until = NULL,
-    started_version = o.lease_version,
-    last_error = 'attempts exhausted: ' || o.attempts || ' handler run(s) of ' || %(max_attempts)s::int
-                 || ' started without a result' || coalesce('; last error: ' || o.last_error, '')
-FROM unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS s(id, lease_version)
-WHERE o.id = s.id AND o.lease_version = s.lease_version AND o.status = 'processing'
-  AND o.started_version < o.lease_version
-  AND o.attempts >= %(max_attempts)s
-RETURNING o.id;
-
--- name: finish_many
--- The fenced finalize of a batch (#22, DESIGN invariant 21): one statement for every row of it,
--- each fenced on its own lease_version, each with its own outcome. Per outcome it writes what
--- the one-row statement of that outcome writes (finish_done, finish_retry, finish_defer,
--- finish_dead, record_error, postpone); tests/integration/test_batch.py holds the two side by
--- side. An ordered row's done is never written here: it moves its key's head under the key lock
--- (finish_done_head). commit_mode as in finish_done (the caller relaxes only all-done batches).
--- With notify, the listeners of the table hear at commit that a batch's worth of leases ended
--- (#22): a claim that the in-flight bound stopped runs again then, not a listen_poll later.
--- Evaluated once per statement, on the channel the producers' insert signals (one definition:
--- the same expression as insert).
-UPDATE {table} AS o
-SET status = CASE f.outcome
-        WHEN 'done' THEN 'done'
-        WHEN 'dead' THEN 'dead'
-        WHEN 'retry' THEN CASE WHEN o.attempts >= %(max_attempts)s THEN 'dead' ELSE 'pending' END
-        WHEN 'defer' THEN CASE WHEN now() + make_interval(secs => f.delay)
-                                    > o.created_at + make_interval(secs => %(max_age)s)
-                               THEN 'dead' ELSE 'pending' END
-        WHEN 'postpone' THEN 'pending'
-        ELSE o.status END,
-    attempts = CASE WHEN f.outcome IN ('defer', 'postpone') THEN greatest(o.attempts - 1, 0)
-                    ELSE o.attempts END,
-    available_at = CASE
-        WHEN f.outcome = 'retry' AND o.attempts < %(max_attempts)s
-             OR f.outcome IN ('defer', 'postpone')
-        THEN now() + make_interval(secs => f.delay)
-        ELSE o.available_at END,
-    lease_until = CASE WHEN f.outcome = 'error' THEN o.lease_until END,
-    done_at = CASE WHEN f.outcome = 'done' THEN now() ELSE o.done_at END,
-    last_error = CASE f.outcome
-        WHEN 'done' THEN o.last_error
-        WHEN 'retry' THEN CASE WHEN o.attempts >= %(max_attempts)s
-                               THEN 'attempts exhausted (' || o.attempts || ' of '
-                                    || %(max_attempts)s::int || '): ' || f.error
-                               ELSE f.error END
-        WHEN 'defer' THEN CASE WHEN now() + make_interval(secs => f.delay)
-                                    > o.created_at + make_interval(secs => %(max_age)s)
-                               THEN 'deferred past max_defer_age: ' || f.error
-                               ELSE 'deferred: ' || f.error END
-        ELSE f.error END
-FROM {commit_mode},
-     {wake_listeners} AS woke,
-     unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[], %(outcomes)s::text[], %(delays)s::float8[],
-            %(errors)s::text[]) AS f(id, lease_version, outcome, delay, error)
-WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processing'
-  AND f.outcome IN ('done', 'dead', 'retry', 'defer', 'postpone', 'error')
-  AND (f.outcome <> 'done' OR o.ordering_key IS NULL)
-RETURNING o.id, o.status;
-
--- name: extend_lease_many
--- The lease heartbeat of a batch: extend_lease for every pair, each fenced on its own version.
-UPDATE {table} AS o
-SET lease_until = greatest(o.lease_until, now() + make_interval(secs => %(seconds)s))
-FROM unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[]) AS e(id, lease_version)
-WHERE o.id = e.id AND o.lease_version = e.lease_version AND o.status = 'processing'
-RETURNING o.id;
 
 -- name: flow_exists
 -- Whether the flow-control tables (migrations 0007 and 0008, #23) are there: a claim of a table

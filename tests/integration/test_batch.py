@@ -8,6 +8,7 @@ dispatcher turns a handler's return value or exception into those outcomes.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -74,7 +75,54 @@ def test_invariant_21_a_batch_start_with_no_attempt_left_makes_the_row_dead(
     assert "attempts exhausted" in row["last_error"]
 
 
-# (outcome, delay, error) per row; the one-row finalizer that writes the same thing.
+class _Results(psycopg.Cursor[Any]):
+    """A cursor that records the bytes of every result it receives (all its values)."""
+
+    sizes: list[int] = []
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().execute(*args, **kwargs)
+        res = self.pgresult
+        if res is not None:
+            _Results.sizes.append(
+                sum(len(res.get_value(r, c) or b"") for r in range(res.ntuples) for c in range(res.nfields))
+            )
+        return out
+
+
+def test_a_batch_start_reads_large_payloads_in_results_of_bounded_size(
+    conn: psycopg.Connection[Any], migrated_dsn: str, store: Store, table: str
+) -> None:
+    # A batch whose payloads together are far over the completer's byte budget: the start's
+    # result, and every chunk of payloads read after it, stays within the budget (one payload
+    # may be alone over it), and every message gets its own payload back.
+    budget = 256 * 1024
+    store.completer.inline_bytes = budget
+    big = {i: {"blob": os.urandom(45_000).hex(), "i": i} for i in range(12)}  # ~90 KB each
+    ids = add(conn, 12, table=table, payload=big.__getitem__)
+    claims = {c.id: c.lease_version for c in _claim(conn, store, 12)}
+    with psycopg.connect(migrated_dsn, autocommit=True, cursor_factory=_Results) as worker:
+        _Results.sizes = []
+        msgs = store.start_many(worker, list(claims.items()), lease=LONG, max_attempts=5, starter="w:1:a")
+        sizes = list(_Results.sizes)
+    assert [m.id for m in msgs] == ids
+    assert [m.payload for m in msgs] == [big[i] for i in range(12)]
+    assert sum(sizes) > 4 * budget  # the payloads did come through, in several results
+    assert max(sizes) <= budget + 12 * 200, sizes  # 200: a row's other columns, generously
+    # One message alone takes the whole budget: its payload comes with the start.
+    [one] = add(conn, 1, table=table, payload=lambda _: big[0])
+    [c] = _claim(conn, store, 1)
+    assert c.id == one
+    with psycopg.connect(migrated_dsn, autocommit=True, cursor_factory=_Results) as worker:
+        _Results.sizes = []
+        started = store.start(worker, c.id, c.lease_version, lease=LONG, max_attempts=5)
+        assert started is not None and started.payload == big[0]
+        assert len(_Results.sizes) == 1
+
+
+# (outcome, delay, error) per row, written by the completer's one statement in its one-row form
+# (Store's one-row calls) and in its form of many rows (finish_many): the two forms differ only
+# in where the rows come from (_sql.one_row), and must write the same.
 CASES: list[tuple[str, float, str]] = [
     ("done", 0.0, ""),
     ("retry", 30.0, "HTTP 503"),
@@ -84,6 +132,8 @@ CASES: list[tuple[str, float, str]] = [
     ("dead", 0.0, "PermanentError: nope"),
     ("error", 0.0, "RuntimeError: boom"),
     ("postpone", 60.0, "unroutable: none here"),
+    ("rate_limited", 20.0, "HTTP 429"),
+    ("rate_limited", 3600.0, "HTTP 429 for an hour"),  # past max_age: dead
 ]
 MAX_ATTEMPTS, MAX_AGE = 5, 600.0
 
@@ -106,6 +156,8 @@ def _one_row(
             assert store.record_error(conn, i, v, error=error)
         case "postpone":
             assert store.postpone(conn, i, v, delay=delay, error=error)
+        case "rate_limited":
+            assert store.rate_limited(conn, i, v, delay=delay, reason=error, max_age=MAX_AGE)
 
 
 def _written(row: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +191,13 @@ def test_invariant_21_one_finalize_writes_what_each_one_row_finalizer_writes(
     for one, many, case in zip(singles, batch, CASES, strict=True):
         assert _written(fetch(conn, table, many)) == _written(fetch(conn, table, one)), case
     statuses = [fetch(conn, table, i)["status"] for i in batch]
-    assert statuses == ["done", "pending", "dead", "pending", "dead", "dead", "processing", "pending"]
+    assert statuses == [
+        *["done", "pending", "dead", "pending", "dead", "dead", "processing", "pending"],
+        *["pending", "dead"],
+    ]
+    errors = [fetch(conn, table, i)["last_error"] for i in batch]
+    assert errors[3:5] == ["deferred: not yet", "deferred past max_defer_age: too late"]
+    assert errors[8:] == ["rate limited: HTTP 429", "rate limited past max_defer_age: HTTP 429 for an hour"]
     # Fenced: written again, or by a stale claim, it changes nothing.
     assert store.finish_many(conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE).statuses == {
         batch[6]: "processing"  # the recorded error leaves the row processing under its lease

@@ -213,7 +213,14 @@ def test_relaxed_commit_applies_to_start_and_done_only_when_the_store_owns_the_t
     [c] = relaxed.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
     with conn.transaction():
         # The statement sets synchronous_commit for its own transaction only.
-        params = {"id": i, "lease_version": c.lease_version, "lease": LONG, "max_attempts": 5, "starter": "w"}
+        params = {
+            "ids": [i],
+            "lease_versions": [c.lease_version],
+            "lease": LONG,
+            "max_attempts": 5,
+            "starter": "w",
+            "inline_share": 1,
+        }
         conn.execute(relaxed._q["start"], {**params, "commit_mode": "off"})
         assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
     assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)

@@ -100,7 +100,7 @@ def test_invariant_18_a_claim_under_a_pinned_horizon_starts_past_the_dead_entrie
     marks = ScanMarks(lookback=0.05)
     key = "k" if ordered else None
     query, mark = ("claim_heads", "heads") if ordered else ("claim_pending", "pending")
-    churn(store, conn, 10_000 if not ordered else 2000, marks, key=key)
+    churn(store, conn, 10_000 if not ordered else 4000, marks, key=key)
     time.sleep(0.1)  # past the look-back
     add(conn, 10, table=store.table.name, key="another" if ordered else None)
     since = marks.since(getattr(marks, mark))

@@ -70,6 +70,13 @@ PARAMS: dict[str, Any] = {
     "seconds": 30.0,
     "ids": [LIVE_ID, LIVE_ID + 1],
     "lease_versions": [1, 1],
+    "outcomes": ["done", "retry"],
+    "delays": [0.0, 1.5],
+    "errors": ["", "HTTP 503"],
+    "outcome": "done",
+    "keys_locked": False,
+    "keys": ["key7"],
+    "inline_share": 1 << 20,
     "commit_mode": None,
     "window": 60.0,
     "cap": 1000,
@@ -110,19 +117,18 @@ HOT = [
     "reap",
     "release_expired",
     "start",
+    "start:one",
     "resume",
     "start_exhausted",
-    "finish_done",
+    "payloads",
+    # The completer's one finalize, of many rows and of one (its one-row form, _sql.one_row).
+    "finish",
+    "finish:one",
     "lock_key_of",
-    "finish_done_head",
+    "settle_heads",
     "insert",
-    "finish_retry",
-    "finish_defer",
-    "finish_dead",
-    "record_error",
-    "postpone",
     "extend_lease",
-    "release",
+    "extend_lease:one",
     "count_in_flight",
     "next_due",
     # Flow control (#23): the limited types' own claim statements and their live-lease count.
@@ -130,7 +136,6 @@ HOT = [
     "claim_heads_limited",
     "claim_pending_limited",
     "flow_live",
-    "finish_rate_limited",
     # Batch handlers' max_wait (#22): a batch's worth of a type's due rows.
     "fill_due",
     # Limits per key (#23, DESIGN invariant 24): the keys' walk, their live leases and rows.
@@ -187,7 +192,7 @@ def _prepared_plan(conn: psycopg.Connection[Any], name: str, query: sql.Composed
         return f"${order.index(m.group(1)) + 1}"
 
     text = re.sub(r"%\((\w+)\)s", positional, query.as_string(conn))
-    statement = sql.Identifier(f"plan_{name}")
+    statement = sql.Identifier(f"plan_{name.replace(':', '_')}")
     conn.execute(sql.SQL("PREPARE {} AS ").format(statement) + sql.SQL(text))  # type: ignore[arg-type]
     explain = sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE {}").format(statement)
     if order:
@@ -208,7 +213,8 @@ def _prepared_plan(conn: psycopg.Connection[Any], name: str, query: sql.Composed
 def test_hot_queries_never_scan_the_whole_outbox_table(
     history: psycopg.Connection[Any], name: str, plan: str
 ) -> None:
-    query = Store(TABLE)._q[name]
+    store = Store(TABLE)
+    query = store._one[name.removesuffix(":one")] if name.endswith(":one") else store._q[name]
     explain = _custom_plan(history, query) if plan == "custom" else _prepared_plan(history, name, query)
     scans = _scans(explain)
     assert scans, f"{name}: the plan does not read the outbox table at all?"
@@ -241,5 +247,5 @@ def test_an_ordered_insert_finds_its_keys_unfinished_messages_through_the_ordere
     store = Store(TABLE)
     scans = _scans(_custom_plan(history, store._q["insert"]))
     assert [index for _, index in scans] == [store.table.name + "_ordered_idx"], scans
-    scans = _scans(_custom_plan(history, store._q["finish_done_head"]))
+    scans = _scans(_custom_plan(history, store._q["settle_heads"]))
     assert store.table.name + "_ordered_idx" in [index for _, index in scans], scans

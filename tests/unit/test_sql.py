@@ -52,18 +52,8 @@ def test_the_registry_is_composed_once_per_file_and_table() -> None:
         # The producers' key lock: the producers, the ordered done, the operator's skip.
         ("key_lock", {"queries.sql:lock_keys", "queries.sql:lock_key_of", "admin.sql:lock_keys_of_ids"}),
         ("notify_channel", {"queries.sql:notify_channel", "admin.sql:flow_resume"}),
-        ("wake_listeners", {"queries.sql:insert", "queries.sql:insert_many", "queries.sql:finish_many"}),
-        (
-            "commit_mode",
-            {
-                "queries.sql:start",
-                "queries.sql:start_many",
-                "queries.sql:finish_done",
-                "queries.sql:finish_done_head",
-                "queries.sql:finish_done_many",
-                "queries.sql:finish_many",
-            },
-        ),
+        ("wake_listeners", {"queries.sql:insert", "queries.sql:insert_many", "queries.sql:finish"}),
+        ("commit_mode", {"queries.sql:start", "queries.sql:finish"}),
     ],
 )
 def test_a_shared_rule_is_written_once_and_filled_where_it_is_used(fragment: str, users: set[str]) -> None:

@@ -1,0 +1,160 @@
+"""The one-message path's fenced writes: this tree's completer beside a baseline release's store.
+
+``python -m benchmarks.finalize --baseline <git ref> [--dsn DSN] [--rows N] [--rounds R]``
+
+Times ``--rows`` one-row deliveries' database writes on one autocommit connection (the worker's)
+through :class:`~outbox_celery.store.Store`'s public calls: the fenced start
+(:meth:`Store.start`), then the finalize (:meth:`Store.done` of an unordered row, or
+:meth:`Store.retry`). The package as it is at ``--baseline`` (extracted with ``git archive``) and
+the working tree's run in turn, ``--rounds`` times each, alternated, each run in a fresh process
+and a fresh database on the same server; the medians of the rounds are printed side by side, in
+microseconds per delivery (start + finalize): wall time, the client process's CPU time and,
+when the server runs on this host, its backend's CPU time (``/proc``), which a shared, busy
+machine disturbs far less than the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+LEASE, MAX_ATTEMPTS = 300.0, 5
+OUTCOMES = ("done", "retry")
+
+
+def _backend_cpu(pid: int) -> float | None:
+    """Seconds of CPU the server backend ``pid`` has used (``/proc``: a server on this host)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child(dsn: str, rows: int) -> dict[str, float]:
+    """One run (in the process whose ``outbox_celery`` is measured): microseconds per delivery,
+    of wall time (``<outcome>``), of this process's CPU (``<outcome> client cpu``) and of the
+    server backend's CPU (``<outcome> server cpu``, when the server runs on this host)."""
+    import psycopg
+
+    from outbox_celery import migrate
+    from outbox_celery.store import Store, starter_token
+    from outbox_celery.testing import temporary_database
+
+    from .plain import fill_pending
+
+    def claim(conn: psycopg.Connection[Any], store: Store, n: int) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        while len(out) < n:
+            got = store.claim(
+                conn, limit=min(1000, n - len(out)), lease=LEASE, owner="bench", max_attempts=50
+            )
+            out += [(c.id, c.lease_version) for c in got.claimed]
+        return out
+
+    def deliver(conn: psycopg.Connection[Any], store: Store, outcome: str, i: int, v: int) -> None:
+        msg = store.start(conn, i, v, lease=LEASE, max_attempts=MAX_ATTEMPTS, starter=starter_token())
+        assert msg is not None
+        if outcome == "done":
+            assert store.done(conn, i, v, ordered=False)
+        else:
+            assert store.retry(conn, i, v, delay=60.0, error="503", max_attempts=MAX_ATTEMPTS)
+
+    out: dict[str, float] = {}
+    with temporary_database(dsn, prefix="outbox_bench") as db, psycopg.connect(db, autocommit=True) as conn:
+        migrate(conn, "bench_finalize")
+        store = Store("bench_finalize")
+        row = conn.execute("SELECT pg_backend_pid()").fetchone()
+        backend = int(row[0]) if row else 0
+        for outcome in OUTCOMES:
+            fill_pending(conn, "bench_finalize", rows + 20)
+            leases = claim(conn, store, rows + 20)
+            for i, v in leases[:20]:  # warm up: psycopg prepares a statement after five runs
+                deliver(conn, store, outcome, i, v)
+            started, cpu, server = time.perf_counter(), time.process_time(), _backend_cpu(backend)
+            for i, v in leases[20:]:
+                deliver(conn, store, outcome, i, v)
+            out[outcome] = (time.perf_counter() - started) / rows * 1e6
+            out[f"{outcome} client cpu"] = (time.process_time() - cpu) / rows * 1e6
+            after = _backend_cpu(backend)
+            if server is not None and after is not None:
+                out[f"{outcome} server cpu"] = (after - server) / rows * 1e6
+    return out
+
+
+def _extract(ref: str, into: Path) -> None:
+    """``outbox_celery`` as it is at ``ref``, into ``into``."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", ref, "outbox_celery"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+
+
+def _run(package_root: Path, dsn: str, rows: int) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package_root), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.finalize", "--child", "--dsn", dsn, "--rows", str(rows)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=package_root,
+    )
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument(
+        "--dsn", default=os.environ.get("OUTBOX_BENCH_DSN", "postgresql://postgres@127.0.0.1/postgres")
+    )
+    parser.add_argument("--rows", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--baseline", default="main", help="git ref of the baseline package")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.dsn, args.rows)))
+        return
+    import psycopg
+
+    with psycopg.connect(args.dsn) as conn:
+        row = conn.execute("SHOW server_version").fetchone()
+    samples: dict[str, dict[str, list[float]]] = {"baseline": {}, "this tree": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        _extract(args.baseline, Path(tmp))
+        roots = {"baseline": Path(tmp), "this tree": ROOT}
+        for r in range(args.rounds):
+            for name in roots if r % 2 == 0 else reversed(list(roots)):
+                for outcome, us in _run(roots[name], args.dsn, args.rows).items():
+                    samples[name].setdefault(outcome, []).append(us)
+    print(
+        f"one-row start + finalize, us per delivery (median of {args.rounds} alternated rounds of "
+        f"{args.rows}); PostgreSQL {row[0] if row else '?'}; baseline {args.baseline}"
+    )
+    print(f"{'figure':<20} {'baseline':>10} {'this tree':>10} {'ratio':>6}")
+    for figure in samples["this tree"]:
+        if figure not in samples["baseline"]:
+            continue
+        base = statistics.median(samples["baseline"][figure])
+        new = statistics.median(samples["this tree"][figure])
+        print(f"{figure:<20} {base:>10.1f} {new:>10.1f} {new / base:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
