@@ -33,6 +33,7 @@ from datetime import datetime
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import psycopg
+import psycopg.adapt
 from psycopg.rows import RowFactory, RowMaker, class_row
 
 from .config import TableName
@@ -486,14 +487,16 @@ class Completer:
         else:
             scope = store._single_statement(conn)
         with scope:
+            # The library's own adapters: a joined finish runs on a transactional handler's
+            # connection, which may carry loaders or dumpers the handler registered (invariant 20).
+            cur = _own_cursor(conn, _FINISHED)
             if locks:
-                conn.execute(store._q["lock_key_of"], {"table": params["table"], "ids": locks})
-            cur = conn.cursor(row_factory=_FINISHED)
+                cur.execute(store._q["lock_key_of"], {"table": params["table"], "ids": locks})
             won = {r.id: r for r in cur.execute(self._query("finish", len(finishes)), params).fetchall()}
             keys = sorted({r.ordering_key for r in won.values() if r.outcome == Step.DONE and r.ordering_key})
             if keys:
                 # Still under the key locks: each key's next message becomes its head.
-                conn.execute(store._q["settle_heads"], {"keys": keys})
+                cur.execute(store._q["settle_heads"], {"keys": keys})
             held = [r for r in won.values() if r.outcome == Step.RATE_LIMITED] if holds else []
             if held:
                 hold = {
@@ -502,7 +505,7 @@ class Completer:
                     "delays": [r.delay for r in held],
                     "max_hold": max_age,
                 }
-                conn.execute(store._q["flow_hold"], hold)
+                cur.execute(store._q["flow_hold"], hold)
         return self._tally(finishes, won)
 
     @staticmethod
@@ -580,3 +583,16 @@ class Completer:
             if x.id not in won:
                 self._lost("extend_lease", x)
         return won
+
+
+def _own_cursor(conn: psycopg.Connection[Any], row_factory: RowFactory[T]) -> psycopg.Cursor[T]:
+    """A cursor that adapts with psycopg's global adapters, not the connection's.
+
+    A transactional handler's done runs on the handler's own connection (invariant 20), where the
+    handler may have registered loaders or dumpers of its own (a text loader that changes what a
+    status or an ordering key reads as): the fenced statements must neither read nor write through
+    them.
+    """
+    cur = conn.cursor(row_factory=row_factory)
+    cur._adapters = psycopg.adapt.AdaptersMap(psycopg.adapters)
+    return cur
