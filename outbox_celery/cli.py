@@ -1088,13 +1088,23 @@ def health(
     help="Stats query timeout.",
 )
 @click.option(
+    "--cap",
+    type=click.IntRange(min=1),
+    default=1_000,
+    show_default=True,
+    help="Index entries each status' read takes at most per scrape: past it outbox_messages is a "
+    "lower bound (outbox_messages_capped is 1).",
+)
+@click.option(
     "--worker-metrics-dir",
     metavar="DIR",
     help="Also serve the delivery counters workers on this machine write there "
     "(PROMETHEUS_MULTIPROC_DIR of workers that call track_deliveries).",
 )
 @pass_target
-def metrics(target: Target, port: int, addr: str, timeout: float, worker_metrics_dir: str | None) -> None:
+def metrics(
+    target: Target, port: int, addr: str, timeout: float, cap: int, worker_metrics_dir: str | None
+) -> None:
     """Prometheus exporter: serve http://ADDR:PORT/metrics until stopped."""
     try:
         from .metrics import OutboxCollector, start_exporter
@@ -1104,7 +1114,7 @@ def metrics(target: Target, port: int, addr: str, timeout: float, worker_metrics
         raise click.ClickException(f"--worker-metrics-dir {worker_metrics_dir!r} is not a directory")
     dsn, table, handlers = target.dsn, target.table, target.handlers
     try:
-        collector = OutboxCollector(dsn, table, handlers=handlers, timeout=timeout)
+        collector = OutboxCollector(dsn, table, handlers=handlers, timeout=timeout, cap=cap)
     except ImportError as exc:
         raise click.ClickException(first_line(exc)) from None
     try:
