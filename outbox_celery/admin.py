@@ -542,7 +542,8 @@ def stats(
 class Unclaimed:
     """Claimable messages of one event type that no claim has taken for too long.
 
-    :ivar messages: how many have waited past the threshold since they became claimable.
+    :ivar messages: how many have waited past the threshold since they became claimable (a lower
+        bound past the read's cap, see :func:`unclaimed`).
     :ivar oldest_wait: seconds the oldest of them has waited since its ``available_at``.
     """
 
@@ -556,7 +557,11 @@ class Unclaimed:
 
 
 def unclaimed(
-    conn: psycopg.Connection[Any], table: str | TableName = "outbox", *, older_than: float
+    conn: psycopg.Connection[Any],
+    table: str | TableName = "outbox",
+    *,
+    older_than: float,
+    cap: int | None = DEFAULT_STATS_CAP,
 ) -> list[Unclaimed]:
     """Per event type, the claimable messages left unclaimed more than ``older_than`` seconds.
 
@@ -564,10 +569,14 @@ def unclaimed(
     a message left several intervals is not being claimed: no claim worker is running (or beat
     and push both stopped), no claiming app has a handler for its event type, or the in-flight
     bound has been full all that time. Ordered messages count only as the head of their key.
+    Each pending index is read at most ``cap`` entries (``None``: no cap), the oldest first:
+    past the cap ``messages`` is a lower bound; ``oldest_wait`` stays exact.
     """
     older_than = seconds(older_than, "older_than", error=AdminError)
+    if cap is not None and cap < 1:
+        raise AdminError("cap must be at least 1 (or None)")
     with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(_q(table, "unclaimed"), {"older_than": older_than}).fetchall()
+        rows = cur.execute(_q(table, "unclaimed"), {"older_than": older_than, "cap": cap}).fetchall()
     return [Unclaimed(r["event_type"], int(r["messages"]), float(r["oldest_wait"])) for r in rows]
 
 

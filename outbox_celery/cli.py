@@ -507,7 +507,9 @@ def stats(target: Target, unclaimed_after: float | None, exact: bool, as_json: b
     threshold = unclaimed_after if unclaimed_after is not None else _unclaimed_after(target.outbox)
     with target.connect() as conn:
         s = admin.stats(conn, target.table, handlers=handlers, cap=None if exact else admin.DEFAULT_STATS_CAP)
-        waiting = admin.unclaimed(conn, target.table, older_than=threshold)
+        waiting = admin.unclaimed(
+            conn, target.table, older_than=threshold, cap=None if exact else admin.DEFAULT_STATS_CAP
+        )
     keys = s.keys
     attention = _attention(s, target.outbox, waiting)
     if as_json:

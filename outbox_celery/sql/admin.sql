@@ -402,17 +402,20 @@ LIMIT %(limit)s;
 -- message within one claim interval (at once with push); one left many intervals means no claim
 -- worker is running, or none has a handler for its event type (the claim takes only those).
 -- Nothing is recorded per claim: each branch is a range of a pending partial index ordered by
--- available_at (pending_idx, heads_idx), read only below the threshold.
+-- available_at (pending_idx, heads_idx), read only below the threshold and at most %(cap)s
+-- entries (NULL: no cap); past the cap "messages" is a lower bound, the oldest wait exact.
 SELECT event_type, count(*) AS messages,
        extract(epoch FROM now() - min(available_at))::float8 AS oldest_wait
 FROM (
-    SELECT event_type, available_at FROM {table}
-    WHERE status = 'pending' AND ordering_key IS NULL
-      AND available_at <= now() - make_interval(secs => %(older_than)s::float8)
+    (SELECT event_type, available_at FROM {table}
+     WHERE status = 'pending' AND ordering_key IS NULL
+       AND available_at <= now() - make_interval(secs => %(older_than)s::float8)
+     ORDER BY available_at, id LIMIT %(cap)s)
     UNION ALL
-    SELECT event_type, available_at FROM {table}
-    WHERE status = 'pending' AND head
-      AND available_at <= now() - make_interval(secs => %(older_than)s::float8)
+    (SELECT event_type, available_at FROM {table}
+     WHERE status = 'pending' AND head
+       AND available_at <= now() - make_interval(secs => %(older_than)s::float8)
+     ORDER BY available_at, id LIMIT %(cap)s)
 ) AS waiting
 GROUP BY event_type
 ORDER BY event_type;

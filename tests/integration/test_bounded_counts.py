@@ -69,6 +69,24 @@ def test_stats_counts_past_the_cap_are_lower_bounds_and_flagged(
         admin.stats(conn, table, cap=0)
 
 
+def test_unclaimed_reads_at_most_the_cap_and_keeps_the_oldest_wait(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    ids = add(conn, 6, table=table)
+    _set(conn, table, ids, "available_at = now() - make_interval(mins => id::int)")
+    oldest = conn.execute(
+        sql.SQL("SELECT extract(epoch FROM now() - min(available_at))::float8 FROM {}").format(
+            TableName.parse(table).identifier()
+        )
+    ).fetchone()
+    assert oldest is not None
+    [every] = admin.unclaimed(conn, table, older_than=30, cap=None)
+    assert every.messages == 6
+    [capped] = admin.unclaimed(conn, table, older_than=30, cap=4)
+    assert capped.messages == 4  # a lower bound: the first 4 entries of pending_idx
+    assert capped.oldest_wait == pytest.approx(oldest[0], abs=5)  # the oldest comes first
+
+
 def _tuples_read(conn: psycopg.Connection[Any], table: str) -> int:
     """Index entries and heap tuples read from ``table`` by scans, as the statistics count them."""
     conn.execute("SELECT pg_stat_clear_snapshot()")
