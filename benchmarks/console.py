@@ -1,6 +1,7 @@
 """What the operator console's pages cost, beside ``stats`` and the metrics scrape (#33).
 
-``python -m benchmarks.console [--dsn DSN] [--done 2000000] [--unfinished 100000] [--runs 15]``
+``python -m benchmarks.console [--dsn DSN] [--done 2000000] [--unfinished 100000] [--runs 15]
+[--dead-versions 500000] [--pinned-deliveries 100000]``
 
 On a throw-away database of ``--dsn``'s server (default ``OUTBOX_TEST_DSN``): the median time of
 each console page (served in process by Starlette's TestClient: the queries, the template and
@@ -189,6 +190,35 @@ def _churn(dsn: str, versions: int) -> None:
                 break
 
 
+def _deliver(dsn: str, deliveries: int) -> None:
+    """``deliveries`` messages go through the claim's pattern: new rows come in, the oldest ready
+    rows are claimed (pending -> processing) and finish (-> done), 20,000 at a time; under a
+    pinned snapshot their old versions stay, at the front of pending_idx and lease_idx."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        made = 0
+        while made < deliveries:
+            n = min(20_000, deliveries - made)
+            conn.execute(
+                "INSERT INTO outbox (event_type, aggregate_type, aggregate_id, payload)"
+                " SELECT 'type.' || (g %% 8), 'agg', g::text, '{}' FROM generate_series(1, %s) AS g",
+                [n],
+            )
+            conn.execute(
+                "UPDATE outbox SET status = 'processing', lease_until = now() + interval '1 minute',"
+                " lease_version = lease_version + 1 WHERE id IN (SELECT id FROM outbox"
+                " WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()"
+                " ORDER BY available_at, id LIMIT %s)",
+                [n],
+            )
+            conn.execute(
+                "UPDATE outbox SET status = 'done', done_at = now(), lease_until = NULL"
+                " WHERE id IN (SELECT id FROM outbox WHERE status = 'processing'"
+                " ORDER BY lease_until LIMIT %s)",
+                [n],
+            )
+            made += n
+
+
 def _measure(dsn: str, runs: int) -> dict[str, float]:
     from starlette.testclient import TestClient
 
@@ -265,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         help="then also measure with this many dead row versions of the unfinished rows, kept by a "
         "snapshot pinned meanwhile (e.g. 500000)",
     )
+    p.add_argument(
+        "--pinned-deliveries",
+        type=int,
+        default=0,
+        help="then (after a VACUUM) also measure after this many deliveries under a pinned snapshot: "
+        "new rows, the oldest ready claimed and done, as workers would (e.g. 100000)",
+    )
     args = p.parse_args(argv)
     if not args.dsn:
         p.error("give --dsn or set OUTBOX_TEST_DSN")
@@ -290,18 +327,29 @@ def main(argv: list[str] | None = None) -> int:
                 _churn(db, args.dead_versions)
                 pinned = _measure(db, args.runs)
                 pin.execute("ROLLBACK")
+        delivered: dict[str, float] = {}
+        if args.pinned_deliveries:
+            with psycopg.connect(db, autocommit=True) as pin:
+                pin.execute("VACUUM ANALYZE outbox")
+                pin.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                pin.execute("SELECT count(*) FROM outbox_instance")
+                _deliver(db, args.pinned_deliveries)
+                delivered = _measure(db, args.runs)
+                pin.execute("ROLLBACK")
     size = f"{args.done // 1000:,}k done + {args.unfinished // 1000:,}k"
     extra = f"+ {args.dead_versions // 1000:,}k dead versions" if pinned else ""
-    print(f"{'what':36} {'0 rows':>8} {size:>20} {extra:>24}  goal")
+    fourth = f"{args.pinned_deliveries // 1000:,}k deliveries pinned" if delivered else ""
+    print(f"{'what':40} {'0 rows':>8} {size:>20} {extra:>24} {fourth:>24}  goal")
     for name in empty:
         if name.startswith(("metrics", "scrape")):
             goal: float | None = GOAL_SCRAPE_MS
         else:
             goal = GOAL_PAGE_MS if name.startswith("page") else None
-        worst = max(loaded[name], pinned.get(name, 0.0))
+        worst = max(loaded[name], pinned.get(name, 0.0), delivered.get(name, 0.0))
         verdict = "" if goal is None else f"< {goal:.0f} " + ("ok" if worst < goal else "MISSED")
         third = f"{pinned[name]:.1f}" if pinned else ""
-        print(f"{name:36} {empty[name]:8.1f} {loaded[name]:20.1f} {third:>24}  {verdict}")
+        last = f"{delivered[name]:.1f}" if delivered else ""
+        print(f"{name:40} {empty[name]:8.1f} {loaded[name]:20.1f} {third:>24} {last:>24}  {verdict}")
     return 0
 
 
