@@ -1092,7 +1092,7 @@ def health(
 @click.option(
     "--cap",
     type=click.IntRange(min=1),
-    default=1_000,
+    default=1_000,  # metrics.DEFAULT_METRICS_CAP (the module is imported only when serving)
     show_default=True,
     help="Index entries each status' read takes at most per scrape: past it outbox_messages is a "
     "lower bound (outbox_messages_capped is 1).",

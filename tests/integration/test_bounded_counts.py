@@ -8,6 +8,8 @@ nothing more (docs/operations.md, "What stats and the scrape read").
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 from typing import Any
 
 import psycopg
@@ -138,3 +140,32 @@ def test_a_scrape_reads_neither_the_done_history_nor_every_unfinished_row(
     assert samples[("outbox_messages", "done")] >= DEFAULT_METRICS_CAP
     assert samples[("outbox_messages_capped", "done")] == 1
     assert 50 <= samples[("outbox_done_last_minute_messages", None)] <= 59  # done 1 s apart
+
+
+def test_the_stats_command_shows_lower_bounds_and_exact_counts_on_request(
+    conn: psycopg.Connection[Any], migrated_dsn: str, table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from outbox_celery.cli import cli
+
+    ids = add(conn, 5, table=table)
+    _set(conn, table, ids[:3], "status = 'done', done_at = now()")
+    runner = CliRunner()
+    args = ["--dsn", migrated_dsn, "--table", table, "stats"]
+    exact = json.loads(runner.invoke(cli, [*args, "--exact", "--json"], catch_exceptions=False).output)
+    assert exact["cap"] is None and exact["counts"]["done"] == 3 and exact["done_last_minute"] == 3
+    assert not any(exact["capped"].values())
+
+    monkeypatch.setattr(admin, "DEFAULT_STATS_CAP", 2)  # what the command passes when not --exact
+    text = runner.invoke(cli, args, catch_exceptions=False).output
+    assert re.search(r"^pending +2\+ ", text, re.M), text
+    assert re.search(r"^done +~\d+ +2\+ in the last minute; estimated", text, re.M), text
+    assert "N+: at least N (each status is read up to 2 index entries" in text
+
+
+def test_the_exporter_command_caps_as_the_collector_does() -> None:
+    from outbox_celery.cli import cli
+
+    [cap] = [p for p in cli.commands["metrics"].params if p.name == "cap"]  # type: ignore[attr-defined]
+    assert cap.default == DEFAULT_METRICS_CAP
