@@ -1,16 +1,19 @@
 """What the operator console's pages cost, beside ``stats`` and the metrics scrape (#33).
 
-``python -m benchmarks.console [--dsn DSN] [--done 2000000] [--unfinished 100000] [--runs 15]``
+``python -m benchmarks.console [--dsn DSN] [--done 2000000] [--unfinished 100000] [--runs 15]
+[--dead-versions 500000] [--pinned-deliveries 100000]``
 
 On a throw-away database of ``--dsn``'s server (default ``OUTBOX_TEST_DSN``): the median time of
 each console page (served in process by Starlette's TestClient: the queries, the template and
-the HTTP round trip), of :func:`outbox_celery.console.overview` alone, of today's
-:func:`outbox_celery.admin.stats` and of one metrics scrape (``OutboxCollector.collect``, which
-runs ``admin.stats``; over a DSN as ``outbox-celery metrics`` does, a connection per scrape,
-and over a kept connection), first at 0 rows, then with ``--done`` done rows and ``--unfinished``
-unfinished ones (half ready, a fifth scheduled or retrying, a tenth in flight, a fifth dead).
-The table is vacuumed and analysed after the load (as autovacuum would have), and the server's
-version and autovacuum setting are printed with the figures.
+the HTTP round trip), of :func:`outbox_celery.console.overview` alone, of
+:func:`outbox_celery.admin.stats` (bounded, and with ``cap=None`` for exact counts) beside the
+stats statement as it was before its reads were bounded (``OLD_STATS``), and of one metrics
+scrape (``OutboxCollector.collect``, which runs ``admin.stats``; over a DSN as ``outbox-celery
+metrics`` does, a connection per scrape, and over a kept connection) beside what the old scrape
+read (the old statement, the horizon and the holds), first at 0 rows, then with ``--done`` done
+rows and ``--unfinished`` unfinished ones (half ready, a fifth scheduled or retrying, a tenth
+in flight, a fifth dead). The table is vacuumed and analysed after the load (as autovacuum
+would have), and the server's version and autovacuum setting are printed with the figures.
 """
 
 from __future__ import annotations
@@ -24,10 +27,107 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from outbox_celery import admin, console
 from outbox_celery.migrations import migrate
 from outbox_celery.testing import temporary_database
+
+#: The stats statement as it was before its reads were bounded (exact counts: every unfinished
+#: row read, and all of done_idx counted), run here beside the bounded one as the baseline.
+OLD_STATS = """
+WITH live AS MATERIALIZED (
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
+           lease_version - started_version AS unstarted_claims, head
+    FROM {table} WHERE status = 'pending' AND ordering_key IS NULL
+    UNION ALL
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
+           lease_version - started_version AS unstarted_claims, head
+    FROM {table} WHERE ordering_key IS NOT NULL AND status <> 'done'
+    UNION ALL
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
+           lease_version - started_version AS unstarted_claims, head
+    FROM {table} WHERE status = 'processing' AND ordering_key IS NULL
+    UNION ALL
+    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
+           lease_version - started_version AS unstarted_claims, head
+    FROM {table} WHERE status = 'dead' AND ordering_key IS NULL
+),
+marked AS (
+    SELECT live.*,
+           (live.status = 'pending' AND live.available_at <= now()
+            AND (live.ordering_key IS NULL OR live.head)) AS ready,
+           CASE WHEN live.status = 'pending' THEN live.unstarted_claims
+                WHEN live.status = 'processing' AND live.lease_until > now()
+                THEN live.unstarted_claims - 1
+                WHEN live.status = 'processing' THEN live.unstarted_claims
+                ELSE 0 END AS lost_claims
+    FROM live
+),
+by_type AS (
+    SELECT event_type,
+           count(*) FILTER (WHERE status = 'pending') AS pending,
+           count(*) FILTER (WHERE ready) AS ready,
+           count(*) FILTER (WHERE status = 'processing') AS processing,
+           count(*) FILTER (WHERE status = 'dead') AS dead,
+           extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8
+               AS oldest_pending_age,
+           count(*) FILTER (WHERE lost_claims > 0) AS unstarted,
+           coalesce(max(lost_claims), 0) AS unstarted_claims
+    FROM marked
+    GROUP BY event_type
+),
+by_attempts AS (
+    SELECT attempts,
+           count(*) FILTER (WHERE status = 'pending') AS pending,
+           count(*) FILTER (WHERE status = 'processing') AS processing,
+           count(*) FILTER (WHERE status = 'dead') AS dead
+    FROM live
+    GROUP BY attempts
+),
+blocked AS (
+    SELECT d.ordering_key,
+           (SELECT count(*) FROM {table} AS w
+            WHERE w.ordering_key = d.ordering_key AND w.status <> 'done' AND w.id > d.id) AS waiting
+    FROM {table} AS d
+    WHERE d.status = 'dead' AND d.head AND d.ordering_key IS NOT NULL
+),
+headless AS (
+    SELECT ordering_key FROM live
+    WHERE ordering_key IS NOT NULL
+    GROUP BY ordering_key
+    HAVING NOT bool_or(head)
+)
+SELECT
+    now() AS now,
+    (SELECT count(*) FROM live WHERE status = 'pending') AS pending,
+    (SELECT count(*) FROM marked WHERE ready) AS ready,
+    (SELECT count(*) FROM live WHERE status = 'pending' AND available_at > now()) AS scheduled,
+    (SELECT count(*) FROM live WHERE status = 'processing') AS processing,
+    (SELECT count(*) FROM live WHERE status = 'dead') AS dead,
+    (SELECT count(*) FROM {table} WHERE status = 'done') AS done,
+    (SELECT count(*) FROM live WHERE status = 'processing' AND lease_until <= now()) AS expired_leases,
+    (SELECT extract(epoch FROM now() - min(created_at))::float8
+     FROM live WHERE status = 'pending') AS oldest_pending_age,
+    (SELECT extract(epoch FROM now() - min(available_at))::float8
+     FROM marked WHERE ready) AS oldest_ready_wait,
+    (SELECT extract(epoch FROM now() - min(created_at))::float8
+     FROM live WHERE status = 'processing') AS oldest_processing_age,
+    (SELECT count(*) FROM marked WHERE lost_claims > 0) AS unstarted,
+    (SELECT count(*) FROM blocked) AS blocked_keys,
+    (SELECT coalesce(sum(waiting), 0) FROM blocked) AS blocked_messages,
+    (SELECT count(*) FROM headless) AS headless_keys,
+    (SELECT coalesce(json_agg(json_build_object(
+                'event_type', event_type, 'pending', pending, 'ready', ready,
+                'processing', processing, 'dead', dead, 'oldest_pending_age', oldest_pending_age,
+                'unstarted', unstarted, 'unstarted_claims', unstarted_claims)
+            ORDER BY event_type), '[]'::json)
+     FROM by_type) AS event_types,
+    (SELECT coalesce(json_agg(json_build_object(
+                'attempts', attempts, 'pending', pending, 'processing', processing, 'dead', dead)
+            ORDER BY attempts), '[]'::json)
+     FROM by_attempts) AS attempts;
+"""
 
 GOAL_PAGE_MS = 150.0
 GOAL_SCRAPE_MS = 20.0
@@ -90,25 +190,73 @@ def _churn(dsn: str, versions: int) -> None:
                 break
 
 
+def _deliver(dsn: str, deliveries: int) -> None:
+    """``deliveries`` messages go through the claim's pattern: new rows come in, the oldest ready
+    rows are claimed (pending -> processing) and finish (-> done), 20,000 at a time; under a
+    pinned snapshot their old versions stay, at the front of pending_idx and lease_idx."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        made = 0
+        while made < deliveries:
+            n = min(20_000, deliveries - made)
+            conn.execute(
+                "INSERT INTO outbox (event_type, aggregate_type, aggregate_id, payload)"
+                " SELECT 'type.' || (g %% 8), 'agg', g::text, '{}' FROM generate_series(1, %s) AS g",
+                [n],
+            )
+            conn.execute(
+                "UPDATE outbox SET status = 'processing', lease_until = now() + interval '1 minute',"
+                " lease_version = lease_version + 1 WHERE id IN (SELECT id FROM outbox"
+                " WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()"
+                " ORDER BY available_at, id LIMIT %s)",
+                [n],
+            )
+            conn.execute(
+                "UPDATE outbox SET status = 'done', done_at = now(), lease_until = NULL"
+                " WHERE id IN (SELECT id FROM outbox WHERE status = 'processing'"
+                " ORDER BY lease_until LIMIT %s)",
+                [n],
+            )
+            made += n
+
+
 def _measure(dsn: str, runs: int) -> dict[str, float]:
     from starlette.testclient import TestClient
 
-    from outbox_celery.metrics import OutboxCollector
+    from outbox_celery.metrics import DEFAULT_METRICS_CAP, OutboxCollector
     from outbox_celery.web import Database, create_app
 
     out: dict[str, float] = {}
+    old_stats = sql.SQL(OLD_STATS).format(table=sql.Identifier("outbox"))  # type: ignore[arg-type]
+
+    def old_scrape(conn: psycopg.Connection[Any]) -> None:
+        # What a scrape read before: the old statement, then the horizon and the holds.
+        with conn.transaction():
+            conn.execute(old_stats).fetchone()
+            admin.horizon(conn, "outbox")
+            admin.flow_states(conn, "outbox")
+            admin.key_states(conn, "outbox")
+
     with psycopg.connect(dsn, autocommit=True) as conn:
         out["console.overview()"] = _median_ms(lambda: console.overview(conn, "outbox"), runs)
         out["console.minutes()"] = _median_ms(lambda: console.minutes(conn, "outbox"), runs)
-        out["stats (admin.stats, today)"] = _median_ms(lambda: admin.stats(conn, "outbox"), runs)
+        out["stats statement, old (exact)"] = _median_ms(lambda: conn.execute(old_stats).fetchone(), runs)
+        out[f"stats (admin.stats, cap {admin.DEFAULT_STATS_CAP:,})"] = _median_ms(
+            lambda: admin.stats(conn, "outbox"), runs
+        )
+        out["stats, cap=None (exact)"] = _median_ms(lambda: admin.stats(conn, "outbox", cap=None), runs)
+        out["scrape reads, old statement, kept conn"] = _median_ms(lambda: old_scrape(conn), runs)
         first_dead = conn.execute("SELECT min(id) FROM outbox WHERE status = 'dead'").fetchone()
     collector = OutboxCollector(dsn, "outbox")
-    out["metrics scrape (today)"] = _median_ms(lambda: list(collector.collect()), runs)
+    out[f"metrics scrape, cap {DEFAULT_METRICS_CAP:,}, new conn"] = _median_ms(
+        lambda: list(collector.collect()), runs
+    )
     with psycopg.connect(dsn, autocommit=True) as kept:
         # The same scrape over a kept connection (a pool, as OutboxCollector.from_outbox uses):
         # what the stats statement costs without the connection set-up.
         pooled = OutboxCollector(lambda: contextlib.nullcontext(kept), "outbox")
-        out["metrics scrape, kept connection"] = _median_ms(lambda: list(pooled.collect()), runs)
+        out[f"metrics scrape, cap {DEFAULT_METRICS_CAP:,}, kept conn"] = _median_ms(
+            lambda: list(pooled.collect()), runs
+        )
     dead_id = (first_dead[0] if first_dead else None) or 1
     pages = {
         "page /": "/",
@@ -147,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         help="then also measure with this many dead row versions of the unfinished rows, kept by a "
         "snapshot pinned meanwhile (e.g. 500000)",
     )
+    p.add_argument(
+        "--pinned-deliveries",
+        type=int,
+        default=0,
+        help="then (after a VACUUM) also measure after this many deliveries under a pinned snapshot: "
+        "new rows, the oldest ready claimed and done, as workers would (e.g. 100000)",
+    )
     args = p.parse_args(argv)
     if not args.dsn:
         p.error("give --dsn or set OUTBOX_TEST_DSN")
@@ -172,18 +327,29 @@ def main(argv: list[str] | None = None) -> int:
                 _churn(db, args.dead_versions)
                 pinned = _measure(db, args.runs)
                 pin.execute("ROLLBACK")
+        delivered: dict[str, float] = {}
+        if args.pinned_deliveries:
+            with psycopg.connect(db, autocommit=True) as pin:
+                pin.execute("VACUUM ANALYZE outbox")
+                pin.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                pin.execute("SELECT count(*) FROM outbox_instance")
+                _deliver(db, args.pinned_deliveries)
+                delivered = _measure(db, args.runs)
+                pin.execute("ROLLBACK")
     size = f"{args.done // 1000:,}k done + {args.unfinished // 1000:,}k"
     extra = f"+ {args.dead_versions // 1000:,}k dead versions" if pinned else ""
-    print(f"{'what':36} {'0 rows':>8} {size:>20} {extra:>24}  goal")
+    fourth = f"{args.pinned_deliveries // 1000:,}k deliveries pinned" if delivered else ""
+    print(f"{'what':40} {'0 rows':>8} {size:>20} {extra:>24} {fourth:>24}  goal")
     for name in empty:
-        if name.startswith("metrics"):
+        if name.startswith(("metrics", "scrape")):
             goal: float | None = GOAL_SCRAPE_MS
         else:
             goal = GOAL_PAGE_MS if name.startswith("page") else None
-        worst = max(loaded[name], pinned.get(name, 0.0))
+        worst = max(loaded[name], pinned.get(name, 0.0), delivered.get(name, 0.0))
         verdict = "" if goal is None else f"< {goal:.0f} " + ("ok" if worst < goal else "MISSED")
         third = f"{pinned[name]:.1f}" if pinned else ""
-        print(f"{name:36} {empty[name]:8.1f} {loaded[name]:20.1f} {third:>24}  {verdict}")
+        last = f"{delivered[name]:.1f}" if delivered else ""
+        print(f"{name:40} {empty[name]:8.1f} {loaded[name]:20.1f} {third:>24} {last:>24}  {verdict}")
     return 0
 
 

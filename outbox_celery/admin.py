@@ -30,6 +30,7 @@ from .config import TableName
 from .errors import AdminError as AdminError  # also importable from here
 
 __all__ = [
+    "DEFAULT_STATS_CAP",
     "SKIPPED_BY_OPERATOR",
     "AdminError",
     "AttemptsBucket",
@@ -146,6 +147,9 @@ def _ids(ids: Sequence[int]) -> list[int]:
 
 
 # -- stats -------------------------------------------------------------------------------------
+
+#: Index entries each of :func:`stats`' reads takes at most (per status; done rows too).
+DEFAULT_STATS_CAP = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,6 +397,14 @@ class Stats:
     :ivar unstarted: messages whose latest claims' tasks never started, all event types (see
         :attr:`EventTypeStats.unstarted`).
     :ivar horizon: what holds back the xmin horizon and the table's dead row versions.
+    :ivar cap: the most index entries each of the bounded reads took (``None``: no cap, every
+        unfinished row read; see :func:`stats`).
+    :ivar capped: per status of :attr:`counts`, whether its read stopped at the cap: its count
+        (and the figures derived from those rows: ready, scheduled, ages, the attempts
+        histogram, event types) is then a lower bound. For ``done``, past the cap the count is
+        an estimate from PostgreSQL's statistics, not a count.
+    :ivar done_last_minute: rows that became done in the last minute (the database clock),
+        read from the newest end of ``done_idx``; a lower bound when ``capped["done"]``.
     """
 
     table: str
@@ -418,6 +430,9 @@ class Stats:
     #: Limit keys paused or held by a RateLimited outcome (DESIGN invariant 24); empty before
     #: migration 0008.
     keys: list[KeyFlowState] = field(default_factory=list)
+    cap: int | None = DEFAULT_STATS_CAP
+    capped: dict[str, bool] = field(default_factory=dict)
+    done_last_minute: int = 0
 
     @property
     def dead(self) -> int:
@@ -437,14 +452,26 @@ def stats(
     *,
     handlers: Collection[str] | None = None,
     timeout: float | None = None,
+    cap: int | None = DEFAULT_STATS_CAP,
 ) -> Stats:
-    """Take a :class:`Stats` snapshot of ``table``.
+    """Take a :class:`Stats` snapshot of ``table``: bounded reads, whatever the table holds.
+
+    Each status is read from its partial index, at most ``cap`` entries (pending unordered,
+    ordered, processing, dead), and done rows only from the newest end of ``done_idx``, at most
+    ``cap``: the cost does not grow with the done history or the backlog. A status whose read
+    reached the cap is flagged in :attr:`Stats.capped` and its count is a lower bound; the done
+    count past the cap is an estimate (table statistics). ``cap=None`` reads every row of each
+    status, ``done_idx`` whole included, for exact counts: the cost then grows with the table.
 
     :param handlers: event types that have a handler; when given, pending event types missing
         from it are reported in :attr:`Stats.unroutable`.
     :param timeout: a statement timeout in seconds (the Prometheus collector sets one so a
         slow database never hangs a scrape).
+    :param cap: index entries each read takes at most (default :data:`DEFAULT_STATS_CAP`);
+        ``None`` for exact counts at the cost of reading every row.
     """
+    if cap is not None and cap < 1:
+        raise AdminError("cap must be at least 1 (or None for exact counts)")
     t = TableName.parse(table)
     with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
         previous = None
@@ -457,7 +484,7 @@ def stats(
                 " set_config('statement_timeout', %s, true)",
                 [f"{int(timeout * 1000)}ms"],
             ).fetchone()
-        row = cur.execute(_q(t, "stats")).fetchone()
+        row = cur.execute(_q(t, "stats"), {"cap": cap, "table": t.identifier().as_string(conn)}).fetchone()
         held = horizon(conn, t)
         flow = flow_states(conn, t)
         keys = key_states(conn, t)
@@ -505,6 +532,9 @@ def stats(
         headless_keys=int(row["headless_keys"]),
         flow=flow,
         keys=keys,
+        cap=cap,
+        capped={s: bool(row[f"{s}_capped"]) for s in ("pending", "processing", "done", "dead")},
+        done_last_minute=int(row["done_last_minute"]),
     )
 
 
@@ -512,7 +542,8 @@ def stats(
 class Unclaimed:
     """Claimable messages of one event type that no claim has taken for too long.
 
-    :ivar messages: how many have waited past the threshold since they became claimable.
+    :ivar messages: how many have waited past the threshold since they became claimable (a lower
+        bound past the read's cap, see :func:`unclaimed`).
     :ivar oldest_wait: seconds the oldest of them has waited since its ``available_at``.
     """
 
@@ -526,7 +557,11 @@ class Unclaimed:
 
 
 def unclaimed(
-    conn: psycopg.Connection[Any], table: str | TableName = "outbox", *, older_than: float
+    conn: psycopg.Connection[Any],
+    table: str | TableName = "outbox",
+    *,
+    older_than: float,
+    cap: int | None = DEFAULT_STATS_CAP,
 ) -> list[Unclaimed]:
     """Per event type, the claimable messages left unclaimed more than ``older_than`` seconds.
 
@@ -534,10 +569,14 @@ def unclaimed(
     a message left several intervals is not being claimed: no claim worker is running (or beat
     and push both stopped), no claiming app has a handler for its event type, or the in-flight
     bound has been full all that time. Ordered messages count only as the head of their key.
+    Each pending index is read at most ``cap`` entries (``None``: no cap), the oldest first:
+    past the cap ``messages`` is a lower bound; ``oldest_wait`` stays exact.
     """
     older_than = seconds(older_than, "older_than", error=AdminError)
+    if cap is not None and cap < 1:
+        raise AdminError("cap must be at least 1 (or None)")
     with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(_q(table, "unclaimed"), {"older_than": older_than}).fetchall()
+        rows = cur.execute(_q(table, "unclaimed"), {"older_than": older_than, "cap": cap}).fetchall()
     return [Unclaimed(r["event_type"], int(r["messages"]), float(r["oldest_wait"])) for r in rows]
 
 

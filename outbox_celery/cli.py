@@ -5,7 +5,7 @@
     outbox-celery [--dsn DSN] [--table NAME] [-A module:outbox] COMMAND [--dsn DSN] [--table NAME] ...
 
     migrate [--check]                    schema up to date (--check: exit 1 when behind)
-    stats [--unclaimed-after D] [--json] depth, ages, leases, attempts, event types, what waits
+    stats [--unclaimed-after D] [--exact] [--json] depth, ages, leases, attempts, event types, what waits
     dead list [filters] [--json]         dead messages, paged by id
     dead show ID [--json]                one message (any status) and why it waits
     dead requeue ID... | --all           back to pending now, attempts reset
@@ -421,7 +421,7 @@ def _attention(
     """What needs a human now, as short phrases (the figures that should be zero)."""
     items = []
     if s.dead:
-        items.append(f"{s.dead} dead (outbox-celery dead list)")
+        items.append(f"{_count(s, 'dead')} dead (outbox-celery dead list)")
     if s.blocked_keys:
         items.append(f"{s.blocked_keys} ordered key(s) blocked by a dead head")
     if s.headless_keys:
@@ -458,6 +458,15 @@ def _holds_long(h: admin.Horizon) -> bool:
     return h.state == "inactive"  # a slot nobody consumes holds the horizon until dropped
 
 
+def _count(s: admin.Stats, status: str) -> str:
+    """A status' count as read: ``N+`` when its read stopped at the cap (a lower bound), ``~N``
+    for a done count estimated from the table's statistics."""
+    n = s.counts[status]
+    if not s.capped.get(status):
+        return str(n)
+    return f"~{n}" if status == "done" else f"{n}+"
+
+
 def _done_note(outbox: Outbox | None) -> str:
     """What the done count is: finished rows still kept, not rows already deleted."""
     if outbox is None:
@@ -477,20 +486,30 @@ def _done_note(outbox: Outbox | None) -> str:
     f"Outbox plus {admin.format_duration(CLAIM_OVERDUE_MARGIN)}, else "
     f"{admin.format_duration(DEFAULT_CLAIM_INTERVAL + CLAIM_OVERDUE_MARGIN)}).",
 )
+@click.option(
+    "--exact",
+    is_flag=True,
+    help=f"Count every row (the cost grows with the table) instead of reading each status up to "
+    f"{admin.DEFAULT_STATS_CAP:,} index entries.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_target
-def stats(target: Target, unclaimed_after: float | None, as_json: bool) -> None:
+def stats(target: Target, unclaimed_after: float | None, exact: bool, as_json: bool) -> None:
     """Health at a glance: depth, ages, leases, attempts, event types.
 
     Ready messages that no claim took within a claim interval (plus a margin) are flagged (a stopped claim
     worker or beat, or an event type no claiming app handles). With -A, pending event types
-    that have no handler are reported as unroutable.
+    that have no handler are reported as unroutable. Each status is read up to a cap (a count
+    shown as N+ is at least N) and the done count past it is estimated: the command costs the
+    same whatever the done history holds; --exact counts everything.
     """
     handlers = target.handlers
     threshold = unclaimed_after if unclaimed_after is not None else _unclaimed_after(target.outbox)
     with target.connect() as conn:
-        s = admin.stats(conn, target.table, handlers=handlers)
-        waiting = admin.unclaimed(conn, target.table, older_than=threshold)
+        s = admin.stats(conn, target.table, handlers=handlers, cap=None if exact else admin.DEFAULT_STATS_CAP)
+        waiting = admin.unclaimed(
+            conn, target.table, older_than=threshold, cap=None if exact else admin.DEFAULT_STATS_CAP
+        )
     keys = s.keys
     attention = _attention(s, target.outbox, waiting)
     if as_json:
@@ -516,8 +535,18 @@ def stats(target: Target, unclaimed_after: float | None, as_json: bool) -> None:
         "dead": "need a human: outbox-celery dead list" if s.dead else "",
         "done": _done_note(target.outbox),
     }
-    rows = [(st, s.counts[st], notes[st]) for st in ("pending", "processing", "dead", "done")]
+    if s.capped.get("done"):
+        notes["done"] = f"estimated (table statistics); {notes['done']}"
+    if s.done_last_minute or s.counts["done"]:
+        minute = f"{s.done_last_minute}+" if s.capped.get("done") else str(s.done_last_minute)
+        notes["done"] = f"{minute} in the last minute; {notes['done']}"
+    rows = [(st, _count(s, st), notes[st]) for st in ("pending", "processing", "dead", "done")]
     click.echo(_table(["status", "messages", ""], rows, right=[1]))
+    if any(s.capped.values()):
+        click.echo(
+            f"N+: at least N (each status is read up to {s.cap:,} index entries; "
+            "the figures below count the rows read)"
+        )
     click.echo("")
     h = s.horizon
     facts = [
@@ -1061,13 +1090,23 @@ def health(
     help="Stats query timeout.",
 )
 @click.option(
+    "--cap",
+    type=click.IntRange(min=1),
+    default=1_000,  # metrics.DEFAULT_METRICS_CAP (the module is imported only when serving)
+    show_default=True,
+    help="Index entries each status' read takes at most per scrape: past it outbox_messages is a "
+    "lower bound (outbox_messages_capped is 1).",
+)
+@click.option(
     "--worker-metrics-dir",
     metavar="DIR",
     help="Also serve the delivery counters workers on this machine write there "
     "(PROMETHEUS_MULTIPROC_DIR of workers that call track_deliveries).",
 )
 @pass_target
-def metrics(target: Target, port: int, addr: str, timeout: float, worker_metrics_dir: str | None) -> None:
+def metrics(
+    target: Target, port: int, addr: str, timeout: float, cap: int, worker_metrics_dir: str | None
+) -> None:
     """Prometheus exporter: serve http://ADDR:PORT/metrics until stopped."""
     try:
         from .metrics import OutboxCollector, start_exporter
@@ -1077,7 +1116,7 @@ def metrics(target: Target, port: int, addr: str, timeout: float, worker_metrics
         raise click.ClickException(f"--worker-metrics-dir {worker_metrics_dir!r} is not a directory")
     dsn, table, handlers = target.dsn, target.table, target.handlers
     try:
-        collector = OutboxCollector(dsn, table, handlers=handlers, timeout=timeout)
+        collector = OutboxCollector(dsn, table, handlers=handlers, timeout=timeout, cap=cap)
     except ImportError as exc:
         raise click.ClickException(first_line(exc)) from None
     try:

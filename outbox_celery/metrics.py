@@ -16,8 +16,11 @@ imported when a collector is built, never when this module is imported.
     REGISTRY.register(OutboxCollector.from_outbox(outbox))
 
 Every scrape runs one read-only statement per table (:func:`outbox_celery.admin.stats`) under a
-statement timeout. When it fails, ``outbox_up`` is 0 and the table's other series are absent
-for that scrape, rather than stale.
+statement timeout. Its reads are bounded (at most ``cap`` index entries per status, done rows
+only from the newest end of their index), so a scrape costs the same with millions of done rows:
+a count that reached the cap is a lower bound, and ``outbox_messages_capped`` says so (for
+``done``: an estimate from the table's statistics). When it fails, ``outbox_up`` is 0 and the
+table's other series are absent for that scrape, rather than stale.
 """
 
 from __future__ import annotations
@@ -42,11 +45,14 @@ if TYPE_CHECKING:
 
     from .celery_app import Outbox
 
-__all__ = ["DEFAULT_PORT", "OutboxCollector", "start_exporter", "track_deliveries"]
+__all__ = ["DEFAULT_METRICS_CAP", "DEFAULT_PORT", "OutboxCollector", "start_exporter", "track_deliveries"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 9808
+#: Index entries each of a scrape's stats reads takes at most (per status): smaller than
+#: ``stats``' default so that a scrape stays within milliseconds (docs/operations.md).
+DEFAULT_METRICS_CAP = 1_000
 #: Limit keys paused or held that get series of their own (paused first, then the longest
 #: held); every key is counted per event type in ``outbox_limit_keys_paused`` and
 #: ``outbox_limit_keys_rate_limited``.
@@ -81,6 +87,9 @@ class OutboxCollector:
     :param namespace: prefix of every metric name. Default ``"outbox"``.
     :param timeout: statement timeout of the stats query, seconds. Default 10.
     :param connect_timeout: seconds to wait for a connection when ``source`` is a DSN.
+    :param cap: index entries each of the stats reads takes at most (default
+        :data:`DEFAULT_METRICS_CAP`); past it a count is a lower bound. ``None``: exact counts,
+        reading every row (a scrape then costs the table's size).
     """
 
     def __init__(
@@ -92,6 +101,7 @@ class OutboxCollector:
         namespace: str = "outbox",
         timeout: float = 10.0,
         connect_timeout: float = 5.0,
+        cap: int | None = DEFAULT_METRICS_CAP,
     ) -> None:
         _import_prometheus()
         tables = [table] if isinstance(table, str | TableName) else list(table)
@@ -101,6 +111,7 @@ class OutboxCollector:
         self.handlers = frozenset(handlers) if handlers is not None else None
         self.namespace = namespace
         self.timeout = timeout
+        self.cap = cap
         # Only to scrub it from logged errors (dsn.error_line); never logged itself.
         self._dsn: str | None = source if isinstance(source, str) else None
         if isinstance(source, str):
@@ -134,7 +145,24 @@ class OutboxCollector:
             "up": g(
                 f"{ns}_up", "1 if the last stats query of the table succeeded, else 0.", labels=["table"]
             ),
-            "messages": g(f"{ns}_messages", "Rows per status.", labels=["table", "status"]),
+            "messages": g(
+                f"{ns}_messages",
+                "Rows per status, read up to the collector's cap: a lower bound where "
+                f"{ns}_messages_capped is 1 (done: an estimate past the cap).",
+                labels=["table", "status"],
+            ),
+            "capped": g(
+                f"{ns}_messages_capped",
+                "1 where the status' read stopped at the cap: its count is a lower bound (done: an "
+                "estimate from the table's statistics), else 0.",
+                labels=["table", "status"],
+            ),
+            "done_minute": g(
+                f"{ns}_done_last_minute_messages",
+                "Rows that became done in the last minute (database clock; a lower bound when "
+                "done is capped).",
+                labels=["table"],
+            ),
             "ready": g(
                 f"{ns}_ready_messages",
                 "Pending rows whose available_at has come (claimable now).",
@@ -270,7 +298,7 @@ class OutboxCollector:
             started = time.monotonic()
             try:
                 with self._connect() as conn:
-                    s = admin.stats(conn, table, handlers=self.handlers, timeout=self.timeout)
+                    s = admin.stats(conn, table, handlers=self.handlers, timeout=self.timeout, cap=self.cap)
             except Exception as exc:
                 logger.warning(
                     "outbox metrics: stats of %s failed: %s",
@@ -289,6 +317,8 @@ class OutboxCollector:
     def _add(fams: dict[str, GaugeMetricFamily], name: str, s: admin.Stats) -> None:
         for status in _STATUSES:
             fams["messages"].add_metric([name, status], s.counts[status])
+            fams["capped"].add_metric([name, status], 1 if s.capped.get(status) else 0)
+        fams["done_minute"].add_metric([name], s.done_last_minute)
         fams["ready"].add_metric([name], s.ready)
         fams["oldest_pending"].add_metric([name], s.oldest_pending_age or 0.0)
         fams["oldest_ready"].add_metric([name], s.oldest_ready_wait or 0.0)

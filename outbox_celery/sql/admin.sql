@@ -7,27 +7,56 @@
 -- Live rows (not done) are few and done rows are history, so every query reaches rows through
 -- the schema's partial indexes: pending unordered (pending_idx), ordered not done (ordered_idx),
 -- processing (lease_idx), dead (dead_idx), done by done_at (done_idx). Nothing here scans the
--- whole table except the done count, an index-only scan of done_idx.
+-- whole table or the done history.
 
 -- name: stats
--- One statement, so every figure comes from the same snapshot. The four branches of "live" are
--- disjoint and together hold every row that is not done.
-WITH live AS MATERIALIZED (
-    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
-           lease_version - started_version AS unstarted_claims, head
+-- One statement, so every figure comes from the same snapshot. Bounded: each of the four reads
+-- of "live" takes at most %(cap)s entries of its partial index, in the index's order (NULL: no
+-- cap, every unfinished row), and the done rows are read only through done_idx, the most recent
+-- first, at most %(cap)s. A read that stopped at the cap makes its figures lower bounds (the
+-- *_capped columns); the done count past the cap is an estimate from the table's statistics
+-- (pg_stat: live tuples minus the unfinished rows counted). The branches are disjoint: the
+-- ordered read keeps only its pending rows (its processing and dead rows come from lease_idx and
+-- dead_idx), so together they hold every row that is not done (when no read is capped).
+WITH free AS (
+    SELECT 'free' AS branch, status, event_type, ordering_key, id, attempts, created_at,
+           available_at, lease_until, lease_version - started_version AS unstarted_claims, head
     FROM {table} WHERE status = 'pending' AND ordering_key IS NULL
-    UNION ALL
-    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
-           lease_version - started_version AS unstarted_claims, head
+    ORDER BY available_at, id LIMIT %(cap)s
+),
+ordered AS (
+    SELECT 'ordered' AS branch, status, event_type, ordering_key, id, attempts, created_at,
+           available_at, lease_until, lease_version - started_version AS unstarted_claims, head
     FROM {table} WHERE ordering_key IS NOT NULL AND status <> 'done'
-    UNION ALL
-    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
-           lease_version - started_version AS unstarted_claims, head
-    FROM {table} WHERE status = 'processing' AND ordering_key IS NULL
-    UNION ALL
-    SELECT status, event_type, ordering_key, id, attempts, created_at, available_at, lease_until,
-           lease_version - started_version AS unstarted_claims, head
-    FROM {table} WHERE status = 'dead' AND ordering_key IS NULL
+    ORDER BY ordering_key, id LIMIT %(cap)s
+),
+flight AS (
+    SELECT 'flight' AS branch, status, event_type, ordering_key, id, attempts, created_at,
+           available_at, lease_until, lease_version - started_version AS unstarted_claims, head
+    FROM {table} WHERE status = 'processing'
+    ORDER BY lease_until LIMIT %(cap)s
+),
+dead AS (
+    SELECT 'dead' AS branch, status, event_type, ordering_key, id, attempts, created_at,
+           available_at, lease_until, lease_version - started_version AS unstarted_claims, head
+    FROM {table} WHERE status = 'dead'
+    ORDER BY id LIMIT %(cap)s
+),
+read AS MATERIALIZED (
+    SELECT * FROM free
+    UNION ALL SELECT * FROM ordered
+    UNION ALL SELECT * FROM flight
+    UNION ALL SELECT * FROM dead
+),
+reads AS (
+    SELECT count(*) FILTER (WHERE branch = 'free') AS free,
+           count(*) FILTER (WHERE branch = 'ordered') AS ordered,
+           count(*) FILTER (WHERE branch = 'flight') AS flight,
+           count(*) FILTER (WHERE branch = 'dead') AS dead
+    FROM read
+),
+live AS (
+    SELECT * FROM read WHERE branch <> 'ordered' OR status = 'pending'
 ),
 -- Only the head of an ordered key (flagged, see queries.sql claim_heads) is claimable: a pending
 -- row behind it waits its turn, and a dead head blocks its key. No per-key grouping is needed.
@@ -44,12 +73,18 @@ marked AS (
                 ELSE 0 END AS lost_claims
     FROM live
 ),
+-- One pass over the rows read: every per-type figure; the totals are sums and minima of these.
 by_type AS (
     SELECT event_type,
            count(*) FILTER (WHERE status = 'pending') AS pending,
            count(*) FILTER (WHERE ready) AS ready,
+           count(*) FILTER (WHERE status = 'pending' AND available_at > now()) AS scheduled,
            count(*) FILTER (WHERE status = 'processing') AS processing,
+           count(*) FILTER (WHERE status = 'processing' AND lease_until <= now()) AS expired,
            count(*) FILTER (WHERE status = 'dead') AS dead,
+           min(created_at) FILTER (WHERE status = 'pending') AS oldest_pending,
+           min(available_at) FILTER (WHERE ready) AS oldest_ready,
+           min(created_at) FILTER (WHERE status = 'processing') AS oldest_processing,
            extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8
                AS oldest_pending_age,
            count(*) FILTER (WHERE lost_claims > 0) AS unstarted,
@@ -66,41 +101,61 @@ by_attempts AS (
     GROUP BY attempts
 ),
 -- Keys whose head is dead, and the unfinished messages waiting behind each: read from the dead
--- heads (dead_idx) and, per dead head, its key's range of the ordered index; O(dead heads +
--- messages waiting behind them), not O(backlog).
+-- heads (dead_idx, at most %(cap)s) and, per dead head, its key's range of the ordered index (at
+-- most %(cap)s entries each); O(dead heads + messages waiting behind them), not O(backlog).
 blocked AS (
     SELECT d.ordering_key,
-           (SELECT count(*) FROM {table} AS w
-            WHERE w.ordering_key = d.ordering_key AND w.status <> 'done' AND w.id > d.id) AS waiting
+           (SELECT count(*) FROM (SELECT 1 FROM {table} AS w
+            WHERE w.ordering_key = d.ordering_key AND w.status <> 'done' AND w.id > d.id
+            LIMIT %(cap)s) AS b) AS waiting
     FROM {table} AS d
     WHERE d.status = 'dead' AND d.head AND d.ordering_key IS NOT NULL
+    ORDER BY d.id LIMIT %(cap)s
 ),
 -- Keys with unfinished messages none of which is flagged head: never claimed again, and
--- neither ready nor blocked (#21). A producer or worker of a release before migration 0004
--- leaves them (an insert that does not flag, a done that does not move the flag); repair-heads
--- (settle_heads) mends them. Read from the ordered rows "live" holds already.
+-- neither ready nor blocked. A producer or worker of a release before migration 0004 leaves
+-- them (an insert that does not flag, a done that does not move the flag); repair-heads
+-- (settle_heads) mends them. Read from the ordered rows already read (every status).
 headless AS (
-    SELECT ordering_key FROM live
-    WHERE ordering_key IS NOT NULL
+    SELECT ordering_key FROM read
+    WHERE branch = 'ordered'
     GROUP BY ordering_key
     HAVING NOT bool_or(head)
+),
+-- The done rows through done_idx, the most recent first: exact below the cap, and how many
+-- finished in the last minute (exact while fewer than %(cap)s did).
+done AS (
+    SELECT done_at FROM {table} WHERE status = 'done' ORDER BY done_at DESC LIMIT %(cap)s
+),
+done_read AS (
+    SELECT count(*) AS n, count(*) FILTER (WHERE done_at > now() - interval '1 minute') AS last_minute
+    FROM done
+),
+totals AS (
+    SELECT coalesce(sum(pending), 0) AS pending, coalesce(sum(ready), 0) AS ready,
+           coalesce(sum(scheduled), 0) AS scheduled, coalesce(sum(processing), 0) AS processing,
+           coalesce(sum(expired), 0) AS expired, coalesce(sum(dead), 0) AS dead,
+           coalesce(sum(unstarted), 0) AS unstarted, min(oldest_pending) AS oldest_pending,
+           min(oldest_ready) AS oldest_ready, min(oldest_processing) AS oldest_processing
+    FROM by_type
 )
 SELECT
     now() AS now,
-    (SELECT count(*) FROM live WHERE status = 'pending') AS pending,
-    (SELECT count(*) FROM marked WHERE ready) AS ready,
-    (SELECT count(*) FROM live WHERE status = 'pending' AND available_at > now()) AS scheduled,
-    (SELECT count(*) FROM live WHERE status = 'processing') AS processing,
-    (SELECT count(*) FROM live WHERE status = 'dead') AS dead,
-    (SELECT count(*) FROM {table} WHERE status = 'done') AS done,
-    (SELECT count(*) FROM live WHERE status = 'processing' AND lease_until <= now()) AS expired_leases,
-    (SELECT extract(epoch FROM now() - min(created_at))::float8
-     FROM live WHERE status = 'pending') AS oldest_pending_age,
-    (SELECT extract(epoch FROM now() - min(available_at))::float8
-     FROM marked WHERE ready) AS oldest_ready_wait,
-    (SELECT extract(epoch FROM now() - min(created_at))::float8
-     FROM live WHERE status = 'processing') AS oldest_processing_age,
-    (SELECT count(*) FROM marked WHERE lost_claims > 0) AS unstarted,
+    t.pending, t.ready, t.scheduled, t.processing, t.dead,
+    CASE WHEN dr.n < %(cap)s OR %(cap)s::bigint IS NULL THEN dr.n
+         ELSE greatest(dr.n, pg_stat_get_live_tuples(%(table)s::regclass)
+                             - t.pending - t.processing - t.dead) END AS done,
+    coalesce(dr.n >= %(cap)s, false) AS done_capped,
+    dr.last_minute AS done_last_minute,
+    coalesce(r.free >= %(cap)s OR r.ordered >= %(cap)s, false) AS pending_capped,
+    coalesce(r.flight >= %(cap)s, false) AS processing_capped,
+    coalesce(r.dead >= %(cap)s, false) AS dead_capped,
+    coalesce(r.ordered >= %(cap)s, false) AS ordered_capped,
+    t.expired AS expired_leases,
+    extract(epoch FROM now() - t.oldest_pending)::float8 AS oldest_pending_age,
+    extract(epoch FROM now() - t.oldest_ready)::float8 AS oldest_ready_wait,
+    extract(epoch FROM now() - t.oldest_processing)::float8 AS oldest_processing_age,
+    t.unstarted,
     (SELECT count(*) FROM blocked) AS blocked_keys,
     (SELECT coalesce(sum(waiting), 0) FROM blocked) AS blocked_messages,
     (SELECT count(*) FROM headless) AS headless_keys,
@@ -113,7 +168,8 @@ SELECT
     (SELECT coalesce(json_agg(json_build_object(
                 'attempts', attempts, 'pending', pending, 'processing', processing, 'dead', dead)
             ORDER BY attempts), '[]'::json)
-     FROM by_attempts) AS attempts;
+     FROM by_attempts) AS attempts
+FROM totals AS t, reads AS r, done_read AS dr;
 
 -- fragment: dead_filter
 -- The filters of dead_list and dead_count over the alias d (a NULL filter matches every row),
@@ -346,17 +402,20 @@ LIMIT %(limit)s;
 -- message within one claim interval (at once with push); one left many intervals means no claim
 -- worker is running, or none has a handler for its event type (the claim takes only those).
 -- Nothing is recorded per claim: each branch is a range of a pending partial index ordered by
--- available_at (pending_idx, heads_idx), read only below the threshold.
+-- available_at (pending_idx, heads_idx), read only below the threshold and at most %(cap)s
+-- entries (NULL: no cap); past the cap "messages" is a lower bound, the oldest wait exact.
 SELECT event_type, count(*) AS messages,
        extract(epoch FROM now() - min(available_at))::float8 AS oldest_wait
 FROM (
-    SELECT event_type, available_at FROM {table}
-    WHERE status = 'pending' AND ordering_key IS NULL
-      AND available_at <= now() - make_interval(secs => %(older_than)s::float8)
+    (SELECT event_type, available_at FROM {table}
+     WHERE status = 'pending' AND ordering_key IS NULL
+       AND available_at <= now() - make_interval(secs => %(older_than)s::float8)
+     ORDER BY available_at, id LIMIT %(cap)s)
     UNION ALL
-    SELECT event_type, available_at FROM {table}
-    WHERE status = 'pending' AND head
-      AND available_at <= now() - make_interval(secs => %(older_than)s::float8)
+    (SELECT event_type, available_at FROM {table}
+     WHERE status = 'pending' AND head
+       AND available_at <= now() - make_interval(secs => %(older_than)s::float8)
+     ORDER BY available_at, id LIMIT %(cap)s)
 ) AS waiting
 GROUP BY event_type
 ORDER BY event_type;

@@ -175,6 +175,8 @@ def test_operator_queries_are_served_by_the_partial_indexes(
         "limit": 50,
         "cutoff": "2000-01-01",
         "id": 1,
+        "cap": admin.DEFAULT_STATS_CAP,
+        "table": table,
     }
     for name in ("stats", "dead_list", "dead_count", "show", "purge_count", "purge_batch"):
         query = admin._q(table, name)
