@@ -676,6 +676,7 @@ class Bench:
             self.results["peer"] = {"skipped": described}
             return
         peer = PeerRun(python, self.pipeline)
+        deployments = [d.strip() for d in a.deployments.split(",") if d.strip()]
         t = self.report.table(
             f"Per message vs {described} ({a.messages} messages, {a.pool} x{a.concurrency}, "
             f"prefetch {a.prefetch}, producer and workers at the same time)",
@@ -690,7 +691,7 @@ class Bench:
                 for label, tuned in (("peer", False), ("peer tuned", True)):
                     same = {"prefetch": a.prefetch, "producer_batch": a.producer_batch}
                     runs.setdefault(label, []).append(peer.run(url, a.messages, tuned=tuned, **same))
-                for dep in ("readme", "split"):
+                for dep in deployments:
                     runs.setdefault(f"outbox-celery {dep}", []).append(
                         self._outbox(url, a.messages, single_worker=dep == "readme")
                     )
@@ -734,6 +735,35 @@ class Bench:
         cpu.note(
             "PostgreSQL: CPU of the benchmark database's backends alive at the end of the run (a "
             "producer's backend that exited is not counted); bare Celery uses no database"
+        )
+        db = self.report.table(
+            "Database cost per message, same runs (medians over the rounds; warm-up included)",
+            ["broker", "pipeline", "commits", "row versions", "WAL bytes", "PostgreSQL CPU ms"],
+        )
+        for broker, data in out.items():
+            for key, rs in data["runs"].items():
+                if not rs[0].get("db_per_msg"):
+                    continue  # bare Celery: no database
+                per = {
+                    k: _median([r["db_per_msg"][k] for r in rs])
+                    for k in ("xact_commit", "row_versions", "wal_bytes")
+                }
+                pg_cpu = _median([r["cpu_ms_per_msg"].get("postgres", 0.0) for r in rs])
+                db.row(
+                    broker,
+                    key,
+                    f"{per['xact_commit']:.2f}",
+                    f"{per['row_versions']:.2f}",
+                    f"{per['wal_bytes']:,.0f}",
+                    f"{pg_cpu:.3f}",
+                )
+        db.note(
+            "commits: pg_stat_database.xact_commit; row versions: n_tup_ins + upd + del (tup_inserted "
+            "+ tup_updated + tup_deleted) of the benchmark database, from before the warm-up to after "
+            "every process exited, per message; WAL bytes: pg_current_wal_lsn() difference over the "
+            "same span, the whole cluster's (other databases' writes count on a shared server); "
+            "PostgreSQL CPU: utime + stime from /proc/<pid>/stat of the database's backends over the "
+            "measured messages (the server is local)"
         )
         self.results["peer"] = out
 

@@ -40,7 +40,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_celery import TableName, migrate
-from outbox_celery import admin as outbox_admin
+from outbox_celery import operations as outbox_admin
 from outbox_celery.store import Claimed, ScanMarks, Store
 from outbox_celery.testing import embedded_postgres, free_port
 

@@ -64,13 +64,17 @@ def backend_pids(conn: psycopg.Connection[Any]) -> list[psutil.Process]:
 
 
 def pg_counters(conn: psycopg.Connection[Any]) -> dict[str, int]:
-    """This database's cumulative transaction and tuple counters (fresh snapshot)."""
+    """This database's cumulative transaction and tuple counters (fresh snapshot), and the WAL position."""
     conn.execute("SELECT pg_stat_clear_snapshot()")
     row = conn.execute(
         "SELECT xact_commit, xact_rollback, tup_inserted, tup_updated, tup_deleted, blks_hit, blks_read"
         " FROM pg_stat_database WHERE datname = current_database()"
     ).fetchone()
     assert row is not None
+    # The WAL position is the cluster's, not this database's: other databases' writes meanwhile
+    # count too (say so beside the figure when the server is shared).
+    wal = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+    assert wal is not None
     keys = (
         "xact_commit",
         "xact_rollback",
@@ -80,7 +84,7 @@ def pg_counters(conn: psycopg.Connection[Any]) -> dict[str, int]:
         "blks_hit",
         "blks_read",
     )
-    return {k: int(v) for k, v in zip(keys, row, strict=True)}
+    return {k: int(v) for k, v in zip(keys, row, strict=True)} | {"wal_bytes": int(wal[0])}
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -101,3 +105,10 @@ def last_json_line(path: Path) -> dict[str, Any]:
                 if isinstance(value, dict):
                     return value
     raise ValueError(f"no JSON summary in {path}")
+
+
+def db_per_message(before: dict[str, int], after: dict[str, int], messages: int) -> dict[str, float]:
+    """Per message between two :func:`pg_counters`: commits, row versions written, WAL bytes."""
+    per = {k: (after[k] - before[k]) / messages for k in before}
+    per["row_versions"] = per["tup_inserted"] + per["tup_updated"] + per["tup_deleted"]
+    return per

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 import venv
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from .counter import CompletionCounter
-from .measure import backend_pids, cpu_seconds, last_json_line, listening_pid
+from .measure import backend_pids, cpu_seconds, db_per_message, last_json_line, listening_pid, pg_counters
 from .pipeline import WORKER_FLAGS, Pipeline, PipelineResult, _broker_name, _broker_port, cleanup_queues
 from .procs import ROOT, Processes, wait_for
 
@@ -238,6 +239,9 @@ class PeerRun:
                     gen.popen.wait(30)
                     return last_json_line(gen.log), done - base, last
 
+                # Statistics before the warm-up and after every process exited, as ours
+                # (pipeline.outbox): backends report theirs with a delay, or on exit.
+                pg0 = pg_counters(admin)
                 if warmup:
                     load(warmup)
                 cpu0 = {
@@ -256,6 +260,9 @@ class PeerRun:
                     "broker": cpu_seconds(broker) - cpu0["broker"],
                     "postgres": sum(cpu_seconds([b]) - backends0.get(b.pid, 0) for b in backend_pids(admin)),
                 }
+                procs.stop_all()
+                time.sleep(0.5)  # exiting backends flush their statistics
+                db = db_per_message(pg0, pg_counters(admin), n + warmup)
         finally:
             counter.close()
             cleanup_queues(broker_url, [queue])
@@ -271,6 +278,7 @@ class PeerRun:
             send_seconds=float(summary["finished"]) - started,
             completed=done,
             cpu_ms_per_msg={k: 1000 * v / n for k, v in cpu.items()},
+            db_per_msg=db,
             settings={
                 "prefetch": prefetch,
                 "concurrency": p.concurrency,

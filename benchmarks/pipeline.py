@@ -27,7 +27,15 @@ from outbox_celery import TableName, migrate
 from outbox_celery._sql import FLOW_KEY_SUFFIX, FLOW_SUFFIX, INSTANCE_SUFFIX
 
 from .counter import CompletionCounter
-from .measure import backend_pids, cpu_seconds, last_json_line, listening_pid, pg_counters, rss_bytes
+from .measure import (
+    backend_pids,
+    cpu_seconds,
+    db_per_message,
+    last_json_line,
+    listening_pid,
+    pg_counters,
+    rss_bytes,
+)
 from .procs import Proc, Processes, celery_command, wait_for
 
 __all__ = ["Pipeline", "PipelineResult", "drop_table"]
@@ -445,7 +453,7 @@ class Pipeline:
             cleanup_queues(broker_url, [queue, claim_queue])
             drop_table(self.dsn, table)
         started = float(summary["started"])
-        db = {k: (pg1[k] - pg0[k]) / (n + warmup) for k in ("xact_commit", "tup_updated", "tup_inserted")}
+        db = db_per_message(pg0, pg1, n + warmup)
         result = PipelineResult(
             kind="outbox",
             broker=_broker_name(broker_url),

@@ -424,7 +424,7 @@ class Outbox:
         24). Deliveries already running finish. Returns whether it was running before
         (``False``: already paused).
         """
-        from .admin import pause
+        from .operations import pause
 
         with self.connection() as conn:
             return pause(conn, self.config.table, event_type, limit_key=limit_key)
@@ -434,7 +434,7 @@ class Outbox:
         listeners are woken), and a RateLimited hold on it ends too. Returns whether it was
         paused or held.
         """
-        from .admin import resume
+        from .operations import resume
 
         with self.connection() as conn:
             return resume(conn, self.config.table, event_type, limit_key=limit_key)
@@ -453,7 +453,7 @@ class Outbox:
         cfg = self.config
         if cfg.retention is None:
             return 0
-        from .admin import purge_done
+        from .operations import purge_done
 
         with self.connection() as conn:
             # Bounded per run: the purge shares the claim queue and must not hold it for long;

@@ -39,8 +39,8 @@ import click
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from . import admin, migrations
 from . import health as health_checks
+from . import migrations, operations
 from .config import OutboxConfig, TableName
 from .discovery import celery_outbox_finder, resolve_outbox
 from .dsn import invalid_dsn, password, redact
@@ -60,7 +60,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     if value is None:
         return None
     try:
-        return admin.parse_duration(value)
+        return operations.parse_duration(value)
     except ValueError as exc:
         raise click.ClickException(f"{param.opts[0]}: {exc}") from None
 
@@ -373,7 +373,7 @@ def migrate(target: Target, check: bool, as_json: bool) -> None:
         click.echo(f"{table.qualified} is already up to date (version {max(current)})")
 
 
-def _unstarted_line(e: admin.EventTypeStats, outbox: Outbox | None) -> str:
+def _unstarted_line(e: operations.EventTypeStats, outbox: Outbox | None) -> str:
     """A queue with no consumer shows as claims nobody starts (DESIGN invariants 10, 16)."""
     queue = "its queue"
     if outbox is not None and e.event_type in outbox.handlers:
@@ -398,7 +398,7 @@ def _unclaimed_after(outbox: Outbox | None) -> float:
     return interval + CLAIM_OVERDUE_MARGIN
 
 
-def _unclaimed_line(u: admin.Unclaimed, outbox: Outbox | None, processing: int) -> str:
+def _unclaimed_line(u: operations.Unclaimed, outbox: Outbox | None, processing: int) -> str:
     """Ready messages nobody claims: the first sign of a stopped claim worker or a missing handler."""
     if outbox is not None:
         # Its event type has a handler here (those without one are reported as unroutable).
@@ -411,12 +411,12 @@ def _unclaimed_line(u: admin.Unclaimed, outbox: Outbox | None, processing: int) 
     bound = f" (or the in-flight bound is full: {processing} processing)" if processing else ""
     return (
         f"event type {u.event_type!r}: {u.messages} ready message(s) unclaimed for "
-        f"{admin.format_duration(u.oldest_wait)}: {cause}{bound}"
+        f"{operations.format_duration(u.oldest_wait)}: {cause}{bound}"
     )
 
 
 def _attention(
-    s: admin.Stats, outbox: Outbox | None = None, unclaimed: Sequence[admin.Unclaimed] = ()
+    s: operations.Stats, outbox: Outbox | None = None, unclaimed: Sequence[operations.Unclaimed] = ()
 ) -> list[str]:
     """What needs a human now, as short phrases (the figures that should be zero)."""
     items = []
@@ -450,7 +450,7 @@ def _attention(
 HORIZON_ATTENTION_SECONDS = 60.0
 
 
-def _holds_long(h: admin.Horizon) -> bool:
+def _holds_long(h: operations.Horizon) -> bool:
     if h.kind is None:
         return False
     if h.seconds is not None:
@@ -458,7 +458,7 @@ def _holds_long(h: admin.Horizon) -> bool:
     return h.state == "inactive"  # a slot nobody consumes holds the horizon until dropped
 
 
-def _count(s: admin.Stats, status: str) -> str:
+def _count(s: operations.Stats, status: str) -> str:
     """A status' count as read: ``N+`` when its read stopped at the cap (a lower bound), ``~N``
     for a done count estimated from the table's statistics."""
     n = s.counts[status]
@@ -474,7 +474,8 @@ def _done_note(outbox: Outbox | None) -> str:
     retention = outbox.config.retention
     if retention is None:
         return "delivered or skipped, kept (retention is off)"
-    return f"delivered or skipped, deleted by retention {admin.format_duration(retention)} after they finish"
+    after = operations.format_duration(retention)
+    return f"delivered or skipped, deleted by retention {after} after they finish"
 
 
 @cli.command()
@@ -483,14 +484,14 @@ def _done_note(outbox: Outbox | None) -> str:
     metavar="DURATION",
     callback=_duration,
     help="Report ready messages left unclaimed this long (default: a claim interval of the -A "
-    f"Outbox plus {admin.format_duration(CLAIM_OVERDUE_MARGIN)}, else "
-    f"{admin.format_duration(DEFAULT_CLAIM_INTERVAL + CLAIM_OVERDUE_MARGIN)}).",
+    f"Outbox plus {operations.format_duration(CLAIM_OVERDUE_MARGIN)}, else "
+    f"{operations.format_duration(DEFAULT_CLAIM_INTERVAL + CLAIM_OVERDUE_MARGIN)}).",
 )
 @click.option(
     "--exact",
     is_flag=True,
     help=f"Count every row (the cost grows with the table) instead of reading each status up to "
-    f"{admin.DEFAULT_STATS_CAP:,} index entries.",
+    f"{operations.DEFAULT_STATS_CAP:,} index entries.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_target
@@ -506,9 +507,11 @@ def stats(target: Target, unclaimed_after: float | None, exact: bool, as_json: b
     handlers = target.handlers
     threshold = unclaimed_after if unclaimed_after is not None else _unclaimed_after(target.outbox)
     with target.connect() as conn:
-        s = admin.stats(conn, target.table, handlers=handlers, cap=None if exact else admin.DEFAULT_STATS_CAP)
-        waiting = admin.unclaimed(
-            conn, target.table, older_than=threshold, cap=None if exact else admin.DEFAULT_STATS_CAP
+        s = operations.stats(
+            conn, target.table, handlers=handlers, cap=None if exact else operations.DEFAULT_STATS_CAP
+        )
+        waiting = operations.unclaimed(
+            conn, target.table, older_than=threshold, cap=None if exact else operations.DEFAULT_STATS_CAP
         )
     keys = s.keys
     attention = _attention(s, target.outbox, waiting)
@@ -522,7 +525,7 @@ def stats(target: Target, unclaimed_after: float | None, exact: bool, as_json: b
             }
         )
         return
-    fd = admin.format_duration
+    fd = operations.format_duration
     click.echo(f"outbox {target.where}")
     click.echo(f"database time {s.now:%Y-%m-%d %H:%M:%S %Z}")
     click.echo(f"attention: {'; '.join(attention) or 'none'}")
@@ -660,7 +663,7 @@ def dead_list(
     as_json: bool,
 ) -> None:
     """Dead messages, oldest id first, with their last error."""
-    filters: admin.DeadFilters = {
+    filters: operations.DeadFilters = {
         "event_type": event_type,
         "aggregate_type": aggregate_type,
         "aggregate_id": aggregate_id,
@@ -668,8 +671,8 @@ def dead_list(
         "newer_than": newer_than,
     }
     with target.connect() as conn:
-        rows = admin.list_dead(conn, target.table, after=after, limit=limit, **filters)
-        total = admin.count_dead(conn, target.table, **filters)
+        rows = operations.list_dead(conn, target.table, after=after, limit=limit, **filters)
+        total = operations.count_dead(conn, target.table, **filters)
     next_after = rows[-1].id if rows and len(rows) == limit else None
     if as_json:
         _echo_json({"total": total, "messages": [r.as_dict() for r in rows], "next_after": next_after})
@@ -691,7 +694,7 @@ def dead_list(
                     r.event_type,
                     _shown(f"{r.aggregate_type}:{r.aggregate_id}"),
                     r.attempts,
-                    admin.format_duration(r.age),
+                    operations.format_duration(r.age),
                     r.waiting_behind if r.ordering_key is not None else "-",
                     _short(r.last_error),
                 )
@@ -714,13 +717,13 @@ def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
     Payload, attempts, lease, last error and, for an ordered message, its key's head.
     """
     with target.connect() as conn:
-        row = admin.get_message(conn, target.table, outbox_id)
+        row = operations.get_message(conn, target.table, outbox_id)
     if row is None:
         raise click.ClickException(f"no message with id {outbox_id} in {target.table.qualified}")
     if as_json:
         _echo_json(row)
         return
-    fd = admin.format_duration
+    fd = operations.format_duration
     status = row["status"]
     lines = [
         ("id", row["id"]),
@@ -801,10 +804,10 @@ def dead_requeue(
         raise click.ClickException("--event-type filters --all; with ids it is not needed")
     with target.connect() as conn:
         if all_:
-            n = admin.requeue_all(conn, target.table, event_type=event_type, reason=reason)
+            n = operations.requeue_all(conn, target.table, event_type=event_type, reason=reason)
             changed: list[int] | None = None
         else:
-            changed = admin.requeue(conn, target.table, ids, reason=reason)
+            changed = operations.requeue(conn, target.table, ids, reason=reason)
             n = len(changed)
     if as_json:
         _echo_json({"requeued": n, "ids": changed})
@@ -830,7 +833,7 @@ def dead_skip(target: Target, ids: tuple[int, ...], reason: str | None, as_json:
     if reason is None or not reason.strip():
         raise click.ClickException("skip needs --reason TEXT (it is recorded in last_error)")
     with target.connect() as conn:
-        changed = admin.skip(conn, target.table, ids, reason=reason)
+        changed = operations.skip(conn, target.table, ids, reason=reason)
     if as_json:
         _echo_json({"skipped": len(changed), "ids": changed})
         return
@@ -860,12 +863,12 @@ def dead_skip(target: Target, ids: tuple[int, ...], reason: str | None, as_json:
 @pass_target
 def purge(target: Target, older_than: float, batch_size: int, dry_run: bool, as_json: bool) -> None:
     """Delete old done rows, in short batches (never any other status)."""
-    age = admin.format_duration(older_than)
+    age = operations.format_duration(older_than)
     with target.connect() as conn:
         if dry_run:
-            n = admin.count_purgeable(conn, target.table, older_than=older_than)
+            n = operations.count_purgeable(conn, target.table, older_than=older_than)
         else:
-            n = admin.purge_done(conn, target.table, older_than=older_than, batch_size=batch_size)
+            n = operations.purge_done(conn, target.table, older_than=older_than, batch_size=batch_size)
     if as_json:
         _echo_json(
             {
@@ -894,7 +897,7 @@ def repair_heads(target: Target, batch_size: int, as_json: bool) -> None:
     workers run (it takes the producers' key locks); a second run mends nothing.
     """
     with target.connect() as conn:
-        keys = admin.repair_heads(conn, target.table, batch_size=batch_size)
+        keys = operations.repair_heads(conn, target.table, batch_size=batch_size)
     if as_json:
         _echo_json({"repaired": len(keys), "keys": keys})
     else:
@@ -950,7 +953,7 @@ def pause(target: Target, event_type: str, limit_key: str | None, as_json: bool)
     """
     _require_handler(target, event_type)
     with target.connect() as conn:
-        changed = admin.pause(conn, target.table, event_type, limit_key=limit_key)
+        changed = operations.pause(conn, target.table, event_type, limit_key=limit_key)
     what = _flow_what(event_type, limit_key)
     if as_json:
         _echo_json({"event_type": event_type, "limit_key": limit_key, "paused": True, "changed": changed})
@@ -974,14 +977,16 @@ def resume(target: Target, event_type: str, limit_key: str | None, as_json: bool
     for is refused (exit 1).
     """
     with target.connect() as conn:
-        changed = admin.resume(conn, target.table, event_type, limit_key=limit_key)
+        changed = operations.resume(conn, target.table, event_type, limit_key=limit_key)
         held: list[str] = []
         if not changed:
             if limit_key is None:
-                held = [f.event_type for f in admin.flow_states(conn, target.table)]
+                held = [f.event_type for f in operations.flow_states(conn, target.table)]
             else:
                 held = [
-                    k.limit_key for k in admin.key_states(conn, target.table) if k.event_type == event_type
+                    k.limit_key
+                    for k in operations.key_states(conn, target.table)
+                    if k.event_type == event_type
                 ]
     what = _flow_what(event_type, limit_key)
     close = None
@@ -1024,7 +1029,7 @@ def resume(target: Target, event_type: str, limit_key: str | None, as_json: bool
     metavar="DURATION",
     callback=_duration,
     help="The outbox's claim_interval (default: the -A Outbox's, else "
-    f"{admin.format_duration(DEFAULT_CLAIM_INTERVAL)}).",
+    f"{operations.format_duration(DEFAULT_CLAIM_INTERVAL)}).",
 )
 @click.option(
     "--timeout",

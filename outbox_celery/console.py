@@ -3,7 +3,7 @@
 What :mod:`outbox_celery.web` shows. Every read of live rows goes through one partial index and
 stops after ``cap`` entries (``sql/console.sql``), so a page costs the same with 2 million done
 rows as with none; a figure that reached the cap is a lower bound (:class:`Count`). Actions reuse
-:mod:`outbox_celery.admin` (requeue, skip, pause, resume): a bulk action by filter runs batch by
+:mod:`outbox_celery.operations` (requeue, skip, pause, resume): a bulk action by filter runs batch by
 batch, each batch its own short transaction.
 """
 
@@ -19,7 +19,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from . import _sql, admin
+from . import _sql, operations
 from .config import TableName
 from .errors import AdminError
 
@@ -99,11 +99,11 @@ class Overview:
     cap: int
     event_types: list[TypeCounts]
     totals: TypeCounts
-    paused: list[admin.FlowState]
-    held_keys: list[admin.KeyFlowState]
+    paused: list[operations.FlowState]
+    held_keys: list[operations.KeyFlowState]
     blocked_keys: list[dict[str, Any]]
     headless_keys: Count
-    horizon: admin.Horizon
+    horizon: operations.Horizon
     key_use: list[dict[str, Any]]
 
 
@@ -153,11 +153,11 @@ def overview(
         cap=cap,
         event_types=types,
         totals=totals,
-        paused=admin.flow_states(conn, t),
-        held_keys=admin.key_states(conn, t),
+        paused=operations.flow_states(conn, t),
+        held_keys=operations.key_states(conn, t),
         blocked_keys=list(blocked),
         headless_keys=Count(int(headless["keys"]), bool(headless["capped"])),
-        horizon=admin.horizon(conn, t),
+        horizon=operations.horizon(conn, t),
         key_use=list(key_use),
     )
 
@@ -186,7 +186,7 @@ def minutes(
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(
             _q(table, "console_minutes"),
-            {"minute_cap": minute_cap, "skip_like": admin.SKIPPED_BY_OPERATOR + ": %"},
+            {"minute_cap": minute_cap, "skip_like": operations.SKIPPED_BY_OPERATOR + ": %"},
         ).fetchall()
     return [Minute(r["minute"], int(r["done"]), bool(r["capped"]), r["p50"], r["p99"]) for r in rows]
 
@@ -261,7 +261,7 @@ def bulk_dead(
 ) -> BulkResult:
     """Requeue or skip every dead message matching ``query`` (ids up to ``query.upto``).
 
-    Batch by batch in id order through :func:`admin.requeue` / :func:`admin.skip` (each batch
+    Batch by batch in id order through :func:`operations.requeue` / :func:`operations.skip` (each batch
     one short transaction, its rows locked for milliseconds). A row another operator changed
     meanwhile makes its batch refuse and is left out on the next read. ``conn`` must not be
     inside a transaction.
@@ -283,9 +283,9 @@ def bulk_dead(
             break
         try:
             if action == "requeue":
-                done = admin.requeue(conn, table, ids, reason=reason)
+                done = operations.requeue(conn, table, ids, reason=reason)
             else:
-                done = admin.skip(conn, table, ids, reason=reason)
+                done = operations.skip(conn, table, ids, reason=reason)
         except AdminError:
             # Raced by another operator or worker: read the batch again (the rows that are no
             # longer dead drop out); give up after a few tries rather than loop.

@@ -53,7 +53,7 @@ class ConfigurationError(OutboxError, ValueError):
 
 
 class AdminError(OutboxError, ValueError):
-    """An operator command was refused; nothing was changed (``outbox_celery.admin``)."""
+    """An operator command was refused; nothing was changed (``outbox_celery.operations``)."""
 
 
 class InboxError(OutboxError):

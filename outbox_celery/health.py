@@ -7,11 +7,11 @@
 * **claims**: claims ran within ``intervals`` claim intervals. Nothing is recorded per claim
   (no write per message or per claim); a running outbox claims a due message within one
   ``claim_interval`` (at once with push), so a claimable message left longer than ``intervals``
-  intervals means no claim ran (``admin.unclaimed``: one range of each pending partial index,
+  intervals means no claim ran (``operations.unclaimed``: one range of each pending partial index,
   read only below the threshold). Paused and held event types are left out (waiting on purpose),
   and, with the handlers known (``-A``), event types no handler claims;
 * **horizon** (a warning, never a failure): what holds the xmin horizon back
-  (``admin.horizon``) when a session, prepared transaction or slot has held it for a minute.
+  (``operations.horizon``) when a session, prepared transaction or slot has held it for a minute.
 
 docs/operations.md, "Health checks and probes", shows the probes built on it.
 """
@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from . import admin, migrations
+from . import migrations, operations
 from .config import TableName
 from .dsn import error_line, invalid_dsn, redact
 from .errors import first_line
@@ -180,10 +180,10 @@ def _claims(
         health.checks["claims"] = "not run"
         return
     bound = intervals * claim_interval
-    waiting = {f.event_type for f in admin.flow_states(conn, t)}  # paused or held on purpose
+    waiting = {f.event_type for f in operations.flow_states(conn, t)}  # paused or held on purpose
     overdue = [
         u
-        for u in admin.unclaimed(conn, t, older_than=bound)
+        for u in operations.unclaimed(conn, t, older_than=bound)
         if u.event_type not in waiting and (handlers is None or u.event_type in handlers)
     ]
     if not overdue:
@@ -194,8 +194,8 @@ def _claims(
     health.fail(
         "claims",
         f"overdue: {total} ready message(s) unclaimed past {intervals} claim intervals "
-        f"({admin.format_duration(bound)}), the oldest ({oldest.event_type!r}) for "
-        f"{admin.format_duration(oldest.oldest_wait)}: is a worker consuming the claim queue "
+        f"({operations.format_duration(bound)}), the oldest ({oldest.event_type!r}) for "
+        f"{operations.format_duration(oldest.oldest_wait)}: is a worker consuming the claim queue "
         "running, and beat?",
     )
 
@@ -203,7 +203,7 @@ def _claims(
 def _horizon(conn: psycopg.Connection[Any], t: TableName, health: Health) -> None:
     if health.schema_version is None:
         return
-    h = admin.horizon(conn, t)
+    h = operations.horizon(conn, t)
     if h.kind is None:
         return
     held_long = h.seconds >= HORIZON_WARNING_SECONDS if h.seconds is not None else h.state == "inactive"

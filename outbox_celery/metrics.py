@@ -15,7 +15,7 @@ imported when a collector is built, never when this module is imported.
     # or, inside a process that has an Outbox object (uses its pool and knows its handlers):
     REGISTRY.register(OutboxCollector.from_outbox(outbox))
 
-Every scrape runs one read-only statement per table (:func:`outbox_celery.admin.stats`) under a
+Every scrape runs one read-only statement per table (:func:`outbox_celery.operations.stats`) under a
 statement timeout. Its reads are bounded (at most ``cap`` index entries per status, done rows
 only from the newest end of their index), so a scrape costs the same with millions of done rows:
 a count that reached the cap is a lower bound, and ``outbox_messages_capped`` says so (for
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from . import admin
+from . import operations
 from .config import TableName
 from .dsn import error_line
 
@@ -298,7 +298,9 @@ class OutboxCollector:
             started = time.monotonic()
             try:
                 with self._connect() as conn:
-                    s = admin.stats(conn, table, handlers=self.handlers, timeout=self.timeout, cap=self.cap)
+                    s = operations.stats(
+                        conn, table, handlers=self.handlers, timeout=self.timeout, cap=self.cap
+                    )
             except Exception as exc:
                 logger.warning(
                     "outbox metrics: stats of %s failed: %s",
@@ -314,7 +316,7 @@ class OutboxCollector:
         yield from fams.values()
 
     @staticmethod
-    def _add(fams: dict[str, GaugeMetricFamily], name: str, s: admin.Stats) -> None:
+    def _add(fams: dict[str, GaugeMetricFamily], name: str, s: operations.Stats) -> None:
         for status in _STATUSES:
             fams["messages"].add_metric([name, status], s.counts[status])
             fams["capped"].add_metric([name, status], 1 if s.capped.get(status) else 0)

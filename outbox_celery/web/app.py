@@ -1,6 +1,6 @@
 """The console's routes, its authentication and CSRF checks, and its database pools.
 
-Reads are bounded (:mod:`outbox_celery.console`); actions reuse :mod:`outbox_celery.admin`.
+Reads are bounded (:mod:`outbox_celery.console`); actions reuse :mod:`outbox_celery.operations`.
 Every refusal happens before any database call, so a refused request changes nothing.
 """
 
@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .. import admin, console
+from .. import console, operations
 from ..config import TableName
 from ..dsn import password
 from ..errors import AdminError, first_line
@@ -120,7 +120,7 @@ def _environment() -> jinja2.Environment:
         autoescape=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.filters["duration"] = admin.format_duration
+    env.filters["duration"] = operations.format_duration
     env.filters["ms"] = lambda s: "-" if s is None else f"{s * 1000:,.0f} ms"
     return env
 
@@ -389,7 +389,7 @@ def create_app(
     async def message(request: Request) -> Response:
         db = database(request)
         outbox_id = _positive(request.path_params["id"])
-        row = await run(db, lambda conn: admin.get_message(conn, db.table, outbox_id))
+        row = await run(db, lambda conn: operations.get_message(conn, db.table, outbox_id))
         if row is None:
             raise _RefusedError(404, f"no message {outbox_id}")
         tasks = console.task_ids(db.table, outbox_id, int(row["lease_version"]))
@@ -400,7 +400,7 @@ def create_app(
             m=row,
             payload=json.dumps(row["payload"], indent=2, ensure_ascii=False, sort_keys=True),
             tasks=tasks,
-            skipped=admin.was_skipped(row["status"], row["last_error"]),
+            skipped=operations.was_skipped(row["status"], row["last_error"]),
         )
 
     async def message_action(request: Request) -> Response:
@@ -410,9 +410,9 @@ def create_app(
         action = request.path_params["action"]
         reason = form.get("reason", "").strip() or f"{action} from the console"
         if action == "requeue":
-            await run(db, lambda conn: admin.requeue(conn, db.table, [outbox_id], reason=reason))
+            await run(db, lambda conn: operations.requeue(conn, db.table, [outbox_id], reason=reason))
         elif action == "skip":
-            await run(db, lambda conn: admin.skip(conn, db.table, [outbox_id], reason=reason))
+            await run(db, lambda conn: operations.skip(conn, db.table, [outbox_id], reason=reason))
         else:
             raise _RefusedError(404, "unknown action")
         return RedirectResponse(f"{request.scope.get('root_path', '')}/db/{db.name}/message/{outbox_id}", 303)
@@ -438,9 +438,9 @@ def create_app(
         event_type = form.get("event_type", "").strip()
         limit_key = form.get("limit_key", "").strip() or None
         if action == "pause":
-            await run(db, lambda conn: admin.pause(conn, db.table, event_type, limit_key=limit_key))
+            await run(db, lambda conn: operations.pause(conn, db.table, event_type, limit_key=limit_key))
         elif action == "resume":
-            await run(db, lambda conn: admin.resume(conn, db.table, event_type, limit_key=limit_key))
+            await run(db, lambda conn: operations.resume(conn, db.table, event_type, limit_key=limit_key))
         else:
             raise _RefusedError(404, "unknown action")
         return RedirectResponse(f"{request.scope.get('root_path', '')}/db/{db.name}/flow", 303)

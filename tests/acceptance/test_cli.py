@@ -619,7 +619,7 @@ def test_stats_asks_for_attention_once_the_horizon_is_held_for_a_minute(
 ) -> None:
     import dataclasses
 
-    from outbox_celery import admin
+    from outbox_celery import operations as admin
     from outbox_celery.cli import HORIZON_ATTENTION_SECONDS, _attention
 
     with psycopg.connect(migrated_dsn, application_name="nightly-report") as held:

@@ -14,7 +14,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from support.tcp_proxy import FreezableProxy
 
-from outbox_celery import admin, health
+from outbox_celery import health, operations
 from outbox_celery.migrations import available
 
 from .test_cli import add, ok, run, update
@@ -84,7 +84,7 @@ def test_health_fails_when_claims_stopped(migrated_dsn: str, conn: Any, table: s
     assert ok(run("health", "--check", "database", "--check", "schema", dsn=migrated_dsn)).startswith("ok:")
     # A paused event type waits on purpose.
     with psycopg.connect(migrated_dsn, autocommit=True) as c:
-        admin.pause(c, table, "order.created")
+        operations.pause(c, table, "order.created")
     assert ok(run("health", dsn=migrated_dsn)).startswith("ok:")
 
 

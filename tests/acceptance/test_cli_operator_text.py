@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 
 from acceptance.test_cli import add, ok, one_line_error, run, update
-from outbox_celery import admin
+from outbox_celery import operations as admin
 
 # Clears the screen, homes the cursor and writes a forged line; then a bidi override.
 HOSTILE = "\x1b[2J\x1b[Hpaused: none\x1b]0;owned\x07\u202e"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import builtins
+import importlib
 import math
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,10 +21,10 @@ from outbox_celery import (
     PermanentError,
     ProducerError,
     RetryableError,
-    admin,
     errors,
     inbox,
     migrations,
+    operations,
 )
 from outbox_celery.errors import MAX_DELAY_SECONDS, AdminError, InboxError, MigrationError, first_line
 
@@ -63,7 +65,7 @@ def test_every_public_exception_class_in_the_package_is_under_the_root() -> None
 
 
 def test_the_moved_errors_keep_their_import_paths() -> None:
-    assert admin.AdminError is AdminError
+    assert operations.AdminError is AdminError
     assert inbox.InboxError is InboxError
     assert migrations.MigrationError is MigrationError
 
@@ -159,3 +161,10 @@ def test_a_boolean_is_not_a_delay(cls: Any) -> None:
     # True is an int to Python, not a number of seconds: refused like every other setting.
     with pytest.raises(ValueError, match="delay must be a number of seconds"):
         cls(True)
+
+
+def test_the_old_name_of_the_operator_module_warns_and_is_the_same_module() -> None:
+    sys.modules.pop("outbox_celery.admin", None)
+    with pytest.warns(DeprecationWarning, match="outbox_celery.operations"):
+        old = importlib.import_module("outbox_celery.admin")
+    assert old is operations

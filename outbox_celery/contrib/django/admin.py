@@ -36,7 +36,7 @@ from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
-from ... import admin as core_admin
+from ... import operations as core_admin
 from ...errors import first_line
 from .conf import outbox_database, outbox_table
 from .models import OutboxMessage, Status

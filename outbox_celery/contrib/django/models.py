@@ -2,7 +2,7 @@
 
 The table belongs to the library (created by :func:`outbox_celery.migrate`); Django never
 creates, alters or writes it. Rows change state only through the library's fenced SQL
-(claim, finalize, the operator functions of :mod:`outbox_celery.admin`): saving or deleting a
+(claim, finalize, the operator functions of :mod:`outbox_celery.operations`): saving or deleting a
 model instance raises, because an ORM write would bypass the lease fence (invariant 4).
 """
 
