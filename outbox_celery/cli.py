@@ -421,7 +421,7 @@ def _attention(
     """What needs a human now, as short phrases (the figures that should be zero)."""
     items = []
     if s.dead:
-        items.append(f"{_count(s, 'dead')} dead (outbox-celery dead list)")
+        items.append(f"{s.shown('dead')} dead (outbox-celery dead list)")
     if s.blocked_keys:
         items.append(f"{s.blocked_keys} ordered key(s) blocked by a dead head")
     if s.headless_keys:
@@ -456,15 +456,6 @@ def _holds_long(h: operations.Horizon) -> bool:
     if h.seconds is not None:
         return h.seconds >= HORIZON_ATTENTION_SECONDS
     return h.state == "inactive"  # a slot nobody consumes holds the horizon until dropped
-
-
-def _count(s: operations.Stats, status: str) -> str:
-    """A status' count as read: ``N+`` when its read stopped at the cap (a lower bound), ``~N``
-    for a done count estimated from the table's statistics."""
-    n = s.counts[status]
-    if not s.capped.get(status):
-        return str(n)
-    return f"~{n}" if status == "done" else f"{n}+"
 
 
 def _done_note(outbox: Outbox | None) -> str:
@@ -543,7 +534,7 @@ def stats(target: Target, unclaimed_after: float | None, exact: bool, as_json: b
     if s.done_last_minute or s.counts["done"]:
         minute = f"{s.done_last_minute}+" if s.capped.get("done") else str(s.done_last_minute)
         notes["done"] = f"{minute} in the last minute; {notes['done']}"
-    rows = [(st, _count(s, st), notes[st]) for st in ("pending", "processing", "dead", "done")]
+    rows = [(st, s.shown(st), notes[st]) for st in ("pending", "processing", "dead", "done")]
     click.echo(_table(["status", "messages", ""], rows, right=[1]))
     if any(s.capped.values()):
         click.echo(

@@ -439,6 +439,19 @@ class Stats:
         """Rows in ``dead`` (waiting for a human)."""
         return self.counts["dead"]
 
+    def shown(self, status: str) -> str:
+        """A status' count as read, for people: ``N+`` when its read stopped at the cap (a lower
+        bound), ``~N`` for a done count estimated from the table's statistics."""
+        n = self.counts[status]
+        if not self.capped.get(status):
+            return str(n)
+        return f"~{n}" if status == "done" else f"{n}+"
+
+    @property
+    def shown_counts(self) -> dict[str, str]:
+        """:meth:`shown` of every status (what the Django admin's summary prints)."""
+        return {status: self.shown(status) for status in self.counts}
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form (``now`` as ISO 8601)."""
         d = asdict(self)
