@@ -31,12 +31,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
 import psycopg
-from psycopg.rows import class_row
+from psycopg.rows import BaseRowFactory, RowMaker
 
 from . import claim_plan as plan
 from .claim_plan import FillRow, FlowRead, FlowRow, KeyedRow, KeyWalk, Seen
@@ -51,6 +51,29 @@ logger = logging.getLogger(__name__)
 EXPIRED_BATCH = 1000
 
 _R = TypeVar("_R")
+
+
+def typed_row(cls: type[_R]) -> BaseRowFactory[_R]:
+    """A row factory that makes each row a ``cls``, whose fields name the query's columns in
+    their order (the first ones at least: the rest keep their defaults).
+
+    The names are checked once per statement, so a column moved or renamed in the query fails
+    loudly instead of landing in the wrong field; the rows are then made positionally (half
+    the cost of ``class_row``'s keywords, on the claim's hot path).
+    """
+    expected = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+
+    def factory(cursor: Any) -> RowMaker[_R]:
+        names = tuple(c.name for c in cursor.description or ())
+        if names != expected[: len(names)]:
+            raise TypeError(f"the query's columns {names} do not match {cls.__name__}{expected}")
+
+        def make(values: Sequence[Any]) -> _R:
+            return cls(*values)
+
+        return make
+
+    return factory
 
 
 class Store(Protocol):
@@ -351,7 +374,7 @@ class _Run:
 
     def rows(self, cls: type[_R], query: str, params: Mapping[str, Any]) -> list[_R]:
         """Run named query ``query``; its rows as ``cls``."""
-        with self.conn.cursor(row_factory=class_row(cls)) as cur:
+        with self.conn.cursor(row_factory=typed_row(cls)) as cur:
             return cur.execute(self.q[query], params).fetchall()
 
     def run(self, query: str, params: Mapping[str, Any]) -> int:
