@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import NamedTuple
 
 from .flow import CAP_RECHECK, LIMIT_RECHECK, Allowance, Limit, allowance
 
@@ -67,8 +68,7 @@ class Seen:
     key_held_for: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class FlowRow:
+class FlowRow(NamedTuple):
     """One locked flow row (``flow_lock``)."""
 
     event_type: str
@@ -81,8 +81,7 @@ class FlowRow:
     at_cap: bool
 
 
-@dataclass(frozen=True, slots=True)
-class FillRow:
+class FillRow(NamedTuple):
     """One batch handler's type as ``fill_due`` counted it."""
 
     event_type: str
@@ -90,8 +89,7 @@ class FillRow:
     waited: float | None
 
 
-@dataclass(frozen=True, slots=True)
-class KeyedRow:
+class KeyedRow(NamedTuple):
     """One row of ``claim_keyed``: a claimed row (``id`` set), or the marker row (``id`` None)
     that carries the last key walked, the keys left at their cap with a row due, and the
     seconds until a key held by its key_rate alone has a token."""

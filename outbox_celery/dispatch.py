@@ -470,27 +470,8 @@ class Dispatcher:
             run.lost += result.lost
             run.unroutable += result.unroutable
             run.claimed += len(result.claimed)
-            if result.claimed:
-                # Grouped as the delivery tasks will carry them (batch handlers, #22): the rows
-                # after a failed publish are then exactly those that were not sent.
-                claimed = [c for unit in publish_units(result.claimed, self.handlers) for c in unit]
-                published = 0
-                try:
-                    published = publish(claimed)
-                except Exception as exc:  # the publisher should not raise; be safe anyway
-                    logger.exception("outbox publish failed")
-                    run.errors.append(repr(exc))
-                run.published += published
-                unpublished = claimed[published:]
-                if unpublished:
-                    run.released += self.store.release(conn, unpublished)
-                    run.stopped_by = StoppedBy.PUBLISH_FAILED
-                    logger.error(
-                        "outbox publish failed: %s claimed row(s) given back to pending",
-                        len(unpublished),
-                        extra={"outcome": "released", "released": len(unpublished)},
-                    )
-                    return
+            if result.claimed and not self._publish(conn, publish, run, result.claimed):
+                return
             if want == 0:
                 run.stopped_by = StoppedBy.IN_FLIGHT_BOUND
                 return
@@ -500,6 +481,32 @@ class Dispatcher:
             if time.monotonic() >= deadline:
                 run.stopped_by = StoppedBy.BUDGET
                 return
+
+    def _publish(
+        self, conn: psycopg.Connection[Any], publish: Publisher, run: ClaimRun, claims: Sequence[Claimed]
+    ) -> bool:
+        """Publish one claim's rows; give back what was not sent (then False: the run stops)."""
+        # Grouped as the delivery tasks will carry them (batch handlers, invariant 21): the rows after a
+        # failed publish are then exactly those that were not sent.
+        claimed = [c for unit in publish_units(claims, self.handlers) for c in unit]
+        published = 0
+        try:
+            published = publish(claimed)
+        except Exception as exc:  # the publisher should not raise; be safe anyway
+            logger.exception("outbox publish failed")
+            run.errors.append(repr(exc))
+        run.published += published
+        unpublished = claimed[published:]
+        if not unpublished:
+            return True
+        run.released += self.store.release(conn, unpublished)
+        run.stopped_by = StoppedBy.PUBLISH_FAILED
+        logger.error(
+            "outbox publish failed: %s claimed row(s) given back to pending",
+            len(unpublished),
+            extra={"outcome": "released", "released": len(unpublished)},
+        )
+        return False
 
     # -- worker side ---------------------------------------------------------------------------
 

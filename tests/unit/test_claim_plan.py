@@ -214,7 +214,8 @@ def test_flow_writes_only_what_changed() -> None:
 
 def test_a_query_whose_columns_do_not_match_its_row_type_fails_loudly() -> None:
     def cursor(*names: str) -> Any:
-        return SimpleNamespace(description=[SimpleNamespace(name=n) for n in names])
+        fnames = [n.encode() for n in names]
+        return SimpleNamespace(pgresult=SimpleNamespace(nfields=len(names), fname=fnames.__getitem__))
 
     make = typed_row(ClaimedRow)(cursor("id", "lease_version", "event_type", "lease_until", "available_at"))
     row = make((1, 2, "t", NOW, NOW))
