@@ -36,7 +36,6 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import psycopg
-from psycopg.rows import BaseRowFactory, RowMaker
 
 from . import claim_plan as plan
 from .claim_plan import FillRow, FlowRead, FlowRow, KeyedRow, KeyWalk, Seen
@@ -53,31 +52,22 @@ EXPIRED_BATCH = 1000
 _R = TypeVar("_R", bound=tuple[Any, ...])
 
 
-def typed_row(cls: type[_R]) -> BaseRowFactory[_R]:
-    """A row factory that makes each row a ``cls``, whose fields name the query's columns in
-    their order (the first ones at least: the rest keep their defaults; a NamedTuple).
+def typed_rows(cls: type[_R], cursor: Any) -> list[_R]:
+    """The rows of the statement ``cursor`` ran, each a ``cls`` (a NamedTuple) whose fields name
+    the query's columns in their order (the first ones at least: the rest keep their defaults).
 
     The names are checked once per statement, so a column moved or renamed in the query fails
-    loudly instead of landing in the wrong field; the rows are then made positionally (half
-    the cost of ``class_row``'s keywords, on the claim's hot path).
+    loudly instead of landing in the wrong field; the rows are then made from the driver's
+    tuples (its fast path: a row factory of its own costs the claim more).
     """
     expected: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]
-
-    def factory(cursor: Any) -> RowMaker[_R]:
-        result = cursor.pgresult
-        names = tuple(result.fname(i).decode() for i in range(result.nfields)) if result else ()
-        if names != expected[: len(names)]:
-            raise TypeError(f"the query's columns {names} do not match {cls.__name__}{expected}")
-        if len(names) == len(expected):
-            whole: RowMaker[_R] = cls._make  # type: ignore[attr-defined]
-            return whole
-
-        def make(values: Sequence[Any]) -> _R:  # the first fields; the rest keep their defaults
-            return cls(*values)
-
-        return make
-
-    return factory
+    result = cursor.pgresult
+    names = tuple(result.fname(i).decode() for i in range(result.nfields)) if result else ()
+    if names != expected[: len(names)]:
+        raise TypeError(f"the query's columns {names} do not match {cls.__name__}{expected}")
+    if len(names) == len(expected):
+        return list(map(cls._make, cursor.fetchall()))  # type: ignore[attr-defined]
+    return [cls(*values) for values in cursor.fetchall()]  # the rest keep their defaults
 
 
 class Store(Protocol):
@@ -373,14 +363,12 @@ class _Run:
 
     def rows(self, cls: type[_R], query: str, params: Mapping[str, Any]) -> list[_R]:
         """Run named query ``query``; its rows as ``cls``."""
-        with self.conn.cursor(row_factory=typed_row(cls)) as cur:
-            return cur.execute(self.q[query], params).fetchall()
+        return typed_rows(cls, self.conn.execute(self.q[query], params))
 
     def run(self, query: str, params: Mapping[str, Any]) -> int:
         """Run named query ``query`` for its effect; the number of rows it returned."""
-        with self.conn.cursor() as cur:
-            cur.execute(self.q[query], params)
-            return len(cur.fetchall()) if cur.description is not None else 0
+        cur = self.conn.execute(self.q[query], params)
+        return len(cur.fetchall()) if cur.description is not None else 0
 
     # -- settings and flow --
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from outbox_celery import claim_plan as plan
-from outbox_celery.claim import ClaimedRow, SettingsRow, typed_row
+from outbox_celery.claim import ClaimedRow, SettingsRow, typed_rows
 from outbox_celery.claim_plan import FillRow, FlowRow, KeyedRow, KeyWalk, Seen
 from outbox_celery.flow import CAP_RECHECK, LIMIT_RECHECK, Allowance, Limit
 
@@ -213,14 +213,16 @@ def test_flow_writes_only_what_changed() -> None:
 
 
 def test_a_query_whose_columns_do_not_match_its_row_type_fails_loudly() -> None:
-    def cursor(*names: str) -> Any:
+    def cursor(names: tuple[str, ...], *rows: tuple[Any, ...]) -> Any:
         fnames = [n.encode() for n in names]
-        return SimpleNamespace(pgresult=SimpleNamespace(nfields=len(names), fname=fnames.__getitem__))
+        result = SimpleNamespace(nfields=len(names), fname=fnames.__getitem__)
+        return SimpleNamespace(pgresult=result, fetchall=lambda: list(rows))
 
-    make = typed_row(ClaimedRow)(cursor("id", "lease_version", "event_type", "lease_until", "available_at"))
-    row = make((1, 2, "t", NOW, NOW))
+    columns = ("id", "lease_version", "event_type", "lease_until", "available_at")
+    [row] = typed_rows(ClaimedRow, cursor(columns, (1, 2, "t", NOW, NOW)))
     assert row.claimed().lease_version == 2 and row.available_at == NOW
+    swapped = ("id", "event_type", "lease_version", "lease_until", "available_at")
     with pytest.raises(TypeError, match="do not match ClaimedRow"):
-        typed_row(ClaimedRow)(cursor("id", "event_type", "lease_version", "lease_until", "available_at"))
-    settings = typed_row(SettingsRow)(cursor("jit", "now"))((None, NOW))  # the rest keeps defaults
+        typed_rows(ClaimedRow, cursor(swapped, (1, "t", 2, NOW, NOW)))
+    [settings] = typed_rows(SettingsRow, cursor(("jit", "now"), (None, NOW)))  # the rest: defaults
     assert settings.seen() == Seen(now=NOW)
