@@ -118,7 +118,7 @@ def make_store(table: str | TableName, spec: str) -> Store:
     queries = {}
     if "claim_jit" in names:
         # Benchmark-only: the claim transaction's first statement no longer turns JIT off.
-        queries["claim_settings"] = "SELECT 1, now()"
+        queries["claim_settings"] = "SELECT NULL AS jit, now() AS now"
         flow_read = _sql.named("queries.sql")["claim_settings_flow"]
         queries["claim_settings_flow"] = flow_read.replace("set_config('jit', 'off', true)", "NULL")
     if "skip_scan" in names:

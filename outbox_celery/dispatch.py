@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any, Protocol, TypeVar
 
 import psycopg
@@ -35,7 +36,16 @@ from .store import SLOT_FREED, Claimed, Finalized, FinalizedMany, ScanMarks, Sto
 from .tracing import handler_span
 from .transactional import NOTHING_COMMITTED, TransactionKind, TransactionRolledBack
 
-__all__ = ["BatchResult", "ClaimRun", "Dispatcher", "Handler", "HandlerSpec", "Outcome", "publish_units"]
+__all__ = [
+    "BatchResult",
+    "ClaimRun",
+    "Dispatcher",
+    "Handler",
+    "HandlerSpec",
+    "Outcome",
+    "StoppedBy",
+    "publish_units",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +130,25 @@ def publish_units(claims: Sequence[Claimed], handlers: Mapping[str, HandlerSpec]
     return units
 
 
+class StoppedBy(StrEnum):
+    """Why a claim run ended (a string: the claim task's result and logs carry its value)."""
+
+    #: The app has no handler: nothing to claim.
+    NO_HANDLERS = "no_handlers"
+    #: Another process's run held the claim lock; this one was skipped.
+    ANOTHER_CLAIM_RUNNING = "another_claim_running"
+    #: A publish failed; the unpublished rows were released.
+    PUBLISH_FAILED = "publish_failed"
+    #: The in-flight bound left no room for new rows (DESIGN invariant 16).
+    IN_FLIGHT_BOUND = "in_flight_bound"
+    #: A claim took fewer rows than it asked for: nothing more is due.
+    DRAINED = "drained"
+    #: The run's time budget ran out with batches still coming back full.
+    BUDGET = "budget"
+    #: A claim task piled up behind a run that had just drained; it claimed nothing.
+    COALESCED = "coalesced"
+
+
 @dataclass(slots=True)
 class ClaimRun:
     """What one claim run did."""
@@ -134,7 +163,8 @@ class ClaimRun:
     in_flight_limit: int = 0
     skipped: bool = False
     seconds: float = 0.0
-    stopped_by: str = ""
+    #: Why the run ended (``None``: it has not).
+    stopped_by: StoppedBy | None = None
     errors: list[str] = field(default_factory=list)
     #: Seconds until a claim can take more of an event type a limit or a RateLimited hold kept
     #: back (#23); ``None``: nothing was kept back. The push listener claims again then.
@@ -153,7 +183,7 @@ class ClaimRun:
             "in_flight_limit": self.in_flight_limit,
             "skipped": self.skipped,
             "seconds": round(self.seconds, 4),
-            "stopped_by": self.stopped_by,
+            "stopped_by": "" if self.stopped_by is None else str(self.stopped_by),
             "flow_wait": None if self.flow_wait is None else round(self.flow_wait, 4),
         }
 
@@ -391,7 +421,7 @@ class Dispatcher:
         event_types = sorted(self.handlers)
         if not event_types:
             logger.warning("outbox claim: no handlers registered, nothing to claim")
-            run.stopped_by = "no_handlers"
+            run.stopped_by = StoppedBy.NO_HANDLERS
             return run
         # The claim lock lives in a transaction held open on a connection of its own for the
         # whole run (the claims commit on the other); its end releases the lock. Taken first, so
@@ -399,7 +429,7 @@ class Dispatcher:
         with self.connection() as lock_conn, lock_conn.transaction():
             if not self.store.try_claim_lock(lock_conn):
                 run.skipped = True
-                run.stopped_by = "another_claim_running"
+                run.stopped_by = StoppedBy.ANOTHER_CLAIM_RUNNING
                 return run
             with self.connection() as conn:
                 self._claim_loop(conn, publish, run, owner, event_types, deadline)
@@ -465,36 +495,43 @@ class Dispatcher:
             run.lost += result.lost
             run.unroutable += result.unroutable
             run.claimed += len(result.claimed)
-            if result.claimed:
-                # Grouped as the delivery tasks will carry them (batch handlers, #22): the rows
-                # after a failed publish are then exactly those that were not sent.
-                claimed = [c for unit in publish_units(result.claimed, self.handlers) for c in unit]
-                published = 0
-                try:
-                    published = publish(claimed)
-                except Exception as exc:  # the publisher should not raise; be safe anyway
-                    logger.exception("outbox publish failed")
-                    run.errors.append(repr(exc))
-                run.published += published
-                unpublished = claimed[published:]
-                if unpublished:
-                    run.released += self.store.release(conn, unpublished)
-                    run.stopped_by = "publish_failed"
-                    logger.error(
-                        "outbox publish failed: %s claimed row(s) given back to pending",
-                        len(unpublished),
-                        extra={"outcome": "released", "released": len(unpublished)},
-                    )
-                    return
+            if result.claimed and not self._publish(conn, publish, run, result.claimed):
+                return
             if want == 0:
-                run.stopped_by = "in_flight_bound"
+                run.stopped_by = StoppedBy.IN_FLIGHT_BOUND
                 return
             if len(result.claimed) < want:
-                run.stopped_by = "drained"
+                run.stopped_by = StoppedBy.DRAINED
                 return
             if time.monotonic() >= deadline:
-                run.stopped_by = "budget"
+                run.stopped_by = StoppedBy.BUDGET
                 return
+
+    def _publish(
+        self, conn: psycopg.Connection[Any], publish: Publisher, run: ClaimRun, claims: Sequence[Claimed]
+    ) -> bool:
+        """Publish one claim's rows; give back what was not sent (then False: the run stops)."""
+        # Grouped as the delivery tasks will carry them (batch handlers, invariant 21): the rows after a
+        # failed publish are then exactly those that were not sent.
+        claimed = [c for unit in publish_units(claims, self.handlers) for c in unit]
+        published = 0
+        try:
+            published = publish(claimed)
+        except Exception as exc:  # the publisher should not raise; be safe anyway
+            logger.exception("outbox publish failed")
+            run.errors.append(repr(exc))
+        run.published += published
+        unpublished = claimed[published:]
+        if not unpublished:
+            return True
+        run.released += self.store.release(conn, unpublished)
+        run.stopped_by = StoppedBy.PUBLISH_FAILED
+        logger.error(
+            "outbox publish failed: %s claimed row(s) given back to pending",
+            len(unpublished),
+            extra={"outcome": "released", "released": len(unpublished)},
+        )
+        return False
 
     # -- worker side ---------------------------------------------------------------------------
 

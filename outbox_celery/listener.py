@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from .dispatch import ClaimRun
+from .dispatch import ClaimRun, StoppedBy
 from .dsn import error_line
 from .store import SLOT_FREED, Store
 
@@ -241,7 +241,7 @@ class Listener:
         while not self._stop.is_set():
             run = self.claim()
             self._count("claims")
-            if run is not None and run.stopped_by == "another_claim_running":
+            if run is not None and run.stopped_by == StoppedBy.ANOTHER_CLAIM_RUNNING:
                 # Another process's run holds the claim lock and may have read the table before
                 # the notifying transaction committed: try again once it is done. The wait
                 # doubles up to _BUSY_RETRY[1] while runs are held off, and notifications do not
@@ -252,7 +252,7 @@ class Listener:
                 self._hold_off(conn, busy_wait)
                 busy_wait = min(busy_wait * 2, _BUSY_RETRY[1])
                 continue
-            if run is not None and run.stopped_by == "budget":
+            if run is not None and run.stopped_by == StoppedBy.BUDGET:
                 continue  # a backlog: keep claiming
             break
         due = self.store.next_due(conn, self.event_types(), within=self.poll)

@@ -21,13 +21,10 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from collections import Counter
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
@@ -36,14 +33,17 @@ from psycopg import pq, sql
 from psycopg.rows import tuple_row
 
 from . import _sql, codec
+from . import claim as _claim
+from .claim import Claimed, ClaimResult, FlowRead, ScanMarks
 from .complete import LOST, Completer, Finalized, FinalizedMany, Finish, Lease, Step
 from .config import TableName
 from .errors import ProducerError
-from .flow import CAP_RECHECK, LIMIT_RECHECK, Allowance, Limit, allowance
+from .flow import Limit
 from .message import Message, idempotency_key
 
 __all__ = [
     "LOST",
+    "ClaimResult",
     "Claimed",
     "Finalized",
     "FinalizedMany",
@@ -60,14 +60,6 @@ __all__ = [
 # 20,000 keys failed with "out of shared memory", and every other session needing a lock failed
 # with it meanwhile. Refused before anything is written instead; split such batches.
 MAX_ORDERING_KEYS = 1000
-#: Seconds a rate bucket may be refilled ahead of the database's now() (concurrent claimers'
-#: transactions began at different times); further ahead, the clock stepped back (the same
-#: 60 seconds are written in claim_keyed and flow_spend).
-CLOCK_STEP = 60.0
-#: Limit keys one claim walks per keyed event type, at least and at most (DESIGN invariant 24):
-#: twice its room, within these. Keys beyond are walked by the next claims (round robin).
-MIN_KEYS_WALKED = 50
-MAX_KEYS_WALKED = 1000
 
 # A producer's statement and the plan that yields them (see Store.write_plan).
 Statement = tuple[sql.Composed, dict[str, Any]]
@@ -78,9 +70,6 @@ logger = logging.getLogger(__name__)
 #: The payload of a finished concurrency-limited delivery's notification (#23): a slot is free.
 SLOT_FREED = "slot_freed"
 
-# Expired leases handled per statement of a claim (release_expired, reap).
-_EXPIRED_BATCH = 1000
-
 
 def starter_token() -> str:
     """``host:pid:<random>``: names one fenced start (written to ``lease_owner``).
@@ -89,211 +78,6 @@ def starter_token() -> str:
     (:meth:`Store.start`); any other start of the same claim is refused.
     """
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
-
-
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    """A row handed out by a claim: what the delivery task needs to carry."""
-
-    id: int
-    lease_version: int
-    event_type: str
-    lease_until: datetime
-
-    @property
-    def lease(self) -> Lease:
-        """The claim's lease: what its fenced start and finalize are fenced on."""
-        return Lease(self.id, self.lease_version)
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimResult:
-    """What one claim transaction did."""
-
-    claimed: list[Claimed]
-    reaped: int
-    #: Expired claims whose task never started, given back to pending with a growing delay.
-    lost: int = 0
-    #: Expired leases of event types the claimer has no handler for, given back as unroutable.
-    unroutable: int = 0
-    #: Seconds until a claim can take more of an event type a limit or a RateLimited hold kept
-    #: back (#23); ``None`` when none was kept back. The push listener claims again then.
-    flow_wait: float | None = None
-    #: Event types this claim left out: paused, or held by a RateLimited outcome.
-    held: tuple[str, ...] = ()
-    #: Batch handlers' event types whose due rows this claim left to fill a batch (``max_wait``,
-    #: #22); ``flow_wait`` is then at most when the oldest of them has waited ``max_wait``.
-    filling: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class FlowRead:
-    """The flow-control state one claim read under its rows' locks (#23)."""
-
-    #: Types paused or held by a RateLimited outcome: claimed by nobody.
-    held: frozenset[str]
-    #: Seconds until the earliest RateLimited hold ends (``None``: none).
-    held_for: float | None
-    #: Allowance of each limited type that is not held.
-    allowances: dict[str, Allowance]
-    #: Where the next claim of each keyed type starts walking its keys (DESIGN invariant 24).
-    cursors: dict[str, str | None] = field(default_factory=dict)
-    #: The at_cap flag of each type as the previous claim left it.
-    at_cap: dict[str, bool] = field(default_factory=dict)
-    #: Rate-limited types whose bucket was refilled ahead of now() (the clock stepped back).
-    reclock: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True, slots=True)
-class _Seen:
-    """What a claim's first statement read, without a lock (``claim_settings_flow``)."""
-
-    #: The transaction's now().
-    now: datetime | None
-    #: Event types that have a flow row.
-    known: frozenset[str] = frozenset()
-    #: Types paused or held by a RateLimited outcome.
-    held: frozenset[str] = frozenset()
-    #: Seconds until the earliest hold of a type ends.
-    held_for: float | None = None
-    #: Types with a limit key paused or held (claimed key by key).
-    key_types: tuple[str, ...] = ()
-    #: Seconds until the earliest hold of a key ends.
-    key_held_for: float | None = None
-
-
-@dataclass(slots=True)
-class _Keyed:
-    """One keyed event type within one claim (DESIGN invariant 24)."""
-
-    #: Live deliveries at most per limit key (``None``: no bound per key).
-    key_cap: int | None
-    #: Starts per second at most per limit key, and its bucket's size (``None``: no bound).
-    key_rate: float | None
-    key_burst: float | None
-    #: The key after which this claim walks its keys (round robin).
-    cursor: str | None
-    #: Whether the cursor moved (written back to the flow row).
-    moved: bool = False
-    #: Whether a key at its cap had a row due (the listener claims again soon).
-    blocked: bool = False
-    #: Seconds until a key held by its key_rate alone has its next token (``None``: none).
-    token_wait: float | None = None
-
-
-class ScanMarks:
-    """Where one process's claims start their index scans (DESIGN invariant 18).
-
-    A claim steps over every index entry in front of the rows it takes. While a long transaction
-    somewhere in the database pins the xmin horizon, VACUUM removes nothing, and the entries of
-    rows claimed, started and finished since then stay in front of every scan: the claim slows as
-    the pin lasts. The marks remember, per index, where this process's previous claim stopped
-    (the database's ``now()`` when it took everything due, else the last row it took), and the
-    next claim starts ``lookback`` seconds behind that, so what it steps over is bounded by the
-    rows of ``lookback`` seconds, not by the age of the pin.
-
-    A row can still appear behind a mark: one whose producer's transaction committed more than
-    ``lookback`` after it began (``available_at`` is the transaction's ``now()``), or one that a
-    concurrent transaction held locked. Every ``full_every`` seconds (and on a process's first
-    claim) a claim scans from the start of each index instead, and takes those.
-
-    Times are the database's (``now()`` and row values); only the full-pass period is measured
-    on this process's monotonic clock, a duration.
-    """
-
-    __slots__ = (
-        "db_now",
-        "excluded",
-        "expired",
-        "full_at",
-        "full_every",
-        "full_passes",
-        "heads",
-        "keyed",
-        "lookback",
-        "pending",
-        "typed",
-    )
-
-    def __init__(self, *, lookback: float = 10.0, full_every: float = 60.0) -> None:
-        if lookback < 0 or full_every < 0:
-            raise ValueError("lookback and full_every are seconds >= 0")
-        self.lookback = lookback
-        self.full_every = full_every
-        self.pending: datetime | None = None
-        self.heads: datetime | None = None
-        self.expired: datetime | None = None
-        #: Monotonic time of the last full pass; None before the first claim.
-        self.full_at: float | None = None
-        self.full_passes = 0
-        #: Marks of the limited event types' own statements, by (scan, event type) (#23).
-        self.typed: dict[tuple[str, str], datetime | None] = {}
-        #: Event types the previous claim left out of every statement (paused, or held by a
-        #: RateLimited outcome): their rows may lie behind the marks (#23).
-        self.excluded: frozenset[str] = frozenset()
-        #: Event types the previous claim took key by key: their keyed rows were left out of
-        #: their own statements, whose marks moved past them (DESIGN invariant 25).
-        self.keyed: frozenset[str] = frozenset()
-        #: The database's now() of the previous claim.
-        self.db_now: datetime | None = None
-
-    def begin(self, monotonic_now: float) -> bool:
-        """Start a claim: forget the marks when a full pass is due; return whether it is."""
-        if self.full_at is None or not 0 <= monotonic_now - self.full_at < self.full_every:
-            self.forget(monotonic_now)
-            return True
-        return False
-
-    def forget(self, monotonic_now: float) -> None:
-        """Make this claim a full pass: every scan starts at the beginning of its index."""
-        self.pending = self.heads = self.expired = None
-        self.typed.clear()
-        self.full_at = monotonic_now
-        self.full_passes += 1
-
-    def check_clock(self, db_now: datetime, monotonic_now: float) -> None:
-        """A full pass when the database's clock went back more than ``lookback`` since the
-        previous claim (a failover to a lagging host): rows written since lie behind marks
-        taken on the other clock (DESIGN invariant 25)."""
-        stepped_back = self.db_now is not None and db_now < self.db_now - timedelta(seconds=self.lookback)
-        if stepped_back and self.full_at != monotonic_now:
-            self.forget(monotonic_now)
-        self.db_now = db_now
-
-    def readmit(
-        self, excluded: frozenset[str], monotonic_now: float, *, keyed: frozenset[str] = frozenset()
-    ) -> None:
-        """Note the types this claim leaves out; a full pass when one of the last claim's is back.
-
-        While an event type is left out of the general statements (paused, held by a
-        RateLimited outcome), they step over its rows and their marks move past them; when it
-        comes back (resumed, hold over, limit removed) its rows lie behind the marks, and only a
-        scan from the beginning finds them at once (#23).
-        """
-        if self.excluded - excluded and self.full_at != monotonic_now:
-            self.forget(monotonic_now)
-        for event_type in self.keyed - keyed:
-            # Its keyed rows come back to its own statements: from the start of their index.
-            for scan in ("expired", "heads", "pending"):
-                self.typed.pop((scan, event_type), None)
-        self.excluded = excluded
-        self.keyed = keyed
-
-    def since(self, mark: datetime | None) -> datetime | None:
-        """The lower bound of a scan whose previous claim stopped at ``mark`` (None: from the start)."""
-        return None if mark is None else mark - timedelta(seconds=self.lookback)
-
-    @staticmethod
-    def moved(asked: int, rows: Sequence[Sequence[Any]], now: datetime) -> datetime | None:
-        """Where a scan's mark goes after a claim statement asked ``asked`` rows and got ``rows``.
-
-        Fewer than asked: every row due at ``now`` was taken, the mark is ``now``. As many: the
-        rest starts at the last row taken (its ``available_at``, the fifth column).
-        """
-        if len(rows) < asked or not rows:
-            return now
-        latest: datetime = max(r[4] for r in rows)
-        return latest
 
 
 class Store:
@@ -604,6 +388,8 @@ class Store:
     ) -> ClaimResult:
         """Reap and claim up to ``limit`` rows in one short transaction, then commit.
 
+        Planned by :mod:`outbox_celery.claim_plan` and run by :func:`outbox_celery.claim.claim`.
+
         Order: expired leases with attempts left first (they have waited longest), then ordered
         heads and unordered pending rows share what is left, so neither starves the other.
         Rows whose attempts are exhausted and whose lease expired go ``dead`` (the reap).
@@ -614,7 +400,7 @@ class Store:
         task never started (lost) and expired leases of event types not in ``event_types``
         (unroutable, after ``unroutable_delay``) go back to ``pending`` first, no attempt spent.
 
-        Flow control (#23, DESIGN invariants 22, 23): event types paused or held by a
+        Flow control (DESIGN invariants 22, 23): event types paused or held by a
         RateLimited outcome are claimed by nobody; each type in ``limits`` is claimed by
         statements of its own, at most its allowance (concurrency left, rate tokens), decided
         under its flow row's lock so that concurrent claimers never hand out more than the
@@ -624,342 +410,24 @@ class Store:
         the previous claim stopped and move the marks on (DESIGN invariant 18); without, every
         scan starts at the beginning of its index.
 
-        ``fill`` maps a batch handler's event type to ``(batch, max_wait)`` (#22): a type whose
-        due unordered rows are fewer than a batch (or than ``limit``) and whose oldest due row has
-        been due for less than ``max_wait`` seconds (database clock) is left out of the pending
-        statement of this claim (:meth:`_filling`); ``flow_wait`` then says when to claim again.
+        ``fill`` maps a batch handler's event type to ``(batch, max_wait)`` (DESIGN invariant
+        21): a type whose due unordered rows are fewer than a batch (or than ``limit``) and whose
+        oldest due row has been due for less than ``max_wait`` seconds (database clock) is left
+        out of the pending statement of this claim; ``flow_wait`` then says when to claim again.
         """
-        limit = max(0, limit)
-        expired_limit = limit if expired_limit is None else max(0, expired_limit)
-        limits = {t: lim for t, lim in (limits or {}).items() if event_types is None or t in event_types}
-        base: dict[str, Any] = {
-            "lease": lease,
-            "owner": owner,
-            "max_attempts": max_attempts,
-            "event_types": list(event_types) if event_types is not None else None,
-            "excluded": [],
-            "keyed": [],
-        }
-        claimed: list[Claimed] = []
-        now_mono = time.monotonic()
-        if marks is not None:
-            marks.begin(now_mono)
-        with conn.transaction():
-            seen = self._claim_settings(conn, base["event_types"])
-            db_now = seen.now
-            if marks is not None and db_now is not None:
-                marks.check_clock(db_now, now_mono)
-            # A type with a held or paused key is claimed key by key for as long as it is, with
-            # whatever limits it declares (none: a Limit without bounds).
-            limits = {**dict.fromkeys(seen.key_types, Limit()), **limits}
-            flow = self._read_flow(conn, limits, seen)
-            excluded = frozenset(flow.held) | frozenset(flow.allowances) if flow else frozenset()
-            keyed: dict[str, _Keyed] = {}
-            if flow is not None:
-                keyed = {
-                    t: _Keyed(
-                        limits[t].key_concurrency,
-                        limits[t].key_rate,
-                        limits[t].key_burst if limits[t].key_rate is not None else None,
-                        flow.cursors.get(t),
-                    )
-                    for t in sorted(flow.allowances)
-                    if limits[t].keyed or t in seen.key_types
-                }
-            base["keyed"] = list(keyed)
-            if marks is not None:
-                # Every type left out of the general statements (held, limited, claimed key by
-                # key): one that comes back finds its rows behind the marks (invariant 25).
-                marks.readmit(excluded, now_mono, keyed=frozenset(keyed))
-            base["excluded"] = sorted(excluded)
-            base["pending_since"] = marks.since(marks.pending) if marks else None
-            base["heads_since"] = marks.since(marks.heads) if marks else None
-            base["expired_since"] = marks.since(marks.expired) if marks else None
-            # Batch handlers with max_wait (#22): left out of claim_pending only (their expired
-            # leases and ordered heads are claimed as ever). Not passed to marks.readmit: a type
-            # comes back within max_wait <= scan_lookback, so its rows are inside the window.
-            filling = self._filling(conn, fill, limit, base, excluded) if fill and limit > 0 else {}
-            if filling:
-                base["excluded_pending"] = sorted(excluded | frozenset(filling))
-            lost, unroutable, expired_full = self._release_expired(conn, base, lease, unroutable_delay)
-            reaped = conn.execute(self._q["reap"], {**base, "limit": _EXPIRED_BATCH})
-            reaped_rows = reaped.fetchall()
-            expired_full = expired_full or len(reaped_rows) >= _EXPIRED_BATCH
-            for row in reaped_rows:
-                logger.warning(
-                    "outbox id %s went dead: attempts exhausted and lease expired",
-                    row[0],
-                    extra={
-                        "outbox_id": row[0],
-                        "lease_version": row[1],
-                        "event_type": row[2],
-                        "outcome": "dead",
-                        "outbox_table": self.table.qualified,
-                    },
-                )
-            waits: list[float] = []
-            if flow is not None and flow.held_for is not None:
-                waits.append(flow.held_for)
-            if filling:
-                waits.append(min(filling.values()))
-            if keyed and seen.key_held_for is not None:
-                waits.append(seen.key_held_for)
-            if keyed:
-                # Their expired started leases go back to pending, then through claim_keyed.
-                released = conn.execute(self._q["release_keyed_expired"], {**base, "limit": _EXPIRED_BATCH})
-                expired_full = expired_full or len(released.fetchall()) >= _EXPIRED_BATCH
-            allowances = dict(sorted(flow.allowances.items())) if flow else {}
-            spent = dict.fromkeys(allowances, 0)
-            # A limited type's expired leases first: together with its new rows at most its
-            # allowance (DESIGN invariant 22). One statement for every limited type.
-            asks = {t: min(a.rows, expired_limit) for t, a in allowances.items()}
-            # From each type's own expired mark (invariant 18); the mark moves by the expired
-            # rule below, not by the due-order rule (db_now not given).
-            took = self._claim_limited(conn, "claim_expired_limited", "expired", asks, base, marks, None)
-            for event_type, rows in took.items():
-                if marks and db_now is not None and not expired_full and len(rows) < asks[event_type]:
-                    marks.typed[("expired", event_type)] = db_now
-                claimed += rows
-                spent[event_type] += len(rows)
-            if expired_limit > 0:
-                rows = self._claim_rows(conn, "claim_expired", base, expired_limit)
-                claimed += rows
-                if marks and db_now is not None and not expired_full and len(rows) < expired_limit:
-                    # Every lease that ran out by now was seen: the next claim starts here.
-                    marks.expired = db_now
-            # New rows: each limited type and the unlimited rest first share the batch, so that
-            # neither a limited type's backlog nor the others' starves the other; then whoever
-            # has more claimable takes what is left.
-            share = max(1, limit // (len(allowances) + 1))
-            rooms = {t: min(a.rows - spent[t], share) for t, a in allowances.items()}
-            cap = limit
-            if sum(max(0, r) for r in rooms.values()) > cap:
-                # A batch smaller than the types: the first types in order get one row each.
-                for t in rooms:
-                    rooms[t] = min(max(0, rooms[t]), cap)
-                    cap -= rooms[t]
-            fresh = 0
-            for event_type, rows in self._claim_fresh_limited(
-                conn, rooms, base, marks, db_now, keyed, limit
-            ).items():
-                fresh += len(rows)
-                spent[event_type] += len(rows)
-                claimed += rows
-            general = self._claim_fresh(conn, base, limit - fresh, marks, None, db_now)
-            fresh += len(general)
-            claimed += general
-            left = limit - fresh
-            more: dict[str, int] = {}
-            for event_type, allowed in allowances.items():
-                room = min(allowed.rows - spent[event_type], left)
-                if room > 0 and spent[event_type] >= share:
-                    more[event_type] = room
-                    left -= room
-            for event_type, rows in self._claim_fresh_limited(
-                conn, more, base, marks, db_now, keyed, limit
-            ).items():
-                spent[event_type] += len(rows)
-                claimed += rows
-            for event_type, allowed in allowances.items():
-                wait = allowed.wait(limits[event_type], spent[event_type])
-                if wait is not None:
-                    waits.append(wait)
-            if any(k.blocked for k in keyed.values()):
-                # A key at its key_concurrency: its finishes wake the claim (at_cap, below).
-                waits.append(CAP_RECHECK)
-            waits += [max(LIMIT_RECHECK, k.token_wait) for k in keyed.values() if k.token_wait is not None]
-            moved = {t: k.cursor for t, k in keyed.items() if k.moved}
-            if moved:
-                conn.execute(self._q["flow_key_cursor"], {"types": list(moved), "keys": list(moved.values())})
-            if flow is not None:
-                self._spend(conn, flow, spent)
-                self._mark_capped(conn, flow, limits, spent, keyed)
-        self._count("claimed", len(claimed))
-        self._count("reaped", len(reaped_rows))
-        self._count("lost_tasks", lost)
-        self._count("unroutable", unroutable)
-        return ClaimResult(
-            claimed,
-            len(reaped_rows),
-            lost,
-            unroutable,
-            flow_wait=min(waits) if waits else None,
-            held=tuple(sorted(flow.held)) if flow else (),
-            filling=tuple(sorted(filling)),
-        )
-
-    def _claim_limited(
-        self,
-        conn: psycopg.Connection[Any],
-        query: str,
-        scan: str,
-        asks: Mapping[str, int],
-        base: dict[str, Any],
-        marks: ScanMarks | None,
-        db_now: datetime | None,
-    ) -> dict[str, list[Claimed]]:
-        """One statement claiming up to ``asks[t]`` rows of each limited type ``t``.
-
-        Each type's scan starts from its own mark (``marks.typed``, DESIGN invariant 18); with
-        ``db_now`` the marks move on as :meth:`_claim_rows` moves the general ones.
-        """
-        asks = {t: n for t, n in sorted(asks.items()) if n > 0}
-        if not asks:
-            return {}
-        types = list(asks)
-        params = {
-            **base,
-            "types": types,
-            "limits": [asks[t] for t in types],
-            "since": [marks.since(marks.typed.get((scan, t))) if marks else None for t in types],
-        }
-        raw: dict[str, list[Any]] = {t: [] for t in types}
-        for r in conn.execute(self._q[query], params).fetchall():
-            raw[str(r[2])].append(r)
-        if marks is not None and db_now is not None:
-            for t in types:
-                marks.typed[(scan, t)] = ScanMarks.moved(asks[t], raw[t], db_now)
-        return {t: [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in rows] for t, rows in raw.items()}
-
-    def _claim_fresh_limited(
-        self,
-        conn: psycopg.Connection[Any],
-        rooms: Mapping[str, int],
-        base: dict[str, Any],
-        marks: ScanMarks | None,
-        db_now: datetime | None,
-        keyed: Mapping[str, _Keyed] | None = None,
-        batch: int = 0,
-    ) -> dict[str, list[Claimed]]:
-        """:meth:`_claim_fresh` for every limited type at once: heads and pending rows share
-        each type's room, three statements whatever the number of types.
-
-        A keyed type (``keyed``) first takes its rows that carry a limit key, key by key
-        (:meth:`_claim_keyed`); its rows without one share what is left.
-        """
-        rooms = {t: r for t, r in rooms.items() if r > 0}
-        by_key = {
-            t: self._claim_keyed(conn, t, rooms[t], k, base, batch)
-            for t, k in (keyed or {}).items()
-            if t in rooms
-        }
-        rooms = {t: r - len(by_key.get(t, ())) for t, r in rooms.items()}
-        rooms = {t: r for t, r in rooms.items() if r > 0}
-        got: dict[str, list[Claimed]] = {t: [] for t in rooms}
-        shares = {t: max(1, (r + 1) // 2) for t, r in rooms.items()}
-        heads = self._claim_limited(conn, "claim_heads_limited", "heads", shares, base, marks, db_now)
-        for t, rows in heads.items():
-            got[t] += rows
-        pending = {t: r - len(got[t]) for t, r in rooms.items()}
-        for t, rows in self._claim_limited(
-            conn, "claim_pending_limited", "pending", pending, base, marks, db_now
-        ).items():
-            got[t] += rows
-        # Pending rows ran short: let ordered heads use the rest of the type's room.
-        again = {
-            t: r - len(got[t])
-            for t, r in rooms.items()
-            if got[t] and len(heads.get(t, [])) >= shares[t] and r > len(got[t])
-        }
-        for t, rows in self._claim_limited(
-            conn, "claim_heads_limited", "heads", again, base, marks, db_now
-        ).items():
-            got[t] += rows
-        for t, rows in by_key.items():
-            got[t] = rows + got.get(t, [])
-        return got
-
-    def _claim_fresh(
-        self,
-        conn: psycopg.Connection[Any],
-        base: dict[str, Any],
-        room: int,
-        marks: ScanMarks | None,
-        event_type: str | None,
-        db_now: datetime | None,
-    ) -> list[Claimed]:
-        """Ordered heads and unordered pending rows sharing ``room`` (neither starves)."""
-        claimed: list[Claimed] = []
-        heads_short = False
-        if room > 0:
-            share = max(1, (room + 1) // 2)
-            heads = self._claim_rows(conn, "claim_heads", base, share, marks, "heads", db_now, event_type)
-            # Fewer heads than asked: no other head is claimable now, do not ask again.
-            heads_short = len(heads) < share
-            claimed += heads
-        left = room - len(claimed)
-        if left > 0:
-            # Types filling a batch (max_wait, #22) are left out of the pending rows only.
-            pending = {**base, "excluded": base["excluded_pending"]} if "excluded_pending" in base else base
-            claimed += self._claim_rows(
-                conn, "claim_pending", pending, left, marks, "pending", db_now, event_type
-            )
-        left = room - len(claimed)
-        if left > 0 and len(claimed) > 0 and not heads_short:
-            # Pending rows ran short: let ordered heads use the rest of the batch.
-            claimed += self._claim_rows(conn, "claim_heads", base, left, marks, "heads", db_now, event_type)
-        return claimed
-
-    def _claim_keyed(
-        self,
-        conn: psycopg.Connection[Any],
-        event_type: str,
-        room: int,
-        keyed: _Keyed,
-        base: dict[str, Any],
-        batch: int,
-    ) -> list[Claimed]:
-        """Up to ``room`` rows of a keyed type that carry a limit key, round robin between its
-        keys, none of a key at its cap or held (``claim_keyed``, DESIGN invariant 24); moves
-        the type's key cursor on."""
-        params = {
-            **base,
-            "event_type": event_type,
-            "n": room,
-            "key_cap": keyed.key_cap,
-            "key_rate": keyed.key_rate,
-            "key_burst": keyed.key_burst,
-            "after": keyed.cursor,
-            "max_keys": min(MAX_KEYS_WALKED, max(2 * min(room, max(batch, 1)), MIN_KEYS_WALKED)),
-        }
-        rows = conn.execute(self._q["claim_keyed"], params).fetchall()
-        taken = [r for r in rows if r[0] is not None]
-        marker = next((r for r in rows if r[0] is None), None)
-        if marker is not None and marker[7]:
-            keyed.blocked = True
-        if marker is not None and marker[8] is not None:
-            wait = float(marker[8])
-            keyed.token_wait = wait if keyed.token_wait is None else min(keyed.token_wait, wait)
-        if taken and len(taken) >= room:
-            # Stopped by the room: the next claim starts after the last key served.
-            cursor = max(taken, key=lambda r: int(r[6]))[5]
-        else:
-            # Every key walked offered what it could: the next claim walks on from the last.
-            cursor = marker[5] if marker is not None else None
-        if cursor is not None and cursor != keyed.cursor:
-            keyed.cursor = str(cursor)
-            keyed.moved = True
-        return [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in taken]
-
-    def _claim_settings(self, conn: psycopg.Connection[Any], event_types: Sequence[str] | None) -> _Seen:
-        """The claim's first statement: its settings and ``now()``, and on a table with its flow
-        tables what the claim must leave out or claim key by key, read without a lock
-        (``claim_settings_flow``): the one flow read of a claim with no limit declared and
-        nothing paused or held (DESIGN invariant 25)."""
-        if not self.flow_ready(conn):
-            row = conn.execute(self._q["claim_settings"]).fetchone()
-            return _Seen(now=row[1] if row is not None and len(row) > 1 else None)
-        row = conn.execute(self._q["claim_settings_flow"], {"event_types": event_types}).fetchone()
-        if row is None:  # pragma: no cover - a SELECT without FROM returns its row
-            return _Seen(now=None)
-        _jit, now, known, held, held_for, key_types, key_held_for = row
-        return _Seen(
-            now=now,
-            known=frozenset(known),
-            held=frozenset(held),
-            held_for=None if held_for is None else float(held_for),
-            key_types=tuple(key_types),
-            key_held_for=None if key_held_for is None else float(key_held_for),
+        return _claim.claim(
+            self,
+            conn,
+            limit=limit,
+            lease=lease,
+            owner=owner,
+            max_attempts=max_attempts,
+            event_types=event_types,
+            expired_limit=expired_limit,
+            unroutable_delay=unroutable_delay,
+            marks=marks,
+            limits=limits,
+            fill=fill,
         )
 
     # -- flow control (#23) --------------------------------------------------------------------
@@ -974,109 +442,6 @@ class Store:
             self._flow_ready = bool(row and row[0])
         return self._flow_ready
 
-    def _read_flow(
-        self, conn: psycopg.Connection[Any], limits: Mapping[str, Limit], seen: _Seen
-    ) -> FlowRead | None:
-        """Lock and read the flow rows of the limited types; the allowance of every one
-        (invariant 22). Paused and held types come from ``seen`` (no lock needed to leave a
-        type out). Nothing at all to lock: no statement."""
-        if not self.flow_ready(conn):
-            if not self._flow_warned:
-                self._flow_warned = True
-                logger.error(
-                    "outbox table %s lacks its flow-control tables (migration 0007 not applied, or 0008): "
-                    "pauses and limits are not enforced until it is (outbox-celery migrate)",
-                    self.table.qualified,
-                    extra={"outbox_table": self.table.qualified},
-                )
-            return None
-        limited = sorted(limits)
-        if not limited:
-            return FlowRead(held=seen.held, held_for=seen.held_for, allowances={})
-        missing = [t for t in limited if t not in seen.known]
-        if missing:
-            # First claim that limits a type: its row, before any flow lock (one lock order).
-            conn.execute(self._q["flow_add"], {"types": missing})
-        rows = conn.execute(self._q["flow_lock"], {"limited": limited}).fetchall()
-        locked_held = frozenset(str(r[0]) for r in rows if r[1] or r[2])
-        held = (seen.held - frozenset(limited)) | locked_held
-        holds = [float(r[3]) for r in rows if r[2] and not r[1]]
-        held_for = min(holds + ([] if seen.held_for is None else [seen.held_for]), default=None)
-        state = {str(r[0]): r for r in rows}
-        keyed_types = [t for t in limited if t in seen.key_types]
-        if keyed_types:
-            # Holds of keys that ran out, cleared under their type's lock (one lock order).
-            conn.execute(self._q["flow_keys_clear"], {"types": keyed_types})
-        live: dict[str, int] = {}
-        bounded = [t for t in limited if limits[t].concurrency is not None and t not in held]
-        if bounded:
-            # After the lock: a new snapshot (read committed) that holds every earlier claimer's
-            # claims of these types. Rate-only types need no count.
-            counted = conn.execute(self._q["flow_live"], {"limited": bounded}).fetchall()
-            live = {str(t): int(n) for t, n in counted}
-        allowances: dict[str, Allowance] = {}
-        reclock: set[str] = set()
-        for t, lim in limits.items():
-            if t in held or t not in state:
-                continue
-            since = None if state[t][5] is None else float(state[t][5])
-            if since is not None and since < -CLOCK_STEP:
-                # Refilled ahead of now(): the database's clock stepped back. Nothing refills for
-                # the gap and the bucket counts from now() (written by _spend).
-                reclock.add(t)
-            allowances[t] = allowance(
-                lim,
-                live=live.get(t, 0),
-                tokens=None if state[t][4] is None else float(state[t][4]),
-                since_refill=since,
-            )
-        cursors = {str(r[0]): None if r[6] is None else str(r[6]) for r in rows}
-        at_cap = {str(r[0]): bool(r[7]) for r in rows}
-        return FlowRead(
-            held=held,
-            held_for=held_for,
-            allowances=allowances,
-            cursors=cursors,
-            at_cap=at_cap,
-            reclock=frozenset(reclock),
-        )
-
-    def _spend(self, conn: psycopg.Connection[Any], flow: FlowRead, spent: Mapping[str, int]) -> None:
-        """Write the rate buckets back: the refilled tokens minus what this claim took.
-
-        Only the buckets this claim took from: an untouched bucket refills from its last write
-        when next read, exactly as if it had been written now, and each write leaves a row
-        version behind (a pinned xmin horizon keeps them, invariant 18), so the versions follow
-        the type's starts, bounded by its rate, not the number of claims.
-        """
-        buckets = {
-            t: a.tokens - spent.get(t, 0)
-            for t, a in flow.allowances.items()
-            if a.tokens is not None and (spent.get(t, 0) > 0 or t in flow.reclock)
-        }
-        if buckets:
-            types = sorted(buckets)
-            conn.execute(self._q["flow_spend"], {"types": types, "tokens": [buckets[t] for t in types]})
-
-    def _mark_capped(
-        self,
-        conn: psycopg.Connection[Any],
-        flow: FlowRead,
-        limits: Mapping[str, Limit],
-        spent: Mapping[str, int],
-        keyed: Mapping[str, _Keyed],
-    ) -> None:
-        """Record which concurrency-limited types this claim left at their limit, or with a key
-        at its ``key_concurrency`` and a row due (only changes): their finishes wake the claim."""
-        flags = {
-            t: a.at_cap(limits[t], spent.get(t, 0)) or (t in keyed and keyed[t].blocked)
-            for t, a in flow.allowances.items()
-            if limits[t].concurrency is not None or limits[t].key_concurrency is not None
-        }
-        changed = sorted(t for t, f in flags.items() if f != flow.at_cap.get(t, False))
-        if changed:
-            conn.execute(self._q["flow_at_cap"], {"types": changed, "flags": [flags[t] for t in changed]})
-
     def capped(self, conn: psycopg.Connection[Any], event_types: Sequence[str]) -> frozenset[str]:
         """The types among ``event_types`` the last claim left at their concurrency limit
         (empty before migration 0008)."""
@@ -1084,74 +449,6 @@ class Store:
             return frozenset()
         rows = conn.execute(self._q["flow_capped"], {"types": list(event_types)}).fetchall()
         return frozenset(str(r[0]) for r in rows)
-
-    def _release_expired(
-        self, conn: psycopg.Connection[Any], base: dict[str, Any], lease: float, unroutable_delay: float
-    ) -> tuple[int, int, bool]:
-        """Lost claims and unroutable expired leases back to pending (no attempt spent).
-
-        Returns the lost and unroutable counts and whether the batch was full (more may wait).
-        """
-        params = {**base, "limit": _EXPIRED_BATCH, "lease": lease, "unroutable_delay": unroutable_delay}
-        rows = conn.execute(self._q["release_expired"], params).fetchall()
-        lost: Counter[str] = Counter()
-        unroutable: Counter[str] = Counter()
-        for _id, _version, event_type, routable, _unstarted in rows:
-            (lost if routable else unroutable)[str(event_type)] += 1
-        for event_type, n in sorted(lost.items()):
-            most = max(int(r[4]) for r in rows if r[2] == event_type and r[3])
-            logger.warning(
-                "outbox: %s claim(s) of %r expired without a worker starting them (up to %s in a "
-                "row); back to pending after a delay, no attempt spent. Does its queue have a consumer?",
-                n,
-                event_type,
-                most,
-                extra={
-                    "event_type": event_type,
-                    "outcome": "lost_task",
-                    "released": n,
-                    "unstarted_claims": most,
-                    "outbox_table": self.table.qualified,
-                },
-            )
-        for event_type, n in sorted(unroutable.items()):
-            logger.warning(
-                "outbox: %s expired lease(s) of %r, which has no handler here: back to pending as "
-                "unroutable, no attempt spent",
-                n,
-                event_type,
-                extra={
-                    "event_type": event_type,
-                    "outcome": "unroutable",
-                    "released": n,
-                    "outbox_table": self.table.qualified,
-                },
-            )
-        return sum(lost.values()), sum(unroutable.values()), len(rows) >= _EXPIRED_BATCH
-
-    def _claim_rows(
-        self,
-        conn: psycopg.Connection[Any],
-        query: str,
-        base: dict[str, Any],
-        limit: int,
-        marks: ScanMarks | None = None,
-        mark: str | None = None,
-        db_now: datetime | None = None,
-        event_type: str | None = None,
-    ) -> list[Claimed]:
-        """Run one claiming statement; move ``marks``' ``mark`` on when given (invariant 18).
-
-        With ``event_type`` (a limited type's own statement) the mark is that type's.
-        """
-        rows = conn.execute(self._q[query], {**base, "limit": limit}).fetchall()
-        if marks is not None and mark is not None and db_now is not None:
-            moved = ScanMarks.moved(limit, rows, db_now)
-            if event_type is None:
-                setattr(marks, mark, moved)
-            else:
-                marks.typed[(mark, event_type)] = moved
-        return [Claimed(int(r[0]), int(r[1]), str(r[2]), r[3]) for r in rows]
 
     def release(self, conn: psycopg.Connection[Any], claims: Sequence[Claimed]) -> int:
         """Give unpublished claims back: ``pending`` now, no attempt spent (invariant 12).
@@ -1436,36 +733,3 @@ class Store:
         params = {"event_types": list(event_types) if event_types is not None else None, "within": within}
         row = conn.execute(self._q["next_due"], params).fetchone()
         return None if row is None or row[0] is None else float(row[0])
-
-    # -- batch handlers' max_wait (#22) --------------------------------------------------------
-
-    def _filling(
-        self,
-        conn: psycopg.Connection[Any],
-        fill: Mapping[str, tuple[int, float]],
-        limit: int,
-        base: Mapping[str, Any],
-        excluded: frozenset[str],
-    ) -> dict[str, float]:
-        """Batch handlers' event types to leave out of this claim, each with the seconds it may wait.
-
-        One statement (``fill_due``): per type, its due unordered rows counted up to a batch
-        (``min(batch, limit)``: a claim never cuts a bigger one) and the age of the oldest, both
-        on the database's clock. A type is left to fill when it has due rows, fewer than that,
-        and the oldest has been due less than ``max_wait``; it may wait ``max_wait - age`` more.
-        Types left out anyway (``excluded``: paused, held, limited) and ``max_wait`` 0 are not read.
-        """
-        types = sorted(t for t, (_batch, wait) in fill.items() if wait > 0 and t not in excluded)
-        if not types:
-            return {}
-        wanted = [max(1, min(fill[t][0], limit)) for t in types]
-        since = base.get("pending_since")
-        params = {"types": types, "limits": wanted, "since": [since] * len(types)}
-        rows = conn.execute(self._q["fill_due"], params)
-        out: dict[str, float] = {}
-        for event_type, n, waited in rows.fetchall():
-            batch, max_wait = fill[str(event_type)]
-            if n == 0 or waited is None or n >= min(batch, limit) or waited >= max_wait:
-                continue
-            out[str(event_type)] = max(0.0, max_wait - float(waited))
-        return out

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 
 from celery import Celery, Task
 
-from .dispatch import ClaimRun, Dispatcher
+from .dispatch import ClaimRun, Dispatcher, StoppedBy
 
 __all__ = ["CoalescedClaims", "OutboxTasks", "TaskedOutbox", "register_tasks"]
 
@@ -67,9 +67,9 @@ class CoalescedClaims:
     def __call__(self) -> ClaimRun:
         last = self._last_drained
         if last is not None and time.monotonic() - last < self._claim_interval() / 2:
-            return ClaimRun(skipped=True, stopped_by="coalesced")
+            return ClaimRun(skipped=True, stopped_by=StoppedBy.COALESCED)
         run = self._claim()
-        self._last_drained = time.monotonic() if run.stopped_by == "drained" else None
+        self._last_drained = time.monotonic() if run.stopped_by == StoppedBy.DRAINED else None
         return run
 
 

@@ -88,7 +88,7 @@ SELECT count(*) FROM (
 -- claim's queries above jit_above_cost, every claim pays for JIT compilation (measured by
 -- benchmarks/: 15-250 ms per 200-row claim instead of 3-6 ms); these queries never profit.
 -- Also returns the transaction's now(): where the claim's scan marks move to (ScanMarks).
-SELECT set_config('jit', 'off', true), now();
+SELECT set_config('jit', 'off', true) AS jit, now() AS now;
 
 -- name: claim_settings_flow
 -- claim_settings of a table with its flow-control tables (migrations 0007 to 0009): the
@@ -115,7 +115,7 @@ WITH RECURSIVE kt AS (
             ORDER BY f.event_type, f.limit_key LIMIT 1)
     FROM kt WHERE kt.event_type IS NOT NULL
 )
-SELECT set_config('jit', 'off', true), now(),
+SELECT set_config('jit', 'off', true) AS jit, now() AS now,
        (SELECT coalesce(array_agg(event_type ORDER BY event_type), ARRAY[]::text[]) FROM {flow_table}) AS known,
        (SELECT coalesce(array_agg(event_type ORDER BY event_type), ARRAY[]::text[]) FROM {flow_table}
         WHERE paused OR paused_until > now()) AS held,
@@ -604,7 +604,7 @@ ON CONFLICT (event_type) DO NOTHING;
 -- has not run out, claimed or running, on any worker. Read through the leases' partial index
 -- (lease_until, status = 'processing') from now(): the entries of one lease period, as
 -- count_in_flight. A worker that died holds its slot only until its lease ends.
-SELECT event_type, count(*)
+SELECT event_type, count(*) AS live
 FROM {table}
 WHERE status = 'processing' AND lease_until > now() AND event_type = ANY(%(limited)s::text[])
 GROUP BY event_type;
@@ -910,8 +910,8 @@ ck_claimed AS (
     RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at, o.limit_key,
               ck_picked.pos
 )
-SELECT id, lease_version, event_type, lease_until, available_at, limit_key, pos, NULL::bigint,
-       NULL::float8
+SELECT id, lease_version, event_type, lease_until, available_at, limit_key, pos, NULL::bigint AS blocked,
+       NULL::float8 AS token_wait
 FROM ck_claimed
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL,
