@@ -126,6 +126,7 @@ def test_no_module_imports_itself_through_others() -> None:
 # databases.
 SQL_MODULES = {
     "_sql",
+    "writes",
     "store",
     "complete",
     "operations",
