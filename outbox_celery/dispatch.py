@@ -12,8 +12,6 @@ import math
 import os
 import socket
 import time
-import traceback
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
@@ -26,15 +24,17 @@ from psycopg import pq
 from ._connections import FOLLOW_UPS, Noted
 from ._done_batch import DoneBatcher
 from .backoff import Backoff, RetryPolicy
+from .batch import BatchDelivery
 from .complete import Finish, Lease, Step
 from .config import OutboxConfig
-from .errors import ConfigurationError, Defer, PermanentError, RateLimited, RetryableError, first_line
+from .errors import ConfigurationError, RetryableError, first_line
 from .flow import AT_CAP_TTL, Limit
 from .heartbeat import lease_heartbeat
-from .message import Message, Outcome, Status
-from .store import SLOT_FREED, Claimed, Finalized, FinalizedMany, ScanMarks, Store, starter_token
+from .message import Message, Outcome
+from .store import SLOT_FREED, Claimed, FinalizedMany, ScanMarks, Store, starter_token
 from .tracing import handler_span
 from .transactional import NOTHING_COMMITTED, TransactionKind, TransactionRolledBack
+from .verdict import Verdict, _error_text, _ms_since, _outcome_of, classify
 
 __all__ = [
     "BatchResult",
@@ -199,41 +199,6 @@ def default_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _ms_since(started: float) -> float:
-    return round((time.monotonic() - started) * 1000, 1)
-
-
-def _error_text(exc: BaseException, limit: int = 4000) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    if not isinstance(exc, RetryableError | PermanentError | Defer):  # RateLimited is retryable
-        tb = "".join(traceback.format_exception(exc)).strip()
-        text = f"{text}\n{tb}"
-    return text[:limit]
-
-
-def _batch_failures(result: object, ids: set[int]) -> Mapping[int, BaseException]:
-    """A batch handler's return value checked: ``{id: exception}`` of the messages not delivered.
-
-    :raises TypeError: anything but ``None`` or a mapping from this batch's ids to exception
-        instances (the whole batch is then treated as an unclassified failure).
-    """
-    if result is None:
-        return {}
-    if not isinstance(result, Mapping):
-        raise TypeError(
-            f"a batch handler returns None or a mapping id -> outcome, not {type(result).__name__}"
-        )
-    for key, value in result.items():
-        if key not in ids:
-            raise TypeError(f"a batch handler returned an outcome for id {key!r}, which is not in its batch")
-        if not isinstance(value, BaseException):
-            raise TypeError(
-                f"a batch handler's outcome for id {key} must be an exception instance "
-                f"(RetryableError, Defer, PermanentError), not {type(value).__name__}"
-            )
-    return result
-
-
 class _Superseded(Exception):  # noqa: N818 - control flow inside the dispatcher only
     """A transactional run's fenced done changed nothing: roll its transaction back."""
 
@@ -281,63 +246,38 @@ def _transaction_conflict(exc: BaseException) -> psycopg.Error | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """How a handler run ended, before the fenced finalize: what to write, not whether it won."""
+class InFlightBound:
+    """The in-flight bound of a process's claim runs (DESIGN invariant 16), computed at most
+    every :data:`BOUND_REFRESH` seconds: rows finished in the last lease, halved, clamped to
+    ``[min_in_flight, max_in_flight]``; ``max_in_flight`` when ``adaptive_in_flight`` is off."""
 
-    outcome: Outcome
-    delay: float = 0.0
-    error: str = ""
+    def __init__(self, config: OutboxConfig, store: Store) -> None:
+        self.config = config
+        self.store = store
+        # The bound and when (monotonic) it was computed.
+        self._bound: tuple[float, int] | None = None
 
-    def finish(self, msg: Message, lease_version: int | None = None) -> Finish:
-        """The completer's finish of this verdict for ``msg`` (under ``lease_version``, default
-        the message's own)."""
-        version = msg.lease_version if lease_version is None else lease_version
-        return Finish(
-            Lease(msg.id, version),
-            _STEPS[self.outcome],
-            self.delay,
-            self.error,
-            ordered=msg.ordering_key is not None,
-        )
-
-
-# What the completer writes for each verdict's outcome.
-_STEPS = {
-    Outcome.DONE: Step.DONE,
-    Outcome.RETRY: Step.RETRY,
-    Outcome.DEFER: Step.DEFER,
-    Outcome.RATE_LIMITED: Step.RATE_LIMITED,
-    Outcome.DEAD: Step.DEAD,
-    Outcome.ERROR: Step.ERROR,
-    Outcome.UNROUTABLE: Step.POSTPONE,
-}
+    def __call__(self, conn: psycopg.Connection[Any]) -> int:
+        """Claimed-but-unfinished rows allowed now."""
+        cfg = self.config
+        if not cfg.adaptive_in_flight:
+            return cfg.max_in_flight
+        now = time.monotonic()
+        cached = self._bound
+        if cached is not None and 0 <= now - cached[0] < BOUND_REFRESH:
+            # Push runs claims back to back, one per producer commit: a count over the last
+            # lease's finished rows changes little within a second, so it is reused.
+            return cached[1]
+        floor = cfg.effective_min_in_flight
+        # Rows finished in the last lease, halved: what was handed out can start within half a
+        # lease at the throughput the workers just showed.
+        recent = self.store.recent_done(conn, window=cfg.lease, cap=2 * cfg.max_in_flight)
+        limit = max(floor, min(cfg.max_in_flight, recent // 2))
+        self._bound = (now, limit)
+        return limit
 
 
-def _outcome_of(verdict: Verdict, result: Finalized) -> Outcome:
-    """What the fenced write of a verdict came to: the verdict's outcome when it applied,
-    ``dead`` when a retry or defer went past its limit, ``lost_lease`` when another claim won."""
-    if not result.applied:
-        return Outcome.LOST_LEASE
-    return Outcome.DEAD if result.status is Status.DEAD else verdict.outcome
-
-
-def classify(exc: BaseException, attempts: int, retry: RetryPolicy) -> Verdict | None:
-    """The verdict for a handler's exception; ``None`` when the handler did not classify it."""
-    if isinstance(exc, Defer):
-        return Verdict(Outcome.DEFER, delay=exc.delay, error=exc.reason)
-    if isinstance(exc, RateLimited):
-        # Before RetryableError, its base: no attempt spent, the whole event type held (#23).
-        return Verdict(Outcome.RATE_LIMITED, delay=exc.retry_after, error=exc.reason)
-    if isinstance(exc, RetryableError):
-        delay = exc.delay if exc.delay is not None else retry(attempts, exc)
-        return Verdict(Outcome.RETRY, delay=delay, error=_error_text(exc))
-    if isinstance(exc, PermanentError):
-        return Verdict(Outcome.DEAD, error=_error_text(exc))
-    return None
-
-
-class Dispatcher:
+class Dispatcher(BatchDelivery):
     """Claim/publish and deliver/finalize for one outbox table.
 
     :param config: the outbox settings.
@@ -351,6 +291,8 @@ class Dispatcher:
     :param recover: called before a fenced write is retried after a broken connection (the
         :class:`~outbox_celery.celery_app.Outbox` checks its pool's idle connections there).
     """
+
+    handlers: Mapping[str, HandlerSpec]
 
     def __init__(
         self,
@@ -369,8 +311,7 @@ class Dispatcher:
         self.store = store or Store(config.table, relaxed_commit=config.relaxed_commit)
         self._retry = retry
         self.backoff = Backoff(config.backoff_base, config.backoff_cap)
-        # The adaptive in-flight bound and when (monotonic) it was computed (in_flight_limit).
-        self._bound: tuple[float, int] | None = None
+        self._in_flight = InFlightBound(config, self.store)
         #: Where this process's claims start their index scans (DESIGN invariant 18).
         self.marks = ScanMarks(lookback=config.scan_lookback, full_every=config.full_scan_interval)
         #: Batched ``done`` writes of this process (``done_batch_delay``; None when 0).
@@ -390,22 +331,7 @@ class Dispatcher:
 
     def in_flight_limit(self, conn: psycopg.Connection[Any]) -> int:
         """Claimed-but-unfinished rows allowed now (DESIGN invariant 16)."""
-        cfg = self.config
-        if not cfg.adaptive_in_flight:
-            return cfg.max_in_flight
-        now = time.monotonic()
-        cached = self._bound
-        if cached is not None and 0 <= now - cached[0] < BOUND_REFRESH:
-            # Push (#11) runs claims back to back, one per producer commit: a count over the
-            # last lease's finished rows changes little within a second, so it is reused.
-            return cached[1]
-        floor = cfg.effective_min_in_flight
-        # Rows finished in the last lease, halved: what was handed out can start within half a
-        # lease at the throughput the workers just showed.
-        recent = self.store.recent_done(conn, window=cfg.lease, cap=2 * cfg.max_in_flight)
-        limit = max(floor, min(cfg.max_in_flight, recent // 2))
-        self._bound = (now, limit)
-        return limit
+        return self._in_flight(conn)
 
     def claim_and_publish(self, publish: Publisher, *, owner: str | None = None) -> ClaimRun:
         """One claim run: claim batches while they come back full, within the time budget.
@@ -759,161 +685,6 @@ class Dispatcher:
         for table, ids in follow_ups.items():
             store = self.store if table == self.store.table else Store(table)
             store.follow_ups_at_commit(conn, ids)
-
-    # -- batch handlers (#22, DESIGN invariant 21) --------------------------------------------
-
-    def deliver_batch(self, pairs: Sequence[Lease | tuple[int, int]]) -> dict[str, int]:
-        """One batch task: one fenced start, the batch handler once, one fenced finalize.
-
-        ``pairs`` are the leases (``(id, lease_version)``) the task carries. The start is fenced
-        per pair; pairs it does not start (a newer claim, a finished row, a claim started by
-        another task) are dropped from the batch and counted ``stale``. The handler receives the
-        started messages of its event type, sorted by id, and returns ``None`` (all delivered) or
-        a mapping from message id to the outcome of those that were not; an exception it raises
-        applies to every message of the batch. Every outcome is written by the completer's one
-        fenced statement (an ordered message's done under its key lock, in the same
-        transaction). An unclassified exception is
-        recorded for every row and re-raised (the rows come back through their lease).
-
-        Returns how many rows ended in each :class:`~outbox_celery.message.Outcome`.
-        """
-        leases = list(dict.fromkeys(Lease.of(p) for p in pairs))
-        counts: Counter[str] = Counter()
-        if not leases:
-            return {}
-        first = leases[0]
-        log: dict[str, Any] = {
-            "outbox_id": first.id,
-            "lease_version": first.lease_version,
-            "batch": len(leases),
-        }
-        try:
-            msgs = self._begin("start_many", leases)
-        except Exception as exc:
-            self._failed_before_batch(leases, exc, log)
-            raise
-        stale = len(leases) - len(msgs)
-        if stale:
-            counts[Outcome.STALE] += stale
-            logger.info(
-                "outbox batch of %s: %s pair(s) stale or exhausted, dropped; handler not called for them",
-                len(leases),
-                stale,
-                extra={**log, "outcome": Outcome.STALE, "stale": stale},
-            )
-        by_type: dict[str, list[Message]] = {}
-        for msg in msgs:
-            by_type.setdefault(msg.event_type, []).append(msg)
-        failure: BaseException | None = None
-        for event_type, group in by_type.items():
-            spec = self.handlers.get(event_type)
-            if spec is None or spec.batch is None:
-                counts.update(self._unroutable_batch(group, log).values())
-                continue
-            try:
-                counts.update(self._run_batch(spec, group, log).values())
-            except BaseException as exc:  # recorded already; the other groups still run
-                counts[Outcome.ERROR] += len(group)
-                failure = exc
-        if failure is not None:
-            raise failure
-        return {str(k): v for k, v in counts.items()}
-
-    def _run_batch(self, spec: HandlerSpec, msgs: list[Message], log: dict[str, Any]) -> dict[int, Outcome]:
-        """Call a batch handler on started messages, then write every outcome (one statement)."""
-        assert spec.batch is not None
-        cfg = self.config
-        leases = [Lease(m.id, m.lease_version) for m in msgs]
-        msgs = [replace(m, _extend=self._extender(m.id, m.lease_version)) for m in msgs]
-        log = {**log, "event_type": spec.event_type, "batch": len(msgs)}
-        started = time.monotonic()
-        try:
-            with lease_heartbeat(cfg, lambda seconds: self._extend(leases, seconds), log=log):
-                result = spec.fn(list(msgs))
-            failures = _batch_failures(result, {m.id for m in msgs})
-        except BaseException as exc:
-            verdicts = {m.id: classify(exc, m.attempts, self.retry) for m in msgs}
-            if any(v is None for v in verdicts.values()):
-                # Not classified: recorded for every row, which comes back through its lease.
-                error = _error_text(exc)
-                self._finish_batch(msgs, dict.fromkeys(verdicts, Verdict(Outcome.ERROR, error=error)))
-                logger.error(
-                    "outbox batch of %s %s raised %s; rows return after their lease",
-                    len(msgs),
-                    spec.event_type,
-                    type(exc).__name__,
-                    extra={**log, "outcome": Outcome.ERROR, "duration_ms": _ms_since(started)},
-                )
-                raise
-            whole = {i: v for i, v in verdicts.items() if v is not None}
-        else:
-            whole = {}
-            for m in msgs:
-                failed = failures.get(m.id)
-                if failed is None:
-                    whole[m.id] = Verdict(Outcome.DONE)
-                else:
-                    # A non-outcome exception for one message: recorded, back through its lease.
-                    whole[m.id] = classify(failed, m.attempts, self.retry) or Verdict(
-                        Outcome.ERROR, error=_error_text(failed)
-                    )
-        outcomes = self._finish_batch(msgs, whole)
-        tally = Counter(outcomes.values())
-        logger.info(
-            "outbox batch of %s %s -> %s",
-            len(msgs),
-            spec.event_type,
-            ", ".join(f"{k}={n}" for k, n in sorted(tally.items())),
-            extra={
-                **log,
-                "outcome": "batch",
-                **{str(k): n for k, n in tally.items()},
-                "duration_ms": _ms_since(started),
-            },
-        )
-        return outcomes
-
-    def _finish_batch(self, msgs: list[Message], verdicts: Mapping[int, Verdict]) -> dict[int, Outcome]:
-        """Write a batch's verdicts: the completer's one fenced statement for them all (an
-        ordered done under its key lock, a RateLimited item's hold, in the same transaction)."""
-        finishes = [verdicts[m.id].finish(m) for m in msgs]
-        # Wake the claim: a batch's leases ended at once, room under the bound.
-        won = self._complete("finish_many", finishes, notify=self.config.listen)
-        return {m.id: _outcome_of(verdicts[m.id], won.of(m.id)) for m in msgs}
-
-    def _unroutable_batch(self, msgs: list[Message], log: dict[str, Any]) -> dict[int, Outcome]:
-        """No batch handler for these messages here (a deploy changed it): postpone, attempt refunded."""
-        event_type = msgs[0].event_type
-        delay = self.config.unroutable_delay
-        why = f"unroutable: no batch handler for event type {event_type!r} in this worker"
-        verdict = Verdict(Outcome.UNROUTABLE, delay=delay, error=why)
-        won = self._complete("postpone", [verdict.finish(m) for m in msgs])
-        logger.warning(
-            "outbox batch of %s %r: no batch handler here; postponed %.0fs",
-            len(msgs),
-            event_type,
-            delay,
-            extra={**log, "outcome": Outcome.UNROUTABLE},
-        )
-        return {m.id: _outcome_of(verdict, won.of(m.id)) for m in msgs}
-
-    def _failed_before_batch(self, leases: list[Lease], exc: Exception, log: dict[str, Any]) -> None:
-        """The batch's start failed: each lease as :meth:`_failed_before_handler`, in one statement."""
-        try:
-            self._complete("finish_retry", [self._pre_handler_failure(x, exc) for x in leases])
-        except Exception:
-            logger.exception("outbox batch: could not record the failure before the handler", extra=log)
-        logger.error(
-            "outbox batch of %s: outbox-celery failed before calling the handler (%s: %s); the "
-            "handler did not run, the messages are retried after a backoff",
-            len(leases),
-            type(exc).__name__,
-            exc,
-            extra={**log, "outcome": Outcome.ERROR},
-        )
-
-    def _extender(self, outbox_id: int, lease_version: int) -> Callable[[float], bool]:
-        return lambda seconds: self._extend([Lease(outbox_id, lease_version)], seconds)
 
     def _extend(self, leases: list[Lease], seconds: float) -> bool:
         """The lease heartbeat of a delivery or a batch: true while any row of it holds its lease."""
