@@ -22,7 +22,7 @@ from typing import Any
 
 import psycopg
 
-from outbox_celery import Event, admin, enqueue_many
+from outbox_celery import Event, enqueue_many, operations
 from outbox_celery.migrations import migrate
 from outbox_celery.testing import temporary_database
 from outbox_celery.web import Database, create_app
@@ -107,8 +107,8 @@ def _seed(dsn: str, *, billing: bool) -> None:
             " lease_until = now() + interval '30 s'"
             " WHERE event_type = 'webhook.partner' AND status = 'pending' AND id % 10 IN (1, 2)"
         )
-        admin.pause(conn, "outbox", "mail.sent")
-        admin.pause(conn, "outbox", "webhook.partner", limit_key="partner-2")
+        operations.pause(conn, "outbox", "mail.sent")
+        operations.pause(conn, "outbox", "webhook.partner", limit_key="partner-2")
 
 
 def main(argv: list[str] | None = None) -> int:

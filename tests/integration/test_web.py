@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from starlette.testclient import TestClient
 
-from outbox_celery import Event, admin, enqueue_many
+from outbox_celery import Event, enqueue_many, operations
 from outbox_celery.cli import cli
 from outbox_celery.migrations import migrate
 from outbox_celery.web import Database, create_app
@@ -174,15 +174,17 @@ def test_pause_and_resume_a_type_and_a_limit_key(client: TestClient, conn: psyco
     )
     key = {**fields, "event_type": "webhook.sent", "limit_key": "partner-a"}
     assert client.post("/db/main/flow/pause", data=key).status_code == 200
-    assert [(f.event_type, f.paused) for f in admin.flow_states(conn, "outbox")] == [("webhook.sent", True)]
-    assert [(k.limit_key, k.paused) for k in admin.key_states(conn, "outbox")] == [("partner-a", True)]
+    assert [(f.event_type, f.paused) for f in operations.flow_states(conn, "outbox")] == [
+        ("webhook.sent", True)
+    ]
+    assert [(k.limit_key, k.paused) for k in operations.key_states(conn, "outbox")] == [("partner-a", True)]
     page = client.get("/db/main/flow").text
     assert re.search(r'<tr data-type="webhook.sent">.*?paused', page, re.S)
     assert (
         client.post("/db/main/flow/resume", data={**fields, "event_type": "webhook.sent"}).status_code == 200
     )
     assert client.post("/db/main/flow/resume", data=key).status_code == 200
-    assert admin.flow_states(conn, "outbox") == [] and admin.key_states(conn, "outbox") == []
+    assert operations.flow_states(conn, "outbox") == [] and operations.key_states(conn, "outbox") == []
 
 
 def test_refused_requests_get_a_clear_status_and_change_nothing(
@@ -214,7 +216,7 @@ def test_refused_requests_get_a_clear_status_and_change_nothing(
         assert refused.status_code == 403 and "actions are disabled" in refused.text
         assert ro.post("/db/main/flow/pause", data={"event_type": "webhook.sent"}).status_code == 403
     assert _statuses(conn) == before
-    assert admin.flow_states(conn, "outbox") == []
+    assert operations.flow_states(conn, "outbox") == []
 
 
 def test_basic_auth_guards_pages_and_actions(migrated_dsn: str, seeded: dict[str, list[int]]) -> None:
