@@ -1,4 +1,4 @@
-"""A worker process's fenced ``done`` writes, batched (#12; River's batch completer does this).
+"""A worker process's fenced ``done`` writes, batched (River's batch completer does this).
 
 A handled unordered message's ``done`` waits up to ``done_batch_delay`` in its worker process,
 then goes out with the others of that window in one fenced statement

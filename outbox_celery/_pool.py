@@ -68,7 +68,7 @@ class IdleCheck:
 
     A connection the server closed while idle (a restart, a failover, ``pg_terminate_backend``)
     is replaced before use instead of failing the statement given to it. Checking every checkout
-    cost a round trip per statement: as much as the fenced start and ``done`` together (#12).
+    cost a round trip per statement: as much as the fenced start and ``done`` together.
     A connection returned less than ``after`` seconds ago is handed out unchecked; should the
     server have closed it meanwhile, the statement fails with ``OperationalError`` and the
     caller retries on a checked connection (``Dispatcher``'s fenced writes do, DESIGN

@@ -44,9 +44,9 @@ INBOX_INDEX_SUFFIXES = {"processed_idx": "_processed_idx"}
 
 # The table beside each outbox table that holds its identity (the idempotency keys' discriminator).
 INSTANCE_SUFFIX = "_instance"
-# The table beside each outbox table that holds its flow-control state per event type (#23).
+# The table beside each outbox table that holds its flow-control state per event type.
 FLOW_SUFFIX = "_flow"
-# The table beside each outbox table that holds pauses and holds per limit key (#23).
+# The table beside each outbox table that holds pauses and holds per limit key.
 FLOW_KEY_SUFFIX = "_flow_key"
 
 #: Rules written once for every file. Names are after the table's oid, never after user text:
@@ -134,9 +134,9 @@ def compose(text: str, table: TableName) -> sql.Composed:
         "table": table.identifier(),
         # The table's identity (migration 0006): one row beside it, named after it.
         "instance_table": table.identifier(INSTANCE_SUFFIX),
-        # Pause, RateLimited holds and rate buckets per event type (migration 0007, #23).
+        # Pause, RateLimited holds and rate buckets per event type (migration 0007).
         "flow_table": table.identifier(FLOW_SUFFIX),
-        # Pause and RateLimited holds per limit key (migration 0008, #23).
+        # Pause and RateLimited holds per limit key (migration 0008).
         "flow_key_table": table.identifier(FLOW_KEY_SUFFIX),
         "flow_key_held_idx": table.index_name(FLOW_KEY_SUFFIX + "_held_idx"),
         # The keys' RateLimited holds by their end (migration 0009).

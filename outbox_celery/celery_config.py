@@ -59,7 +59,7 @@ def _routers(routes: Any) -> tuple[Any, ...]:
 def dsn_exposed(cfg: OutboxConfig, conf: Any, *, given: Collection[str]) -> bool:
     """Whether a DSN with a password sits in the Celery configuration ``conf`` (printed by Celery).
 
-    ``outbox_dsn`` and ``outbox_listen_dsn`` both (#21).
+    ``outbox_dsn`` and ``outbox_listen_dsn`` both.
 
     :param given: the settings passed to the ``Outbox`` itself, which never enter ``conf``.
     """
@@ -135,7 +135,7 @@ def configure_app(app: Celery, cfg: OutboxConfig, *, name: str, claim_task: Task
     if cfg.configure_celery:
         apply_recommended(cfg, conf)
     # After the defaults: a broker that would redeliver a running delivery stops worker and
-    # beat here, with the reason, rather than a warning nobody reads (#21).
+    # beat here, with the reason, rather than a warning nobody reads.
     problem = redelivery_problem(cfg, conf)
     if problem:
         raise ConfigurationError(f"outbox settings: {problem}")

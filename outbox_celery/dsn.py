@@ -77,7 +77,7 @@ def error_line(exc: BaseException, dsn: str | None) -> str:
     libpq quotes the offending part of a DSN it cannot parse (an unencoded ``%`` in a
     password: ``invalid percent-encoded token: "p%zz..."``), so an unparseable ``dsn`` gives
     :func:`invalid_dsn`'s line instead (the kind of mistake, no piece of the DSN); otherwise
-    any occurrence of the password (as written or percent-encoded) is replaced by ``***`` (#21).
+    any occurrence of the password (as written or percent-encoded) is replaced by ``***``.
     """
     text = str(exc).strip()
     line = text.splitlines()[0] if text else ""

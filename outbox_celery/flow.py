@@ -1,4 +1,4 @@
-"""Flow control per event type (#23): the limits a handler declares and what a claim may take.
+"""Flow control per event type: the limits a handler declares and what a claim may take.
 
 Pure decisions, no I/O: :class:`Limit` (what ``@outbox.handler(..., concurrency=, rate=)``
 declares), :func:`parse_rate` (Celery's rate strings) and :func:`allowance` (how many rows of a

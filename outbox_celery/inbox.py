@@ -81,7 +81,7 @@ def first_time(
         ``Idempotency-Key`` header); 1-400 characters.
     :param event_type: stored with the key, for people reading the table.
     :param previous_key: the key the same message had before (``Message.legacy_idempotency_key``:
-        the sender's keys gained its table's identity in #21). Recorded too, and if it was
+        the sender's keys gained its table's identity with migration 0006). Recorded too, and if it was
         recorded already (the effect was applied under the old key) this returns ``False``.
         Pass it for as long as the sender may redeliver a message it first sent under the old
         key (see the module docstring for how long that is).

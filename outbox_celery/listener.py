@@ -1,4 +1,4 @@
-"""Push (#11): LISTEN for the producers' notifications and claim at once.
+"""Push: LISTEN for the producers' notifications and claim at once.
 
 A :class:`Listener` is a daemon thread with its own session connection. It waits on the
 table's channel (``outbox_celery_<table oid>``, signalled by :func:`~outbox_celery.enqueue` at
@@ -212,7 +212,7 @@ class Listener:
         """Wait up to ``timeout`` for a notification; drain the ones already there.
 
         True when one calls for a claim: any but a freed slot's (:data:`SLOT_FREED`), which
-        only matters while the last run left a type held back by a limit (#23); otherwise
+        only matters while the last run left a type held back by a limit; otherwise
         every finished delivery of a limit that does not bind would start a claim run.
         """
         got = list(conn.notifies(timeout=timeout, stop_after=1))
@@ -245,7 +245,7 @@ class Listener:
                 # Another process's run holds the claim lock and may have read the table before
                 # the notifying transaction committed: try again once it is done. The wait
                 # doubles up to _BUSY_RETRY[1] while runs are held off, and notifications do not
-                # cut it short (#21): under a storm of commits each one would trigger another
+                # cut it short: under a storm of commits each one would trigger another
                 # attempt at once, hundreds a second per worker, while the holder's run claims
                 # what they announce anyway. They are drained meanwhile and answered by the
                 # next attempt.
@@ -258,7 +258,7 @@ class Listener:
         due = self.store.next_due(conn, self.event_types(), within=self.poll)
         self._held = run is not None and run.flow_wait is not None
         if run is not None and run.flow_wait is not None:
-            # An event type held back by its limit or a RateLimited outcome (#23): a finished
+            # An event type held back by its limit or a RateLimited outcome: a finished
             # delivery, a refilled rate bucket or a hold's end sends no notification.
             due = run.flow_wait if due is None else min(due, run.flow_wait)
         if due is None:

@@ -31,7 +31,7 @@ class Outcome(enum.StrEnum):
     STALE = "stale"
     LOST_LEASE = "lost_lease"
     UNROUTABLE = "unroutable"
-    #: A :class:`~outbox_celery.errors.RateLimited` outcome: held with its event type (#23).
+    #: A :class:`~outbox_celery.errors.RateLimited` outcome: held with its event type.
     RATE_LIMITED = "rate_limited"
 
     @property
@@ -71,10 +71,10 @@ class Message:
     :ivar idempotency_key: stable across every redelivery of this message; send it downstream
         (an ``Idempotency-Key`` header, a message id) so the receiver can de-duplicate. It is
         ``<instance>/<schema>.<table>:<id>``: the table's identity (a UUID drawn once by
-        migration 0006, so two databases never share keys, #21), then the table as PostgreSQL
+        migration 0006, so two databases never share keys), then the table as PostgreSQL
         resolves it, e.g. ``1b4e...c2/public.outbox:42``, whether the outbox was configured as
         ``outbox`` or ``public.outbox``.
-    :ivar legacy_idempotency_key: the key releases before #21 sent for this message
+    :ivar legacy_idempotency_key: the key releases before migration 0006 sent for this message
         (``public.outbox:42``), for receivers that stored those: see
         :func:`outbox_celery.inbox.first_time`'s ``previous_key``.
     :ivar trace_context: the producer's trace context, or ``None``.
@@ -113,8 +113,8 @@ def idempotency_key(table: str, outbox_id: int, instance: str | None = None) -> 
 
     ``table`` is the schema-qualified name as PostgreSQL resolves it (``public.outbox``, see
     :meth:`~outbox_celery.store.Store.canonical_name`), so each message has exactly one key.
-    ``instance`` is the table's identity (a UUID written by migration 0006, #21):
+    ``instance`` is the table's identity (a UUID written by migration 0006):
     ``<instance>/public.outbox:42``, distinct across databases and clusters. Without it, the
-    key of releases before #21 (``public.outbox:42``).
+    key of earlier releases (``public.outbox:42``).
     """
     return f"{instance}/{table}:{outbox_id}" if instance else f"{table}:{outbox_id}"

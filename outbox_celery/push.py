@@ -1,4 +1,4 @@
-"""The Celery side of push (#11): a worker bootstep that runs the :class:`Listener`.
+"""The Celery side of push: a worker bootstep that runs the :class:`Listener`.
 
 The step starts after the worker's pool (prefork children are forked before the listener's
 thread and connection exist) and only in workers that consume the outbox's claim queue: the

@@ -58,7 +58,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The payload of a finished concurrency-limited delivery's notification (#23): a slot is free.
+#: The payload of a finished concurrency-limited delivery's notification: a slot is free.
 SLOT_FREED = "slot_freed"
 
 
@@ -244,7 +244,7 @@ class Store(ProducerWrites):
             fill=fill,
         )
 
-    # -- flow control (#23) --------------------------------------------------------------------
+    # -- flow control --------------------------------------------------------------------
 
     def flow_ready(self, conn: psycopg.Connection[Any]) -> bool:
         """Whether the flow-control tables (migrations 0007, 0008) exist; cached once they do."""
@@ -516,7 +516,7 @@ class Store(ProducerWrites):
         assert row is not None
         return str(row[3])
 
-    # -- push (#11) ----------------------------------------------------------------------------
+    # -- push ----------------------------------------------------------------------------
 
     def notify_channel(self, conn: psycopg.Connection[Any]) -> str:
         """The channel :meth:`notify` signals on (``outbox_celery_<table oid>``)."""

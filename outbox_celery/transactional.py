@@ -1,4 +1,4 @@
-"""Transactional handlers (#24, DESIGN invariant 20): effect, fenced done and follow-ups commit together.
+"""Transactional handlers (DESIGN invariant 20): effect, fenced done and follow-ups commit together.
 
 A handler registered with ``transactional=...`` receives ``(message, conn)`` and runs inside one
 transaction on the outbox's database; the dispatcher writes the fenced ``done`` as the last

@@ -77,7 +77,7 @@ def classify(exc: BaseException, attempts: int, retry: RetryPolicy) -> Verdict |
     if isinstance(exc, Defer):
         return Verdict(Outcome.DEFER, delay=exc.delay, error=exc.reason)
     if isinstance(exc, RateLimited):
-        # Before RetryableError, its base: no attempt spent, the whole event type held (#23).
+        # Before RetryableError, its base: no attempt spent, the whole event type held.
         return Verdict(Outcome.RATE_LIMITED, delay=exc.retry_after, error=exc.reason)
     if isinstance(exc, RetryableError):
         delay = exc.delay if exc.delay is not None else retry(attempts, exc)

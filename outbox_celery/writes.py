@@ -22,7 +22,7 @@ from .message import idempotency_key
 
 __all__ = ["MAX_ORDERING_KEYS", "ProducerWrites", "Statement", "WritePlan"]
 
-# Distinct ordering keys one producer call may lock (#21). Each key's lock is held to commit in
+# Distinct ordering keys one producer call may lock. Each key's lock is held to commit in
 # PostgreSQL's shared lock table, whose size is max_locks_per_transaction x (max_connections +
 # max_prepared_transactions) for the whole server (6,400 on a stock one): a bulk import of
 # 20,000 keys failed with "out of shared memory", and every other session needing a lock failed
@@ -92,7 +92,7 @@ class ProducerWrites:
     def instance(self, conn: psycopg.Connection[Any]) -> str | None:
         """The table's identity (a UUID drawn once by migration 0006), or ``None`` before it.
 
-        The discriminator of idempotency keys (#21): two databases or clusters with an outbox
+        The discriminator of idempotency keys: two databases or clusters with an outbox
         of the same name never send the same key. Read once per Store, then cached; a table not
         migrated to 0006 yet gives ``None`` (keys of the previous form, logged) until the
         process restarts.
@@ -163,14 +163,14 @@ class ProducerWrites:
         """The producer's statements for validated rows, as a plan without I/O.
 
         Refuses (:class:`~outbox_celery.errors.ProducerError`, before any statement) rows with
-        more than :data:`MAX_ORDERING_KEYS` distinct ordering keys (#21).
+        more than :data:`MAX_ORDERING_KEYS` distinct ordering keys.
 
         Yields ``(query, params)`` for the key locks (invariant 9), then the insert, then, when
         a dedup key was already taken, the lookup of the row holding it; the caller executes
         each in its transaction and sends back the rows it returned; the plan returns the ids
         in input order. One plan serves every kind of producer connection (psycopg 3 sync and
         async, psycopg2, SQLAlchemy), so locks and inserts cannot diverge. With ``notify`` the
-        insert itself signals the table's listeners (they hear it at commit, #11): no extra
+        insert itself signals the table's listeners (they hear it at commit): no extra
         statement, no extra round trip.
         """
         keys = [r["ordering_key"] for r in rows if r["ordering_key"] is not None]
@@ -204,7 +204,7 @@ class ProducerWrites:
             by_key.update({k: int(i) for i, k in found})
         if lock and len(inserted) < len(rows):
             # Some rows were dropped as duplicates: a dedup key taken before, or one shared by
-            # two rows of this batch (the later one is dropped, #21). A dropped row may have been
+            # two rows of this batch (the later one is dropped). A dropped row may have been
             # its ordering key's head candidate: hand every such key's head to its lowest
             # unfinished message, still under the key lock (a no-op where the head is right).
             # Keys whose first row in the batch carries no dedup key cannot have lost it.

@@ -421,11 +421,11 @@ GROUP BY event_type
 ORDER BY event_type;
 
 -- name: flow_exists
--- Whether the flow-control table (migration 0007, #23) is there.
+-- Whether the flow-control table (migration 0007) is there.
 SELECT to_regclass(%(flow_table)s) IS NOT NULL;
 
 -- name: flow_list
--- Event types paused or held by a RateLimited outcome (#23): what stats shows.
+-- Event types paused or held by a RateLimited outcome: what stats shows.
 SELECT event_type, paused, extract(epoch FROM paused_until - now())::float8 AS held_for
 FROM {flow_table}
 WHERE paused OR paused_until > now()
@@ -462,7 +462,7 @@ SELECT coalesce((SELECT held FROM before), false) AS was_held,
        pg_notify({notify_channel}, '') IS NULL AS woke;
 
 -- name: flow_keys_exist
--- Whether the table of holds per limit key (migration 0008, #23) is there.
+-- Whether the table of holds per limit key (migration 0008) is there.
 SELECT to_regclass(%(flow_key_table)s) IS NOT NULL;
 
 -- name: flow_key_full_at_exists

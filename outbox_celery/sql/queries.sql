@@ -20,7 +20,7 @@ VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::json,
         %(dedup_key)s, %(trace_context)s::jsonb, %(limit_key)s)
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
 RETURNING id, dedup_key,
-          -- Push (#11): wake this table's listeners at commit, only when a row was inserted.
+          -- Push: wake this table's listeners at commit, only when a row was inserted.
           {wake_listeners} AS woke;
 
 -- name: insert_many
@@ -44,7 +44,7 @@ FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_id
 ORDER BY u.n
 ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
 RETURNING id, dedup_key,
-          -- Push (#11): wake this table's listeners at commit, only when a row was inserted.
+          -- Push: wake this table's listeners at commit, only when a row was inserted.
           {wake_listeners} AS woke;
 
 -- name: dedup_ids
@@ -207,7 +207,7 @@ RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
 
 -- name: claim_expired
 -- excluded (here, in claim_pending and in claim_heads): event types this statement must not
--- take (#23, DESIGN invariants 22, 23): paused or held by a RateLimited outcome, and the
+-- take (DESIGN invariants 22, 23): paused or held by a RateLimited outcome, and the
 -- limited ones, which the claim takes by separate statements of their own (event_types = that
 -- one type, LIMIT its allowance). Empty: nothing excluded.
 -- Rows whose lease ran out with attempts left after their worker started them (it died or hung
@@ -499,7 +499,7 @@ FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
 WHERE c.oid = %(table)s::regclass;
 
 -- name: instance
--- Whether the table's identity (migration 0006, #21), the discriminator of idempotency keys, can
+-- Whether the table's identity (migration 0006), the discriminator of idempotency keys, can
 -- be read: 'missing' while the table is not migrated yet (to_regclass: no error for a missing
 -- table), 'denied' when this role may not read it (a worker role granted the outbox table only).
 SELECT CASE WHEN to_regclass(%(instance_table)s) IS NULL THEN 'missing'
@@ -514,7 +514,7 @@ SELECT instance::text FROM {instance_table};
 -- takes them): after an ordered done (the completer, in the transaction of its finish), a skip
 -- (admin), a batch insert that dropped a key's first row as a duplicate dedup key (producer),
 -- or a repair of keys an older release left without a head
--- (admin repair-heads, #21). The lowest unfinished message of each key that has no unfinished
+-- (admin repair-heads). The lowest unfinished message of each key that has no unfinished
 -- head becomes its head. A key that has one is left alone: by invariant 9 that head is its
 -- lowest unfinished message already (a processing head while a message behind it was skipped).
 -- The new head enters the heads index at the time it became claimable, never behind the claims'
@@ -541,14 +541,14 @@ SELECT {notify_channel};
 -- name: notify
 -- Wake this table's listeners (at commit; at once on an autocommit connection) on the channel
 -- of notify_channel and insert's pg_notify, with a payload saying why: a finished delivery of
--- a concurrency-limited event type freed a slot (#23; the listener answers it only while a
+-- a concurrency-limited event type freed a slot (the listener answers it only while a
 -- limit holds a type back).
 SELECT pg_notify({notify_channel}, %(payload)s);
 
 -- name: next_due
 -- Seconds (database clock) until the next row of these event types becomes claimable within
 -- the next %(within)s seconds: a delayed, backed-off or deferred pending row or ordered head
--- (#21: a message behind its key's head waits for the head, not for the clock), or a live lease
+-- (a message behind its key's head waits for the head, not for the clock), or a live lease
 -- running out. NULL when nothing comes due that soon. Each branch is one probe of a partial
 -- index ordered by that time, bounded to the window: the leases of the last lease period
 -- (finished ones too, while a pinned xmin horizon keeps their dead versions) lie between now()
@@ -571,7 +571,7 @@ SELECT extract(epoch FROM least(
 ) - now())::float8;
 
 -- name: flow_exists
--- Whether the flow-control tables (migrations 0007 and 0008, #23) are there: a claim of a table
+-- Whether the flow-control tables (migrations 0007 and 0008) are there: a claim of a table
 -- not migrated yet runs without pauses and limits (and says so in the log) instead of failing.
 SELECT to_regclass(%(flow_table)s) IS NOT NULL AND to_regclass(%(flow_key_table)s) IS NOT NULL;
 
@@ -639,7 +639,7 @@ FROM unnest(%(types)s::text[], %(tokens)s::float8[]) AS u(event_type, tokens)
 WHERE f.event_type = u.event_type;
 
 -- name: claim_expired_limited
--- claim_expired for the limited event types (#23, DESIGN invariant 22), all in one statement:
+-- claim_expired for the limited event types (DESIGN invariant 22), all in one statement:
 -- per type (types[i]), at most limits[i] rows, from that type's own scan mark (since[i]). One
 -- index read per type; the allowances were decided under the flow rows' lock. Here and in the
 -- two statements after it, the rows of a keyed type that carry a limit key are left to
@@ -699,7 +699,7 @@ WITH picked AS (
 {claim_picked};
 
 -- name: fill_due
--- Batch handlers with max_wait (#22, DESIGN invariant 21): per event type (types[i]), its due
+-- Batch handlers with max_wait (DESIGN invariant 21): per event type (types[i]), its due
 -- unordered rows counted up to limits[i] (a full batch: no need to count further), and how long
 -- (the database's clock) the oldest of them has been due. One read of the pending index per
 -- type from its scan mark (since[i], DESIGN invariant 18), stopping at limits[i] rows; a type
@@ -752,7 +752,7 @@ WHERE o.id = picked.id
 RETURNING o.id;
 
 -- name: claim_keyed
--- The rows of one keyed event type (#23, DESIGN invariant 24) that carry a limit key, round robin
+-- The rows of one keyed event type (DESIGN invariant 24) that carry a limit key, round robin
 -- between its keys: at most %(n)s rows in all, none of a key at its key_cap (live deliveries of
 -- the key counted from the key leases' index, after the flow row's lock) and none of a key paused
 -- or held (read here, after the lock).

@@ -24,7 +24,7 @@ CREATE TABLE {table} (
     head          boolean     NOT NULL DEFAULT false,
     dedup_key     text CHECK (dedup_key <> ''),
     trace_context jsonb,
-    -- The limit key given at enqueue (migration 0008, #23): limits per key within an event type.
+    -- The limit key given at enqueue (migration 0008): limits per key within an event type.
     limit_key     text CHECK (limit_key <> '')
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.01,
@@ -50,14 +50,14 @@ CREATE INDEX {keyed_idx} ON {table} (event_type, limit_key, available_at, id)
     WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head);
 CREATE INDEX {key_lease_idx} ON {table} (event_type, limit_key, lease_until)
     WHERE status = 'processing' AND limit_key IS NOT NULL;
--- The table's identity, the discriminator of idempotency keys (migration 0006, #21).
+-- The table's identity, the discriminator of idempotency keys (migration 0006).
 CREATE TABLE {instance_table} (
     singleton  boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
     instance   uuid        NOT NULL DEFAULT gen_random_uuid(),
     created_at timestamptz NOT NULL DEFAULT now()
 );
 INSERT INTO {instance_table} DEFAULT VALUES;
--- Flow control per event type: pause, RateLimited holds, rate buckets (migration 0007, #23).
+-- Flow control per event type: pause, RateLimited holds, rate buckets (migration 0007).
 CREATE TABLE {flow_table} (
     event_type   text        PRIMARY KEY CHECK (event_type <> ''),
     -- Paused by an operator (outbox-celery pause): claimed by nobody until resumed.
@@ -74,7 +74,7 @@ CREATE TABLE {flow_table} (
     -- deliveries writes the finish at once and wakes the claim (migration 0008).
     at_cap       boolean     NOT NULL DEFAULT false
 );
--- Pause, RateLimited holds and key_rate buckets per limit key (migration 0008, #23).
+-- Pause, RateLimited holds and key_rate buckets per limit key (migration 0008).
 CREATE TABLE {flow_key_table} (
     event_type   text        NOT NULL CHECK (event_type <> ''),
     limit_key    text        NOT NULL CHECK (limit_key <> ''),

@@ -279,7 +279,7 @@ class SkipForm(forms.Form):
 class OutboxMessageAdmin(_ModelAdmin):
     """List, filter and explain outbox messages; requeue or skip dead ones."""
 
-    # Sized to fit a 1,400 px window beside the filters (#26): what a dead head blocks sits under
+    # Sized to fit a 1,400 px window beside the filters: what a dead head blocks sits under
     # its status, the ordering key under the aggregate, times on two short lines, the error wraps.
     list_display = (
         "id",

@@ -54,7 +54,7 @@ def max_payload_bytes() -> int:
 def outbox_dsn(alias: str | None = None) -> str:
     """The libpq connection string of ``OUTBOX_DATABASE`` (or ``alias``), for the Celery app.
 
-    The documented way (#21)::
+    The documented way::
 
         # proj/celery.py
         outbox = Outbox(app, dsn=outbox_dsn())
@@ -71,8 +71,8 @@ def database_dsn(database: Mapping[str, Any]) -> str:
     """A libpq connection string for one entry of ``settings.DATABASES``.
 
     Prefer :func:`outbox_dsn` in the Celery app module. Assigned to a setting
-    (``CELERY_OUTBOX_DSN = database_dsn(DATABASES["default"])``, the way documented before
-    #21), a password in it is printed by ``celery report`` and Django's debug page, and the
+    (``CELERY_OUTBOX_DSN = database_dsn(DATABASES["default"])``, as earlier releases
+    documented), a password in it is printed by ``celery report`` and Django's debug page, and the
     worker warns at start-up. ``NAME``, ``USER``,
     ``PASSWORD``, ``HOST``, ``PORT`` and ``OPTIONS`` (libpq parameters such as ``sslmode``;
     Django-only keys like ``pool`` or ``isolation_level`` are left out) are used.

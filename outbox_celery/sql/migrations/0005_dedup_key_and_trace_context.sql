@@ -1,4 +1,4 @@
--- Producer dedup keys and the producer's trace context (#14).
+-- Producer dedup keys and the producer's trace context.
 -- Nullable columns without a default: added without rewriting the table.
 -- dedup_key: a second enqueue with a key already in the table inserts nothing (see
 -- docs/integrations.md); keys are free again once retention has purged their row.

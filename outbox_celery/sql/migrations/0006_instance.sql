@@ -1,4 +1,4 @@
--- The table's identity (#21): a UUID drawn once, here, and written into every idempotency key
+-- The table's identity: a UUID drawn once, here, and written into every idempotency key
 -- (<instance>/<schema>.<table>:<id>), so two databases or clusters whose outboxes share a
 -- table name never send one receiver the same key. One row per outbox table, in the table's
 -- schema, named after it. pg_dump carries it: a restored database keeps its keys.

@@ -1,4 +1,4 @@
--- Flow control per event type (#23, DESIGN invariants 22 and 23): one small row per event type
+-- Flow control per event type (DESIGN invariants 22 and 23): one small row per event type
 -- that was paused, held by a RateLimited outcome or has a rate limit, beside the outbox table
 -- and named after it. The claim reads (and locks) only the rows of the types it limits and those
 -- paused or held: never the backlog. No change to the outbox table itself.

@@ -1,4 +1,4 @@
--- Limits per key within an event type (#23, DESIGN invariant 24): the limit key a producer gives
+-- Limits per key within an event type (DESIGN invariant 24): the limit key a producer gives
 -- at enqueue (a tenant, a downstream host), counted and claimed per key.
 -- A nullable column without a default: added without rewriting the table.
 ALTER TABLE {table} ADD COLUMN limit_key text CHECK (limit_key <> '');
