@@ -305,7 +305,8 @@ def test_demo_delivers_each_event_once_in_effect_despite_redeliveries(
     # One order in 4 was shipped before it was paid: its notification was deferred (the demo pays
     # those orders once each of their order.shipped events has been deferred).
     assert counted["deferred"] >= orders // 4, counted
-    # Every process the demo started (workers per queue, beat, receiver, API) was seen and is gone.
+    # Every process the demo started (workers per queue, beat, receiver, API, the read-only
+    # console) was seen and is gone.
     assert set(summary["pids"]) == {
         "receiver",
         "api",
@@ -313,6 +314,7 @@ def test_demo_delivers_each_event_once_in_effect_despite_redeliveries(
         "worker-webhooks",
         "worker-fulfilment",
         "beat",
+        "console",
     }
     assert set(summary["pids"].values()) <= set(run.seen)
     _assert_nothing_left(run)
