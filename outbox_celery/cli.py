@@ -431,7 +431,7 @@ def _attention(
     if s.unroutable:
         items.append(f"no handler for {', '.join(map(_shown, s.unroutable))}")
     items += [_unstarted_line(e, outbox) for e in s.event_types if e.unstarted]
-    # Paused and held event types are left unclaimed on purpose (#23); stats lists them below.
+    # Paused and held event types are left unclaimed on purpose; stats lists them below.
     reported = set(s.unroutable or ()) | {f.event_type for f in s.flow}
     items += [
         _unclaimed_line(u, outbox, s.counts["processing"]) for u in unclaimed if u.event_type not in reported

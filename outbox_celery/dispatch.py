@@ -67,7 +67,7 @@ Handler = Callable[[Message], Any]
 #: A transactional handler: ``(message, conn)``, inside the transaction of its fenced done.
 TransactionalHandler = Callable[[Message, Any], Any]
 #: What a batch handler may return: ``None`` (every message delivered) or, for the messages that
-#: were not, their id -> a RetryableError, Defer or PermanentError instance (#22).
+#: were not, their id -> a RetryableError, Defer or PermanentError instance.
 BatchResult = Mapping[int, BaseException] | None
 ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
 
@@ -87,7 +87,7 @@ class HandlerSpec:
 
     :ivar transaction: set for a transactional handler (``fn`` then takes ``(message, conn)``
         and runs inside the transaction of its fenced done, DESIGN invariant 20).
-    :ivar batch: set for a batch handler (#22, DESIGN invariant 21): ``fn`` takes a list of up
+    :ivar batch: set for a batch handler (DESIGN invariant 21): ``fn`` takes a list of up
         to ``batch`` messages of this event type and returns ``None`` or a mapping from message
         id to the outcome of those that did not succeed.
     :ivar limit: the event type's global limits, enforced by the claim (docs/flow-control.md).
@@ -98,9 +98,9 @@ class HandlerSpec:
     queue: str
     transaction: TransactionKind | None = None
     batch: int | None = None
-    #: Global concurrency and rate limits of the event type (#23, DESIGN invariant 22).
+    #: Global concurrency and rate limits of the event type (DESIGN invariant 22).
     limit: Limit | None = None
-    #: Seconds a batch handler's due rows may wait for a fuller batch (#22); 0: never wait.
+    #: Seconds a batch handler's due rows may wait for a fuller batch; 0: never wait.
     max_wait: float = 0.0
 
 
@@ -167,7 +167,7 @@ class ClaimRun:
     stopped_by: StoppedBy | None = None
     errors: list[str] = field(default_factory=list)
     #: Seconds until a claim can take more of an event type a limit or a RateLimited hold kept
-    #: back (#23); ``None``: nothing was kept back. The push listener claims again then.
+    #: back; ``None``: nothing was kept back. The push listener claims again then.
     flow_wait: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -388,7 +388,7 @@ class Dispatcher(BatchDelivery):
         # versions of every lease of the last lease period, so it is not repeated per batch.
         in_flight = self.store.in_flight(conn)
         limits = {t: spec.limit for t, spec in self.handlers.items() if spec.limit is not None}
-        # Batch handlers that let a batch fill (max_wait, #22). Capped at scan_lookback: a row
+        # Batch handlers that let a batch fill (max_wait). Capped at scan_lookback: a row
         # held back longer could fall behind the scan marks (DESIGN invariant 18).
         fill = {
             t: (spec.batch, min(spec.max_wait, cfg.scan_lookback))
@@ -628,7 +628,7 @@ class Dispatcher(BatchDelivery):
         except BaseException as exc:
             if not called and isinstance(exc, Exception):
                 # The transaction could not be opened or bounded (or an ordered message met
-                # another isolation level): the library's failure, not the handler's (#21).
+                # another isolation level): the library's failure, not the handler's.
                 self._failed_before_handler(msg.id, lease_version, exc, log)
                 raise
             conflict = _transaction_conflict(exc)
@@ -710,7 +710,7 @@ class Dispatcher(BatchDelivery):
         is written at once (never held by the done batcher) and then notifies the table's
         channel with :data:`SLOT_FREED`; a push listener held back by a limit claims at once and
         hands the slot out, not ``CAP_RECHECK`` later. Below its limit the done stays batched:
-        nobody waits for the slot (#23, docs/flow-control.md).
+        nobody waits for the slot (docs/flow-control.md).
         """
         if not (self.config.listen and spec.limit is not None and _bounds_live(spec.limit)):
             return False
@@ -852,7 +852,7 @@ class Dispatcher(BatchDelivery):
         (IdleCheck). Retrying is safe: the write is fenced on the claim's ``lease_version`` and
         status, so whichever run lands first wins and a second changes nothing (DESIGN
         invariant 4); a start whose reply was lost after its commit is found again by its token
-        and counts nothing more (#21). Without the retry a finalize would be lost until the
+        and counts nothing more. Without the retry a finalize would be lost until the
         lease ends, and the message delivered again.
         """
         try:

@@ -380,7 +380,7 @@ def start_exporter(
 ) -> tuple[Any, CollectorRegistry]:
     """Serve ``/metrics`` for ``collector`` on ``addr:port`` from a daemon thread.
 
-    ``addr`` defaults to the loopback interface (#21): the page has no authentication and
+    ``addr`` defaults to the loopback interface: the page has no authentication and
     names event types and depths. Pass ``"0.0.0.0"`` (or one interface's address) to let a
     Prometheus on another host scrape it, behind a firewall or a network policy.
 
@@ -454,7 +454,7 @@ def track_deliveries(
             outcome = str(retval) if state == "SUCCESS" else "error"
             counter.labels(*labels, outcome).inc()
         elif state == "SUCCESS" and isinstance(retval, Mapping):
-            # A batch task (#22) returns how many of its rows ended in each outcome.
+            # A batch task returns how many of its rows ended in each outcome.
             for outcome, n in retval.items():
                 counter.labels(*labels, str(outcome)).inc(int(n))
         else:

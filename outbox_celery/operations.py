@@ -174,9 +174,9 @@ class EventTypeStats:
     has_handler: bool | None = None
     unstarted: int = 0
     unstarted_claims: int = 0
-    #: Paused by an operator (``outbox-celery pause``): claimed by nobody (#23).
+    #: Paused by an operator (``outbox-celery pause``): claimed by nobody.
     paused: bool = False
-    #: Seconds a RateLimited outcome still holds it back (``None``: not held) (#23).
+    #: Seconds a RateLimited outcome still holds it back (``None``: not held).
     held_for: float | None = None
 
 
@@ -256,7 +256,7 @@ def horizon(conn: psycopg.Connection[Any], table: str | TableName = "outbox") ->
 
 @dataclass(frozen=True, slots=True)
 class FlowState:
-    """An event type the claims hold back (#23, DESIGN invariant 23).
+    """An event type the claims hold back (DESIGN invariant 23).
 
     :ivar paused: paused by an operator (:func:`pause`) until :func:`resume`.
     :ivar held_for: seconds a :class:`~outbox_celery.errors.RateLimited` outcome still holds it
@@ -293,7 +293,7 @@ def _event_type(event_type: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class KeyFlowState:
-    """A limit key the claims hold back (#23, DESIGN invariant 24).
+    """A limit key the claims hold back (DESIGN invariant 24).
 
     :ivar paused: paused by an operator (:func:`pause` with ``limit_key``) until resumed.
     :ivar held_for: seconds a :class:`~outbox_celery.errors.RateLimited` outcome of one of its
@@ -425,7 +425,7 @@ class Stats:
     horizon: Horizon | None = None
     headless_keys: int = 0
     #: Event types paused or held by a RateLimited outcome, whether or not they have live
-    #: messages (#23); empty before migration 0007.
+    #: messages; empty before migration 0007.
     flow: list[FlowState] = field(default_factory=list)
     #: Limit keys paused or held by a RateLimited outcome (DESIGN invariant 24); empty before
     #: migration 0008.
@@ -491,7 +491,7 @@ def stats(
         if timeout is not None:
             # Local to the transaction, and a savepoint (a caller's transaction: Django's
             # changelist under ATOMIC_REQUESTS) does not undo it: the caller's own value comes
-            # back after the query (#21). A failed query rolls the savepoint, and it, back.
+            # back after the query. A failed query rolls the savepoint, and it, back.
             previous = cur.execute(
                 "SELECT current_setting('statement_timeout') AS previous,"
                 " set_config('statement_timeout', %s, true)",
@@ -841,7 +841,7 @@ def repair_heads(
 ) -> list[str]:
     """Give every ordering key without a head its head back; return the keys mended.
 
-    A key whose unfinished messages carry no ``head`` flag is never claimed (#21): a producer
+    A key whose unfinished messages carry no ``head`` flag is never claimed: a producer
     or worker of a release before migration 0004, still running after it, leaves such keys.
     Each batch of at most ``batch_size`` keys is its own transaction that takes the keys'
     producer locks (sorted, as producers do) and flags the lowest unfinished message of each key

@@ -143,7 +143,7 @@ class TaskPublisher:
                         c = unit[0]
                         spec = self._handlers.get(c.event_type)
                         if spec is not None and spec.batch is not None:
-                            # One task for the group (#22): its size shows in the task's name.
+                            # One task for the group: its size shows in the task's name.
                             self._deliver_batch.apply_async(
                                 ([u.id for u in unit], [u.lease_version for u in unit]),
                                 task_id=self.batch_task_id(unit),

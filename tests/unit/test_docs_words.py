@@ -43,3 +43,17 @@ def test_the_docs_prose_names_no_tracker_number() -> None:
         if TRACKER.search(line) and not (path.name == "design.md" and INVARIANT_ROW.match(line))
     ]
     assert found == []
+
+
+def test_the_package_names_no_tracker_number() -> None:
+    """Comments and docstrings say what is and name invariants; history (``#21``) is the CHANGELOG's."""
+    package = Path(__file__).resolve().parents[2] / "outbox_celery"
+    tracker = re.compile(r"(?<![\w&/#])#\d{1,3}\b")
+    found = [
+        f"{path.relative_to(package.parent)}:{n}: {line.strip()}"
+        for path in sorted(package.rglob("*"))
+        if path.suffix in {".py", ".sql", ".html"}
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if tracker.search(line)
+    ]
+    assert found == []
