@@ -160,115 +160,179 @@ def create_app(
         raise ValueError(f"console database names must be distinct, got {names}")
     if actions and token is None and basic_auth is None and authorize is None:
         raise ValueError("actions need authentication: give token=, basic_auth= or authorize=")
-    key = secret or secrets.token_bytes(32)
-    env = _environment()
-    pools = _Pools(databases)
-    by_name = {d.name: d for d in databases}
-    secrets_to_hide = [s for s in (password(d.dsn) for d in databases) if s]
-    flower = flower_url.rstrip("/") if flower_url else None
+    access = _Access(secret or secrets.token_bytes(32), actions, token, basic_auth, authorize)
+    pages = _Pages(databases, access, flower_url, cap, minute_cap)
 
-    def sign(value: str) -> str:
-        return hmac.new(key, value.encode(), hashlib.sha256).hexdigest()
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        pages.pools.close()
 
-    def authenticated(request: Request) -> bool:
-        if authorize is not None and not authorize(request):
+    app = Starlette(routes=pages.routes(), lifespan=lifespan)
+    app.state.pools = pages.pools
+    return app
+
+
+class _Access:
+    """Who may see and act: the host's check, basic auth, the token, and every POST's CSRF."""
+
+    def __init__(
+        self,
+        key: bytes,
+        actions: bool,
+        token: str | None,
+        basic_auth: tuple[str, str] | None,
+        authorize: Callable[[Request], bool] | None,
+    ) -> None:
+        self._key = key
+        self.actions = actions
+        self.token = token
+        self._basic_auth = basic_auth
+        self._authorize = authorize
+
+    def sign(self, value: str) -> str:
+        return hmac.new(self._key, value.encode(), hashlib.sha256).hexdigest()
+
+    def _basic_ok(self, header: str) -> bool:
+        assert self._basic_auth is not None
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() != "basic":
+            return False
+        try:
+            user, _, pw = base64.b64decode(value, validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        ok_user = hmac.compare_digest(user.encode(), self._basic_auth[0].encode())
+        ok_pw = hmac.compare_digest(pw.encode(), self._basic_auth[1].encode())
+        return ok_user and ok_pw
+
+    def authenticated(self, request: Request) -> bool:
+        if self._authorize is not None and not self._authorize(request):
             return False
         header = request.headers.get("authorization", "")
-        if basic_auth is not None:
+        if self._basic_auth is not None and not self._basic_ok(header):
+            return False
+        if self.token is not None:
             scheme, _, value = header.partition(" ")
-            if scheme.lower() != "basic":
-                return False
-            try:
-                user, _, pw = base64.b64decode(value, validate=True).decode().partition(":")
-            except (binascii.Error, UnicodeDecodeError):
-                return False
-            ok_user = hmac.compare_digest(user.encode(), basic_auth[0].encode())
-            ok_pw = hmac.compare_digest(pw.encode(), basic_auth[1].encode())
-            if not (ok_user and ok_pw):
-                return False
-        if token is not None:
-            scheme, _, value = header.partition(" ")
-            if scheme.lower() == "bearer" and hmac.compare_digest(value.encode(), token.encode()):
+            if scheme.lower() == "bearer" and hmac.compare_digest(value.encode(), self.token.encode()):
                 return True
             cookie = request.cookies.get(AUTH_COOKIE, "")
-            return hmac.compare_digest(cookie.encode(), sign("auth:" + token).encode())
+            return hmac.compare_digest(cookie.encode(), self.sign("auth:" + self.token).encode())
         return True
 
-    def refuse_unauthenticated(request: Request) -> None:
-        if authenticated(request):
+    def refuse_unauthenticated(self, request: Request) -> None:
+        if self.authenticated(request):
             return
-        if basic_auth is not None:
+        if self._basic_auth is not None:
             raise _RefusedError(
                 401, "authentication required", {"WWW-Authenticate": 'Basic realm="outbox console"'}
             )
         raise _RefusedError(401, "authentication required: sign in with the console's token")
 
+    @staticmethod
     def csrf_cookie(request: Request) -> str:
         value = request.cookies.get(CSRF_COOKIE, "")
         return value if len(value) == 32 and all(c in "0123456789abcdef" for c in value) else ""
 
-    async def check_post(request: Request, *, login: bool = False) -> dict[str, str]:
+    async def check_post(self, request: Request, *, login: bool = False) -> dict[str, str]:
         """Every refusal of a POST, before anything runs: actions off, no auth, bad CSRF."""
-        if not login and not actions:
+        if not login and not self.actions:
             raise _RefusedError(
                 403, "actions are disabled: this console is read-only (start it with --actions)"
             )
         if not login:
-            refuse_unauthenticated(request)
+            self.refuse_unauthenticated(request)
         origin = request.headers.get("origin")
         # The host only: behind a proxy that ends TLS the scheme seen here may be http.
         if origin is not None and urlsplit(origin).netloc != request.headers.get("host", ""):
             raise _RefusedError(403, "cross-origin request refused")
         form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
-        cookie = csrf_cookie(request)
+        cookie = self.csrf_cookie(request)
         given = form.get("csrf", "")
-        if not cookie or not hmac.compare_digest(given.encode(), sign("csrf:" + cookie).encode()):
+        if not cookie or not hmac.compare_digest(given.encode(), self.sign("csrf:" + cookie).encode()):
             raise _RefusedError(403, "invalid or missing CSRF token: reload the page and try again")
         return form
 
-    def scrub(text: str) -> str:
-        for s in secrets_to_hide:
+
+class _Pages:
+    """The console's pages over its databases: each reads through :mod:`console`, acts through
+    :mod:`operations`, and turns every refusal into an error page."""
+
+    def __init__(
+        self,
+        databases: Sequence[Database],
+        access: _Access,
+        flower_url: str | None,
+        cap: int,
+        minute_cap: int,
+    ) -> None:
+        self.databases = databases
+        self.access = access
+        self.cap = cap
+        self.minute_cap = minute_cap
+        self.env = _environment()
+        self.pools = _Pools(databases)
+        self.by_name = {d.name: d for d in databases}
+        self.secrets_to_hide = [s for s in (password(d.dsn) for d in databases) if s]
+        self.flower = flower_url.rstrip("/") if flower_url else None
+
+    def routes(self) -> list[Route]:
+        page = self.page
+        return [
+            Route("/", page(self.overview)),
+            Route("/login", page(self.login, public=True), methods=["GET", "POST"]),
+            Route("/db/{db}/dead", page(self.dead)),
+            Route("/db/{db}/dead/confirm", page(self.confirm)),
+            Route("/db/{db}/dead/bulk", page(self.bulk), methods=["POST"]),
+            Route("/db/{db}/message/{id}", page(self.message)),
+            Route("/db/{db}/message/{id}/{action}", page(self.message_action), methods=["POST"]),
+            Route("/db/{db}/flow", page(self.flow)),
+            Route("/db/{db}/flow/{action}", page(self.flow_action), methods=["POST"]),
+        ]
+
+    def scrub(self, text: str) -> str:
+        for s in self.secrets_to_hide:
             text = text.replace(s, "***")
         return text
 
-    def database(request: Request) -> Database:
-        db = by_name.get(request.path_params.get("db", ""))
+    def database(self, request: Request) -> Database:
+        db = self.by_name.get(request.path_params.get("db", ""))
         if db is None:
             raise _RefusedError(404, "no such database")
         return db
 
-    async def run(db: Database, fn: Callable[[psycopg.Connection[Any]], Any]) -> Any:
+    async def run(self, db: Database, fn: Callable[[psycopg.Connection[Any]], Any]) -> Any:
         def call() -> Any:
-            with pools.get(db.name).connection() as conn:
+            with self.pools.get(db.name).connection() as conn:
                 return fn(conn)
 
         try:
             return await run_in_threadpool(call)
         except AdminError as exc:
-            raise _RefusedError(409, scrub(first_line(exc))) from None
+            raise _RefusedError(409, self.scrub(first_line(exc))) from None
         except Exception as exc:
             # The driver's text may name hosts or users: the page says only which database and
             # what kind of failure; the log keeps the detail, password masked.
-            logger.warning("console: database %s: %s", db.name, scrub(first_line(exc)))
+            logger.warning("console: database %s: %s", db.name, self.scrub(first_line(exc)))
             raise _RefusedError(503, f"database {db.name!r} is unavailable ({type(exc).__name__})") from None
 
-    def render(request: Request, template: str, status: int = 200, **context: Any) -> Response:
-        cookie = csrf_cookie(request)
+    def render(self, request: Request, template: str, status: int = 200, **context: Any) -> Response:
+        cookie = self.access.csrf_cookie(request)
         new_cookie = not cookie
         if new_cookie:
             cookie = secrets.token_hex(16)
         nonce = secrets.token_urlsafe(12)
         root = request.scope.get("root_path", "")
-        html = env.get_template(template).render(
+        html = self.env.get_template(template).render(
             request=request,
             root=root,
-            databases=databases,
-            actions=actions,
-            csrf=sign("csrf:" + cookie),
+            databases=self.databases,
+            actions=self.access.actions,
+            csrf=self.access.sign("csrf:" + cookie),
             nonce=nonce,
-            flower=flower,
+            flower=self.flower,
             refresh=REFRESH_SECONDS,
-            login=token is not None,
+            login=self.access.token is not None,
             **context,
         )
         response = HTMLResponse(html, status_code=status)
@@ -285,15 +349,15 @@ def create_app(
         return response
 
     def page(
-        handler: Callable[[Request], Awaitable[Response]], *, public: bool = False
+        self, handler: Callable[[Request], Awaitable[Response]], *, public: bool = False
     ) -> Callable[[Request], Awaitable[Response]]:
         async def wrapped(request: Request) -> Response:
             try:
                 if not public and request.method == "GET":
-                    refuse_unauthenticated(request)
+                    self.access.refuse_unauthenticated(request)
                 return await handler(request)
             except _RefusedError as exc:
-                response = render(request, "error.html", status=exc.status, message=exc.message)
+                response = self.render(request, "error.html", status=exc.status, message=exc.message)
                 response.headers.update(exc.headers)
                 return response
 
@@ -301,54 +365,29 @@ def create_app(
 
     # -- pages --------------------------------------------------------------------------------
 
-    async def overview(request: Request) -> Response:
+    async def overview(self, request: Request) -> Response:
         panels = []
-        for db in databases:
+        for db in self.databases:
 
             def read(conn: psycopg.Connection[Any], db: Database = db) -> dict[str, Any]:
                 return {
-                    "overview": console.overview(conn, db.table, cap=cap),
-                    "minutes": console.minutes(conn, db.table, minute_cap=minute_cap),
+                    "overview": console.overview(conn, db.table, cap=self.cap),
+                    "minutes": console.minutes(conn, db.table, minute_cap=self.minute_cap),
                 }
 
             try:
-                panels.append({"db": db, "error": None, **(await run(db, read))})
+                panels.append({"db": db, "error": None, **(await self.run(db, read))})
             except _RefusedError as exc:
                 panels.append({"db": db, "error": exc.message})
         for p in panels:
             if p["error"] is None:
                 p["chart"] = _chart(p["minutes"])
         template = "overview_live.html" if request.query_params.get("partial") else "overview.html"
-        return render(request, template, panels=panels)
+        return self.render(request, template, panels=panels)
 
-    def dead_query(params: Mapping[str, str], *, upto: bool = False) -> console.DeadQuery:
-        def text(name: str) -> str | None:
-            value = params.get(name, "").strip()
-            if "\x00" in value:
-                raise _RefusedError(400, f"invalid {name} filter")
-            return value or None
-
-        bound = None
-        if upto:
-            try:
-                bound = int(params.get("upto", ""))
-            except ValueError:
-                raise _RefusedError(400, "a bulk action needs the count it confirmed (upto)") from None
-        return console.DeadQuery(
-            event_type=text("event_type"),
-            key=text("key"),
-            error=text("error"),
-            payload=text("payload"),
-            upto=bound,
-        )
-
-    def filter_qs(q: console.DeadQuery) -> str:
-        pairs = {"event_type": q.event_type, "key": q.key, "error": q.error, "payload": q.payload}
-        return urlencode({k: v for k, v in pairs.items() if v})
-
-    async def dead(request: Request) -> Response:
-        db = database(request)
-        q = dead_query(request.query_params)
+    async def dead(self, request: Request) -> Response:
+        db = self.database(request)
+        q = _dead_query(request.query_params)
         try:
             after = max(0, int(request.query_params.get("after", "0")))
         except ValueError:
@@ -359,41 +398,43 @@ def create_app(
                 conn, db.table, q
             )
 
-        rows, (count, upto) = await run(db, read)
-        return render(request, "dead.html", db=db, q=q, rows=rows, count=count, upto=upto, qs=filter_qs(q))
+        rows, (count, upto) = await self.run(db, read)
+        return self.render(
+            request, "dead.html", db=db, q=q, rows=rows, count=count, upto=upto, qs=_filter_qs(q)
+        )
 
-    async def confirm(request: Request) -> Response:
-        db = database(request)
+    async def confirm(self, request: Request) -> Response:
+        db = self.database(request)
         action = request.query_params.get("action", "")
         if action not in ("requeue", "skip"):
             raise _RefusedError(400, "unknown action")
-        q = dead_query(request.query_params)
-        count, upto = await run(db, lambda conn: console.count_dead(conn, db.table, q))
-        return render(
-            request, "confirm.html", db=db, q=q, action=action, count=count, upto=upto, qs=filter_qs(q)
+        q = _dead_query(request.query_params)
+        count, upto = await self.run(db, lambda conn: console.count_dead(conn, db.table, q))
+        return self.render(
+            request, "confirm.html", db=db, q=q, action=action, count=count, upto=upto, qs=_filter_qs(q)
         )
 
-    async def bulk(request: Request) -> Response:
-        db = database(request)
-        form = await check_post(request)
+    async def bulk(self, request: Request) -> Response:
+        db = self.database(request)
+        form = await self.access.check_post(request)
         action = form.get("action", "")
         if action not in ("requeue", "skip"):
             raise _RefusedError(400, "unknown action")
-        q = dead_query(form, upto=True)
+        q = _dead_query(form, upto=True)
         reason = form.get("reason", "").strip() or f"{action} from the console"
-        result = await run(
+        result = await self.run(
             db, lambda conn: console.bulk_dead(conn, db.table, q, action=action, reason=reason)
         )
-        return render(request, "done.html", db=db, action=action, result=result, qs=filter_qs(q))
+        return self.render(request, "done.html", db=db, action=action, result=result, qs=_filter_qs(q))
 
-    async def message(request: Request) -> Response:
-        db = database(request)
+    async def message(self, request: Request) -> Response:
+        db = self.database(request)
         outbox_id = _positive(request.path_params["id"])
-        row = await run(db, lambda conn: operations.get_message(conn, db.table, outbox_id))
+        row = await self.run(db, lambda conn: operations.get_message(conn, db.table, outbox_id))
         if row is None:
             raise _RefusedError(404, f"no message {outbox_id}")
         tasks = console.task_ids(db.table, outbox_id, int(row["lease_version"]))
-        return render(
+        return self.render(
             request,
             "message.html",
             db=db,
@@ -403,83 +444,94 @@ def create_app(
             skipped=operations.was_skipped(row["status"], row["last_error"]),
         )
 
-    async def message_action(request: Request) -> Response:
-        db = database(request)
-        form = await check_post(request)
+    async def message_action(self, request: Request) -> Response:
+        db = self.database(request)
+        form = await self.access.check_post(request)
         outbox_id = _positive(request.path_params["id"])
         action = request.path_params["action"]
         reason = form.get("reason", "").strip() or f"{action} from the console"
         if action == "requeue":
-            await run(db, lambda conn: operations.requeue(conn, db.table, [outbox_id], reason=reason))
+            await self.run(db, lambda conn: operations.requeue(conn, db.table, [outbox_id], reason=reason))
         elif action == "skip":
-            await run(db, lambda conn: operations.skip(conn, db.table, [outbox_id], reason=reason))
+            await self.run(db, lambda conn: operations.skip(conn, db.table, [outbox_id], reason=reason))
         else:
             raise _RefusedError(404, "unknown action")
         return RedirectResponse(f"{request.scope.get('root_path', '')}/db/{db.name}/message/{outbox_id}", 303)
 
-    async def flow(request: Request) -> Response:
-        db = database(request)
+    async def flow(self, request: Request) -> Response:
+        db = self.database(request)
 
         def read(conn: psycopg.Connection[Any]) -> console.Overview:
-            return console.overview(conn, db.table, cap=cap)
+            return console.overview(conn, db.table, cap=self.cap)
 
-        ov = await run(db, read)
+        ov = await self.run(db, read)
         types = sorted(
             {e.event_type for e in ov.event_types} | {p.event_type for p in ov.paused} | set(db.limits)
         )
         use = {e.event_type: e.in_flight for e in ov.event_types}
         held = {p.event_type: p for p in ov.paused}
-        return render(request, "flow.html", db=db, ov=ov, types=types, use=use, held=held, limits=db.limits)
+        return self.render(
+            request, "flow.html", db=db, ov=ov, types=types, use=use, held=held, limits=db.limits
+        )
 
-    async def flow_action(request: Request) -> Response:
-        db = database(request)
-        form = await check_post(request)
+    async def flow_action(self, request: Request) -> Response:
+        db = self.database(request)
+        form = await self.access.check_post(request)
         action = request.path_params["action"]
         event_type = form.get("event_type", "").strip()
         limit_key = form.get("limit_key", "").strip() or None
         if action == "pause":
-            await run(db, lambda conn: operations.pause(conn, db.table, event_type, limit_key=limit_key))
+            await self.run(db, lambda conn: operations.pause(conn, db.table, event_type, limit_key=limit_key))
         elif action == "resume":
-            await run(db, lambda conn: operations.resume(conn, db.table, event_type, limit_key=limit_key))
+            await self.run(
+                db, lambda conn: operations.resume(conn, db.table, event_type, limit_key=limit_key)
+            )
         else:
             raise _RefusedError(404, "unknown action")
         return RedirectResponse(f"{request.scope.get('root_path', '')}/db/{db.name}/flow", 303)
 
-    async def login(request: Request) -> Response:
+    async def login(self, request: Request) -> Response:
+        token = self.access.token
         if token is None:
             raise _RefusedError(404, "this console has no token sign-in")
         if request.method == "GET":
-            return render(request, "login.html")
-        form = await check_post(request, login=True)
+            return self.render(request, "login.html")
+        form = await self.access.check_post(request, login=True)
         if not hmac.compare_digest(form.get("token", "").encode(), token.encode()):
             raise _RefusedError(401, "wrong token")
         root = request.scope.get("root_path", "")
         response = RedirectResponse(f"{root}/", 303)
         response.set_cookie(
-            AUTH_COOKIE, sign("auth:" + token), httponly=True, samesite="strict", path=root or "/"
+            AUTH_COOKIE, self.access.sign("auth:" + token), httponly=True, samesite="strict", path=root or "/"
         )
         return response
 
-    routes = [
-        Route("/", page(overview)),
-        Route("/login", page(login, public=True), methods=["GET", "POST"]),
-        Route("/db/{db}/dead", page(dead)),
-        Route("/db/{db}/dead/confirm", page(confirm)),
-        Route("/db/{db}/dead/bulk", page(bulk), methods=["POST"]),
-        Route("/db/{db}/message/{id}", page(message)),
-        Route("/db/{db}/message/{id}/{action}", page(message_action), methods=["POST"]),
-        Route("/db/{db}/flow", page(flow)),
-        Route("/db/{db}/flow/{action}", page(flow_action), methods=["POST"]),
-    ]
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        pools.close()
+def _dead_query(params: Mapping[str, str], *, upto: bool = False) -> console.DeadQuery:
+    def text(name: str) -> str | None:
+        value = params.get(name, "").strip()
+        if "\x00" in value:
+            raise _RefusedError(400, f"invalid {name} filter")
+        return value or None
 
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.pools = pools
-    return app
+    bound = None
+    if upto:
+        try:
+            bound = int(params.get("upto", ""))
+        except ValueError:
+            raise _RefusedError(400, "a bulk action needs the count it confirmed (upto)") from None
+    return console.DeadQuery(
+        event_type=text("event_type"),
+        key=text("key"),
+        error=text("error"),
+        payload=text("payload"),
+        upto=bound,
+    )
+
+
+def _filter_qs(q: console.DeadQuery) -> str:
+    pairs = {"event_type": q.event_type, "key": q.key, "error": q.error, "payload": q.payload}
+    return urlencode({k: v for k, v in pairs.items() if v})
 
 
 def _positive(text: str) -> int:
