@@ -101,32 +101,40 @@ def check_worker_settings(
             f"{DSN_ENV} in the environment, pass Outbox(app, dsn=...), or keep the password in "
             "PGPASSWORD or a passfile"
         )
-    kind = (pool or "").split(":", 1)[0].rsplit(".", 1)[-1].lower()
     delivers = queues is None or bool(set(queues) & set(delivery_queues))
-    if delivers and kind in _POOLS_WITHOUT_TIME_LIMITS:
+    if delivers:
+        problems += _pool_problems(cfg, conf, pool, concurrency)
+    for p in problems:
+        logger.warning("outbox settings: %s", p)
+    return problems
+
+
+def _pool_problems(cfg: OutboxConfig, conf: Any, pool: str | None, concurrency: int | None) -> list[str]:
+    """What a worker that consumes a delivery queue should not run with: its pool's kind."""
+    problems = []
+    kind = (pool or "").split(":", 1)[0].rsplit(".", 1)[-1].lower()
+    if kind in _POOLS_WITHOUT_TIME_LIMITS:
         problems.append(
             f"the {kind} pool does not enforce task time limits: a handler may outlive its "
             f"lease ({cfg.lease}s), be delivered again elsewhere, and its own finalize is then "
             "fenced off (lost lease); keep handlers well below the lease or extend it"
         )
-    if delivers and kind == "solo" and str(conf.broker_url or "").startswith(("amqp", "pyamqp")):
+    if kind == "solo" and str(conf.broker_url or "").startswith(("amqp", "pyamqp")):
         problems.append(
             "the solo pool on RabbitMQ can sit idle for seconds between late-acked messages "
             "(seen with Celery 5.7), so deliveries may expire before they start; use prefork "
             "for delivery queues (a solo worker on the claim queue alone is fine)"
         )
-    if delivers and kind == "solo" and concurrency and concurrency > 1:
+    if kind == "solo" and concurrency and concurrency > 1:
         problems.append(
             f"the solo pool runs one task at a time but prefetches concurrency ({concurrency}) "
             "x worker_prefetch_multiplier messages: deliveries wait behind the running one "
             "while their leases run (and RabbitMQ hands them to this worker, not an idle "
             "one); start it with -c 1"
         )
-    if delivers and kind in _POOLS_SHARING_ONE_PROCESS and concurrency and concurrency > cfg.pool_max_size:
+    if kind in _POOLS_SHARING_ONE_PROCESS and concurrency and concurrency > cfg.pool_max_size:
         problems.append(
             f"pool_max_size={cfg.pool_max_size} is below the {kind} pool's concurrency "
             f"({concurrency}): its tasks share one connection pool and would wait for it"
         )
-    for p in problems:
-        logger.warning("outbox settings: %s", p)
     return problems
