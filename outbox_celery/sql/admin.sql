@@ -284,8 +284,9 @@ RETURNING o.id;
 -- Before a skip: the producers' key locks (queries.sql lock_keys) of every ordered message among
 -- the ids, in sorted order, so the head moved by settle_heads sees every message of those keys
 -- committed so far and no producer commits one until the skip does (DESIGN invariant 9).
+-- A subscription's stored key takes its producer's key lock (the part before chr(31)).
 SELECT count({key_lock})
-FROM (SELECT DISTINCT ordering_key AS k FROM {table}
+FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
       WHERE id = ANY(%(ids)s::bigint[]) AND ordering_key IS NOT NULL
       ORDER BY 1) AS sorted_keys;
 
@@ -313,14 +314,19 @@ SELECT now() - make_interval(secs => %(older_than)s::float8);
 SELECT count(*) FROM {table} WHERE status = 'done' AND done_at < %(cutoff)s;
 
 -- name: purge_batch
--- One short transaction per batch: locks at most "limit" rows, for milliseconds.
+-- One short transaction per batch: locks at most "limit" rows, for milliseconds. A row whose
+-- payload other subscriptions' rows read (payload_of, DESIGN invariant 28) stays while one of
+-- them is not itself purgeable (done before the cutoff): no delivery ever loses its payload.
 DELETE FROM {table}
 WHERE id IN (
-    SELECT id FROM {table}
-    WHERE status = 'done' AND done_at < %(cutoff)s
-    ORDER BY done_at
+    SELECT o.id FROM {table} AS o
+    WHERE o.status = 'done' AND o.done_at < %(cutoff)s
+      AND NOT EXISTS (SELECT 1 FROM {table} AS r
+                      WHERE r.payload_of = o.id
+                        AND NOT (r.status = 'done' AND r.done_at < %(cutoff)s))
+    ORDER BY o.done_at
     LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF o SKIP LOCKED
 );
 
 -- name: flow_keys_prune
