@@ -161,12 +161,13 @@ def subscription_route(event_type: str, name: str | None) -> str:
             f"event_type {event_type!r} contains {ROUTE_SEPARATOR!r}, which separates an event type "
             "from a subscription's name: give the subscription's name as name="
         )
-    if name is not None:
-        if not isinstance(name, str) or not name.strip() or ROUTE_SEPARATOR in name or len(name) > 200:
-            raise ConfigurationError(
-                f"a subscription's name must be a non-empty string of at most 200 characters "
-                f"without {ROUTE_SEPARATOR!r}, not {name!r}"
-            )
+    if name is not None and (
+        not isinstance(name, str) or not name.strip() or ROUTE_SEPARATOR in name or len(name) > 200
+    ):
+        raise ConfigurationError(
+            f"a subscription's name must be a non-empty string of at most 200 characters "
+            f"without {ROUTE_SEPARATOR!r}, not {name!r}"
+        )
     return route(event_type, name)
 
 
