@@ -6,6 +6,7 @@ purge keep every delivery's payload.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Any
 
@@ -215,3 +216,39 @@ def test_invariant_28_routes_are_refused_where_a_fact_is_expected(
     t = TableName.parse(table).identifier(subscriptions._sql.SUBSCRIPTION_SUFFIX)
     with pytest.raises(psycopg.errors.CheckViolation):
         conn.execute(sql.SQL("INSERT INTO {} (event_type, name) VALUES ('a', 'b@c')").format(t))
+
+
+def test_invariant_28_the_cli_lists_adds_replays_and_removes_subscriptions(
+    conn: psycopg.Connection[Any], table: str, migrated_dsn: str
+) -> None:
+    from click.testing import CliRunner
+
+    from outbox_celery.cli import cli
+
+    runner = CliRunner()
+    base = ["--dsn", migrated_dsn, "--table", table]
+
+    def run(*args: str) -> str:
+        result = runner.invoke(cli, ["subscriptions", *args, *base], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert run("list") == "no subscriptions\n"
+    assert run("add", "order.paid", "receipt") == "subscription order.paid@receipt added\n"
+    with conn.transaction():
+        enqueue(conn, payload=1, table=table, **PAID)
+    assert "; 1 event(s) replayed" in run("add", "order.paid", "search", "--replay-since", "1h")
+    listed = json.loads(run("list", "--json"))
+    assert [(s["route"], s["pending"], s["removed_at"]) for s in listed] == [
+        ("order.paid@receipt", 1, None),
+        ("order.paid@search", 1, None),
+    ]
+    assert "removed: new events no longer go to it" in run("remove", "order.paid", "search")
+    assert "not a live subscription" in run("remove", "order.paid", "search")
+    text = run("list")
+    assert "order.paid@search" in text and "removed" in text
+    bad = runner.invoke(cli, ["subscriptions", "add", "order.paid", "a@b", *base])
+    assert bad.exit_code == 1 and "without '@'" in bad.output
+    # stats speaks per route.
+    stats_text = runner.invoke(cli, ["stats", *base], catch_exceptions=False).output
+    assert "order.paid@receipt" in stats_text and "order.paid@search" in stats_text
