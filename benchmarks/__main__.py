@@ -50,6 +50,10 @@ Sections (``--only`` picks some):
   deployments, alternated ``--repeat`` times per broker; same handler, worker flags and producer
   transactions of ``--producer-batch``.
 
+* ``subscriptions`` (opt-in, DESIGN invariant 28): ``python -m benchmarks.subscriptions``: the
+  producer's transaction of one event with 1, 3 and 10 subscriptions beside the insert before
+  subscriptions (one event, one handler), interleaved; median, p90, table and WAL bytes per event.
+
 Results are printed as tables and written as JSON to ``benchmarks/results/``.
 """
 
@@ -117,6 +121,7 @@ SECTIONS = (
     "batch",
     "flow",
     "flow-bounds",
+    "subscriptions",
 )
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 # The end-to-end deployments: a solo claim worker beside the delivery worker, and the README's
@@ -383,6 +388,14 @@ class Bench:
             "runs_per_second": now,
             "runs_per_second_50ms": before,
         }
+
+    def subscriptions(self) -> None:
+        """The producer's cost of subscriptions (DESIGN invariant 28): benchmarks/subscriptions.py."""
+        from .subscriptions import producer_cost, report
+
+        cost = producer_cost(self.svc.dsn)
+        report(cost, self.report, server="the benchmark's server")
+        self.results["subscriptions"] = {str(n): r for n, r in cost.items()}
 
     def _outbox(self, broker_url: str, n: int, **kw: Any) -> PipelineResult:
         a = self.args
@@ -1524,6 +1537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "batch": bench.batch,
             "flow": bench.flow,
             "flow-bounds": bench.flow_bounds,
+            "subscriptions": bench.subscriptions,
         }
         failures = 0
         try:

@@ -413,7 +413,7 @@ unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[], %(outcomes)s::text[], %(
 -- The payloads start left out of its result (beyond its byte budget), one bounded chunk of ids
 -- at a time. A payload never changes after the insert: read without a fence.
 -- A subscription's row reads its owner's payload (payload_of, DESIGN invariant 28).
-SELECT o.id, coalesce(o.payload, w.payload)
+SELECT o.id, coalesce(o.payload, w.payload) AS payload
 FROM {table} AS o LEFT JOIN {table} AS w ON w.id = o.payload_of
 WHERE o.id = ANY(%(ids)s::bigint[]) ORDER BY o.id;
 

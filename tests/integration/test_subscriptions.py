@@ -252,3 +252,46 @@ def test_invariant_28_the_cli_lists_adds_replays_and_removes_subscriptions(
     # stats speaks per route.
     stats_text = runner.invoke(cli, ["stats", *base], catch_exceptions=False).output
     assert "order.paid@receipt" in stats_text and "order.paid@search" in stats_text
+
+
+def test_invariant_28_a_subscription_reads_a_large_payload_beyond_the_start_budget(
+    conn: psycopg.Connection[Any], table: str, store: Store
+) -> None:
+    _subscribe(conn, table, "a", "b", "c")
+    big = {"blob": "x" * 20_000}
+    with conn.transaction():
+        enqueue(conn, payload=big, table=table, **PAID)
+    store.completer.inline_bytes = 1000  # every payload read after the start, in chunks
+    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    pairs = [(c.id, c.lease_version) for c in claimed]
+    msgs = store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="w:1:a")
+    assert [(m.subscription, m.payload) for m in msgs] == [("a", big), ("b", big), ("c", big)]
+
+
+def test_invariant_28_a_dropped_duplicate_first_of_a_key_leaves_every_subscription_a_head(
+    conn: psycopg.Connection[Any], table: str, store: Store
+) -> None:
+    _subscribe(conn, table, "a", "b")
+    with conn.transaction():
+        enqueue(
+            conn,
+            payload=0,
+            table=table,
+            dedup_key="taken",
+            event_type="order.paid",
+            aggregate_type="o",
+            aggregate_id="x",
+        )
+    assert [m.payload for m in _deliver_all(store, conn, "order.paid@a")] == [0]
+    assert [m.payload for m in _deliver_all(store, conn, "order.paid@b")] == [0]
+    with conn.transaction():
+        enqueue_many(
+            conn,
+            [
+                Event("order.paid", 1, "o", "1", ordering_key="k", dedup_key="taken"),
+                Event("order.paid", 2, "o", "2", ordering_key="k"),
+            ],
+            table=table,
+        )
+    assert [m.payload for m in _deliver_all(store, conn, "order.paid@a")] == [2]
+    assert [m.payload for m in _deliver_all(store, conn, "order.paid@b")] == [2]

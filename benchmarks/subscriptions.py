@@ -1,0 +1,154 @@
+"""What subscriptions cost the producer (DESIGN invariant 28): ``python -m benchmarks.subscriptions``.
+
+One event per transaction (its row built as enqueue builds it, the store's insert, commit; a
+300-byte payload) with the insert of the release before subscriptions (the baseline: one
+event, one handler), then the current insert where the type has no subscription, 1, 3 and 10
+subscriptions. The variants
+are interleaved round by round on one connection, so the machine's load touches them alike; per
+variant the median and p90 transaction time, and the table's bytes and WAL written per event.
+The payload is stored once whatever the number of subscriptions: the table's growth per event
+shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import psycopg
+
+from outbox_celery import Event, Store, migrate, subscriptions
+from outbox_celery.producer import DEFAULT_MAX_PAYLOAD_BYTES, _row
+
+from .pipeline import drop_table
+from .report import Report
+
+__all__ = ["VARIANTS", "producer_cost"]
+
+#: Subscriptions of the event type per variant (-1: the insert before subscriptions, the
+#: baseline; 0: the current insert, a type without subscriptions).
+VARIANTS = (-1, 0, 1, 3, 10)
+LINES = [{"sku": f"SKU-{i:04d}", "qty": i, "price": "19.90"} for i in range(6)]
+PAYLOAD = {"order_id": 1234567, "lines": LINES}
+# The insert of the release before subscriptions, with the two columns the producer now reads
+# (NULL: every row is an event's own row).
+BEFORE = """
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
+                     head, dedup_key, trace_context, limit_key)
+VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::json, %(ordering_key)s,
+        now() + make_interval(secs => %(delay)s),
+        %(ordering_key)s::text IS NOT NULL AND NOT EXISTS (
+            SELECT 1 FROM {table}
+            WHERE ordering_key = %(ordering_key)s::text AND status <> 'done'),
+        %(dedup_key)s, %(trace_context)s::jsonb, %(limit_key)s)
+ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+RETURNING id, dedup_key, {wake_listeners} AS woke, NULL::text AS ordering_key, NULL::bigint AS payload_of
+"""
+
+
+def _table(n: int) -> str:
+    return f"bench_subs_{n}" if n >= 0 else "bench_subs_before"
+
+
+def _stores() -> dict[int, Store]:
+    return {n: Store(_table(n), queries={"insert": BEFORE} if n < 0 else None) for n in VARIANTS}
+
+
+def _setup(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for n in VARIANTS:
+            drop_table(dsn, _table(n))
+            migrate(conn, _table(n))
+            for i in range(n):
+                subscriptions.add(conn, _table(n), "order.paid", f"sub{i:02d}")
+
+
+def _one(conn: psycopg.Connection[Any], store: Store, i: int) -> float:
+    start = time.perf_counter()
+    with conn.transaction():
+        # What enqueue does (validation, kombu's JSON, the insert), on the variant's statement.
+        store.insert(conn, _row(Event("order.paid", PAYLOAD, "order", i), DEFAULT_MAX_PAYLOAD_BYTES))
+    return time.perf_counter() - start
+
+
+def _size(conn: psycopg.Connection[Any], table: str) -> int:
+    row = conn.execute("SELECT pg_total_relation_size(%s)", [table]).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _wal(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+    return int(row[0]) if row else 0
+
+
+def producer_cost(dsn: str, *, events: int = 3000, rounds: int = 10) -> dict[int, dict[str, float]]:
+    """Per variant (number of subscriptions): median and p90 ms per transaction, table bytes and
+    WAL bytes per event."""
+    _setup(dsn)
+    stores = _stores()
+    times: dict[int, list[float]] = {n: [] for n in VARIANTS}
+    wal: dict[int, int] = dict.fromkeys(VARIANTS, 0)
+    per_round = max(1, events // rounds)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for n in VARIANTS:  # warm up: plans cached, first pages allocated
+            for i in range(50):
+                _one(conn, stores[n], i)
+        base = {n: _size(conn, _table(n)) for n in VARIANTS}
+        for r in range(rounds):
+            # Each round in another order: no variant always runs first (or after a checkpoint).
+            for n in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:
+                before = _wal(conn)
+                times[n] += [_one(conn, stores[n], r * per_round + i) for i in range(per_round)]
+                wal[n] += _wal(conn) - before
+        grown = {n: _size(conn, _table(n)) - base[n] for n in VARIANTS}
+    out = {}
+    for n in VARIANTS:
+        ms = sorted(t * 1000 for t in times[n])
+        out[n] = {
+            "median_ms": statistics.median(ms),
+            "p90_ms": ms[int(len(ms) * 0.9)],
+            "table_bytes_per_event": grown[n] / len(ms),
+            "wal_bytes_per_event": wal[n] / len(ms),
+        }
+    for n in VARIANTS:
+        drop_table(dsn, _table(n))
+    return out
+
+
+def report(result: dict[int, dict[str, float]], rep: Report, *, server: str) -> None:
+    """The figures as a table, each beside the baseline (one handler without a name)."""
+    base = result[-1]
+    t = rep.table(
+        f"Producer transaction (enqueue + commit of one event) by subscriptions of its type, {server}",
+        ["insert", "median ms", "vs before", "p90 ms", "table B/event", "WAL B/event"],
+    )
+    for n, r in result.items():
+        t.row(
+            {-1: "before subscriptions (one handler)", 0: "no subscription"}.get(n, f"{n} subscriptions"),
+            f"{r['median_ms']:.3f}",
+            f"{r['median_ms'] / base['median_ms']:.2f}x",
+            f"{r['p90_ms']:.3f}",
+            f"{r['table_bytes_per_event']:.0f}",
+            f"{r['wal_bytes_per_event']:.0f}",
+        )
+    t.note("goal: 10 subscriptions cost at most 2x one event with one handler before; the payload is")
+    t.note(f"written once (table B/event). Interleaved rounds, {len(VARIANTS)} variants, one connection.")
+    rep.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.subscriptions --dsn DSN``."""
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.subscriptions", description=__doc__)
+    p.add_argument("--dsn", required=True, help="a database to create the benchmark tables in")
+    p.add_argument("--events", type=int, default=3000, help="events per variant (3000)")
+    p.add_argument("--server", default="the given server", help="how to name the server in the title")
+    a = p.parse_args(argv)
+    report(producer_cost(a.dsn, events=a.events), Report(sys.stdout), server=a.server)
+
+
+if __name__ == "__main__":
+    main()
