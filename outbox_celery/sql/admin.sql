@@ -210,7 +210,9 @@ WHERE d.status = 'dead'
 -- flagged one (DESIGN invariant 9: the flag is what the claim reads), never re-derived here; a
 -- key whose unfinished messages carry no flag has none (repair-heads mends it).
 SELECT o.id, o.status, o.event_type, o.aggregate_type, o.aggregate_id, o.ordering_key,
-       o.payload, o.attempts, o.created_at, o.available_at, o.lease_owner, o.lease_until,
+       -- A subscription's row reads its owner's payload (DESIGN invariant 28).
+       coalesce(o.payload, (SELECT w.payload FROM {table} AS w WHERE w.id = o.payload_of)) AS payload,
+       o.attempts, o.created_at, o.available_at, o.lease_owner, o.lease_until,
        o.lease_version, o.last_error, o.done_at,
        o.lease_version - o.started_version AS unstarted_claims,
        now() AS now,

@@ -295,3 +295,17 @@ def test_invariant_28_a_dropped_duplicate_first_of_a_key_leaves_every_subscripti
         )
     assert [m.payload for m in _deliver_all(store, conn, "order.paid@a")] == [2]
     assert [m.payload for m in _deliver_all(store, conn, "order.paid@b")] == [2]
+
+
+def test_invariant_28_show_gives_a_subscriptions_row_its_payload(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    from outbox_celery.operations import get_message
+
+    _subscribe(conn, table, "a", "b")
+    with conn.transaction():
+        enqueue(conn, payload={"x": 1}, table=table, ordered=True, **PAID)
+    second = _rows(conn, table)[1]
+    shown = get_message(conn, table, second["id"])
+    assert shown is not None and shown["payload"] == {"x": 1} and shown["event_type"] == "order.paid@b"
+    assert shown["key_head"] == second["id"]  # its own key's head
