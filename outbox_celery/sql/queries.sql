@@ -550,9 +550,11 @@ SELECT (SELECT count(*) FROM held) + (SELECT count(*) FROM key_held);
 -- transaction: those already due move to this statement's time, at the commit, never before
 -- now(); a row whose delay runs further keeps it. The rows are the transaction's own, uncommitted:
 -- nobody else sees or locks them; the primary key finds them.
+-- An event's other subscriptions' rows (payload_of, DESIGN invariant 28) move with it.
 UPDATE {table}
 SET available_at = statement_timestamp()
-WHERE id = ANY(%(ids)s::bigint[]) AND status = 'pending' AND available_at < statement_timestamp();
+WHERE (id = ANY(%(ids)s::bigint[]) OR payload_of = ANY(%(ids)s::bigint[]))
+  AND status = 'pending' AND available_at < statement_timestamp();
 
 -- name: transaction_limits
 -- First statement of a transactional handler's transaction (DESIGN invariant 20): bounds it
