@@ -309,3 +309,34 @@ def test_invariant_28_show_gives_a_subscriptions_row_its_payload(
     shown = get_message(conn, table, second["id"])
     assert shown is not None and shown["payload"] == {"x": 1} and shown["event_type"] == "order.paid@b"
     assert shown["key_head"] == second["id"]  # its own key's head
+
+
+def test_invariant_28_a_subscriptions_ordered_done_and_repair_wait_for_the_producers_key_lock(
+    conn: psycopg.Connection[Any], table: str, store: Store, connect: Any
+) -> None:
+    from outbox_celery.operations import repair_heads
+
+    _subscribe(conn, table, "a", "b")
+    with conn.transaction():
+        enqueue(conn, payload=1, table=table, ordering_key="k", **PAID)
+        enqueue(conn, payload=2, table=table, ordering_key="j", **PAID)
+    # Key j of subscription b without its head (as a release before heads left keys).
+    t = TableName.parse(table).identifier()
+    conn.execute(
+        sql.SQL("UPDATE {} SET head = false WHERE ordering_key = %s").format(t), ["j\x1forder.paid@b"]
+    )
+    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    c = min(claimed, key=lambda x: x.id)  # key k's head on subscription a
+    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    producer = connect()
+    with producer.transaction():
+        # A producer of key k holds its lock (invariant 9) until it commits.
+        store.lock_keys(producer, ["k", "j"])
+        worker = connect()
+        worker.execute("SET lock_timeout = '200ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            store.done(worker, c.id, c.lease_version)
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            repair_heads(worker, table)
+    assert store.done(worker, c.id, c.lease_version)
+    assert repair_heads(worker, table) == ["j\x1forder.paid@b"]
