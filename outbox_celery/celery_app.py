@@ -208,7 +208,8 @@ class Outbox:
 
     @property
     def handlers(self) -> dict[str, HandlerSpec]:
-        """Registered handlers by event type."""
+        """Registered handlers by route: the event type, or ``<event_type>@<name>`` for a
+        subscription (DESIGN invariant 28)."""
         return dict(self._handlers)
 
     def handler(

@@ -149,7 +149,10 @@ def add(
     from that time (a replay): in batches of ``batch_size`` facts, each its own transaction,
     under the producers' key locks, before the subscription is live, then the facts written
     meanwhile with the add itself, in one transaction; each replayed row reads its fact's
-    payload (stored once). ``conn`` must then not be inside a transaction.
+    payload (stored once). Replaying again writes nothing twice. A replay for a subscription
+    that is live already (a worker added it) writes its rows after the ones it has: its
+    ordered events of a key then come after the live ones. ``conn`` must then not be inside a
+    transaction.
     """
     _check(event_type, name)
     if not _ready(conn, table):

@@ -1,7 +1,8 @@
 -- Subscriptions (DESIGN invariant 28): one event, several named handlers, each with its own
 -- delivery rows. The fact is written once: the first subscription's row (the owner) keeps the
 -- payload, every other subscription's row stores none and points at the owner (payload_of).
--- Existing rows keep their payload and get no reference: nothing is rewritten.
+-- Existing rows keep their payload and get no reference: nothing is rewritten. The CHECK and
+-- the partial index read the table once (no rewrite); producers and workers wait meanwhile.
 ALTER TABLE {table} ALTER COLUMN payload DROP NOT NULL;
 ALTER TABLE {table} ADD COLUMN payload_of bigint;
 ALTER TABLE {table} ADD CHECK (payload IS NOT NULL OR payload_of IS NOT NULL);
