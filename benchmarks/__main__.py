@@ -52,7 +52,8 @@ Sections (``--only`` picks some):
 
 * ``subscriptions`` (opt-in, DESIGN invariant 28): ``python -m benchmarks.subscriptions``: the
   producer's transaction of one event with 1, 3 and 10 subscriptions beside the insert before
-  subscriptions (one event, one handler), interleaved; median, p90, table and WAL bytes per event.
+  subscriptions (one event, one handler), interleaved; median, p90, table and WAL bytes per event;
+  then end to end (Redis) three subscriptions with one failing every delivery beside none failing.
 
 Results are printed as tables and written as JSON to ``benchmarks/results/``.
 """
@@ -391,11 +392,13 @@ class Bench:
 
     def subscriptions(self) -> None:
         """The producer's cost of subscriptions (DESIGN invariant 28): benchmarks/subscriptions.py."""
-        from .subscriptions import producer_cost, report
+        from .subscriptions import e2e_rounds, producer_cost, report, report_e2e
 
         cost = producer_cost(self.svc.dsn)
         report(cost, self.report, server="the benchmark's server")
-        self.results["subscriptions"] = {str(n): r for n, r in cost.items()}
+        runs = e2e_rounds(self.svc.dsn, self.svc.redis_url, self.workdir, rate=15.0, seconds=15.0, rounds=2)
+        report_e2e(runs, self.report, rate=15.0, seconds=15.0, server="Redis, medians of 2 rounds")
+        self.results["subscriptions"] = {"producer": {str(n): r for n, r in cost.items()}, "e2e": runs}
 
     def _outbox(self, broker_url: str, n: int, **kw: Any) -> PipelineResult:
         a = self.args

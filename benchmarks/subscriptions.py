@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -23,6 +26,7 @@ from outbox_celery import Event, Store, migrate, subscriptions
 from outbox_celery.producer import DEFAULT_MAX_PAYLOAD_BYTES, _row
 
 from .pipeline import drop_table
+from .procs import Processes, celery_command
 from .report import Report
 
 __all__ = ["VARIANTS", "producer_cost"]
@@ -138,6 +142,47 @@ def report(result: dict[int, dict[str, float]], rep: Report, *, server: str) -> 
     rep.flush()
 
 
+def e2e_rounds(
+    dsn: str, broker_url: str, workdir: Path, *, rate: float, seconds: float, rounds: int
+) -> dict[str, dict[str, dict[str, float]]]:
+    """:func:`end_to_end` with none failing and with c failing, alternated ``rounds`` times;
+    the medians per subscription, keyed by the failing subscription ("" for none)."""
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {"": [], "c": []}
+    for _ in range(rounds):  # alternated: the machine's load touches both alike
+        for fail, done in runs.items():
+            done.append(end_to_end(dsn, broker_url, workdir, fail=fail, rate=rate, seconds=seconds))
+    return {fail: _medians(r) for fail, r in runs.items()}
+
+
+def _medians(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    return {name: {k: statistics.median(r[name][k] for r in runs) for k in runs[0][name]} for name in runs[0]}
+
+
+def report_e2e(
+    runs: dict[str, dict[str, dict[str, float]]], rep: Report, *, rate: float, seconds: float, server: str
+) -> None:
+    """Subscriptions a and b with c failing every delivery, beside the run where none fails."""
+    base, failing = runs[""], runs["c"]
+    t = rep.table(
+        f"End to end, 3 subscriptions, {rate:g} events/s for {seconds:g} s, {server}",
+        ["subscription", "delivered/s", "baseline", "p50 ms", "baseline", "p99 ms", "baseline"],
+    )
+    for name in ("a", "b"):
+        r, b = failing[name], base[name]
+        t.row(
+            name,
+            f"{r['per_second']:.1f}",
+            f"{b['per_second']:.1f}",
+            f"{r['p50_ms']:.0f}",
+            f"{b['p50_ms']:.0f}",
+            f"{r['p99_ms']:.0f}",
+            f"{b['p99_ms']:.0f}",
+        )
+    t.note("c fails every delivery (RetryableError, backoff 0.2-2 s, 12 attempts); baseline: none fails.")
+    t.note("one worker, prefork 4, consuming the claim queue and the three subscriptions' queues; push on")
+    rep.flush()
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m benchmarks.subscriptions --dsn DSN``."""
     import sys
@@ -146,8 +191,120 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dsn", required=True, help="a database to create the benchmark tables in")
     p.add_argument("--events", type=int, default=3000, help="events per variant (3000)")
     p.add_argument("--server", default="the given server", help="how to name the server in the title")
+    p.add_argument(
+        "--e2e", metavar="BROKER_URL", help="also end to end on this broker: 3 subscriptions, one failing"
+    )
+    p.add_argument("--rate", type=float, default=15.0, help="end to end: events per second (15)")
+    p.add_argument("--seconds", type=float, default=15.0, help="end to end: seconds of production (15)")
+    p.add_argument("--rounds", type=int, default=2, help="end to end: alternated rounds (2)")
     a = p.parse_args(argv)
-    report(producer_cost(a.dsn, events=a.events), Report(sys.stdout), server=a.server)
+    rep = Report(sys.stdout)
+    if a.events:
+        report(producer_cost(a.dsn, events=a.events), rep, server=a.server)
+    if a.e2e:
+        with tempfile.TemporaryDirectory(prefix="bench-subs-") as tmp:
+            runs = e2e_rounds(a.dsn, a.e2e, Path(tmp), rate=a.rate, seconds=a.seconds, rounds=a.rounds)
+        report_e2e(
+            runs, rep, rate=a.rate, seconds=a.seconds, server=f"{a.server}, medians of {a.rounds} rounds"
+        )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else float("nan")
+
+
+def end_to_end(
+    dsn: str, broker_url: str, workdir: Path, *, fail: str, rate: float = 30.0, seconds: float = 20.0
+) -> dict[str, dict[str, float]]:
+    """One run: a worker (prefork 4, every queue; push on) and beat, events committed at
+    ``rate`` per second for ``seconds``; per subscription its deliveries per second over the
+    run and its commit -> handler start latency (p50, p99, ms) of successful runs."""
+    table = f"bench_subs_e2e_{fail or 'none'}"
+    drop_table(dsn, table)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate(conn, table)
+        subscriptions.register(conn, table, [f"order.paid@{n}" for n in ("a", "b", "c")])
+    seen = workdir / f"{table}.seen"
+    seen.unlink(missing_ok=True)
+    token = uuid.uuid4().hex[:6]
+    env = {
+        "BENCH_BROKER_URL": broker_url,
+        "BENCH_DSN": dsn,
+        "BENCH_TABLE": table,
+        "BENCH_QUEUE": f"bench.subs.{token}",
+        "BENCH_CLAIM_QUEUE": f"bench.subs.claim.{token}",
+        "BENCH_SEEN": str(seen),
+        "BENCH_FAIL": fail,
+    }
+    queues = ",".join([env["BENCH_CLAIM_QUEUE"]] + [f"{env['BENCH_QUEUE']}.{n}" for n in ("a", "b", "c")])
+    app = "benchmarks.app_subscriptions"
+    with Processes(workdir) as procs:
+        procs.start(
+            f"worker-{table}",
+            celery_command(
+                app,
+                "worker",
+                "-Q",
+                queues,
+                "-P",
+                "prefork",
+                "-c",
+                "4",
+                "-l",
+                "WARNING",
+                "-n",
+                f"subs{token}@%h",
+            ),
+            env,
+        )
+        procs.start(
+            f"beat-{table}",
+            celery_command(app, "beat", "-l", "WARNING", "-s", str(workdir / f"beat-{token}")),
+            env,
+        )
+        time.sleep(8.0)  # workers up, pools forked
+        n = int(rate * seconds)
+        start = time.time()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for i in range(n):
+                due = start + i / rate
+                if (wait := due - time.time()) > 0:
+                    time.sleep(wait)
+                with conn.transaction():
+                    payload = {"t": time.time(), "i": i}
+                    store_insert(conn, table, payload, i)
+        deadline = time.time() + 30.0
+        while time.time() < deadline:
+            ok = [line for line in _lines(seen) if line[3] == "ok"]
+            if sum(1 for line in ok if line[0] != f"order.paid@{fail}") >= n * (2 if fail else 3):
+                break
+            time.sleep(0.5)
+    out: dict[str, dict[str, float]] = {}
+    for name in ("a", "b", "c"):
+        runs = [line for line in _lines(seen) if line[0] == f"order.paid@{name}" and line[3] == "ok"]
+        lat = [(float(r[1]) - float(r[2])) * 1000 for r in runs]
+        span = (max(float(r[1]) for r in runs) - start) if runs else float("nan")
+        out[name] = {
+            "delivered": len(runs),
+            "per_second": len(runs) / span if runs else 0.0,
+            "p50_ms": _percentile(lat, 0.5),
+            "p99_ms": _percentile(lat, 0.99),
+        }
+    drop_table(dsn, table)
+    return out
+
+
+def _lines(path: Path) -> list[list[str]]:
+    try:
+        return [line.split() for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
+
+
+def store_insert(conn: psycopg.Connection[Any], table: str, payload: dict[str, Any], i: int) -> None:
+    """One ``order.paid`` event in ``conn``'s open transaction, as enqueue writes it."""
+    Store(table).insert(conn, _row(Event("order.paid", payload, "order", i), DEFAULT_MAX_PAYLOAD_BYTES))
 
 
 if __name__ == "__main__":
