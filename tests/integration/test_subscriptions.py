@@ -340,3 +340,18 @@ def test_invariant_28_a_subscriptions_ordered_done_and_repair_wait_for_the_produ
             repair_heads(worker, table)
     assert store.done(worker, c.id, c.lease_version)
     assert repair_heads(worker, table) == ["j\x1forder.paid@b"]
+
+
+def test_invariant_28_the_metrics_label_a_subscription_by_its_route(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    import contextlib
+
+    from outbox_celery.metrics import OutboxCollector
+
+    _subscribe(conn, table, "a", "b")
+    with conn.transaction():
+        enqueue(conn, payload=1, table=table, **PAID)
+    collector = OutboxCollector(lambda: contextlib.nullcontext(conn), table)
+    labels = {s.labels.get("event_type") for f in collector.collect() for s in f.samples}
+    assert {"order.paid@a", "order.paid@b"} <= labels
