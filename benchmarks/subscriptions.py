@@ -214,6 +214,9 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else float("nan")
 
 
+NAMES = ("a", "b", "c")
+
+
 def end_to_end(
     dsn: str, broker_url: str, workdir: Path, *, fail: str, rate: float = 30.0, seconds: float = 20.0
 ) -> dict[str, dict[str, float]]:
@@ -224,75 +227,72 @@ def end_to_end(
     drop_table(dsn, table)
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn, table)
-        subscriptions.register(conn, table, [f"order.paid@{n}" for n in ("a", "b", "c")])
+        subscriptions.register(conn, table, [f"order.paid@{n}" for n in NAMES])
     seen = workdir / f"{table}.seen"
     seen.unlink(missing_ok=True)
-    token = uuid.uuid4().hex[:6]
-    env = {
-        "BENCH_BROKER_URL": broker_url,
-        "BENCH_DSN": dsn,
-        "BENCH_TABLE": table,
-        "BENCH_QUEUE": f"bench.subs.{token}",
-        "BENCH_CLAIM_QUEUE": f"bench.subs.claim.{token}",
-        "BENCH_SEEN": str(seen),
-        "BENCH_FAIL": fail,
-    }
-    queues = ",".join([env["BENCH_CLAIM_QUEUE"]] + [f"{env['BENCH_QUEUE']}.{n}" for n in ("a", "b", "c")])
-    app = "benchmarks.app_subscriptions"
+    n = int(rate * seconds)
     with Processes(workdir) as procs:
-        procs.start(
-            f"worker-{table}",
-            celery_command(
-                app,
-                "worker",
-                "-Q",
-                queues,
-                "-P",
-                "prefork",
-                "-c",
-                "4",
-                "-l",
-                "WARNING",
-                "-n",
-                f"subs{token}@%h",
-            ),
-            env,
-        )
-        procs.start(
-            f"beat-{table}",
-            celery_command(app, "beat", "-l", "WARNING", "-s", str(workdir / f"beat-{token}")),
-            env,
+        _start(
+            procs,
+            workdir,
+            table,
+            {"BENCH_BROKER_URL": broker_url, "BENCH_DSN": dsn, "BENCH_SEEN": str(seen), "BENCH_FAIL": fail},
         )
         time.sleep(8.0)  # workers up, pools forked
-        n = int(rate * seconds)
-        start = time.time()
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            for i in range(n):
-                due = start + i / rate
-                if (wait := due - time.time()) > 0:
-                    time.sleep(wait)
-                with conn.transaction():
-                    payload = {"t": time.time(), "i": i}
-                    store_insert(conn, table, payload, i)
+        start = _produce(dsn, table, n, rate)
         deadline = time.time() + 30.0
         while time.time() < deadline:
             ok = [line for line in _lines(seen) if line[3] == "ok"]
             if sum(1 for line in ok if line[0] != f"order.paid@{fail}") >= n * (2 if fail else 3):
                 break
             time.sleep(0.5)
-    out: dict[str, dict[str, float]] = {}
-    for name in ("a", "b", "c"):
-        runs = [line for line in _lines(seen) if line[0] == f"order.paid@{name}" and line[3] == "ok"]
-        lat = [(float(r[1]) - float(r[2])) * 1000 for r in runs]
-        span = (max(float(r[1]) for r in runs) - start) if runs else float("nan")
-        out[name] = {
-            "delivered": len(runs),
-            "per_second": len(runs) / span if runs else 0.0,
-            "p50_ms": _percentile(lat, 0.5),
-            "p99_ms": _percentile(lat, 0.99),
-        }
     drop_table(dsn, table)
-    return out
+    return {name: _figures(seen, name, start) for name in NAMES}
+
+
+def _start(procs: Processes, workdir: Path, table: str, env: dict[str, str]) -> None:
+    """The worker (the claim queue and the three subscriptions' queues) and beat."""
+    token = uuid.uuid4().hex[:6]
+    env = {
+        **env,
+        "BENCH_TABLE": table,
+        "BENCH_QUEUE": f"bench.subs.{token}",
+        "BENCH_CLAIM_QUEUE": f"bench.subs.claim.{token}",
+    }
+    queues = ",".join([env["BENCH_CLAIM_QUEUE"]] + [f"{env['BENCH_QUEUE']}.{n}" for n in NAMES])
+    app = "benchmarks.app_subscriptions"
+    worker = ("worker", "-Q", queues, "-P", "prefork", "-c", "4", "-l", "WARNING", "-n", f"subs{token}@%h")
+    procs.start(f"worker-{table}", celery_command(app, *worker), env)
+    procs.start(
+        f"beat-{table}",
+        celery_command(app, "beat", "-l", "WARNING", "-s", str(workdir / f"beat-{token}")),
+        env,
+    )
+
+
+def _produce(dsn: str, table: str, n: int, rate: float) -> float:
+    """Commit ``n`` events at ``rate`` per second, one per transaction; return the start time."""
+    start = time.time()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for i in range(n):
+            if (wait := start + i / rate - time.time()) > 0:
+                time.sleep(wait)
+            with conn.transaction():
+                store_insert(conn, table, {"t": time.time(), "i": i}, i)
+    return start
+
+
+def _figures(seen: Path, name: str, start: float) -> dict[str, float]:
+    """Successful runs of subscription ``name``: their rate since ``start`` and latencies."""
+    runs = [line for line in _lines(seen) if line[0] == f"order.paid@{name}" and line[3] == "ok"]
+    lat = [(float(r[1]) - float(r[2])) * 1000 for r in runs]
+    span = (max(float(r[1]) for r in runs) - start) if runs else float("nan")
+    return {
+        "delivered": len(runs),
+        "per_second": len(runs) / span if runs else 0.0,
+        "p50_ms": _percentile(lat, 0.5),
+        "p99_ms": _percentile(lat, 0.99),
+    }
 
 
 def _lines(path: Path) -> list[list[str]]:

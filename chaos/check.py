@@ -118,10 +118,7 @@ def check(
             v.inversions += 1
         highest[key] = max(highest.get(key, -1), s["id"])
 
-    # Every subscription of chaos.fanout has a row for every event: none fanned out short.
-    fanned = {f"fanout@{name}": routes[f"fanout@{name}"] for name in FANOUT}
-    if any(fanned.values()) and len(set(fanned.values())) != 1:
-        v.violations.append(f"subscriptions with different numbers of rows: {fanned}")
+    v.violations += _fanned_out_short(routes)
     if v.stuck:
         v.violations.append(f"{len(v.stuck)} row(s) lost or stuck (not done/dead after the drain)")
     if v.healthy_dead:
@@ -137,6 +134,14 @@ def check(
             f"{len(v.effects_wrong)} transactional message(s) whose effect is not exactly once"
         )
     return v
+
+
+def _fanned_out_short(routes: Counter[str]) -> list[str]:
+    """Every subscription of chaos.fanout has a row for every event: none fanned out short."""
+    fanned = {f"fanout@{name}": routes[f"fanout@{name}"] for name in FANOUT}
+    if any(fanned.values()) and len(set(fanned.values())) != 1:
+        return [f"subscriptions with different numbers of rows: {fanned}"]
+    return []
 
 
 def render(
