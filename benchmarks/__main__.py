@@ -50,6 +50,11 @@ Sections (``--only`` picks some):
   deployments, alternated ``--repeat`` times per broker; same handler, worker flags and producer
   transactions of ``--producer-batch``.
 
+* ``subscriptions`` (opt-in, DESIGN invariant 28): ``python -m benchmarks.subscriptions``: the
+  producer's transaction of one event with 1, 3 and 10 subscriptions beside the insert before
+  subscriptions (one event, one handler), interleaved; median, p90, table and WAL bytes per event;
+  then end to end (Redis) three subscriptions with one failing every delivery beside none failing.
+
 Results are printed as tables and written as JSON to ``benchmarks/results/``.
 """
 
@@ -117,6 +122,7 @@ SECTIONS = (
     "batch",
     "flow",
     "flow-bounds",
+    "subscriptions",
 )
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 # The end-to-end deployments: a solo claim worker beside the delivery worker, and the README's
@@ -383,6 +389,16 @@ class Bench:
             "runs_per_second": now,
             "runs_per_second_50ms": before,
         }
+
+    def subscriptions(self) -> None:
+        """The producer's cost of subscriptions (DESIGN invariant 28): benchmarks/subscriptions.py."""
+        from .subscriptions import e2e_rounds, producer_cost, report, report_e2e
+
+        cost = producer_cost(self.svc.dsn)
+        report(cost, self.report, server="the benchmark's server")
+        runs = e2e_rounds(self.svc.dsn, self.svc.redis_url, self.workdir, rate=15.0, seconds=15.0, rounds=2)
+        report_e2e(runs, self.report, rate=15.0, seconds=15.0, server="Redis, medians of 2 rounds")
+        self.results["subscriptions"] = {"producer": {str(n): r for n, r in cost.items()}, "e2e": runs}
 
     def _outbox(self, broker_url: str, n: int, **kw: Any) -> PipelineResult:
         a = self.args
@@ -1524,6 +1540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "batch": bench.batch,
             "flow": bench.flow,
             "flow-bounds": bench.flow_bounds,
+            "subscriptions": bench.subscriptions,
         }
         failures = 0
         try:

@@ -20,7 +20,7 @@ from celery import Celery
 from outbox_celery import Defer, Message, PermanentError, RetryableError
 from outbox_celery.celery_app import Outbox
 
-from .workload import PERMANENT_ERROR
+from .workload import FANOUT, PERMANENT_ERROR
 
 __all__ = ["app", "outbox", "record"]
 
@@ -62,9 +62,14 @@ def record(message: Message, outcome: str) -> None:
             "id": message.id,
             "v": message.lease_version,
             "a": message.attempts,
-            "t": message.event_type,
+            "t": message.route,
             "o": outcome,
-            "k": message.ordering_key,
+            # Each subscription orders its own messages of a key (DESIGN invariant 28).
+            "k": (
+                f"{message.ordering_key}@{message.route}"
+                if message.subscription and message.ordering_key
+                else message.ordering_key
+            ),
             "pid": os.getpid(),
         },
         separators=(",", ":"),
@@ -161,3 +166,15 @@ def slow(message: Message) -> None:
     """
     time.sleep(float(message.payload["sleep"]))
     record(message, "ok")
+
+
+def fanned_out(message: Message) -> None:
+    """A subscription of chaos.fanout (DESIGN invariant 28); "flaky" fails its first run."""
+    if message.subscription == "flaky" and message.attempts <= 1:
+        record(message, "retry")
+        raise RetryableError("chaos: this subscription again", delay=0.3)
+    record(message, "ok")
+
+
+for _name in FANOUT:
+    outbox.handler("chaos.fanout", name=_name)(fanned_out)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .workload import HEALTHY, PERMANENT_ERROR
+from .workload import FANOUT, HEALTHY, PERMANENT_ERROR
 
 # The transactional kind (#24): its effects must be exactly once, not at least once.
 TRANSACTIONAL = "tx"
@@ -80,9 +80,13 @@ def check(
     v.duplicated_ids = sum(1 for n in delivered.values() if n > 1)
 
     by_kind: dict[str, Counter[str]] = defaultdict(Counter)
+    routes: Counter[str] = Counter()
     for row_id, event_type, status, _key, error in rows:
         kind = event_type.removeprefix("chaos.")
         by_kind[kind][status] += 1
+        if "@" in kind:  # a subscription's row: its kind is the event type's (invariant 28)
+            routes[kind] += 1
+            kind = kind.partition("@")[0]
         v.by_status[status] = v.by_status.get(status, 0) + 1
         if status not in ("done", "dead"):
             v.stuck.append(row_id)
@@ -114,6 +118,7 @@ def check(
             v.inversions += 1
         highest[key] = max(highest.get(key, -1), s["id"])
 
+    v.violations += _fanned_out_short(routes)
     if v.stuck:
         v.violations.append(f"{len(v.stuck)} row(s) lost or stuck (not done/dead after the drain)")
     if v.healthy_dead:
@@ -129,6 +134,14 @@ def check(
             f"{len(v.effects_wrong)} transactional message(s) whose effect is not exactly once"
         )
     return v
+
+
+def _fanned_out_short(routes: Counter[str]) -> list[str]:
+    """Every subscription of chaos.fanout has a row for every event: none fanned out short."""
+    fanned = {f"fanout@{name}": routes[f"fanout@{name}"] for name in FANOUT}
+    if any(fanned.values()) and len(set(fanned.values())) != 1:
+        return [f"subscriptions with different numbers of rows: {fanned}"]
+    return []
 
 
 def render(

@@ -25,6 +25,7 @@ from typing import Any
 
 import psycopg
 
+from outbox_celery import subscriptions
 from outbox_celery.config import OutboxConfig
 from outbox_celery.dsn import redact
 from outbox_celery.migrations import migrate
@@ -32,7 +33,7 @@ from outbox_celery.migrations import migrate
 from .check import FaultRecord, Verdict, check, render
 from .procs import Child, Supervisor, child_pids
 from .services import CONTROL_APP, PgBouncer, Postgres, RedisServer, connect
-from .workload import EFFECTS_DDL, Producer, plan
+from .workload import EFFECTS_DDL, FANOUT, Producer, plan
 
 __all__ = ["FAULTS", "Profile", "main"]
 
@@ -506,6 +507,9 @@ class Run:
         with connect(self.pg.dsn) as conn:
             migrate(conn)
             conn.execute(EFFECTS_DDL)
+            # The subscriptions of chaos.fanout exist before the first event (invariant 28),
+            # as a deploy's migrate step would add them; the workers add them too at start-up.
+            subscriptions.register(conn, "outbox", [f"chaos.fanout@{name}" for name in FANOUT])
         self.autovacuum = self.ensure_autovacuum()
         self.start_beat()
         self.start_workers(("claim", *DELIVERY_WORKERS))

@@ -14,7 +14,7 @@ from outbox_celery.producer import enqueue_many
 
 from .services import connect
 
-__all__ = ["EFFECTS_DDL", "HEALTHY", "KINDS", "PERMANENT_ERROR", "Producer", "plan"]
+__all__ = ["EFFECTS_DDL", "FANOUT", "HEALTHY", "KINDS", "PERMANENT_ERROR", "Producer", "plan"]
 
 # The text a permanent message's handler raises; the end check looks for it in last_error.
 PERMANENT_ERROR = "chaos: permanent failure"
@@ -37,9 +37,14 @@ KINDS: dict[str, float] = {
     "retry": 0.10,
     "permanent": 0.04,
     "defer": 0.06,
-    "ordered": 0.12,
+    "ordered": 0.10,
     "slow": 0.06,
+    # Subscriptions (DESIGN invariant 28): one event, three named handlers (FANOUT), half of
+    # them ordered per key; "flaky" fails retryably on its first run.
+    "fanout": 0.04,
 }
+#: The subscriptions of chaos.fanout; the end check wants every one to have a row per event.
+FANOUT = ("audit", "flaky", "mail")
 HEALTHY = frozenset(KINDS) - {"permanent"}
 
 
@@ -64,6 +69,8 @@ def plan(count: int, keys: int, seed: int, slow_max: float) -> list[Event]:
             payload["sleep"] = round(rng.uniform(0.0, slow_max / 2), 2)
         elif kind == "ordered":
             key = f"key-{rng.randrange(keys)}"
+        elif kind == "fanout" and rng.random() < 0.5:
+            key = f"fan-key-{rng.randrange(keys)}"
         elif kind == "batch":
             # Batch handlers (#22): some items fail retryably on their first run, a third are
             # ordered (at most one per key per batch), the batch sleeps so kills land mid-batch.

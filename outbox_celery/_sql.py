@@ -37,6 +37,7 @@ INDEX_SUFFIXES = {
     "dedup_idx": "_dedup_idx",
     "keyed_idx": "_keyed_idx",
     "key_lease_idx": "_key_lease_idx",
+    "payload_of_idx": "_payload_of_idx",
 }
 # The inbox table's own index (inbox/schema.sql); an outbox table has none of that name.
 INBOX_INDEX_SUFFIXES = {"processed_idx": "_processed_idx"}
@@ -48,6 +49,8 @@ INSTANCE_SUFFIX = "_instance"
 FLOW_SUFFIX = "_flow"
 # The table beside each outbox table that holds pauses and holds per limit key.
 FLOW_KEY_SUFFIX = "_flow_key"
+# The table beside each outbox table that lists its subscriptions (DESIGN invariant 28).
+SUBSCRIPTION_SUFFIX = "_subscription"
 
 #: Rules written once for every file. Names are after the table's oid, never after user text:
 #: distinct per table, and the same for "outbox" and "public.outbox".
@@ -139,6 +142,8 @@ def compose(text: str, table: TableName) -> sql.Composed:
         # Pause and RateLimited holds per limit key (migration 0008).
         "flow_key_table": table.identifier(FLOW_KEY_SUFFIX),
         "flow_key_held_idx": table.index_name(FLOW_KEY_SUFFIX + "_held_idx"),
+        # The subscriptions producers fan out to (migration 0011).
+        "subscription_table": table.identifier(SUBSCRIPTION_SUFFIX),
         # The keys' RateLimited holds by their end (migration 0009).
         "flow_key_until_idx": table.index_name(FLOW_KEY_SUFFIX + "_until_idx"),
     }

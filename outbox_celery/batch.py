@@ -133,7 +133,7 @@ class BatchDelivery:
             )
         by_type: dict[str, list[Message]] = {}
         for msg in msgs:
-            by_type.setdefault(msg.event_type, []).append(msg)
+            by_type.setdefault(msg.route, []).append(msg)
         failure: BaseException | None = None
         for event_type, group in by_type.items():
             spec = self.handlers.get(event_type)
@@ -213,7 +213,7 @@ class BatchDelivery:
 
     def _unroutable_batch(self, msgs: list[Message], log: dict[str, Any]) -> dict[int, Outcome]:
         """No batch handler for these messages here (a deploy changed it): postpone, attempt refunded."""
-        event_type = msgs[0].event_type
+        event_type = msgs[0].route
         delay = self.config.unroutable_delay
         why = f"unroutable: no batch handler for event type {event_type!r} in this worker"
         verdict = Verdict(Outcome.UNROUTABLE, delay=delay, error=why)

@@ -19,7 +19,7 @@ import psycopg
 from celery import Celery
 from psycopg_pool import ConnectionPool
 
-from . import producer
+from . import producer, subscriptions
 from ._pool import ForkSafePool, IdleCheck
 from .backoff import RetryPolicy
 from .celery_config import configure_app, dsn_exposed, loaded_conf
@@ -29,7 +29,7 @@ from .dsn import DSN_ENV
 from .errors import ConfigurationError
 from .handlers import MAX_BATCH, MAX_WAIT, register_handler
 from .listener import Listener
-from .message import Outcome
+from .message import Outcome, split_route
 from .producer import Event
 from .publisher import TaskPublisher
 from .push import install_listener_step
@@ -37,6 +37,8 @@ from .store import Claimed, Store
 from .tasks import CoalescedClaims, register_tasks
 from .worker_settings import check_worker_settings
 from .worker_signals import connect_worker_signals
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_BATCH", "MAX_WAIT", "Outbox"]
 
@@ -161,7 +163,11 @@ class Outbox:
         self.claim_task, self.deliver_task, self.deliver_batch_task, self.purge_task = tasks
         _quiet_claim_logs(f"{name}.claim")  # the name, not the task: reading it would load the config
         connect_worker_signals(
-            app, after_fork=self._pool.after_fork, shutdown=self.close, check=self.check_worker_settings
+            app,
+            after_fork=self._pool.after_fork,
+            shutdown=self.close,
+            check=self.check_worker_settings,
+            register=self._register_at_start,
         )
         install_listener_step(self)
         if getattr(app, "configured", False):
@@ -202,13 +208,15 @@ class Outbox:
 
     @property
     def handlers(self) -> dict[str, HandlerSpec]:
-        """Registered handlers by event type."""
+        """Registered handlers by route: the event type, or ``<event_type>@<name>`` for a
+        subscription (DESIGN invariant 28)."""
         return dict(self._handlers)
 
     def handler(
         self,
         event_type: str,
         *,
+        name: str | None = None,
         queue: str | None = None,
         transactional: bool | str = False,
         session_factory: Callable[[], Any] | None = None,
@@ -220,7 +228,9 @@ class Outbox:
         key_concurrency: int | None = None,
         key_rate: str | float | None = None,
     ) -> Callable[[F], F]:
-        """Register the function that delivers ``event_type`` (one per event type).
+        """Register the function that delivers ``event_type`` (one per event type), or its
+        subscription ``name`` (one per name: each receives every event of the type, with its own
+        delivery state, queue and options; docs/subscriptions.md, DESIGN invariant 28).
 
         The handler receives a :class:`~outbox_celery.message.Message` and runs outside any
         database transaction. It raises :class:`~outbox_celery.errors.RetryableError`,
@@ -237,6 +247,7 @@ class Outbox:
         return register_handler(
             self._handlers,
             event_type,
+            name=name,
             queue=queue,
             transactional=transactional,
             session_factory=session_factory,
@@ -297,6 +308,26 @@ class Outbox:
             concurrency=concurrency,
             queues=queues,
         )
+
+    def register_subscriptions(self) -> list[str]:
+        """Add the subscriptions this outbox's handlers declare (``name=``) to its table, where
+        the producers read them (DESIGN invariant 28); returns the routes added. Every worker
+        runs it at start-up; one removed by an operator stays removed (logged)."""
+        # A connection of its own, not the pool: at worker_init the pool processes are not
+        # forked yet, and the parent keeps no connection it does not use.
+        with psycopg.connect(self.config.dsn or "", autocommit=True) as conn:
+            return subscriptions.register(conn, self.config.table, self._handlers)
+
+    def _register_at_start(self) -> None:
+        if not any(split_route(r)[1] for r in self._handlers):
+            return
+        try:
+            added = self.register_subscriptions()
+        except Exception:
+            logger.exception("outbox %s: the subscriptions of its handlers were not registered", self.name)
+            return
+        for r in added:
+            logger.info("outbox %s: subscription %s added", self.name, r)
 
     # -- connections ---------------------------------------------------------------------------
 

@@ -478,8 +478,8 @@ class Dispatcher(BatchDelivery):
         msg = self._start(outbox_id, lease_version, log)
         if msg is None:
             return Outcome.STALE
-        log.update(event_type=msg.event_type, attempt=msg.attempts)
-        spec = self.handlers.get(msg.event_type)
+        log.update(event_type=msg.route, attempt=msg.attempts)
+        spec = self.handlers.get(msg.route)
         if spec is None:
             return self._unroutable(msg, lease_version, log)
         if spec.batch is not None:
@@ -504,7 +504,7 @@ class Dispatcher(BatchDelivery):
         logger.info(
             "outbox id %s %s -> %s",
             outbox_id,
-            msg.event_type,
+            msg.route,
             outcome,
             extra={**log, "outcome": outcome, "duration_ms": _ms_since(started)},
         )
@@ -664,7 +664,7 @@ class Dispatcher(BatchDelivery):
         logger.info(
             "outbox id %s %s -> %s",
             msg.id,
-            msg.event_type,
+            msg.route,
             outcome,
             extra={**log, "outcome": outcome, "transactional": kind.name, "duration_ms": _ms_since(started)},
         )
@@ -761,14 +761,14 @@ class Dispatcher(BatchDelivery):
     def _unroutable(self, msg: Message, lease_version: int, log: dict[str, Any]) -> Outcome:
         """No handler for this event type in this worker: postpone, attempt refunded."""
         delay = self.config.unroutable_delay
-        why = f"unroutable: no handler for event type {msg.event_type!r} in this worker"
+        why = f"unroutable: no handler for event type {msg.route!r} in this worker"
         self._complete(
             "postpone", [Verdict(Outcome.UNROUTABLE, delay=delay, error=why).finish(msg, lease_version)]
         )
         logger.warning(
             "outbox id %s: no handler for %r here; postponed %.0fs",
             msg.id,
-            msg.event_type,
+            msg.route,
             delay,
             extra={**log, "outcome": Outcome.UNROUTABLE},
         )

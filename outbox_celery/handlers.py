@@ -16,9 +16,10 @@ from ._seconds import seconds
 from .dispatch import HandlerSpec
 from .errors import ConfigurationError
 from .flow import Limit
+from .message import ROUTE_SEPARATOR, route, split_route
 from .transactional import transaction_kind
 
-__all__ = ["MAX_BATCH", "MAX_WAIT", "register_handler"]
+__all__ = ["MAX_BATCH", "MAX_WAIT", "register_handler", "subscription_route"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,6 +33,7 @@ def register_handler(
     handlers: dict[str, HandlerSpec],
     event_type: str,
     *,
+    name: str | None = None,
     queue: str | None = None,
     transactional: bool | str = False,
     session_factory: Callable[[], Any] | None = None,
@@ -45,8 +47,8 @@ def register_handler(
 ) -> Callable[[F], F]:
     """Check the options of ``event_type``'s handler; the decorator records it in ``handlers``.
 
-    What :meth:`Outbox.handler <outbox_celery.celery_app.Outbox.handler>` does; one handler per
-    event type.
+    What :meth:`Outbox.handler <outbox_celery.celery_app.Outbox.handler>` does: one handler per
+    event type, or one per named subscription of it (DESIGN invariant 28).
 
     The handler receives a :class:`~outbox_celery.message.Message` and runs outside any
     database transaction. It raises :class:`~outbox_celery.errors.RetryableError`,
@@ -59,6 +61,12 @@ def register_handler(
     commit exactly when the done does. A run whose claim was superseded, or that raises,
     rolls them back.
 
+    :param name: make it the subscription ``name`` of ``event_type`` (docs/subscriptions.md,
+        DESIGN invariant 28): the event is delivered to every subscription of its type, each
+        with its own rows (attempts, backoff, dead letters), queue, options, limits, pause and
+        order per key, recorded under the route ``<event_type>@<name>`` (the key of
+        :attr:`Outbox.handlers`). An event type has either one handler without a name or named
+        subscriptions, never both. Neither may contain ``@``.
     :param queue: the Celery queue its delivery tasks go to (default: ``default_queue``).
     :param transactional: ``False`` (default), ``True`` or ``"psycopg"`` (``conn`` is a
         ``psycopg.Connection`` of the outbox's pool), ``"sqlalchemy"`` (``conn`` is a
@@ -100,6 +108,7 @@ def register_handler(
     """
     if not isinstance(event_type, str) or not event_type:
         raise ConfigurationError("event_type must be a non-empty string")
+    key = subscription_route(event_type, name)
     if batch is not None:
         if isinstance(batch, bool) or not isinstance(batch, int):
             raise ConfigurationError(f"batch must be an int from 1 to {MAX_BATCH}, not {batch!r}")
@@ -131,12 +140,45 @@ def register_handler(
         )
 
     def register(fn: F) -> F:
-        if event_type in handlers:
-            raise ConfigurationError(f"a handler for {event_type!r} is already registered")
-        spec = HandlerSpec(
-            event_type, fn, queue or "", transaction=kind, batch=batch, limit=limit, max_wait=wait
-        )
-        handlers[event_type] = spec
+        if key in handlers:
+            raise ConfigurationError(f"a handler for {key!r} is already registered")
+        _refuse_mixing(handlers, event_type, name)
+        spec = HandlerSpec(key, fn, queue or "", transaction=kind, batch=batch, limit=limit, max_wait=wait)
+        handlers[key] = spec
         return fn
 
     return register
+
+
+def subscription_route(event_type: str, name: str | None) -> str:
+    """The route of ``event_type``'s subscription ``name`` (``order.paid@receipt``; the event
+    type itself without a name), both checked: neither may contain ``@`` (DESIGN invariant 28).
+
+    :raises ConfigurationError: a bad event type or name.
+    """
+    if ROUTE_SEPARATOR in event_type:
+        raise ConfigurationError(
+            f"event_type {event_type!r} contains {ROUTE_SEPARATOR!r}, which separates an event type "
+            "from a subscription's name: give the subscription's name as name="
+        )
+    if name is not None and (
+        not isinstance(name, str) or not name.strip() or ROUTE_SEPARATOR in name or len(name) > 200
+    ):
+        raise ConfigurationError(
+            f"a subscription's name must be a non-empty string of at most 200 characters "
+            f"without {ROUTE_SEPARATOR!r}, not {name!r}"
+        )
+    return route(event_type, name)
+
+
+def _refuse_mixing(handlers: dict[str, HandlerSpec], event_type: str, name: str | None) -> None:
+    """An event type has one handler without a name or named subscriptions, never both: the
+    producers fan out to the subscriptions alone, so the unnamed one would receive nothing."""
+    for other in handlers:
+        other_type, other_name = split_route(other)
+        if other_type == event_type and (other_name is None) != (name is None):
+            raise ConfigurationError(
+                f"{event_type!r} has a handler without a name and named subscriptions: once an "
+                "event type has a subscription, every handler of it needs a name= (the events "
+                "go to its subscriptions only)"
+            )

@@ -8,7 +8,27 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-__all__ = ["Message", "Outcome", "Status"]
+__all__ = ["KEY_SEPARATOR", "ROUTE_SEPARATOR", "Message", "Outcome", "Status", "route", "split_route"]
+
+#: Between an event type and a subscription's name in a route, ``order.paid@receipt`` (DESIGN
+#: invariant 28): a subscription's rows carry their route as their ``event_type`` column, and
+#: everything kept per event type (handler, queue, limits, pause, stats) is kept per route.
+ROUTE_SEPARATOR = "@"
+#: Between an ordering key and the route in a subscription's stored ordering key: each
+#: subscription orders its own events per key (DESIGN invariant 28). Refused in ordering keys.
+KEY_SEPARATOR = "\x1f"
+
+
+def route(event_type: str, subscription: str | None) -> str:
+    """The route of ``event_type``'s subscription ``subscription``: ``order.paid@receipt``, or
+    the event type itself for a handler without a name."""
+    return event_type if subscription is None else f"{event_type}{ROUTE_SEPARATOR}{subscription}"
+
+
+def split_route(stored: str) -> tuple[str, str | None]:
+    """``(event_type, subscription)`` of a row's ``event_type`` column (a route)."""
+    event_type, sep, name = stored.partition(ROUTE_SEPARATOR)
+    return (event_type, name) if sep else (stored, None)
 
 
 class Status(enum.StrEnum):
@@ -78,6 +98,9 @@ class Message:
         (``public.outbox:42``), for receivers that stored those: see
         :func:`outbox_celery.inbox.first_time`'s ``previous_key``.
     :ivar trace_context: the producer's trace context, or ``None``.
+    :ivar subscription: the name of the subscription this delivery belongs to
+        (``@outbox.handler("order.paid", name="receipt")``), ``None`` for a handler without a
+        name. ``event_type`` is the event's own (``"order.paid"``) either way.
     """
 
     id: int
@@ -95,6 +118,13 @@ class Message:
     #: :mod:`outbox_celery.tracing`.
     trace_context: dict[str, str] | None = field(default=None, repr=False, compare=False)
     legacy_idempotency_key: str = field(default="", repr=False, compare=False)
+    subscription: str | None = None
+
+    @property
+    def route(self) -> str:
+        """Where this delivery goes: ``order.paid@receipt`` for a subscription, else the event
+        type (the key of the handler table, the flow-control and the stats, invariant 28)."""
+        return route(self.event_type, self.subscription)
 
     def extend_lease(self, seconds: float) -> bool:
         """Ask for ``seconds`` more of lease from now (database clock), fenced.

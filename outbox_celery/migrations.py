@@ -102,6 +102,7 @@ _SIBLINGS = {
     _sql.INSTANCE_SUFFIX: "identity",
     _sql.FLOW_SUFFIX: "flow-control",
     _sql.FLOW_KEY_SUFFIX: "per-key flow-control",
+    _sql.SUBSCRIPTION_SUFFIX: "subscriptions",
 }
 
 

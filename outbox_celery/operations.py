@@ -28,6 +28,7 @@ from . import _sql
 from ._seconds import seconds
 from .config import TableName
 from .errors import AdminError as AdminError  # also importable from here
+from .message import KEY_SEPARATOR
 
 __all__ = [
     "DEFAULT_STATS_CAP",
@@ -862,7 +863,9 @@ def repair_heads(
         if not keys:
             break
         with conn.transaction():
-            conn.execute(_q(t, "lock_keys"), {"table": regclass, "keys": keys})
+            # A subscription's stored key takes its producer's key lock (DESIGN invariant 28).
+            locks = [k.partition(KEY_SEPARATOR)[0] for k in keys]
+            conn.execute(_q(t, "lock_keys"), {"table": regclass, "keys": locks})
             mended += sorted(str(r[1]) for r in conn.execute(_q(t, "settle_heads"), {"keys": keys}))
         if len(keys) < batch_size:
             break

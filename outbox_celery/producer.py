@@ -22,6 +22,7 @@ from ._connections import FOLLOW_UPS, IDLE, INERROR, _View, async_view, drive, d
 from ._seconds import seconds
 from .config import TableName
 from .errors import ProducerError, first_line
+from .message import KEY_SEPARATOR, ROUTE_SEPARATOR
 from .store import Store, WritePlan
 from .tracing import capture
 
@@ -89,6 +90,13 @@ def checked_text(value: Any, name: str, limit: int) -> str:
 
 def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
     event_type = checked_text(event.event_type, "event_type", MAX_EVENT_TYPE_LENGTH)
+    if ROUTE_SEPARATOR in event_type:
+        # "<event_type>@<name>" is a subscription's route (DESIGN invariant 28): the producer
+        # writes the fact, the table's subscriptions decide its routes.
+        raise ProducerError(
+            f"event_type {event_type!r} contains {ROUTE_SEPARATOR!r}, which separates an event type "
+            "from a subscription's name; enqueue the event type alone"
+        )
     aggregate_type = checked_text(event.aggregate_type, "aggregate_type", MAX_AGGREGATE_LENGTH)
     aggregate_id = checked_text(event.aggregate_id, "aggregate_id", MAX_AGGREGATE_LENGTH)
     try:
@@ -111,6 +119,9 @@ def _row(event: Event, max_payload_bytes: int) -> dict[str, Any]:
         key = checked_text(event.ordering_key, "ordering_key", 2 * MAX_AGGREGATE_LENGTH + 1)
     elif event.ordered:
         key = f"{aggregate_type}:{aggregate_id}"
+    if key is not None and KEY_SEPARATOR in key:
+        # A subscription's stored key is "<key>" chr(31) route (DESIGN invariant 28).
+        raise ProducerError("ordering_key must not contain the unit separator character (chr(31))")
     dedup_key = None
     if event.dedup_key is not None:
         if isinstance(event.dedup_key, int):  # a str only: 1 and "1" must not be two keys

@@ -37,7 +37,7 @@ from .claim import Claimed, ClaimResult, FlowRead, ScanMarks
 from .complete import LOST, Completer, Finalized, FinalizedMany, Finish, Lease, Step
 from .config import TableName
 from .flow import Limit
-from .message import Message, idempotency_key
+from .message import KEY_SEPARATOR, Message, idempotency_key, split_route
 from .writes import MAX_ORDERING_KEYS, ProducerWrites, Statement, WritePlan
 
 __all__ = [
@@ -469,9 +469,12 @@ class Store(ProducerWrites):
         return self.completer.extend(conn, [Lease.of(p) for p in pairs], seconds=seconds)
 
     def _message(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> Message:
+        event_type, subscription = split_route(row["event_type"])
+        key = row["ordering_key"]
         return Message(
             id=int(row["id"]),
-            event_type=row["event_type"],
+            event_type=event_type,
+            subscription=subscription,
             aggregate_type=row["aggregate_type"],
             aggregate_id=row["aggregate_id"],
             # psycopg's json loader, then kombu's object hook (DESIGN invariant 27): what was
@@ -480,7 +483,8 @@ class Store(ProducerWrites):
             attempts=int(row["attempts"]),
             created_at=row["created_at"],
             lease_version=int(row["lease_version"]),
-            ordering_key=row["ordering_key"],
+            # The producer's key, without the subscription's part (invariant 28).
+            ordering_key=key.partition(KEY_SEPARATOR)[0] if key is not None else None,
             idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"]), self.instance(conn)),
             trace_context=row.get("trace_context"),
             legacy_idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"])),

@@ -74,7 +74,7 @@ def handler_span(message: Message) -> Iterator[None]:
     links = [trace.Link(current)] if current.is_valid else []
     tracer = trace.get_tracer(TRACER_NAME)
     with tracer.start_as_current_span(
-        f"outbox.handle {message.event_type}",
+        f"outbox.handle {message.route}",
         context=parent,
         kind=trace.SpanKind.CONSUMER,
         links=links,

@@ -18,7 +18,7 @@ from psycopg.rows import tuple_row
 from . import _sql
 from .config import TableName
 from .errors import ProducerError
-from .message import idempotency_key
+from .message import KEY_SEPARATOR, idempotency_key
 
 __all__ = ["MAX_ORDERING_KEYS", "ProducerWrites", "Statement", "WritePlan"]
 
@@ -192,17 +192,21 @@ class ProducerWrites:
             inserted = yield self._q["insert"], params
         else:
             inserted = yield self._q["insert_many"], {**self._many_params(rows), **wake}
-        # Identity values are drawn in input order (ORDER BY n), so sorting the ids of the
-        # inserted rows without a dedup key restores their input order.
-        plain = iter(sorted(int(i) for i, k, *_ in inserted if k is None))
-        by_key = {k: int(i) for i, k, *_ in inserted if k is not None}
+        # The insert returns (id, dedup_key, woke, ordering_key, payload_of) for every row it
+        # wrote: each event's own row (payload_of NULL) and its other subscriptions' rows
+        # (invariant 28), which answer nothing here. Identity values are drawn in input order
+        # (ORDER BY n), so sorting the ids of the events' rows without a dedup key restores
+        # their input order.
+        owners = [r for r in inserted if r[4] is None]
+        plain = iter(sorted(int(i) for i, k, *_ in owners if k is None))
+        by_key = {k: int(i) for i, k, *_ in owners if k is not None}
         missing = sorted({k for r in rows if (k := r.get("dedup_key")) is not None} - by_key.keys())
         if missing:
             # Taken before (or by a concurrent producer that committed while we waited on its
             # row): the row that holds the key answers, and nothing new was written for it.
             found = yield self._q["dedup_ids"], {"keys": missing}
             by_key.update({k: int(i) for i, k in found})
-        if lock and len(inserted) < len(rows):
+        if lock and len(owners) < len(rows):
             # Some rows were dropped as duplicates: a dedup key taken before, or one shared by
             # two rows of this batch (the later one is dropped). A dropped row may have been
             # its ordering key's head candidate: hand every such key's head to its lowest
@@ -212,9 +216,13 @@ class ProducerWrites:
             for r in rows:
                 if r["ordering_key"] is not None:
                     first.setdefault(r["ordering_key"], r)
-            unsettled = sorted(k for k, r in first.items() if r.get("dedup_key") is not None)
+            unsettled = {k for k, r in first.items() if r.get("dedup_key") is not None}
+            # A subscription's rows carry its own key ("<key>" chr(31) route, invariant 28).
+            stored = {
+                o[3] for o in inserted if o[3] is not None and o[3].partition(KEY_SEPARATOR)[0] in unsettled
+            }
             if unsettled:
-                yield self._q["settle_heads"], {"keys": unsettled}
+                yield self._q["settle_heads"], {"keys": sorted(unsettled | stored)}
         gone = sorted({r["dedup_key"] for r in rows if r.get("dedup_key") is not None} - by_key.keys())
         if gone:
             # Only a purge between our insert and the lookup (or a REPEATABLE READ snapshot that

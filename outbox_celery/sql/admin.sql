@@ -210,7 +210,9 @@ WHERE d.status = 'dead'
 -- flagged one (DESIGN invariant 9: the flag is what the claim reads), never re-derived here; a
 -- key whose unfinished messages carry no flag has none (repair-heads mends it).
 SELECT o.id, o.status, o.event_type, o.aggregate_type, o.aggregate_id, o.ordering_key,
-       o.payload, o.attempts, o.created_at, o.available_at, o.lease_owner, o.lease_until,
+       -- A subscription's row reads its owner's payload (DESIGN invariant 28).
+       coalesce(o.payload, (SELECT w.payload FROM {table} AS w WHERE w.id = o.payload_of)) AS payload,
+       o.attempts, o.created_at, o.available_at, o.lease_owner, o.lease_until,
        o.lease_version, o.last_error, o.done_at,
        o.lease_version - o.started_version AS unstarted_claims,
        now() AS now,
@@ -284,8 +286,9 @@ RETURNING o.id;
 -- Before a skip: the producers' key locks (queries.sql lock_keys) of every ordered message among
 -- the ids, in sorted order, so the head moved by settle_heads sees every message of those keys
 -- committed so far and no producer commits one until the skip does (DESIGN invariant 9).
+-- A subscription's stored key takes its producer's key lock (the part before chr(31)).
 SELECT count({key_lock})
-FROM (SELECT DISTINCT ordering_key AS k FROM {table}
+FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
       WHERE id = ANY(%(ids)s::bigint[]) AND ordering_key IS NOT NULL
       ORDER BY 1) AS sorted_keys;
 
@@ -313,14 +316,19 @@ SELECT now() - make_interval(secs => %(older_than)s::float8);
 SELECT count(*) FROM {table} WHERE status = 'done' AND done_at < %(cutoff)s;
 
 -- name: purge_batch
--- One short transaction per batch: locks at most "limit" rows, for milliseconds.
+-- One short transaction per batch: locks at most "limit" rows, for milliseconds. A row whose
+-- payload other subscriptions' rows read (payload_of, DESIGN invariant 28) stays while one of
+-- them is not itself purgeable (done before the cutoff): no delivery ever loses its payload.
 DELETE FROM {table}
 WHERE id IN (
-    SELECT id FROM {table}
-    WHERE status = 'done' AND done_at < %(cutoff)s
-    ORDER BY done_at
+    SELECT o.id FROM {table} AS o
+    WHERE o.status = 'done' AND o.done_at < %(cutoff)s
+      AND NOT EXISTS (SELECT 1 FROM {table} AS r
+                      WHERE r.payload_of = o.id
+                        AND NOT (r.status = 'done' AND r.done_at < %(cutoff)s))
+    ORDER BY o.done_at
     LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF o SKIP LOCKED
 );
 
 -- name: flow_keys_prune

@@ -151,7 +151,10 @@ LIMIT 50;
 -- One page of matching dead rows by id (dead_idx), after the previous page's last id.
 SELECT d.id, d.event_type, d.aggregate_type, d.aggregate_id, d.ordering_key, d.limit_key,
        d.attempts, d.created_at, extract(epoch FROM now() - d.created_at)::float8 AS age,
-       left(d.last_error, 300) AS last_error, left(d.payload::text, 200) AS payload
+       left(d.last_error, 300) AS last_error,
+       -- A subscription's row reads its owner's payload (DESIGN invariant 28).
+       left(coalesce(d.payload, (SELECT w.payload FROM {table} AS w WHERE w.id = d.payload_of))::text, 200)
+           AS payload
 FROM {table} AS d
 WHERE d.status = 'dead' AND d.id > %(after)s AND {console_dead_filter}
 ORDER BY d.id

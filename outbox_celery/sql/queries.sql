@@ -10,42 +10,119 @@
 -- statement's snapshot already holds every commit of that key (read committed; see lock_keys).
 -- For an unordered row the AND stops at false and the probe never runs. A dedup key already in
 -- the table inserts nothing and returns no row (see dedup_ids).
-INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
-                     head, dedup_key, trace_context, limit_key)
-VALUES (%(event_type)s, %(aggregate_type)s, %(aggregate_id)s, %(payload)s::json, %(ordering_key)s,
-        now() + make_interval(secs => %(delay)s),
-        %(ordering_key)s::text IS NOT NULL AND NOT EXISTS (
-            SELECT 1 FROM {table}
-            WHERE ordering_key = %(ordering_key)s::text AND status <> 'done'),
-        %(dedup_key)s, %(trace_context)s::jsonb, %(limit_key)s)
-ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
-RETURNING id, dedup_key,
-          -- Push: wake this table's listeners at commit, only when a row was inserted.
-          {wake_listeners} AS woke;
+-- Fan-out (DESIGN invariant 28): an event type with subscriptions (the subscription table, read
+-- by this statement) gets one row per subscription, its event_type the route
+-- "<event_type>@<name>", its ordering key the subscription's own ("<key>", chr(31), route). The
+-- first subscription's row (the owner) keeps the payload and the dedup key; the others store no
+-- payload and point at the owner (payload_of). A type with no subscription gets one row, as
+-- always. One statement, one round trip, whatever the number of subscriptions.
+WITH fan_subs AS (
+    SELECT name, row_number() OVER (ORDER BY name) AS n
+    FROM {subscription_table}
+    WHERE event_type = %(event_type)s::text AND removed_at IS NULL
+),
+fan_routes AS (
+    SELECT coalesce(%(event_type)s::text || '@' || r.name, %(event_type)s::text) AS route,
+           %(ordering_key)s::text || coalesce(chr(31) || %(event_type)s::text || '@' || r.name, '') AS k,
+           r.n
+    FROM (SELECT name, n FROM fan_subs
+          UNION ALL
+          SELECT NULL, 1 WHERE NOT EXISTS (SELECT 1 FROM fan_subs)) AS r
+),
+fan_owner AS (
+    INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key,
+                         available_at, head, dedup_key, trace_context, limit_key)
+    SELECT r.route, %(aggregate_type)s::text, %(aggregate_id)s::text, %(payload)s::json, r.k,
+           now() + make_interval(secs => %(delay)s),
+           r.k IS NOT NULL AND NOT EXISTS (
+               SELECT 1 FROM {table} WHERE ordering_key = r.k AND status <> 'done'),
+           %(dedup_key)s, %(trace_context)s::jsonb, %(limit_key)s
+    FROM fan_routes AS r WHERE r.n = 1
+    ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    RETURNING id, dedup_key, ordering_key, payload_of
+),
+fan_others AS (
+    INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, payload_of,
+                         ordering_key, available_at, head, trace_context, limit_key)
+    SELECT r.route, %(aggregate_type)s::text, %(aggregate_id)s::text, NULL, w.id, r.k,
+           now() + make_interval(secs => %(delay)s),
+           r.k IS NOT NULL AND NOT EXISTS (
+               SELECT 1 FROM {table} WHERE ordering_key = r.k AND status <> 'done'),
+           %(trace_context)s::jsonb, %(limit_key)s
+    FROM fan_owner AS w, fan_routes AS r WHERE r.n > 1
+    ORDER BY r.n
+    RETURNING id, dedup_key, ordering_key, payload_of
+)
+-- Push: wake this table's listeners at commit, only when a row was inserted.
+SELECT id, dedup_key, {wake_listeners} AS woke, ordering_key, payload_of FROM fan_owner
+UNION ALL
+SELECT id, dedup_key, NULL, ordering_key, payload_of FROM fan_others;
 
 -- name: insert_many
--- As insert; within the batch only the first row of a key (lowest n, hence lowest id) can be
--- its head, and only if the key has no unfinished message already. Should that first row be
--- dropped as a duplicate dedup key, the producer settles the key's head afterwards (settle_heads).
-INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
-                     head, dedup_key, trace_context, limit_key)
-SELECT u.event_type, u.aggregate_type, u.aggregate_id, u.payload::json, u.ordering_key,
-       now() + make_interval(secs => u.delay),
-       u.ordering_key IS NOT NULL
-       AND row_number() OVER (PARTITION BY u.ordering_key ORDER BY u.n) = 1
-       AND NOT EXISTS (SELECT 1 FROM {table} AS o
-                       WHERE o.ordering_key = u.ordering_key AND o.status <> 'done'),
-       u.dedup_key, u.trace_context::jsonb, u.limit_key
-FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_ids)s::text[],
-            %(payloads)s::text[], %(ordering_keys)s::text[], %(delays)s::float8[],
-            %(dedup_keys)s::text[], %(trace_contexts)s::text[], %(limit_keys)s::text[])
-     WITH ORDINALITY AS u(event_type, aggregate_type, aggregate_id, payload, ordering_key, delay,
-                          dedup_key, trace_context, limit_key, n)
-ORDER BY u.n
-ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
-RETURNING id, dedup_key,
-          -- Push: wake this table's listeners at commit, only when a row was inserted.
-          {wake_listeners} AS woke;
+-- As insert, for many events of any types; within the batch only the first row of a key (lowest
+-- n, hence lowest id) can be its head, and only if the key has no unfinished message already.
+-- Should that first row be dropped as a duplicate dedup key, the producer settles the key's
+-- head afterwards (settle_heads). The owners (each event's first subscription, or its only row)
+-- are drawn first, in input order; the other subscriptions' rows after them, in the owners'
+-- order. A route is either every event's owner or none's, so each route's rows keep input order.
+WITH fan_u AS (
+    SELECT * FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[],
+                         %(aggregate_ids)s::text[], %(payloads)s::text[], %(ordering_keys)s::text[],
+                         %(delays)s::float8[], %(dedup_keys)s::text[], %(trace_contexts)s::text[],
+                         %(limit_keys)s::text[])
+        WITH ORDINALITY AS u(event_type, aggregate_type, aggregate_id, payload, ordering_key, delay,
+                             dedup_key, trace_context, limit_key, n)
+),
+fan_subs AS (
+    SELECT event_type, name, row_number() OVER (PARTITION BY event_type ORDER BY name) AS rank
+    FROM {subscription_table}
+    WHERE event_type = ANY(%(event_types)s::text[]) AND removed_at IS NULL
+),
+fan_first AS (
+    SELECT u.*, coalesce(u.event_type || '@' || s.name, u.event_type) AS route,
+           u.ordering_key || coalesce(chr(31) || u.event_type || '@' || s.name, '') AS k
+    FROM fan_u AS u LEFT JOIN fan_subs AS s ON s.event_type = u.event_type AND s.rank = 1
+),
+fan_owner AS (
+    INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key,
+                         available_at, head, dedup_key, trace_context, limit_key)
+    SELECT v.route, v.aggregate_type, v.aggregate_id, v.payload::json, v.k,
+           now() + make_interval(secs => v.delay),
+           v.k IS NOT NULL
+           AND row_number() OVER (PARTITION BY v.k ORDER BY v.n) = 1
+           AND NOT EXISTS (SELECT 1 FROM {table} AS o
+                           WHERE o.ordering_key = v.k AND o.status <> 'done'),
+           v.dedup_key, v.trace_context::jsonb, v.limit_key
+    FROM fan_first AS v
+    ORDER BY v.n
+    ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    RETURNING id, dedup_key, ordering_key, payload_of, event_type, aggregate_type, aggregate_id,
+              available_at, trace_context, limit_key
+),
+fan_rest AS (
+    SELECT w.id, s.event_type || '@' || s.name AS route, w.aggregate_type, w.aggregate_id,
+           split_part(w.ordering_key, chr(31), 1) || chr(31) || s.event_type || '@' || s.name AS k,
+           w.available_at, w.trace_context, w.limit_key, s.rank
+    FROM fan_owner AS w
+    JOIN fan_subs AS s ON s.event_type = split_part(w.event_type, '@', 1) AND s.rank > 1
+),
+fan_others AS (
+    INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, payload_of,
+                         ordering_key, available_at, head, trace_context, limit_key)
+    SELECT r.route, r.aggregate_type, r.aggregate_id, NULL, r.id, r.k, r.available_at,
+           r.k IS NOT NULL
+           AND row_number() OVER (PARTITION BY r.k ORDER BY r.id) = 1
+           AND NOT EXISTS (SELECT 1 FROM {table} AS o
+                           WHERE o.ordering_key = r.k AND o.status <> 'done'),
+           r.trace_context, r.limit_key
+    FROM fan_rest AS r
+    ORDER BY r.id, r.rank
+    RETURNING id, dedup_key, ordering_key, payload_of
+)
+-- Push: wake this table's listeners at commit, only when a row was inserted.
+SELECT id, dedup_key, {wake_listeners} AS woke, ordering_key, payload_of FROM fan_owner
+UNION ALL
+SELECT id, dedup_key, NULL, ordering_key, payload_of FROM fan_others;
 
 -- name: dedup_ids
 -- The rows holding these dedup keys: inserted by an earlier (committed) transaction, by this
@@ -305,9 +382,14 @@ RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attemp
 -- The payload, when it is read with the start, its stored size, and whether it was: each of the
 -- n rows may take %(inline_share)s = 1/n of the completer's inline_bytes, so one result never
 -- carries a whole batch of large payloads; the others are read in bounded chunks (payloads).
-CASE WHEN pg_column_size(payload) <= %(inline_share)s THEN payload END AS payload,
-pg_column_size(payload) AS payload_bytes,
-pg_column_size(payload) <= %(inline_share)s AS payload_inline
+-- A subscription's row reads its owner's (payload_of, DESIGN invariant 28).
+CASE WHEN pg_column_size({stored_payload}) <= %(inline_share)s THEN {stored_payload} END AS payload,
+pg_column_size({stored_payload}) AS payload_bytes,
+pg_column_size({stored_payload}) <= %(inline_share)s AS payload_inline
+
+-- fragment: stored_payload
+-- The row's payload, or its owner's when it stores none (a subscription's row, invariant 28).
+coalesce(payload, (SELECT w.payload FROM {table} AS w WHERE w.id = {table}.payload_of))
 
 -- fragment: leases
 -- The (id, lease_version) pairs a fenced statement applies to, one or many. A statement of one
@@ -330,7 +412,10 @@ unnest(%(ids)s::bigint[], %(lease_versions)s::bigint[], %(outcomes)s::text[], %(
 -- name: payloads
 -- The payloads start left out of its result (beyond its byte budget), one bounded chunk of ids
 -- at a time. A payload never changes after the insert: read without a fence.
-SELECT id, payload FROM {table} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id;
+-- A subscription's row reads its owner's payload (payload_of, DESIGN invariant 28).
+SELECT o.id, coalesce(o.payload, w.payload) AS payload
+FROM {table} AS o LEFT JOIN {table} AS w ON w.id = o.payload_of
+WHERE o.id = ANY(%(ids)s::bigint[]) ORDER BY o.id;
 
 -- name: start_exhausted
 -- A claim that never started and whose row has no attempt left (max_attempts lowered since,
@@ -354,8 +439,10 @@ RETURNING id;
 -- those rows' keys, sorted, so that the finish statement's snapshot holds every message of the
 -- keys committed so far and none can commit until the heads have moved (DESIGN invariant 9).
 -- Nothing is locked for an unordered row.
+-- A subscription's stored key ("<key>", chr(31), route: DESIGN invariant 28) takes the lock of
+-- its producer's key, the part before chr(31).
 SELECT count({key_lock})
-FROM (SELECT DISTINCT ordering_key AS k FROM {table}
+FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
       WHERE id = ANY(%(ids)s::bigint[]) AND ordering_key IS NOT NULL
       ORDER BY 1) AS sorted_keys;
 
@@ -463,9 +550,11 @@ SELECT (SELECT count(*) FROM held) + (SELECT count(*) FROM key_held);
 -- transaction: those already due move to this statement's time, at the commit, never before
 -- now(); a row whose delay runs further keeps it. The rows are the transaction's own, uncommitted:
 -- nobody else sees or locks them; the primary key finds them.
+-- An event's other subscriptions' rows (payload_of, DESIGN invariant 28) move with it.
 UPDATE {table}
 SET available_at = statement_timestamp()
-WHERE id = ANY(%(ids)s::bigint[]) AND status = 'pending' AND available_at < statement_timestamp();
+WHERE (id = ANY(%(ids)s::bigint[]) OR payload_of = ANY(%(ids)s::bigint[]))
+  AND status = 'pending' AND available_at < statement_timestamp();
 
 -- name: transaction_limits
 -- First statement of a transactional handler's transaction (DESIGN invariant 20): bounds it

@@ -5,8 +5,9 @@ CREATE TABLE {table} (
     event_type    text        NOT NULL CHECK (event_type <> ''),
     aggregate_type text       NOT NULL,
     aggregate_id  text        NOT NULL,
-    -- kombu's JSON text as the producer wrote it (migration 0010, DESIGN invariant 27).
-    payload       json        NOT NULL,
+    -- kombu's JSON text as the producer wrote it (migration 0010, DESIGN invariant 27); NULL
+    -- on a subscription's row that reads its owner's (payload_of, migration 0011).
+    payload       json,
     ordering_key  text,
     created_at    timestamptz NOT NULL DEFAULT now(),
     status        text        NOT NULL DEFAULT 'pending'
@@ -25,7 +26,10 @@ CREATE TABLE {table} (
     dedup_key     text CHECK (dedup_key <> ''),
     trace_context jsonb,
     -- The limit key given at enqueue (migration 0008): limits per key within an event type.
-    limit_key     text CHECK (limit_key <> '')
+    limit_key     text CHECK (limit_key <> ''),
+    -- The row whose payload this one reads (subscriptions, migration 0011, DESIGN invariant 28).
+    payload_of    bigint,
+    CHECK (payload IS NOT NULL OR payload_of IS NOT NULL)
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_threshold = 1000,
@@ -50,6 +54,7 @@ CREATE INDEX {keyed_idx} ON {table} (event_type, limit_key, available_at, id)
     WHERE status = 'pending' AND limit_key IS NOT NULL AND (ordering_key IS NULL OR head);
 CREATE INDEX {key_lease_idx} ON {table} (event_type, limit_key, lease_until)
     WHERE status = 'processing' AND limit_key IS NOT NULL;
+CREATE INDEX {payload_of_idx} ON {table} (payload_of) WHERE payload_of IS NOT NULL;
 -- The table's identity, the discriminator of idempotency keys (migration 0006).
 CREATE TABLE {instance_table} (
     singleton  boolean     PRIMARY KEY DEFAULT true CHECK (singleton),
@@ -93,3 +98,11 @@ CREATE INDEX {flow_key_held_idx} ON {flow_key_table} (event_type, limit_key)
 -- The keys' RateLimited holds by their end (migration 0009).
 CREATE INDEX {flow_key_until_idx} ON {flow_key_table} (paused_until)
     WHERE paused_until IS NOT NULL;
+-- The subscriptions the producers fan out to (migration 0011, DESIGN invariant 28).
+CREATE TABLE {subscription_table} (
+    event_type text        NOT NULL CHECK (event_type <> '' AND strpos(event_type, '@') = 0),
+    name       text        NOT NULL CHECK (name <> '' AND strpos(name, '@') = 0),
+    created_at timestamptz NOT NULL DEFAULT now(),
+    removed_at timestamptz,
+    PRIMARY KEY (event_type, name)
+);

@@ -79,9 +79,12 @@ class Harness:
         celery: dict[str, Any] | None = None,
         via_celery_conf: bool | None = None,
         limits: dict[str, dict[str, Any]] | None = None,
+        subscriptions: dict[str, dict[str, str | None]] | None = None,
         **outbox: Any,
     ) -> None:
         """Change the app spec (before starting the processes that should see it)."""
+        if subscriptions is not None:
+            self.spec.subscriptions = {t: dict(names) for t, names in subscriptions.items()}
         if routes is not None:
             self.spec.routes = dict(routes)
         if limits is not None:
@@ -103,6 +106,7 @@ class Harness:
         names = [self.claim_queue, self.default_queue]
         names += [q for q in self.spec.routes.values() if q]
         names += [q for q in self.spec.transactional.values() if q]
+        names += [q for subs in self.spec.subscriptions.values() for q in subs.values() if q]
         return list(dict.fromkeys(names))
 
     # -- processes -----------------------------------------------------------------------------

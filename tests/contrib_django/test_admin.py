@@ -432,3 +432,19 @@ def test_pause_and_resume_the_limit_keys_of_a_selection(client: Client, pg: psyc
     assert "neither paused nor held: webhook.sent key tenant-2" in page.lower()
     assert not key_paused("tenant-1")
     assert 'id="outbox-flow-keys"' not in client.get(_url()).content.decode()
+
+
+def test_invariant_28_a_subscriptions_row_shows_its_route_and_the_payload_stored_once(
+    client: Client, pg: psycopg.Connection[Any]
+) -> None:
+    from outbox_celery import subscriptions
+
+    for name in ("receipt", "search"):
+        subscriptions.add(pg, "outbox", "order.paid", name)
+    add(pg, Event("order.paid", {"total": "9.90"}, "order", "1"))
+    rows = list(OutboxMessage.objects.filter(event_type__startswith="order.paid@").order_by("pk"))
+    assert [r.event_type for r in rows] == ["order.paid@receipt", "order.paid@search"]
+    assert rows[1].payload is None and rows[1].payload_of == rows[0].pk
+    page = client.get(_detail(rows[1].pk)).content.decode()
+    assert "&quot;total&quot;: &quot;9.90&quot;" in page and "order.paid@search" in page
+    assert "order.paid@search" in client.get(_url()).content.decode()

@@ -29,6 +29,7 @@ from outbox_celery import (
     RetryableError,
     TableName,
     enqueue,
+    subscriptions,
 )
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
 from outbox_celery.store import Claimed
@@ -442,9 +443,11 @@ def test_invariant_20_a_handler_that_rolls_back_is_a_retryable_failure_not_done(
 # -- a long transaction's follow-ups and next head (invariants 18, 20) ----------------------------
 
 
+@pytest.mark.parametrize("subscribed", [False, True], ids=["one handler", "two subscriptions"])
 def test_invariant_18_a_long_transactional_handler_s_follow_ups_and_next_head_are_claimed_at_once(
-    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any], subscribed: bool
 ) -> None:
+    # With two subscriptions of the follow-up's type (invariant 28), both of its rows move.
     # scan_lookback 1 s, a handler of 2.5 s; no full pass for an hour. While the handler runs, a
     # claim finds nothing due and moves its marks to its now(): before the fix its follow-up
     # (available_at = the transaction's start) and the key's next head (greatest(available_at,
@@ -471,14 +474,20 @@ def test_invariant_18_a_long_transactional_handler_s_follow_ups_and_next_head_ar
         assert dispatcher.claim_and_publish(_publish_into(claims)).claimed == 0
 
     dispatcher = _dispatcher(pool, table, handler, scan_lookback=1.0, full_scan_interval=3600.0)
-    dispatcher.handlers[FOLLOW_UP] = HandlerSpec(FOLLOW_UP, handler, "q", transaction=PsycopgTransaction())
+    routes = [FOLLOW_UP]
+    if subscribed:
+        routes = [f"{FOLLOW_UP}@{name}" for name in ("x", "y")]
+        subscriptions.register(conn, table, routes)
+    for route in routes:
+        dispatcher.handlers[route] = HandlerSpec(route, handler, "q", transaction=PsycopgTransaction())
     first, second = add(conn, 2, table=table, event_type=EVENT, key="acct-1")
     assert dispatcher.claim_and_publish(_publish_into(claims)).claimed == 1  # the first claim: a full pass
     [c] = claims
     claims.clear()
     assert dispatcher.deliver(first, c.lease_version) == Outcome.DONE
-    assert dispatcher.claim_and_publish(_publish_into(claims)).claimed == 2
-    assert sorted(c.id for c in claims) == sorted([second, follow_ups[0]])
+    assert dispatcher.claim_and_publish(_publish_into(claims)).claimed == 1 + len(routes)
+    assert sorted(c.event_type for c in claims) == sorted([EVENT, *routes])
+    assert {second, follow_ups[0]} <= {c.id for c in claims}
     # The delayed follow-up keeps its delay (from the transaction's start).
     assert fetch(conn, table, follow_ups[1])["available_in"] > 3590
 

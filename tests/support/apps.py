@@ -29,6 +29,8 @@ worker serves every situation a test needs::
                                             (unless "python_side": false) a text loader, dict rows
     {"mode": "probe"}                       (transactional) return what the handler's connection
                                             holds of that state (PROBE), as the call's result
+    {"for": {"receipt": {"mode": "permanent"}}}
+                                            what the subscription "receipt"'s run does instead
 
 Event types in ``transactional`` get :func:`scripted_transactional` instead (#24): the same
 modes, run inside the handler's transaction after it wrote its effect (a row in ``effects``)
@@ -149,6 +151,9 @@ class AppSpec:
     via_celery_conf: bool = False
     queries: dict[str, str] = field(default_factory=dict)
     limits: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: event type -> {subscription name -> queue} of named scripted handlers (invariant 28);
+    #: ``limits`` is keyed by route (``<event_type>@<name>``) for them.
+    subscriptions: dict[str, dict[str, str | None]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The spec as JSON."""
@@ -199,6 +204,10 @@ def build_app(spec: AppSpec) -> tuple[Celery, Outbox]:
         outbox = Outbox(app, dsn=spec.dsn, store=store, **spec.outbox)
     for event_type, queue in spec.routes.items():
         outbox.handler(event_type, queue=queue, **spec.limits.get(event_type, {}))(scripted(outbox))
+    for event_type, names in spec.subscriptions.items():
+        for name, queue in names.items():
+            route = f"{event_type}@{name}"
+            outbox.handler(event_type, name=name, queue=queue, **spec.limits.get(route, {}))(scripted(outbox))
     options: dict[str, Any] = {"transactional": spec.transactional_kind}
     if spec.transactional and spec.transactional_kind == "sqlalchemy":
         from sqlalchemy import create_engine
@@ -224,6 +233,8 @@ def scripted(outbox: Outbox) -> Any:
 
     def handler(message: Message) -> None:
         payload = message.payload if isinstance(message.payload, dict) else {}
+        # {"for": {"<subscription>": {...}}}: what one subscription's handler does differently.
+        payload = {**payload, **payload.get("for", {}).get(message.subscription or "", {})}
         mode = str(payload.get("mode", "ok"))
         times = payload.get("times")
         active = times is None or message.attempts <= int(times)
@@ -438,7 +449,7 @@ def _record_start(outbox: Outbox, message: Message, batch: tuple[int, int] | Non
             query,
             [
                 message.id,
-                message.event_type,
+                message.route,  # the event type, or <event_type>@<subscription>
                 message.attempts,
                 message.lease_version,
                 message.idempotency_key,

@@ -92,3 +92,20 @@ def test_a_transactional_effect_not_exactly_once_is_a_violation(tmp_path: Path) 
     assert any("not exactly once" in text for text in v.violations)
     assert "tx effects   1 of 3" in render(v, [], [])
     assert check(rows[:1], seen, effects={1: 1}).violations == []
+
+
+def test_a_subscription_fanned_out_short_is_a_violation_and_a_dead_one_is_healthy_dead(
+    tmp_path: Path,
+) -> None:
+    rows = [
+        (1, "chaos.fanout@audit", "done", None, None),
+        (2, "chaos.fanout@flaky", "done", None, None),
+        (3, "chaos.fanout@mail", "done", None, None),
+        (4, "chaos.fanout@audit", "done", None, None),
+        (5, "chaos.fanout@flaky", "dead", None, "boom"),
+    ]
+    v = check(rows, _seen(tmp_path / "s", *((i, "ok", None) for i in (1, 2, 3, 4))))
+    assert [i for i, _ in v.healthy_dead] == [5]
+    assert any("different numbers of rows" in x for x in v.violations)
+    balanced = check(rows[:3], _seen(tmp_path / "t", *((i, "ok", None) for i in (1, 2, 3))))
+    assert balanced.violations == []

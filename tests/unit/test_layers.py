@@ -130,6 +130,7 @@ SQL_MODULES = {
     "store",
     "complete",
     "operations",
+    "subscriptions",
     "console",
     "inbox",
     "migrations",

@@ -9,13 +9,14 @@ import pytest
 from outbox_celery import _sql
 from outbox_celery.config import TableName
 
-FILES = ["queries.sql", "admin.sql", "console.sql", "inbox/queries.sql"]
+FILES = ["queries.sql", "admin.sql", "console.sql", "inbox/queries.sql", "subscriptions.sql"]
 # What compose binds as identifiers; everything else in braces must be a fragment, filled.
 IDENTIFIERS = {
     "table",
     "instance_table",
     "flow_table",
     "flow_key_table",
+    "subscription_table",
     *_sql.INDEX_SUFFIXES,
     *_sql.INBOX_INDEX_SUFFIXES,
 }

@@ -452,7 +452,7 @@ class OutboxMessageAdmin(_ModelAdmin):
 
     @admin.display(description="payload")
     def payload_json(self, obj: OutboxMessage) -> str:
-        text = json.dumps(obj.payload, indent=2, ensure_ascii=False, sort_keys=True)
+        text = json.dumps(obj.stored_payload(), indent=2, ensure_ascii=False, sort_keys=True)
         return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', text)
 
     @admin.display(description="last error")

@@ -69,6 +69,8 @@ class OutboxMessage(models.Model):
     dedup_key: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
     trace_context: models.JSONField[Any, Any] = models.JSONField(null=True, blank=True)
     limit_key: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
+    #: A subscription's row reads the payload of this row (migration 0011, DESIGN invariant 28).
+    payload_of: models.BigIntegerField[int | None, int | None] = models.BigIntegerField(null=True, blank=True)
     last_error: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
     done_at: models.DateTimeField[datetime | None, datetime | None] = models.DateTimeField(
         null=True, blank=True
@@ -82,6 +84,13 @@ class OutboxMessage(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.pk} {self.event_type} ({self.status})"
+
+    def stored_payload(self) -> Any:
+        """The payload, or, on a subscription's row (DESIGN invariant 28), the row it reads it from's."""
+        if self.payload is not None or self.payload_of is None:
+            return self.payload
+        owner = type(self)._default_manager.using(self._state.db).filter(pk=self.payload_of)
+        return owner.values_list("payload", flat=True).first()
 
     def save(self, *args: Any, **kwargs: Any) -> NoReturn:
         """Refuse: rows change only through the library's fenced SQL."""

@@ -1,0 +1,52 @@
+"""Migration 0011 (subscriptions, DESIGN invariant 28) applied to a table of the previous schema
+holding rows in every state: every row keeps its columns and payload (no reference, nothing
+rewritten), the schema is exactly the fresh one, the dispatcher hands the old rows over as
+before, and once a subscription is added the table fans events out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from outbox_celery import Store, enqueue, migrate, subscriptions
+from outbox_celery.migrations import applied_versions, available
+
+from .helpers import LONG
+from .test_migrations import schema_dump
+from .upgrade import TABLE, claim_old_rows, old_columns, previous_schema, rows
+
+VERSION = 11
+
+
+def test_invariant_28_migration_0011_from_the_previous_schema_with_rows_in_every_state(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    previous = previous_schema(conn, VERSION)
+    before = rows(conn)
+    assert {r["status"] for r in before} == {"pending", "processing", "done", "dead"}
+
+    assert migrate(conn, TABLE) == [m.version for m in available() if m.version > previous]
+    assert VERSION in applied_versions(conn, TABLE)
+    after = rows(conn)
+    assert old_columns(after, before) == before
+    assert all(r["payload_of"] is None for r in after)
+    assert schema_dump(conn, TABLE) == schema_dump(conn, table)
+    assert subscriptions.list_subscriptions(conn, TABLE) == []
+
+    # The dispatcher hands the old rows over as the previous release did.
+    store = Store(TABLE)
+    for outbox_id in claim_old_rows(conn, store, before):
+        version = next(r for r in rows(conn) if r["id"] == outbox_id)["lease_version"]
+        msg = store.start(conn, outbox_id, version, lease=LONG, max_attempts=12)
+        assert msg is not None and msg.payload == {} and msg.subscription is None
+
+    # Old rows of event type "e" stay as they are; new events of "e" fan out.
+    subscriptions.add(conn, TABLE, "e", "one")
+    subscriptions.add(conn, TABLE, "e", "two")
+    with conn.transaction():
+        enqueue(conn, payload=1, table=TABLE, event_type="e", aggregate_type="order", aggregate_id="1")
+    new = [r for r in rows(conn) if r["id"] > max(b["id"] for b in before)]
+    assert [(r["event_type"], r["payload"]) for r in new] == [("e@one", 1), ("e@two", None)]
+    assert migrate(conn, TABLE) == []

@@ -1,0 +1,357 @@
+"""Subscriptions (DESIGN invariant 28) at the statements' level: the producers' insert fans an
+event out to its type's live subscriptions in one statement, the payload stored once; each
+subscription has its own rows, routes and order per key; dedup keys, removal, replay and the
+purge keep every delivery's payload.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_celery import Event, Store, TableName, enqueue, enqueue_many, subscriptions
+from outbox_celery.errors import ProducerError
+from outbox_celery.operations import purge_done, stats
+
+from .helpers import LONG, fetch_all
+
+PAID = {"event_type": "order.paid", "aggregate_type": "order", "aggregate_id": "7"}
+
+
+def _subscribe(
+    conn: psycopg.Connection[Any], table: str, *names: str, event_type: str = "order.paid"
+) -> None:
+    for name in names:
+        subscriptions.add(conn, table, event_type, name)
+
+
+def _rows(conn: psycopg.Connection[Any], table: str) -> list[dict[str, Any]]:
+    return sorted(fetch_all(conn, table), key=lambda r: r["id"])
+
+
+def _deliver_all(store: Store, conn: psycopg.Connection[Any], route: str | None = None) -> list[Any]:
+    """Claim, start and finish (done) everything claimable of ``route``; the messages, in order."""
+    got = []
+    while True:
+        claimed = store.claim(conn, limit=100, lease=LONG, owner="t", max_attempts=5).claimed
+        mine = [c for c in claimed if route is None or c.event_type == route]
+        if not claimed:
+            return got
+        store.release(conn, [c for c in claimed if c not in mine])
+        for c in mine:
+            msg = store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5)
+            assert msg is not None
+            got.append(msg)
+            store.done(conn, c.id, c.lease_version)
+        if not mine:
+            return got
+
+
+def test_invariant_28_one_enqueue_writes_one_row_per_subscription_and_the_payload_once(
+    conn: psycopg.Connection[Any], table: str, store: Store
+) -> None:
+    _subscribe(conn, table, "search", "receipt", "analytics")
+    with conn.transaction():
+        fact = enqueue(conn, payload={"total": "9.90"}, table=table, **PAID)
+    rows = _rows(conn, table)
+    assert [r["event_type"] for r in rows] == [
+        "order.paid@analytics",
+        "order.paid@receipt",
+        "order.paid@search",
+    ]
+    owner, *others = rows
+    assert fact == owner["id"]
+    assert owner["payload"] == {"total": "9.90"} and owner["payload_of"] is None
+    assert all(r["payload"] is None and r["payload_of"] == fact for r in others)
+    msgs = _deliver_all(store, conn)
+    assert sorted((m.event_type, m.subscription, m.payload["total"]) for m in msgs) == [
+        ("order.paid", name, "9.90") for name in ("analytics", "receipt", "search")
+    ]
+    assert {m.route for m in msgs} == {r["event_type"] for r in rows}
+    # A type without subscriptions: one row, as always.
+    with conn.transaction():
+        plain = enqueue(
+            conn, payload=1, table=table, event_type="order.created", aggregate_type="o", aggregate_id="1"
+        )
+    last = _rows(conn, table)[-1]
+    assert (last["id"], last["event_type"], last["payload"], last["payload_of"]) == (
+        plain,
+        "order.created",
+        1,
+        None,
+    )
+
+
+def test_invariant_28_enqueue_many_fans_out_every_event_in_input_order(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    _subscribe(conn, table, "a", "b")
+    events = [
+        Event("order.paid", {"n": 0}, "order", "1", ordered=True),
+        Event("order.created", {"n": 1}, "order", "1", ordered=True),
+        Event("order.paid", {"n": 2}, "order", "1", ordered=True),
+        Event("order.paid", {"n": 3}, "order", "2", dedup_key="d3"),
+    ]
+    with conn.transaction():
+        ids = enqueue_many(conn, events, table=table)
+    rows = _rows(conn, table)
+    by_id = {r["id"]: r for r in rows}
+    assert [by_id[i]["payload"] for i in ids] == [{"n": 0}, {"n": 1}, {"n": 2}, {"n": 3}]
+    assert len(rows) == 7  # 3 order.paid x 2 subscriptions + 1 order.created
+    routes = {(r["event_type"], r["ordering_key"]): r for r in rows if r["ordering_key"]}
+    # Each subscription orders its own rows of key order:1: the first one is its head.
+    heads = sorted((r["event_type"], r["ordering_key"]) for r in rows if r["head"])
+    assert heads == [
+        ("order.created", "order:1"),
+        ("order.paid@a", "order:1\x1forder.paid@a"),
+        ("order.paid@b", "order:1\x1forder.paid@b"),
+    ]
+    assert len(routes) == 3  # keys are per route; two rows each for order.paid@a and @b
+    dedup = [r for r in rows if r["aggregate_id"] == "2"]
+    assert [r["dedup_key"] for r in dedup] == ["d3", None]
+    assert dedup[1]["payload_of"] == dedup[0]["id"]
+
+
+def test_invariant_28_a_taken_dedup_key_inserts_nothing_for_any_subscription(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    _subscribe(conn, table, "a", "b", "c")
+    with conn.transaction():
+        first = enqueue(conn, payload=1, table=table, dedup_key="k", **PAID)
+    with conn.transaction():
+        assert enqueue(conn, payload=2, table=table, dedup_key="k", **PAID) == first
+        assert enqueue_many(conn, [Event("order.paid", 3, "o", "1", dedup_key="k")], table=table) == [first]
+    assert len(_rows(conn, table)) == 3
+
+
+def test_invariant_28_a_key_blocked_on_one_subscription_does_not_block_the_others(
+    conn: psycopg.Connection[Any], table: str, store: Store
+) -> None:
+    _subscribe(conn, table, "fast", "stuck")
+    with conn.transaction():
+        for n in range(3):
+            enqueue(conn, payload=n, table=table, ordered=True, **PAID)
+    # The stuck subscription's head goes dead: its key stays blocked there.
+    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    assert sorted(c.event_type for c in claimed) == ["order.paid@fast", "order.paid@stuck"]
+    for c in claimed:
+        assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+        if c.event_type.endswith("stuck"):
+            store.dead(conn, c.id, c.lease_version, error="down")
+        else:
+            store.done(conn, c.id, c.lease_version)
+    got = [m.payload for m in _deliver_all(store, conn, "order.paid@fast")]
+    assert got == [1, 2]
+    assert _deliver_all(store, conn, "order.paid@stuck") == []
+
+
+def test_invariant_28_a_removed_subscription_gets_nothing_new_and_keeps_its_rows(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    _subscribe(conn, table, "a", "gone")
+    with conn.transaction():
+        enqueue(conn, payload=1, table=table, **PAID)
+    assert subscriptions.remove(conn, table, "order.paid", "gone")
+    assert not subscriptions.remove(conn, table, "order.paid", "gone")
+    with conn.transaction():
+        enqueue(conn, payload=2, table=table, **PAID)
+    routes = [r["event_type"] for r in _rows(conn, table)]
+    assert routes == ["order.paid@a", "order.paid@gone", "order.paid@a"]
+    listed = {s.route: s for s in subscriptions.list_subscriptions(conn, table)}
+    assert listed["order.paid@gone"].removed_at is not None and listed["order.paid@gone"].pending == 1
+    assert listed["order.paid@a"].pending == 2
+    # The stats speak per route; a worker without the removed one's handler sees it unroutable.
+    shown = stats(conn, table, handlers=["order.paid@a"])
+    assert {e.event_type: e.pending for e in shown.event_types} == {"order.paid@a": 2, "order.paid@gone": 1}
+    assert "order.paid@gone" in shown.unroutable
+
+
+def test_invariant_28_a_new_subscription_gets_later_events_unless_it_replays(
+    conn: psycopg.Connection[Any], table: str, store: Store
+) -> None:
+    _subscribe(conn, table, "first")
+    with conn.transaction():
+        for n in range(5):
+            enqueue(conn, payload=n, table=table, ordered=True, **PAID)
+    subscriptions.add(conn, table, "order.paid", "late")
+    replayed = subscriptions.add(
+        conn, table, "order.paid", "replayed", replay_since=datetime(2000, 1, 1), batch_size=2
+    )
+    assert replayed == 5
+    with conn.transaction():
+        enqueue(conn, payload=5, table=table, ordered=True, **PAID)
+    assert [m.payload for m in _deliver_all(store, conn, "order.paid@late")] == [5]
+    assert [m.payload for m in _deliver_all(store, conn, "order.paid@replayed")] == [0, 1, 2, 3, 4, 5]
+    # Replaying again adds nothing: every fact has its row.
+    assert subscriptions.add(conn, table, "order.paid", "replayed", replay_since=datetime(2000, 1, 1)) == 0
+
+
+def test_invariant_28_the_purge_keeps_a_payload_while_a_subscription_still_needs_it(
+    conn: psycopg.Connection[Any], table: str, store: Store
+) -> None:
+    _subscribe(conn, table, "a", "b")
+    with conn.transaction():
+        owner = enqueue(conn, payload={"keep": True}, table=table, **PAID)
+    assert [m.route for m in _deliver_all(store, conn, "order.paid@a")] == ["order.paid@a"]
+    assert purge_done(conn, table, older_than=0, batch_size=10) == 0
+    [msg] = _deliver_all(store, conn, "order.paid@b")
+    assert msg.payload == {"keep": True} and msg.id != owner
+    # Both done: the owner goes with (or after) the row that read it.
+    assert purge_done(conn, table, older_than=0, batch_size=10) == 2
+    assert _rows(conn, table) == []
+
+
+def test_invariant_28_routes_are_refused_where_a_fact_is_expected(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    with pytest.raises(ProducerError, match="separates an event type"):
+        enqueue(conn, payload=1, table=table, event_type="order.paid@x", aggregate_type="o", aggregate_id="1")
+    with pytest.raises(ProducerError, match="unit separator"):
+        enqueue(conn, payload=1, table=table, ordering_key="a\x1fb", **PAID)
+    t = TableName.parse(table).identifier(subscriptions._sql.SUBSCRIPTION_SUFFIX)
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute(sql.SQL("INSERT INTO {} (event_type, name) VALUES ('a', 'b@c')").format(t))
+
+
+def test_invariant_28_the_cli_lists_adds_replays_and_removes_subscriptions(
+    conn: psycopg.Connection[Any], table: str, migrated_dsn: str
+) -> None:
+    from click.testing import CliRunner
+
+    from outbox_celery.cli import cli
+
+    runner = CliRunner()
+    base = ["--dsn", migrated_dsn, "--table", table]
+
+    def run(*args: str) -> str:
+        result = runner.invoke(cli, ["subscriptions", *args, *base], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert run("list") == "no subscriptions\n"
+    assert run("add", "order.paid", "receipt") == "subscription order.paid@receipt added\n"
+    with conn.transaction():
+        enqueue(conn, payload=1, table=table, **PAID)
+    assert "; 1 event(s) replayed" in run("add", "order.paid", "search", "--replay-since", "1h")
+    listed = json.loads(run("list", "--json"))
+    assert [(s["route"], s["pending"], s["removed_at"]) for s in listed] == [
+        ("order.paid@receipt", 1, None),
+        ("order.paid@search", 1, None),
+    ]
+    assert "removed: new events no longer go to it" in run("remove", "order.paid", "search")
+    assert "not a live subscription" in run("remove", "order.paid", "search")
+    text = run("list")
+    assert "order.paid@search" in text and "removed" in text
+    bad = runner.invoke(cli, ["subscriptions", "add", "order.paid", "a@b", *base])
+    assert bad.exit_code == 1 and "without '@'" in bad.output
+    # stats speaks per route.
+    stats_text = runner.invoke(cli, ["stats", *base], catch_exceptions=False).output
+    assert "order.paid@receipt" in stats_text and "order.paid@search" in stats_text
+
+
+def test_invariant_28_a_subscription_reads_a_large_payload_beyond_the_start_budget(
+    conn: psycopg.Connection[Any], table: str, store: Store
+) -> None:
+    _subscribe(conn, table, "a", "b", "c")
+    big = {"blob": "x" * 20_000}
+    with conn.transaction():
+        enqueue(conn, payload=big, table=table, **PAID)
+    store.completer.inline_bytes = 1000  # every payload read after the start, in chunks
+    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    pairs = [(c.id, c.lease_version) for c in claimed]
+    msgs = store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="w:1:a")
+    assert [(m.subscription, m.payload) for m in msgs] == [("a", big), ("b", big), ("c", big)]
+
+
+def test_invariant_28_a_dropped_duplicate_first_of_a_key_leaves_every_subscription_a_head(
+    conn: psycopg.Connection[Any], table: str, store: Store
+) -> None:
+    _subscribe(conn, table, "a", "b")
+    with conn.transaction():
+        enqueue(
+            conn,
+            payload=0,
+            table=table,
+            dedup_key="taken",
+            event_type="order.paid",
+            aggregate_type="o",
+            aggregate_id="x",
+        )
+    assert [m.payload for m in _deliver_all(store, conn, "order.paid@a")] == [0]
+    assert [m.payload for m in _deliver_all(store, conn, "order.paid@b")] == [0]
+    with conn.transaction():
+        enqueue_many(
+            conn,
+            [
+                Event("order.paid", 1, "o", "1", ordering_key="k", dedup_key="taken"),
+                Event("order.paid", 2, "o", "2", ordering_key="k"),
+            ],
+            table=table,
+        )
+    assert [m.payload for m in _deliver_all(store, conn, "order.paid@a")] == [2]
+    assert [m.payload for m in _deliver_all(store, conn, "order.paid@b")] == [2]
+
+
+def test_invariant_28_show_gives_a_subscriptions_row_its_payload(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    from outbox_celery.operations import get_message
+
+    _subscribe(conn, table, "a", "b")
+    with conn.transaction():
+        enqueue(conn, payload={"x": 1}, table=table, ordered=True, **PAID)
+    second = _rows(conn, table)[1]
+    shown = get_message(conn, table, second["id"])
+    assert shown is not None and shown["payload"] == {"x": 1} and shown["event_type"] == "order.paid@b"
+    assert shown["key_head"] == second["id"]  # its own key's head
+
+
+def test_invariant_28_a_subscriptions_ordered_done_and_repair_wait_for_the_producers_key_lock(
+    conn: psycopg.Connection[Any], table: str, store: Store, connect: Any
+) -> None:
+    from outbox_celery.operations import repair_heads
+
+    _subscribe(conn, table, "a", "b")
+    with conn.transaction():
+        enqueue(conn, payload=1, table=table, ordering_key="k", **PAID)
+        enqueue(conn, payload=2, table=table, ordering_key="j", **PAID)
+    # Key j of subscription b without its head (as a release before heads left keys).
+    t = TableName.parse(table).identifier()
+    conn.execute(
+        sql.SQL("UPDATE {} SET head = false WHERE ordering_key = %s").format(t), ["j\x1forder.paid@b"]
+    )
+    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    c = min(claimed, key=lambda x: x.id)  # key k's head on subscription a
+    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    producer = connect()
+    with producer.transaction():
+        # A producer of key k holds its lock (invariant 9) until it commits.
+        store.lock_keys(producer, ["k", "j"])
+        worker = connect()
+        worker.execute("SET lock_timeout = '200ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            store.done(worker, c.id, c.lease_version)
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            repair_heads(worker, table)
+    assert store.done(worker, c.id, c.lease_version)
+    assert repair_heads(worker, table) == ["j\x1forder.paid@b"]
+
+
+def test_invariant_28_the_metrics_label_a_subscription_by_its_route(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    import contextlib
+
+    from outbox_celery.metrics import OutboxCollector
+
+    _subscribe(conn, table, "a", "b")
+    with conn.transaction():
+        enqueue(conn, payload=1, table=table, **PAID)
+    collector = OutboxCollector(lambda: contextlib.nullcontext(conn), table)
+    labels = {s.labels.get("event_type") for f in collector.collect() for s in f.samples}
+    assert {"order.paid@a", "order.paid@b"} <= labels
