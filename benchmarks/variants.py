@@ -29,8 +29,8 @@ Nothing here is used by the library. A variant spec is a comma-separated list of
   and wakes nobody, as before #23's freed-slot wake: the claim finds the slot at its next
   ``LIMIT_RECHECK``.
 * ``fence_by_lease_idx``: the fenced statements that find their rows by id (start, resume,
-  start_exhausted, finish, extend_lease) test ``status = 'processing'`` as they did before the
-  fence's status test took the "C" collation: the live leases' partial index then matches their
+  start_exhausted, finish, extend_lease) test ``status = 'processing'``, as before their status
+  test was written ``IS NOT DISTINCT FROM``: the live leases' partial index then matches their
   predicate, and a planner that prices it empty reads it whole instead of the primary key.
 * ``push_broker``: the listener (#11) sends the claim task through the broker on every wake-up
   instead of running the claim in the worker's main process. Measured only: the library claims
@@ -136,7 +136,7 @@ def make_store(table: str | TableName, spec: str) -> Store:
         for name in FENCED_BY_ID:
             # Benchmark-only: the status test that implies lease_idx's predicate.
             queries[name] = named[name].replace(
-                """status COLLATE "C" = 'processing'""", "status = 'processing'"
+                "status IS NOT DISTINCT FROM 'processing'", "status = 'processing'"
             )
     return cls(table, relaxed_commit="durable" not in names, queries=queries)
 
