@@ -1,6 +1,6 @@
 """The one-message path's fenced writes: this tree's completer beside a baseline release's store.
 
-``python -m benchmarks.finalize --baseline <git ref> [--dsn DSN] [--rows N] [--rounds R]``
+``python -m benchmarks.finalize --baseline <git ref> [--dsn DSN] [--rows N] [--rounds R] [--stale-stats]``
 
 Times ``--rows`` one-row deliveries' database writes on one autocommit connection (the worker's)
 through :class:`~outbox_celery.store.Store`'s public calls: the fenced start
@@ -11,6 +11,12 @@ and a fresh database on the same server; the medians of the rounds are printed s
 microseconds per delivery (start + finalize): wall time, the client process's CPU time and,
 when the server runs on this host, its backend's CPU time (``/proc``), which a shared, busy
 machine disturbs far less than the wall time.
+
+Every delivery's lease is claimed before the first start, so ``--rows`` leases are live while
+they run. With ``--stale-stats`` the table is analyzed after its rows are written and before
+they are claimed: the statistics then say that no lease is live (a table analyzed between two
+bursts), the case where a fenced statement free to read the live leases' partial index instead
+of the primary key steps over every live lease to find its own row.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ def _backend_cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def child(dsn: str, rows: int) -> dict[str, float]:
+def child(dsn: str, rows: int, *, stale_stats: bool = False) -> dict[str, float]:
     """One run (in the process whose ``outbox_celery`` is measured): microseconds per delivery,
     of wall time (``<outcome>``), of this process's CPU (``<outcome> client cpu``) and of the
     server backend's CPU (``<outcome> server cpu``, when the server runs on this host)."""
@@ -79,6 +85,8 @@ def child(dsn: str, rows: int) -> dict[str, float]:
         backend = int(row[0]) if row else 0
         for outcome in OUTCOMES:
             fill_pending(conn, "bench_finalize", rows + 20)
+            if stale_stats:
+                conn.execute("ANALYZE bench_finalize")
             leases = claim(conn, store, rows + 20)
             for i, v in leases[:20]:  # warm up: psycopg prepares a statement after five runs
                 deliver(conn, store, outcome, i, v)
@@ -104,10 +112,11 @@ def _extract(ref: str, into: Path) -> None:
         tar.extractall(into, filter="data")
 
 
-def _run(package_root: Path, dsn: str, rows: int) -> dict[str, float]:
+def _run(package_root: Path, dsn: str, rows: int, stale_stats: bool) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package_root), str(ROOT)])}
+    stale = ["--stale-stats"] if stale_stats else []
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.finalize", "--child", "--dsn", dsn, "--rows", str(rows)],
+        [sys.executable, "-m", "benchmarks.finalize", "--child", "--dsn", dsn, "--rows", str(rows), *stale],
         check=True,
         capture_output=True,
         text=True,
@@ -126,10 +135,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--baseline", default="main", help="git ref of the baseline package")
+    parser.add_argument(
+        "--stale-stats", action="store_true", help="analyze before the claim: statistics say no lease is live"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.dsn, args.rows)))
+        print(json.dumps(child(args.dsn, args.rows, stale_stats=args.stale_stats)))
         return
     import psycopg
 
@@ -141,11 +153,12 @@ def main() -> None:
         roots = {"baseline": Path(tmp), "this tree": ROOT}
         for r in range(args.rounds):
             for name in roots if r % 2 == 0 else reversed(list(roots)):
-                for outcome, us in _run(roots[name], args.dsn, args.rows).items():
+                for outcome, us in _run(roots[name], args.dsn, args.rows, args.stale_stats).items():
                     samples[name].setdefault(outcome, []).append(us)
     print(
         f"one-row start + finalize, us per delivery (median of {args.rounds} alternated rounds of "
-        f"{args.rows}); PostgreSQL {row[0] if row else '?'}; baseline {args.baseline}"
+        f"{args.rows}, {args.rows + 20} live leases); PostgreSQL {row[0] if row else '?'}; baseline "
+        f"{args.baseline}{'; statistics analyzed before the claim' if args.stale_stats else ''}"
     )
     print(f"{'figure':<20} {'baseline':>10} {'this tree':>10} {'ratio':>6}")
     for figure in samples["this tree"]:

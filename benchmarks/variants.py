@@ -28,6 +28,10 @@ Nothing here is used by the library. A variant spec is a comma-separated list of
 * ``no_slot_wake``: a concurrency-limited event type's finish goes through the done batcher
   and wakes nobody, as before #23's freed-slot wake: the claim finds the slot at its next
   ``LIMIT_RECHECK``.
+* ``fence_by_lease_idx``: the fenced statements that find their rows by id (start, resume,
+  start_exhausted, finish, extend_lease) test ``status = 'processing'``, as before their status
+  test was written ``IS NOT DISTINCT FROM``: the live leases' partial index then matches their
+  predicate, and a planner that prices it empty reads it whole instead of the primary key.
 * ``push_broker``: the listener (#11) sends the claim task through the broker on every wake-up
   instead of running the claim in the worker's main process. Measured only: the library claims
   in-process.
@@ -60,7 +64,11 @@ KNOWN = {
     "check_each",
     "done_each",
     "no_slot_wake",
+    "fence_by_lease_idx",
 }
+
+# The fenced statements whose status test the fence_by_lease_idx variant writes as before.
+FENCED_BY_ID = ("start", "resume", "start_exhausted", "finish", "extend_lease")
 
 # Benchmark-only: the claim_heads query as it was before #10 (it ignores the head flag).
 SKIP_SCAN_CLAIM_HEADS = """
@@ -123,12 +131,19 @@ def make_store(table: str | TableName, spec: str) -> Store:
         queries["claim_settings_flow"] = flow_read.replace("set_config('jit', 'off', true)", "NULL")
     if "skip_scan" in names:
         queries["claim_heads"] = SKIP_SCAN_CLAIM_HEADS
+    if "fence_by_lease_idx" in names:
+        named = _sql.named("queries.sql")
+        for name in FENCED_BY_ID:
+            # Benchmark-only: the status test that implies lease_idx's predicate.
+            queries[name] = named[name].replace(
+                "status IS NOT DISTINCT FROM 'processing'", "status = 'processing'"
+            )
     return cls(table, relaxed_commit="durable" not in names, queries=queries)
 
 
 def outbox_store(table: str | TableName, spec: str) -> Store | None:
     """The store an ``Outbox(store=...)`` takes for the variants of ``spec``; None: the default."""
-    if parse(spec) & {"explicit_tx", "durable", "claim_jit"}:
+    if parse(spec) & {"explicit_tx", "durable", "claim_jit", "fence_by_lease_idx"}:
         return make_store(table, spec)
     return None
 

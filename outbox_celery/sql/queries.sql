@@ -361,7 +361,7 @@ SET attempts = attempts + 1,
     lease_owner = %(starter)s,
     lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
 FROM {commit_mode}, {leases} AS s(claim_id, claim_version)
-WHERE id = s.claim_id AND lease_version = s.claim_version AND status = 'processing'
+WHERE id = s.claim_id AND lease_version = s.claim_version AND {fenced_processing}
   AND started_version < lease_version AND attempts < %(max_attempts)s
 RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attempts, created_at,
           lease_version, ordering_key, trace_context;
@@ -373,7 +373,7 @@ RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attemp
 UPDATE {table}
 SET lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
 FROM {leases} AS s(claim_id, claim_version)
-WHERE id = s.claim_id AND lease_version = s.claim_version AND status = 'processing'
+WHERE id = s.claim_id AND lease_version = s.claim_version AND {fenced_processing}
   AND started_version = lease_version AND lease_owner = %(starter)s
 RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attempts, created_at,
           lease_version, ordering_key, trace_context;
@@ -390,6 +390,17 @@ pg_column_size({stored_payload}) <= %(inline_share)s AS payload_inline
 -- fragment: stored_payload
 -- The row's payload, or its owner's when it stores none (a subscription's row, invariant 28).
 coalesce(payload, (SELECT w.payload FROM {table} AS w WHERE w.id = {table}.payload_of))
+
+-- fragment: fenced_processing
+-- The fence's status test of the statements that find their rows by id (start, resume,
+-- start_exhausted, finish, extend_lease). For a status, never NULL, IS NOT DISTINCT FROM is the
+-- same comparison, but it does not imply the predicate of the live leases' partial index
+-- (lease_idx), so PostgreSQL cannot read that index in place of the primary key: its
+-- statistics often price it as empty (analyzed while few leases were live, or never), and a
+-- start or finish then stepped over every live lease's entry and row to find its own one
+-- (measured: 0.6 ms of server time per start with 4,000 live leases, 0.03 ms by the key).
+-- Unqualified: the statements' other row sources have no status column.
+status IS NOT DISTINCT FROM 'processing'
 
 -- fragment: leases
 -- The (id, lease_version) pairs a fenced statement applies to, one or many. A statement of one
@@ -429,7 +440,7 @@ SET status = 'dead',
     last_error = 'attempts exhausted: ' || attempts || ' handler run(s) of ' || %(max_attempts)s::int
                  || ' started without a result' || coalesce('; last error: ' || last_error, '')
 FROM {leases} AS s(claim_id, claim_version)
-WHERE id = s.claim_id AND lease_version = s.claim_version AND status = 'processing'
+WHERE id = s.claim_id AND lease_version = s.claim_version AND {fenced_processing}
   AND started_version < lease_version
   AND attempts >= %(max_attempts)s
 RETURNING id;
@@ -495,7 +506,7 @@ SET status = CASE
 FROM {commit_mode},
      {wake_listeners} AS woke,
      {finishes} AS f(id, lease_version, outcome, delay, error)
-WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processing'
+WHERE o.id = f.id AND o.lease_version = f.lease_version AND {fenced_processing}
   AND f.outcome IN ('done', 'retry', 'defer', 'rate_limited', 'dead', 'error', 'postpone', 'release')
   AND (f.outcome <> 'done' OR o.ordering_key IS NULL OR %(keys_locked)s::bool)
   AND (f.outcome <> 'release' OR o.started_version < o.lease_version)
@@ -577,7 +588,7 @@ SELECT set_config('statement_timeout', %(ms)s::text, true),
 UPDATE {table} AS o
 SET lease_until = greatest(o.lease_until, now() + make_interval(secs => %(seconds)s))
 FROM {leases} AS e(id, lease_version)
-WHERE o.id = e.id AND o.lease_version = e.lease_version AND o.status = 'processing'
+WHERE o.id = e.id AND o.lease_version = e.lease_version AND {fenced_processing}
 RETURNING o.id;
 
 -- name: canonical_name
