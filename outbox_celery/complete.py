@@ -349,6 +349,8 @@ class Completer:
             "max_attempts": max_attempts,
             "commit_mode": store._commit_mode(conn),
             "starter": starter,
+            # The table, for a group's callback that a dead start completes (invariant 29).
+            "table": self._table,
             # Each row's share of the stored payload bytes one result may carry.
             "inline_share": self.inline_bytes // max(1, len(leases)),
         }

@@ -125,6 +125,11 @@ def _queries(table: TableName) -> dict[str, sql.Composed]:
     return {**_sql.queries("queries.sql", table), **_sql.queries("admin.sql", table)}
 
 
+def _regclass(conn: psycopg.Connection[Any], table: str | TableName) -> str:
+    """The table's quoted name, resolved to its oid in SQL (the notify channel, its sequence)."""
+    return TableName.parse(table).identifier().as_string(conn)
+
+
 def _q(table: str | TableName, name: str) -> sql.Composed:
     return _queries(TableName.parse(table))[name]
 
@@ -752,7 +757,8 @@ def requeue(
     why = _reason(reason, required=False)
     with conn.transaction():
         _check_statuses(conn, table, wanted, ("dead",), "requeue")
-        rows = conn.execute(_q(table, "requeue_ids"), {"ids": wanted, "reason": why}).fetchall()
+        params = {"ids": wanted, "reason": why, "table": _regclass(conn, table)}
+        rows = conn.execute(_q(table, "requeue_ids"), params).fetchall()
     done = sorted(int(r[0]) for r in rows)
     logger.warning(
         "operator requeued %s dead message(s)",
@@ -784,7 +790,13 @@ def requeue_all(
         with conn.transaction():
             rows = conn.execute(
                 _q(table, "requeue_batch"),
-                {"after": after, "event_type": event_type, "reason": why, "limit": batch_size},
+                {
+                    "after": after,
+                    "event_type": event_type,
+                    "reason": why,
+                    "limit": batch_size,
+                    "table": _regclass(conn, table),
+                },
             ).fetchall()
         total += len(rows)
         if len(rows) < batch_size:
@@ -820,7 +832,7 @@ def skip(
         regclass = TableName.parse(table).identifier().as_string(conn)
         conn.execute(_q(table, "lock_keys_of_ids"), {"table": regclass, "ids": wanted})
         _check_statuses(conn, table, wanted, ("dead", "pending"), "skip")
-        params = {"ids": wanted, "reason": why, "skip_mark": SKIPPED_BY_OPERATOR}
+        params = {"ids": wanted, "reason": why, "skip_mark": SKIPPED_BY_OPERATOR, "table": regclass}
         rows = conn.execute(_q(table, "skip_ids"), params).fetchall()
         keys = sorted({str(r[1]) for r in rows if r[1] is not None})
         if keys:

@@ -243,18 +243,35 @@ FROM {table} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE;
 -- whose lease expired (its task lost, its event type without a handler) may be requeued too
 -- (DESIGN invariant 10): no worker holds it, and a straggler's task is fenced off by status.
 -- The count of claims that never started starts again from zero.
-UPDATE {table}
+-- A dead member of an open group no longer counts as dead there (group_settle, DESIGN invariant
+-- 29): it runs again and counts when it is final again.
+WITH was AS (
+    SELECT id, status FROM {table}
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND (status = 'dead' OR (status = 'processing' AND lease_until <= now()))
+    ORDER BY id
+    FOR UPDATE
+),
+requeued AS (
+UPDATE {table} AS o
 SET status = 'pending',
     attempts = 0,
     available_at = now(),
     lease_until = NULL,
-    started_version = lease_version,
+    started_version = o.lease_version,
     last_error = left('requeued by operator' || coalesce(': ' || %(reason)s::text, '')
-                      || ' (attempts were ' || attempts || ')'
-                      || coalesce('; previous error: ' || last_error, ''), 8000)
-WHERE id = ANY(%(ids)s::bigint[])
-  AND (status = 'dead' OR (status = 'processing' AND lease_until <= now()))
-RETURNING id;
+                      || ' (attempts were ' || o.attempts || ')'
+                      || coalesce('; previous error: ' || o.last_error, ''), 8000)
+FROM was
+WHERE o.id = was.id
+RETURNING o.id, o.group_id, o.event_type, was.status AS was
+),
+group_moves AS (
+    SELECT group_id, id, event_type, NULL::text AS last_error, 0 AS d_done, -1 AS d_dead
+    FROM requeued WHERE group_id IS NOT NULL AND was = 'dead'
+),
+{group_settle}
+SELECT id FROM requeued;
 
 -- name: requeue_batch
 -- One bounded batch of "requeue --all": ids above the previous batch, so nothing is requeued
@@ -267,6 +284,7 @@ WITH picked AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
+, requeued AS (
 UPDATE {table} AS o
 SET status = 'pending',
     attempts = 0,
@@ -278,7 +296,15 @@ SET status = 'pending',
                       || coalesce('; previous error: ' || o.last_error, ''), 8000)
 FROM picked
 WHERE o.id = picked.id
-RETURNING o.id;
+RETURNING o.id, o.group_id, o.event_type
+),
+-- As requeue_ids: a dead member of an open group no longer counts as dead (invariant 29).
+group_moves AS (
+    SELECT group_id, id, event_type, NULL::text AS last_error, 0 AS d_done, -1 AS d_dead
+    FROM requeued WHERE group_id IS NOT NULL
+),
+{group_settle}
+SELECT id FROM requeued;
 
 -- name: lock_keys_of_ids
 -- Before a skip: the producers' key locks (queries.sql lock_keys) of every ordered message among
@@ -294,16 +320,34 @@ FROM (SELECT DISTINCT ordering_key AS k FROM {table}
 -- skip_mark (admin.SKIPPED_BY_OPERATOR), which is how a skipped row is told from a delivered one. In SET,
 -- "status" still reads the old value. A processing row whose lease expired may be skipped too
 -- (DESIGN invariant 10); a live lease never (a worker may be running it).
-UPDATE {table}
+-- A member of an open group counts as done there, and no longer as dead (group_settle, DESIGN
+-- invariant 29); the last one enqueues the group's callback.
+WITH was AS (
+    SELECT id, status FROM {table}
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND (status IN ('dead', 'pending') OR (status = 'processing' AND lease_until <= now()))
+    ORDER BY id
+    FOR UPDATE
+),
+skipped AS (
+UPDATE {table} AS o
 SET status = 'done',
     done_at = now(),
     lease_until = NULL,
-    last_error = left(%(skip_mark)s::text || ': ' || %(reason)s::text || ' (was ' || status
-                      || ', attempts ' || attempts || ')'
-                      || coalesce('; previous error: ' || last_error, ''), 8000)
-WHERE id = ANY(%(ids)s::bigint[])
-  AND (status IN ('dead', 'pending') OR (status = 'processing' AND lease_until <= now()))
-RETURNING id, ordering_key;
+    last_error = left(%(skip_mark)s::text || ': ' || %(reason)s::text || ' (was ' || was.status
+                      || ', attempts ' || o.attempts || ')'
+                      || coalesce('; previous error: ' || o.last_error, ''), 8000)
+FROM was
+WHERE o.id = was.id
+RETURNING o.id, o.ordering_key, o.group_id, o.event_type, was.status AS was
+),
+group_moves AS (
+    SELECT group_id, id, event_type, NULL::text AS last_error, 1 AS d_done,
+           -(was = 'dead')::int AS d_dead
+    FROM skipped WHERE group_id IS NOT NULL
+),
+{group_settle}
+SELECT id, ordering_key FROM skipped;
 
 -- name: purge_cutoff
 -- Fixed once per purge run, so the run has a bounded amount of work.

@@ -27,15 +27,57 @@ RETURNING id, dedup_key,
 -- As insert; within the batch only the first row of a key (lowest n, hence lowest id) can be
 -- its head, and only if the key has no unfinished message already. Should that first row be
 -- dropped as a duplicate dedup key, the producer settles the key's head afterwards (settle_heads).
+WITH gid AS (SELECT NULL::bigint AS group_id)
+{insert_rows}
+
+-- name: group_insert
+-- A group and its members in one statement (DESIGN invariant 29): the group's id drawn first,
+-- the members inserted as insert_many does with that group_id, then the group's row with total =
+-- the member rows actually inserted (a duplicate dedup key drops its member: it is none). Its
+-- first row is the group's (id NULL, group_id its id); the members' rows follow.
+WITH gid AS (
+    SELECT nextval(pg_get_serial_sequence(%(group_table)s::text, 'id')) AS group_id
+),
+ins AS ({insert_rows}),
+grp AS (
+    INSERT INTO {group_table} (id, total, skip_on_dead, event_type, aggregate_type, aggregate_id,
+                               payload, delay, limit_key, trace_context)
+    OVERRIDING SYSTEM VALUE
+    SELECT gid.group_id, (SELECT count(*) FROM ins), %(skip_on_dead)s, %(then_event_type)s,
+           %(then_aggregate_type)s, %(then_aggregate_id)s, %(then_payload)s::json, %(then_delay)s,
+           %(then_limit_key)s, %(then_trace_context)s::jsonb
+    FROM gid
+    RETURNING id, total
+)
+SELECT NULL::bigint AS id, NULL::text AS dedup_key, NULL::bool AS woke, grp.id AS group_id,
+       grp.total
+FROM grp
+UNION ALL
+SELECT id, dedup_key, woke, NULL, NULL FROM ins;
+
+-- name: group_fire_empty
+-- A group none of whose members was inserted (each one a duplicate dedup key) is complete at
+-- once: its callback is enqueued in the producer's transaction, by the rule every member's
+-- finalize runs (group_settle with no outcome to count).
+WITH group_moves AS (
+    SELECT %(group_id)s::bigint AS group_id, NULL::bigint AS id, NULL::text AS event_type,
+           NULL::text AS last_error, 0 AS d_done, 0 AS d_dead
+),
+{group_settle}
+SELECT (SELECT count(*) FROM gs_fired) AS fired;
+
+-- fragment: insert_rows
+-- The rows of insert_many and of a group's members (group_insert): the statement's "gid" names
+-- their group (NULL: none).
 INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key, available_at,
-                     head, dedup_key, trace_context, limit_key)
+                     head, dedup_key, trace_context, limit_key, group_id)
 SELECT u.event_type, u.aggregate_type, u.aggregate_id, u.payload::json, u.ordering_key,
        now() + make_interval(secs => u.delay),
        u.ordering_key IS NOT NULL
        AND row_number() OVER (PARTITION BY u.ordering_key ORDER BY u.n) = 1
        AND NOT EXISTS (SELECT 1 FROM {table} AS o
                        WHERE o.ordering_key = u.ordering_key AND o.status <> 'done'),
-       u.dedup_key, u.trace_context::jsonb, u.limit_key
+       u.dedup_key, u.trace_context::jsonb, u.limit_key, (SELECT group_id FROM gid)
 FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[], %(aggregate_ids)s::text[],
             %(payloads)s::text[], %(ordering_keys)s::text[], %(delays)s::float8[],
             %(dedup_keys)s::text[], %(trace_contexts)s::text[], %(limit_keys)s::text[])
@@ -171,7 +213,8 @@ RETURNING o.id, o.lease_version, o.event_type, decided.routable,
           o.lease_version - o.started_version AS unstarted_claims;
 
 -- name: reap
--- Expired leases whose attempts are exhausted go dead (DESIGN invariant 5).
+-- Expired leases whose attempts are exhausted go dead (DESIGN invariant 5); a group's member
+-- counts in its group (group_settle, invariant 29).
 WITH doomed AS (
     SELECT id FROM {table}
     WHERE status = 'processing' AND lease_until <= now()
@@ -181,6 +224,7 @@ WITH doomed AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
+, reaped AS (
 UPDATE {table} AS o
 SET status = 'dead',
     lease_until = NULL,
@@ -189,7 +233,15 @@ SET status = 'dead',
                  || coalesce('; last error: ' || o.last_error, '')
 FROM doomed
 WHERE o.id = doomed.id
-RETURNING o.id, o.lease_version, o.event_type;
+RETURNING o.id, o.lease_version, o.event_type, o.group_id, o.last_error
+),
+-- A member of a group counts its dead in the group's row (invariant 29).
+group_moves AS (
+    SELECT group_id, id, event_type, last_error, 0 AS d_done, 1 AS d_dead
+    FROM reaped WHERE group_id IS NOT NULL
+),
+{group_settle}
+SELECT id, lease_version, event_type FROM reaped;
 
 -- fragment: claim_picked
 -- The tail of every claim statement (claim_expired, claim_pending, claim_heads and their
@@ -337,6 +389,7 @@ SELECT id, payload FROM {table} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id;
 -- for one). A claim that did start is not judged here: its run may still be going (a
 -- redelivered task) or its start's reply was lost (resume); the reap decides once its lease
 -- has run out (DESIGN invariant 5).
+WITH exhausted AS (
 UPDATE {table}
 SET status = 'dead',
     lease_until = NULL,
@@ -347,7 +400,15 @@ FROM {leases} AS s(claim_id, claim_version)
 WHERE id = s.claim_id AND lease_version = s.claim_version AND status = 'processing'
   AND started_version < lease_version
   AND attempts >= %(max_attempts)s
-RETURNING id;
+RETURNING id, event_type, group_id, last_error
+),
+-- A member of a group counts its dead in the group's row (invariant 29).
+group_moves AS (
+    SELECT group_id, id, event_type, last_error, 0 AS d_done, 1 AS d_dead
+    FROM exhausted WHERE group_id IS NOT NULL
+),
+{group_settle}
+SELECT id FROM exhausted;
 
 -- name: lock_key_of
 -- First statement of a finalize that holds an ordered done: the producers' locks (lock_keys) of
@@ -375,9 +436,12 @@ FROM (SELECT DISTINCT ordering_key AS k FROM {table}
 --   postpone      'pending' after the delay, the attempt refunded (no handler here, unroutable);
 --   release       'pending' now, nothing spent, only while the claim never started (a publish
 --                 that failed; a worker that started the claim keeps its row, invariant 12).
+-- A member of a group counts its done or dead in the group's row in the same statement, and the
+-- last one enqueues the group's callback (group_settle, DESIGN invariant 29).
 -- commit_mode as in start (the completer relaxes only an all-done finalize). With notify the
 -- table's listeners hear at commit that leases ended (a claim that the in-flight bound stopped
 -- runs again then), on the channel the producers' insert signals.
+WITH fin AS (
 UPDATE {table} AS o
 SET status = CASE
         WHEN f.outcome IN ('done', 'dead') THEN f.outcome
@@ -412,7 +476,18 @@ WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processi
   AND f.outcome IN ('done', 'retry', 'defer', 'rate_limited', 'dead', 'error', 'postpone', 'release')
   AND (f.outcome <> 'done' OR o.ordering_key IS NULL OR %(keys_locked)s::bool)
   AND (f.outcome <> 'release' OR o.started_version < o.lease_version)
-RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay;
+RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay,
+          o.group_id, o.last_error
+),
+-- A member of a group that reached done or dead counts in its group's row, in this statement
+-- (invariant 29): the fence makes it once per row.
+group_moves AS (
+    SELECT group_id, id, event_type, last_error,
+           (status = 'done')::int AS d_done, (status = 'dead')::int AS d_dead
+    FROM fin WHERE group_id IS NOT NULL AND status IN ('done', 'dead')
+),
+{group_settle}
+SELECT id, status, outcome, event_type, limit_key, ordering_key, delay FROM fin;
 
 -- fragment: attempts_spent
 -- A retry at the limit goes dead (finish).
@@ -930,3 +1005,71 @@ UPDATE {flow_table} AS f
 SET key_cursor = u.k, updated_at = now()
 FROM unnest(%(types)s::text[], %(keys)s::text[]) AS u(event_type, k)
 WHERE f.event_type = u.event_type;
+
+-- fragment: group_settle
+-- The one definition of counting a group's outcomes (DESIGN invariant 29). The statement that
+-- writes a member's final outcome names what it changed "group_moves" (group_id, id, event_type,
+-- last_error, d_done, d_dead: +1 for an outcome reached, -1 for one undone by an operator's
+-- requeue or skip) and this follows it in the same statement, so the count commits with the
+-- outcome, once per row, as the fenced write itself. Only open groups count. Each open group is
+-- locked (in id order: two finalizers never deadlock) and read at its latest version (FOR
+-- UPDATE waits for a concurrent finalizer's commit and re-reads the row), so exactly one
+-- finalizer sees done + dead reach total; the lock is held to the end of this finalize only.
+-- That finalizer closes the group: 'skipped' when a member is dead and skip_on_dead, else
+-- 'fired' with the callback's event inserted here (its id drawn in the group's update, so the
+-- group row records it), its payload the declared object plus "outbox_group": the counts and
+-- the first dead members (at most 100; group_outcomes in admin.sql reads them all). A new
+-- callback wakes the table's listeners at commit (push).
+gs_moves AS (
+    SELECT group_id, sum(d_done)::int AS d_done, sum(d_dead)::int AS d_dead,
+           coalesce(jsonb_agg(jsonb_build_object('id', id, 'event_type', event_type,
+                                                 'last_error', left(last_error, 1000)) ORDER BY id)
+                    FILTER (WHERE d_dead > 0), '[]'::jsonb) AS died,
+           coalesce(array_agg(id) FILTER (WHERE d_dead < 0), ARRAY[]::bigint[]) AS revived
+    FROM group_moves GROUP BY group_id
+),
+gs_old AS (
+    SELECT g.id, g.total, g.done, g.dead, g.skip_on_dead, g.dead_members
+    FROM {group_table} AS g
+    WHERE g.id IN (SELECT group_id FROM gs_moves) AND g.state = 'open'
+    ORDER BY g.id
+    FOR UPDATE
+),
+gs_sums AS (
+    SELECT o.id, o.done + m.d_done AS done, o.dead + m.d_dead AS dead,
+           o.done + m.d_done + o.dead + m.d_dead >= o.total AS complete,
+           o.skip_on_dead AND o.dead + m.d_dead > 0 AS skip,
+           (SELECT coalesce(jsonb_agg(e ORDER BY (e ->> 'id')::bigint), '[]'::jsonb)
+            FROM (SELECT e FROM jsonb_array_elements(o.dead_members || m.died) AS e
+                  WHERE (e ->> 'id')::bigint <> ALL(m.revived)
+                  ORDER BY (e ->> 'id')::bigint LIMIT 100) AS kept) AS dead_members
+    FROM gs_old AS o JOIN gs_moves AS m ON m.group_id = o.id
+),
+gs_new AS (
+    UPDATE {group_table} AS g
+    SET done = s.done, dead = s.dead, dead_members = s.dead_members,
+        state = CASE WHEN NOT s.complete THEN 'open' WHEN s.skip THEN 'skipped' ELSE 'fired' END,
+        closed_at = CASE WHEN s.complete THEN now() END,
+        callback_id = CASE WHEN s.complete AND NOT s.skip
+                           THEN nextval(pg_get_serial_sequence(%(table)s::text, 'id')) END
+    FROM gs_sums AS s
+    WHERE g.id = s.id
+    RETURNING g.*
+),
+gs_fired AS (
+    INSERT INTO {table} (id, event_type, aggregate_type, aggregate_id, payload, available_at,
+                         trace_context, limit_key)
+    OVERRIDING SYSTEM VALUE
+    SELECT n.callback_id, n.event_type, n.aggregate_type, n.aggregate_id,
+           (left(rtrim(n.payload::text), -1)
+            || CASE WHEN (SELECT count(*) FROM json_object_keys(n.payload)) = 0 THEN '' ELSE ', ' END
+            || '"outbox_group": '
+            || json_build_object('id', n.id, 'state', n.state, 'total', n.total, 'done', n.done,
+                                 'dead', n.dead, 'dead_members', n.dead_members,
+                                 'truncated', n.dead > jsonb_array_length(n.dead_members))::text
+            || chr(125))::json,
+           now() + make_interval(secs => n.delay), n.trace_context, n.limit_key
+    FROM gs_new AS n
+    WHERE n.callback_id IS NOT NULL
+    RETURNING id, pg_notify({notify_channel}, '') IS NULL AS woke
+)
