@@ -16,6 +16,7 @@ IDENTIFIERS = {
     "instance_table",
     "flow_table",
     "flow_key_table",
+    "group_table",
     *_sql.INDEX_SUFFIXES,
     *_sql.INBOX_INDEX_SUFFIXES,
 }
