@@ -264,8 +264,9 @@ def _write(
     with _explained(table):
         if not _owns_transaction(view):
             ids = drive(view, plan)
-            # In a transactional handler's transaction: its follow-ups (DESIGN invariant 18).
-            FOLLOW_UPS.note(view, TableName.parse(table), ids)
+            # In a transactional handler's transaction: its follow-ups (DESIGN invariant 18);
+            # a group's plan returns the group's id first, which is no outbox row.
+            FOLLOW_UPS.note(view, TableName.parse(table), ids if group is None else ids[1:])
             return ids
         with view.own_transaction():
             return drive(view, plan)
