@@ -121,7 +121,7 @@ def fill(text: str, fragments: Mapping[str, str] = FRAGMENTS) -> str:
 #: Fragments of one file that the statements of other files use too, by the file that holds
 #: them: counting a group's outcomes is written once, beside the finalize (invariant 29), and
 #: the operator's requeue and skip (admin.sql) run it as well.
-SHARED: Mapping[str, str] = MappingProxyType({"group_settle": "queries.sql"})
+SHARED: Mapping[str, str] = MappingProxyType({"group_settle": "queries.sql", "group_callback": "queries.sql"})
 
 
 @functools.cache

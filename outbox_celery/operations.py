@@ -28,6 +28,17 @@ from . import _sql
 from ._seconds import seconds
 from .config import TableName
 from .errors import AdminError as AdminError  # also importable from here
+from .groups import (
+    DeadMember,
+    GroupInfo,
+    GroupSummary,
+    cancel_group,
+    finish_group,
+    get_group,
+    group_outcomes,
+    group_summary,
+    list_groups,
+)
 
 __all__ = [
     "DEFAULT_STATS_CAP",
@@ -35,21 +46,30 @@ __all__ = [
     "AdminError",
     "AttemptsBucket",
     "DeadFilters",
+    "DeadMember",
     "DeadMessage",
     "EventTypeStats",
     "FlowState",
+    "GroupInfo",
+    "GroupSummary",
     "Horizon",
     "KeyFlowState",
     "Stats",
     "Unclaimed",
+    "cancel_group",
     "count_dead",
     "count_purgeable",
+    "finish_group",
     "flow_states",
     "format_duration",
+    "get_group",
     "get_message",
+    "group_outcomes",
+    "group_summary",
     "horizon",
     "key_states",
     "list_dead",
+    "list_groups",
     "parse_duration",
     "pause",
     "prune_flow_keys",
@@ -438,6 +458,8 @@ class Stats:
     cap: int | None = DEFAULT_STATS_CAP
     capped: dict[str, bool] = field(default_factory=dict)
     done_last_minute: int = 0
+    #: Open groups with a callback (DESIGN invariant 29); empty before migration 0012.
+    groups: GroupSummary = field(default_factory=GroupSummary)
 
     @property
     def dead(self) -> int:
@@ -506,6 +528,7 @@ def stats(
         held = horizon(conn, t)
         flow = flow_states(conn, t)
         keys = key_states(conn, t)
+        groups = group_summary(conn, t, cap=cap)
         if previous is not None:
             cur.execute("SELECT set_config('statement_timeout', %s, true)", [previous["previous"]])
     assert row is not None
@@ -553,6 +576,7 @@ def stats(
         cap=cap,
         capped={s: bool(row[f"{s}_capped"]) for s in ("pending", "processing", "done", "dead")},
         done_last_minute=int(row["done_last_minute"]),
+        groups=groups,
     )
 
 

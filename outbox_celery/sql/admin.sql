@@ -552,3 +552,53 @@ up AS (
 )
 SELECT coalesce((SELECT held FROM before), false) AS was_held, (SELECT count(*) FROM up) AS rows,
        pg_notify({notify_channel}, '') IS NULL AS woke;
+
+-- name: group_exists
+-- Whether the groups' table (migration 0012) is there: stats of a table not migrated yet show
+-- no group instead of failing.
+SELECT to_regclass(%(group_table)s) IS NOT NULL;
+
+-- name: group_summary
+-- Open groups (DESIGN invariant 29), read through the open groups' index, at most %(cap)s: how
+-- many, the oldest one's age, and how many have a dead member (blocked: a member waits for
+-- an operator's requeue or skip, or the group for a finish or cancel by hand).
+SELECT count(*) AS open, extract(epoch FROM now() - min(created_at))::float8 AS oldest_open_age,
+       count(*) FILTER (WHERE dead > 0) AS blocked, coalesce(count(*) >= %(cap)s, false) AS capped
+FROM (SELECT created_at, dead FROM {group_table} WHERE state = 'open'
+      ORDER BY created_at LIMIT %(cap)s) AS o;
+
+-- name: group_list
+-- Groups in one state (NULL: any), the newest first, at most %(limit)s.
+SELECT id, state, total, done, dead, skip_on_dead, event_type, created_at, closed_at,
+       extract(epoch FROM now() - created_at)::float8 AS age, callback_id, note
+FROM {group_table}
+WHERE %(state)s::text IS NULL OR state = %(state)s::text
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: group_get
+SELECT id, state, total, done, dead, skip_on_dead, event_type, created_at, closed_at,
+       extract(epoch FROM now() - created_at)::float8 AS age, callback_id, note
+FROM {group_table} WHERE id = %(id)s;
+
+-- name: group_dead_members
+-- Every dead member of a group, in id order from %(after)s, at most %(limit)s (the members'
+-- index: group_id, id).
+SELECT id, event_type, last_error FROM {table}
+WHERE group_id = %(id)s AND id > %(after)s AND status = 'dead'
+ORDER BY id LIMIT %(limit)s;
+
+-- name: group_close
+-- An operator closes an open group by hand: 'finished' enqueues its callback now with the
+-- outcomes counted so far (group_callback, as the last member's finalize would), 'cancelled'
+-- never will. Members still running finish as usual and count nothing (only open groups count).
+WITH gs_new AS (
+    UPDATE {group_table} AS g
+    SET state = %(state)s, closed_at = now(), note = %(reason)s,
+        callback_id = CASE WHEN %(state)s = 'finished'
+                           THEN nextval(pg_get_serial_sequence(%(table)s::text, 'id')) END
+    WHERE g.id = %(id)s AND g.state = 'open'
+    RETURNING g.*
+),
+gs_fired AS ({group_callback})
+SELECT id, callback_id FROM gs_new;

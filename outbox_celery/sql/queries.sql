@@ -1056,20 +1056,25 @@ gs_new AS (
     WHERE g.id = s.id
     RETURNING g.*
 ),
-gs_fired AS (
-    INSERT INTO {table} (id, event_type, aggregate_type, aggregate_id, payload, available_at,
-                         trace_context, limit_key)
-    OVERRIDING SYSTEM VALUE
-    SELECT n.callback_id, n.event_type, n.aggregate_type, n.aggregate_id,
-           (left(rtrim(n.payload::text), -1)
-            || CASE WHEN (SELECT count(*) FROM json_object_keys(n.payload)) = 0 THEN '' ELSE ', ' END
-            || '"outbox_group": '
-            || json_build_object('id', n.id, 'state', n.state, 'total', n.total, 'done', n.done,
-                                 'dead', n.dead, 'dead_members', n.dead_members,
-                                 'truncated', n.dead > jsonb_array_length(n.dead_members))::text
-            || chr(125))::json,
-           now() + make_interval(secs => n.delay), n.trace_context, n.limit_key
-    FROM gs_new AS n
-    WHERE n.callback_id IS NOT NULL
-    RETURNING id, pg_notify({notify_channel}, '') IS NULL AS woke
-)
+gs_fired AS ({group_callback})
+
+-- fragment: group_callback
+-- The callback's event of every group the statement's "gs_new" closed with a callback id (a
+-- group's row as updated, RETURNING g.*): the declared payload object with "outbox_group" added
+-- (the counts, the first dead members and whether there were more), due after its delay; it
+-- wakes the table's listeners at commit. Written once for group_settle and an operator's finish.
+INSERT INTO {table} (id, event_type, aggregate_type, aggregate_id, payload, available_at,
+                     trace_context, limit_key)
+OVERRIDING SYSTEM VALUE
+SELECT n.callback_id, n.event_type, n.aggregate_type, n.aggregate_id,
+       (left(rtrim(n.payload::text), -1)
+        || CASE WHEN (SELECT count(*) FROM json_object_keys(n.payload)) = 0 THEN '' ELSE ', ' END
+        || '"outbox_group": '
+        || json_build_object('id', n.id, 'state', n.state, 'total', n.total, 'done', n.done,
+                             'dead', n.dead, 'dead_members', n.dead_members,
+                             'truncated', n.dead > jsonb_array_length(n.dead_members))::text
+        || chr(125))::json,
+       now() + make_interval(secs => n.delay), n.trace_context, n.limit_key
+FROM gs_new AS n
+WHERE n.callback_id IS NOT NULL
+RETURNING id, pg_notify({notify_channel}, '') IS NULL AS woke

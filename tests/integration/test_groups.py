@@ -398,3 +398,52 @@ def test_invariant_29_each_async_kind_writes_a_group_in_its_transaction(
         return lambda: None if grp(conn, table, g.id)["total"] == 2 else pytest.fail("total")
 
     asyncio.run(main())()
+
+
+def test_invariant_29_operators_see_open_groups_and_finish_or_cancel_them(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    g1, _ = make(conn, table, 2)
+    g2, _ = make(conn, table, 2)
+    g3, _ = make(conn, table, 150)
+    pairs = start_all(store, conn)
+    assert store.dead(conn, *pairs[0], error="first failed")
+    s = operations.stats(conn, table)
+    assert (s.groups.open, s.groups.blocked) == (3, 1)
+    assert s.groups.oldest_open_age is not None
+    [a, _b, _c] = sorted(operations.list_groups(conn, table), key=lambda g: g.id)
+    assert (a.id, a.progress, a.dead) == (g1, "1 of 2", 1)
+    assert operations.get_group(conn, table, g3).progress == "0 of 150"
+
+    callback = operations.finish_group(conn, table, g1, reason="good enough")
+    [cb] = callbacks(conn, table)
+    assert cb["id"] == callback
+    assert cb["payload"]["outbox_group"]["state"] == "finished"
+    assert cb["payload"]["outbox_group"]["dead_members"][0]["last_error"] == "first failed"
+    operations.cancel_group(conn, table, g2, reason="not wanted")
+    for p in pairs[1:4]:
+        assert store.done(conn, *p)  # members of closed groups count nothing more
+    assert operations.get_group(conn, table, g1).done == 0
+    assert len(callbacks(conn, table)) == 1
+    with pytest.raises(operations.AdminError):
+        operations.cancel_group(conn, table, g1, reason="again")
+    with pytest.raises(operations.AdminError):
+        operations.finish_group(conn, table, g3, reason=" ")
+
+    # More than 100 dead: the payload carries the first 100 and says so; the rest are read.
+    rest = pairs[4:]
+    assert (
+        len(
+            store.finish_many(
+                conn, [(i, v, "dead", 0.0, f"e{i}") for i, v in rest], max_attempts=5, max_age=60
+            ).applied
+        )
+        == 150
+    )
+    [_, big] = callbacks(conn, table)
+    out = big["payload"]["outbox_group"]
+    assert (out["dead"], len(out["dead_members"]), out["truncated"]) == (150, 100, True)
+    page1 = operations.group_outcomes(conn, table, g3, limit=120)
+    page2 = operations.group_outcomes(conn, table, g3, after=page1[-1].id, limit=120)
+    assert [d.id for d in page1 + page2] == [i for i, _ in rest]
+    assert operations.stats(conn, table).groups.open == 0
