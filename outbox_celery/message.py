@@ -95,6 +95,8 @@ class Message:
     #: :mod:`outbox_celery.tracing`.
     trace_context: dict[str, str] | None = field(default=None, repr=False, compare=False)
     legacy_idempotency_key: str = field(default="", repr=False, compare=False)
+    #: The group this message is a member of (DESIGN invariant 29), or ``None``.
+    group_id: int | None = field(default=None, compare=False)
 
     def extend_lease(self, seconds: float) -> bool:
         """Ask for ``seconds`` more of lease from now (database clock), fenced.

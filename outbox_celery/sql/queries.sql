@@ -339,7 +339,7 @@ FROM {commit_mode}, {leases} AS s(claim_id, claim_version)
 WHERE id = s.claim_id AND lease_version = s.claim_version AND status = 'processing'
   AND started_version < lease_version AND attempts < %(max_attempts)s
 RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attempts, created_at,
-          lease_version, ordering_key, trace_context;
+          lease_version, ordering_key, trace_context, group_id;
 
 -- name: resume
 -- The retry of a start whose reply was lost with its connection: the start committed, so the
@@ -351,7 +351,7 @@ FROM {leases} AS s(claim_id, claim_version)
 WHERE id = s.claim_id AND lease_version = s.claim_version AND status = 'processing'
   AND started_version = lease_version AND lease_owner = %(starter)s
 RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attempts, created_at,
-          lease_version, ordering_key, trace_context;
+          lease_version, ordering_key, trace_context, group_id;
 
 -- fragment: inline_payload
 -- The payload, when it is read with the start, its stored size, and whether it was: each of the
@@ -436,12 +436,37 @@ FROM (SELECT DISTINCT ordering_key AS k FROM {table}
 --   postpone      'pending' after the delay, the attempt refunded (no handler here, unroutable);
 --   release       'pending' now, nothing spent, only while the claim never started (a publish
 --                 that failed; a worker that started the claim keeps its row, invariant 12).
--- A member of a group counts its done or dead in the group's row in the same statement, and the
--- last one enqueues the group's callback (group_settle, DESIGN invariant 29).
+-- A group's member is finished by finish_grouped instead (DESIGN invariant 29).
 -- commit_mode as in start (the completer relaxes only an all-done finalize). With notify the
 -- table's listeners hear at commit that leases ended (a claim that the in-flight bound stopped
 -- runs again then), on the channel the producers' insert signals.
+{finish_update}
+  -- A group's member goes through finish_grouped, which counts it (the completer knows from
+  -- the fenced start; a row sent here by mistake is left alone, as a lost lease).
+  AND o.group_id IS NULL
+RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay;
+
+-- name: finish_grouped
+-- finish for rows of which some may be a group's member (DESIGN invariant 29): the same update,
+-- and in the same statement a member that reached done or dead counts in its group's row
+-- (group_settle); the last one enqueues the group's callback. The fence makes it once per row.
+-- Its own statement, so that finish, the one-message handler's, opens neither the groups'
+-- table nor the outbox's indexes for an insert (measured: benchmarks/groups.py).
 WITH fin AS (
+{finish_update}
+RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay,
+          o.group_id, o.last_error
+),
+group_moves AS (
+    SELECT group_id, id, event_type, last_error,
+           (status = 'done')::int AS d_done, (status = 'dead')::int AS d_dead
+    FROM fin WHERE group_id IS NOT NULL AND status IN ('done', 'dead')
+),
+{group_settle}
+SELECT id, status, outcome, event_type, limit_key, ordering_key, delay FROM fin;
+
+-- fragment: finish_update
+-- The update of finish and finish_grouped, written once (every outcome's rule).
 UPDATE {table} AS o
 SET status = CASE
         WHEN f.outcome IN ('done', 'dead') THEN f.outcome
@@ -476,18 +501,6 @@ WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processi
   AND f.outcome IN ('done', 'retry', 'defer', 'rate_limited', 'dead', 'error', 'postpone', 'release')
   AND (f.outcome <> 'done' OR o.ordering_key IS NULL OR %(keys_locked)s::bool)
   AND (f.outcome <> 'release' OR o.started_version < o.lease_version)
-RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay,
-          o.group_id, o.last_error
-),
--- A member of a group that reached done or dead counts in its group's row, in this statement
--- (invariant 29): the fence makes it once per row.
-group_moves AS (
-    SELECT group_id, id, event_type, last_error,
-           (status = 'done')::int AS d_done, (status = 'dead')::int AS d_dead
-    FROM fin WHERE group_id IS NOT NULL AND status IN ('done', 'dead')
-),
-{group_settle}
-SELECT id, status, outcome, event_type, limit_key, ordering_key, delay FROM fin;
 
 -- fragment: attempts_spent
 -- A retry at the limit goes dead (finish).
@@ -1039,10 +1052,11 @@ gs_sums AS (
     SELECT o.id, o.done + m.d_done AS done, o.dead + m.d_dead AS dead,
            o.done + m.d_done + o.dead + m.d_dead >= o.total AS complete,
            o.skip_on_dead AND o.dead + m.d_dead > 0 AS skip,
-           (SELECT coalesce(jsonb_agg(e ORDER BY (e ->> 'id')::bigint), '[]'::jsonb)
-            FROM (SELECT e FROM jsonb_array_elements(o.dead_members || m.died) AS e
-                  WHERE (e ->> 'id')::bigint <> ALL(m.revived)
-                  ORDER BY (e ->> 'id')::bigint LIMIT 100) AS kept) AS dead_members
+           CASE WHEN m.died = '[]'::jsonb AND m.revived = ARRAY[]::bigint[] THEN o.dead_members
+           ELSE (SELECT coalesce(jsonb_agg(e ORDER BY (e ->> 'id')::bigint), '[]'::jsonb)
+                 FROM (SELECT e FROM jsonb_array_elements(o.dead_members || m.died) AS e
+                       WHERE (e ->> 'id')::bigint <> ALL(m.revived)
+                       ORDER BY (e ->> 'id')::bigint LIMIT 100) AS kept) END AS dead_members
     FROM gs_old AS o JOIN gs_moves AS m ON m.group_id = o.id
 ),
 gs_new AS (

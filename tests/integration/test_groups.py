@@ -447,3 +447,25 @@ def test_invariant_29_operators_see_open_groups_and_finish_or_cancel_them(
     page2 = operations.group_outcomes(conn, table, g3, after=page1[-1].id, limit=120)
     assert [d.id for d in page1 + page2] == [i for i, _ in rest]
     assert operations.stats(conn, table).groups.open == 0
+
+
+def test_invariant_29_the_worker_knows_a_member_from_its_start_and_the_plain_finish_leaves_it_alone(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    """A member's start says its group; the one-message handler's finish of a row of no group
+    (the statement that does not count) refuses a member, as a lost lease: a wrong flag costs a
+    redelivery, never a lost count."""
+    gid, [i] = make(conn, table, 1)
+    [c] = store.claim(conn, limit=1, lease=LONG, owner="t", max_attempts=5).claimed
+    msg = store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5)
+    assert msg is not None and msg.group_id == gid
+    assert not store.done(conn, i, c.lease_version, grouped=False)
+    assert fetch(conn, table, i)["status"] == "processing"
+    assert store.done(conn, i, c.lease_version, grouped=True)
+    assert grp(conn, table, gid)["state"] == "fired"
+    # The callback is a row of no group: the plain statement finishes it.
+    [c] = store.claim(conn, limit=1, lease=LONG, owner="t", max_attempts=5).claimed
+    assert c.id == grp(conn, table, gid)["callback_id"]
+    started = store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5)
+    assert started is not None and started.group_id is None
+    assert store.done(conn, c.id, c.lease_version, grouped=False)
