@@ -28,6 +28,7 @@ __all__ = [
     "group_outcomes",
     "group_summary",
     "list_groups",
+    "purge_groups",
 ]
 
 #: The states of a group: open until every member is final, then fired or skipped; cancelled
@@ -185,3 +186,27 @@ def cancel_group(
     """Close an open group for good: its callback is never enqueued. Its members are left as
     they are (requeue, skip or purge them as usual)."""
     _close(conn, table, group_id, "cancelled", reason)
+
+
+def purge_groups(
+    conn: psycopg.Connection[Any],
+    table: str | TableName,
+    *,
+    cutoff: Any,
+    batch_size: int,
+    max_batches: int | None,
+) -> int:
+    """Delete groups closed before ``cutoff`` (a database time), in batches of their own short
+    transactions; open groups stay. Nothing before migration 0012. The groups deleted."""
+    t = TableName.parse(table)
+    if not _ready(conn, t):
+        return 0
+    total = batches = 0
+    while max_batches is None or batches < max_batches:
+        with conn.transaction():
+            n = conn.execute(_q(t, "group_purge"), {"cutoff": cutoff, "limit": batch_size}).rowcount
+        total += n
+        batches += 1
+        if n < batch_size:
+            return total
+    return total

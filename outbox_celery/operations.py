@@ -38,6 +38,7 @@ from .groups import (
     group_outcomes,
     group_summary,
     list_groups,
+    purge_groups,
 )
 
 __all__ = [
@@ -986,7 +987,8 @@ def purge_done(
     most ``batch_size`` rows is its own short transaction (``FOR UPDATE SKIP LOCKED``, so two
     purges never wait on each other), hence ``conn`` must not be inside a transaction.
     ``max_batches`` bounds the run; the next run continues. Then the per-key flow state
-    worth nothing any more goes too (:func:`prune_flow_keys`, not counted in the result).
+    worth nothing any more goes too (:func:`prune_flow_keys`), and the groups closed before the
+    cutoff (:func:`~outbox_celery.groups.purge_groups`), neither counted in the result.
     """
     _outside_transaction(conn, "purge")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -1002,6 +1004,7 @@ def purge_done(
         if n < batch_size:
             break
     prune_flow_keys(conn, table, batch_size=batch_size, max_batches=max_batches)
+    purge_groups(conn, table, cutoff=cutoff, batch_size=batch_size, max_batches=max_batches)
     if total:
         logger.info(
             "outbox purge: deleted %s done row(s) older than %s in %s batch(es)",

@@ -602,3 +602,15 @@ WITH gs_new AS (
 ),
 gs_fired AS ({group_callback})
 SELECT id, callback_id FROM gs_new;
+
+-- name: group_purge
+-- Retention of groups: closed groups (fired, skipped, cancelled, finished) closed before the
+-- purge's cutoff, one bounded batch; open groups are never touched.
+DELETE FROM {group_table}
+WHERE id IN (
+    SELECT id FROM {group_table}
+    WHERE state <> 'open' AND closed_at < %(cutoff)s
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+);

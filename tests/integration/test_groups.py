@@ -469,3 +469,19 @@ def test_invariant_29_the_worker_knows_a_member_from_its_start_and_the_plain_fin
     started = store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5)
     assert started is not None and started.group_id is None
     assert store.done(conn, c.id, c.lease_version, grouped=False)
+
+
+def test_invariant_29_the_purge_deletes_closed_groups_past_retention_and_keeps_open_ones(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    closed, _ = make(conn, table, 1)
+    kept, _ = make(conn, table, 1)
+    [p, _q] = start_all(store, conn)
+    assert store.done(conn, *p)
+    t = TableName.parse(table).identifier("_group")
+    conn.execute(
+        sql.SQL("UPDATE {} SET closed_at = now() - interval '2 days' WHERE id = %s").format(t), [closed]
+    )
+    operations.purge_done(conn, table, older_than=86400, batch_size=10)
+    left = [r[0] for r in conn.execute(sql.SQL("SELECT id FROM {} ORDER BY id").format(t)).fetchall()]
+    assert left == [kept]
