@@ -12,7 +12,10 @@ handler, batch handlers, transactional handlers, the done batcher and the claim'
 unpublished rows all call it, with one value or many. Two steps need statements more, in the
 same transaction: an ordered ``done`` takes its key's producer lock first (``lock_key_of``) and
 hands the key its next head after (``settle_heads``, invariant 9), and a ``rate_limited`` row
-holds its event type or key after it (``flow_hold``, invariant 23).
+holds its event type or key after it (``flow_hold``, invariant 23). A group's member (or a row
+not known to be of no group, :attr:`Finish.grouped`) is finished by ``finish_grouped``, the same
+update with the group's count after it in the same statement; the last member enqueues the
+group's callback there (invariant 29).
 
 The completer runs its statements through the :class:`~outbox_celery.store.Store` it belongs
 to: its named queries, counters and transaction rules (a single statement on an autocommit
