@@ -67,7 +67,7 @@ def child(dsn: str, rows: int) -> dict[str, float]:
     # start, DESIGN invariant 29) where the package has groups: that is the worker's path.
     from outbox_celery import complete
 
-    grouped = {"grouped": False} if "grouped" in complete.Finish.__dataclass_fields__ else {}
+    grouped: dict[str, Any] = {"grouped": False} if "grouped" in complete.Finish.__dataclass_fields__ else {}
 
     def deliver(conn: psycopg.Connection[Any], store: Store, outcome: str, i: int, v: int) -> None:
         msg = store.start(conn, i, v, lease=LEASE, max_attempts=MAX_ATTEMPTS, starter=starter_token())

@@ -120,6 +120,51 @@ def last_member(dsn: str, groups: int, size: int) -> tuple[float, float]:
     return statistics.median(others) * 1e3, statistics.median(lasts) * 1e3
 
 
+def wake_to_claim(dsn: str, groups: int, size: int) -> list[float]:
+    """Milliseconds from the start of each group's last member's done (autocommit: its commit)
+    to a listening session's claim returning the callback: the notification the callback's
+    insert sends at commit, then one claim. Not the handler's start (no broker, no Celery)."""
+    import psycopg
+
+    from outbox_celery import Event, enqueue_group, migrate
+    from outbox_celery.store import Store
+    from outbox_celery.testing import temporary_database
+
+    out: list[float] = []
+    with (
+        temporary_database(dsn, prefix="outbox_bench") as db,
+        psycopg.connect(db, autocommit=True) as conn,
+        psycopg.connect(db, autocommit=True) as listener,
+    ):
+        migrate(conn, "bench_groups")
+        store, claimer = Store("bench_groups"), Store("bench_groups")
+        claimer.listen(listener)
+        for g in range(groups):
+            with conn.transaction():
+                events = [Event("bench.part", {"i": i}, "bench", i) for i in range(size)]
+                enqueue_group(
+                    conn, events, then=Event("bench.done", {"g": g}, "bench", g), table="bench_groups"
+                )
+            got = store.claim(conn, limit=size, lease=LEASE, owner="bench", max_attempts=50).claimed
+            store.start_many(
+                conn, [(c.id, c.lease_version) for c in got], lease=LEASE, max_attempts=5, starter="s"
+            )
+            for c in got[:-1]:
+                assert store.done(conn, c.id, c.lease_version, ordered=False)
+            for _ in listener.notifies(timeout=0.0):
+                pass  # the members' wakes
+            last = got[-1]
+            t0 = time.perf_counter()
+            assert store.done(conn, last.id, last.lease_version, ordered=False)
+            for _ in listener.notifies(timeout=5.0, stop_after=1):
+                pass
+            claimed = claimer.claim(listener, limit=10, lease=LEASE, owner="bench", max_attempts=50).claimed
+            out.append((time.perf_counter() - t0) * 1e3)
+            assert [c.event_type for c in claimed] == ["bench.done"]
+            store.done(conn, claimed[0].id, claimed[0].lease_version)
+    return out
+
+
 def measure(dsn: str, messages: int, size: int, rounds: int) -> dict[str, Any]:
     """Both variants alternated ``rounds`` times; medians per figure, and the last member's
     finalize beside the others'."""
@@ -132,7 +177,13 @@ def measure(dsn: str, messages: int, size: int, rounds: int) -> dict[str, Any]:
                 samples[name].setdefault(figure, []).append(value)
     medians = {name: {f: statistics.median(v) for f, v in figs.items()} for name, figs in samples.items()}
     other_ms, last_ms = last_member(dsn, 50, size)
-    return {"medians": medians, "member_done_ms": other_ms, "last_member_done_ms": last_ms}
+    waits = sorted(wake_to_claim(dsn, 200, 10))
+    return {
+        "medians": medians,
+        "member_done_ms": other_ms,
+        "last_member_done_ms": last_ms,
+        "wake_to_claim_ms": {"p50": waits[len(waits) // 2], "p99": waits[int(len(waits) * 0.99) - 1]},
+    }
 
 
 def print_result(result: dict[str, Any], messages: int, size: int, rounds: int, server: str) -> None:
@@ -149,6 +200,11 @@ def print_result(result: dict[str, Any], messages: int, size: int, rounds: int, 
     print(
         f"finalize of a member (median ms): {result['member_done_ms']:.3f}; of a group's last member, "
         f"which enqueues the callback: {result['last_member_done_ms']:.3f}"
+    )
+    w = result["wake_to_claim_ms"]
+    print(
+        "last member's done -> a listening claim returns the callback (200 groups of 10, no Celery):"
+        f" p50 {w['p50']:.2f} ms, p99 {w['p99']:.2f} ms"
     )
 
 
