@@ -503,6 +503,13 @@ class Bench:
             f"{result['member_done_ms']:.3f}",
             f"{result['last_member_done_ms'] / result['member_done_ms']:.2f}x",
         )
+        w = result["wake_to_claim_ms"]
+        t.row(
+            "last member's done -> a listening claim returns the callback, p99 ms",
+            f"{w['p99']:.2f}",
+            "-",
+            "-",
+        )
         self.report.flush()
         self.results["groups"] = result
 
