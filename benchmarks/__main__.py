@@ -44,6 +44,11 @@ Sections (``--only`` picks some):
   transactional (effect and done in one transaction) beside plain (the effect on its own
   connection, then the done), interleaved twice.
 
+* ``groups`` (opt-in): ``python -m benchmarks.groups``: a member of a group with a callback
+  (DESIGN invariant 29) beside the same message without a group, written, claimed, started and
+  done one row at a time (no Celery), alternated rounds; and the last member's finalize (which
+  enqueues the callback) beside another member's.
+
 * ``peer`` (opt-in, #22): the nearest peer, django-celery-outbox (installed into its own virtual
   environment on first use, left out with a line saying why when it cannot be), with its relay's
   defaults and tuned (``--batch-size 500 --idle-time 0.1``), beside bare Celery and ours on both
@@ -123,6 +128,7 @@ SECTIONS = (
     "flow",
     "flow-bounds",
     "subscriptions",
+    "groups",
 )
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 # The end-to-end deployments: a solo claim worker beside the delivery worker, and the README's
@@ -491,6 +497,37 @@ class Bench:
             f"{a.plain_messages} messages per run, batch_size {a.batch_size}, runs interleaved twice; "
             "the traced runs (1000 messages) count round trips from libpq's protocol trace"
         )
+
+    def groups(self) -> None:
+        from .groups import measure
+
+        messages, size, rounds = 5000, 50, 5
+        result = measure(self.svc.dsn, messages, size, rounds)
+        m = result["medians"]
+        t = self.report.table(
+            f"A group's member (groups of {size}, with their callbacks) beside the same message without "
+            f"a group: {messages} messages written, claimed, started and done one row at a time "
+            f"(no Celery), median of {rounds} alternated rounds",
+            ["figure", "grouped", "baseline (no group)", "ratio"],
+        )
+        for figure in m["grouped"]:
+            new, base = m["grouped"][figure], m["without group"][figure]
+            t.row(figure, f"{new:.1f}", f"{base:.1f}", f"{new / base:.2f}x")
+        t.row(
+            "finalize ms: last member (enqueues the callback) vs another member",
+            f"{result['last_member_done_ms']:.3f}",
+            f"{result['member_done_ms']:.3f}",
+            f"{result['last_member_done_ms'] / result['member_done_ms']:.2f}x",
+        )
+        w = result["wake_to_claim_ms"]
+        t.row(
+            "last member's done -> a listening claim returns the callback, p99 ms",
+            f"{w['p99']:.2f}",
+            "-",
+            "-",
+        )
+        self.report.flush()
+        self.results["groups"] = result
 
     def transactional(self) -> None:
         a = self.args
@@ -1541,6 +1578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "flow": bench.flow,
             "flow-bounds": bench.flow_bounds,
             "subscriptions": bench.subscriptions,
+            "groups": bench.groups,
         }
         failures = 0
         try:

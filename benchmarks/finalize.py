@@ -3,9 +3,9 @@
 ``python -m benchmarks.finalize --baseline <git ref> [--dsn DSN] [--rows N] [--rounds R] [--stale-stats]``
 
 Times ``--rows`` one-row deliveries' database writes on one autocommit connection (the worker's)
-through :class:`~outbox_celery.store.Store`'s public calls: the fenced start
-(:meth:`Store.start`), then the finalize (:meth:`Store.done` of an unordered row, or
-:meth:`Store.retry`). The package as it is at ``--baseline`` (extracted with ``git archive``) and
+through :class:`~outbox_celery.store.Store`: the fenced start (:meth:`Store.start`), then the
+finalize as the one-message handler writes it (the completer's finish of a done of an unordered
+row, or of a retry). The package as it is at ``--baseline`` (extracted with ``git archive``) and
 the working tree's run in turn, ``--rounds`` times each, alternated, each run in a fresh process
 and a fresh database on the same server; the medians of the rounds are printed side by side, in
 microseconds per delivery (start + finalize): wall time, the client process's CPU time and,
@@ -69,13 +69,21 @@ def child(dsn: str, rows: int, *, stale_stats: bool = False) -> dict[str, float]
             out += [(c.id, c.lease_version) for c in got.claimed]
         return out
 
+    # The one-message handler's finish says whether the row is a group's member (known from its
+    # start, DESIGN invariant 29) where the package has groups: that is the worker's path.
+    from outbox_celery import complete
+
+    grouped: dict[str, Any] = {"grouped": False} if "grouped" in complete.Finish.__dataclass_fields__ else {}
+
     def deliver(conn: psycopg.Connection[Any], store: Store, outcome: str, i: int, v: int) -> None:
         msg = store.start(conn, i, v, lease=LEASE, max_attempts=MAX_ATTEMPTS, starter=starter_token())
         assert msg is not None
         if outcome == "done":
-            assert store.done(conn, i, v, ordered=False)
+            finish = complete.Finish(complete.Lease(i, v), complete.Step.DONE, ordered=False, **grouped)
+            assert store.completer.finish(conn, [finish], max_attempts=0, max_age=0.0).of(i)
         else:
-            assert store.retry(conn, i, v, delay=60.0, error="503", max_attempts=MAX_ATTEMPTS)
+            finish = complete.Finish(complete.Lease(i, v), complete.Step.RETRY, 60.0, "503", **grouped)
+            assert store.completer.finish(conn, [finish], max_attempts=MAX_ATTEMPTS, max_age=0.0).of(i)
 
     out: dict[str, float] = {}
     with temporary_database(dsn, prefix="outbox_bench") as db, psycopg.connect(db, autocommit=True) as conn:

@@ -87,6 +87,18 @@ def ok(message: Message) -> None:
     record(message, "ok")
 
 
+@outbox.handler("chaos.member")
+def member(message: Message) -> None:
+    """A group's member (DESIGN invariant 29): delivered at once."""
+    record(message, "ok")
+
+
+@outbox.handler("chaos.group_done")
+def group_done(message: Message) -> None:
+    """A group's callback: delivered at once; the end check wants one per group, each run."""
+    record(message, "ok")
+
+
 @outbox.handler("chaos.ordered")
 def ordered(message: Message) -> None:
     """Delivered at once; the end check verifies that each key's messages ran in id order."""

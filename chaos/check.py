@@ -13,7 +13,7 @@ from .workload import FANOUT, HEALTHY, PERMANENT_ERROR
 # The transactional kind (#24): its effects must be exactly once, not at least once.
 TRANSACTIONAL = "tx"
 
-__all__ = ["FaultRecord", "Verdict", "check", "render"]
+__all__ = ["FaultRecord", "Verdict", "check", "check_groups", "render"]
 
 
 @dataclass
@@ -48,6 +48,10 @@ class Verdict:
     #: Transactional messages whose effect rows are not exactly one when done (none otherwise).
     effects_wrong: list[tuple[int, str, int]] = field(default_factory=list)
     effects_checked: int = 0
+    #: Groups (DESIGN invariant 29): how many, those not fired, callbacks not exactly one.
+    groups: int = 0
+    groups_not_fired: list[tuple[int, str]] = field(default_factory=list)
+    callbacks_wrong: list[tuple[int, int]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
 
 
@@ -59,6 +63,29 @@ def _seen(path: Path) -> list[dict[str, Any]]:
         if line.strip():
             out.append(json.loads(line))
     return out
+
+
+def check_groups(
+    v: Verdict, groups: list[tuple[int, str, int | None]], callbacks: list[tuple[int, int]]
+) -> None:
+    """Every group fired, and its callback committed exactly once: one ``chaos.group_done`` row
+    per group (by the group id its payload carries), the one the group's row names.
+
+    :param groups: (id, state, callback_id) of every group.
+    :param callbacks: (outbox id, group id in its payload) of every callback row.
+    """
+    v.groups = len(groups)
+    v.groups_not_fired = [(g, state) for g, state, _ in groups if state != "fired"]
+    per_group: dict[int, list[int]] = defaultdict(list)
+    for row_id, g in callbacks:
+        per_group[g].append(row_id)
+    for g, _state, callback_id in groups:
+        if per_group.get(g, []) != ([callback_id] if callback_id is not None else []):
+            v.callbacks_wrong.append((g, len(per_group.get(g, []))))
+    if v.groups_not_fired:
+        v.violations.append(f"{len(v.groups_not_fired)} group(s) not fired (left open, or skipped)")
+    if v.callbacks_wrong:
+        v.violations.append(f"{len(v.callbacks_wrong)} group(s) whose callback is not committed exactly once")
 
 
 def check(

@@ -30,10 +30,10 @@ from outbox_celery.config import OutboxConfig
 from outbox_celery.dsn import redact
 from outbox_celery.migrations import migrate
 
-from .check import FaultRecord, Verdict, check, render
+from .check import FaultRecord, Verdict, check, check_groups, render
 from .procs import Child, Supervisor, child_pids
 from .services import CONTROL_APP, PgBouncer, Postgres, RedisServer, connect
-from .workload import EFFECTS_DDL, FANOUT, Producer, plan
+from .workload import EFFECTS_DDL, FANOUT, Producer, plan, plan_groups
 
 __all__ = ["FAULTS", "Profile", "main"]
 
@@ -57,6 +57,8 @@ class Profile:
     child_kills: int
     backend_kills: int
     pin_leases: float  # pinned horizon length, in leases
+    groups: int = 0  # groups with a callback (DESIGN invariant 29)
+    group_size: int = 0
 
 
 FULL = Profile(
@@ -72,6 +74,8 @@ FULL = Profile(
     child_kills=6,
     backend_kills=3,
     pin_leases=20,
+    groups=200,
+    group_size=50,
 )
 SHORT = Profile(
     messages=2000,
@@ -86,6 +90,8 @@ SHORT = Profile(
     child_kills=3,
     backend_kills=2,
     pin_leases=16,
+    groups=20,
+    group_size=10,
 )
 
 # Every fault, in the order a run injects them.
@@ -515,7 +521,8 @@ class Run:
         self.start_workers(("claim", *DELIVERY_WORKERS))
         seconds = self.planned_seconds(faults)
         events = plan(self.p.messages, self.p.keys, self.seed, self.p.slow_max)
-        producer = Producer(self.pg.dsn, events, seconds * 0.9)
+        groups = plan_groups(self.p.groups, self.p.group_size)
+        producer = Producer(self.pg.dsn, events, seconds * 0.9, groups=groups)
         self.start = time.monotonic()
         _log(
             self.start,
@@ -557,6 +564,12 @@ class Run:
         rows = self.query("SELECT id, event_type, status, ordering_key, last_error FROM outbox ORDER BY id")
         effects = self.query("SELECT outbox_id, count(*) FROM chaos_effects GROUP BY outbox_id")
         verdict = check([tuple(r) for r in rows], self.seen, effects={int(i): int(n) for i, n in effects})
+        made = self.query("SELECT id, state, callback_id FROM outbox_group ORDER BY id")
+        callbacks = self.query(
+            "SELECT id, (payload -> 'outbox_group' ->> 'id')::bigint FROM outbox"
+            " WHERE event_type = 'chaos.group_done' ORDER BY id"
+        )
+        check_groups(verdict, [tuple(r) for r in made], [(int(i), int(g)) for i, g in callbacks])
         for f in self.faults:
             if f.error:
                 verdict.violations.append(f"fault {f.name}: {f.error}")
@@ -579,6 +592,12 @@ class Run:
             ),
             ("autovacuum", self.autovacuum),
             ("duplicates", f"{verdict.duplicates}"),
+            (
+                "groups",
+                f"{verdict.groups} ({len(groups)} planned x {self.p.group_size}), "
+                f"{len(verdict.groups_not_fired)} not fired, "
+                f"{len(verdict.callbacks_wrong)} callbacks not once",
+            ),
             ("last claim runs", self.claim_runs()),
             ("logs", str(self.logs)),
         ]
@@ -592,6 +611,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--short", action="store_true", help="the CI variant: fewer messages, shorter faults")
     p.add_argument("--dsn", default=None, help="PostgreSQL server to use (a fresh database is created on it)")
     p.add_argument("--messages", type=int, default=None, help="override the profile's message count")
+    p.add_argument(
+        "--groups", type=int, default=None, help="override the profile's groups with a callback (0: none)"
+    )
     p.add_argument(
         "--faults", default=",".join(FAULTS), help=f"comma-separated subset of: {', '.join(FAULTS)}"
     )
@@ -616,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     profile = SHORT if args.short else FULL
     if args.messages:
         profile = replace(profile, messages=args.messages)
+    if args.groups is not None:
+        profile = replace(profile, groups=args.groups)
     faults = [f for f in FAULTS if f in args.faults.split(",")]
     state_dir = Path(args.state_dir).resolve()
     run_dir = state_dir / "run"

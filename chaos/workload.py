@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import psycopg
 
 from outbox_celery import Event
-from outbox_celery.producer import enqueue_many
+from outbox_celery.producer import enqueue_group, enqueue_many
 
 from .services import connect
 
-__all__ = ["EFFECTS_DDL", "FANOUT", "HEALTHY", "KINDS", "PERMANENT_ERROR", "Producer", "plan"]
+__all__ = ["EFFECTS_DDL", "FANOUT", "HEALTHY", "KINDS", "PERMANENT_ERROR", "Producer", "plan", "plan_groups"]
 
 # The text a permanent message's handler raises; the end check looks for it in last_error.
 PERMANENT_ERROR = "chaos: permanent failure"
@@ -45,7 +45,26 @@ KINDS: dict[str, float] = {
 }
 #: The subscriptions of chaos.fanout; the end check wants every one to have a row per event.
 FANOUT = ("audit", "flaky", "mail")
-HEALTHY = frozenset(KINDS) - {"permanent"}
+# Groups with a callback (DESIGN invariant 29): members ("member") and callbacks ("group_done")
+# are written apart from the mix, one group per transaction; both must end done.
+HEALTHY = frozenset(KINDS) - {"permanent"} | {"member", "group_done"}
+
+#: A group of the run: its members and its callback.
+Group = tuple[list[Event], Event]
+
+
+def plan_groups(groups: int, size: int) -> list[Group]:
+    """``groups`` groups of ``size`` members, each with its callback (``chaos.group_done``)."""
+    return [
+        (
+            [
+                Event("chaos.member", {"kind": "member", "group": g, "i": i}, "chaos", f"g{g}:{i}")
+                for i in range(size)
+            ],
+            Event("chaos.group_done", {"kind": "group_done", "group": g}, "chaos", f"g{g}"),
+        )
+        for g in range(groups)
+    ]
 
 
 def plan(count: int, keys: int, seed: int, slow_max: float) -> list[Event]:
@@ -98,6 +117,8 @@ class Producer:
     produced: int = 0
     failures: int = 0
     finished_at: float | None = None
+    #: Groups written among the batches, one per transaction, spread over the same time.
+    groups: list[Group] | None = None
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -117,23 +138,39 @@ class Producer:
         """Whether every event was enqueued."""
         return self.finished_at is not None
 
+    def _items(self) -> list[list[Event] | Group]:
+        """The transactions to write in order: the batches, the groups spread among them."""
+        batches: list[list[Event] | Group] = [
+            self.events[i : i + self.batch] for i in range(0, len(self.events), self.batch)
+        ]
+        groups = self.groups or []
+        out: list[list[Event] | Group] = []
+        for k, b in enumerate(batches):
+            out.append(b)
+            out += groups[k * len(groups) // len(batches) : (k + 1) * len(groups) // len(batches)]
+        return out if batches else list(groups)
+
     def _run(self) -> None:
         begin = time.monotonic()
-        per_second = len(self.events) / max(self.seconds, 0.1)
+        items = self._items()
+        per_second = len(items) / max(self.seconds, 0.1)
         conn: psycopg.Connection[object] | None = None
         i = 0
-        while i < len(self.events) and not self._stop.is_set():
-            # Keep to the schedule: batch i is due at i / rate seconds after the start.
+        while i < len(items) and not self._stop.is_set():
+            # Keep to the schedule: transaction i is due at i / rate seconds after the start.
             due = begin + i / per_second
             if (delay := due - time.monotonic()) > 0:
                 self._stop.wait(delay)
                 continue
-            chunk = self.events[i : i + self.batch]
+            item = items[i]
             try:
                 if conn is None or conn.closed:
                     conn = connect(self.dsn)
                 with conn.transaction():
-                    enqueue_many(conn, chunk)
+                    if isinstance(item, tuple):
+                        enqueue_group(conn, item[0], then=item[1])
+                    else:
+                        enqueue_many(conn, item)
             except psycopg.Error:
                 # PostgreSQL restarting or our backend killed: wait a moment, then reconnect.
                 self.failures += 1
@@ -142,8 +179,8 @@ class Producer:
                 conn = None
                 self._stop.wait(0.5)
                 continue
-            i += len(chunk)
-            self.produced = i
+            i += 1
+            self.produced += len(item[0]) if isinstance(item, tuple) else len(item)
         if conn is not None:
             conn.close()
         self.finished_at = time.monotonic()

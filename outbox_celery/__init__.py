@@ -21,7 +21,17 @@ from .errors import (
 )
 from .message import Message, Outcome, Status
 from .migrations import migrate
-from .producer import Event, enqueue, enqueue_async, enqueue_many, enqueue_many_async
+from .producer import (
+    Event,
+    Group,
+    enqueue,
+    enqueue_async,
+    enqueue_group,
+    enqueue_group_async,
+    enqueue_many,
+    enqueue_many_async,
+    group,
+)
 from .store import Claimed, Store
 
 __all__ = [
@@ -30,6 +40,7 @@ __all__ = [
     "ConfigurationError",
     "Defer",
     "Event",
+    "Group",
     "Message",
     "Outbox",
     "OutboxConfig",
@@ -44,8 +55,11 @@ __all__ = [
     "TableName",
     "enqueue",
     "enqueue_async",
+    "enqueue_group",
+    "enqueue_group_async",
     "enqueue_many",
     "enqueue_many_async",
+    "group",
     "migrate",
 ]
 

@@ -38,6 +38,7 @@ INDEX_SUFFIXES = {
     "keyed_idx": "_keyed_idx",
     "key_lease_idx": "_key_lease_idx",
     "payload_of_idx": "_payload_of_idx",
+    "group_member_idx": "_group_member_idx",
 }
 # The inbox table's own index (inbox/schema.sql); an outbox table has none of that name.
 INBOX_INDEX_SUFFIXES = {"processed_idx": "_processed_idx"}
@@ -51,6 +52,8 @@ FLOW_SUFFIX = "_flow"
 FLOW_KEY_SUFFIX = "_flow_key"
 # The table beside each outbox table that lists its subscriptions (DESIGN invariant 28).
 SUBSCRIPTION_SUFFIX = "_subscription"
+# The table beside each outbox table that holds its groups and their callbacks (invariant 29).
+GROUP_SUFFIX = "_group"
 
 #: Rules written once for every file. Names are after the table's oid, never after user text:
 #: distinct per table, and the same for "outbox" and "public.outbox".
@@ -118,10 +121,18 @@ def fill(text: str, fragments: Mapping[str, str] = FRAGMENTS) -> str:
     return _PLACEHOLDER.sub(one, text)
 
 
+#: Fragments of one file that the statements of other files use too, by the file that holds
+#: them: counting a group's outcomes is written once, beside the finalize (invariant 29), and
+#: the operator's requeue and skip (admin.sql) run it as well.
+SHARED: Mapping[str, str] = MappingProxyType({"group_settle": "queries.sql", "group_callback": "queries.sql"})
+
+
 @functools.cache
 def fragments(filename: str) -> Mapping[str, str]:
-    """The fragments the statements of ``sql/<filename>`` may use: :data:`FRAGMENTS` and its own."""
-    return MappingProxyType({**FRAGMENTS, **_entries(filename)[1]})
+    """The fragments the statements of ``sql/<filename>`` may use: :data:`FRAGMENTS`, the
+    :data:`SHARED` ones and its own."""
+    shared = {name: _entries(src)[1][name] for name, src in SHARED.items() if src != filename}
+    return MappingProxyType({**FRAGMENTS, **shared, **_entries(filename)[1]})
 
 
 @functools.cache
@@ -146,6 +157,9 @@ def compose(text: str, table: TableName) -> sql.Composed:
         "subscription_table": table.identifier(SUBSCRIPTION_SUFFIX),
         # The keys' RateLimited holds by their end (migration 0009).
         "flow_key_until_idx": table.index_name(FLOW_KEY_SUFFIX + "_until_idx"),
+        # Groups and their callbacks (migration 0012, invariant 29).
+        "group_table": table.identifier(GROUP_SUFFIX),
+        "group_open_idx": table.index_name(GROUP_SUFFIX + "_open_idx"),
     }
     idents.update({k: table.index_name(v) for k, v in {**INDEX_SUFFIXES, **INBOX_INDEX_SUFFIXES}.items()})
     used = {k: v for k, v in idents.items() if "{" + k + "}" in text}

@@ -430,7 +430,8 @@ class _Run:
         more = {"limit": EXPIRED_BATCH, "lease": lease, "unroutable_delay": unroutable_delay}
         released = self.rows(ReleasedRow, "release_expired", self.params.sql(**more))
         lost, unroutable = _log_released(released, self.store.table.qualified)
-        reaped = self.rows(ReapedRow, "reap", self.params.sql(limit=EXPIRED_BATCH))
+        table = self.store.table.identifier().as_string(None)
+        reaped = self.rows(ReapedRow, "reap", self.params.sql(limit=EXPIRED_BATCH, table=table))
         _log_reaped(reaped, self.store.table.qualified)
         full = len(released) >= EXPIRED_BATCH or len(reaped) >= EXPIRED_BATCH
         if keyed:

@@ -23,6 +23,7 @@ User errors print one line and exit 1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import json
 import logging
@@ -426,6 +427,8 @@ def _attention(
         items.append(f"{s.blocked_keys} ordered key(s) blocked by a dead head")
     if s.headless_keys:
         items.append(f"{s.headless_keys} ordered key(s) without a head (outbox-celery repair-heads)")
+    if s.groups.blocked:
+        items.append(f"{s.groups.blocked} open group(s) with a dead member (outbox-celery groups list)")
     if s.expired_leases:
         items.append(f"{s.expired_leases} expired lease(s) (workers lost or stuck?)")
     if s.unroutable:
@@ -553,6 +556,11 @@ def stats(target: Target, unclaimed_after: float | None, exact: bool, as_json: b
             f"{s.blocked_keys} ({s.blocked_messages} message(s) waiting)",
         ),
         ("ordered keys without a head", s.headless_keys),
+        (
+            "open groups (oldest)",
+            f"{s.groups.open}{'+' if s.groups.capped else ''} ({fd(s.groups.oldest_open_age)}), "
+            f"{s.groups.blocked} blocked by a dead member",
+        ),
     ]
     if h is not None:
         facts += [
@@ -1314,6 +1322,92 @@ def subscriptions_remove(target: Target, event_type: str, name: str, as_json: bo
         click.echo(f"subscription {_shown(route)} removed: new events no longer go to it")
     else:
         click.echo(f"{_shown(route)} is not a live subscription: nothing changed")
+
+
+# -- groups ------------------------------------------------------------------------------------
+
+
+@cli.group("groups", cls=_Group)
+def groups_() -> None:
+    """Groups with a callback: list, show, finish, cancel (DESIGN invariant 29)."""
+
+
+def _group_rows(found: Sequence[operations.GroupInfo]) -> list[tuple[Any, ...]]:
+    fd = operations.format_duration
+    return [
+        (g.id, g.state, g.progress, g.dead, _shown(g.event_type), fd(g.age), g.callback_id or "-")
+        for g in found
+    ]
+
+
+@groups_.command("list")
+@click.option(
+    "--state",
+    type=click.Choice(["open", "fired", "skipped", "cancelled", "finished", "any"]),
+    default="open",
+    show_default=True,
+)
+@click.option("--limit", type=click.IntRange(1, 10000), default=50, show_default=True, help="The newest N.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def groups_list(target: Target, state: str, limit: int, as_json: bool) -> None:
+    """Groups and their progress (members final, of all), the newest first."""
+    with target.connect() as conn:
+        found = operations.list_groups(
+            conn, target.table, state=None if state == "any" else state, limit=limit
+        )
+    if as_json:
+        _echo_json([dataclasses.asdict(g) for g in found])
+        return
+    headers = ["id", "state", "progress", "dead", "callback", "age", "callback id"]
+    click.echo(_table(headers, _group_rows(found), right=[0, 3]) if found else f"no {state} group")
+
+
+@groups_.command("show")
+@click.argument("group_id", metavar="ID", type=click.IntRange(1))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def groups_show(target: Target, group_id: int, as_json: bool) -> None:
+    """One group, and its dead members with their last errors (the first 100)."""
+    with target.connect() as conn:
+        g = operations.get_group(conn, target.table, group_id)
+        dead = operations.group_outcomes(conn, target.table, group_id, limit=100)
+    if as_json:
+        _echo_json({**dataclasses.asdict(g), "dead_members": [dataclasses.asdict(d) for d in dead]})
+        return
+    click.echo(
+        _table(["id", "state", "progress", "dead", "callback", "age", "callback id"], _group_rows([g]))
+    )
+    for d in dead:
+        click.echo(f"dead member {d.id} ({_shown(d.event_type)}): {_shown(d.last_error or '-')}")
+    if g.state == "open" and g.dead:
+        click.echo(
+            "fix: outbox-celery dead requeue ID | outbox-celery dead skip ID --reason '...' | "
+            f"outbox-celery groups finish {g.id} --reason '...' | "
+            f"outbox-celery groups cancel {g.id} --reason '...'"
+        )
+
+
+@groups_.command("finish")
+@click.argument("group_id", metavar="ID", type=click.IntRange(1))
+@click.option("--reason", required=True, help="Recorded with the group.")
+@pass_target
+def groups_finish(target: Target, group_id: int, reason: str) -> None:
+    """Close an open group now and enqueue its callback with the outcomes so far."""
+    with target.connect() as conn:
+        callback = operations.finish_group(conn, target.table, group_id, reason=reason)
+    click.echo(f"group {group_id} finished by hand; its callback is outbox id {callback}")
+
+
+@groups_.command("cancel")
+@click.argument("group_id", metavar="ID", type=click.IntRange(1))
+@click.option("--reason", required=True, help="Recorded with the group.")
+@pass_target
+def groups_cancel(target: Target, group_id: int, reason: str) -> None:
+    """Close an open group for good: its callback is never enqueued."""
+    with target.connect() as conn:
+        operations.cancel_group(conn, target.table, group_id, reason=reason)
+    click.echo(f"group {group_id} cancelled; no callback will be enqueued")
 
 
 # -- entry points ------------------------------------------------------------------------------

@@ -12,7 +12,10 @@ handler, batch handlers, transactional handlers, the done batcher and the claim'
 unpublished rows all call it, with one value or many. Two steps need statements more, in the
 same transaction: an ordered ``done`` takes its key's producer lock first (``lock_key_of``) and
 hands the key its next head after (``settle_heads``, invariant 9), and a ``rate_limited`` row
-holds its event type or key after it (``flow_hold``, invariant 23).
+holds its event type or key after it (``flow_hold``, invariant 23). A group's member (or a row
+not known to be of no group, :attr:`Finish.grouped`) is finished by ``finish_grouped``, the same
+update with the group's count after it in the same statement; the last member enqueues the
+group's callback there (invariant 29).
 
 The completer runs its statements through the :class:`~outbox_celery.store.Store` it belongs
 to: its named queries, counters and transaction rules (a single statement on an autocommit
@@ -176,6 +179,11 @@ class Finish:
     delay: float = 0.0
     error: str = ""
     ordered: bool | None = False
+    #: Whether the row is a group's member (the worker knows it from the fenced start, DESIGN
+    #: invariant 29): ``False`` runs ``finish``, which leaves a member alone (a lost lease);
+    #: ``True`` or ``None`` (unknown) run ``finish_grouped``, which counts a member's final
+    #: outcome in its group.
+    grouped: bool | None = None
 
     @property
     def locks_key(self) -> bool:
@@ -199,6 +207,7 @@ class StartedRow:
     lease_version: int
     ordering_key: str | None
     trace_context: Any
+    group_id: int | None
 
     def as_mapping(self, payload: Any) -> dict[str, Any]:
         """The row by column name, with ``payload`` (inline or read in a chunk)."""
@@ -213,6 +222,7 @@ class StartedRow:
             "lease_version": self.lease_version,
             "ordering_key": self.ordering_key,
             "trace_context": self.trace_context,
+            "group_id": self.group_id,
         }
 
 
@@ -349,6 +359,8 @@ class Completer:
             "max_attempts": max_attempts,
             "commit_mode": store._commit_mode(conn),
             "starter": starter,
+            # The table, for a group's callback that a dead start completes (invariant 29).
+            "table": self._table,
             # Each row's share of the stored payload bytes one result may carry.
             "inline_share": self.inline_bytes // max(1, len(leases)),
         }
@@ -492,7 +504,10 @@ class Completer:
             cur = _own_cursor(conn, _FINISHED)
             if locks:
                 cur.execute(store._q["lock_key_of"], {"table": params["table"], "ids": locks})
-            won = {r.id: r for r in cur.execute(self._query("finish", len(finishes)), params).fetchall()}
+            # A group's member (or a row not known not to be one) counts in its group in the
+            # same statement (invariant 29); the plain statement costs no more than before.
+            name = "finish" if all(f.grouped is False for f in finishes) else "finish_grouped"
+            won = {r.id: r for r in cur.execute(self._query(name, len(finishes)), params).fetchall()}
             keys = sorted({r.ordering_key for r in won.values() if r.outcome == Step.DONE and r.ordering_key})
             if keys:
                 # Still under the key locks: each key's next message becomes its head.

@@ -692,9 +692,9 @@ class Dispatcher(BatchDelivery):
             return bool(self.store.completer.extend(conn, leases, seconds=seconds))
 
     def _batch_done(self, msg: Message, lease_version: int, lease_end: float) -> bool:
-        """Queue an unordered row's done for the next batch, if the lease has room for the wait."""
+        """Queue the done of an unordered row of no group (invariant 29) for the next batch."""
         batch = self.done_batch
-        if batch is None or msg.ordering_key is not None:
+        if batch is None or msg.ordering_key is not None or msg.group_id is not None:
             return False
         if lease_end - time.monotonic() <= batch.delay + DONE_BATCH_MARGIN:
             return False
@@ -751,7 +751,7 @@ class Dispatcher(BatchDelivery):
             logger.warning("outbox: waking the claim failed (%s)", first_line(exc))
 
     def _write_done_batch(self, finished: list[Lease]) -> FinalizedMany:
-        return self._complete("done_many", [Finish(x, Step.DONE) for x in finished])
+        return self._complete("done_many", [Finish(x, Step.DONE, grouped=False) for x in finished])
 
     def flush(self) -> None:
         """Write the ``done`` of every handled message this process still holds."""

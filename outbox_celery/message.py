@@ -119,6 +119,8 @@ class Message:
     trace_context: dict[str, str] | None = field(default=None, repr=False, compare=False)
     legacy_idempotency_key: str = field(default="", repr=False, compare=False)
     subscription: str | None = None
+    #: The group this message is a member of (DESIGN invariant 29), or ``None``.
+    group_id: int | None = field(default=None, compare=False)
 
     @property
     def route(self) -> str:

@@ -277,6 +277,22 @@ class OutboxCollector:
                 "Limit keys of the event type a RateLimited outcome holds back (all of them).",
                 labels=["table", "event_type"],
             ),
+            "groups_open": g(
+                f"{ns}_groups_open",
+                "Open groups with a callback (invariant 29): members not all final yet.",
+                labels=["table"],
+            ),
+            "groups_oldest": g(
+                f"{ns}_groups_oldest_open_age_seconds",
+                "Seconds since the oldest open group was written (0: none open).",
+                labels=["table"],
+            ),
+            "groups_blocked": g(
+                f"{ns}_groups_blocked",
+                "Open groups with a dead member: they wait for an operator (requeue or skip the"
+                " member, or finish or cancel the group) unless every other member ends.",
+                labels=["table"],
+            ),
         }
         if self.handlers is not None:
             fams["unroutable"] = g(
@@ -329,6 +345,9 @@ class OutboxCollector:
         fams["blocked_keys"].add_metric([name], s.blocked_keys)
         fams["blocked_messages"].add_metric([name], s.blocked_messages)
         fams["headless_keys"].add_metric([name], s.headless_keys)
+        fams["groups_open"].add_metric([name], s.groups.open)
+        fams["groups_oldest"].add_metric([name], s.groups.oldest_open_age or 0.0)
+        fams["groups_blocked"].add_metric([name], s.groups.blocked)
         for e in s.event_types:
             for status in _LIVE:
                 fams["type_messages"].add_metric([name, e.event_type, status], getattr(e, status))

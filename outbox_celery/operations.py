@@ -28,6 +28,18 @@ from . import _sql
 from ._seconds import seconds
 from .config import TableName
 from .errors import AdminError as AdminError  # also importable from here
+from .groups import (
+    DeadMember,
+    GroupInfo,
+    GroupSummary,
+    cancel_group,
+    finish_group,
+    get_group,
+    group_outcomes,
+    group_summary,
+    list_groups,
+    purge_groups,
+)
 from .message import KEY_SEPARATOR
 
 __all__ = [
@@ -36,21 +48,30 @@ __all__ = [
     "AdminError",
     "AttemptsBucket",
     "DeadFilters",
+    "DeadMember",
     "DeadMessage",
     "EventTypeStats",
     "FlowState",
+    "GroupInfo",
+    "GroupSummary",
     "Horizon",
     "KeyFlowState",
     "Stats",
     "Unclaimed",
+    "cancel_group",
     "count_dead",
     "count_purgeable",
+    "finish_group",
     "flow_states",
     "format_duration",
+    "get_group",
     "get_message",
+    "group_outcomes",
+    "group_summary",
     "horizon",
     "key_states",
     "list_dead",
+    "list_groups",
     "parse_duration",
     "pause",
     "prune_flow_keys",
@@ -124,6 +145,11 @@ def _queries(table: TableName) -> dict[str, sql.Composed]:
     # The operator's queries, plus the dispatcher's where an operator action must do exactly what
     # the dispatcher does (settle_heads after a skip).
     return {**_sql.queries("queries.sql", table), **_sql.queries("admin.sql", table)}
+
+
+def _regclass(conn: psycopg.Connection[Any], table: str | TableName) -> str:
+    """The table's quoted name, resolved to its oid in SQL (the notify channel, its sequence)."""
+    return TableName.parse(table).identifier().as_string(conn)
 
 
 def _q(table: str | TableName, name: str) -> sql.Composed:
@@ -434,6 +460,8 @@ class Stats:
     cap: int | None = DEFAULT_STATS_CAP
     capped: dict[str, bool] = field(default_factory=dict)
     done_last_minute: int = 0
+    #: Open groups with a callback (DESIGN invariant 29); empty before migration 0012.
+    groups: GroupSummary = field(default_factory=GroupSummary)
 
     @property
     def dead(self) -> int:
@@ -502,6 +530,7 @@ def stats(
         held = horizon(conn, t)
         flow = flow_states(conn, t)
         keys = key_states(conn, t)
+        groups = group_summary(conn, t, cap=cap)
         if previous is not None:
             cur.execute("SELECT set_config('statement_timeout', %s, true)", [previous["previous"]])
     assert row is not None
@@ -549,6 +578,7 @@ def stats(
         cap=cap,
         capped={s: bool(row[f"{s}_capped"]) for s in ("pending", "processing", "done", "dead")},
         done_last_minute=int(row["done_last_minute"]),
+        groups=groups,
     )
 
 
@@ -753,7 +783,8 @@ def requeue(
     why = _reason(reason, required=False)
     with conn.transaction():
         _check_statuses(conn, table, wanted, ("dead",), "requeue")
-        rows = conn.execute(_q(table, "requeue_ids"), {"ids": wanted, "reason": why}).fetchall()
+        params = {"ids": wanted, "reason": why, "table": _regclass(conn, table)}
+        rows = conn.execute(_q(table, "requeue_ids"), params).fetchall()
     done = sorted(int(r[0]) for r in rows)
     logger.warning(
         "operator requeued %s dead message(s)",
@@ -785,7 +816,13 @@ def requeue_all(
         with conn.transaction():
             rows = conn.execute(
                 _q(table, "requeue_batch"),
-                {"after": after, "event_type": event_type, "reason": why, "limit": batch_size},
+                {
+                    "after": after,
+                    "event_type": event_type,
+                    "reason": why,
+                    "limit": batch_size,
+                    "table": _regclass(conn, table),
+                },
             ).fetchall()
         total += len(rows)
         if len(rows) < batch_size:
@@ -821,7 +858,7 @@ def skip(
         regclass = TableName.parse(table).identifier().as_string(conn)
         conn.execute(_q(table, "lock_keys_of_ids"), {"table": regclass, "ids": wanted})
         _check_statuses(conn, table, wanted, ("dead", "pending"), "skip")
-        params = {"ids": wanted, "reason": why, "skip_mark": SKIPPED_BY_OPERATOR}
+        params = {"ids": wanted, "reason": why, "skip_mark": SKIPPED_BY_OPERATOR, "table": regclass}
         rows = conn.execute(_q(table, "skip_ids"), params).fetchall()
         keys = sorted({str(r[1]) for r in rows if r[1] is not None})
         if keys:
@@ -953,7 +990,8 @@ def purge_done(
     most ``batch_size`` rows is its own short transaction (``FOR UPDATE SKIP LOCKED``, so two
     purges never wait on each other), hence ``conn`` must not be inside a transaction.
     ``max_batches`` bounds the run; the next run continues. Then the per-key flow state
-    worth nothing any more goes too (:func:`prune_flow_keys`, not counted in the result).
+    worth nothing any more goes too (:func:`prune_flow_keys`), and the groups closed before the
+    cutoff (:func:`~outbox_celery.groups.purge_groups`), neither counted in the result.
     """
     _outside_transaction(conn, "purge")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -969,6 +1007,7 @@ def purge_done(
         if n < batch_size:
             break
     prune_flow_keys(conn, table, batch_size=batch_size, max_batches=max_batches)
+    purge_groups(conn, table, cutoff=cutoff, batch_size=batch_size, max_batches=max_batches)
     if total:
         logger.info(
             "outbox purge: deleted %s done row(s) older than %s in %s batch(es)",

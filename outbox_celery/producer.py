@@ -29,11 +29,18 @@ from .tracing import capture
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "Event",
+    "Group",
     "enqueue",
     "enqueue_async",
+    "enqueue_group",
+    "enqueue_group_async",
     "enqueue_many",
     "enqueue_many_async",
+    "group",
 ]
+
+#: The key a group's callback finds its members' outcomes under in its payload (invariant 29).
+GROUP_KEY = "outbox_group"
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 MAX_EVENT_TYPE_LENGTH = 200
@@ -195,15 +202,20 @@ def _trace(rows: list[dict[str, Any]]) -> None:
 
 
 def _plan(
-    view: _View, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool, notify: bool
+    view: _View,
+    rows: list[dict[str, Any]],
+    table: str | TableName,
+    allow_autocommit: bool,
+    notify: bool,
+    group: dict[str, Any] | None = None,
 ) -> WritePlan | None:
     """What every write path does before any I/O: the transaction check, the trace context, the
     plan (``None`` when there is nothing to write)."""
     check_transaction(view, allow_autocommit)
     if not rows:
         return None
-    _trace(rows)
-    return _store(table).write_plan(rows, notify=notify)
+    _trace(rows if group is None else [*rows, group["then"]])
+    return _store(table).write_plan(rows, notify=notify, group=group)
 
 
 def _sqlstate(exc: BaseException) -> str | None:
@@ -248,29 +260,40 @@ def _explained(table: str | TableName) -> Iterator[None]:
 
 
 def _write(
-    conn: Any, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool, notify: bool
+    conn: Any,
+    rows: list[dict[str, Any]],
+    table: str | TableName,
+    allow_autocommit: bool,
+    notify: bool,
+    group: dict[str, Any] | None = None,
 ) -> list[int]:
     """The one synchronous write path: check, key locks, insert (every connection kind)."""
     view = sync_view(conn)
-    plan = _plan(view, rows, table, allow_autocommit, notify)
+    plan = _plan(view, rows, table, allow_autocommit, notify, group)
     if plan is None:
         return []
     with _explained(table):
         if not _owns_transaction(view):
             ids = drive(view, plan)
-            # In a transactional handler's transaction: its follow-ups (DESIGN invariant 18).
-            FOLLOW_UPS.note(view, TableName.parse(table), ids)
+            # In a transactional handler's transaction: its follow-ups (DESIGN invariant 18);
+            # a group's plan returns the group's id first, which is no outbox row.
+            FOLLOW_UPS.note(view, TableName.parse(table), ids if group is None else ids[1:])
             return ids
         with view.own_transaction():
             return drive(view, plan)
 
 
 async def _write_async(
-    conn: Any, rows: list[dict[str, Any]], table: str | TableName, allow_autocommit: bool, notify: bool
+    conn: Any,
+    rows: list[dict[str, Any]],
+    table: str | TableName,
+    allow_autocommit: bool,
+    notify: bool,
+    group: dict[str, Any] | None = None,
 ) -> list[int]:
     """:func:`_write` for async connections: the same check and the same plan."""
     view = await async_view(conn)
-    plan = _plan(view, rows, table, allow_autocommit, notify)
+    plan = _plan(view, rows, table, allow_autocommit, notify, group)
     if plan is None:
         return []
     with _explained(table):
@@ -398,3 +421,104 @@ async def enqueue_many_async(
 ) -> list[int]:
     """:func:`enqueue_many` for asyncio (connections as :func:`enqueue_async`)."""
     return await _write_async(conn, _rows(messages, max_payload_bytes), table, allow_autocommit, notify)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """What :func:`enqueue_group` wrote: the group's id and its members' ids in input order (a
+    member dropped as a duplicate dedup key gives the id of the row holding the key, which is
+    no member of the group)."""
+
+    id: int
+    member_ids: list[int]
+
+
+def _group_rows(
+    messages: Iterable[Event | Mapping[str, Any]],
+    then: Event | Mapping[str, Any],
+    skip_on_dead: bool,
+    limit: int,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The members' and the callback's rows, validated before anything is written."""
+    rows = _rows(messages, limit)
+    if not rows:
+        raise ProducerError("a group needs at least one member event")
+    if isinstance(then, Mapping):
+        try:
+            then = Event(**then)
+        except TypeError as exc:
+            raise ProducerError(f"then: {exc}") from exc
+    if not isinstance(then, Event):
+        raise ProducerError(f"then: expected Event or mapping, got {type(then).__name__}")
+    if not isinstance(then.payload, Mapping) or GROUP_KEY in then.payload:
+        raise ProducerError(
+            f"then: the callback's payload must be a mapping without the key {GROUP_KEY!r}: the "
+            f"members' outcomes are added under that key when the group completes"
+        )
+    if then.ordered or then.ordering_key is not None or then.dedup_key is not None:
+        raise ProducerError(
+            "then: a group's callback cannot be ordered or carry a dedup key: it is enqueued "
+            "exactly once, by the finalize of the group's last member (DESIGN invariant 29)"
+        )
+    try:
+        callback = _row(then, limit)
+    except ProducerError as exc:
+        raise ProducerError(f"then: {exc}") from exc
+    return rows, {"then": callback, "skip_on_dead": bool(skip_on_dead)}
+
+
+def enqueue_group(
+    conn: Any,
+    messages: Iterable[Event | Mapping[str, Any]],
+    *,
+    then: Event | Mapping[str, Any],
+    skip_on_dead: bool = False,
+    table: str | TableName = "outbox",
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    allow_autocommit: bool = False,
+    notify: bool = True,
+) -> Group:
+    """Insert a group of events and its callback in ``conn``'s transaction (DESIGN invariant 29).
+
+    The members are written as :func:`enqueue_many` writes them (one statement with the group's
+    row). The callback ``then`` is enqueued once every member has a final outcome (``done`` or
+    ``dead``), in the transaction of the last member's fenced finalize: never twice, never lost.
+    Its payload (a mapping) arrives with the key ``"outbox_group"`` added: ``id``, ``state``,
+    ``total``, ``done``, ``dead``, ``dead_members`` (the first 100 dead members' ``id``,
+    ``event_type`` and ``last_error``) and ``truncated`` (more were dead;
+    :func:`outbox_celery.operations.group_outcomes` reads them all).
+
+    :param skip_on_dead: when a member is dead at the end, the group is closed as ``skipped``
+        and no callback is enqueued.
+    :param then: the callback's event; neither ordered nor with a dedup key.
+    :raises ProducerError: as :func:`enqueue_many`; also for no member or a callback that is
+        not allowed. Nothing is written.
+
+    A member dropped as a duplicate dedup key is no member (the group's total counts the rows
+    inserted); a group whose every member was dropped is complete at once and its callback is
+    enqueued in this transaction.
+    """
+    rows, group_spec = _group_rows(messages, then, skip_on_dead, max_payload_bytes)
+    ids = _write(conn, rows, table, allow_autocommit, notify, group_spec)
+    return Group(ids[0], ids[1:])
+
+
+#: :func:`enqueue_group` by its short name: ``outbox.group(conn, [...], then=Event(...))``.
+group = enqueue_group
+
+
+async def enqueue_group_async(
+    conn: Any,
+    messages: Iterable[Event | Mapping[str, Any]],
+    *,
+    then: Event | Mapping[str, Any],
+    skip_on_dead: bool = False,
+    table: str | TableName = "outbox",
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    allow_autocommit: bool = False,
+    notify: bool = True,
+) -> Group:
+    """:func:`enqueue_group` for asyncio (connections as :func:`enqueue_async`)."""
+    rows, group_spec = _group_rows(messages, then, skip_on_dead, max_payload_bytes)
+    ids = await _write_async(conn, rows, table, allow_autocommit, notify, group_spec)
+    return Group(ids[0], ids[1:])

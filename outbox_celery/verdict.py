@@ -49,6 +49,7 @@ class Verdict:
             self.delay,
             self.error,
             ordered=msg.ordering_key is not None,
+            grouped=msg.group_id is not None,
         )
 
 

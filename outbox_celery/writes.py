@@ -158,7 +158,12 @@ class ProducerWrites:
         }
 
     def write_plan(
-        self, rows: Sequence[dict[str, Any]], *, lock: bool = True, notify: bool = False
+        self,
+        rows: Sequence[dict[str, Any]],
+        *,
+        lock: bool = True,
+        notify: bool = False,
+        group: Mapping[str, Any] | None = None,
     ) -> WritePlan:
         """The producer's statements for validated rows, as a plan without I/O.
 
@@ -172,6 +177,12 @@ class ProducerWrites:
         async, psycopg2, SQLAlchemy), so locks and inserts cannot diverge. With ``notify`` the
         insert itself signals the table's listeners (they hear it at commit): no extra
         statement, no extra round trip.
+
+        With ``group`` (the callback's validated row and ``skip_on_dead``, DESIGN invariant 29)
+        the rows are a group's members: one statement inserts them and the group's row
+        (``group_insert``), whose total is the member rows inserted; a group none of whose rows
+        was inserted (all duplicates) is complete at once and its callback enqueued here. The
+        plan then returns the group's id first, the members' ids after it.
         """
         keys = [r["ordering_key"] for r in rows if r["ordering_key"] is not None]
         distinct = len(set(keys))
@@ -187,7 +198,20 @@ class ProducerWrites:
             locked = yield self._q["lock_keys"], {"table": self._regclass(None), "keys": keys}
             self._check_isolation(locked)
         wake = {"notify": notify, "table": self._regclass(None)}
-        if len(rows) == 1:
+        group_id: int | None = None
+        if group is not None:
+            got = yield (
+                self._q["group_insert"],
+                {**self._many_params(rows), **wake, **self._group_params(group)},
+            )
+            # (id, dedup_key, woke, ordering_key, payload_of, group_id, total): the group's row
+            # first (group_id set), then the members' rows as insert_many returns them.
+            [head] = [r for r in got if r[5] is not None]
+            group_id, total = int(head[5]), int(head[6])
+            inserted = [r[:5] for r in got if r[5] is None]
+            if total == 0:
+                yield self._q["group_fire_empty"], {"group_id": group_id, "table": wake["table"]}
+        elif len(rows) == 1:
             params = {"dedup_key": None, "trace_context": None, "limit_key": None, **rows[0], **wake}
             inserted = yield self._q["insert"], params
         else:
@@ -228,4 +252,20 @@ class ProducerWrites:
             # Only a purge between our insert and the lookup (or a REPEATABLE READ snapshot that
             # cannot see the holder) gets here; the transaction can be retried.
             raise ProducerError(f"dedup key(s) {gone} are held by rows this transaction cannot see; retry")
-        return [next(plain) if r.get("dedup_key") is None else by_key[r["dedup_key"]] for r in rows]
+        ids = [next(plain) if r.get("dedup_key") is None else by_key[r["dedup_key"]] for r in rows]
+        return ids if group_id is None else [group_id, *ids]
+
+    def _group_params(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """The parameters of ``group_insert`` beyond the members': the callback and its rule."""
+        then = group["then"]
+        return {
+            "group_table": self.table.identifier(_sql.GROUP_SUFFIX).as_string(None),
+            "skip_on_dead": bool(group["skip_on_dead"]),
+            "then_event_type": then["event_type"],
+            "then_aggregate_type": then["aggregate_type"],
+            "then_aggregate_id": then["aggregate_id"],
+            "then_payload": then["payload"],
+            "then_delay": then["delay"],
+            "then_limit_key": then.get("limit_key"),
+            "then_trace_context": then.get("trace_context"),
+        }

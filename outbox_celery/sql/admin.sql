@@ -245,18 +245,35 @@ FROM {table} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE;
 -- whose lease expired (its task lost, its event type without a handler) may be requeued too
 -- (DESIGN invariant 10): no worker holds it, and a straggler's task is fenced off by status.
 -- The count of claims that never started starts again from zero.
-UPDATE {table}
+-- A dead member of an open group no longer counts as dead there (group_settle, DESIGN invariant
+-- 29): it runs again and counts when it is final again.
+WITH was AS (
+    SELECT id, status FROM {table}
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND (status = 'dead' OR (status = 'processing' AND lease_until <= now()))
+    ORDER BY id
+    FOR UPDATE
+),
+requeued AS (
+UPDATE {table} AS o
 SET status = 'pending',
     attempts = 0,
     available_at = now(),
     lease_until = NULL,
-    started_version = lease_version,
+    started_version = o.lease_version,
     last_error = left('requeued by operator' || coalesce(': ' || %(reason)s::text, '')
-                      || ' (attempts were ' || attempts || ')'
-                      || coalesce('; previous error: ' || last_error, ''), 8000)
-WHERE id = ANY(%(ids)s::bigint[])
-  AND (status = 'dead' OR (status = 'processing' AND lease_until <= now()))
-RETURNING id;
+                      || ' (attempts were ' || o.attempts || ')'
+                      || coalesce('; previous error: ' || o.last_error, ''), 8000)
+FROM was
+WHERE o.id = was.id
+RETURNING o.id, o.group_id, o.event_type, was.status AS was
+),
+group_moves AS (
+    SELECT group_id, id, event_type, NULL::text AS last_error, 0 AS d_done, -1 AS d_dead
+    FROM requeued WHERE group_id IS NOT NULL AND was = 'dead'
+),
+{group_settle}
+SELECT id FROM requeued;
 
 -- name: requeue_batch
 -- One bounded batch of "requeue --all": ids above the previous batch, so nothing is requeued
@@ -269,6 +286,7 @@ WITH picked AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
+, requeued AS (
 UPDATE {table} AS o
 SET status = 'pending',
     attempts = 0,
@@ -280,7 +298,15 @@ SET status = 'pending',
                       || coalesce('; previous error: ' || o.last_error, ''), 8000)
 FROM picked
 WHERE o.id = picked.id
-RETURNING o.id;
+RETURNING o.id, o.group_id, o.event_type
+),
+-- As requeue_ids: a dead member of an open group no longer counts as dead (invariant 29).
+group_moves AS (
+    SELECT group_id, id, event_type, NULL::text AS last_error, 0 AS d_done, -1 AS d_dead
+    FROM requeued WHERE group_id IS NOT NULL
+),
+{group_settle}
+SELECT id FROM requeued;
 
 -- name: lock_keys_of_ids
 -- Before a skip: the producers' key locks (queries.sql lock_keys) of every ordered message among
@@ -297,16 +323,34 @@ FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
 -- skip_mark (admin.SKIPPED_BY_OPERATOR), which is how a skipped row is told from a delivered one. In SET,
 -- "status" still reads the old value. A processing row whose lease expired may be skipped too
 -- (DESIGN invariant 10); a live lease never (a worker may be running it).
-UPDATE {table}
+-- A member of an open group counts as done there, and no longer as dead (group_settle, DESIGN
+-- invariant 29); the last one enqueues the group's callback.
+WITH was AS (
+    SELECT id, status FROM {table}
+    WHERE id = ANY(%(ids)s::bigint[])
+      AND (status IN ('dead', 'pending') OR (status = 'processing' AND lease_until <= now()))
+    ORDER BY id
+    FOR UPDATE
+),
+skipped AS (
+UPDATE {table} AS o
 SET status = 'done',
     done_at = now(),
     lease_until = NULL,
-    last_error = left(%(skip_mark)s::text || ': ' || %(reason)s::text || ' (was ' || status
-                      || ', attempts ' || attempts || ')'
-                      || coalesce('; previous error: ' || last_error, ''), 8000)
-WHERE id = ANY(%(ids)s::bigint[])
-  AND (status IN ('dead', 'pending') OR (status = 'processing' AND lease_until <= now()))
-RETURNING id, ordering_key;
+    last_error = left(%(skip_mark)s::text || ': ' || %(reason)s::text || ' (was ' || was.status
+                      || ', attempts ' || o.attempts || ')'
+                      || coalesce('; previous error: ' || o.last_error, ''), 8000)
+FROM was
+WHERE o.id = was.id
+RETURNING o.id, o.ordering_key, o.group_id, o.event_type, was.status AS was
+),
+group_moves AS (
+    SELECT group_id, id, event_type, NULL::text AS last_error, 1 AS d_done,
+           -(was = 'dead')::int AS d_dead
+    FROM skipped WHERE group_id IS NOT NULL
+),
+{group_settle}
+SELECT id, ordering_key FROM skipped;
 
 -- name: purge_cutoff
 -- Fixed once per purge run, so the run has a bounded amount of work.
@@ -516,3 +560,65 @@ up AS (
 )
 SELECT coalesce((SELECT held FROM before), false) AS was_held, (SELECT count(*) FROM up) AS rows,
        pg_notify({notify_channel}, '') IS NULL AS woke;
+
+-- name: group_exists
+-- Whether the groups' table (migration 0012) is there: stats of a table not migrated yet show
+-- no group instead of failing.
+SELECT to_regclass(%(group_table)s) IS NOT NULL;
+
+-- name: group_summary
+-- Open groups (DESIGN invariant 29), read through the open groups' index, at most %(cap)s: how
+-- many, the oldest one's age, and how many have a dead member (blocked: a member waits for
+-- an operator's requeue or skip, or the group for a finish or cancel by hand).
+SELECT count(*) AS open, extract(epoch FROM now() - min(created_at))::float8 AS oldest_open_age,
+       count(*) FILTER (WHERE dead > 0) AS blocked, coalesce(count(*) >= %(cap)s, false) AS capped
+FROM (SELECT created_at, dead FROM {group_table} WHERE state = 'open'
+      ORDER BY created_at LIMIT %(cap)s) AS o;
+
+-- name: group_list
+-- Groups in one state (NULL: any), the newest first, at most %(limit)s.
+SELECT id, state, total, done, dead, skip_on_dead, event_type, created_at, closed_at,
+       extract(epoch FROM now() - created_at)::float8 AS age, callback_id, note
+FROM {group_table}
+WHERE %(state)s::text IS NULL OR state = %(state)s::text
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: group_get
+SELECT id, state, total, done, dead, skip_on_dead, event_type, created_at, closed_at,
+       extract(epoch FROM now() - created_at)::float8 AS age, callback_id, note
+FROM {group_table} WHERE id = %(id)s;
+
+-- name: group_dead_members
+-- Every dead member of a group, in id order from %(after)s, at most %(limit)s (the members'
+-- index: group_id, id).
+SELECT id, event_type, last_error FROM {table}
+WHERE group_id = %(id)s AND id > %(after)s AND status = 'dead'
+ORDER BY id LIMIT %(limit)s;
+
+-- name: group_close
+-- An operator closes an open group by hand: 'finished' enqueues its callback now with the
+-- outcomes counted so far (group_callback, as the last member's finalize would), 'cancelled'
+-- never will. Members still running finish as usual and count nothing (only open groups count).
+WITH gs_new AS (
+    UPDATE {group_table} AS g
+    SET state = %(state)s, closed_at = now(), note = %(reason)s,
+        callback_id = CASE WHEN %(state)s = 'finished'
+                           THEN nextval(pg_get_serial_sequence(%(table)s::text, 'id')) END
+    WHERE g.id = %(id)s AND g.state = 'open'
+    RETURNING g.*
+),
+gs_fired AS ({group_callback})
+SELECT id, callback_id FROM gs_new;
+
+-- name: group_purge
+-- Retention of groups: closed groups (fired, skipped, cancelled, finished) closed before the
+-- purge's cutoff, one bounded batch; open groups are never touched.
+DELETE FROM {group_table}
+WHERE id IN (
+    SELECT id FROM {group_table}
+    WHERE state <> 'open' AND closed_at < %(cutoff)s
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+);

@@ -65,7 +65,58 @@ SELECT id, dedup_key, NULL, ordering_key, payload_of FROM fan_others;
 -- head afterwards (settle_heads). The owners (each event's first subscription, or its only row)
 -- are drawn first, in input order; the other subscriptions' rows after them, in the owners'
 -- order. A route is either every event's owner or none's, so each route's rows keep input order.
-WITH fan_u AS (
+WITH gid AS (SELECT NULL::bigint AS group_id),
+{insert_fan}
+-- Push: wake this table's listeners at commit, only when a row was inserted.
+SELECT id, dedup_key, {wake_listeners} AS woke, ordering_key, payload_of FROM fan_owner
+UNION ALL
+SELECT id, dedup_key, NULL, ordering_key, payload_of FROM fan_others;
+
+-- name: group_insert
+-- A group and its members in one statement (DESIGN invariant 29): the group's id drawn first,
+-- the members inserted as insert_many does (fanned out to their subscriptions, invariant 28)
+-- with that group_id, then the group's row with total = the member rows actually inserted (a
+-- duplicate dedup key drops its member: it is none; each subscription's row is one). Its first
+-- row is the group's (id NULL, group_id its id); the members' rows follow.
+WITH gid AS (
+    SELECT nextval(pg_get_serial_sequence(%(group_table)s::text, 'id')) AS group_id
+),
+{insert_fan},
+grp AS (
+    INSERT INTO {group_table} (id, total, skip_on_dead, event_type, aggregate_type, aggregate_id,
+                               payload, delay, limit_key, trace_context)
+    OVERRIDING SYSTEM VALUE
+    SELECT gid.group_id, (SELECT count(*) FROM fan_owner) + (SELECT count(*) FROM fan_others),
+           %(skip_on_dead)s, %(then_event_type)s,
+           %(then_aggregate_type)s, %(then_aggregate_id)s, %(then_payload)s::json, %(then_delay)s,
+           %(then_limit_key)s, %(then_trace_context)s::jsonb
+    FROM gid
+    RETURNING id, total
+)
+SELECT NULL::bigint AS id, NULL::text AS dedup_key, NULL::bool AS woke, NULL::text AS ordering_key,
+       NULL::bigint AS payload_of, grp.id AS group_id, grp.total
+FROM grp
+UNION ALL
+SELECT id, dedup_key, {wake_listeners}, ordering_key, payload_of, NULL, NULL FROM fan_owner
+UNION ALL
+SELECT id, dedup_key, NULL, ordering_key, payload_of, NULL, NULL FROM fan_others;
+
+-- name: group_fire_empty
+-- A group none of whose members was inserted (each one a duplicate dedup key) is complete at
+-- once: its callback is enqueued in the producer's transaction, by the rule every member's
+-- finalize runs (group_settle with no outcome to count).
+WITH group_moves AS (
+    SELECT %(group_id)s::bigint AS group_id, NULL::bigint AS id, NULL::text AS event_type,
+           NULL::text AS last_error, 0 AS d_done, 0 AS d_dead
+),
+{group_settle}
+SELECT (SELECT count(*) FROM gs_fired) AS fired;
+
+-- fragment: insert_fan
+-- The rows of insert_many and of a group's members (group_insert), as the CTEs of their
+-- statement: each event's owner row (its first subscription's, or its only one) and its other
+-- subscriptions' rows (invariant 28); the statement's "gid" names their group (NULL: none).
+fan_u AS (
     SELECT * FROM unnest(%(event_types)s::text[], %(aggregate_types)s::text[],
                          %(aggregate_ids)s::text[], %(payloads)s::text[], %(ordering_keys)s::text[],
                          %(delays)s::float8[], %(dedup_keys)s::text[], %(trace_contexts)s::text[],
@@ -85,14 +136,14 @@ fan_first AS (
 ),
 fan_owner AS (
     INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, ordering_key,
-                         available_at, head, dedup_key, trace_context, limit_key)
+                         available_at, head, dedup_key, trace_context, limit_key, group_id)
     SELECT v.route, v.aggregate_type, v.aggregate_id, v.payload::json, v.k,
            now() + make_interval(secs => v.delay),
            v.k IS NOT NULL
            AND row_number() OVER (PARTITION BY v.k ORDER BY v.n) = 1
            AND NOT EXISTS (SELECT 1 FROM {table} AS o
                            WHERE o.ordering_key = v.k AND o.status <> 'done'),
-           v.dedup_key, v.trace_context::jsonb, v.limit_key
+           v.dedup_key, v.trace_context::jsonb, v.limit_key, (SELECT group_id FROM gid)
     FROM fan_first AS v
     ORDER BY v.n
     ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
@@ -108,21 +159,17 @@ fan_rest AS (
 ),
 fan_others AS (
     INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, payload_of,
-                         ordering_key, available_at, head, trace_context, limit_key)
+                         ordering_key, available_at, head, trace_context, limit_key, group_id)
     SELECT r.route, r.aggregate_type, r.aggregate_id, NULL, r.id, r.k, r.available_at,
            r.k IS NOT NULL
            AND row_number() OVER (PARTITION BY r.k ORDER BY r.id) = 1
            AND NOT EXISTS (SELECT 1 FROM {table} AS o
                            WHERE o.ordering_key = r.k AND o.status <> 'done'),
-           r.trace_context, r.limit_key
+           r.trace_context, r.limit_key, (SELECT group_id FROM gid)
     FROM fan_rest AS r
     ORDER BY r.id, r.rank
     RETURNING id, dedup_key, ordering_key, payload_of
 )
--- Push: wake this table's listeners at commit, only when a row was inserted.
-SELECT id, dedup_key, {wake_listeners} AS woke, ordering_key, payload_of FROM fan_owner
-UNION ALL
-SELECT id, dedup_key, NULL, ordering_key, payload_of FROM fan_others;
 
 -- name: dedup_ids
 -- The rows holding these dedup keys: inserted by an earlier (committed) transaction, by this
@@ -248,7 +295,8 @@ RETURNING o.id, o.lease_version, o.event_type, decided.routable,
           o.lease_version - o.started_version AS unstarted_claims;
 
 -- name: reap
--- Expired leases whose attempts are exhausted go dead (DESIGN invariant 5).
+-- Expired leases whose attempts are exhausted go dead (DESIGN invariant 5); a group's member
+-- counts in its group (group_settle, invariant 29).
 WITH doomed AS (
     SELECT id FROM {table}
     WHERE status = 'processing' AND lease_until <= now()
@@ -258,6 +306,7 @@ WITH doomed AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
+, reaped AS (
 UPDATE {table} AS o
 SET status = 'dead',
     lease_until = NULL,
@@ -266,7 +315,15 @@ SET status = 'dead',
                  || coalesce('; last error: ' || o.last_error, '')
 FROM doomed
 WHERE o.id = doomed.id
-RETURNING o.id, o.lease_version, o.event_type;
+RETURNING o.id, o.lease_version, o.event_type, o.group_id, o.last_error
+),
+-- A member of a group counts its dead in the group's row (invariant 29).
+group_moves AS (
+    SELECT group_id, id, event_type, last_error, 0 AS d_done, 1 AS d_dead
+    FROM reaped WHERE group_id IS NOT NULL
+),
+{group_settle}
+SELECT id, lease_version, event_type FROM reaped;
 
 -- fragment: claim_picked
 -- The tail of every claim statement (claim_expired, claim_pending, claim_heads and their
@@ -364,7 +421,7 @@ FROM {commit_mode}, {leases} AS s(claim_id, claim_version)
 WHERE id = s.claim_id AND lease_version = s.claim_version AND {fenced_processing}
   AND started_version < lease_version AND attempts < %(max_attempts)s
 RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attempts, created_at,
-          lease_version, ordering_key, trace_context;
+          lease_version, ordering_key, trace_context, group_id;
 
 -- name: resume
 -- The retry of a start whose reply was lost with its connection: the start committed, so the
@@ -376,7 +433,7 @@ FROM {leases} AS s(claim_id, claim_version)
 WHERE id = s.claim_id AND lease_version = s.claim_version AND {fenced_processing}
   AND started_version = lease_version AND lease_owner = %(starter)s
 RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attempts, created_at,
-          lease_version, ordering_key, trace_context;
+          lease_version, ordering_key, trace_context, group_id;
 
 -- fragment: inline_payload
 -- The payload, when it is read with the start, its stored size, and whether it was: each of the
@@ -433,6 +490,7 @@ WHERE o.id = ANY(%(ids)s::bigint[]) ORDER BY o.id;
 -- for one). A claim that did start is not judged here: its run may still be going (a
 -- redelivered task) or its start's reply was lost (resume); the reap decides once its lease
 -- has run out (DESIGN invariant 5).
+WITH exhausted AS (
 UPDATE {table}
 SET status = 'dead',
     lease_until = NULL,
@@ -443,7 +501,15 @@ FROM {leases} AS s(claim_id, claim_version)
 WHERE id = s.claim_id AND lease_version = s.claim_version AND {fenced_processing}
   AND started_version < lease_version
   AND attempts >= %(max_attempts)s
-RETURNING id;
+RETURNING id, event_type, group_id, last_error
+),
+-- A member of a group counts its dead in the group's row (invariant 29).
+group_moves AS (
+    SELECT group_id, id, event_type, last_error, 0 AS d_done, 1 AS d_dead
+    FROM exhausted WHERE group_id IS NOT NULL
+),
+{group_settle}
+SELECT id FROM exhausted;
 
 -- name: lock_key_of
 -- First statement of a finalize that holds an ordered done: the producers' locks (lock_keys) of
@@ -473,9 +539,37 @@ FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
 --   postpone      'pending' after the delay, the attempt refunded (no handler here, unroutable);
 --   release       'pending' now, nothing spent, only while the claim never started (a publish
 --                 that failed; a worker that started the claim keeps its row, invariant 12).
+-- A group's member is finished by finish_grouped instead (DESIGN invariant 29).
 -- commit_mode as in start (the completer relaxes only an all-done finalize). With notify the
 -- table's listeners hear at commit that leases ended (a claim that the in-flight bound stopped
 -- runs again then), on the channel the producers' insert signals.
+{finish_update}
+  -- A group's member goes through finish_grouped, which counts it (the completer knows from
+  -- the fenced start; a row sent here by mistake is left alone, as a lost lease).
+  AND o.group_id IS NULL
+RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay;
+
+-- name: finish_grouped
+-- finish for rows of which some may be a group's member (DESIGN invariant 29): the same update,
+-- and in the same statement a member that reached done or dead counts in its group's row
+-- (group_settle); the last one enqueues the group's callback. The fence makes it once per row.
+-- Its own statement, so that finish, the one-message handler's, opens neither the groups'
+-- table nor the outbox's indexes for an insert (measured: benchmarks/groups.py).
+WITH fin AS (
+{finish_update}
+RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay,
+          o.group_id, o.last_error
+),
+group_moves AS (
+    SELECT group_id, id, event_type, last_error,
+           (status = 'done')::int AS d_done, (status = 'dead')::int AS d_dead
+    FROM fin WHERE group_id IS NOT NULL AND status IN ('done', 'dead')
+),
+{group_settle}
+SELECT id, status, outcome, event_type, limit_key, ordering_key, delay FROM fin;
+
+-- fragment: finish_update
+-- The update of finish and finish_grouped, written once (every outcome's rule).
 UPDATE {table} AS o
 SET status = CASE
         WHEN f.outcome IN ('done', 'dead') THEN f.outcome
@@ -510,7 +604,6 @@ WHERE o.id = f.id AND o.lease_version = f.lease_version AND {fenced_processing}
   AND f.outcome IN ('done', 'retry', 'defer', 'rate_limited', 'dead', 'error', 'postpone', 'release')
   AND (f.outcome <> 'done' OR o.ordering_key IS NULL OR %(keys_locked)s::bool)
   AND (f.outcome <> 'release' OR o.started_version < o.lease_version)
-RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay;
 
 -- fragment: attempts_spent
 -- A retry at the limit goes dead (finish).
@@ -1030,3 +1123,77 @@ UPDATE {flow_table} AS f
 SET key_cursor = u.k, updated_at = now()
 FROM unnest(%(types)s::text[], %(keys)s::text[]) AS u(event_type, k)
 WHERE f.event_type = u.event_type;
+
+-- fragment: group_settle
+-- The one definition of counting a group's outcomes (DESIGN invariant 29). The statement that
+-- writes a member's final outcome names what it changed "group_moves" (group_id, id, event_type,
+-- last_error, d_done, d_dead: +1 for an outcome reached, -1 for one undone by an operator's
+-- requeue or skip) and this follows it in the same statement, so the count commits with the
+-- outcome, once per row, as the fenced write itself. Only open groups count. Each open group is
+-- locked (in id order: two finalizers never deadlock) and read at its latest version (FOR
+-- UPDATE waits for a concurrent finalizer's commit and re-reads the row), so exactly one
+-- finalizer sees done + dead reach total; the lock is held to the end of this finalize only.
+-- That finalizer closes the group: 'skipped' when a member is dead and skip_on_dead, else
+-- 'fired' with the callback's event inserted here (its id drawn in the group's update, so the
+-- group row records it), its payload the declared object plus "outbox_group": the counts and
+-- the first dead members (at most 100; group_outcomes in admin.sql reads them all). A new
+-- callback wakes the table's listeners at commit (push).
+gs_moves AS (
+    SELECT group_id, sum(d_done)::int AS d_done, sum(d_dead)::int AS d_dead,
+           coalesce(jsonb_agg(jsonb_build_object('id', id, 'event_type', event_type,
+                                                 'last_error', left(last_error, 1000)) ORDER BY id)
+                    FILTER (WHERE d_dead > 0), '[]'::jsonb) AS died,
+           coalesce(array_agg(id) FILTER (WHERE d_dead < 0), ARRAY[]::bigint[]) AS revived
+    FROM group_moves GROUP BY group_id
+),
+gs_old AS (
+    SELECT g.id, g.total, g.done, g.dead, g.skip_on_dead, g.dead_members
+    FROM {group_table} AS g
+    WHERE g.id IN (SELECT group_id FROM gs_moves) AND g.state = 'open'
+    ORDER BY g.id
+    FOR UPDATE
+),
+gs_sums AS (
+    SELECT o.id, o.done + m.d_done AS done, o.dead + m.d_dead AS dead,
+           o.done + m.d_done + o.dead + m.d_dead >= o.total AS complete,
+           o.skip_on_dead AND o.dead + m.d_dead > 0 AS skip,
+           CASE WHEN m.died = '[]'::jsonb AND m.revived = ARRAY[]::bigint[] THEN o.dead_members
+           ELSE (SELECT coalesce(jsonb_agg(e ORDER BY (e ->> 'id')::bigint), '[]'::jsonb)
+                 FROM (SELECT e FROM jsonb_array_elements(o.dead_members || m.died) AS e
+                       WHERE (e ->> 'id')::bigint <> ALL(m.revived)
+                       ORDER BY (e ->> 'id')::bigint LIMIT 100) AS kept) END AS dead_members
+    FROM gs_old AS o JOIN gs_moves AS m ON m.group_id = o.id
+),
+gs_new AS (
+    UPDATE {group_table} AS g
+    SET done = s.done, dead = s.dead, dead_members = s.dead_members,
+        state = CASE WHEN NOT s.complete THEN 'open' WHEN s.skip THEN 'skipped' ELSE 'fired' END,
+        closed_at = CASE WHEN s.complete THEN now() END,
+        callback_id = CASE WHEN s.complete AND NOT s.skip
+                           THEN nextval(pg_get_serial_sequence(%(table)s::text, 'id')) END
+    FROM gs_sums AS s
+    WHERE g.id = s.id
+    RETURNING g.*
+),
+gs_fired AS ({group_callback})
+
+-- fragment: group_callback
+-- The callback's event of every group the statement's "gs_new" closed with a callback id (a
+-- group's row as updated, RETURNING g.*): the declared payload object with "outbox_group" added
+-- (the counts, the first dead members and whether there were more), due after its delay; it
+-- wakes the table's listeners at commit. Written once for group_settle and an operator's finish.
+INSERT INTO {table} (id, event_type, aggregate_type, aggregate_id, payload, available_at,
+                     trace_context, limit_key)
+OVERRIDING SYSTEM VALUE
+SELECT n.callback_id, n.event_type, n.aggregate_type, n.aggregate_id,
+       (left(rtrim(n.payload::text), -1)
+        || CASE WHEN (SELECT count(*) FROM json_object_keys(n.payload)) = 0 THEN '' ELSE ', ' END
+        || '"outbox_group": '
+        || json_build_object('id', n.id, 'state', n.state, 'total', n.total, 'done', n.done,
+                             'dead', n.dead, 'dead_members', n.dead_members,
+                             'truncated', n.dead > jsonb_array_length(n.dead_members))::text
+        || chr(125))::json,
+       now() + make_interval(secs => n.delay), n.trace_context, n.limit_key
+FROM gs_new AS n
+WHERE n.callback_id IS NOT NULL
+RETURNING id, pg_notify({notify_channel}, '') IS NULL AS woke

@@ -29,6 +29,8 @@ CREATE TABLE {table} (
     limit_key     text CHECK (limit_key <> ''),
     -- The row whose payload this one reads (subscriptions, migration 0011, DESIGN invariant 28).
     payload_of    bigint,
+    -- The group this row is a member of (migration 0012, DESIGN invariant 29).
+    group_id      bigint,
     CHECK (payload IS NOT NULL OR payload_of IS NOT NULL)
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.01,
@@ -106,3 +108,34 @@ CREATE TABLE {subscription_table} (
     removed_at timestamptz,
     PRIMARY KEY (event_type, name)
 );
+-- Groups with a callback (migration 0012, DESIGN invariant 29).
+CREATE TABLE {group_table} (
+    id            bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    -- The member rows the producer inserted (a member dropped as a duplicate dedup key is none).
+    total         integer     NOT NULL CHECK (total >= 0),
+    done          integer     NOT NULL DEFAULT 0 CHECK (done >= 0),
+    dead          integer     NOT NULL DEFAULT 0 CHECK (dead >= 0),
+    -- open until done + dead reaches total: then fired (the callback enqueued) or skipped (a
+    -- member dead and skip_on_dead); cancelled or finished by an operator.
+    state         text        NOT NULL DEFAULT 'open'
+                  CHECK (state IN ('open', 'fired', 'skipped', 'cancelled', 'finished')),
+    skip_on_dead  boolean     NOT NULL DEFAULT false,
+    -- The callback's event, as the producer validated it.
+    event_type    text        NOT NULL CHECK (event_type <> ''),
+    aggregate_type text       NOT NULL,
+    aggregate_id  text        NOT NULL,
+    payload       json        NOT NULL,
+    delay         float8      NOT NULL DEFAULT 0,
+    limit_key     text        CHECK (limit_key <> ''),
+    trace_context jsonb,
+    -- The first dead members (at most 100): id, event_type and last error (cut) of each.
+    dead_members  jsonb       NOT NULL DEFAULT '[]',
+    -- The outbox id of the callback's event, once enqueued.
+    callback_id   bigint,
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    closed_at     timestamptz,
+    -- Why an operator finished or cancelled it.
+    note          text
+);
+CREATE INDEX {group_open_idx} ON {group_table} (created_at) WHERE state = 'open';
+CREATE INDEX {group_member_idx} ON {table} (group_id, id) WHERE group_id IS NOT NULL;

@@ -448,3 +448,28 @@ def test_invariant_28_a_subscriptions_row_shows_its_route_and_the_payload_stored
     page = client.get(_detail(rows[1].pk)).content.decode()
     assert "&quot;total&quot;: &quot;9.90&quot;" in page and "order.paid@search" in page
     assert "order.paid@search" in client.get(_url()).content.decode()
+
+
+GROUPS = "admin:outbox_celery_outboxgroup_changelist"
+
+
+def test_invariant_29_groups_are_listed_with_their_progress_and_finished_or_cancelled_by_hand(
+    client: Client, pg: psycopg.Connection[Any]
+) -> None:
+    from outbox_celery import group
+
+    made = []
+    for n in range(2):
+        with pg.transaction():
+            parts = [Event("part", {"i": i}, "p", i) for i in range(3)]
+            made.append(group(pg, parts, then=Event("done", {"n": n}, "p", n)).id)
+    page = client.get(reverse(GROUPS)).content.decode()
+    assert "0 of 3" in page and "open" in page
+    assert "2 open group(s)" in client.get(_url()).content.decode()
+    r = client.post(reverse(GROUPS), {"action": "finish_groups", "_selected_action": [made[0]]}, follow=True)
+    assert "Finished 1 group(s)" in r.content.decode()
+    r = client.post(reverse(GROUPS), {"action": "cancel_groups", "_selected_action": made}, follow=True)
+    assert "Cancelled 1 group(s)" in r.content.decode() and "Not open" in r.content.decode()
+    states = pg.execute("SELECT state FROM outbox_group ORDER BY id").fetchall()
+    assert states == [("finished",), ("cancelled",)]
+    assert pg.execute("SELECT count(*) FROM outbox WHERE event_type = 'done'").fetchone() == (1,)

@@ -10,7 +10,7 @@ from django.db import IntegrityError, transaction
 from django.test.utils import override_settings
 
 from outbox_celery import Event, ProducerError, migrate
-from outbox_celery.contrib.django import enqueue, enqueue_many
+from outbox_celery.contrib.django import enqueue, enqueue_group, enqueue_many
 
 from .testapp.models import Order
 
@@ -198,3 +198,18 @@ def test_invariant_27_djangos_enqueue_hands_over_what_was_enqueued(django_db: st
         }
     for outbox_id, value in zip(ids, sent + sent, strict=True):
         assert same(value, got[outbox_id])
+
+
+def test_invariant_29_a_group_commits_and_rolls_back_with_the_atomic_block(django_db: str) -> None:
+    parts = [Event("part", {"i": i}, "order", i) for i in range(3)]
+    with pytest.raises(RuntimeError), transaction.atomic():
+        enqueue_group(parts, then=Event("order.ready", {}, "order", 1))
+        raise RuntimeError("business rule failed")
+    assert _events(django_db) == []
+    with transaction.atomic():
+        Order.objects.create(total=3)
+        g = enqueue_group(parts, then=Event("order.ready", {}, "order", 1), skip_on_dead=True)
+        assert _events(django_db) == [], "visible before commit"
+    assert [r["id"] for r in _events(django_db)] == g.member_ids
+    with psycopg.connect(django_db) as c:
+        assert c.execute("SELECT total, skip_on_dead FROM outbox_group").fetchall() == [(3, True)]

@@ -64,7 +64,17 @@ from psycopg import sql
 from psycopg.adapt import Loader
 from psycopg.rows import dict_row
 
-from outbox_celery import Defer, Message, PermanentError, RateLimited, RetryableError, Store, TableName
+from outbox_celery import (
+    Defer,
+    Event,
+    Message,
+    PermanentError,
+    RateLimited,
+    RetryableError,
+    Store,
+    TableName,
+    enqueue_group,
+)
 from outbox_celery.celery_app import Outbox
 
 ENV_VAR = "OUTBOX_TEST_APP"
@@ -291,6 +301,8 @@ def scripted_transactional(outbox: Outbox) -> Any:
             # Each kind writes the effect its own way: psycopg, the Session, Django's cursor.
             raw, producer = _write_effect(conn, message)
             follow_up = payload.get("follow_up")
+            if "workflow_step" in payload:
+                _next_step(outbox, message, producer, payload)
             if follow_up:
                 outbox.enqueue(
                     producer,
@@ -315,6 +327,23 @@ def scripted_transactional(outbox: Outbox) -> Any:
 
     handler.__name__ = "scripted_transactional_handler"
     return handler
+
+
+def _next_step(outbox: Outbox, message: Message, producer: Any, payload: dict[str, Any]) -> None:
+    """A workflow's step (a group's callback, DESIGN invariant 29): unless it is the last, start
+    the next step's group, whose callback is the next step, in this handler's transaction."""
+    step, steps = int(payload["workflow_step"]), int(payload.get("steps", 3))
+    if step >= steps:
+        return
+    member = str(payload.get("member_type", "thing.happened"))
+    n = int(payload.get("members", 3))
+    then = {k: v for k, v in payload.items() if k != "outbox_group"} | {"workflow_step": step + 1}
+    enqueue_group(
+        producer,
+        [Event(member, {"step": step + 1, "i": i}, "workflow", i) for i in range(n)],
+        then=Event(message.event_type, then, "workflow", step + 1),
+        table=outbox.config.table,
+    )
 
 
 # What a transactional handler's connection holds of the state a "leak" run leaves; a fresh

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from chaos.check import FaultRecord, check, render
+from chaos.check import FaultRecord, check, check_groups, render
 from chaos.workload import PERMANENT_ERROR
 
 
@@ -109,3 +109,22 @@ def test_a_subscription_fanned_out_short_is_a_violation_and_a_dead_one_is_health
     assert any("different numbers of rows" in x for x in v.violations)
     balanced = check(rows[:3], _seen(tmp_path / "t", *((i, "ok", None) for i in (1, 2, 3))))
     assert balanced.violations == []
+
+
+def test_invariant_29_groups_not_fired_or_with_a_callback_not_exactly_once_are_violations(
+    tmp_path: Path,
+) -> None:
+    rows = [(1, "chaos.member", "done", None, None), (2, "chaos.group_done", "done", None, None)]
+    seen = _seen(tmp_path / "s", (1, "ok", None), (2, "ok", None))
+    clean = check(rows, seen)
+    check_groups(clean, [(7, "fired", 2)], [(2, 7)])
+    assert clean.violations == [] and clean.groups == 1
+    for groups, callbacks in [
+        ([(7, "open", None)], []),  # left open
+        ([(7, "fired", 2)], [(2, 7), (3, 7)]),  # committed twice
+        ([(7, "fired", 2)], []),  # never committed
+        ([(7, "fired", 2)], [(3, 7)]),  # not the one its group names
+    ]:
+        v = check(rows, seen)
+        check_groups(v, groups, callbacks)
+        assert v.violations, (groups, callbacks)

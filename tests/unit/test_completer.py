@@ -25,7 +25,7 @@ from outbox_celery.store import Claimed, Store
 FILES = ["queries.sql", "admin.sql", "inbox/queries.sql"]
 PACKAGE = Path(outbox_celery.__file__).parent
 # The completer's statements: the fenced transitions of a claimed row.
-FENCED = {"start", "resume", "start_exhausted", "finish", "extend_lease"}
+FENCED = {"start", "resume", "start_exhausted", "finish", "finish_grouped", "extend_lease"}
 
 
 def _statements() -> Iterator[tuple[str, str]]:
@@ -59,7 +59,10 @@ RULES = {
 
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_each_outcome_rule_is_written_in_exactly_one_named_statement(rule: str) -> None:
-    assert _holding(RULES[rule]) == {"queries.sql:finish"}, rule
+    # finish_grouped is finish's update (the one fragment finish_update) with a group's count
+    # after it (DESIGN invariant 29); the rule is written once in the file.
+    assert _holding(RULES[rule]) == {"queries.sql:finish", "queries.sql:finish_grouped"}, rule
+    assert _sql.read("queries.sql").count(RULES[rule]) == 1, rule
 
 
 def test_the_max_defer_age_rule_is_written_once_in_the_files() -> None:
@@ -72,8 +75,9 @@ def test_the_finish_statement_handles_every_step_and_nothing_else() -> None:
     text = _sql.named("queries.sql")["finish"]
     [listed] = re.findall(r"AND f\.outcome IN \(('[a-z_]+'(?:, '[a-z_]+')*)\)", text)
     assert {s.strip("'") for s in listed.split(", ")} == {str(s) for s in Step}
-    # No other statement compares an outcome: the steps are decided in finish alone.
-    assert _holding("f.outcome") == {"queries.sql:finish"}
+    # No other statement compares an outcome: the steps are decided in finish alone (and in
+    # finish_grouped, which is finish's update with a group's count after it).
+    assert _holding("f.outcome") == {"queries.sql:finish", "queries.sql:finish_grouped"}
 
 
 def test_the_fenced_row_sources_are_used_by_the_completer_statements_only() -> None:

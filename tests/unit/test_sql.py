@@ -17,6 +17,7 @@ IDENTIFIERS = {
     "flow_table",
     "flow_key_table",
     "subscription_table",
+    "group_table",
     *_sql.INDEX_SUFFIXES,
     *_sql.INBOX_INDEX_SUFFIXES,
 }

@@ -27,7 +27,15 @@ from ...errors import ProducerError
 from ...producer import Event
 from .conf import database_dsn, max_payload_bytes, outbox_database, outbox_dsn, outbox_table
 
-__all__ = ["Event", "database_dsn", "enqueue", "enqueue_many", "outbox_connection", "outbox_dsn"]
+__all__ = [
+    "Event",
+    "database_dsn",
+    "enqueue",
+    "enqueue_group",
+    "enqueue_many",
+    "outbox_connection",
+    "outbox_dsn",
+]
 
 
 def outbox_connection(using: str | None = None) -> psycopg.Connection[Any]:
@@ -111,3 +119,16 @@ def enqueue_many(
     """
     conn = outbox_connection(using)
     return producer.enqueue_many(conn, messages, **_options(options))
+
+
+def enqueue_group(
+    messages: Iterable[Event | Mapping[str, Any]],
+    *,
+    then: Event | Mapping[str, Any],
+    using: str | None = None,
+    **options: Any,
+) -> producer.Group:
+    """Write a group and its callback in the current ``atomic()`` block (DESIGN invariant 29):
+    :func:`outbox_celery.enqueue_group` on Django's connection (``skip_on_dead`` passed through)."""
+    conn = outbox_connection(using)
+    return producer.enqueue_group(conn, messages, then=then, **_options(options))

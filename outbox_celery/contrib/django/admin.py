@@ -39,7 +39,7 @@ from django.utils.html import format_html
 from ... import operations as core_admin
 from ...errors import first_line
 from .conf import outbox_database, outbox_table
-from .models import OutboxMessage, Status
+from .models import OutboxGroup, OutboxMessage, Status
 
 __all__ = ["EstimatedCountPaginator", "OutboxMessageAdmin"]
 
@@ -228,9 +228,11 @@ class AgeFilter(admin.SimpleListFilter):
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[OutboxMessage]
+    _GroupAdmin = admin.ModelAdmin[OutboxGroup]
     _Paginator = Paginator[Any]
 else:  # Django's classes are not subscriptable at run time (django-stubs makes them generic)
     _ModelAdmin = admin.ModelAdmin
+    _GroupAdmin = admin.ModelAdmin
     _Paginator = Paginator
 
 
@@ -631,3 +633,70 @@ class OutboxMessageAdmin(_ModelAdmin):
 def _id_list(ids: list[int]) -> str:
     shown = ", ".join(f"#{i}" for i in ids[:20])
     return shown + (f" and {len(ids) - 20} more" if len(ids) > 20 else "")
+
+
+@admin.register(OutboxGroup)
+class OutboxGroupAdmin(_GroupAdmin):
+    """Groups with a callback (DESIGN invariant 29): progress, state; finish or cancel by hand."""
+
+    list_display = ("id", "state", "progress", "dead", "event_type", "created_at", "callback_id")
+    list_filter = ("state",)
+    list_per_page = 50
+    ordering = ("-id",)
+    sortable_by = ()
+    show_full_result_count = False
+    actions = ["finish_groups", "cancel_groups"]
+    readonly_fields = (
+        "id", "state", "total", "done", "dead", "skip_on_dead", "event_type", "dead_members",
+        "callback_id", "created_at", "closed_at", "note",
+    )  # fmt: skip
+
+    @property
+    def using(self) -> str:
+        """The alias holding the table (``OUTBOX_DATABASE``)."""
+        return outbox_database()
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxGroup]:
+        return super().get_queryset(request).using(self.using)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.display(description="progress")
+    def progress(self, obj: OutboxGroup) -> str:
+        """Members with a final outcome, of all."""
+        return f"{obj.done + obj.dead} of {obj.total}"
+
+    def _close(self, request: HttpRequest, queryset: QuerySet[OutboxGroup], finish: bool) -> None:
+        user = getattr(request, "user", None)
+        who = f"Django admin user {user.get_username()}" if user is not None else "Django admin"
+        conn = _psycopg(self.using)
+        closed, refused = [], []
+        for g in sorted(queryset.values_list("id", flat=True)):
+            try:
+                if finish:
+                    core_admin.finish_group(conn, outbox_table(), g, reason=f"finished by {who}")
+                else:
+                    core_admin.cancel_group(conn, outbox_table(), g, reason=f"cancelled by {who}")
+                closed.append(g)
+            except core_admin.AdminError:
+                refused.append(g)
+        verb = "finished" if finish else "cancelled"
+        self.message_user(request, f"{verb} {len(closed)} group(s): {_id_list(closed)}", messages.SUCCESS)
+        if refused:
+            self.message_user(request, f"not open, left as they are: {_id_list(refused)}", messages.WARNING)
+
+    @admin.action(
+        description="Finish selected open groups now (enqueue their callbacks)", permissions=["change"]
+    )
+    def finish_groups(self, request: HttpRequest, queryset: QuerySet[OutboxGroup]) -> None:
+        """Close each open group and enqueue its callback with the outcomes so far."""
+        self._close(request, queryset, finish=True)
+
+    @admin.action(description="Cancel selected open groups (no callback, ever)", permissions=["change"])
+    def cancel_groups(self, request: HttpRequest, queryset: QuerySet[OutboxGroup]) -> None:
+        """Close each open group for good: its callback is never enqueued."""
+        self._close(request, queryset, finish=False)

@@ -16,7 +16,7 @@ from django.db import models
 from ...errors import OutboxError
 from .conf import model_db_table
 
-__all__ = ["OutboxMessage", "Status"]
+__all__ = ["OutboxGroup", "OutboxMessage", "Status"]
 
 
 class Status(models.TextChoices):
@@ -99,3 +99,40 @@ class OutboxMessage(models.Model):
     def delete(self, *args: Any, **kwargs: Any) -> NoReturn:
         """Refuse: done rows are purged by retention, live rows are never deleted."""
         raise ReadOnlyError("outbox rows are purged by the retention task (outbox-celery purge)")
+
+
+class OutboxGroup(models.Model):
+    """One group with a callback (``<CELERY_OUTBOX_TABLE>_group``, migration 0012, DESIGN
+    invariant 29): its progress and state. Read-only: groups are counted by the fenced finalize
+    and closed by hand through :func:`outbox_celery.operations.finish_group` and
+    :func:`~outbox_celery.operations.cancel_group` (the admin's actions)."""
+
+    id: models.BigAutoField[int, int] = models.BigAutoField(primary_key=True)
+    total: models.IntegerField[int, int] = models.IntegerField()
+    done: models.IntegerField[int, int] = models.IntegerField()
+    dead: models.IntegerField[int, int] = models.IntegerField()
+    state: models.TextField[str, str] = models.TextField()
+    skip_on_dead: models.BooleanField[bool, bool] = models.BooleanField()
+    event_type: models.TextField[str, str] = models.TextField()
+    dead_members: models.JSONField[Any, Any] = models.JSONField()
+    callback_id: models.BigIntegerField[int | None, int | None] = models.BigIntegerField(null=True)
+    created_at: models.DateTimeField[datetime, datetime] = models.DateTimeField()
+    closed_at: models.DateTimeField[datetime | None, datetime | None] = models.DateTimeField(null=True)
+    note: models.TextField[str | None, str | None] = models.TextField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = model_db_table() + "_group"
+        verbose_name = "outbox group"
+        verbose_name_plural = "outbox groups"
+
+    def __str__(self) -> str:
+        return f"group #{self.pk} ({self.state}, {self.done + self.dead} of {self.total})"
+
+    def save(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refuse: a group changes only through the library's SQL."""
+        raise ReadOnlyError("outbox groups are written by outbox_celery.enqueue_group and the finalize only")
+
+    def delete(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refuse: cancel it instead (its callback is then never enqueued)."""
+        raise ReadOnlyError("outbox groups are not deleted; cancel one with outbox-celery groups cancel")
