@@ -485,3 +485,27 @@ def test_invariant_29_the_purge_deletes_closed_groups_past_retention_and_keeps_o
     operations.purge_done(conn, table, older_than=86400, batch_size=10)
     left = [r[0] for r in conn.execute(sql.SQL("SELECT id FROM {} ORDER BY id").format(t)).fetchall()]
     assert left == [kept]
+
+
+def test_invariant_29_a_member_fanned_out_to_subscriptions_counts_each_subscription_s_row(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    # Invariant 28 and 29 together: a member of a type with subscriptions is one row per
+    # subscription, each a member; the callback waits for every one of them.
+    from outbox_celery import subscriptions
+
+    for name in ("mail", "search"):
+        subscriptions.add(conn, table, "part.work", name)
+    with conn.transaction():
+        g = group(conn, members(2), then=THEN, table=table)
+    rows = [r for r in (fetch(conn, table, i) for i in g.member_ids)]
+    assert [r["event_type"] for r in rows] == ["part.work@mail"] * 2  # the owners answer
+    assert grp(conn, table, g.id)["total"] == 4
+    pairs = start_all(store, conn)
+    assert len(pairs) == 4
+    for p in pairs[:3]:
+        assert store.done(conn, *p)
+    assert callbacks(conn, table) == []
+    assert store.done(conn, *pairs[3])
+    [cb] = callbacks(conn, table)
+    assert cb["payload"]["outbox_group"]["done"] == 4
