@@ -28,6 +28,12 @@ Nothing here is used by the library. A variant spec is a comma-separated list of
 * ``no_slot_wake``: a concurrency-limited event type's finish goes through the done batcher
   and wakes nobody, as before #23's freed-slot wake: the claim finds the slot at its next
   ``LIMIT_RECHECK``.
+* ``expired_each``: every claim runs its expired-lease scans (``release_expired``, ``reap``,
+  ``claim_expired``) whether or not a lease ran out, each walking the lease index from the
+  expired mark (from its start on a full pass), as before ``first_expired`` (invariant 18).
+* ``index_sampler``: the horizon benchmark counts the unfinished rows as its first
+  measurements did, from the whole pending and lease indexes every second (benchmark side
+  only: see ``benchmarks.horizon.UnfinishedCounter``).
 * ``push_broker``: the listener (#11) sends the claim task through the broker on every wake-up
   instead of running the claim in the worker's main process. Measured only: the library claims
   in-process.
@@ -60,7 +66,13 @@ KNOWN = {
     "check_each",
     "done_each",
     "no_slot_wake",
+    "expired_each",
+    "index_sampler",
 }
+
+# Benchmark-only: first_expired as if a lease always ran out at the mark (NULL on a full pass:
+# every expired scan runs from the mark, as before first_expired).
+EXPIRED_EACH_FIRST = "SELECT %(expired_since)s::timestamptz AS lease_until"
 
 # Benchmark-only: the claim_heads query as it was before #10 (it ignores the head flag).
 SKIP_SCAN_CLAIM_HEADS = """
@@ -123,12 +135,14 @@ def make_store(table: str | TableName, spec: str) -> Store:
         queries["claim_settings_flow"] = flow_read.replace("set_config('jit', 'off', true)", "NULL")
     if "skip_scan" in names:
         queries["claim_heads"] = SKIP_SCAN_CLAIM_HEADS
+    if "expired_each" in names:
+        queries["first_expired"] = EXPIRED_EACH_FIRST
     return cls(table, relaxed_commit="durable" not in names, queries=queries)
 
 
 def outbox_store(table: str | TableName, spec: str) -> Store | None:
     """The store an ``Outbox(store=...)`` takes for the variants of ``spec``; None: the default."""
-    if parse(spec) & {"explicit_tx", "durable", "claim_jit"}:
+    if parse(spec) & {"explicit_tx", "durable", "claim_jit", "expired_each"}:
         return make_store(table, spec)
     return None
 
