@@ -274,6 +274,13 @@ def _parser() -> argparse.ArgumentParser:
         " pin's dead versions in seconds (0: off)",
     )
     p.add_argument(
+        "--horizon-readers",
+        type=int,
+        default=0,
+        help="horizon-load: REPEATABLE READ readers scanning the table every 0.1 s during the pin, their"
+        " backends' CPU reported (0: off; the harness's 'active readers' use 4)",
+    )
+    p.add_argument(
         "--horizon-variants",
         default="",
         help="horizon-load: also run every pinned run with these benchmark variants (';'-separated specs,"
@@ -1133,6 +1140,8 @@ class Bench:
         pins = [float(x) for x in a.pin_seconds.split(",") if x.strip()]
         variants = [v.strip() for v in a.horizon_variants.split(";") if v.strip()]
         churned = f" + {a.horizon_churn:,} dead versions churned in at its start" if a.horizon_churn else ""
+        if a.horizon_readers:
+            churned += f" + {a.horizon_readers} REPEATABLE READ readers scanning the table every 0.1 s"
         plan = [(f"pin {p:g} s{churned}", p, True, 0, "") for p in pins]
         # Each variant's run right after the current code's: the same server, the same run.
         plan = [
@@ -1172,6 +1181,7 @@ class Bench:
                 purge_rows=purge_rows,
                 churn=a.horizon_churn,
                 variant=variant,
+                readers=a.horizon_readers,
             )
             out.append(sc)
             t = self.report.table(

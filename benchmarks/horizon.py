@@ -64,6 +64,7 @@ __all__ = [
 ]
 
 PIN_APP = "bench-horizon-pin"
+READER_APP = "bench-horizon-reader"
 
 
 # -- the server --------------------------------------------------------------------------------
@@ -195,6 +196,70 @@ class Pin:
         return time.time() - self.started
 
 
+def backend_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a local process (a PostgreSQL backend), from ``/proc``."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Readers:
+    """``n`` REPEATABLE READ readers, each scanning the table every ``every`` seconds in its
+    one snapshot (the "active readers" of the public job-queue benchmark harness, instead of one
+    idle snapshot), and what they cost: their backends' CPU seconds, read from ``/proc`` when
+    the server runs on this machine."""
+
+    def __init__(self, dsn: str, ident: sql.Composable, n: int, *, every: float = 0.1) -> None:
+        self.dsn, self.ident, self.every = dsn, ident, every
+        self.stop = threading.Event()
+        self.scans: list[float] = []
+        self.pids: list[int] = []
+        self.cpu0: dict[int, float] = {}
+        self.cpu1: dict[int, float | None] = {}
+        self.started = time.time()
+        self.threads = [threading.Thread(target=self._read, daemon=True) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _read(self) -> None:
+        with psycopg.connect(self.dsn, application_name=READER_APP) as conn:
+            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            pid = conn.info.backend_pid
+            self.pids.append(pid)
+            self.cpu0[pid] = backend_cpu_seconds(pid) or 0.0
+            query = sql.SQL("SELECT count(*) FROM {t}").format(t=self.ident)
+            while not self.stop.wait(self.every):
+                t = time.perf_counter()
+                conn.execute(query)
+                self.scans.append(time.perf_counter() - t)
+            self.cpu1[pid] = backend_cpu_seconds(pid)
+            conn.rollback()
+
+    def finish(self) -> dict[str, Any]:
+        """Stop the readers; their scans and CPU (seconds, and the share of the machine's CPUs)."""
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+        held = time.time() - self.started
+        ends = [self.cpu1.get(p) for p in self.pids]
+        cpu = [end - self.cpu0[p] for p, end in zip(self.pids, ends, strict=True) if end is not None]
+        out: dict[str, Any] = {
+            "readers": len(self.threads),
+            "scans": len(self.scans),
+            "held_s": round(held, 1),
+        }
+        if self.scans:
+            out["scan_ms_median"] = round(statistics.median(self.scans) * 1000, 1)
+            out["scan_ms_max"] = round(max(self.scans) * 1000, 1)
+        if cpu and len(cpu) == len(self.pids):
+            cores = os.cpu_count() or 1
+            out["readers_cpu_s"] = round(sum(cpu), 1)
+            out["readers_cpu_share"] = f"{sum(cpu) / (held * cores):.0%} of {cores} CPUs"
+        return out
+
+
 @dataclass
 class Sample:
     """One look at the table (seconds since the measured load started)."""
@@ -260,7 +325,7 @@ class UnfinishedCounter:
 def churn_dead_versions(dsn: str, ident: sql.Composable, dead: int, *, chunk: int = 10_000) -> float:
     """Make about ``dead`` dead versions in the live table as deliveries make them, fast.
 
-    Rows of an event type nobody handles (``bench.churn``) inserted due, then claimed, started
+    Rows of an event type nobody handles (``bench.churn``, negative ids) inserted due, then claimed, started
     and done, ``chunk`` at a time, with the column changes of the claim, the fenced start and
     the done (3 dead versions per row, in the pending, lease and primary-key indexes): what
     ``dead / 3`` messages leave under a pin, in seconds instead of minutes. Returns the seconds.
@@ -275,7 +340,7 @@ def churn_dead_versions(dsn: str, ident: sql.Composable, dead: int, *, chunk: in
                     r[0]
                     for r in conn.execute(
                         sql.SQL(_CHURN_INSERT).format(t=ident),
-                        [n],
+                        [made // 3, made // 3, n],
                     )
                 ]
             for step in (_CHURN_CLAIM, _START_MANY, _DONE_MANY):
@@ -327,8 +392,12 @@ class Monitor:
         purge_rows: int = 0,
         churn: int = 0,
         index_sampler: bool = False,
+        readers: int = 0,
     ) -> None:
         self.dsn = dsn
+        #: REPEATABLE READ readers scanning the table during the pin (:class:`Readers`).
+        self.readers = readers
+        self._readers: Readers | None = None
         #: Dead versions churned into the table when the pin is taken (:func:`churn_dead_versions`).
         self.churn = churn
         self._churn: threading.Thread | None = None
@@ -386,6 +455,9 @@ class Monitor:
             self.error = f"churn: {type(exc).__name__}: {exc}"
 
     def _unpin(self) -> None:
+        if self._readers is not None:
+            self.pin_log.update(self._readers.finish())
+            self._readers = None
         if self._pin is not None:
             self.pin_log["held_s"] = round(self._pin.release(), 2)
             self.pin_log["released_t"] = round(time.time() - self.t0, 2)
@@ -427,6 +499,8 @@ class Monitor:
                         self.pin_log["snapshot"] = self._pin.snapshot
                         if not held:
                             raise RuntimeError("the pinned transaction holds no backend_xmin")
+                        if self.readers:
+                            self._readers = Readers(self.dsn, ident, self.readers)
                         if self.churn:
                             self._churn = threading.Thread(
                                 target=self._run_churn, name="horizon-churn", daemon=True
@@ -495,6 +569,7 @@ def run_scenario(
     purge_rows: int = 0,
     churn: int = 0,
     variant: str = "",
+    readers: int = 0,
 ) -> Scenario:
     """``warmup + pin + tail`` seconds of one event per transaction at ``rate``; pinned or not.
 
@@ -509,6 +584,7 @@ def run_scenario(
         purge_rows=purge_rows,
         churn=churn if pinned else 0,
         index_sampler="index_sampler" in parse_variants(variant),
+        readers=readers if pinned else 0,
     )
     scenario = Scenario(label, rate, duration, warmup, pin, window)
     load_before = os.getloadavg()[0]
@@ -640,10 +716,12 @@ def _recovered(wins: Sequence[dict[str, Any]], scenario: Scenario, p99_before: f
 
 # The fenced start and done of the real path (queries.sql: start, finish_done), for many rows at
 # once: the same columns change, so the same row versions and index entries are made.
+# Negative ids: the churned rows stay out of the sampler's range of the primary key.
 _CHURN_INSERT = (
-    "INSERT INTO {t} (event_type, aggregate_type, aggregate_id, payload, available_at)"
-    " SELECT 'bench.churn', 'bench', g::text, '{{}}', now() - interval '1 second'"
-    " FROM generate_series(1, %s) AS g RETURNING id"
+    "INSERT INTO {t} (id, event_type, aggregate_type, aggregate_id, payload, available_at)"
+    " OVERRIDING SYSTEM VALUE"
+    " SELECT -g, 'bench.churn', 'bench', g::text, '{{}}', now() - interval '1 second'"
+    " FROM generate_series(%s::bigint + 1, %s::bigint + %s) AS g RETURNING id"
 )
 _CHURN_CLAIM = (
     "UPDATE {t} SET status = 'processing', lease_owner = 'bench-churn', lease_version = lease_version + 1,"
