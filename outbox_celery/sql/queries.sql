@@ -300,7 +300,7 @@ SET attempts = attempts + 1,
     lease_owner = %(starter)s,
     lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
 FROM {commit_mode}, {leases} AS s(claim_id, claim_version)
-WHERE id = s.claim_id AND lease_version = s.claim_version AND status = 'processing'
+WHERE id = s.claim_id AND lease_version = s.claim_version AND {fenced_processing}
   AND started_version < lease_version AND attempts < %(max_attempts)s
 RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attempts, created_at,
           lease_version, ordering_key, trace_context;
@@ -312,7 +312,7 @@ RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attemp
 UPDATE {table}
 SET lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
 FROM {leases} AS s(claim_id, claim_version)
-WHERE id = s.claim_id AND lease_version = s.claim_version AND status = 'processing'
+WHERE id = s.claim_id AND lease_version = s.claim_version AND {fenced_processing}
   AND started_version = lease_version AND lease_owner = %(starter)s
 RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attempts, created_at,
           lease_version, ordering_key, trace_context;
@@ -324,6 +324,16 @@ RETURNING id, event_type, aggregate_type, aggregate_id, {inline_payload}, attemp
 CASE WHEN pg_column_size(payload) <= %(inline_share)s THEN payload END AS payload,
 pg_column_size(payload) AS payload_bytes,
 pg_column_size(payload) <= %(inline_share)s AS payload_inline
+
+-- fragment: fenced_processing
+-- The row is processing, written so that the planner cannot answer it from the lease index
+-- (whose partial predicate is status = 'processing'): a fenced statement finds its rows by
+-- primary key, a few versions each. Under a pinned xmin horizon the lease index keeps a dead
+-- entry for every claim and start since the pin began; once autoanalyze had counted few
+-- processing rows, a plain status = 'processing' let the planner read the whole index instead
+-- (a bitmap scan joined to the leases by hash), per start and per finish: a cost that grew
+-- with the pin and outlived it until VACUUM (DESIGN invariant 18).
+status IS NOT DISTINCT FROM 'processing'
 
 -- fragment: leases
 -- The (id, lease_version) pairs a fenced statement applies to, one or many. A statement of one
@@ -360,7 +370,7 @@ SET status = 'dead',
     last_error = 'attempts exhausted: ' || attempts || ' handler run(s) of ' || %(max_attempts)s::int
                  || ' started without a result' || coalesce('; last error: ' || last_error, '')
 FROM {leases} AS s(claim_id, claim_version)
-WHERE id = s.claim_id AND lease_version = s.claim_version AND status = 'processing'
+WHERE id = s.claim_id AND lease_version = s.claim_version AND {fenced_processing}
   AND started_version < lease_version
   AND attempts >= %(max_attempts)s
 RETURNING id;
@@ -424,7 +434,7 @@ SET status = CASE
 FROM {commit_mode},
      {wake_listeners} AS woke,
      {finishes} AS f(id, lease_version, outcome, delay, error)
-WHERE o.id = f.id AND o.lease_version = f.lease_version AND o.status = 'processing'
+WHERE o.id = f.id AND o.lease_version = f.lease_version AND {fenced_processing}
   AND f.outcome IN ('done', 'retry', 'defer', 'rate_limited', 'dead', 'error', 'postpone', 'release')
   AND (f.outcome <> 'done' OR o.ordering_key IS NULL OR %(keys_locked)s::bool)
   AND (f.outcome <> 'release' OR o.started_version < o.lease_version)
@@ -504,7 +514,7 @@ SELECT set_config('statement_timeout', %(ms)s::text, true),
 UPDATE {table} AS o
 SET lease_until = greatest(o.lease_until, now() + make_interval(secs => %(seconds)s))
 FROM {leases} AS e(id, lease_version)
-WHERE o.id = e.id AND o.lease_version = e.lease_version AND o.status = 'processing'
+WHERE o.id = e.id AND o.lease_version = e.lease_version AND {fenced_processing}
 RETURNING o.id;
 
 -- name: canonical_name
