@@ -278,6 +278,27 @@ def _parser() -> argparse.ArgumentParser:
         help="horizon: also a run where the retention purge deletes this many week-old done rows at the pin's"
         " time (0: off)",
     )
+    p.add_argument(
+        "--horizon-churn",
+        type=int,
+        default=0,
+        help="horizon-load: dead versions churned into the table when the pin is taken, to reach a long"
+        " pin's dead versions in seconds (0: off)",
+    )
+    p.add_argument(
+        "--horizon-readers",
+        type=int,
+        default=0,
+        help="horizon-load: REPEATABLE READ readers scanning the table every 0.1 s during the pin, their"
+        " backends' CPU reported (0: off; the harness's 'active readers' use 4)",
+    )
+    p.add_argument(
+        "--horizon-variants",
+        default="",
+        help="horizon-load: also run every pinned run with these benchmark variants (';'-separated specs,"
+        " see benchmarks/variants.py; e.g. 'expired_each,index_sampler' for the code and sampler before"
+        " first_expired)",
+    )
     p.add_argument("--horizon-claims", type=int, default=7, help="horizon-claim: timed claims per level (7)")
     p.add_argument(
         "--horizon-churn-batch", type=int, default=10_000, help="horizon-claim: rows per churn step (10k)"
@@ -1170,17 +1191,34 @@ class Bench:
         defaults = OutboxConfig()
         pipeline = Pipeline(dsn, self.workdir, concurrency=a.concurrency, pool=a.pool, timeout=900.0)
         pins = [float(x) for x in a.pin_seconds.split(",") if x.strip()]
-        plan = [(f"pin {p:g} s", p, True, 0) for p in pins]
+        variants = [v.strip() for v in a.horizon_variants.split(";") if v.strip()]
+        churned = f" + {a.horizon_churn:,} dead versions churned in at its start" if a.horizon_churn else ""
+        if a.horizon_readers:
+            churned += f" + {a.horizon_readers} REPEATABLE READ readers scanning the table every 0.1 s"
+        plan = [(f"pin {p:g} s{churned}", p, True, 0, "") for p in pins]
+        # Each variant's run right after the current code's: the same server, the same run.
+        plan = [
+            run
+            for (label, p, pinned, purge, _) in plan
+            for run in [(label, p, pinned, purge, "")]
+            + [(f"{label} [{v}]", p, pinned, purge, v) for v in variants]
+        ]
         if a.horizon_baseline:
-            plan.insert(0, ("no pin (baseline)", pins[0] if pins else 60.0, False, 0))
+            plan.insert(0, ("no pin (baseline)", pins[0] if pins else 60.0, False, 0, ""))
         if a.horizon_purge:
             # Retention under load: a week of done rows deleted by the purge while messages flow.
             plan.append(
-                (f"purge {a.horizon_purge:,} done rows", pins[0] if pins else 60.0, False, a.horizon_purge)
+                (
+                    f"purge {a.horizon_purge:,} done rows",
+                    pins[0] if pins else 60.0,
+                    False,
+                    a.horizon_purge,
+                    "",
+                )
             )
         ms = 1000.0
         out = []
-        for label, pin, pinned, purge_rows in plan:
+        for label, pin, pinned, purge_rows, variant in plan:
             sc = run_scenario(
                 pipeline,
                 self.svc.redis_url,
@@ -1194,6 +1232,9 @@ class Bench:
                 claim_interval=defaults.claim_interval,
                 batch_size=defaults.batch_size,
                 purge_rows=purge_rows,
+                churn=a.horizon_churn,
+                variant=variant,
+                readers=a.horizon_readers,
             )
             out.append(sc)
             t = self.report.table(

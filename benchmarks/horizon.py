@@ -23,6 +23,7 @@ machine, which may run with autovacuum off.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pwd
 import shutil
@@ -47,6 +48,7 @@ from outbox_celery.testing import embedded_postgres, free_port
 from .measure import percentile
 from .pipeline import Pipeline, drop_table
 from .plain import fill_pending
+from .variants import parse as parse_variants
 
 __all__ = [
     "ClaimLevel",
@@ -62,6 +64,7 @@ __all__ = [
 ]
 
 PIN_APP = "bench-horizon-pin"
+READER_APP = "bench-horizon-reader"
 
 
 # -- the server --------------------------------------------------------------------------------
@@ -193,6 +196,70 @@ class Pin:
         return time.time() - self.started
 
 
+def backend_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a local process (a PostgreSQL backend), from ``/proc``."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Readers:
+    """``n`` REPEATABLE READ readers, each scanning the table every ``every`` seconds in its
+    one snapshot (the "active readers" of the public job-queue benchmark harness, instead of one
+    idle snapshot), and what they cost: their backends' CPU seconds, read from ``/proc`` when
+    the server runs on this machine."""
+
+    def __init__(self, dsn: str, ident: sql.Composable, n: int, *, every: float = 0.1) -> None:
+        self.dsn, self.ident, self.every = dsn, ident, every
+        self.stop = threading.Event()
+        self.scans: list[float] = []
+        self.pids: list[int] = []
+        self.cpu0: dict[int, float] = {}
+        self.cpu1: dict[int, float | None] = {}
+        self.started = time.time()
+        self.threads = [threading.Thread(target=self._read, daemon=True) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _read(self) -> None:
+        with psycopg.connect(self.dsn, application_name=READER_APP) as conn:
+            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            pid = conn.info.backend_pid
+            self.pids.append(pid)
+            self.cpu0[pid] = backend_cpu_seconds(pid) or 0.0
+            query = sql.SQL("SELECT count(*) FROM {t}").format(t=self.ident)
+            while not self.stop.wait(self.every):
+                t = time.perf_counter()
+                conn.execute(query)
+                self.scans.append(time.perf_counter() - t)
+            self.cpu1[pid] = backend_cpu_seconds(pid)
+            conn.rollback()
+
+    def finish(self) -> dict[str, Any]:
+        """Stop the readers; their scans and CPU (seconds, and the share of the machine's CPUs)."""
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+        held = time.time() - self.started
+        ends = [self.cpu1.get(p) for p in self.pids]
+        cpu = [end - self.cpu0[p] for p, end in zip(self.pids, ends, strict=True) if end is not None]
+        out: dict[str, Any] = {
+            "readers": len(self.threads),
+            "scans": len(self.scans),
+            "held_s": round(held, 1),
+        }
+        if self.scans:
+            out["scan_ms_median"] = round(statistics.median(self.scans) * 1000, 1)
+            out["scan_ms_max"] = round(max(self.scans) * 1000, 1)
+        if cpu and len(cpu) == len(self.pids):
+            cores = os.cpu_count() or 1
+            out["readers_cpu_s"] = round(sum(cpu), 1)
+            out["readers_cpu_share"] = f"{sum(cpu) / (held * cores):.0%} of {cores} CPUs"
+        return out
+
+
 @dataclass
 class Sample:
     """One look at the table (seconds since the measured load started)."""
@@ -206,8 +273,14 @@ class Sample:
     count_ms: float
 
 
-def _unfinished(conn: psycopg.Connection[Any], ident: sql.Composable) -> int:
-    # Unordered rows: the pending partial index and the lease index, as the claim reads them.
+def _unfinished_indexes(conn: psycopg.Connection[Any], ident: sql.Composable) -> int:
+    """The unordered unfinished rows counted from the pending and lease indexes, whole.
+
+    The sampler of the first measurements (``index_sampler``): under a pin each count walks
+    every dead entry of both indexes, and once autoanalyze has seen the churned table the
+    planner counts the pending rows with a parallel sequential scan of the whole heap (three
+    processes): at 1M dead versions 0.5 s of every second, on the machine it measures.
+    """
     row = conn.execute(
         sql.SQL(
             "SELECT (SELECT count(*) FROM {t} WHERE status = 'pending' AND ordering_key IS NULL)"
@@ -215,6 +288,66 @@ def _unfinished(conn: psycopg.Connection[Any], ident: sql.Composable) -> int:
         ).format(t=ident)
     ).fetchone()
     return int(row[0]) if row else 0
+
+
+class UnfinishedCounter:
+    """Counts the unfinished rows from the oldest one of the previous count on, by primary key.
+
+    Every unfinished row's id is at least the lowest unfinished id the previous count saw (ids
+    only grow, and a finished row stays finished in this benchmark), so one range of the primary
+    key from there holds them all: its cost is the versions of the rows written since the oldest
+    unfinished one, bounded by how far behind delivery is, never by the length of a pin. Custom
+    plans only, no parallel workers, no sequential scan: the sampler must not be the load.
+    """
+
+    def __init__(self, conn: psycopg.Connection[Any], ident: sql.Composable) -> None:
+        self.conn = conn
+        self.low = 0
+        conn.execute("SET max_parallel_workers_per_gather = 0")
+        conn.execute("SET enable_seqscan = off")
+        self.query = sql.SQL(
+            "SELECT count(*), min(id) FROM {t} WHERE id >= %s AND status IN ('pending', 'processing')"
+        ).format(t=ident)
+        self.top = sql.SQL("SELECT coalesce(max(id), 0) + 1 FROM {t}").format(t=ident)
+
+    def __call__(self) -> int:
+        """The unfinished rows now."""
+        row = self.conn.execute(self.query, [self.low], prepare=False).fetchone()
+        n, low = (int(row[0]), row[1]) if row else (0, None)
+        if low is not None:
+            self.low = int(low)
+        else:  # nothing unfinished: the next count starts past every row there is now
+            top = self.conn.execute(self.top).fetchone()
+            self.low = max(self.low, int(top[0]) if top else 0)
+        return n
+
+
+def churn_dead_versions(dsn: str, ident: sql.Composable, dead: int, *, chunk: int = 10_000) -> float:
+    """Make about ``dead`` dead versions in the live table as deliveries make them, fast.
+
+    Rows of an event type nobody handles (``bench.churn``, negative ids) inserted due, then claimed, started
+    and done, ``chunk`` at a time, with the column changes of the claim, the fenced start and
+    the done (3 dead versions per row, in the pending, lease and primary-key indexes): what
+    ``dead / 3`` messages leave under a pin, in seconds instead of minutes. Returns the seconds.
+    """
+    t0 = time.perf_counter()
+    made = 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while made < dead:
+            n = min(chunk, max(1, (dead - made + 2) // 3))
+            with conn.transaction():
+                ids = [
+                    r[0]
+                    for r in conn.execute(
+                        sql.SQL(_CHURN_INSERT).format(t=ident),
+                        [made // 3, made // 3, n],
+                    )
+                ]
+            for step in (_CHURN_CLAIM, _START_MANY, _DONE_MANY):
+                conn.execute(sql.SQL(step).format(t=ident), [ids])
+            made += 3 * n
+            time.sleep(0.2)  # let the deliveries breathe between chunks
+    return time.perf_counter() - t0
 
 
 def _dead_tuples(conn: psycopg.Connection[Any], table: str) -> tuple[int, int]:
@@ -250,9 +383,26 @@ class Monitor:
     """
 
     def __init__(
-        self, dsn: str, *, pin_at: float | None, pin_for: float, every: float = 1.0, purge_rows: int = 0
+        self,
+        dsn: str,
+        *,
+        pin_at: float | None,
+        pin_for: float,
+        every: float = 1.0,
+        purge_rows: int = 0,
+        churn: int = 0,
+        index_sampler: bool = False,
+        readers: int = 0,
     ) -> None:
         self.dsn = dsn
+        #: REPEATABLE READ readers scanning the table during the pin (:class:`Readers`).
+        self.readers = readers
+        self._readers: Readers | None = None
+        #: Dead versions churned into the table when the pin is taken (:func:`churn_dead_versions`).
+        self.churn = churn
+        self._churn: threading.Thread | None = None
+        #: Count the unfinished rows as the first measurements did (:func:`_unfinished_indexes`).
+        self.index_sampler = index_sampler
         #: Instead of a pin: ``purge_rows`` done rows a week old are written at t = 0 and the
         #: retention purge (``admin.purge_done``, its default batches) deletes them at ``pin_at``.
         self.purge_rows = purge_rows
@@ -283,6 +433,8 @@ class Monitor:
             self._thread.join(30)
         if self._purge is not None:
             self._purge.join(300)
+        if self._churn is not None:
+            self._churn.join(300)
         self._unpin()
 
     def _run_purge(self) -> None:
@@ -294,7 +446,18 @@ class Monitor:
         except Exception as exc:  # reported, the run goes on
             self.error = f"purge: {type(exc).__name__}: {exc}"
 
+    def _run_churn(self) -> None:
+        try:
+            ident = TableName.parse(self.table).identifier()
+            seconds = churn_dead_versions(self.dsn, ident, self.churn)
+            self.pin_log.update(churned=self.churn, churn_s=round(seconds, 1))
+        except Exception as exc:  # reported, the run goes on
+            self.error = f"churn: {type(exc).__name__}: {exc}"
+
     def _unpin(self) -> None:
+        if self._readers is not None:
+            self.pin_log.update(self._readers.finish())
+            self._readers = None
         if self._pin is not None:
             self.pin_log["held_s"] = round(self._pin.release(), 2)
             self.pin_log["released_t"] = round(time.time() - self.t0, 2)
@@ -303,7 +466,15 @@ class Monitor:
     def _run(self) -> None:
         ident = TableName.parse(self.table).identifier()
         try:
-            with psycopg.connect(self.dsn, autocommit=True) as conn:
+            with (
+                psycopg.connect(self.dsn, autocommit=True) as conn,
+                psycopg.connect(self.dsn, autocommit=True) as counting,
+            ):
+                count = (
+                    functools.partial(_unfinished_indexes, counting, ident)
+                    if self.index_sampler
+                    else UnfinishedCounter(counting, ident)
+                )
                 if self.purge_rows:
                     _old_done_rows(conn, ident, self.purge_rows)
                 k = 0
@@ -328,10 +499,17 @@ class Monitor:
                         self.pin_log["snapshot"] = self._pin.snapshot
                         if not held:
                             raise RuntimeError("the pinned transaction holds no backend_xmin")
+                        if self.readers:
+                            self._readers = Readers(self.dsn, ident, self.readers)
+                        if self.churn:
+                            self._churn = threading.Thread(
+                                target=self._run_churn, name="horizon-churn", daemon=True
+                            )
+                            self._churn.start()
                     if self._pin is not None and now >= self.pin_at + self.pin_for:  # type: ignore[operator]
                         self._unpin()
                     t = time.perf_counter()
-                    unfinished = _unfinished(conn, ident)
+                    unfinished = count()
                     count_ms = (time.perf_counter() - t) * 1000
                     dead, vacuums = _dead_tuples(conn, self.table)
                     held, age = self._pin.holds(conn) if self._pin is not None else (False, 0)
@@ -389,6 +567,9 @@ def run_scenario(
     batch_size: int,
     warmup_messages: int = 1000,
     purge_rows: int = 0,
+    churn: int = 0,
+    variant: str = "",
+    readers: int = 0,
 ) -> Scenario:
     """``warmup + pin + tail`` seconds of one event per transaction at ``rate``; pinned or not.
 
@@ -396,7 +577,15 @@ def run_scenario(
     """
     duration = warmup + pin + tail
     event = pinned or purge_rows > 0
-    monitor = Monitor(pipeline.dsn, pin_at=warmup if event else None, pin_for=pin, purge_rows=purge_rows)
+    monitor = Monitor(
+        pipeline.dsn,
+        pin_at=warmup if event else None,
+        pin_for=pin,
+        purge_rows=purge_rows,
+        churn=churn if pinned else 0,
+        index_sampler="index_sampler" in parse_variants(variant),
+        readers=readers if pinned else 0,
+    )
     scenario = Scenario(label, rate, duration, warmup, pin, window)
     load_before = os.getloadavg()[0]
     try:
@@ -411,6 +600,7 @@ def run_scenario(
             warmup=warmup_messages,
             on_measured=monitor.start,
             tag="horizon",
+            variant=variant,
         )
     finally:
         monitor.stop()
@@ -526,6 +716,17 @@ def _recovered(wins: Sequence[dict[str, Any]], scenario: Scenario, p99_before: f
 
 # The fenced start and done of the real path (queries.sql: start, finish_done), for many rows at
 # once: the same columns change, so the same row versions and index entries are made.
+# Negative ids: the churned rows stay out of the sampler's range of the primary key.
+_CHURN_INSERT = (
+    "INSERT INTO {t} (id, event_type, aggregate_type, aggregate_id, payload, available_at)"
+    " OVERRIDING SYSTEM VALUE"
+    " SELECT -g, 'bench.churn', 'bench', g::text, '{{}}', now() - interval '1 second'"
+    " FROM generate_series(%s::bigint + 1, %s::bigint + %s) AS g RETURNING id"
+)
+_CHURN_CLAIM = (
+    "UPDATE {t} SET status = 'processing', lease_owner = 'bench-churn', lease_version = lease_version + 1,"
+    " lease_until = now() + make_interval(secs => 60) WHERE id = ANY(%s) AND status = 'pending'"
+)
 _START_MANY = (
     "UPDATE {t} SET attempts = attempts + 1, started_version = lease_version,"
     " lease_until = greatest(lease_until, now() + make_interval(secs => 60))"

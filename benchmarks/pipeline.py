@@ -424,9 +424,11 @@ class Pipeline:
                 last = max(last, _recorded(admin, table, n + warmup))
                 status: dict[str, int] = dict(
                     admin.execute(
-                        sql.SQL("SELECT status, count(*) FROM {} GROUP BY status").format(
-                            TableName.parse(table).identifier()
-                        )
+                        # The horizon benchmark's churned rows (benchmarks.horizon) are not the run's.
+                        sql.SQL(
+                            "SELECT status, count(*) FROM {} WHERE event_type <> 'bench.churn'"
+                            " GROUP BY status"
+                        ).format(TableName.parse(table).identifier())
                     ).fetchall()
                 )
                 # Ordered runs (#10): pairs of one key whose done order differs from id order.
@@ -551,7 +553,8 @@ def _recorded(admin: psycopg.Connection[Any], table: str, expected: int, timeout
     while True:
         done, at = admin.execute(
             sql.SQL(
-                "SELECT count(*), extract(epoch FROM max(done_at))::float8 FROM {} WHERE status = 'done'"
+                "SELECT count(*), extract(epoch FROM max(done_at))::float8 FROM {}"
+                " WHERE status = 'done' AND event_type <> 'bench.churn'"
             ).format(ident)
         ).fetchone() or (0, None)
         if done >= expected or time.monotonic() > deadline:

@@ -28,10 +28,16 @@ Nothing here is used by the library. A variant spec is a comma-separated list of
 * ``no_slot_wake``: a concurrency-limited event type's finish goes through the done batcher
   and wakes nobody, as before #23's freed-slot wake: the claim finds the slot at its next
   ``LIMIT_RECHECK``.
-* ``fence_by_lease_idx``: the fenced statements that find their rows by id (start, resume,
-  start_exhausted, finish, extend_lease) test ``status = 'processing'``, as before their status
-  test was written ``IS NOT DISTINCT FROM``: the live leases' partial index then matches their
-  predicate, and a planner that prices it empty reads it whole instead of the primary key.
+* ``expired_each``: every claim runs its expired-lease scans (``release_expired``, ``reap``,
+  ``claim_expired``) whether or not a lease ran out, each walking the lease index from the
+  expired mark (from its start on a full pass), as before ``first_expired`` (invariant 18).
+* ``fenced_status``: the fenced start, resume, finish and lease heartbeat test
+  ``status = 'processing'`` as before, which lets the planner read them from the whole lease
+  index (a bitmap scan) once autoanalyze has counted few processing rows: under a pinned
+  horizon that index holds every claim's and start's dead entry since the pin.
+* ``index_sampler``: the horizon benchmark counts the unfinished rows as its first
+  measurements did, from the whole pending and lease indexes every second (benchmark side
+  only: see ``benchmarks.horizon.UnfinishedCounter``).
 * ``push_broker``: the listener (#11) sends the claim task through the broker on every wake-up
   instead of running the claim in the worker's main process. Measured only: the library claims
   in-process.
@@ -64,11 +70,17 @@ KNOWN = {
     "check_each",
     "done_each",
     "no_slot_wake",
-    "fence_by_lease_idx",
+    "expired_each",
+    "index_sampler",
+    "fenced_status",
 }
 
-# The fenced statements whose status test the fence_by_lease_idx variant writes as before.
-FENCED_BY_ID = ("start", "resume", "start_exhausted", "finish", "extend_lease")
+#: The fenced statements whose status test ``fenced_status`` writes as before.
+FENCED = ("start", "resume", "start_exhausted", "finish", "extend_lease")
+
+# Benchmark-only: first_expired as if a lease always ran out at the mark (NULL on a full pass:
+# every expired scan runs from the mark, as before first_expired).
+EXPIRED_EACH_FIRST = "SELECT %(expired_since)s::timestamptz AS lease_until"
 
 # Benchmark-only: the claim_heads query as it was before #10 (it ignores the head flag).
 SKIP_SCAN_CLAIM_HEADS = """
@@ -131,10 +143,11 @@ def make_store(table: str | TableName, spec: str) -> Store:
         queries["claim_settings_flow"] = flow_read.replace("set_config('jit', 'off', true)", "NULL")
     if "skip_scan" in names:
         queries["claim_heads"] = SKIP_SCAN_CLAIM_HEADS
-    if "fence_by_lease_idx" in names:
+    if "expired_each" in names:
+        queries["first_expired"] = EXPIRED_EACH_FIRST
+    if "fenced_status" in names:
         named = _sql.named("queries.sql")
-        for name in FENCED_BY_ID:
-            # Benchmark-only: the status test that implies lease_idx's predicate.
+        for name in FENCED:
             queries[name] = named[name].replace(
                 "status IS NOT DISTINCT FROM 'processing'", "status = 'processing'"
             )
@@ -143,7 +156,7 @@ def make_store(table: str | TableName, spec: str) -> Store:
 
 def outbox_store(table: str | TableName, spec: str) -> Store | None:
     """The store an ``Outbox(store=...)`` takes for the variants of ``spec``; None: the default."""
-    if parse(spec) & {"explicit_tx", "durable", "claim_jit", "fence_by_lease_idx"}:
+    if parse(spec) & {"explicit_tx", "durable", "claim_jit", "expired_each", "fenced_status"}:
         return make_store(table, spec)
     return None
 

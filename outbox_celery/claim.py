@@ -10,7 +10,8 @@ One claim (:func:`claim`, what :meth:`Store.claim <outbox_celery.store.Store.cla
       |
     fill_asks -----------------> fill_due -> filling            (batch max_wait)
       |
-    maintenance                  release_expired, reap, release_keyed_expired
+    maintenance                  first_expired; release_expired, reap, release_keyed_expired
+                                 (none when no lease ran out since the expired mark)
       |
     expired_asks --------------> claim_expired_limited, claim_expired
       |
@@ -202,6 +203,9 @@ class Maintenance:
     reaped: int
     #: A statement filled its batch: more expired leases may wait (the expired mark stays).
     full: bool
+    #: A lease ran out since the expired mark (``first_expired``); when none did, no expired
+    #: scan runs, ``claim_expired`` included.
+    expired: bool = True
 
 
 class ScanMarks:
@@ -424,9 +428,21 @@ class _Run:
 
     # -- maintenance --
 
+    def first_expired(self) -> bool:
+        """Whether a lease ran out since the expired mark; if one did, the expired scans start
+        at the earliest (``first_expired``): one walk of the lease index's range for the four
+        statements that read it (DESIGN invariant 18)."""
+        rows = self.conn.execute(self.q["first_expired"], self.params.sql()).fetchall()
+        if not rows:
+            return False
+        self.params = replace(self.params, expired_since=rows[0][0])
+        return True
+
     def maintenance(self, *, lease: float, unroutable_delay: float, keyed: bool) -> Maintenance:
         """Lost and unroutable expired leases back to pending (no attempt spent), exhausted ones
         dead, a keyed type's expired started leases back to pending (invariants 5, 10, 24)."""
+        if not self.first_expired():
+            return Maintenance(0, 0, 0, False, expired=False)
         more = {"limit": EXPIRED_BATCH, "lease": lease, "unroutable_delay": unroutable_delay}
         released = self.rows(ReleasedRow, "release_expired", self.params.sql(**more))
         lost, unroutable = _log_released(released, self.store.table.qualified)
@@ -661,7 +677,7 @@ def claim(
         done = run.maintenance(lease=lease, unroutable_delay=unroutable_delay, keyed=bool(walks))
         allowances = dict(sorted(flow.allowances.items())) if flow else {}
         spent = dict.fromkeys(allowances, 0)
-        claimed = _claim_expired(run, allowances, spent, expired_limit, full=done.full)
+        claimed = _claim_expired(run, allowances, spent, expired_limit, full=done.full, none=not done.expired)
         claimed += _claim_new(run, allowances, spent, walks, limit)
         wait = plan.flow_wait(
             flow, flow_plan.limits, spent, walks, filling=filling, key_held_for=seen.key_held_for
@@ -718,11 +734,19 @@ def _prepare(
 
 
 def _claim_expired(
-    run: _Run, allowances: Mapping[str, Any], spent: dict[str, int], expired_limit: int, *, full: bool
+    run: _Run,
+    allowances: Mapping[str, Any],
+    spent: dict[str, int],
+    expired_limit: int,
+    *,
+    full: bool,
+    none: bool = False,
 ) -> list[Claimed]:
     """Expired leases with attempts left: a limited type's first, together with its new rows at
     most its allowance (DESIGN invariant 22), in one statement for every limited type; then the
-    rest. Each expired mark moves to now() once every lease that ran out by now was seen."""
+    rest. Each expired mark moves to now() once every lease that ran out by now was seen;
+    ``none``: no lease ran out since the general mark (``first_expired``), whose statement is
+    then not run."""
     claimed: list[Claimed] = []
     marks, db_now = run.marks, run.db_now
     asks = plan.expired_asks(allowances, expired_limit)
@@ -732,7 +756,10 @@ def _claim_expired(
             marks.typed[("expired", event_type)] = db_now
         claimed += rows
         spent[event_type] += len(rows)
-    if expired_limit > 0:
+    if none:
+        if marks and db_now is not None and not full:
+            marks.expired = db_now
+    elif expired_limit > 0:
         rows = run.claim_rows("claim_expired", expired_limit)
         claimed += rows
         if marks and db_now is not None and not full and len(rows) < expired_limit:

@@ -252,6 +252,22 @@ SELECT set_config('jit', 'off', true) AS jit, now() AS now,
           AND (%(event_types)s::text[] IS NULL OR f.event_type = ANY(%(event_types)s::text[]))
         ORDER BY f.paused_until LIMIT 1) AS key_held_for;
 
+-- name: first_expired
+-- The earliest lease that ran out, from expired_since (ScanMarks, DESIGN invariant 18): where
+-- release_expired, reap, release_keyed_expired and claim_expired start, or NULL when none ran
+-- out, and then none of them runs. Each of them would walk the lease index from expired_since
+-- to now(); under a pinned xmin horizon that range holds a dead entry for every claim and start
+-- of the range (a full pass: of the whole pin), which this one walk steps over for all four.
+-- The four read the same range with one more condition each, and no transaction makes a lease
+-- that ran out before this claim's now() appear after this read (a lease end is written in the
+-- future) but one that ran longer than a lease: the next full pass takes it, as a row skipped
+-- locked.
+SELECT lease_until FROM {table}
+WHERE status = 'processing' AND lease_until <= now()
+  AND lease_until >= coalesce(%(expired_since)s::timestamptz, '-infinity')
+ORDER BY lease_until
+LIMIT 1;
+
 -- name: release_expired
 -- Expired leases that must not be re-claimed at once (DESIGN invariants 10, 16), back to
 -- pending with no attempt spent:
@@ -456,6 +472,9 @@ coalesce(payload, (SELECT w.payload FROM {table} AS w WHERE w.id = {table}.paylo
 -- statistics often price it as empty (analyzed while few leases were live, or never), and a
 -- start or finish then stepped over every live lease's entry and row to find its own one
 -- (measured: 0.6 ms of server time per start with 4,000 live leases, 0.03 ms by the key).
+-- Under a pinned xmin horizon that index also keeps a dead entry for every claim and start since
+-- the pin began: the same plan then cost a bitmap scan of all of them per start and per finish,
+-- a cost that grew with the pin and outlived it until VACUUM (DESIGN invariant 18).
 -- Unqualified: the statements' other row sources have no status column.
 status IS NOT DISTINCT FROM 'processing'
 

@@ -115,6 +115,75 @@ def test_invariant_18_a_claim_under_a_pinned_horizon_starts_past_the_dead_entrie
     assert len(claimed) == (1 if ordered else 10)
 
 
+def lease_entries_read(conn: psycopg.Connection[Any], store: Store) -> int:
+    """Entries the scans of the lease index returned so far, dead ones included (the statistics
+    this backend flushes when asked: its own reads are there at once)."""
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    row = conn.execute(
+        "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE relid = %s::regclass AND indexrelname = %s",
+        [store.table.qualified, f"{store.table.name}_lease_idx"],
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_invariant_18_a_full_pass_walks_the_dead_lease_entries_once(
+    conn: psycopg.Connection[Any], store: Store, pin: psycopg.Connection[Any]
+) -> None:
+    # Under the pin, the claims of these messages leave a dead entry each in the lease index,
+    # at a lease end that is past: in the range of every expired scan of a full pass.
+    n = 3000
+    for _ in range(0, n, 500):
+        add(conn, 500, table=store.table.name)
+        claimed = store.claim(conn, limit=500, **{**CLAIM, "lease": SHORT}).claimed
+        assert len(claimed) == 500
+        assert len(store.done_many(conn, [(c.id, c.lease_version) for c in claimed]).applied) == 500
+    time.sleep(PAST_SHORT)
+    before = lease_entries_read(conn, store)
+    marks = ScanMarks()  # a process's first claim: a full pass
+    assert store.claim(conn, limit=10, marks=marks, **CLAIM).claimed == []
+    walked = lease_entries_read(conn, store) - before
+    # One walk (first_expired: no lease ran out) instead of one per expired scan (release_expired,
+    # reap, claim_expired: three).
+    assert n <= walked < 1.5 * n, walked
+    assert marks.expired is not None  # and the next claim starts at this one's now()
+    # A lease that does run out is still found, and the scans start at it.
+    [late] = add(conn, 1, table=store.table.name)
+    [c] = store.claim(conn, limit=10, marks=ScanMarks(), **{**CLAIM, "lease": SHORT}).claimed
+    assert c.id == late and store.start(conn, c.id, c.lease_version, lease=SHORT, max_attempts=5)
+    time.sleep(PAST_SHORT)
+    before = lease_entries_read(conn, store)
+    again = store.claim(conn, limit=10, marks=ScanMarks(), **CLAIM).claimed
+    assert [r.id for r in again] == [late]  # its worker died: re-claimed
+    walked = lease_entries_read(conn, store) - before
+    assert walked < 1.5 * n + 20, walked
+
+
+def test_invariant_18_fenced_starts_and_finishes_read_by_primary_key_under_a_pin(
+    conn: psycopg.Connection[Any], store: Store, pin: psycopg.Connection[Any]
+) -> None:
+    # Under the pin every claim and start leaves a dead entry in the lease index; autoanalyze
+    # then counts few processing rows, and a fenced statement that the planner may answer from
+    # that index reads all of it (a bitmap scan) for each start and each finish.
+    n = 3000
+    for _ in range(0, n, 500):
+        add(conn, 500, table=store.table.name)
+        claimed = store.claim(conn, limit=500, **CLAIM).claimed
+        for c in claimed[:50]:
+            assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+        assert len(store.done_many(conn, [(c.id, c.lease_version) for c in claimed]).applied) == 500
+    add(conn, 30, table=store.table.name)
+    conn.execute(sql.SQL("ANALYZE {}").format(store.table.identifier()))
+    claimed = store.claim(conn, limit=30, **CLAIM).claimed
+    assert len(claimed) == 30
+    before = lease_entries_read(conn, store)
+    for c in claimed:
+        assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert len(store.done_many(conn, [(c.id, c.lease_version) for c in claimed]).applied) == 30
+    # By primary key: the lease index is not read at all (it held n dead entries and more).
+    assert lease_entries_read(conn, store) - before == 0
+
+
 def test_invariant_18_a_message_committed_behind_the_marks_is_claimed_by_the_next_full_pass(
     conn: psycopg.Connection[Any], store: Store, connect: Connect
 ) -> None:
