@@ -27,7 +27,11 @@ Sections (``--only`` picks some):
     a comma-separated list runs one pinned run each) after ``--horizon-warmup`` (60 s) and before
     ``--horizon-tail`` (60 s): per 10-s window p50/p99 commit -> handler start, starts, unfinished
     rows, dead tuples; per run the goals (pinned p99 <= 250 ms and <= 3x before; unfinished <=
-    one second of production).
+    one second of production). ``--horizon-churn N`` churns N dead versions in when the pin is
+    taken (a long pin's state in a minute), ``--horizon-variants`` reruns each pinned run with
+    benchmark variants beside it (``fenced_status,expired_each,index_sampler``: the code and
+    sampler before the 30-minute pin's fix), ``--horizon-readers N`` adds REPEATABLE READ
+    readers scanning the table every 0.1 s and reports their backends' CPU.
   * ``horizon-claim``: one claim of ``--batch-size`` rows (one Store reused, median of
     ``--horizon-claims``) with 0 and ``--horizon-dead`` (100k, 500k) dead versions in front of it.
 * ``batch`` (opt-in, #22): end to end, batch handlers of ``--handler-batches`` (50, 100) beside
