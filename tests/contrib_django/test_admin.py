@@ -448,3 +448,28 @@ def test_invariant_28_a_subscriptions_row_shows_its_route_and_the_payload_stored
     page = client.get(_detail(rows[1].pk)).content.decode()
     assert "&quot;total&quot;: &quot;9.90&quot;" in page and "order.paid@search" in page
     assert "order.paid@search" in client.get(_url()).content.decode()
+
+
+def test_invariant_28_the_ordering_key_filter_finds_a_producers_key_on_every_subscription(
+    client: Client, pg: psycopg.Connection[Any]
+) -> None:
+    from outbox_celery import subscriptions
+
+    for name in ("receipt", "search"):
+        subscriptions.add(pg, "outbox", "order.paid", name)
+    add(
+        pg,
+        Event("order.paid", {}, "order", "1", ordering_key="tenant_1"),
+        Event("order.created", {}, "order", "1", ordering_key="tenant_1"),
+        Event("order.paid", {}, "order", "2", ordering_key="tenantX1"),  # "_" is not a wildcard
+    )
+    rows = {(r.event_type, r.ordering_key): r.pk for r in OutboxMessage.objects.all()}
+    assert len(rows) == 5
+    receipt = rows[("order.paid@receipt", "tenant_1\x1forder.paid@receipt")]
+    search = rows[("order.paid@search", "tenant_1\x1forder.paid@search")]
+    created = rows[("order.created", "tenant_1")]
+    assert listed(client.get(_url(ordering_key="tenant_1"))) == sorted(
+        [created, search, receipt], reverse=True
+    )
+    # A subscription's stored key (a row's link) is that subscription's rows alone.
+    assert listed(client.get(reverse(LIST) + "?ordering_key=tenant_1%1Forder.paid%40search")) == [search]
