@@ -452,8 +452,9 @@ class Outbox:
     def pause(self, event_type: str, *, limit_key: str | None = None) -> bool:
         """Pause ``event_type`` (or only its ``limit_key``) in this outbox's table: no claim
         hands out its messages until :meth:`resume` (docs/flow-control.md, DESIGN invariants 23,
-        24). Deliveries already running finish. Returns whether it was running before
-        (``False``: already paused).
+        24). Deliveries already running finish. A type with subscriptions is paused with every
+        route of it (DESIGN invariant 28); a route alone pauses that subscription. Returns
+        whether it was running before (``False``: already paused).
         """
         from .operations import pause
 
@@ -462,8 +463,8 @@ class Outbox:
 
     def resume(self, event_type: str, *, limit_key: str | None = None) -> bool:
         """Resume ``event_type`` (or only its ``limit_key``): it is claimable at once (the push
-        listeners are woken), and a RateLimited hold on it ends too. Returns whether it was
-        paused or held.
+        listeners are woken), and a RateLimited hold on it ends too; a type with subscriptions
+        is resumed with every route of it. Returns whether it was paused or held.
         """
         from .operations import resume
 

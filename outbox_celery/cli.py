@@ -46,6 +46,7 @@ from .config import OutboxConfig, TableName
 from .discovery import celery_outbox_finder, resolve_outbox
 from .dsn import invalid_dsn, password, redact
 from .errors import OutboxError, first_line
+from .message import split_route
 
 if TYPE_CHECKING:
     from .celery_app import Outbox
@@ -921,6 +922,8 @@ def _require_handler(target: Target, event_type: str) -> None:
     handlers = target.handlers
     if handlers is None or event_type in handlers:
         return
+    if any(split_route(h)[0] == event_type for h in handlers):
+        return  # an event type with subscriptions: pause and resume reach each of its routes
     close = _close(event_type, handlers)
     if close is not None:
         hint = f"; did you mean {close!r}?"
@@ -931,9 +934,13 @@ def _require_handler(target: Target, event_type: str) -> None:
     raise click.ClickException(f"the loaded Outbox has no handler for event type {event_type!r}{hint}")
 
 
-def _flow_what(event_type: str, limit_key: str | None) -> str:
-    """``'type'`` or ``'type' key 'key'``, quoted and escaped (operator- and producer-supplied)."""
-    return f"{event_type!r}" if limit_key is None else f"{event_type!r} key {limit_key!r}"
+def _flow_what(event_type: str, limit_key: str | None, routes: Sequence[str] = ()) -> str:
+    """``'type'`` or ``'type' key 'key'``, quoted and escaped (operator- and producer-supplied),
+    with the routes of the type's subscriptions that the action reached (DESIGN invariant 28)."""
+    what = f"{event_type!r}" if limit_key is None else f"{event_type!r} key {limit_key!r}"
+    if routes:
+        what += f" with its subscriptions {', '.join(map(repr, routes))}"
+    return what
 
 
 @cli.command()
@@ -947,15 +954,26 @@ def pause(target: Target, event_type: str, limit_key: str | None, as_json: bool)
     The pause lives in the database (the table's flow-control rows, migration 0007): every
     claim, on every worker, respects it from its next run on. `stats` lists paused event types.
     With --key, only that limit key of the type is paused (migration 0008); its other keys flow.
-    With -A, an event type the Outbox has no handler for is refused (exit 1) with the closest
-    handled type.
+    An event type with subscriptions is paused with every route of it (order.paid pauses
+    order.paid@receipt and its other subscriptions; resume order.paid resumes them all); a
+    route pauses that subscription alone. With -A, an event type the Outbox has no handler
+    for is refused (exit 1) with the closest handled type.
     """
     _require_handler(target, event_type)
     with target.connect() as conn:
         changed = operations.pause(conn, target.table, event_type, limit_key=limit_key)
-    what = _flow_what(event_type, limit_key)
+        routes = operations.flow_targets(conn, target.table, event_type)[1:]
+    what = _flow_what(event_type, limit_key, routes)
     if as_json:
-        _echo_json({"event_type": event_type, "limit_key": limit_key, "paused": True, "changed": changed})
+        _echo_json(
+            {
+                "event_type": event_type,
+                "limit_key": limit_key,
+                "routes": routes,
+                "paused": True,
+                "changed": changed,
+            }
+        )
     elif changed:
         click.echo(f"paused {what}: its messages are claimed by nobody until resumed")
     else:
@@ -977,6 +995,7 @@ def resume(target: Target, event_type: str, limit_key: str | None, as_json: bool
     """
     with target.connect() as conn:
         changed = operations.resume(conn, target.table, event_type, limit_key=limit_key)
+        routes = operations.flow_targets(conn, target.table, event_type)[1:]
         held: list[str] = []
         if not changed:
             if limit_key is None:
@@ -987,7 +1006,7 @@ def resume(target: Target, event_type: str, limit_key: str | None, as_json: bool
                     for k in operations.key_states(conn, target.table)
                     if k.event_type == event_type
                 ]
-    what = _flow_what(event_type, limit_key)
+    what = _flow_what(event_type, limit_key, routes)
     close = None
     if not changed:
         if limit_key is None:
@@ -997,7 +1016,15 @@ def resume(target: Target, event_type: str, limit_key: str | None, as_json: bool
             found = _close(limit_key, held)
             close = None if found is None else _flow_what(event_type, found)
     if as_json:
-        _echo_json({"event_type": event_type, "limit_key": limit_key, "paused": False, "changed": changed})
+        _echo_json(
+            {
+                "event_type": event_type,
+                "limit_key": limit_key,
+                "routes": routes,
+                "paused": False,
+                "changed": changed,
+            }
+        )
     elif changed:
         click.echo(f"resumed {what}: its messages are claimable now")
     else:

@@ -24,7 +24,7 @@ import psycopg
 from psycopg import pq, sql
 from psycopg.rows import dict_row
 
-from . import _sql
+from . import _sql, subscriptions
 from ._seconds import seconds
 from .config import TableName
 from .errors import AdminError as AdminError  # also importable from here
@@ -63,6 +63,7 @@ __all__ = [
     "count_purgeable",
     "finish_group",
     "flow_states",
+    "flow_targets",
     "format_duration",
     "get_group",
     "get_message",
@@ -365,15 +366,22 @@ def pause(
 
     From the next claim on (every claim reads the pause under its row's lock) no claim hands out
     its messages, on any worker; deliveries already running finish. An event type with no
-    message yet can be paused too. Returns whether it was running (``False``: paused already).
+    message yet can be paused too. An event type with subscriptions (DESIGN invariant 28) is
+    paused with every route of it (:func:`flow_targets`), in one transaction; a route
+    (``order.paid@receipt``) alone pauses that subscription. Returns whether it was running
+    (``False``: paused already, every route of it too).
     """
     t = TableName.parse(table)
-    if limit_key is not None:
-        params = {"event_type": _event_type(event_type), "limit_key": _limit_key(limit_key)}
-        row = conn.execute(_q(t, "flow_key_pause"), params).fetchone()
-        return not bool(row and row[0])
-    row = conn.execute(_q(t, "flow_pause"), {"event_type": _event_type(event_type)}).fetchone()
-    return not bool(row and row[0])
+    with conn.transaction():
+        running = False
+        for target in flow_targets(conn, t, event_type):
+            if limit_key is not None:
+                params = {"event_type": target, "limit_key": _limit_key(limit_key)}
+                row = conn.execute(_q(t, "flow_key_pause"), params).fetchone()
+            else:
+                row = conn.execute(_q(t, "flow_pause"), {"event_type": target}).fetchone()
+            running |= not bool(row and row[0])
+    return running
 
 
 def resume(
@@ -381,20 +389,29 @@ def resume(
 ) -> bool:
     """Resume ``event_type`` (or only its ``limit_key``): its pause and any RateLimited hold on
     it end, and the table's push listeners are woken at commit, so its messages are claimed at
-    once. Returns whether it was paused or held.
+    once. An event type with subscriptions is resumed with every route of it, as :func:`pause`
+    paused them. Returns whether it (or any route of it) was paused or held.
     """
     t = TableName.parse(table)
-    if limit_key is not None:
-        params = {
-            "event_type": _event_type(event_type),
-            "limit_key": _limit_key(limit_key),
-            "table": t.identifier().as_string(conn),
-        }
-        row = conn.execute(_q(t, "flow_key_resume"), params).fetchone()
-        return bool(row and row[0])
-    params = {"event_type": _event_type(event_type), "table": t.identifier().as_string(conn)}
-    row = conn.execute(_q(t, "flow_resume"), params).fetchone()
-    return bool(row and row[0])
+    with conn.transaction():
+        held = False
+        for target in flow_targets(conn, t, event_type):
+            params: dict[str, Any] = {"event_type": target, "table": t.identifier().as_string(conn)}
+            if limit_key is not None:
+                params["limit_key"] = _limit_key(limit_key)
+                row = conn.execute(_q(t, "flow_key_resume"), params).fetchone()
+            else:
+                row = conn.execute(_q(t, "flow_resume"), params).fetchone()
+            held |= bool(row and row[0])
+    return held
+
+
+def flow_targets(conn: psycopg.Connection[Any], table: str | TableName, event_type: str) -> list[str]:
+    """What pausing or resuming ``event_type`` reaches: the type, then the routes of its
+    subscriptions (removed ones too: a worker with the handler still claims their rows); a
+    route (``order.paid@receipt``) or a type without subscriptions is itself alone (DESIGN
+    invariants 23 and 28)."""
+    return [_event_type(event_type), *subscriptions.routes(conn, table, event_type)]
 
 
 @dataclass(frozen=True, slots=True)

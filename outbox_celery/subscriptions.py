@@ -25,7 +25,7 @@ from .errors import AdminError
 from .handlers import subscription_route
 from .message import route, split_route
 
-__all__ = ["REPLAY_BATCH", "Subscription", "add", "list_subscriptions", "register", "remove"]
+__all__ = ["REPLAY_BATCH", "Subscription", "add", "list_subscriptions", "register", "remove", "routes"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,15 @@ def list_subscriptions(
         return []
     rows = conn.execute(_q(table, "list"), {"event_type": event_type, "cap": cap}).fetchall()
     return [Subscription(*r) for r in rows]
+
+
+def routes(conn: psycopg.Connection[Any], table: str | TableName, event_type: str) -> list[str]:
+    """The routes of ``event_type``'s subscriptions, removed ones too, by name: what pausing or
+    resuming the type reaches (:func:`outbox_celery.operations.pause`). Empty for a route, for
+    a type without subscriptions and for a table not migrated to 0011."""
+    if split_route(event_type)[1] is not None or not _ready(conn, table):
+        return []
+    return [r for (r,) in conn.execute(_q(table, "routes"), {"event_type": event_type}).fetchall()]
 
 
 def remove(conn: psycopg.Connection[Any], table: str | TableName, event_type: str, name: str) -> bool:

@@ -340,6 +340,10 @@ def _summary(out: Output, snap: Snapshot, expected: int) -> bool:
     out.line(f"            inbox holds {snap.inbox} idempotency keys; {snap.effects} effects applied")
     out.line(f"  ordering  status changes out of sequence at the receiver: {snap.out_of_order}")
     out.line(
+        f"  receipts  {snap.receipts} written for {snap.paid} paid orders by the order.paid@receipt "
+        "subscription (transactional: each insert committed with its done)"
+    )
+    out.line(
         f"  time      {snap.seconds:.1f}s from the first event written to the last delivered ({rate:.0f}/s)"
     )
     for v in verdicts:
@@ -520,7 +524,7 @@ def _start_stack(
         "worker-webhooks": ["-Q", settings.WEBHOOKS_QUEUE, "--concurrency", "4", "-n", "demo-webhooks@%h"],
         "worker-fulfilment": [
             "-Q",
-            settings.FULFILMENT_QUEUE,
+            f"{settings.FULFILMENT_QUEUE},{settings.LEDGER_QUEUE}",
             "--concurrency",
             "2",
             "-n",
@@ -562,7 +566,8 @@ def _start_stack(
     out.line(
         f"  up in {time.monotonic() - t0:.1f}s: receiver :{receiver_port}, api :{api_port}, "
         f"3 workers (queues {settings.CLAIM_QUEUE}, {settings.WEBHOOKS_QUEUE}, "
-        f"{settings.FULFILMENT_QUEUE}), beat" + (", flower" if flower_url else "")
+        f"{settings.FULFILMENT_QUEUE} with {settings.LEDGER_QUEUE}), beat"
+        + (", flower" if flower_url else "")
     )
     if flower_url:
         out.line(f"  Flower: {flower_url}  (live while the demo runs)")

@@ -16,10 +16,15 @@ from psycopg.rows import dict_row
 from examples.orders import settings
 from outbox_celery import Store
 
-__all__ = ["EVENTS_PER_ORDER", "Check", "Snapshot", "checks", "snapshot"]
+__all__ = ["EVENTS_PER_ORDER", "RECEIPT_ROUTE", "Check", "Snapshot", "checks", "snapshot"]
 
-EVENTS_PER_ORDER = 6
-"""created + status, paid + status, shipped + status."""
+EVENTS_PER_ORDER = 7
+"""Outbox rows per order: created + status, paid (to its two subscriptions) + status, shipped +
+status."""
+
+RECEIPT_ROUTE = "order.paid@receipt"
+"""The subscription that writes receipts in the orders database; every other row goes to the
+webhook, whose receiver records its idempotency key."""
 
 # The run's order ids first (index on orders.source), then the outbox rows of those orders: a
 # hashed "= ANY(array)" filter stays linear however stale the planner's statistics are (the
@@ -57,7 +62,24 @@ GROUP BY event_type ORDER BY event_type
 _MISSING_FROM_INBOX = """
 SELECT count(*) FROM {outbox} AS o
 WHERE o.aggregate_type = 'order' AND o.aggregate_id = ANY(%(aids)s::text[]) AND o.status = 'done'
+  AND o.event_type <> %(receipt_route)s
   AND NOT EXISTS (SELECT 1 FROM receiver.webhook_inbox AS i WHERE i.idempotency_key = %(key_prefix)s || o.id)
+"""
+
+# The receipts of the run's orders: exactly one per paid order, for its total, written by the
+# delivery that is done (the transactional handler's insert commits with its done).
+_RECEIPTS = """
+SELECT
+    (SELECT count(*) FROM orders WHERE id = ANY(%(ids)s) AND paid_at IS NOT NULL) AS paid,
+    (SELECT count(*) FROM receipts WHERE order_id = ANY(%(ids)s)) AS receipts,
+    (SELECT count(*) FROM receipts AS r JOIN orders AS o ON o.id = r.order_id
+     WHERE r.order_id = ANY(%(ids)s)
+       AND (r.total_cents <> o.total_cents OR r.currency <> o.currency OR o.paid_at IS NULL
+            OR NOT EXISTS (SELECT 1 FROM {outbox} AS x WHERE x.id = r.outbox_id AND x.status = 'done'
+                           AND x.event_type = %(receipt_route)s AND x.aggregate_id = r.order_id::text)))
+        AS receipts_wrong,
+    (SELECT count(*) FROM {outbox} WHERE aggregate_type = 'order' AND aggregate_id = ANY(%(aids)s::text[])
+     AND event_type = %(receipt_route)s AND status = 'done') AS receipts_done
 """
 
 _RECEIVER = """
@@ -104,6 +126,10 @@ class Snapshot:
     dropped: int = 0
     duplicates: int = 0
     throttled: int = 0
+    paid: int = 0
+    receipts: int = 0
+    receipts_wrong: int = 0
+    receipts_done: int = 0
 
     @property
     def unfinished(self) -> int:
@@ -127,17 +153,19 @@ def snapshot(conn: psycopg.Connection[Any], source: str, *, full: bool = False) 
             "ids": ids,
             "aids": [str(i) for i in ids],
             "key_prefix": Store(settings.OUTBOX_TABLE).key_prefix(conn),
+            "receipt_route": RECEIPT_ROUTE,
         }
         row = cur.execute(sql.SQL(_OUTBOX).format(outbox=outbox), params).fetchone()
         receiver = cur.execute(_RECEIVER, params).fetchone()
+        receipts = cur.execute(sql.SQL(_RECEIPTS).format(outbox=outbox), params).fetchone()
         snap = Snapshot(orders=len(ids))
         if full:
             types = cur.execute(sql.SQL(_BY_TYPE).format(outbox=outbox), params).fetchall()
             snap.by_type = {r["event_type"]: int(r["count"]) for r in types}
             missing = cur.execute(sql.SQL(_MISSING_FROM_INBOX).format(outbox=outbox), params).fetchone()
             snap.done_not_in_inbox = int(missing["count"]) if missing else 0
-    assert row is not None and receiver is not None
-    for name, value in {**row, **receiver}.items():
+    assert row is not None and receiver is not None and receipts is not None
+    for name, value in {**row, **receiver, **receipts}.items():
         setattr(snap, name, float(value) if name in ("oldest_pending", "seconds") else int(value))
     return snap
 
@@ -163,8 +191,9 @@ def checks(snap: Snapshot, expected_orders: int) -> list[Check]:
             f"{snap.done}/{snap.events} events delivered, {snap.dead} dead",
         ),
         Check(
-            snap.inbox == snap.done and snap.done_not_in_inbox == 0,
-            f"{snap.inbox} idempotency keys in the receiver's inbox for {snap.done} delivered events",
+            snap.inbox == snap.done - snap.receipts_done and snap.done_not_in_inbox == 0,
+            f"{snap.inbox} idempotency keys in the receiver's inbox for "
+            f"{snap.done - snap.receipts_done} events delivered to the webhook",
         ),
         Check(
             snap.effects == snap.inbox,
@@ -174,5 +203,12 @@ def checks(snap: Snapshot, expected_orders: int) -> list[Check]:
             snap.out_of_order == 0 and snap.completed == expected_orders,
             f"status changes out of sequence: {snap.out_of_order}; "
             f"{snap.completed}/{expected_orders} orders completed in the receiver's view",
+        ),
+        Check(
+            snap.receipts == snap.paid == expected_orders
+            and snap.receipts_done == snap.receipts
+            and snap.receipts_wrong == 0,
+            f"{snap.receipts} receipts for {snap.paid} paid orders ({RECEIPT_ROUTE}: "
+            f"{snap.receipts_done} delivered, {snap.receipts_wrong} wrong)",
         ),
     ]

@@ -4,7 +4,7 @@ Run the pieces with Celery's own CLI (see the Procfile at the repository root)::
 
     celery -A examples.orders.app worker -Q outbox.claim --pool solo   # claims
     celery -A examples.orders.app worker -Q orders.webhooks            # deliveries
-    celery -A examples.orders.app worker -Q orders.fulfilment          # deliveries
+    celery -A examples.orders.app worker -Q orders.fulfilment,orders.ledger  # deliveries
     celery -A examples.orders.app beat                                 # the safety net
     celery -A examples.orders.app flower --port 5555                   # watch it
 """

@@ -1,10 +1,18 @@
-"""Outbox handlers of the orders service: deliver ``order.*`` events to the webhook.
+"""Outbox handlers of the orders service: deliver ``order.*`` events to the webhook, and write
+each paid order's receipt.
 
-Each handler runs in a Celery worker, outside any transaction, after the outbox's fenced start;
-it returns when delivered or raises what should happen next (see :mod:`.webhook`).
+``order.paid`` has two subscriptions (docs/subscriptions.md): ``webhook`` tells the receiver and
+``receipt`` writes the receipt in the orders database, each with its own queue, attempts and
+dead letters. The webhook handlers run in a Celery worker, outside any transaction, after the
+outbox's fenced start; they return when delivered or raise what should happen next (see
+:mod:`.webhook`). The receipt handler is transactional: its insert commits with its ``done``.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import psycopg
 
 from outbox_celery import Defer, Message, PermanentError
 
@@ -28,10 +36,29 @@ def deliver_order_created(message: Message) -> None:
     post_event(message)
 
 
-@outbox.handler("order.paid", queue=settings.WEBHOOKS_QUEUE, rate="25/s")
+@outbox.handler("order.paid", name="webhook", queue=settings.WEBHOOKS_QUEUE, rate="25/s")
 def deliver_order_paid(message: Message) -> None:
-    """Tell the webhook an order was paid."""
+    """Tell the webhook an order was paid (the subscription ``order.paid@webhook``)."""
     post_event(message)
+
+
+@outbox.handler("order.paid", name="receipt", queue=settings.LEDGER_QUEUE, transactional=True)
+def write_receipt(message: Message, conn: psycopg.Connection[Any]) -> None:
+    """Write the paid order's receipt (the subscription ``order.paid@receipt``): the insert and
+    the outbox's ``done`` commit together, so a receipt exists exactly when its delivery is
+    done; one per order (a replayed event finds it and writes nothing)."""
+    order_id = int(message.payload["order_id"])
+    row = conn.execute(
+        "INSERT INTO receipts (order_id, total_cents, currency, outbox_id)"
+        " SELECT id, total_cents, currency, %s FROM orders WHERE id = %s AND paid_at IS NOT NULL"
+        " ON CONFLICT (order_id) DO NOTHING RETURNING order_id",
+        [message.id, order_id],
+    ).fetchone()
+    if (
+        row is None
+        and conn.execute("SELECT 1 FROM receipts WHERE order_id = %s", [order_id]).fetchone() is None
+    ):
+        raise PermanentError(f"order {order_id} does not exist or is not paid")
 
 
 @outbox.handler("order.status_changed", queue=settings.WEBHOOKS_QUEUE, rate="60/s")

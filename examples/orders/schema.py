@@ -1,4 +1,4 @@
-"""Tables of the example: the service's ``orders`` and the receiver's inbox.
+"""Tables of the example: the service's ``orders`` and ``receipts``, and the receiver's inbox.
 
 The receiver is "another team's service": its tables live in their own schema, ``receiver``,
 and it creates them itself at start-up. Both functions are idempotent and serialize concurrent
@@ -34,6 +34,15 @@ CREATE TABLE IF NOT EXISTS orders (
     shipped_at  timestamptz
 );
 CREATE INDEX IF NOT EXISTS orders_source_idx ON orders (source);
+-- The receipt of a paid order, written by the order.paid@receipt subscription's transactional
+-- handler in the transaction of its done: one per order (the primary key makes a replay a no-op).
+CREATE TABLE IF NOT EXISTS receipts (
+    order_id    bigint      PRIMARY KEY REFERENCES orders (id),
+    total_cents bigint      NOT NULL,
+    currency    text        NOT NULL,
+    outbox_id   bigint      NOT NULL,
+    issued_at   timestamptz NOT NULL DEFAULT now()
+);
 """
 
 # The transactional inbox: outbox_celery.inbox, one row per idempotency key written in the same

@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_API_PORT",
     "DEFAULT_RECEIVER_PORT",
     "FULFILMENT_QUEUE",
+    "LEDGER_QUEUE",
     "OUTBOX_TABLE",
     "RECEIVER_PORT",
     "WEBHOOKS_QUEUE",
@@ -47,9 +48,11 @@ OUTBOX_TABLE = "outbox"
 CLAIM_QUEUE = "outbox.claim"
 """The claim task's queue: its own worker, so claims never wait behind deliveries."""
 WEBHOOKS_QUEUE = "orders.webhooks"
-"""``order.created``, ``order.paid`` and the ordered ``order.status_changed``."""
+"""``order.created``, ``order.paid@webhook`` and the ordered ``order.status_changed``."""
 FULFILMENT_QUEUE = "orders.fulfilment"
 """``order.shipped``: waits (``Defer``) until its order is paid."""
+LEDGER_QUEUE = "orders.ledger"
+"""``order.paid@receipt``: the receipt written in the orders database (a transactional handler)."""
 
 DEFAULT_API_PORT = 8000
 DEFAULT_RECEIVER_PORT = 8080

@@ -138,10 +138,15 @@ LIMIT 50;
 -- fragment: console_dead_filter
 -- The console's dead-letter filters over the alias d (a NULL filter matches every row): type,
 -- key (ordering, limit or aggregate id), and text found in the last error or the payload
--- (case-insensitive substring; LIKE's wildcards in the text are matched literally).
+-- (case-insensitive substring; LIKE's wildcards in the text are matched literally). A
+-- producer's ordering key also finds its subscriptions' rows, whose stored key is "<key>",
+-- chr(31), route (DESIGN invariant 28): starts_with, not a range, since a collation may sort
+-- chr(31) apart from its byte order; a predicate on the rows the dead scan reads, as the
+-- others are.
 (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)
   AND (%(key)s::text IS NULL OR d.ordering_key = %(key)s::text OR d.limit_key = %(key)s::text
-       OR d.aggregate_id = %(key)s::text)
+       OR d.aggregate_id = %(key)s::text
+       OR starts_with(d.ordering_key, %(key)s::text || chr(31)))
   AND (%(error)s::text IS NULL
        OR strpos(lower(coalesce(d.last_error, '')), lower(%(error)s::text)) > 0)
   AND (%(payload)s::text IS NULL OR strpos(lower(d.payload::text), lower(%(payload)s::text)) > 0)

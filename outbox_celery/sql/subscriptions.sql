@@ -92,3 +92,11 @@ RETURNING id;
 -- The last fact a replay may take: written before the subscription existed (later ones fanned
 -- out to it already, or will: their statements see it).
 SELECT coalesce(max(id), 0) FROM {table};
+
+-- name: routes
+-- The routes of an event type's subscriptions, removed ones included (their rows may still be
+-- claimed by a worker that has the handler): what pausing or resuming the type reaches.
+SELECT event_type || '@' || name AS route
+FROM {subscription_table}
+WHERE event_type = %(event_type)s
+ORDER BY name;

@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 
 from acceptance.test_cli import add, ok, one_line_error, run, update
-from outbox_celery import operations
+from outbox_celery import operations, subscriptions
 
 # Clears the screen, homes the cursor and writes a forged line; then a bidi override.
 HOSTILE = "\x1b[2J\x1b[Hpaused: none\x1b]0;owned\x07\u202e"
@@ -41,6 +41,16 @@ def deliver_order(message):
 
 @outbox.handler("invoice.sent")
 def deliver_invoice(message):
+    pass
+
+
+@outbox.handler("order.paid", name="receipt")
+def send_receipt(message):
+    pass
+
+
+@outbox.handler("order.paid", name="search")
+def index(message):
     pass
 """
 
@@ -134,3 +144,33 @@ def test_resume_says_what_was_not_paused_and_refuses_an_unknown_type(
     operations.pause(conn, table, "order.created", limit_key="tenant-42")
     keyed = ok(run("resume", "order.created", "--key", "tenant-24", dsn=migrated_dsn, OUTBOX_TABLE=table))
     assert "did you mean 'order.created' key 'tenant-42'?" in keyed, keyed
+
+
+def test_pause_and_resume_of_a_type_with_subscriptions_reach_every_route_and_name_them(
+    migrated_dsn: str, conn: psycopg.Connection[Any], table: str, tmp_path: Path
+) -> None:
+    """DESIGN invariants 23 and 28: ``pause order.paid`` pauses each subscription of it."""
+    env = _app(tmp_path, migrated_dsn, table)
+    for name in ("receipt", "search"):
+        subscriptions.add(conn, table, "order.paid", name)
+    out = ok(run("-A", "pause_test_app:outbox", "pause", "order.paid", dsn=None, **env))
+    assert (
+        "paused 'order.paid' with its subscriptions 'order.paid@receipt', 'order.paid@search': "
+        "its messages are claimed by nobody until resumed"
+    ) in out, out
+    paused = ["order.paid", "order.paid@receipt", "order.paid@search"]
+    assert [f.event_type for f in operations.flow_states(conn, table) if f.paused] == paused
+
+    shown = json.loads(ok(run("resume", "order.paid", "--json", dsn=migrated_dsn, OUTBOX_TABLE=table)))
+    assert shown["routes"] == paused[1:] and shown["changed"] is True, shown
+    assert operations.flow_states(conn, table) == []
+
+    # A route alone is that subscription alone; resuming the type resumes it too.
+    assert "paused 'order.paid@search':" in ok(
+        run("-A", "pause_test_app:outbox", "pause", "order.paid@search", dsn=None, **env)
+    )
+    assert [f.event_type for f in operations.flow_states(conn, table)] == ["order.paid@search"]
+    assert "resumed 'order.paid' with its subscriptions" in ok(
+        run("resume", "order.paid", dsn=migrated_dsn, OUTBOX_TABLE=table)
+    )
+    assert operations.flow_states(conn, table) == []

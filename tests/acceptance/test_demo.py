@@ -36,7 +36,11 @@ from outbox_celery.testing import embedded_postgres, free_port
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-EVENTS_PER_ORDER = 6
+# Outbox rows per order: created, paid to its two subscriptions (webhook, receipt), shipped, and
+# three status changes; the receiver sees every one but the receipt's.
+ROWS_PER_ORDER = 7
+WEBHOOK_EVENTS_PER_ORDER = 6
+RECEIPT_ROUTE = "order.paid@receipt"
 # Seconds; generous bounds for a loaded 2-core machine. They bound waiting, never assert speed.
 RUN_TIMEOUT = 240.0
 
@@ -188,10 +192,25 @@ def _verify_database(dsn: str, summary: dict[str, Any], orders: int) -> dict[str
             " WHERE aggregate_type = 'order' AND aggregate_id = ANY(%s) ORDER BY id",
             [[str(i) for i in ids]],
         ).fetchall()
-        assert len(events) == orders * EVENTS_PER_ORDER
+        assert len(events) == orders * ROWS_PER_ORDER
         assert {e["status"] for e in events} == {"done"}, [e for e in events if e["status"] != "done"]
+        routes = [e["event_type"] for e in events]
+        assert routes.count("order.paid@webhook") == routes.count(RECEIPT_ROUTE) == orders, routes
         prefix = Store("outbox").key_prefix(conn)
-        keys = {f"{prefix}{e['id']}" for e in events}
+        keys = {f"{prefix}{e['id']}" for e in events if e["event_type"] != RECEIPT_ROUTE}
+
+        # Every order was paid and has exactly one receipt, for its total, written by its
+        # order.paid@receipt delivery (transactional: the insert committed with that done).
+        receipts = cur.execute(
+            "SELECT r.order_id, r.total_cents = o.total_cents AS right_total, x.event_type, x.status"
+            " FROM receipts AS r JOIN orders AS o ON o.id = r.order_id"
+            " LEFT JOIN outbox AS x ON x.id = r.outbox_id WHERE r.order_id = ANY(%s)",
+            [ids],
+        ).fetchall()
+        assert sorted(r["order_id"] for r in receipts) == sorted(ids)
+        assert all(
+            r["right_total"] and (r["event_type"], r["status"]) == (RECEIPT_ROUTE, "done") for r in receipts
+        )
 
         # The inbox holds each delivered event's idempotency key exactly once (it is the
         # primary key), and nothing else for these orders.
@@ -239,7 +258,7 @@ def _verify_database(dsn: str, summary: dict[str, Any], orders: int) -> dict[str
         ).fetchall()
         assert len(views) == orders
         for v in views:
-            assert v["events"] == EVENTS_PER_ORDER, v
+            assert v["events"] == WEBHOOK_EVENTS_PER_ORDER, v
             assert (v["status"], v["status_seq"], v["out_of_order"]) == ("completed", 3, 0), v
             assert v["paid"] and v["shipped"], v
 
@@ -259,6 +278,8 @@ def _verify_database(dsn: str, summary: dict[str, Any], orders: int) -> dict[str
             "throttled": sum(1 for r in requests if r["outcome"] == "throttled"),
             # A Defer refunds its attempt but not its claim (every claim bumps lease_version).
             "deferred": sum(1 for e in events if e["lease_version"] > e["attempts"]),
+            "receipts": len(receipts),
+            "paid": len(ids),
         }
     # The summary the demo printed is what the database says.
     snapshot = summary["snapshot"]

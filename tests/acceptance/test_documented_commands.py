@@ -67,6 +67,8 @@ REFUSED = "refused as documented (exit 1, one line): "
 # What a document's prose (not a console block) tells the reader to do before its commands.
 PREREQUISITES = {
     "docs/celery.md": ["outbox-celery migrate"],  # "Create the table once (`outbox-celery migrate`...)"
+    # "Subscriptions are rows of the table `<outbox table>_subscription` (created by `migrate`, ...)"
+    "docs/subscriptions.md": ["outbox-celery migrate"],
 }
 
 # Commands not run in full, each with the reason and what is checked instead (printed by the test).

@@ -357,7 +357,8 @@ def test_procfile_runs_the_stack_under_honcho(honcho: dict[str, Any], dsn: str) 
     def delivered() -> bool:
         assert proc.poll() is None, log()
         events = _get_json(f"{api}/orders/{order}")["events"]
-        return len(events) == 6 and all(e["status"] == "done" for e in events)
+        # 6 events, order.paid to its two subscriptions (webhook and receipt): 7 rows.
+        return len(events) == 7 and all(e["status"] == "done" for e in events)
 
     _wait(delivered, 120, f"order {order}'s events to be delivered\n{log()}")
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -473,3 +473,28 @@ def test_invariant_29_groups_are_listed_with_their_progress_and_finished_or_canc
     states = pg.execute("SELECT state FROM outbox_group ORDER BY id").fetchall()
     assert states == [("finished",), ("cancelled",)]
     assert pg.execute("SELECT count(*) FROM outbox WHERE event_type = 'done'").fetchone() == (1,)
+
+
+def test_invariant_28_the_ordering_key_filter_finds_a_producers_key_on_every_subscription(
+    client: Client, pg: psycopg.Connection[Any]
+) -> None:
+    from outbox_celery import subscriptions
+
+    for name in ("receipt", "search"):
+        subscriptions.add(pg, "outbox", "order.paid", name)
+    add(
+        pg,
+        Event("order.paid", {}, "order", "1", ordering_key="tenant_1"),
+        Event("order.created", {}, "order", "1", ordering_key="tenant_1"),
+        Event("order.paid", {}, "order", "2", ordering_key="tenantX1"),  # "_" is not a wildcard
+    )
+    rows = {(r.event_type, r.ordering_key): r.pk for r in OutboxMessage.objects.all()}
+    assert len(rows) == 5
+    receipt = rows[("order.paid@receipt", "tenant_1\x1forder.paid@receipt")]
+    search = rows[("order.paid@search", "tenant_1\x1forder.paid@search")]
+    created = rows[("order.created", "tenant_1")]
+    assert listed(client.get(_url(ordering_key="tenant_1"))) == sorted(
+        [created, search, receipt], reverse=True
+    )
+    # A subscription's stored key (a row's link) is that subscription's rows alone.
+    assert listed(client.get(reverse(LIST) + "?ordering_key=tenant_1%1Forder.paid%40search")) == [search]

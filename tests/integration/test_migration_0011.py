@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
+from psycopg import sql
 
-from outbox_celery import Store, enqueue, migrate, subscriptions
+from outbox_celery import Store, TableName, enqueue, migrate, subscriptions
 from outbox_celery.migrations import applied_versions, available
 
 from .helpers import LONG
@@ -50,3 +52,40 @@ def test_invariant_28_migration_0011_from_the_previous_schema_with_rows_in_every
     new = [r for r in rows(conn) if r["id"] > max(b["id"] for b in before)]
     assert [(r["event_type"], r["payload"]) for r in new] == [("e@one", 1), ("e@two", None)]
     assert migrate(conn, TABLE) == []
+
+
+def test_invariant_28_migration_0011_refuses_while_unfinished_rows_have_an_at_in_their_event_type(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """Such a row would be read as a subscription's route: the migration names how many and
+    one of them, and changes nothing; done rows do not count."""
+    previous_schema(conn, VERSION)
+    old = rows(conn)
+    t = TableName.parse(TABLE).identifier()
+    held = [r["id"] for r in old if r["status"] in ("pending", "dead")]
+    done = [r["id"] for r in old if r["status"] == "done"]
+    update = sql.SQL("UPDATE {} SET event_type = %s WHERE id = ANY(%s)").format(t)
+    conn.execute(update, ["mail@legacy", held])
+    conn.execute(update, ["mail@done", done])
+    with pytest.raises(psycopg.Error) as refused:
+        migrate(conn, TABLE)
+    message = str(refused.value)
+    assert f"migration 0011: {len(held)} unfinished row(s) have an event type containing @" in message
+    assert "(for example 'mail@legacy')" in message and "subscription's route" in message
+    assert VERSION not in applied_versions(conn, TABLE)
+    assert subscriptions.list_subscriptions(conn, TABLE) == []  # no subscription table
+    assert rows(conn) == [
+        {
+            **r,
+            "event_type": "mail@legacy"
+            if r["id"] in held
+            else "mail@done"
+            if r["id"] in done
+            else r["event_type"],
+        }
+        for r in old
+    ]
+
+    # Renamed (or finished), the migration runs; the done rows keep their event type.
+    conn.execute(update, ["mail.legacy", held])
+    assert VERSION in migrate(conn, TABLE)

@@ -14,9 +14,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Event, Store, TableName, enqueue, enqueue_many, subscriptions
+from outbox_celery import Event, Store, TableName, console, enqueue, enqueue_many, subscriptions
 from outbox_celery.errors import ProducerError
-from outbox_celery.operations import purge_done, stats
+from outbox_celery.operations import flow_states, pause, purge_done, resume, stats
 
 from .helpers import LONG, fetch_all
 
@@ -355,3 +355,59 @@ def test_invariant_28_the_metrics_label_a_subscription_by_its_route(
     collector = OutboxCollector(lambda: contextlib.nullcontext(conn), table)
     labels = {s.labels.get("event_type") for f in collector.collect() for s in f.samples}
     assert {"order.paid@a", "order.paid@b"} <= labels
+
+
+def test_invariant_28_pausing_an_event_type_pauses_every_subscription_of_it(
+    conn: psycopg.Connection[Any], table: str, store: Store
+) -> None:
+    _subscribe(conn, table, "a", "b", "gone")
+    with conn.transaction():
+        enqueue(conn, payload=1, table=table, **PAID)
+    subscriptions.remove(conn, table, "order.paid", "gone")  # its row is still claimable
+    assert pause(conn, table, "order.paid") is True
+    routes = ["order.paid", "order.paid@a", "order.paid@b", "order.paid@gone"]
+    assert [f.event_type for f in flow_states(conn, table) if f.paused] == routes
+    assert store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed == []
+    assert pause(conn, table, "order.paid") is False  # every route was paused already
+
+    assert resume(conn, table, "order.paid") is True
+    assert flow_states(conn, table) == []
+    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    assert sorted(c.event_type for c in claimed) == routes[1:]
+    store.release(conn, claimed)
+
+    # A route alone pauses that subscription; the type's other routes flow on.
+    assert pause(conn, table, "order.paid@a") is True
+    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    assert sorted(c.event_type for c in claimed) == ["order.paid@b", "order.paid@gone"]
+    store.release(conn, claimed)
+    assert pause(conn, table, "order.paid", limit_key="7") is True
+    assert resume(conn, table, "order.paid") is True  # resumes the route paused alone too
+    assert resume(conn, table, "order.paid", limit_key="7") is True
+    assert [f.event_type for f in flow_states(conn, table)] == []
+
+
+def test_invariant_28_the_consoles_key_filter_finds_a_producers_key_on_every_subscription(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    _subscribe(conn, table, "a", "b")
+    with conn.transaction():
+        ids = [  # LIKE's "_" in the key is matched literally; tenant_1x is another key
+            enqueue(conn, payload=1, table=table, ordering_key="tenant_1", **PAID),
+            enqueue(conn, payload=2, table=table, ordering_key="tenant_1", **{**PAID, "event_type": "e"}),
+            enqueue(conn, payload=3, table=table, ordering_key="tenant_1x", **PAID),
+            enqueue(conn, payload=4, table=table, ordering_key="tenantX1", **PAID),
+        ]
+    t = TableName.parse(table).identifier()
+    conn.execute(sql.SQL("UPDATE {} SET status = 'dead', head = false").format(t))
+    found = console.list_dead(conn, table, console.DeadQuery(key="tenant_1"))
+    assert [(r["event_type"], r["ordering_key"]) for r in found] == [
+        ("order.paid@a", "tenant_1\x1forder.paid@a"),
+        ("order.paid@b", "tenant_1\x1forder.paid@b"),
+        ("e", "tenant_1"),
+    ]
+    assert found[0]["id"] == ids[0] and found[2]["id"] == ids[1]
+    assert console.count_dead(conn, table, console.DeadQuery(key="tenant_1")) == (3, ids[1])
+    # A subscription's stored key finds that subscription's row alone.
+    one = console.list_dead(conn, table, console.DeadQuery(key="tenant_1\x1forder.paid@b"))
+    assert [r["event_type"] for r in one] == ["order.paid@b"]

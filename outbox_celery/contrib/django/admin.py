@@ -38,6 +38,7 @@ from django.utils.html import format_html
 
 from ... import operations as core_admin
 from ...errors import first_line
+from ...message import KEY_SEPARATOR
 from .conf import outbox_database, outbox_table
 from .models import OutboxGroup, OutboxMessage, Status
 
@@ -184,7 +185,15 @@ class OrderingKeyFilter(admin.SimpleListFilter):
         return choices
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        return queryset.filter(ordering_key=self.value()) if self.value() else queryset
+        """The key's rows; a producer's key also finds its subscriptions' rows, whose stored key
+        is ``<key>`` chr(31) route (DESIGN invariant 28); a stored key with its route, that
+        subscription's alone."""
+        value = self.value()
+        if not value:
+            return queryset
+        if KEY_SEPARATOR in value:
+            return queryset.filter(ordering_key=value)
+        return queryset.filter(Q(ordering_key=value) | Q(ordering_key__startswith=value + KEY_SEPARATOR))
 
 
 class BlockedFilter(admin.SimpleListFilter):
