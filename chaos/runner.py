@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -59,6 +60,7 @@ class Profile:
     pin_leases: float  # pinned horizon length, in leases
     groups: int = 0  # groups with a callback (DESIGN invariant 29)
     group_size: int = 0
+    kill_every: float = 0.0  # SIGKILL a delivery worker's child every this many seconds (0: never)
 
 
 FULL = Profile(
@@ -158,6 +160,8 @@ class Run:
         self.altered = False
         self.bouncer: PgBouncer | None = None
         self.autovacuum = "?"
+        self.periodic_kills = 0
+        self._stop_kills = threading.Event()
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -340,6 +344,18 @@ class Run:
                 time.sleep(1.5)
             f.detail = f"SIGKILLed {killed} prefork children"
             time.sleep(self.p.settle)
+
+    def _kill_periodically(self) -> None:
+        """Beside the faults, from the first message to the end of the drain: SIGKILL one prefork
+        child of a random delivery worker every ``kill_every`` seconds (``--kill-every``)."""
+        rng = random.Random(self.seed + 1)
+        while not self._stop_kills.wait(self.p.kill_every):
+            worker = self.workers.get(rng.choice(DELIVERY_WORKERS))
+            pids = child_pids(worker.pid) if worker is not None else []
+            if pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rng.choice(pids), signal.SIGKILL)
+                    self.periodic_kills += 1
 
     def f_worker_kill(self) -> None:
         with self.fault("worker_kill") as f:
@@ -529,6 +545,9 @@ class Run:
             f"producing {len(events)} messages over ~{seconds * 0.9:.0f} s; faults: {', '.join(faults)}",
         )
         producer.start()
+        killer = threading.Thread(target=self._kill_periodically, name="periodic-kills", daemon=True)
+        if self.p.kill_every > 0:
+            killer.start()
         try:
             time.sleep(5)
             for name in faults:
@@ -559,6 +578,7 @@ class Run:
                     last = time.monotonic()
                 time.sleep(1.0)
         finally:
+            self._stop_kills.set()
             producer.stop()
         total = time.monotonic() - self.start
         rows = self.query("SELECT id, event_type, status, ordering_key, last_error FROM outbox ORDER BY id")
@@ -591,6 +611,12 @@ class Run:
                 else f"NOT DRAINED within {self.p.drain_timeout:.0f} s",
             ),
             ("autovacuum", self.autovacuum),
+            (
+                "periodic kills",
+                f"{self.periodic_kills} prefork children SIGKILLed, one every {self.p.kill_every:g} s"
+                if self.p.kill_every > 0
+                else "off (--kill-every)",
+            ),
             ("duplicates", f"{verdict.duplicates}"),
             (
                 "groups",
@@ -617,6 +643,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--faults", default=",".join(FAULTS), help=f"comma-separated subset of: {', '.join(FAULTS)}"
     )
+    p.add_argument(
+        "--kill-every",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="also SIGKILL a delivery worker's prefork child every SECONDS until drained (default: never)",
+    )
     p.add_argument("--seed", type=int, default=1, help="workload and fault seed (default 1)")
     p.add_argument(
         "--state-dir", default=str(ROOT / ".chaos"), help="logs, embedded PostgreSQL (default .chaos/)"
@@ -640,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = replace(profile, messages=args.messages)
     if args.groups is not None:
         profile = replace(profile, groups=args.groups)
+    if args.kill_every is not None:
+        profile = replace(profile, kill_every=args.kill_every)
     faults = [f for f in FAULTS if f in args.faults.split(",")]
     state_dir = Path(args.state_dir).resolve()
     run_dir = state_dir / "run"
