@@ -216,6 +216,15 @@ class ProducerWrites:
             inserted = yield self._q["insert"], params
         else:
             inserted = yield self._q["insert_many"], {**self._many_params(rows), **wake}
+        ids = yield from self._answer(rows, inserted, lock=lock)
+        return ids if group_id is None else [group_id, *ids]
+
+    def _answer(
+        self, rows: Sequence[dict[str, Any]], inserted: list[tuple[Any, ...]], *, lock: bool
+    ) -> WritePlan:
+        """The write plan's tail: the ids of ``rows`` in input order from what the insert
+        returned, a taken dedup key answered by the row holding it, and the heads of keys whose
+        first row was dropped as a duplicate settled (invariant 9)."""
         # The insert returns (id, dedup_key, woke, ordering_key, payload_of) for every row it
         # wrote: each event's own row (payload_of NULL) and its other subscriptions' rows
         # (invariant 28), which answer nothing here. Identity values are drawn in input order
@@ -253,7 +262,7 @@ class ProducerWrites:
             # cannot see the holder) gets here; the transaction can be retried.
             raise ProducerError(f"dedup key(s) {gone} are held by rows this transaction cannot see; retry")
         ids = [next(plain) if r.get("dedup_key") is None else by_key[r["dedup_key"]] for r in rows]
-        return ids if group_id is None else [group_id, *ids]
+        return ids
 
     def _group_params(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """The parameters of ``group_insert`` beyond the members': the callback and its rule."""
