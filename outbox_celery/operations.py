@@ -552,23 +552,7 @@ def stats(
             cur.execute("SELECT set_config('statement_timeout', %s, true)", [previous["previous"]])
     assert row is not None
     known = set(handlers) if handlers is not None else None
-    by_type = {f.event_type: f for f in flow}
-    types = [
-        EventTypeStats(
-            event_type=e["event_type"],
-            pending=int(e["pending"]),
-            ready=int(e["ready"]),
-            processing=int(e["processing"]),
-            dead=int(e["dead"]),
-            oldest_pending_age=e["oldest_pending_age"],
-            has_handler=None if known is None else e["event_type"] in known,
-            unstarted=int(e["unstarted"]),
-            unstarted_claims=int(e["unstarted_claims"]),
-            paused=e["event_type"] in by_type and by_type[e["event_type"]].paused,
-            held_for=by_type[e["event_type"]].held_for if e["event_type"] in by_type else None,
-        )
-        for e in row["event_types"]
-    ]
+    types = _event_types(row["event_types"], known, flow)
     unroutable = None
     if known is not None:
         unroutable = [e.event_type for e in types if e.pending and not e.has_handler]
@@ -597,6 +581,29 @@ def stats(
         done_last_minute=int(row["done_last_minute"]),
         groups=groups,
     )
+
+
+def _event_types(
+    rows: Sequence[dict[str, Any]], known: set[str] | None, flow: Sequence[FlowState]
+) -> list[EventTypeStats]:
+    """The per-type lines of :func:`stats`: counts, whether a handler is known, pause and hold."""
+    by_type = {f.event_type: f for f in flow}
+    return [
+        EventTypeStats(
+            event_type=e["event_type"],
+            pending=int(e["pending"]),
+            ready=int(e["ready"]),
+            processing=int(e["processing"]),
+            dead=int(e["dead"]),
+            oldest_pending_age=e["oldest_pending_age"],
+            has_handler=None if known is None else e["event_type"] in known,
+            unstarted=int(e["unstarted"]),
+            unstarted_claims=int(e["unstarted_claims"]),
+            paused=e["event_type"] in by_type and by_type[e["event_type"]].paused,
+            held_for=by_type[e["event_type"]].held_for if e["event_type"] in by_type else None,
+        )
+        for e in rows
+    ]
 
 
 @dataclass(frozen=True, slots=True)
