@@ -118,68 +118,16 @@ class TaskPublisher:
         grouped by :func:`~outbox_celery.dispatch.publish_units`; the claim loop orders them that
         way first, so the count is a prefix of ``claims``.
         """
-        cfg = self.config
         sent = 0
-        # Hard limit below the lease; the soft one lets the handler see SoftTimeLimitExceeded
-        # (recorded in last_error) shortly before.
-        # Celery takes fractional seconds here (the stubs say int): short leases need them.
-        hard_limit = round(cfg.task_time_limit, 3)
-        limits: dict[str, Any] = {
-            "time_limit": hard_limit,
-            "soft_time_limit": round(max(hard_limit * 0.9, hard_limit - 1.0), 3),
-        }
-        skew = timedelta(seconds=cfg.max_clock_skew)
-        retry_policy = {
-            "max_retries": 1,
-            "interval_start": 0.0,
-            "interval_step": 0.2,
-            "interval_max": 0.2,
-        }
+        skew = timedelta(seconds=self.config.max_clock_skew)
         try:
             with self._producer() as producer:
                 queued = 0
                 with _publish_batch(producer, len(claims)) as batched:
+                    # Batched, the publish only buffers: nothing to retry there.
+                    options = self._options(producer, retry=not batched)
                     for unit in publish_units(claims, self._handlers):
-                        c = unit[0]
-                        spec = self._handlers.get(c.event_type)
-                        if spec is not None and spec.batch is not None:
-                            # One task for the group: its size shows in the task's name.
-                            self._deliver_batch.apply_async(
-                                ([u.id for u in unit], [u.lease_version for u in unit]),
-                                task_id=self.batch_task_id(unit),
-                                queue=self.queue_for(c.event_type),
-                                expires=min(u.lease_until for u in unit) + skew,
-                                **limits,
-                                shadow=f"{self.name}.deliver_batch[{c.event_type}][{len(unit)}]",
-                                headers=task_headers({"outbox_event_type": c.event_type}),
-                                producer=producer,
-                                **_batch_reprs(unit),
-                                retry=not batched,
-                                retry_policy=retry_policy,
-                            )
-                            queued += len(unit)
-                            if not batched:
-                                sent = queued
-                            continue
-                        self._deliver.apply_async(
-                            (c.id, c.lease_version),
-                            task_id=self.task_id(c),
-                            queue=self.queue_for(c.event_type),
-                            # The fence decides staleness; ``expires`` only saves work, and since
-                            # the worker checks it on its own clock it needs the skew allowance.
-                            expires=c.lease_until + skew,
-                            **limits,
-                            shadow=f"{self.name}.deliver[{c.event_type}]",
-                            headers=task_headers({"outbox_event_type": c.event_type}),
-                            producer=producer,
-                            # Given, not derived: Celery's safe repr of the arguments costs
-                            # more than the rest of the message body.
-                            **_reprs(c),
-                            # Batched, the publish only buffers: nothing to retry there.
-                            retry=not batched,
-                            retry_policy=retry_policy,
-                        )
-                        queued += 1
+                        queued += self._send(unit, options, skew)
                         if not batched:
                             sent = queued
                 # Batched (Redis): nothing left this process before the pipeline ran, at the
@@ -197,6 +145,58 @@ class TaskPublisher:
                 extra={"outcome": "publish_failed"},
             )
         return sent
+
+    def _options(self, producer: Any, *, retry: bool) -> dict[str, Any]:
+        """The ``apply_async`` options every delivery task of one publish shares."""
+        # Hard limit below the lease; the soft one lets the handler see SoftTimeLimitExceeded
+        # (recorded in last_error) shortly before.
+        # Celery takes fractional seconds here (the stubs say int): short leases need them.
+        hard_limit = round(self.config.task_time_limit, 3)
+        return {
+            "time_limit": hard_limit,
+            "soft_time_limit": round(max(hard_limit * 0.9, hard_limit - 1.0), 3),
+            "producer": producer,
+            "retry": retry,
+            "retry_policy": {
+                "max_retries": 1,
+                "interval_start": 0.0,
+                "interval_step": 0.2,
+                "interval_max": 0.2,
+            },
+        }
+
+    def _send(self, unit: Sequence[Claimed], options: dict[str, Any], skew: timedelta) -> int:
+        """Publish the task of one unit (a claim, or a batch handler's group); its claims."""
+        c = unit[0]
+        spec = self._handlers.get(c.event_type)
+        if spec is not None and spec.batch is not None:
+            # One task for the group: its size shows in the task's name.
+            self._deliver_batch.apply_async(
+                ([u.id for u in unit], [u.lease_version for u in unit]),
+                task_id=self.batch_task_id(unit),
+                queue=self.queue_for(c.event_type),
+                expires=min(u.lease_until for u in unit) + skew,
+                shadow=f"{self.name}.deliver_batch[{c.event_type}][{len(unit)}]",
+                headers=task_headers({"outbox_event_type": c.event_type}),
+                **_batch_reprs(unit),
+                **options,
+            )
+            return len(unit)
+        self._deliver.apply_async(
+            (c.id, c.lease_version),
+            task_id=self.task_id(c),
+            queue=self.queue_for(c.event_type),
+            # The fence decides staleness; ``expires`` only saves work, and since the worker
+            # checks it on its own clock it needs the skew allowance.
+            expires=c.lease_until + skew,
+            shadow=f"{self.name}.deliver[{c.event_type}]",
+            headers=task_headers({"outbox_event_type": c.event_type}),
+            # Given, not derived: Celery's safe repr of the arguments costs more than the rest
+            # of the message body.
+            **_reprs(c),
+            **options,
+        )
+        return 1
 
     @contextmanager
     def _producer(self) -> Iterator[Any]:
