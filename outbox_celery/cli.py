@@ -499,16 +499,8 @@ def stats(target: Target, unclaimed_after: float | None, exact: bool, as_json: b
     shown as N+ is at least N) and the done count past it is estimated: the command costs the
     same whatever the done history holds; --exact counts everything.
     """
-    handlers = target.handlers
     threshold = unclaimed_after if unclaimed_after is not None else _unclaimed_after(target.outbox)
-    with target.connect() as conn:
-        s = operations.stats(
-            conn, target.table, handlers=handlers, cap=None if exact else operations.DEFAULT_STATS_CAP
-        )
-        waiting = operations.unclaimed(
-            conn, target.table, older_than=threshold, cap=None if exact else operations.DEFAULT_STATS_CAP
-        )
-    keys = s.keys
+    s, waiting = _read_stats(target, threshold, exact)
     attention = _attention(s, target.outbox, waiting)
     if as_json:
         _echo_json(
@@ -520,18 +512,38 @@ def stats(target: Target, unclaimed_after: float | None, exact: bool, as_json: b
             }
         )
         return
-    fd = operations.format_duration
     click.echo(f"outbox {target.where}")
     click.echo(f"database time {s.now:%Y-%m-%d %H:%M:%S %Z}")
     click.echo(f"attention: {'; '.join(attention) or 'none'}")
     click.echo("")
+    _echo_status_counts(s, target.outbox)
+    _echo_facts(s)
+    _echo_attempts(s)
+    _echo_event_types(s, target.handlers)
+    _echo_flow(s)
+    _echo_unroutable(s)
+
+
+def _read_stats(
+    target: Target, threshold: float, exact: bool
+) -> tuple[operations.Stats, list[operations.Unclaimed]]:
+    """``stats``' reads: the capped (or, with --exact, full) counts and the unclaimed event types."""
+    cap = None if exact else operations.DEFAULT_STATS_CAP
+    with target.connect() as conn:
+        s = operations.stats(conn, target.table, handlers=target.handlers, cap=cap)
+        waiting = operations.unclaimed(conn, target.table, older_than=threshold, cap=cap)
+    return s, waiting
+
+
+def _echo_status_counts(s: operations.Stats, outbox: Outbox | None) -> None:
+    """The table of messages per status, each with what its figure means."""
     in_order = s.counts["pending"] - s.ready - s.scheduled
     notes = {
         "pending": f"{s.ready} ready now, {s.scheduled} scheduled later (delay/backoff/defer), "
         f"{in_order} waiting behind their ordering key's head",
         "processing": f"{s.expired_leases} with an expired lease",
         "dead": "need a human: outbox-celery dead list" if s.dead else "",
-        "done": _done_note(target.outbox),
+        "done": _done_note(outbox),
     }
     if s.capped.get("done"):
         notes["done"] = f"estimated (table statistics); {notes['done']}"
@@ -546,8 +558,18 @@ def stats(target: Target, unclaimed_after: float | None, exact: bool, as_json: b
             "the figures below count the rows read)"
         )
     click.echo("")
-    h = s.horizon
-    facts = [
+
+
+def _echo_facts(s: operations.Stats) -> None:
+    """Ages, leases, ordered keys, groups and the xmin horizon, one labelled line each."""
+    for label, value in _age_facts(s) + _group_facts(s) + _horizon_facts(s):
+        click.echo(f"{label + ':':<46}{value}")
+    click.echo("")
+
+
+def _age_facts(s: operations.Stats) -> list[tuple[str, Any]]:
+    fd = operations.format_duration
+    return [
         ("oldest pending (since created)", fd(s.oldest_pending_age)),
         ("oldest ready wait (claimable, not claimed)", fd(s.oldest_ready_wait)),
         ("oldest processing (since created)", fd(s.oldest_processing_age)),
@@ -557,69 +579,95 @@ def stats(target: Target, unclaimed_after: float | None, exact: bool, as_json: b
             f"{s.blocked_keys} ({s.blocked_messages} message(s) waiting)",
         ),
         ("ordered keys without a head", s.headless_keys),
+    ]
+
+
+def _group_facts(s: operations.Stats) -> list[tuple[str, Any]]:
+    g = s.groups
+    return [
         (
             "open groups (oldest)",
-            f"{s.groups.open}{'+' if s.groups.capped else ''} ({fd(s.groups.oldest_open_age)}), "
-            f"{s.groups.blocked} blocked by a dead member",
+            f"{g.open}{'+' if g.capped else ''} ({operations.format_duration(g.oldest_open_age)}), "
+            f"{g.blocked} blocked by a dead member",
         ),
     ]
-    if h is not None:
-        facts += [
-            ("xmin horizon held by", _shown(h.holder())),
-            (
-                "dead row versions (table statistics)",
-                f"{h.dead_row_versions:,} beside {h.live_row_versions:,} live; last vacuum "
-                + (f"{fd(h.last_vacuum_age)} ago" if h.last_vacuum_age is not None else "never"),
-            ),
-        ]
-    for label, value in facts:
-        click.echo(f"{label + ':':<46}{value}")
-    click.echo("")
-    if s.attempts:
-        click.echo("attempts histogram (live messages)")
-        click.echo(
-            _table(
-                ["attempts", "pending", "processing", "dead"],
-                [(a.attempts, a.pending, a.processing, a.dead) for a in s.attempts],
-                right=[0, 1, 2, 3],
-            )
+
+
+def _horizon_facts(s: operations.Stats) -> list[tuple[str, Any]]:
+    h = s.horizon
+    if h is None:
+        return []
+    fd = operations.format_duration
+    return [
+        ("xmin horizon held by", _shown(h.holder())),
+        (
+            "dead row versions (table statistics)",
+            f"{h.dead_row_versions:,} beside {h.live_row_versions:,} live; last vacuum "
+            + (f"{fd(h.last_vacuum_age)} ago" if h.last_vacuum_age is not None else "never"),
+        ),
+    ]
+
+
+def _echo_attempts(s: operations.Stats) -> None:
+    if not s.attempts:
+        return
+    click.echo("attempts histogram (live messages)")
+    click.echo(
+        _table(
+            ["attempts", "pending", "processing", "dead"],
+            [(a.attempts, a.pending, a.processing, a.dead) for a in s.attempts],
+            right=[0, 1, 2, 3],
         )
-        click.echo("")
-    if s.event_types:
-        headers = ["event type", "pending", "ready", "processing", "dead", "unstarted", "oldest pending"]
-        if handlers is not None:
-            headers.append("handler")
-        rows2: list[list[Any]] = []
-        for e in s.event_types:
-            r: list[Any] = [
-                e.event_type,
-                e.pending,
-                e.ready,
-                e.processing,
-                e.dead,
-                e.unstarted,
-                fd(e.oldest_pending_age),
-            ]
-            if handlers is not None:
-                r.append("yes" if e.has_handler else "NO")
-            rows2.append(r)
-        click.echo(_table(headers, rows2, right=[1, 2, 3, 4, 5]))
-        click.echo("")
-    else:
+    )
+    click.echo("")
+
+
+def _echo_event_types(s: operations.Stats, handlers: Collection[str] | None) -> None:
+    """Live messages per event type (with -A, whether a handler takes it)."""
+    if not s.event_types:
         click.echo("no live messages (nothing pending, processing or dead)")
+        return
+    fd = operations.format_duration
+    headers = ["event type", "pending", "ready", "processing", "dead", "unstarted", "oldest pending"]
+    if handlers is not None:
+        headers.append("handler")
+    rows: list[list[Any]] = []
+    for e in s.event_types:
+        r: list[Any] = [
+            e.event_type,
+            e.pending,
+            e.ready,
+            e.processing,
+            e.dead,
+            e.unstarted,
+            fd(e.oldest_pending_age),
+        ]
+        if handlers is not None:
+            r.append("yes" if e.has_handler else "NO")
+        rows.append(r)
+    click.echo(_table(headers, rows, right=[1, 2, 3, 4, 5]))
+    click.echo("")
+
+
+def _echo_flow(s: operations.Stats) -> None:
+    """Paused and held event types and limit keys: left unclaimed on purpose."""
+    fd = operations.format_duration
     paused = [_shown(f.event_type) for f in s.flow if f.paused]
     held = [f"{_shown(f.event_type)} ({fd(f.held_for)} left)" for f in s.flow if not f.paused and f.held_for]
     click.echo(f"paused (claimed by nobody until resumed): {', '.join(paused) or 'none'}")
     if held:
         click.echo(f"held by a RateLimited outcome: {', '.join(held)}")
-    if keys:
+    if s.keys:
         shown = [
             f"{_shown(k.event_type)} key {_shown(k.limit_key)} ("
             + ("paused" if k.paused else f"held, {fd(k.held_for)} left")
             + ")"
-            for k in keys
+            for k in s.keys
         ]
         click.echo(f"limit keys claimed by nobody: {', '.join(shown)}")
+
+
+def _echo_unroutable(s: operations.Stats) -> None:
     if s.unroutable is None:
         click.echo("unroutable: unknown (pass -A module:outbox to check event types against the handlers)")
     elif s.unroutable:
