@@ -142,157 +142,13 @@ class OutboxCollector:
         ns = self.namespace
         g = core.GaugeMetricFamily
         fams: dict[str, GaugeMetricFamily] = {
-            "up": g(
-                f"{ns}_up", "1 if the last stats query of the table succeeded, else 0.", labels=["table"]
-            ),
-            "messages": g(
-                f"{ns}_messages",
-                "Rows per status, read up to the collector's cap: a lower bound where "
-                f"{ns}_messages_capped is 1 (done: an estimate past the cap).",
-                labels=["table", "status"],
-            ),
-            "capped": g(
-                f"{ns}_messages_capped",
-                "1 where the status' read stopped at the cap: its count is a lower bound (done: an "
-                "estimate from the table's statistics), else 0.",
-                labels=["table", "status"],
-            ),
-            "done_minute": g(
-                f"{ns}_done_last_minute_messages",
-                "Rows that became done in the last minute (database clock; a lower bound when "
-                "done is capped).",
-                labels=["table"],
-            ),
-            "ready": g(
-                f"{ns}_ready_messages",
-                "Pending rows whose available_at has come (claimable now).",
-                labels=["table"],
-            ),
-            "oldest_pending": g(
-                f"{ns}_oldest_pending_age_seconds",
-                "Seconds since created_at of the oldest pending row (0 when none).",
-                labels=["table"],
-            ),
-            "oldest_ready": g(
-                f"{ns}_oldest_ready_wait_seconds",
-                "Seconds the oldest claimable row has waited past its available_at (0 when none).",
-                labels=["table"],
-            ),
-            "oldest_processing": g(
-                f"{ns}_oldest_processing_age_seconds",
-                "Seconds since created_at of the oldest processing row (0 when none).",
-                labels=["table"],
-            ),
-            "expired": g(
-                f"{ns}_expired_leases",
-                "Processing rows whose lease has expired (worker lost or stuck).",
-                labels=["table"],
-            ),
-            "blocked_keys": g(
-                f"{ns}_blocked_keys", "Ordering keys whose head message is dead.", labels=["table"]
-            ),
-            "headless_keys": g(
-                f"{ns}_headless_keys",
-                "Ordering keys with unfinished messages and no head: never claimed until "
-                "`outbox-celery repair-heads` (should be 0).",
-                labels=["table"],
-            ),
-            "blocked_messages": g(
-                f"{ns}_blocked_messages",
-                "Messages waiting behind a dead head of their ordering key.",
-                labels=["table"],
-            ),
-            "type_messages": g(
-                f"{ns}_event_type_messages",
-                "Live rows (pending, processing, dead) per event type.",
-                labels=["table", "event_type", "status"],
-            ),
-            "type_oldest": g(
-                f"{ns}_event_type_oldest_pending_age_seconds",
-                "Seconds since created_at of the oldest pending row of the event type.",
-                labels=["table", "event_type"],
-            ),
-            "attempts": g(
-                f"{ns}_attempts_messages",
-                "Live rows per number of attempts spent (the attempts histogram).",
-                labels=["table", "attempts", "status"],
-            ),
-            "duration": g(f"{ns}_stats_duration_seconds", "Seconds the stats query took.", labels=["table"]),
-            "horizon": g(
-                f"{ns}_xmin_horizon_age_seconds",
-                "Seconds the oldest transaction holding back the xmin horizon has been open (0 when"
-                " none; slots and standbys, which record no time, show in the xid gauge).",
-                labels=["table", "kind"],
-            ),
-            "horizon_xids": g(
-                f"{ns}_xmin_horizon_age_xids",
-                "Transaction ids between now and the oldest snapshot still held (any kind).",
-                labels=["table", "kind"],
-            ),
-            "dead_versions": g(
-                f"{ns}_dead_row_versions",
-                "Dead row versions of the outbox table (PostgreSQL's statistics); VACUUM removes"
-                " them once no snapshot needs them.",
-                labels=["table"],
-            ),
-            "vacuum_age": g(
-                f"{ns}_last_vacuum_age_seconds",
-                "Seconds since the outbox table's last vacuum or autovacuum (absent: never).",
-                labels=["table"],
-            ),
-            "unstarted": g(
-                f"{ns}_unstarted_messages",
-                "Live rows of the event type claimed since their last start without a worker starting"
-                " them (lost tasks: a queue with no consumer, a flushed broker).",
-                labels=["table", "event_type"],
-            ),
-            "paused": g(
-                f"{ns}_event_type_paused",
-                "1 for an event type paused by an operator (outbox-celery pause): claimed by nobody.",
-                labels=["table", "event_type"],
-            ),
-            "held": g(
-                f"{ns}_event_type_rate_limited_seconds",
-                "Seconds a RateLimited outcome still holds the event type back (claimed by nobody).",
-                labels=["table", "event_type"],
-            ),
-            "key_paused": g(
-                f"{ns}_limit_key_paused",
-                "1 for a limit key paused by an operator (outbox-celery pause --key): claimed by nobody.",
-                labels=["table", "event_type", "limit_key"],
-            ),
-            "key_held": g(
-                f"{ns}_limit_key_rate_limited_seconds",
-                "Seconds a RateLimited outcome still holds the limit key back (claimed by nobody).",
-                labels=["table", "event_type", "limit_key"],
-            ),
-            "keys_paused": g(
-                f"{ns}_limit_keys_paused",
-                "Limit keys of the event type paused by an operator (all of them; the per-key "
-                "series name the first few only).",
-                labels=["table", "event_type"],
-            ),
-            "keys_held": g(
-                f"{ns}_limit_keys_rate_limited",
-                "Limit keys of the event type a RateLimited outcome holds back (all of them).",
-                labels=["table", "event_type"],
-            ),
-            "groups_open": g(
-                f"{ns}_groups_open",
-                "Open groups with a callback (invariant 29): members not all final yet.",
-                labels=["table"],
-            ),
-            "groups_oldest": g(
-                f"{ns}_groups_oldest_open_age_seconds",
-                "Seconds since the oldest open group was written (0: none open).",
-                labels=["table"],
-            ),
-            "groups_blocked": g(
-                f"{ns}_groups_blocked",
-                "Open groups with a dead member: they wait for an operator (requeue or skip the"
-                " member, or finish or cancel the group) unless every other member ends.",
-                labels=["table"],
-            ),
+            **_status_families(g, ns),
+            **_age_families(g, ns),
+            **_ordering_families(g, ns),
+            **_breakdown_families(g, ns),
+            **_horizon_families(g, ns),
+            **_flow_families(g, ns),
+            **_group_families(g, ns),
         }
         if self.handlers is not None:
             fams["unroutable"] = g(
@@ -388,6 +244,201 @@ class OutboxCollector:
             fams["dead_versions"].add_metric([name], h.dead_row_versions)
             if h.last_vacuum_age is not None:
                 fams["vacuum_age"].add_metric([name], h.last_vacuum_age)
+
+
+# -- the families, one function per group (the order is the exposition order) ----------------------
+
+_Gauge = Callable[..., "GaugeMetricFamily"]
+
+
+def _status_families(g: _Gauge, ns: str) -> dict[str, GaugeMetricFamily]:
+    """Whether the read succeeded and the rows per status (cap-aware)."""
+    return {
+        "up": g(f"{ns}_up", "1 if the last stats query of the table succeeded, else 0.", labels=["table"]),
+        "messages": g(
+            f"{ns}_messages",
+            "Rows per status, read up to the collector's cap: a lower bound where "
+            f"{ns}_messages_capped is 1 (done: an estimate past the cap).",
+            labels=["table", "status"],
+        ),
+        "capped": g(
+            f"{ns}_messages_capped",
+            "1 where the status' read stopped at the cap: its count is a lower bound (done: an "
+            "estimate from the table's statistics), else 0.",
+            labels=["table", "status"],
+        ),
+        "done_minute": g(
+            f"{ns}_done_last_minute_messages",
+            "Rows that became done in the last minute (database clock; a lower bound when done is capped).",
+            labels=["table"],
+        ),
+        "ready": g(
+            f"{ns}_ready_messages",
+            "Pending rows whose available_at has come (claimable now).",
+            labels=["table"],
+        ),
+    }
+
+
+def _age_families(g: _Gauge, ns: str) -> dict[str, GaugeMetricFamily]:
+    """The oldest row of each live state and the expired leases."""
+    return {
+        "oldest_pending": g(
+            f"{ns}_oldest_pending_age_seconds",
+            "Seconds since created_at of the oldest pending row (0 when none).",
+            labels=["table"],
+        ),
+        "oldest_ready": g(
+            f"{ns}_oldest_ready_wait_seconds",
+            "Seconds the oldest claimable row has waited past its available_at (0 when none).",
+            labels=["table"],
+        ),
+        "oldest_processing": g(
+            f"{ns}_oldest_processing_age_seconds",
+            "Seconds since created_at of the oldest processing row (0 when none).",
+            labels=["table"],
+        ),
+        "expired": g(
+            f"{ns}_expired_leases",
+            "Processing rows whose lease has expired (worker lost or stuck).",
+            labels=["table"],
+        ),
+    }
+
+
+def _ordering_families(g: _Gauge, ns: str) -> dict[str, GaugeMetricFamily]:
+    """Ordering keys blocked by a dead head or left without a head."""
+    return {
+        "blocked_keys": g(
+            f"{ns}_blocked_keys", "Ordering keys whose head message is dead.", labels=["table"]
+        ),
+        "headless_keys": g(
+            f"{ns}_headless_keys",
+            "Ordering keys with unfinished messages and no head: never claimed until "
+            "`outbox-celery repair-heads` (should be 0).",
+            labels=["table"],
+        ),
+        "blocked_messages": g(
+            f"{ns}_blocked_messages",
+            "Messages waiting behind a dead head of their ordering key.",
+            labels=["table"],
+        ),
+    }
+
+
+def _breakdown_families(g: _Gauge, ns: str) -> dict[str, GaugeMetricFamily]:
+    """Live rows per event type and per attempts spent, and the read's own cost."""
+    return {
+        "type_messages": g(
+            f"{ns}_event_type_messages",
+            "Live rows (pending, processing, dead) per event type.",
+            labels=["table", "event_type", "status"],
+        ),
+        "type_oldest": g(
+            f"{ns}_event_type_oldest_pending_age_seconds",
+            "Seconds since created_at of the oldest pending row of the event type.",
+            labels=["table", "event_type"],
+        ),
+        "attempts": g(
+            f"{ns}_attempts_messages",
+            "Live rows per number of attempts spent (the attempts histogram).",
+            labels=["table", "attempts", "status"],
+        ),
+        "duration": g(f"{ns}_stats_duration_seconds", "Seconds the stats query took.", labels=["table"]),
+    }
+
+
+def _horizon_families(g: _Gauge, ns: str) -> dict[str, GaugeMetricFamily]:
+    """The xmin horizon and what it keeps VACUUM from cleaning."""
+    return {
+        "horizon": g(
+            f"{ns}_xmin_horizon_age_seconds",
+            "Seconds the oldest transaction holding back the xmin horizon has been open (0 when"
+            " none; slots and standbys, which record no time, show in the xid gauge).",
+            labels=["table", "kind"],
+        ),
+        "horizon_xids": g(
+            f"{ns}_xmin_horizon_age_xids",
+            "Transaction ids between now and the oldest snapshot still held (any kind).",
+            labels=["table", "kind"],
+        ),
+        "dead_versions": g(
+            f"{ns}_dead_row_versions",
+            "Dead row versions of the outbox table (PostgreSQL's statistics); VACUUM removes"
+            " them once no snapshot needs them.",
+            labels=["table"],
+        ),
+        "vacuum_age": g(
+            f"{ns}_last_vacuum_age_seconds",
+            "Seconds since the outbox table's last vacuum or autovacuum (absent: never).",
+            labels=["table"],
+        ),
+    }
+
+
+def _flow_families(g: _Gauge, ns: str) -> dict[str, GaugeMetricFamily]:
+    """Event types and limit keys nobody claims or starts: lost tasks, paused, rate limited."""
+    return {
+        "unstarted": g(
+            f"{ns}_unstarted_messages",
+            "Live rows of the event type claimed since their last start without a worker starting"
+            " them (lost tasks: a queue with no consumer, a flushed broker).",
+            labels=["table", "event_type"],
+        ),
+        "paused": g(
+            f"{ns}_event_type_paused",
+            "1 for an event type paused by an operator (outbox-celery pause): claimed by nobody.",
+            labels=["table", "event_type"],
+        ),
+        "held": g(
+            f"{ns}_event_type_rate_limited_seconds",
+            "Seconds a RateLimited outcome still holds the event type back (claimed by nobody).",
+            labels=["table", "event_type"],
+        ),
+        "key_paused": g(
+            f"{ns}_limit_key_paused",
+            "1 for a limit key paused by an operator (outbox-celery pause --key): claimed by nobody.",
+            labels=["table", "event_type", "limit_key"],
+        ),
+        "key_held": g(
+            f"{ns}_limit_key_rate_limited_seconds",
+            "Seconds a RateLimited outcome still holds the limit key back (claimed by nobody).",
+            labels=["table", "event_type", "limit_key"],
+        ),
+        "keys_paused": g(
+            f"{ns}_limit_keys_paused",
+            "Limit keys of the event type paused by an operator (all of them; the per-key "
+            "series name the first few only).",
+            labels=["table", "event_type"],
+        ),
+        "keys_held": g(
+            f"{ns}_limit_keys_rate_limited",
+            "Limit keys of the event type a RateLimited outcome holds back (all of them).",
+            labels=["table", "event_type"],
+        ),
+    }
+
+
+def _group_families(g: _Gauge, ns: str) -> dict[str, GaugeMetricFamily]:
+    """Open groups with a callback (invariant 29)."""
+    return {
+        "groups_open": g(
+            f"{ns}_groups_open",
+            "Open groups with a callback (invariant 29): members not all final yet.",
+            labels=["table"],
+        ),
+        "groups_oldest": g(
+            f"{ns}_groups_oldest_open_age_seconds",
+            "Seconds since the oldest open group was written (0: none open).",
+            labels=["table"],
+        ),
+        "groups_blocked": g(
+            f"{ns}_groups_blocked",
+            "Open groups with a dead member: they wait for an operator (requeue or skip the"
+            " member, or finish or cancel the group) unless every other member ends.",
+            labels=["table"],
+        ),
+    }
 
 
 def start_exporter(
