@@ -46,6 +46,7 @@ from .config import OutboxConfig, TableName
 from .discovery import celery_outbox_finder, resolve_outbox
 from .dsn import invalid_dsn, password, redact
 from .errors import OutboxError, first_line
+from .message import route as route_of
 from .message import split_route
 
 if TYPE_CHECKING:
@@ -1368,7 +1369,7 @@ def subscriptions_add(
     with target.connect() as conn:
         since = _since(conn, replay_since) if replay_since else None
         replayed = subscriptions.add(conn, target.table, event_type, name, replay_since=since)
-    route = f"{event_type}@{name}"
+    route = route_of(event_type, name)
     if as_json:
         _echo_json({"route": route, "replayed": replayed})
     else:
@@ -1390,7 +1391,7 @@ def subscriptions_remove(target: Target, event_type: str, name: str, as_json: bo
     """
     with target.connect() as conn:
         changed = subscriptions.remove(conn, target.table, event_type, name)
-    route = f"{event_type}@{name}"
+    route = route_of(event_type, name)
     if as_json:
         _echo_json({"route": route, "removed": changed})
     elif changed:
