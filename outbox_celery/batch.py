@@ -1,4 +1,5 @@
-"""Batch handlers' delivery (invariant 21): one fenced start, the handler once, one fenced finalize.
+"""Batch handlers' delivery (invariant 21): one fenced start, the handler once, one fenced
+finalize; and packs (invariant 30): one fenced start, then a one-message handler per message.
 
 :class:`BatchDelivery` is the part of :class:`~outbox_celery.dispatch.Dispatcher` that runs
 ``outbox.deliver_batch`` tasks; it writes through the same completer as the one-message path.
@@ -13,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .complete import Finish, Lease
+from .complete import Finish, Lease, Step
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome
 from .verdict import Verdict, _error_text, _ms_since, _outcome_of, classify
@@ -25,9 +26,15 @@ if TYPE_CHECKING:
     from .complete import FinalizedMany
     from .config import OutboxConfig
 
-__all__ = ["BatchDelivery", "BatchSpec"]
+__all__ = ["PACK_SHARE", "BatchDelivery", "BatchSpec"]
 
 logger = logging.getLogger("outbox_celery.dispatch")
+
+#: The share of a lease within which a pack may start its next handler (invariant 30): past it,
+#: the rows it has not run go back to pending at once, so a handler of a pack starts with at
+#: least ``1 - PACK_SHARE`` of a lease ahead of it and a slow handler delays its neighbours by
+#: at most that much before they are claimed again.
+PACK_SHARE = 0.1
 
 
 def _batch_failures(result: object, ids: set[int]) -> Mapping[int, BaseException]:
@@ -65,6 +72,9 @@ class BatchSpec(Protocol):
     @property
     def batch(self) -> int | None: ...
 
+    @property
+    def pack(self) -> int: ...
+
 
 class BatchDelivery:
     """The batch side of :class:`~outbox_celery.dispatch.Dispatcher` (its base class)."""
@@ -92,8 +102,14 @@ class BatchDelivery:
 
         def _pre_handler_failure(self, lease: Lease, exc: Exception) -> Finish: ...
 
+        def _deliver_started(
+            self, spec: Any, msg: Message, log: dict[str, Any], lease_end: float, *, batch_done: bool
+        ) -> Outcome: ...
+
     def deliver_batch(self, pairs: Sequence[Lease | tuple[int, int]]) -> dict[str, int]:
-        """One batch task: one fenced start, the batch handler once, one fenced finalize.
+        """One batch task: one fenced start, the batch handler once, one fenced finalize; or a
+        pack of a one-message handler's rows: one fenced start, then each message as a one-row
+        task would deliver it (:meth:`_run_pack`, invariant 30).
 
         ``pairs`` are the leases (``(id, lease_version)``) the task carries. The start is fenced
         per pair; pairs it does not start (a newer claim, a finished row, a claim started by
@@ -111,6 +127,8 @@ class BatchDelivery:
         counts: Counter[str] = Counter()
         if not leases:
             return {}
+        # As deliver's: the start gives each row at least one lease from now (database clock).
+        lease_end = time.monotonic() + self.config.lease
         first = leases[0]
         log: dict[str, Any] = {
             "outbox_id": first.id,
@@ -137,8 +155,13 @@ class BatchDelivery:
         failure: BaseException | None = None
         for event_type, group in by_type.items():
             spec = self.handlers.get(event_type)
-            if spec is None or spec.batch is None:
+            if spec is None:
                 counts.update(self._unroutable_batch(group, log).values())
+                continue
+            if spec.batch is None:
+                outcomes, raised = self._run_pack(spec, group, log, lease_end)
+                counts.update(outcomes.values())
+                failure = failure or raised
                 continue
             try:
                 counts.update(self._run_batch(spec, group, log).values())
@@ -148,6 +171,49 @@ class BatchDelivery:
         if failure is not None:
             raise failure
         return {str(k): v for k, v in counts.items()}
+
+    def _run_pack(
+        self, spec: BatchSpec, msgs: list[Message], log: dict[str, Any], lease_end: float
+    ) -> tuple[dict[int, Outcome], Exception | None]:
+        """A pack's started messages, each delivered as a one-row task would (invariant 30).
+
+        In claim order, one handler after another; each outcome is written as the one-row
+        task writes it (a done through the done batcher). An exception a handler raises and
+        does not classify is recorded for its row (which comes back through its lease) and
+        returned after the rest ran. Past :data:`PACK_SHARE` of a lease from the start, no
+        further handler starts: the rows left go back to pending at once, their attempt
+        refunded (:meth:`_hand_back`).
+        """
+        outcomes: dict[int, Outcome] = {}
+        failure: Exception | None = None
+        last_start = lease_end - self.config.lease * (1 - PACK_SHARE)
+        for i, msg in enumerate(msgs):
+            if i and time.monotonic() >= last_start:
+                outcomes.update(self._hand_back(msgs[i:], log))
+                break
+            one = {**log, "outbox_id": msg.id, "lease_version": msg.lease_version}
+            one.update(event_type=msg.route, attempt=msg.attempts, pack=len(msgs))
+            try:
+                outcomes[msg.id] = self._deliver_started(spec, msg, one, lease_end, batch_done=True)
+            except Exception as exc:  # recorded and logged for its row; the others still run
+                outcomes[msg.id] = Outcome.ERROR
+                failure = failure or exc
+        return outcomes, failure
+
+    def _hand_back(self, msgs: list[Message], log: dict[str, Any]) -> dict[int, Outcome]:
+        """A pack's rows whose handler did not run: pending now, attempt refunded (one statement)."""
+        finishes = [
+            Finish(Lease(m.id, m.lease_version), Step.HAND_BACK, grouped=m.group_id is not None) for m in msgs
+        ]
+        won = self._complete("hand_back", finishes, notify=self.config.listen)
+        logger.info(
+            "outbox pack of %s: %s row(s) handed back unrun (past %.0f%% of the lease)",
+            msgs[0].route,
+            len(won.applied),
+            PACK_SHARE * 100,
+            extra={**log, "outcome": "handed_back", "handed_back": len(won.applied)},
+        )
+        return {m.id: Outcome.HANDED_BACK for m in msgs}
 
     def _run_batch(self, spec: BatchSpec, msgs: list[Message], log: dict[str, Any]) -> dict[int, Outcome]:
         """Call a batch handler on started messages, then write every outcome (one statement)."""

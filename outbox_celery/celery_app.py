@@ -223,6 +223,7 @@ class Outbox:
         using: str | None = None,
         batch: int | None = None,
         max_wait: float | timedelta | None = None,
+        pack: int | None = None,
         concurrency: int | None = None,
         rate: str | float | None = None,
         key_concurrency: int | None = None,
@@ -237,7 +238,8 @@ class Outbox:
         :class:`~outbox_celery.errors.PermanentError` or :class:`~outbox_celery.errors.Defer` to
         say what happened; returning normally means delivered. ``transactional`` makes it run
         inside the transaction of its fenced ``done`` (docs/transactional.md), ``batch`` and
-        ``max_wait`` give it lists of messages (docs/batch.md), ``concurrency``, ``rate``,
+        ``max_wait`` give it lists of messages (docs/batch.md), ``pack`` lets one task carry
+        several of its messages (docs/batch.md#packs), ``concurrency``, ``rate``,
         ``key_concurrency`` and ``key_rate`` bound its deliveries (docs/flow-control.md).
 
         Every option is described, and checked at once, by
@@ -254,6 +256,7 @@ class Outbox:
             using=using,
             batch=batch,
             max_wait=max_wait,
+            pack=pack,
             concurrency=concurrency,
             rate=rate,
             key_concurrency=key_concurrency,

@@ -95,6 +95,8 @@ class Claimed:
     lease_version: int
     event_type: str
     lease_until: datetime
+    #: Attempts the row had spent when claimed: a row that spent one travels alone (invariant 30).
+    attempts: int = 0
 
     @property
     def lease(self) -> Lease:
@@ -113,10 +115,11 @@ class ClaimedRow(NamedTuple):
     event_type: str
     lease_until: datetime
     available_at: datetime
+    attempts: int
 
     def claimed(self) -> Claimed:
         """What the delivery task carries."""
-        return Claimed(self.id, self.lease_version, self.event_type, self.lease_until)
+        return Claimed(self.id, self.lease_version, self.event_type, self.lease_until, self.attempts)
 
 
 class ReleasedRow(NamedTuple):
@@ -465,7 +468,7 @@ class _Run:
         rows = self.rows(ClaimedRow, query, (params or self.params).sql(limit=limit))
         if self.marks is not None and mark is not None and self.db_now is not None:
             setattr(self.marks, mark, ScanMarks.moved(limit, rows, self.db_now))
-        return [Claimed(r.id, r.lease_version, r.event_type, r.lease_until) for r in rows]
+        return [r.claimed() for r in rows]
 
     def claim_limited(
         self, query: str, scan: str, asks: Mapping[str, int], *, move: bool = True
@@ -485,10 +488,7 @@ class _Run:
         if marks is not None and self.db_now is not None and move:
             for t in types:
                 marks.typed[(scan, t)] = ScanMarks.moved(asks[t], raw[t], self.db_now)
-        return {
-            t: [Claimed(r.id, r.lease_version, r.event_type, r.lease_until) for r in rows]
-            for t, rows in raw.items()
-        }
+        return {t: [r.claimed() for r in rows] for t, rows in raw.items()}
 
     def claim_keyed(
         self, event_type: str, room: int, walk: KeyWalk, batch: int
@@ -506,7 +506,7 @@ class _Run:
         )
         rows = self.rows(KeyedRow, "claim_keyed", params)
         taken = [
-            Claimed(r.id, r.lease_version, r.event_type, r.lease_until)
+            Claimed(r.id, r.lease_version, r.event_type, r.lease_until, r.attempts or 0)
             for r in rows
             if r.id is not None and r.lease_version is not None and r.event_type and r.lease_until
         ]

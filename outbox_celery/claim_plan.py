@@ -103,6 +103,7 @@ class KeyedRow(NamedTuple):
     pos: int | None
     blocked: int | None
     token_wait: float | None
+    attempts: int | None
 
 
 # -- what the planner decides ----------------------------------------------------------------------

@@ -87,6 +87,9 @@ class Step(enum.StrEnum):
     POSTPONE = "postpone"
     #: Back to ``pending`` now, nothing spent, only while the claim never started (invariant 12).
     RELEASE = "release"
+    #: Back to ``pending`` now, attempt refunded, ``last_error`` kept: a started pack's row whose
+    #: handler its task did not run (invariant 30).
+    HAND_BACK = "hand_back"
 
 
 # The operation a lost lease is logged under (the log line names it) and the counter of a won
@@ -100,6 +103,7 @@ _OPERATION = {
     Step.ERROR: "record_error",
     Step.POSTPONE: "postpone",
     Step.RELEASE: "release",
+    Step.HAND_BACK: "hand_back",
 }
 _COUNTER: dict[Step, str | None] = {
     Step.DONE: Outcome.DONE.counter,
@@ -110,6 +114,7 @@ _COUNTER: dict[Step, str | None] = {
     Step.ERROR: Outcome.ERROR.counter,
     Step.POSTPONE: None,
     Step.RELEASE: "released",
+    Step.HAND_BACK: "handed_back",
 }
 
 

@@ -102,31 +102,45 @@ class HandlerSpec:
     limit: Limit | None = None
     #: Seconds a batch handler's due rows may wait for a fuller batch; 0: never wait.
     max_wait: float = 0.0
+    #: Rows of a one-message handler one delivery task may carry (invariant 30); 1: one each.
+    pack: int = 1
 
 
-def publish_units(claims: Sequence[Claimed], handlers: Mapping[str, HandlerSpec]) -> list[list[Claimed]]:
-    """The delivery tasks of a claim batch: one claim each, or up to ``batch`` for batch handlers.
+def publish_units(
+    claims: Sequence[Claimed], handlers: Mapping[str, HandlerSpec], *, packs: bool = True
+) -> list[list[Claimed]]:
+    """The delivery tasks of a claim batch: one claim each, a batch handler's batch, or a pack.
 
     Claims of a batch handler's event type are cut into consecutive groups of at most its
-    ``batch``, in claim order; every other claim is a group of one. The one definition of what a
+    ``batch``, in claim order. With ``packs``, the claims of a type whose handler declares
+    ``pack`` that have spent no attempt are cut into as few packs as its ``pack`` allows, of
+    even sizes (invariant 30); every other claim is a group of one. The one definition of what a
     delivery task carries: the claim loop orders its rows by it (so that rows after a failed
     publish are exactly the ones not sent) and the publisher sends one task per group. Grouping
     its own output again gives the same groups. A claim holds at most one row per ordering key
     (only heads are claimable), so neither does a group (DESIGN invariant 21).
+
+    :param packs: false when ``max_attempts`` is below 2: a pack's start spends an attempt of
+        each row it carries, and a row may not spend its only one on a neighbour's crash.
     """
     units: list[list[Claimed]] = []
     filling: dict[str, list[Claimed]] = {}
+    packable: dict[str, list[Claimed]] = {}
     for claim in claims:
         spec = handlers.get(claim.event_type)
-        size = spec.batch if spec is not None else None
-        if not size:
+        if spec is not None and spec.batch:
+            unit = filling.get(claim.event_type)
+            if unit is None or len(unit) >= spec.batch:
+                unit = filling[claim.event_type] = []
+                units.append(unit)
+            unit.append(claim)
+        elif packs and spec is not None and spec.pack > 1 and claim.attempts == 0:
+            packable.setdefault(claim.event_type, []).append(claim)
+        else:
             units.append([claim])
-            continue
-        unit = filling.get(claim.event_type)
-        if unit is None or len(unit) >= size:
-            unit = filling[claim.event_type] = []
-            units.append(unit)
-        unit.append(claim)
+    for event_type, rows in packable.items():
+        n = -(-len(rows) // handlers[event_type].pack)
+        units.extend(rows[i * len(rows) // n : (i + 1) * len(rows) // n] for i in range(n))
     return units
 
 
@@ -439,7 +453,8 @@ class Dispatcher(BatchDelivery):
         """Publish one claim's rows; give back what was not sent (then False: the run stops)."""
         # Grouped as the delivery tasks will carry them (batch handlers, invariant 21): the rows after a
         # failed publish are then exactly those that were not sent.
-        claimed = [c for unit in publish_units(claims, self.handlers) for c in unit]
+        packs = self.config.max_attempts >= 2
+        claimed = [c for unit in publish_units(claims, self.handlers, packs=packs) for c in unit]
         published = 0
         try:
             published = publish(claimed)
@@ -486,7 +501,16 @@ class Dispatcher(BatchDelivery):
             # A batch handler's event type delivered by a one-row task (sent before a deploy
             # that added batch=): a batch of one.
             return self._run_batch(spec, [msg], log)[msg.id]
-        msg = replace(msg, _extend=self._extender(outbox_id, lease_version))
+        return self._deliver_started(spec, msg, log, lease_end, batch_done=batch_done)
+
+    def _deliver_started(
+        self, spec: HandlerSpec, msg: Message, log: dict[str, Any], lease_end: float, *, batch_done: bool
+    ) -> Outcome:
+        """A started message's handler, classification and fenced finalize (a one-row task's,
+        or one of a pack's, invariant 30); ``lease_end`` is its lease's end on this process's
+        monotonic clock. An unclassified handler exception is recorded and re-raised."""
+        lease_version = msg.lease_version
+        msg = replace(msg, _extend=self._extender(msg.id, lease_version))
         started = time.monotonic()
         if spec.transaction is not None:
             outcome = self._deliver_in_transaction(spec, spec.transaction, msg, lease_version, log, started)
@@ -503,7 +527,7 @@ class Dispatcher(BatchDelivery):
             outcome = self._finish(verdict, msg, lease_version)
         logger.info(
             "outbox id %s %s -> %s",
-            outbox_id,
+            msg.id,
             msg.route,
             outcome,
             extra={**log, "outcome": outcome, "duration_ms": _ms_since(started)},

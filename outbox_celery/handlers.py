@@ -19,12 +19,14 @@ from .flow import Limit
 from .message import ROUTE_SEPARATOR, route, split_route
 from .transactional import transaction_kind
 
-__all__ = ["MAX_BATCH", "MAX_WAIT", "register_handler", "subscription_route"]
+__all__ = ["MAX_BATCH", "MAX_PACK", "MAX_WAIT", "register_handler", "subscription_route"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 # The largest batch a batch handler may ask for: the task carries two arrays of this size.
 MAX_BATCH = 1000
+# The largest pack of a one-message handler: its handlers run one after another in one task.
+MAX_PACK = 100
 # Longest max_wait of a batch handler: a batch fills briefly, never for long.
 MAX_WAIT = 5.0
 
@@ -40,6 +42,7 @@ def register_handler(
     using: str | None = None,
     batch: int | None = None,
     max_wait: float | timedelta | None = None,
+    pack: int | None = None,
     concurrency: int | None = None,
     rate: str | float | None = None,
     key_concurrency: int | None = None,
@@ -90,6 +93,14 @@ def register_handler(
         leaves them while they are fewer than a batch and the oldest has been due less than
         this (database clock), and the push listener claims again when it has. Default 0,
         never wait. Not with ``concurrency`` or ``rate`` (docs/batch.md).
+    :param pack: let one Celery task carry up to ``pack`` rows of ``event_type`` that one
+        claim handed out together (docs/batch.md#packs, DESIGN invariant 30): one fenced start
+        for them all, then the handler called once per message, one after another, each
+        outcome written as for a task of its own. Fewer tasks and commits per message for a
+        fast handler; a slow one delays the messages packed behind it (a pack starts no
+        handler after a tenth of its lease: the rest go back to pending at once). A row that
+        has spent an attempt travels alone. An int from 1 (default: one task per row) to
+        :data:`MAX_PACK`; not with ``batch``, ``concurrency`` or ``key_concurrency``.
     :param concurrency: at most this many live deliveries of ``event_type`` at once, across
         every worker and machine (claimed or running rows under a live lease; a worker that
         dies gives its slot back when its lease ends). Enforced by the claim, which hands
@@ -121,6 +132,7 @@ def register_handler(
                 "invariant 20); register a plain batch handler, or a transactional one-message "
                 "handler"
             )
+    _check_pack(event_type, pack, batch=batch, concurrency=concurrency, key_concurrency=key_concurrency)
     kind = transaction_kind(transactional, session_factory=session_factory, using=using)
     limit = Limit.declared(
         concurrency=concurrency, rate=rate, key_concurrency=key_concurrency, key_rate=key_rate
@@ -143,11 +155,40 @@ def register_handler(
         if key in handlers:
             raise ConfigurationError(f"a handler for {key!r} is already registered")
         _refuse_mixing(handlers, event_type, name)
-        spec = HandlerSpec(key, fn, queue or "", transaction=kind, batch=batch, limit=limit, max_wait=wait)
+        spec = HandlerSpec(
+            key, fn, queue or "", transaction=kind, batch=batch, limit=limit, max_wait=wait, pack=pack or 1
+        )
         handlers[key] = spec
         return fn
 
     return register
+
+
+def _check_pack(
+    event_type: str,
+    pack: int | None,
+    *,
+    batch: int | None,
+    concurrency: int | None,
+    key_concurrency: int | None,
+) -> None:
+    """``pack`` checked (invariant 30): an int from 1 to :data:`MAX_PACK`, for a one-message
+    handler whose slots are not bounded (a pack holds its rows' slots while it runs them in turn).
+    """
+    if pack is None:
+        return
+    if isinstance(pack, bool) or not isinstance(pack, int) or not 1 <= pack <= MAX_PACK:
+        raise ConfigurationError(f"pack must be an int from 1 to {MAX_PACK}, not {pack!r}")
+    if batch is not None:
+        raise ConfigurationError(
+            f"the handler of {event_type!r} cannot be both batch= and pack=: a batch handler's "
+            "rows travel in batches already"
+        )
+    if concurrency is not None or key_concurrency is not None:
+        raise ConfigurationError(
+            f"pack= cannot be combined with concurrency= or key_concurrency= (the handler of "
+            f"{event_type!r}): a pack holds every slot of its rows while it runs them one by one"
+        )
 
 
 def subscription_route(event_type: str, name: str | None) -> str:

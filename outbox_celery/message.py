@@ -53,6 +53,8 @@ class Outcome(enum.StrEnum):
     UNROUTABLE = "unroutable"
     #: A :class:`~outbox_celery.errors.RateLimited` outcome: held with its event type.
     RATE_LIMITED = "rate_limited"
+    #: A pack's row whose handler its task did not run: pending again, attempt refunded.
+    HANDED_BACK = "handed_back"
 
     @property
     def counter(self) -> str:

@@ -353,7 +353,7 @@ SET status = 'processing',
     lease_version = o.lease_version + 1
 FROM picked
 WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at;
+RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at, o.attempts;
 
 -- name: claim_expired
 -- excluded (here, in claim_pending and in claim_heads): event types this statement must not
@@ -557,7 +557,9 @@ FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
 --   error         the error kept, the row left 'processing' to return through its lease;
 --   postpone      'pending' after the delay, the attempt refunded (no handler here, unroutable);
 --   release       'pending' now, nothing spent, only while the claim never started (a publish
---                 that failed; a worker that started the claim keeps its row, invariant 12).
+--                 that failed; a worker that started the claim keeps its row, invariant 12);
+--   hand_back     'pending' now, the attempt refunded, last_error kept: a pack's row whose
+--                 handler its task did not run (invariant 30).
 -- A group's member is finished by finish_grouped instead (DESIGN invariant 29).
 -- commit_mode as in start (the completer relaxes only an all-done finalize). With notify the
 -- table's listeners hear at commit that leases ended (a claim that the in-flight bound stopped
@@ -596,10 +598,10 @@ SET status = CASE
         WHEN f.outcome IN ('defer', 'rate_limited') AND {past_max_defer_age} THEN 'dead'
         WHEN f.outcome = 'error' THEN o.status
         ELSE 'pending' END,
-    attempts = CASE WHEN f.outcome IN ('defer', 'rate_limited', 'postpone')
+    attempts = CASE WHEN f.outcome IN ('defer', 'rate_limited', 'postpone', 'hand_back')
                     THEN greatest(o.attempts - 1, 0) ELSE o.attempts END,
     available_at = CASE
-        WHEN f.outcome = 'release' THEN now()
+        WHEN f.outcome IN ('release', 'hand_back') THEN now()
         WHEN f.outcome IN ('defer', 'rate_limited', 'postpone')
              OR f.outcome = 'retry' AND NOT {attempts_spent}
         THEN now() + make_interval(secs => f.delay)
@@ -607,7 +609,7 @@ SET status = CASE
     lease_until = CASE WHEN f.outcome = 'error' THEN o.lease_until END,
     done_at = CASE WHEN f.outcome = 'done' THEN now() ELSE o.done_at END,
     last_error = CASE
-        WHEN f.outcome IN ('done', 'release') THEN o.last_error
+        WHEN f.outcome IN ('done', 'release', 'hand_back') THEN o.last_error
         WHEN f.outcome = 'retry' AND {attempts_spent}
         THEN 'attempts exhausted (' || o.attempts || ' of ' || %(max_attempts)s::int || '): '
              || f.error
@@ -620,7 +622,7 @@ FROM {commit_mode},
      {wake_listeners} AS woke,
      {finishes} AS f(id, lease_version, outcome, delay, error)
 WHERE o.id = f.id AND o.lease_version = f.lease_version AND {fenced_processing}
-  AND f.outcome IN ('done', 'retry', 'defer', 'rate_limited', 'dead', 'error', 'postpone', 'release')
+  AND f.outcome IN ('done', 'retry', 'defer', 'rate_limited', 'dead', 'error', 'postpone', 'release', 'hand_back')
   AND (f.outcome <> 'done' OR o.ordering_key IS NULL OR %(keys_locked)s::bool)
   AND (f.outcome <> 'release' OR o.started_version < o.lease_version)
 
@@ -1120,10 +1122,10 @@ ck_claimed AS (
     FROM ck_picked
     WHERE o.id = ck_picked.id
     RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at, o.limit_key,
-              ck_picked.pos
+              ck_picked.pos, o.attempts
 )
 SELECT id, lease_version, event_type, lease_until, available_at, limit_key, pos, NULL::bigint AS blocked,
-       NULL::float8 AS token_wait
+       NULL::float8 AS token_wait, attempts
 FROM ck_claimed
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL,
@@ -1133,7 +1135,8 @@ SELECT NULL, NULL, NULL, NULL, NULL,
        (SELECT count(*) FROM ck_left WHERE slots <= taken),
        -- Seconds until the first key held by its key_rate alone has its next token.
        (SELECT min((1 - (tokens - taken)) / %(key_rate)s::float8) FROM ck_left
-        WHERE slots > taken AND floor(tokens) <= taken);
+        WHERE slots > taken AND floor(tokens) <= taken),
+       NULL;
 
 -- name: flow_key_cursor
 -- Where the next claim of each keyed event type starts walking its keys (round robin, DESIGN

@@ -102,6 +102,7 @@ def _keyed(i: int | None, key: str, pos: int | None = None, **kw: Any) -> KeyedR
         pos=pos,
         blocked=kw.get("blocked"),
         token_wait=kw.get("token_wait"),
+        attempts=0 if claimed else None,
     )
 
 
@@ -218,11 +219,11 @@ def test_a_query_whose_columns_do_not_match_its_row_type_fails_loudly() -> None:
         result = SimpleNamespace(nfields=len(names), fname=fnames.__getitem__)
         return SimpleNamespace(pgresult=result, fetchall=lambda: list(rows))
 
-    columns = ("id", "lease_version", "event_type", "lease_until", "available_at")
-    [row] = typed_rows(ClaimedRow, cursor(columns, (1, 2, "t", NOW, NOW)))
+    columns = ("id", "lease_version", "event_type", "lease_until", "available_at", "attempts")
+    [row] = typed_rows(ClaimedRow, cursor(columns, (1, 2, "t", NOW, NOW, 0)))
     assert row.claimed().lease_version == 2 and row.available_at == NOW
-    swapped = ("id", "event_type", "lease_version", "lease_until", "available_at")
+    swapped = ("id", "event_type", "lease_version", "lease_until", "available_at", "attempts")
     with pytest.raises(TypeError, match="do not match ClaimedRow"):
-        typed_rows(ClaimedRow, cursor(swapped, (1, "t", 2, NOW, NOW)))
+        typed_rows(ClaimedRow, cursor(swapped, (1, "t", 2, NOW, NOW, 0)))
     [settings] = typed_rows(SettingsRow, cursor(("jit", "now"), (None, NOW)))  # the rest: defaults
     assert settings.seen() == Seen(now=NOW)
