@@ -184,6 +184,12 @@ def _parser() -> argparse.ArgumentParser:
         "--prefetch", type=int, default=1, help="worker prefetch multiplier, both pipelines (default 1)"
     )
     p.add_argument(
+        "--peer-packs",
+        default="8",
+        help="peer section: also run our handler declared with each of these pack= sizes (comma "
+        "separated; empty for none), alternated with the rest (DESIGN invariant 30)",
+    )
+    p.add_argument(
         "--deployments",
         default="split,readme",
         help="end-to-end deployments: split (claim worker + delivery worker), readme (one worker)",
@@ -755,6 +761,7 @@ class Bench:
             return
         peer = PeerRun(python, self.pipeline)
         deployments = [d.strip() for d in a.deployments.split(",") if d.strip()]
+        packs = [int(p) for p in a.peer_packs.split(",") if p.strip()]
         t = self.report.table(
             f"Per message vs {described} ({a.messages} messages, {a.pool} x{a.concurrency}, "
             f"prefetch {a.prefetch}, producer and workers at the same time)",
@@ -773,6 +780,16 @@ class Bench:
                     runs.setdefault(f"outbox-celery {dep}", []).append(
                         self._outbox(url, a.messages, single_worker=dep == "readme")
                     )
+                    for pack in packs:
+                        # The handler declared with pack= (DESIGN invariant 30), same deployment.
+                        runs.setdefault(f"outbox-celery {dep} pack={pack}", []).append(
+                            self._outbox(
+                                url,
+                                a.messages,
+                                single_worker=dep == "readme",
+                                extra_env={"BENCH_HANDLER_PACK": str(pack)},
+                            )
+                        )
             rates = {k: _median([r.rate for r in v]) for k, v in runs.items()}
             for key, rate in rates.items():
                 t.row(

@@ -62,6 +62,8 @@ else:
         "bench.noop",
         concurrency=int(CONCURRENCY) if CONCURRENCY else None,
         rate=os.environ.get("BENCH_LIMIT_RATE") or None,
+        # BENCH_HANDLER_PACK: rows one delivery task may carry (DESIGN invariant 30).
+        pack=int(os.environ.get("BENCH_HANDLER_PACK", "1")),
     )
     def noop(message: Message) -> None:
         """Do nothing (records its start time in latency runs), or sleep (flow runs)."""
