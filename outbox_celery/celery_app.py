@@ -236,13 +236,11 @@ class Outbox:
         The handler receives a :class:`~outbox_celery.message.Message` and runs outside any
         database transaction. It raises :class:`~outbox_celery.errors.RetryableError`,
         :class:`~outbox_celery.errors.PermanentError` or :class:`~outbox_celery.errors.Defer` to
-        say what happened; returning normally means delivered. ``transactional`` makes it run
-        inside the transaction of its fenced ``done`` (docs/transactional.md), ``batch`` and
-        ``max_wait`` give it lists of messages (docs/batch.md), ``pack`` lets one task carry
-        several of its messages (docs/batch.md#packs), ``concurrency``, ``rate``,
-        ``key_concurrency`` and ``key_rate`` bound its deliveries (docs/flow-control.md).
-
-        Every option is described, and checked at once, by
+        say what happened; returning normally means delivered. ``transactional`` runs it in the
+        transaction of its fenced ``done`` (docs/transactional.md), ``batch`` and ``max_wait``
+        give it lists of messages, ``pack`` lets one task carry several (docs/batch.md),
+        ``concurrency``, ``rate``, ``key_concurrency`` and ``key_rate`` bound its deliveries
+        (docs/flow-control.md). Every option is described, and checked at once, by
         :func:`outbox_celery.handlers.register_handler`; a bad one raises
         :class:`~outbox_celery.errors.ConfigurationError` here.
         """
@@ -408,18 +406,13 @@ class Outbox:
         return self._publisher
 
     def task_id(self, claim: Claimed) -> str:
-        """Deterministic Celery task id of a claimed row: ``<table>:<id>:v<version>``.
-
-        Delegates to :meth:`TaskPublisher.task_id <outbox_celery.publisher.TaskPublisher.task_id>`.
-        """
+        """Deterministic Celery task id of a claimed row: ``<table>:<id>:v<version>``
+        (:meth:`TaskPublisher.task_id <outbox_celery.publisher.TaskPublisher.task_id>`)."""
         return self.publisher.task_id(claim)
 
     def batch_task_id(self, unit: Sequence[Claimed]) -> str:
-        """Deterministic Celery task id of a batch task: its first claim's, then ``+<size>``.
-
-        Delegates to :meth:`TaskPublisher.batch_task_id
-        <outbox_celery.publisher.TaskPublisher.batch_task_id>`.
-        """
+        """Deterministic Celery task id of a batch or pack task: its first claim's, then ``+<size>``
+        (:meth:`~outbox_celery.publisher.TaskPublisher.batch_task_id`)."""
         return self.publisher.batch_task_id(unit)
 
     def publish(self, claims: Sequence[Claimed]) -> int:
@@ -479,8 +472,8 @@ class Outbox:
         return self.dispatcher.deliver(outbox_id, lease_version)
 
     def deliver_batch(self, pairs: Sequence[tuple[int, int]]) -> dict[str, int]:
-        """Deliver ``(id, lease_version)`` pairs of a batch handler in this process (what the
-        batch task does); returns how many rows ended in each outcome (docs/batch.md)."""
+        """Deliver ``(id, lease_version)`` pairs of a batch handler, or a pack, in this process
+        (what the batch task does); returns how many rows ended in each outcome (docs/batch.md)."""
         return self.dispatcher.deliver_batch(pairs)
 
     def purge(self) -> int:

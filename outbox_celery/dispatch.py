@@ -28,10 +28,11 @@ from .batch import BatchDelivery
 from .complete import Finish, Lease, Step
 from .config import OutboxConfig
 from .errors import ConfigurationError, RetryableError, first_line
-from .flow import AT_CAP_TTL, Limit
+from .flow import Limit
 from .heartbeat import lease_heartbeat
 from .message import Message, Outcome
-from .store import SLOT_FREED, Claimed, FinalizedMany, ScanMarks, Store, starter_token
+from .slot_wake import SlotWake
+from .store import Claimed, FinalizedMany, ScanMarks, Store, starter_token
 from .tracing import handler_span
 from .transactional import NOTHING_COMMITTED, TransactionKind, TransactionRolledBack
 from .verdict import Verdict, _error_text, _ms_since, _outcome_of, classify
@@ -202,15 +203,17 @@ class ClaimRun:
         }
 
 
-def _bounds_live(limit: Limit) -> bool:
-    """Whether a limit bounds live deliveries (``concurrency`` or ``key_concurrency``): a finish
-    of its type may free a slot the claim waits for."""
-    return limit.concurrency is not None or limit.key_concurrency is not None
-
-
 def default_owner() -> str:
     """``host:pid``: who holds a lease, for humans only (never used for decisions)."""
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(slots=True)
+class _TransactionRun:
+    """How far a transactional run got: its handler called, its done written."""
+
+    called: bool = False
+    done: bool = False
 
 
 class _Superseded(Exception):  # noqa: N818 - control flow inside the dispatcher only
@@ -291,7 +294,7 @@ class InFlightBound:
         return limit
 
 
-class Dispatcher(BatchDelivery):
+class Dispatcher(BatchDelivery, SlotWake):
     """Claim/publish and deliver/finalize for one outbox table.
 
     :param config: the outbox settings.
@@ -615,68 +618,20 @@ class Dispatcher(BatchDelivery):
         rolls the effect back. Any exception rolls back too; its outcome is then recorded in a
         separate fenced statement, as for a plain handler.
         """
-        cfg = self.config
-        ordered = msg.ordering_key is not None
-        called = done = False
+        run = _TransactionRun()
         try:
-            with (
-                lease_heartbeat(cfg, msg.extend_lease, log=log),
-                handler_span(msg),
-                kind.begin(self.connection) as (handle, conn),
-            ):
-                isolation = self.store.limit_transaction(conn, seconds=cfg.task_time_limit)
-                if ordered and isolation != "read committed":
-                    # The ordered done decides the key's next head from its statement's
-                    # snapshot, taken after the key lock only under read committed.
-                    raise ConfigurationError(
-                        f"ordered messages need a READ COMMITTED transaction, the {kind.name} "
-                        f"transactional handler of {msg.event_type!r} runs in {isolation}"
-                    )
-                called = True
-                began = time.monotonic()
-                with FOLLOW_UPS.watch(conn) as follow_ups:
-                    spec.fn(msg, handle)
-                ended = _transaction_ended(conn)
-                if ended is not None:
-                    raise TransactionRolledBack(ended)
-                if follow_ups and time.monotonic() - began >= cfg.scan_lookback / 2:
-                    # A long transaction: its follow-ups would commit behind the claims' scan
-                    # marks, at its start; they move to its commit (invariant 18).
-                    self._follow_ups_at_commit(conn, follow_ups)
-                finish = Verdict(Outcome.DONE).finish(msg, lease_version)
-                if not self._complete("finish_done", [finish], conn=conn).of(msg.id).applied:
-                    raise _Superseded
-                done = True
+            self._run_in_transaction(spec, kind, msg, lease_version, log, run)
         except _Superseded:
             outcome = Outcome.LOST_LEASE
         except BaseException as exc:
-            if not called and isinstance(exc, Exception):
+            if not run.called and isinstance(exc, Exception):
                 # The transaction could not be opened or bounded (or an ordered message met
                 # another isolation level): the library's failure, not the handler's.
                 self._failed_before_handler(msg.id, lease_version, exc, log)
                 raise
-            conflict = _transaction_conflict(exc)
-            if conflict is not None:
-                exc = RetryableError(f"transaction conflict ({conflict.sqlstate}): {conflict}")
-            elif isinstance(exc, TransactionRolledBack):
-                exc = self._rolled_back(msg, str(exc), log)
-            elif isinstance(exc, psycopg.Rollback):
-                # Raised where no psycopg transaction() swallows it (the SQLAlchemy and Django
-                # kinds): the transaction rolls back all the same.
-                exc = self._rolled_back(msg, _RAISED_ROLLBACK, log)
-            verdict = classify(exc, msg.attempts, self.retry)
-            if verdict is None:
-                self._record_error(msg.id, lease_version, _error_text(exc))
-                logger.error(
-                    "outbox id %s transactional handler raised %s; rolled back, row returns after its lease",
-                    msg.id,
-                    type(exc).__name__,
-                    extra={**log, "outcome": Outcome.ERROR, "duration_ms": _ms_since(started)},
-                )
-                raise
-            outcome = self._finish(verdict, msg, lease_version)
+            outcome = self._transaction_failed(exc, msg, lease_version, log, started)
         else:
-            if done:
+            if run.done:
                 outcome = Outcome.DONE
             else:
                 # The block ended without an exception and without the done: the handler raised
@@ -693,6 +648,73 @@ class Dispatcher(BatchDelivery):
             extra={**log, "outcome": outcome, "transactional": kind.name, "duration_ms": _ms_since(started)},
         )
         return outcome
+
+    def _run_in_transaction(
+        self,
+        spec: HandlerSpec,
+        kind: TransactionKind,
+        msg: Message,
+        lease_version: int,
+        log: dict[str, Any],
+        run: _TransactionRun,
+    ) -> None:
+        """The transaction of a transactional handler: bounded, the handler, its follow-ups moved
+        to its commit when it ran long, the fenced done last (``run`` says how far it got)."""
+        cfg = self.config
+        with (
+            lease_heartbeat(cfg, msg.extend_lease, log=log),
+            handler_span(msg),
+            kind.begin(self.connection) as (handle, conn),
+        ):
+            isolation = self.store.limit_transaction(conn, seconds=cfg.task_time_limit)
+            if msg.ordering_key is not None and isolation != "read committed":
+                # The ordered done decides the key's next head from its statement's
+                # snapshot, taken after the key lock only under read committed.
+                raise ConfigurationError(
+                    f"ordered messages need a READ COMMITTED transaction, the {kind.name} "
+                    f"transactional handler of {msg.event_type!r} runs in {isolation}"
+                )
+            run.called = True
+            began = time.monotonic()
+            with FOLLOW_UPS.watch(conn) as follow_ups:
+                spec.fn(msg, handle)
+            ended = _transaction_ended(conn)
+            if ended is not None:
+                raise TransactionRolledBack(ended)
+            if follow_ups and time.monotonic() - began >= cfg.scan_lookback / 2:
+                # A long transaction: its follow-ups would commit behind the claims' scan
+                # marks, at its start; they move to its commit (invariant 18).
+                self._follow_ups_at_commit(conn, follow_ups)
+            finish = Verdict(Outcome.DONE).finish(msg, lease_version)
+            if not self._complete("finish_done", [finish], conn=conn).of(msg.id).applied:
+                raise _Superseded
+            run.done = True
+
+    def _transaction_failed(
+        self, exc: BaseException, msg: Message, lease_version: int, log: dict[str, Any], started: float
+    ) -> Outcome:
+        """A transactional run that raised (its transaction rolled back): its outcome, written in
+        a fenced statement of its own; an unclassified exception is recorded and re-raised."""
+        conflict = _transaction_conflict(exc)
+        if conflict is not None:
+            exc = RetryableError(f"transaction conflict ({conflict.sqlstate}): {conflict}")
+        elif isinstance(exc, TransactionRolledBack):
+            exc = self._rolled_back(msg, str(exc), log)
+        elif isinstance(exc, psycopg.Rollback):
+            # Raised where no psycopg transaction() swallows it (the SQLAlchemy and Django
+            # kinds): the transaction rolls back all the same.
+            exc = self._rolled_back(msg, _RAISED_ROLLBACK, log)
+        verdict = classify(exc, msg.attempts, self.retry)
+        if verdict is None:
+            self._record_error(msg.id, lease_version, _error_text(exc))
+            logger.error(
+                "outbox id %s transactional handler raised %s; rolled back, row returns after its lease",
+                msg.id,
+                type(exc).__name__,
+                extra={**log, "outcome": Outcome.ERROR, "duration_ms": _ms_since(started)},
+            )
+            raise exc
+        return self._finish(verdict, msg, lease_version)
 
     def _rolled_back(self, msg: Message, why: str, log: dict[str, Any]) -> RetryableError:
         """The retryable failure of a transactional run that returned but did not commit.
@@ -724,55 +746,6 @@ class Dispatcher(BatchDelivery):
             return False
         batch.add(msg.id, lease_version)
         return True
-
-    def _wakes_claim(self, spec: HandlerSpec) -> bool:
-        """Whether a finished delivery of ``spec``'s type frees a slot the claim waits for.
-
-        True for a concurrency-limited type that the last claim left at its limit, or with a
-        limit key at its ``key_concurrency`` (its flow row's ``at_cap``, read at most every
-        :data:`AT_CAP_TTL` by this process): its finalize
-        is written at once (never held by the done batcher) and then notifies the table's
-        channel with :data:`SLOT_FREED`; a push listener held back by a limit claims at once and
-        hands the slot out, not ``CAP_RECHECK`` later. Below its limit the done stays batched:
-        nobody waits for the slot (docs/flow-control.md).
-        """
-        if not (self.config.listen and spec.limit is not None and _bounds_live(spec.limit)):
-            return False
-        return spec.event_type in self._capped_types()
-
-    def _capped_types(self) -> frozenset[str]:
-        read_at, capped = self._capped
-        now = time.monotonic()
-        if now - read_at < AT_CAP_TTL:
-            return capped
-        bounded = sorted(t for t, s in self.handlers.items() if s.limit is not None and _bounds_live(s.limit))
-        try:
-            with self.connection() as conn:
-                capped = self.store.capped(conn, bounded)
-        except psycopg.Error as exc:  # the slot is then found by CAP_RECHECK: nothing is lost
-            logger.warning("outbox: reading the limited types' state failed (%s)", first_line(exc))
-            capped = frozenset()
-        self._capped = (now, capped)
-        return capped
-
-    def _finish_freeing_slot(self, verdict: Verdict, msg: Message, version: int) -> Outcome:
-        """The fenced finalize of a concurrency-limited delivery, then the wake.
-
-        A ``RateLimited`` outcome holds the type (no claim could use the slot) and a lost
-        lease freed nothing: no wake.
-        """
-        outcome = self._finish(verdict, msg, version)
-        if outcome in (Outcome.DONE, Outcome.RETRY, Outcome.DEFER, Outcome.DEAD):
-            self._wake()
-        return outcome
-
-    def _wake(self) -> None:
-        """Notify the table's channel that a slot is free; a failure costs a ``CAP_RECHECK``."""
-        try:
-            with self.connection() as conn:
-                self.store.notify(conn, SLOT_FREED)
-        except psycopg.Error as exc:
-            logger.warning("outbox: waking the claim failed (%s)", first_line(exc))
 
     def _write_done_batch(self, finished: list[Lease]) -> FinalizedMany:
         return self._complete("done_many", [Finish(x, Step.DONE, grouped=False) for x in finished])

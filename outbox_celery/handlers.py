@@ -120,36 +120,13 @@ def register_handler(
     if not isinstance(event_type, str) or not event_type:
         raise ConfigurationError("event_type must be a non-empty string")
     key = subscription_route(event_type, name)
-    if batch is not None:
-        if isinstance(batch, bool) or not isinstance(batch, int):
-            raise ConfigurationError(f"batch must be an int from 1 to {MAX_BATCH}, not {batch!r}")
-        if not 1 <= batch <= MAX_BATCH:
-            raise ConfigurationError(f"batch must be from 1 to {MAX_BATCH}, not {batch}")
-        if transactional is not False:
-            raise ConfigurationError(
-                f"the handler of {event_type!r} cannot be both batch= and transactional=: a "
-                "transactional handler commits one message's writes with its done (DESIGN "
-                "invariant 20); register a plain batch handler, or a transactional one-message "
-                "handler"
-            )
+    _check_batch(event_type, batch, transactional=transactional)
     _check_pack(event_type, pack, batch=batch, concurrency=concurrency, key_concurrency=key_concurrency)
     kind = transaction_kind(transactional, session_factory=session_factory, using=using)
     limit = Limit.declared(
         concurrency=concurrency, rate=rate, key_concurrency=key_concurrency, key_rate=key_rate
     )
-    wait = 0.0 if max_wait is None else seconds(max_wait, "max_wait", error=ConfigurationError)
-    if wait and batch is None:
-        raise ConfigurationError(f"max_wait is for batch handlers: give {event_type!r} batch= too")
-    if wait > MAX_WAIT:
-        raise ConfigurationError(
-            f"max_wait must be at most {MAX_WAIT:g} s (a batch fills briefly), got {wait:g}"
-        )
-    if wait and limit is not None:
-        raise ConfigurationError(
-            f"max_wait cannot be combined with concurrency=, rate=, key_concurrency= or key_rate= "
-            f"(the handler of {event_type!r}): "
-            "a limited type is claimed by statements of its own"
-        )
+    wait = _max_wait(event_type, max_wait, batch=batch, limited=limit is not None)
 
     def register(fn: F) -> F:
         if key in handlers:
@@ -162,6 +139,43 @@ def register_handler(
         return fn
 
     return register
+
+
+def _check_batch(event_type: str, batch: int | None, *, transactional: bool | str) -> None:
+    """``batch`` checked (invariant 21): an int from 1 to :data:`MAX_BATCH`, not transactional."""
+    if batch is None:
+        return
+    if isinstance(batch, bool) or not isinstance(batch, int):
+        raise ConfigurationError(f"batch must be an int from 1 to {MAX_BATCH}, not {batch!r}")
+    if not 1 <= batch <= MAX_BATCH:
+        raise ConfigurationError(f"batch must be from 1 to {MAX_BATCH}, not {batch}")
+    if transactional is not False:
+        raise ConfigurationError(
+            f"the handler of {event_type!r} cannot be both batch= and transactional=: a "
+            "transactional handler commits one message's writes with its done (DESIGN "
+            "invariant 20); register a plain batch handler, or a transactional one-message "
+            "handler"
+        )
+
+
+def _max_wait(
+    event_type: str, max_wait: float | timedelta | None, *, batch: int | None, limited: bool
+) -> float:
+    """``max_wait`` checked, in seconds: for a batch handler of no limit, at most :data:`MAX_WAIT`."""
+    wait = 0.0 if max_wait is None else seconds(max_wait, "max_wait", error=ConfigurationError)
+    if wait and batch is None:
+        raise ConfigurationError(f"max_wait is for batch handlers: give {event_type!r} batch= too")
+    if wait > MAX_WAIT:
+        raise ConfigurationError(
+            f"max_wait must be at most {MAX_WAIT:g} s (a batch fills briefly), got {wait:g}"
+        )
+    if wait and limited:
+        raise ConfigurationError(
+            f"max_wait cannot be combined with concurrency=, rate=, key_concurrency= or key_rate= "
+            f"(the handler of {event_type!r}): "
+            "a limited type is claimed by statements of its own"
+        )
+    return wait
 
 
 def _check_pack(

@@ -1,0 +1,111 @@
+"""Waking the claim when a delivery frees a slot of a concurrency-limited type (invariant 22).
+
+:class:`SlotWake` is the part of :class:`~outbox_celery.dispatch.Dispatcher` that decides whether
+a finished delivery's ``done`` is written at once and announced on the table's channel
+(docs/flow-control.md), rather than held by the done batcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
+
+import psycopg
+
+from .errors import first_line
+from .flow import AT_CAP_TTL, Limit
+from .message import Message, Outcome
+from .store import SLOT_FREED, Store
+
+if TYPE_CHECKING:
+    from .config import OutboxConfig
+    from .verdict import Verdict
+
+__all__ = ["SlotWake"]
+
+logger = logging.getLogger("outbox_celery.dispatch")
+
+
+class _Limited(Protocol):
+    """What the wake reads of a registered handler."""
+
+    @property
+    def event_type(self) -> str: ...
+
+    @property
+    def limit(self) -> Limit | None: ...
+
+
+def _bounds_live(limit: Limit) -> bool:
+    """Whether a limit bounds live deliveries (``concurrency`` or ``key_concurrency``): a finish
+    of its type may free a slot the claim waits for."""
+    return limit.concurrency is not None or limit.key_concurrency is not None
+
+
+class SlotWake:
+    """The slot-freeing side of :class:`~outbox_celery.dispatch.Dispatcher` (its base class)."""
+
+    config: OutboxConfig
+    store: Store
+    handlers: Mapping[str, Any]
+    connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
+    #: The concurrency-limited types the last claim left at their limit, and when this process
+    #: read that (monotonic; read again after AT_CAP_TTL).
+    _capped: tuple[float, frozenset[str]] = (-math.inf, frozenset())
+
+    if TYPE_CHECKING:
+
+        def _finish(self, verdict: Verdict, msg: Message, lease_version: int) -> Outcome: ...
+
+    def _wakes_claim(self, spec: _Limited) -> bool:
+        """Whether a finished delivery of ``spec``'s type frees a slot the claim waits for.
+
+        True for a concurrency-limited type that the last claim left at its limit, or with a
+        limit key at its ``key_concurrency`` (its flow row's ``at_cap``, read at most every
+        :data:`AT_CAP_TTL` by this process): its finalize
+        is written at once (never held by the done batcher) and then notifies the table's
+        channel with :data:`SLOT_FREED`; a push listener held back by a limit claims at once and
+        hands the slot out, not ``CAP_RECHECK`` later. Below its limit the done stays batched:
+        nobody waits for the slot (docs/flow-control.md).
+        """
+        if not (self.config.listen and spec.limit is not None and _bounds_live(spec.limit)):
+            return False
+        return spec.event_type in self._capped_types()
+
+    def _capped_types(self) -> frozenset[str]:
+        read_at, capped = self._capped
+        now = time.monotonic()
+        if now - read_at < AT_CAP_TTL:
+            return capped
+        bounded = sorted(t for t, s in self.handlers.items() if s.limit is not None and _bounds_live(s.limit))
+        try:
+            with self.connection() as conn:
+                capped = self.store.capped(conn, bounded)
+        except psycopg.Error as exc:  # the slot is then found by CAP_RECHECK: nothing is lost
+            logger.warning("outbox: reading the limited types' state failed (%s)", first_line(exc))
+            capped = frozenset()
+        self._capped = (now, capped)
+        return capped
+
+    def _finish_freeing_slot(self, verdict: Verdict, msg: Message, version: int) -> Outcome:
+        """The fenced finalize of a concurrency-limited delivery, then the wake.
+
+        A ``RateLimited`` outcome holds the type (no claim could use the slot) and a lost
+        lease freed nothing: no wake.
+        """
+        outcome = self._finish(verdict, msg, version)
+        if outcome in (Outcome.DONE, Outcome.RETRY, Outcome.DEFER, Outcome.DEAD):
+            self._wake()
+        return outcome
+
+    def _wake(self) -> None:
+        """Notify the table's channel that a slot is free; a failure costs a ``CAP_RECHECK``."""
+        try:
+            with self.connection() as conn:
+                self.store.notify(conn, SLOT_FREED)
+        except psycopg.Error as exc:
+            logger.warning("outbox: waking the claim failed (%s)", first_line(exc))
