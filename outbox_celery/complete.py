@@ -12,10 +12,11 @@ handler, batch handlers, transactional handlers, the done batcher and the claim'
 unpublished rows all call it, with one value or many. Two steps need statements more, in the
 same transaction: an ordered ``done`` takes its key's producer lock first (``lock_key_of``) and
 hands the key its next head after (``settle_heads``, invariant 9), and a ``rate_limited`` row
-holds its event type or key after it (``flow_hold``, invariant 23). A group's member (or a row
-not known to be of no group, :attr:`Finish.grouped`) is finished by ``finish_grouped``, the same
-update with the group's count after it in the same statement; the last member enqueues the
-group's callback there (invariant 29).
+holds its event type or key after it (``flow_hold``, invariant 23). A final step of a group's
+member (or of a row not known to be of no group, :attr:`Finish.grouped`) is finished by
+``finish_grouped``, the same update with the group's count after it in the same statement; the
+last member enqueues the group's callback there (invariant 29). A step that never makes a row
+done or dead (``_NOT_FINAL``) counts in no group: ``finish`` writes it for any row.
 
 The completer runs its statements through the :class:`~outbox_celery.store.Store` it belongs
 to: its named queries, counters and transaction rules (a single statement on an autocommit
@@ -117,6 +118,11 @@ _COUNTER: dict[Step, str | None] = {
     Step.HAND_BACK: "handed_back",
 }
 
+# The steps that never make a row done or dead (``finish_update`` in sql/queries.sql): they never
+# change a group's count (invariant 29), so ``finish`` writes them for a member too, which its
+# group guard lists them for, and ``finish_grouped``'s count is never needed.
+_NOT_FINAL = frozenset({Step.ERROR, Step.POSTPONE, Step.RELEASE, Step.HAND_BACK})
+
 
 @dataclass(frozen=True, slots=True)
 class Finalized:
@@ -187,7 +193,8 @@ class Finish:
     #: Whether the row is a group's member (the worker knows it from the fenced start, DESIGN
     #: invariant 29): ``False`` runs ``finish``, which leaves a member alone (a lost lease);
     #: ``True`` or ``None`` (unknown) run ``finish_grouped``, which counts a member's final
-    #: outcome in its group.
+    #: outcome in its group. A step that is never final (error, postpone, release, hand_back)
+    #: runs ``finish`` whatever this says: it counts in no group.
     grouped: bool | None = None
 
     @property
@@ -509,9 +516,11 @@ class Completer:
             cur = _own_cursor(conn, _FINISHED)
             if locks:
                 cur.execute(store._q["lock_key_of"], {"table": params["table"], "ids": locks})
-            # A group's member (or a row not known not to be one) counts in its group in the
-            # same statement (invariant 29); the plain statement costs no more than before.
-            name = "finish" if all(f.grouped is False for f in finishes) else "finish_grouped"
+            # A group's member (or a row not known not to be one) counts a final step in its
+            # group in the same statement (invariant 29); the plain statement costs no more than
+            # before, and writes the steps that are never final for any row.
+            plain = all(f.grouped is False or f.step in _NOT_FINAL for f in finishes)
+            name = "finish" if plain else "finish_grouped"
             won = {r.id: r for r in cur.execute(self._query(name, len(finishes)), params).fetchall()}
             keys = sorted({r.ordering_key for r in won.values() if r.outcome == Step.DONE and r.ordering_key})
             if keys:

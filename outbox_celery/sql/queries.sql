@@ -560,14 +560,16 @@ FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
 --                 that failed; a worker that started the claim keeps its row, invariant 12);
 --   hand_back     'pending' now, the attempt refunded, last_error kept: a pack's row whose
 --                 handler its task did not run (invariant 30).
--- A group's member is finished by finish_grouped instead (DESIGN invariant 29).
+-- A group's member's final steps are finished by finish_grouped instead (DESIGN invariant 29).
 -- commit_mode as in start (the completer relaxes only an all-done finalize). With notify the
 -- table's listeners hear at commit that leases ended (a claim that the in-flight bound stopped
 -- runs again then), on the channel the producers' insert signals.
 {finish_update}
   -- A group's member goes through finish_grouped, which counts it (the completer knows from
-  -- the fenced start; a row sent here by mistake is left alone, as a lost lease).
-  AND o.group_id IS NULL
+  -- the fenced start; a row sent here by mistake is left alone, as a lost lease), but for the
+  -- steps that never make a row done or dead: they never change a group's count (invariant 29),
+  -- so the completer sends them here whatever the row (_NOT_FINAL in complete.py).
+  AND (o.group_id IS NULL OR f.outcome IN ('error', 'postpone', 'release', 'hand_back'))
 RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay;
 
 -- name: finish_grouped

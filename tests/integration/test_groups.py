@@ -26,6 +26,7 @@ from outbox_celery import (
     group,
     operations,
 )
+from outbox_celery.complete import Finish, Lease, Step
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, count, fetch
 from .producer_kinds import ASYNC_KINDS, SYNC_KINDS
@@ -161,6 +162,47 @@ def test_invariant_29_outcomes_that_are_not_final_count_nothing(
     assert store.record_error(conn, *c, error="hm")
     g = grp(conn, table, gid)
     assert (g["done"], g["dead"], g["state"]) == (0, 0, "open")
+
+
+def test_invariant_29_steps_that_are_never_final_finish_a_member_through_the_plain_statement(
+    conn: psycopg.Connection[Any], store: Store, table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """release, postpone, error and hand_back never make a row done or dead, so they never change
+    a group's count: the plain ``finish`` applies them to a member, whether the worker knows it
+    is one or not, without the group's count of ``finish_grouped``; the group still fires once,
+    when every member is final."""
+    gid, _ = make(conn, table, 4)
+    ran: list[str] = []
+    query = store.completer._query
+
+    def spy(name: str, rows: int) -> Any:
+        ran.append(name)
+        return query(name, rows)
+
+    monkeypatch.setattr(store.completer, "_query", spy)
+    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    released, *rest = sorted(claimed, key=lambda c: c.id)
+    assert store.release(conn, [released]) == 1  # grouped unknown (None), as the claim's release
+    pairs = [(c.id, c.lease_version) for c in rest]
+    store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="s")
+    postponed, errored, handed = pairs
+    assert store.postpone(conn, *postponed, delay=0, error="no handler here").status == "pending"
+    assert store.record_error(conn, *errored, error="hm").status == "processing"
+    back = Finish(Lease(*handed), Step.HAND_BACK, grouped=True)
+    won = store.completer.finish(conn, [back], max_attempts=5, max_age=3600)
+    assert won.of(handed[0]).status == "pending"
+    assert [n for n in ran if n.startswith("finish")] == ["finish"] * 4
+    rows = {i: fetch(conn, table, i) for i in (released.id, *(p[0] for p in pairs))}
+    assert [rows[i]["status"] for i in rows] == ["pending", "pending", "processing", "pending"]
+    assert (rows[postponed[0]]["attempts"], rows[errored[0]]["last_error"]) == (0, "hm")
+    g = grp(conn, table, gid)
+    assert (g["done"], g["dead"], g["state"]) == (0, 0, "open") and callbacks(conn, table) == []
+    # Each member is then counted once, by its final step.
+    assert store.done(conn, *errored)
+    for p in start_all(store, conn):
+        assert store.done(conn, *p)
+    g = grp(conn, table, gid)
+    assert (g["done"], g["dead"], g["state"]) == (4, 0, "fired") and len(callbacks(conn, table)) == 1
 
 
 def test_invariant_29_a_batch_finish_counts_each_member_once(

@@ -19,7 +19,7 @@ import pytest
 
 import outbox_celery
 from outbox_celery import _sql
-from outbox_celery.complete import Completer, FinalizedMany, Finish, Lease, Step
+from outbox_celery.complete import _NOT_FINAL, Completer, FinalizedMany, Finish, Lease, Step
 from outbox_celery.store import Claimed, Store
 
 FILES = ["queries.sql", "admin.sql", "inbox/queries.sql"]
@@ -78,6 +78,23 @@ def test_the_finish_statement_handles_every_step_and_nothing_else() -> None:
     # No other statement compares an outcome: the steps are decided in finish alone (and in
     # finish_grouped, which is finish's update with a group's count after it).
     assert _holding("f.outcome") == {"queries.sql:finish", "queries.sql:finish_grouped"}
+
+
+def test_the_plain_finish_writes_a_member_s_steps_that_are_never_final_and_no_other() -> None:
+    # finish leaves a group's member alone (finish_grouped counts it), but for the steps that
+    # never make a row done or dead (invariant 29): those the completer sends to finish
+    # whatever the row. The steps are those finish_update's status rule never makes final.
+    text = _sql.named("queries.sql")["finish"]
+    [listed] = re.findall(r"o\.group_id IS NULL OR f\.outcome IN \(('[a-z_]+'(?:, '[a-z_]+')*)\)", text)
+    assert {s.strip("'") for s in listed.split(", ")} == {str(s) for s in _NOT_FINAL}
+    status_rule = text.split("SET status = CASE", 1)[1].split(" END,", 1)[0]
+    final = {
+        name
+        for when in re.findall(r"WHEN (.*?) THEN ('dead'|f\.outcome)\n", status_rule)
+        for name in re.findall(r"'([a-z_]+)'", when[0])
+    }
+    assert final == {"done", "dead", "retry", "defer", "rate_limited"}
+    assert {str(s) for s in Step} - final == {str(s) for s in _NOT_FINAL}
 
 
 def test_the_fenced_row_sources_are_used_by_the_completer_statements_only() -> None:
