@@ -81,9 +81,9 @@ def record(message: Message, outcome: str) -> None:
         os.close(fd)
 
 
-@outbox.handler("chaos.ok")
+@outbox.handler("chaos.ok", pack=8)
 def ok(message: Message) -> None:
-    """Delivered at once."""
+    """Delivered at once; up to 8 to a task (a pack, DESIGN invariant 30), so kills catch packs."""
     record(message, "ok")
 
 
@@ -135,9 +135,10 @@ def defer(message: Message) -> None:
     record(message, "ok")
 
 
-@outbox.handler("chaos.tx", transactional=True)
+@outbox.handler("chaos.tx", transactional=True, pack=4)
 def tx(message: Message, conn: psycopg.Connection[object]) -> None:
-    """Transactional (#24): its effect row commits with its done, or not at all.
+    """Transactional (#24): its effect row commits with its done, or not at all; up to 4 to a
+    task (a pack, DESIGN invariant 30), each in its own transaction.
 
     It sleeps inside the transaction after writing the effect, so kills, backend kills and
     restarts often catch it between the effect and the commit; the end check wants exactly one
