@@ -61,6 +61,8 @@ class Listener:
         (connect refused or failing, every session ending in an error) before it gives up:
         it logs an error, calls ``on_unreachable`` and stops. ``None`` retries forever.
     :param on_unreachable: what giving up does (the Celery step stops the worker, exit code 1).
+    :param prepare_threshold: psycopg's ``prepare_threshold`` for its connection, as for the
+        pool's (``None`` behind a transaction-mode pooler: its statements run many times).
     """
 
     def __init__(
@@ -75,8 +77,10 @@ class Listener:
         name: str = "outbox",
         exit_after: float | None = None,
         on_unreachable: Callable[[], None] | None = None,
+        prepare_threshold: int | None = 5,
     ) -> None:
         self.dsn = dsn
+        self.prepare_threshold = prepare_threshold
         self.store = store
         self.claim = claim
         self.event_types = event_types
@@ -184,7 +188,11 @@ class Listener:
             # SYN retries (minutes).
             extra["connect_timeout"] = max(2, math.ceil(min(self.exit_after, 10.0)))
         with psycopg.connect(
-            self.dsn, autocommit=True, application_name=f"outbox-celery:{self.name}:listen", **extra
+            self.dsn,
+            autocommit=True,
+            prepare_threshold=self.prepare_threshold,
+            application_name=f"outbox-celery:{self.name}:listen",
+            **extra,
         ) as conn:
             channel = self.store.listen(conn)
             self._count("connects")

@@ -73,6 +73,7 @@ def listener_for(outbox: ListenedOutbox) -> Listener:
         name=outbox.name,
         exit_after=cfg.unreachable_exit_after,
         on_unreachable=_stop_worker,
+        prepare_threshold=cfg.prepare_threshold,
     )
 
 
