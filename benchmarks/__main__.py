@@ -829,7 +829,8 @@ class Bench:
                 )
         cpu.note(
             "PostgreSQL: CPU of the benchmark database's backends alive at the end of the run (a "
-            "producer's backend that exited is not counted); bare Celery uses no database"
+            "producer's backend that exited is not counted; our table is analyzed after the "
+            "warm-up, as autovacuum would a table in service); bare Celery uses no database"
         )
         db = self.report.table(
             "Database cost per message, same runs (medians over the rounds; warm-up included)",

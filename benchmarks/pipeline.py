@@ -384,6 +384,14 @@ class Pipeline:
                 pg0 = pg_counters(admin)
                 if warmup:
                     self._load(procs, "produce", env, counter, warmup, watch)
+                    # The table was created empty for this run, and the workers' connections
+                    # cached the generic plans of their prepared statements while it was small:
+                    # a sequential scan for the fenced start and finish, kept until the table's
+                    # next ANALYZE (seconds to a minute later, or never in a run this short),
+                    # which made PostgreSQL's CPU per message vary threefold between runs of
+                    # the same code. Analyzed here, as autovacuum would a table in service, the
+                    # measured load sees plans made from its statistics.
+                    admin.execute(sql.SQL("ANALYZE {}").format(TableName.parse(table).identifier()))
                 else:
                     time.sleep(1.0)  # beat up, first (empty) claims done
                 idle_claims = None
