@@ -620,7 +620,7 @@ class Dispatcher(BatchDelivery, SlotWake):
         """
         run = _TransactionRun()
         try:
-            self._run_in_transaction(spec, kind, msg, lease_version, log, run)
+            self._run_in_transaction(spec, kind, msg, log, run)
         except _Superseded:
             outcome = Outcome.LOST_LEASE
         except BaseException as exc:
@@ -654,7 +654,6 @@ class Dispatcher(BatchDelivery, SlotWake):
         spec: HandlerSpec,
         kind: TransactionKind,
         msg: Message,
-        lease_version: int,
         log: dict[str, Any],
         run: _TransactionRun,
     ) -> None:
@@ -685,7 +684,7 @@ class Dispatcher(BatchDelivery, SlotWake):
                 # A long transaction: its follow-ups would commit behind the claims' scan
                 # marks, at its start; they move to its commit (invariant 18).
                 self._follow_ups_at_commit(conn, follow_ups)
-            finish = Verdict(Outcome.DONE).finish(msg, lease_version)
+            finish = Verdict(Outcome.DONE).finish(msg, msg.lease_version)
             if not self._complete("finish_done", [finish], conn=conn).of(msg.id).applied:
                 raise _Superseded
             run.done = True
