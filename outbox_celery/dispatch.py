@@ -108,12 +108,12 @@ class HandlerSpec:
 
 
 def publish_units(
-    claims: Sequence[Claimed], handlers: Mapping[str, HandlerSpec], *, packs: bool = True
+    claims: Sequence[Claimed], handlers: Mapping[str, HandlerSpec], *, max_attempts: int
 ) -> list[list[Claimed]]:
     """The delivery tasks of a claim batch: one claim each, a batch handler's batch, or a pack.
 
     Claims of a batch handler's event type are cut into consecutive groups of at most its
-    ``batch``, in claim order. With ``packs``, the claims of a type whose handler declares
+    ``batch``, in claim order. The claims of a type whose handler declares
     ``pack`` that have spent no attempt are cut into as few packs as its ``pack`` allows, of
     even sizes (invariant 30); every other claim is a group of one. The one definition of what a
     delivery task carries: the claim loop orders its rows by it (so that rows after a failed
@@ -121,9 +121,11 @@ def publish_units(
     its own output again gives the same groups. A claim holds at most one row per ordering key
     (only heads are claimable), so neither does a group (DESIGN invariant 21).
 
-    :param packs: false when ``max_attempts`` is below 2: a pack's start spends an attempt of
-        each row it carries, and a row may not spend its only one on a neighbour's crash.
+    :param max_attempts: the outbox's; below 2 nothing is packed: a pack's start spends an
+        attempt of each row it carries, and a row may not spend its only one on a neighbour's
+        crash.
     """
+    packs = max_attempts >= 2
     units: list[list[Claimed]] = []
     filling: dict[str, list[Claimed]] = {}
     packable: dict[str, list[Claimed]] = {}
@@ -456,8 +458,8 @@ class Dispatcher(BatchDelivery, SlotWake):
         """Publish one claim's rows; give back what was not sent (then False: the run stops)."""
         # Grouped as the delivery tasks will carry them (batch handlers, invariant 21): the rows after a
         # failed publish are then exactly those that were not sent.
-        packs = self.config.max_attempts >= 2
-        claimed = [c for unit in publish_units(claims, self.handlers, packs=packs) for c in unit]
+        units = publish_units(claims, self.handlers, max_attempts=self.config.max_attempts)
+        claimed = [c for unit in units for c in unit]
         published = 0
         try:
             published = publish(claimed)

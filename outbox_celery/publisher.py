@@ -126,8 +126,7 @@ class TaskPublisher:
                 with _publish_batch(producer, len(claims)) as batched:
                     # Batched, the publish only buffers: nothing to retry there.
                     options = self._options(producer, retry=not batched)
-                    packs = self.config.max_attempts >= 2
-                    for unit in publish_units(claims, self._handlers, packs=packs):
+                    for unit in publish_units(claims, self._handlers, max_attempts=self.config.max_attempts):
                         queued += self._send(unit, options, skew)
                         if not batched:
                             sent = queued

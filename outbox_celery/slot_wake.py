@@ -8,7 +8,6 @@ a finished delivery's ``done`` is written at once and announced on the table's c
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -54,8 +53,8 @@ class SlotWake:
     handlers: Mapping[str, Any]
     connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
     #: The concurrency-limited types the last claim left at their limit, and when this process
-    #: read that (monotonic; read again after AT_CAP_TTL).
-    _capped: tuple[float, frozenset[str]] = (-math.inf, frozenset())
+    #: read that (monotonic; read again after AT_CAP_TTL); set by the Dispatcher's constructor.
+    _capped: tuple[float, frozenset[str]]
 
     if TYPE_CHECKING:
 

@@ -236,7 +236,7 @@ def _claim_units(dispatcher: Dispatcher) -> list[list[Claimed]]:
     units: list[list[Claimed]] = []
 
     def publish(claims: Sequence[Claimed]) -> int:
-        units.extend(publish_units(claims, dispatcher.handlers))
+        units.extend(publish_units(claims, dispatcher.handlers, max_attempts=dispatcher.config.max_attempts))
         return len(claims)
 
     dispatcher.claim_and_publish(publish, owner="test")
@@ -252,7 +252,7 @@ def test_claims_of_a_batch_handler_are_cut_into_groups_of_its_size(
     assert [len(u) for u in units] == [3, 3, 1]
     # Grouping the groups again changes nothing (the publisher does it after the claim loop).
     flat = [c for u in units for c in u]
-    assert publish_units(flat, dispatcher.handlers) == units
+    assert publish_units(flat, dispatcher.handlers, max_attempts=dispatcher.config.max_attempts) == units
 
 
 def test_invariant_21_a_mixed_batch_records_each_outcome(

@@ -43,7 +43,7 @@ def _units(dispatcher: Dispatcher) -> list[list[Claimed]]:
     units: list[list[Claimed]] = []
 
     def publish(claims: Sequence[Claimed]) -> int:
-        units.extend(publish_units(claims, dispatcher.handlers, packs=dispatcher.config.max_attempts >= 2))
+        units.extend(publish_units(claims, dispatcher.handlers, max_attempts=dispatcher.config.max_attempts))
         return len(claims)
 
     dispatcher.claim_and_publish(publish, owner="test")
@@ -68,7 +68,7 @@ def test_invariant_30_a_claim_packs_fresh_rows_evenly_and_a_row_that_spent_an_at
     assert alone[0].id == ids[4] and alone[0].attempts == 1
     assert sorted(c.id for u in units for c in u) == ids
     flat = [c for u in units for c in u]
-    assert publish_units(flat, {EVENT: HandlerSpec(EVENT, print, "q", pack=4)}) == units
+    assert publish_units(flat, {EVENT: HandlerSpec(EVENT, print, "q", pack=4)}, max_attempts=10) == units
 
 
 def test_invariant_30_no_pack_where_a_row_has_one_attempt_or_its_handler_none(

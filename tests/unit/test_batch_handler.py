@@ -82,10 +82,10 @@ def test_claims_are_grouped_per_batch_handler_in_claim_order() -> None:
         "p": HandlerSpec("p", lambda m: None, ""),
     }
     claims = _claims("b", "p", "b", "b", "p", "x", "b", "b")
-    units = publish_units(claims, handlers)
+    units = publish_units(claims, handlers, max_attempts=10)
     assert [[c.id for c in u] for u in units] == [[1, 3], [2], [4, 7], [5], [6], [8]]
     flat = [c for u in units for c in u]
-    assert publish_units(flat, handlers) == units
+    assert publish_units(flat, handlers, max_attempts=10) == units
 
 
 def test_the_delivery_counter_counts_each_row_of_a_batch_task() -> None:
