@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -11,8 +11,9 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from outbox_celery import Event, Store, TableName, enqueue_many
+from outbox_celery.dispatch import Dispatcher, publish_units
 from outbox_celery.flow import Limit
-from outbox_celery.store import ClaimResult, ScanMarks
+from outbox_celery.store import Claimed, ClaimResult, ScanMarks
 
 # Generous default lease for claims that must not expire during a test.
 LONG = 60.0
@@ -164,3 +165,15 @@ def claim(
     return store.claim(
         conn, limit=limit, lease=lease, owner="test", max_attempts=5, limits=limits, marks=marks
     )
+
+
+def claim_units(dispatcher: Dispatcher) -> list[list[Claimed]]:
+    """One claim run of ``dispatcher``; the delivery tasks it would publish (publish_units)."""
+    units: list[list[Claimed]] = []
+
+    def publish(claims: Sequence[Claimed]) -> int:
+        units.extend(publish_units(claims, dispatcher.handlers, max_attempts=dispatcher.config.max_attempts))
+        return len(claims)
+
+    dispatcher.claim_and_publish(publish, owner="test")
+    return units

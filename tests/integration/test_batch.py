@@ -23,7 +23,7 @@ from outbox_celery.dispatch import Dispatcher, HandlerSpec, publish_units
 from outbox_celery.errors import Defer, PermanentError, RateLimited, RetryableError
 from outbox_celery.store import Claimed, ClaimResult, ScanMarks
 
-from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, fetch
+from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, claim_units, fetch
 
 EVENT = "metrics.sample"
 
@@ -232,23 +232,12 @@ def _dispatcher(pool: ConnectionPool[Any], table: str, fn: Any, batch: int = 10)
     return Dispatcher(config, pool.connection, {EVENT: spec})
 
 
-def _claim_units(dispatcher: Dispatcher) -> list[list[Claimed]]:
-    units: list[list[Claimed]] = []
-
-    def publish(claims: Sequence[Claimed]) -> int:
-        units.extend(publish_units(claims, dispatcher.handlers, max_attempts=dispatcher.config.max_attempts))
-        return len(claims)
-
-    dispatcher.claim_and_publish(publish, owner="test")
-    return units
-
-
 def test_claims_of_a_batch_handler_are_cut_into_groups_of_its_size(
     conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
 ) -> None:
     add(conn, 7, table=table, event_type=EVENT)
     dispatcher = _dispatcher(pool, table, lambda msgs: None, batch=3)
-    units = _claim_units(dispatcher)
+    units = claim_units(dispatcher)
     assert [len(u) for u in units] == [3, 3, 1]
     # Grouping the groups again changes nothing (the publisher does it after the claim loop).
     flat = [c for u in units for c in u]
@@ -271,7 +260,7 @@ def test_invariant_21_a_mixed_batch_records_each_outcome(
         }
 
     dispatcher = _dispatcher(pool, table, handler)
-    [unit] = _claim_units(dispatcher)
+    [unit] = claim_units(dispatcher)
     counts = dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit])
     assert seen == [ids]
     assert counts == {"done": 2, "retry": 1, "defer": 1, "dead": 1, "error": 1}
@@ -292,7 +281,7 @@ def test_invariant_23_a_rate_limited_item_of_a_batch_holds_its_event_type(
         return {ids[1]: RateLimited(30, reason="HTTP 429")}
 
     dispatcher = _dispatcher(pool, table, handler)
-    [unit] = _claim_units(dispatcher)
+    [unit] = claim_units(dispatcher)
     counts = dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit])
     assert counts == {"done": 2, "rate_limited": 1}
     row = fetch(conn, table, ids[1])
@@ -312,7 +301,7 @@ def test_invariant_21_an_exception_applies_to_the_whole_batch(
         raise RetryableError("bulk endpoint down", delay=20)
 
     dispatcher = _dispatcher(pool, table, handler)
-    [unit] = _claim_units(dispatcher)
+    [unit] = claim_units(dispatcher)
     assert dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit]) == {"retry": 3}
     assert {fetch(conn, table, i)["status"] for i in ids} == {"pending"}
 
@@ -321,7 +310,7 @@ def test_invariant_21_an_exception_applies_to_the_whole_batch(
 
     _set(conn, table, ids[0], "available_at = now()")
     dispatcher = _dispatcher(pool, table, broken)
-    [unit] = _claim_units(dispatcher)
+    [unit] = claim_units(dispatcher)
     with pytest.raises(RuntimeError):
         dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit])
     row = fetch(conn, table, ids[0])
@@ -335,7 +324,7 @@ def test_a_batch_handler_that_returns_something_else_fails_the_whole_batch(
 ) -> None:
     ids = add(conn, 2, table=table, event_type=EVENT)
     dispatcher = _dispatcher(pool, table, lambda msgs: result)
-    [unit] = _claim_units(dispatcher)
+    [unit] = claim_units(dispatcher)
     with pytest.raises(TypeError):
         dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit])
     assert {fetch(conn, table, i)["status"] for i in ids} == {"processing"}
@@ -354,7 +343,7 @@ def test_invariant_21_ordered_messages_are_at_most_one_per_key_per_batch(
 
     dispatcher = _dispatcher(pool, table, handler)
     for _ in range(3):
-        [unit] = _claim_units(dispatcher)
+        [unit] = claim_units(dispatcher)
         dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit])
     # One head per key per batch, each key in id order; every done moved its key's head.
     assert batches == [[a[0], b[0]], [a[1], b[1]], [a[2], b[2]]]

@@ -8,7 +8,7 @@ past its share of the lease hands back the rows it did not run, attempt refunded
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -20,9 +20,8 @@ from outbox_celery import Message, OutboxConfig, TableName, batch
 from outbox_celery.dispatch import Dispatcher, HandlerSpec, publish_units
 from outbox_celery.errors import ConfigurationError, PermanentError, RetryableError
 from outbox_celery.handlers import register_handler
-from outbox_celery.store import Claimed
 
-from .helpers import add, fetch
+from .helpers import add, claim_units, fetch
 
 EVENT = "thing.happened"
 
@@ -39,17 +38,6 @@ def _dispatcher(pool: ConnectionPool[Any], table: str, fn: Any, pack: int = 4, *
     return Dispatcher(OutboxConfig(table=table, **settings), pool.connection, {EVENT: spec})
 
 
-def _units(dispatcher: Dispatcher) -> list[list[Claimed]]:
-    units: list[list[Claimed]] = []
-
-    def publish(claims: Sequence[Claimed]) -> int:
-        units.extend(publish_units(claims, dispatcher.handlers, max_attempts=dispatcher.config.max_attempts))
-        return len(claims)
-
-    dispatcher.claim_and_publish(publish, owner="test")
-    return units
-
-
 def _set(conn: psycopg.Connection[Any], table: str, outbox_id: int, assignment: str) -> None:
     conn.execute(
         sql.SQL("UPDATE {} SET " + assignment + " WHERE id = %s").format(TableName.parse(table).identifier()),
@@ -62,7 +50,7 @@ def test_invariant_30_a_claim_packs_fresh_rows_evenly_and_a_row_that_spent_an_at
 ) -> None:
     ids = add(conn, 10, table=table)
     _set(conn, table, ids[4], "attempts = 1")  # retried once: it travels alone
-    units = _units(_dispatcher(pool, table, lambda m: None, pack=4))
+    units = claim_units(_dispatcher(pool, table, lambda m: None, pack=4))
     assert sorted(len(u) for u in units) == [1, 3, 3, 3]
     [alone] = [u for u in units if len(u) == 1]
     assert alone[0].id == ids[4] and alone[0].attempts == 1
@@ -75,9 +63,10 @@ def test_invariant_30_no_pack_where_a_row_has_one_attempt_or_its_handler_none(
     conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
 ) -> None:
     add(conn, 6, table=table)
-    assert {len(u) for u in _units(_dispatcher(pool, table, lambda m: None, pack=4, max_attempts=1))} == {1}
+    one_attempt = _dispatcher(pool, table, lambda m: None, pack=4, max_attempts=1)
+    assert {len(u) for u in claim_units(one_attempt)} == {1}
     add(conn, 6, table=table)
-    assert {len(u) for u in _units(_dispatcher(pool, table, lambda m: None, pack=1))} == {1}
+    assert {len(u) for u in claim_units(_dispatcher(pool, table, lambda m: None, pack=1))} == {1}
 
 
 def test_invariant_30_a_pack_is_one_start_then_each_message_finished_as_a_task_of_its_own(
@@ -98,7 +87,7 @@ def test_invariant_30_a_pack_is_one_start_then_each_message_finished_as_a_task_o
             raise PermanentError("never")
 
     dispatcher = _dispatcher(pool, table, handler, pack=5)
-    [unit] = _units(dispatcher)
+    [unit] = claim_units(dispatcher)
     starts: list[int] = []
     start = dispatcher.store.completer.start
 
@@ -128,7 +117,7 @@ def test_invariant_30_past_its_share_of_the_lease_a_pack_hands_back_what_it_did_
     _set(conn, table, ids[2], "last_error = 'an earlier failure'")
     seen: list[int] = []
     dispatcher = _dispatcher(pool, table, lambda m: seen.append(m.id), pack=4)
-    [unit] = _units(dispatcher)
+    [unit] = claim_units(dispatcher)
     monkeypatch.setattr(batch, "PACK_SHARE", 0.0)  # the share is spent once the first handler ran
     counts = dispatcher.deliver_batch([c.lease for c in unit])
     assert counts == {"done": 1, "handed_back": 3}
@@ -141,7 +130,7 @@ def test_invariant_30_past_its_share_of_the_lease_a_pack_hands_back_what_it_did_
     assert due is not None and all(r["available_at"] <= due[0] for r in rows[1:])  # claimable at once
     # They travel in a pack again (no attempt spent) and are delivered.
     monkeypatch.setattr(batch, "PACK_SHARE", 0.1)
-    [again] = _units(dispatcher)
+    [again] = claim_units(dispatcher)
     assert sorted(c.id for c in again) == ids[1:]
     assert dispatcher.deliver_batch([c.lease for c in again]) == {"done": 3}
 
@@ -152,7 +141,7 @@ def test_invariant_30_a_stale_pair_of_a_pack_is_dropped(
     ids = add(conn, 3, table=table)
     seen: list[int] = []
     dispatcher = _dispatcher(pool, table, lambda m: seen.append(m.id), pack=3)
-    [unit] = _units(dispatcher)
+    [unit] = claim_units(dispatcher)
     _set(conn, table, ids[1], "lease_version = lease_version + 1")  # claimed again since
     assert dispatcher.deliver_batch([c.lease for c in unit]) == {"done": 2, "stale": 1}
     assert seen == [ids[0], ids[2]]
