@@ -23,6 +23,7 @@ from urllib.parse import urlencode, urlsplit
 
 import jinja2
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -32,7 +33,7 @@ from starlette.routing import Route
 
 from .. import console, operations
 from ..config import TableName
-from ..dsn import password
+from ..dsn import invalid_dsn, password
 from ..errors import AdminError, first_line
 from ..flow import Limit
 
@@ -67,6 +68,12 @@ class Database:
         if not self.name or not set(self.name) <= _NAME_CHARS:
             raise ValueError(f"invalid console database name {self.name!r}: use letters, digits, _ . -")
         TableName.parse(self.table)
+        # Parsed here, before anything else reads it: libpq's parse error quotes the part it
+        # stumbled on, which may be the password.
+        try:
+            conninfo_to_dict(self.dsn)
+        except psycopg.ProgrammingError as exc:
+            raise ValueError(f"console database {self.name!r}: {invalid_dsn(self.dsn, exc)}") from None
 
 
 class _RefusedError(Exception):
@@ -353,7 +360,9 @@ class _Pages:
     ) -> Callable[[Request], Awaitable[Response]]:
         async def wrapped(request: Request) -> Response:
             try:
-                if not public and request.method == "GET":
+                # Every method passes the same check: Starlette answers HEAD on each GET route,
+                # and its Content-Length alone would read a page out.
+                if not public:
                     self.access.refuse_unauthenticated(request)
                 return await handler(request)
             except _RefusedError as exc:

@@ -219,6 +219,33 @@ def test_refused_requests_get_a_clear_status_and_change_nothing(
     assert operations.flow_states(conn, "outbox") == []
 
 
+def test_every_method_passes_the_same_authentication(migrated_dsn: str, seeded: dict[str, list[int]]) -> None:
+    # Starlette answers HEAD on every GET route: without the check a page's Content-Length alone
+    # reads a dead letter's payload out, one filter at a time.
+    dead = seeded["mails"][0]
+    app = create_app([Database("main", migrated_dsn)], actions=True, token=TOKEN)
+    urls = ["/", "/db/main/dead", "/db/main/dead?payload=%3Cscript", f"/db/main/message/{dead}"]
+    urls += ["/db/main/flow", "/db/main/dead/confirm?action=requeue"]
+    with TestClient(app) as c:
+        for url in urls:
+            for method in ("HEAD", "GET", "OPTIONS"):
+                answer = c.request(method, url)
+                assert answer.status_code in (401, 405), (method, url, answer.status_code)
+        assert {c.request("HEAD", u).status_code for u in urls} == {401}
+        c.headers.update(AUTH)
+        assert c.request("HEAD", "/db/main/dead").status_code == 200
+
+
+def test_a_named_dsn_that_libpq_cannot_parse_is_refused_without_quoting_it() -> None:
+    secret = "Pw%zzsecret"
+    with pytest.raises(ValueError, match="invalid DSN") as refused:
+        Database("shop", f"postgresql://u:{secret}@127.0.0.1/db")
+    assert "zzsecret" not in str(refused.value)
+    result = CliRunner().invoke(cli, ["web", "--dsn", f"shop=postgresql://u:{secret}@127.0.0.1/db"])
+    assert result.exit_code == 1 and "invalid DSN" in result.output
+    assert "zzsecret" not in result.output
+
+
 def test_basic_auth_guards_pages_and_actions(migrated_dsn: str, seeded: dict[str, list[int]]) -> None:
     app = create_app([Database("main", migrated_dsn)], actions=True, basic_auth=("ops", "pw"))
     with TestClient(app) as c:
