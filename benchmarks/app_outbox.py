@@ -1,4 +1,4 @@
-"""The outbox pipeline under test: an :class:`~outbox_celery.celery_app.Outbox` with a no-op handler.
+"""The outbox pipeline under test: an :class:`~outbox_celery.app.outbox.Outbox` with a no-op handler.
 
 Configured by the runner through ``BENCH_*`` environment variables (broker, DSN, table, queues,
 prefetch, claim interval, batch size; ``BENCH_HANDLER_BATCH`` makes the handler a batch handler
@@ -16,7 +16,7 @@ import time
 from celery import Celery
 
 from outbox_celery import Message
-from outbox_celery.celery_app import Outbox
+from outbox_celery.app.outbox import Outbox
 
 from . import hooks, variants
 

@@ -14,7 +14,7 @@ import time
 from celery import Celery
 
 from outbox_celery import Message, RetryableError
-from outbox_celery.celery_app import Outbox
+from outbox_celery.app.outbox import Outbox
 
 app = Celery("bench_subscriptions", broker=os.environ.get("BENCH_BROKER_URL", "memory://"))
 app.conf.update(

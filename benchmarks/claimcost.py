@@ -4,7 +4,7 @@ Each table holds ``pending`` due rows plus ``history`` finished rows (99% ``done
 written with ``INSERT ... SELECT generate_series`` and vacuumed/analyzed like autovacuum would.
 Then ``batches`` claims of ``batch_size`` rows are timed one by one: the claim transaction alone
 (:meth:`Store.claim`: reap, expired leases, ordered heads, pending rows, commit) and, separately,
-a whole claim run with a no-op publish (:meth:`Dispatcher.claim_and_publish`: advisory lock,
+a whole claim run with a no-op publish (:meth:`InProcess.claim_and_publish`: advisory lock,
 in-flight bound, the claim, unlock). The partial indexes should keep both flat.
 """
 
@@ -20,8 +20,9 @@ import psycopg
 from psycopg import sql
 
 from outbox_celery import OutboxConfig, TableName, migrate
-from outbox_celery.dispatch import Dispatcher, HandlerSpec
-from outbox_celery.store import Claimed
+from outbox_celery.db.store import Claimed
+from outbox_celery.handlers import HandlerSpec
+from outbox_celery.testing import InProcess
 
 from .measure import percentile
 from .pipeline import drop_table
@@ -199,7 +200,7 @@ def measure_claim_cost(
             def __exit__(self, *exc: object) -> None:
                 return None
 
-        dispatcher = Dispatcher(
+        dispatcher = InProcess(
             config, _Same, {"bench.noop": HandlerSpec("bench.noop", _noop_handler, "q")}, store=store
         )
 

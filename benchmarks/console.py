@@ -5,8 +5,8 @@
 
 On a throw-away database of ``--dsn``'s server (default ``OUTBOX_TEST_DSN``): the median time of
 each console page (served in process by Starlette's TestClient: the queries, the template and
-the HTTP round trip), of :func:`outbox_celery.console.overview` alone, of
-:func:`outbox_celery.operations.stats` (bounded, and with ``cap=None`` for exact counts) beside the
+the HTTP round trip), of :func:`outbox_celery.ops.console.overview` alone, of
+:func:`outbox_celery.ops.operations.stats` (bounded, and with ``cap=None`` for exact counts) beside the
 stats statement as it was before its reads were bounded (``OLD_STATS``), and of one metrics
 scrape (``OutboxCollector.collect``, which runs ``operations.stats``; over a DSN as ``outbox-celery
 metrics`` does, a connection per scrape, and over a kept connection) beside what the old scrape
@@ -29,8 +29,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_celery import console, operations
-from outbox_celery.migrations import migrate
+from outbox_celery.db.migrations import migrate
+from outbox_celery.ops import console, operations
 from outbox_celery.testing import temporary_database
 
 #: The stats statement as it was before its reads were bounded (exact counts: every unfinished
@@ -222,7 +222,7 @@ def _deliver(dsn: str, deliveries: int) -> None:
 def _measure(dsn: str, runs: int) -> dict[str, float]:
     from starlette.testclient import TestClient
 
-    from outbox_celery.metrics import DEFAULT_METRICS_CAP, OutboxCollector
+    from outbox_celery.ops.metrics import DEFAULT_METRICS_CAP, OutboxCollector
     from outbox_celery.web import Database, create_app
 
     out: dict[str, float] = {}

@@ -3,7 +3,7 @@
 ``python -m benchmarks.finalize --baseline <git ref> [--dsn DSN] [--rows N] [--rounds R] [--stale-stats]``
 
 Times ``--rows`` one-row deliveries' database writes on one autocommit connection (the worker's)
-through :class:`~outbox_celery.store.Store`: the fenced start (:meth:`Store.start`), then the
+through :class:`~outbox_celery.db.store.Store`: the fenced start (:meth:`Store.start`), then the
 finalize as the one-message handler writes it (the completer's finish of a done of an unordered
 row, or of a retry). The package as it is at ``--baseline`` (extracted with ``git archive``) and
 the working tree's run in turn, ``--rounds`` times each, alternated, each run in a fresh process
@@ -55,7 +55,7 @@ def child(dsn: str, rows: int, *, stale_stats: bool = False) -> dict[str, float]
     import psycopg
 
     from outbox_celery import migrate
-    from outbox_celery.store import Store, starter_token
+    from outbox_celery.db.store import Store, starter_token
     from outbox_celery.testing import temporary_database
 
     from .plain import fill_pending
@@ -71,7 +71,7 @@ def child(dsn: str, rows: int, *, stale_stats: bool = False) -> dict[str, float]
 
     # The one-message handler's finish says whether the row is a group's member (known from its
     # start, DESIGN invariant 29) where the package has groups: that is the worker's path.
-    from outbox_celery import complete
+    from outbox_celery.db import completer as complete
 
     grouped: dict[str, Any] = {"grouped": False} if "grouped" in complete.Finish.__dataclass_fields__ else {}
 

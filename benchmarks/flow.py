@@ -33,9 +33,9 @@
 ``--only`` runs some parts (``concurrency rate cost keys fairness held cap``; default all).
 
 The delivery side is the plain dispatcher loop (``benchmarks/plain.py``: the library's
-Dispatcher and Store over a psycopg pool, no broker): a claimer thread runs claim runs the way
+InProcess and Store over a psycopg pool, no broker): a claimer thread runs claim runs the way
 the push listener does (at once again after a full batch, else after the run's ``flow_wait`` or
-``--poll``), and each delivery thread calls ``Dispatcher.deliver`` for the rows handed to it, as
+``--poll``), and each delivery thread calls ``InProcess.deliver`` for the rows handed to it, as
 a Celery pool process would. What is measured is what the claim enforces, in PostgreSQL.
 """
 
@@ -57,10 +57,11 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from outbox_celery import OutboxConfig, Store, TableName, migrate
-from outbox_celery.dispatch import Dispatcher, HandlerSpec
+from outbox_celery.db.store import Claimed, ScanMarks
 from outbox_celery.flow import Limit, parse_rate
+from outbox_celery.handlers import HandlerSpec
 from outbox_celery.message import Message
-from outbox_celery.store import Claimed, ScanMarks
+from outbox_celery.testing import InProcess
 
 from .plain import fill_pending
 from .services import services
@@ -108,7 +109,7 @@ def deliver_all(
         dsn, min_size=2, max_size=workers + 4, kwargs={"autocommit": True}, open=True
     )
     handlers = {LIMITED: HandlerSpec(LIMITED, runs.handler(sleep), "", limit=limit)}
-    dispatcher = Dispatcher(config, pool.connection, handlers)
+    dispatcher = InProcess(config, pool.connection, handlers)
     with pool.connection() as conn:
         fill_pending(conn, table, n, event_type=LIMITED)
     tasks: queue.Queue[Claimed | None] = queue.Queue()

@@ -42,7 +42,7 @@ def _write(conn: Any, n: int, size: int, grouped: bool) -> None:
 
 def _deliver_all(conn: Any, store: Any, last: list[float] | None = None) -> int:
     """Claim, start and finish every due row one at a time; the rows delivered."""
-    from outbox_celery.store import starter_token
+    from outbox_celery.db.store import starter_token
 
     n = 0
     while True:
@@ -83,7 +83,7 @@ def run(dsn: str, messages: int, size: int, grouped: bool) -> dict[str, float]:
     import psycopg
 
     from outbox_celery import migrate
-    from outbox_celery.store import Store
+    from outbox_celery.db.store import Store
     from outbox_celery.testing import temporary_database
 
     with temporary_database(dsn, prefix="outbox_bench") as db, psycopg.connect(db, autocommit=True) as conn:
@@ -111,7 +111,7 @@ def last_member(dsn: str, groups: int, size: int) -> tuple[float, float]:
     import psycopg
 
     from outbox_celery import migrate
-    from outbox_celery.store import Store
+    from outbox_celery.db.store import Store
     from outbox_celery.testing import temporary_database
 
     with temporary_database(dsn, prefix="outbox_bench") as db, psycopg.connect(db, autocommit=True) as conn:
@@ -136,7 +136,7 @@ def wake_to_claim(dsn: str, groups: int, size: int) -> list[float]:
     import psycopg
 
     from outbox_celery import migrate
-    from outbox_celery.store import Store
+    from outbox_celery.db.store import Store
     from outbox_celery.testing import temporary_database
 
     out: list[float] = []

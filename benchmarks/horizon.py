@@ -41,8 +41,8 @@ import psycopg
 from psycopg import sql
 
 from outbox_celery import TableName, migrate
-from outbox_celery import operations as outbox_admin
-from outbox_celery.store import Claimed, ScanMarks, Store
+from outbox_celery.db.store import Claimed, ScanMarks, Store
+from outbox_celery.ops import operations as outbox_admin
 from outbox_celery.testing import embedded_postgres, free_port
 
 from .measure import percentile

@@ -24,7 +24,7 @@ from kombu import Connection
 from psycopg import sql
 
 from outbox_celery import TableName, migrate
-from outbox_celery._sql import FLOW_KEY_SUFFIX, FLOW_SUFFIX, INSTANCE_SUFFIX, SUBSCRIPTION_SUFFIX
+from outbox_celery.db.statements import FLOW_KEY_SUFFIX, FLOW_SUFFIX, INSTANCE_SUFFIX, SUBSCRIPTION_SUFFIX
 
 from .counter import CompletionCounter
 from .measure import (

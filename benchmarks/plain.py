@@ -1,7 +1,7 @@
 """The plain dispatcher loop: claim -> no-op publish -> fenced start + finalize, in one process.
 
-No Celery and no broker: :class:`~outbox_celery.dispatch.Dispatcher` and
-:class:`~outbox_celery.store.Store` driven directly over a psycopg pool, as a worker would, so
+No Celery and no broker: :class:`~outbox_celery.worker.deliverer.InProcess` and
+:class:`~outbox_celery.db.store.Store` driven directly over a psycopg pool, as a worker would, so
 the difference to the end-to-end run is what the Celery hop costs. A second, traced pass counts
 what the database sees per delivered message: protocol round trips (one per ``Sync`` or simple
 ``Query``, read from libpq's trace), statements, and transactions (``pg_stat_database``).
@@ -24,9 +24,10 @@ from psycopg import pq, sql
 from psycopg_pool import ConnectionPool
 
 from outbox_celery import OutboxConfig, Store, TableName, migrate
-from outbox_celery.dispatch import Dispatcher, HandlerSpec
+from outbox_celery.db.store import Claimed
+from outbox_celery.handlers import HandlerSpec
 from outbox_celery.message import Message
-from outbox_celery.store import Claimed
+from outbox_celery.testing import InProcess
 
 from .measure import pg_counters
 from .pipeline import drop_table
@@ -170,7 +171,7 @@ def run_plain(
                 with pool.connection() as conn:
                     yield conn
 
-            dispatcher = Dispatcher(
+            dispatcher = InProcess(
                 config, connection, {"bench.noop": HandlerSpec("bench.noop", _noop, "q")}, store=store
             )
             published: list[Claimed] = []

@@ -22,8 +22,9 @@ from typing import Any
 
 import psycopg
 
-from outbox_celery import Event, Store, migrate, subscriptions
-from outbox_celery.producer import DEFAULT_MAX_PAYLOAD_BYTES, _row
+from outbox_celery import Event, Store, migrate
+from outbox_celery.ops import subscriptions
+from outbox_celery.produce.enqueue import DEFAULT_MAX_PAYLOAD_BYTES, _row
 
 from .pipeline import drop_table
 from .procs import Processes, celery_command

@@ -27,9 +27,10 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from outbox_celery import OutboxConfig, TableName, migrate
-from outbox_celery.dispatch import Dispatcher, HandlerSpec
+from outbox_celery.db.store import Claimed
+from outbox_celery.handlers import HandlerSpec
 from outbox_celery.message import Message
-from outbox_celery.store import Claimed
+from outbox_celery.testing import InProcess
 from outbox_celery.transactional import _DISCARDED, ConnectionSource, PsycopgTransaction
 
 from .pipeline import drop_table
@@ -124,7 +125,7 @@ def run_effect(
                 if transactional
                 else HandlerSpec("bench.effect", plain, "q")
             )
-            dispatcher = Dispatcher(config, connection, {"bench.effect": spec})
+            dispatcher = InProcess(config, connection, {"bench.effect": spec})
             published: list[Claimed] = []
 
             def publish(claims: Sequence[Claimed]) -> int:

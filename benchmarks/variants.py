@@ -50,7 +50,8 @@ from typing import Any
 
 import psycopg
 
-from outbox_celery import Store, TableName, _sql
+from outbox_celery import Store, TableName
+from outbox_celery.db import statements as _sql
 
 __all__ = ["ExplicitTransactionStore", "apply", "make_store", "parse"]
 
@@ -165,7 +166,7 @@ def apply(outbox: Any, spec: str) -> None:
     """Patch one benchmark process's ``Outbox`` (workers) to use the variants of ``spec``."""
     names = parse(spec)
     if "publish_each" in names:
-        from outbox_celery import publisher
+        from outbox_celery.app import publisher
 
         @contextlib.contextmanager
         def each(producer: Any, n: int) -> Any:
@@ -182,7 +183,7 @@ def apply(outbox: Any, spec: str) -> None:
 
         deliver.apply_async = with_repr
     if "bound_each_run" in names:
-        from outbox_celery import dispatch
+        from outbox_celery.worker import deliverer as dispatch
 
         dispatch.BOUND_REFRESH = 0.0  # Benchmark-only: recount the bound on every claim run.
     if "check_each" in names:
@@ -192,7 +193,9 @@ def apply(outbox: Any, spec: str) -> None:
         outbox._settings["done_batch_delay"] = 0.0
         outbox._config = None
     if "no_slot_wake" in names:
-        from outbox_celery import dispatch, flow, store
+        from outbox_celery import flow
+        from outbox_celery.db import store
+        from outbox_celery.worker import deliverer as dispatch
 
         # Benchmark-only: a freed slot waits for the claim's next LIMIT_RECHECK (the recheck at a
         # limit was LIMIT_RECHECK then; it is CAP_RECHECK since finishes wake the claim).
@@ -202,7 +205,7 @@ def apply(outbox: Any, spec: str) -> None:
     if "acks_early" in names:
         outbox.deliver_task.acks_late = False
     if "push_broker" in names:
-        from outbox_celery import push
+        from outbox_celery.app import push
 
         make_listener = push.listener_for
 

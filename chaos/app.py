@@ -18,7 +18,7 @@ import psycopg
 from celery import Celery
 
 from outbox_celery import Defer, Message, PermanentError, RetryableError
-from outbox_celery.celery_app import Outbox
+from outbox_celery.app.outbox import Outbox
 
 from .workload import FANOUT, PERMANENT_ERROR
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import psycopg
 
-from outbox_celery import subscriptions
 from outbox_celery.config import OutboxConfig
+from outbox_celery.db.migrations import migrate
 from outbox_celery.dsn import redact
-from outbox_celery.migrations import migrate
+from outbox_celery.ops import subscriptions
 
 from .check import FaultRecord, Verdict, check, check_groups, render
 from .procs import Child, Supervisor, child_pids

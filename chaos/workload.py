@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import psycopg
 
 from outbox_celery import Event
-from outbox_celery.producer import enqueue_group, enqueue_many
+from outbox_celery.produce.enqueue import enqueue_group, enqueue_many
 
 from .services import connect
 

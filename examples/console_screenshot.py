@@ -22,8 +22,9 @@ from typing import Any
 
 import psycopg
 
-from outbox_celery import Event, enqueue_many, operations
-from outbox_celery.migrations import migrate
+from outbox_celery import Event, enqueue_many
+from outbox_celery.db.migrations import migrate
+from outbox_celery.ops import operations
 from outbox_celery.testing import temporary_database
 from outbox_celery.web import Database, create_app
 

@@ -7,9 +7,12 @@ it with a fenced update, at least once.
 
 from __future__ import annotations
 
+from . import _moved
+from .app.outbox import Outbox
 from .backoff import Backoff
-from .celery_app import Outbox
 from .config import OutboxConfig, TableName
+from .db.migrations import migrate
+from .db.store import Claimed, Store
 from .errors import (
     ConfigurationError,
     Defer,
@@ -20,8 +23,7 @@ from .errors import (
     RetryableError,
 )
 from .message import Message, Outcome, Status
-from .migrations import migrate
-from .producer import (
+from .produce.enqueue import (
     Event,
     Group,
     enqueue,
@@ -32,7 +34,6 @@ from .producer import (
     enqueue_many_async,
     group,
 )
-from .store import Claimed, Store
 
 __all__ = [
     "Backoff",
@@ -64,3 +65,6 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# The import paths of modules that moved into folders keep working, with a warning (_moved.py).
+_moved.install()

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import kombu.utils.json
 
-from .errors import PayloadError as PayloadError  # also importable from here
+from .errors import PayloadError as PayloadError
 
 __all__ = ["PayloadError", "decode", "encode", "register_type"]
 

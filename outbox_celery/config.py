@@ -175,7 +175,7 @@ class OutboxConfig:
     :ivar max_defer_age: seconds since ``created_at`` after which a ``Defer`` makes the message
         ``dead`` instead. Default 7 days.
     :ivar max_payload_bytes: largest JSON payload :meth:`Outbox.enqueue
-        <outbox_celery.celery_app.Outbox.enqueue>` and ``enqueue_many`` accept (the module-level
+        <outbox_celery.app.outbox.Outbox.enqueue>` and ``enqueue_many`` accept (the module-level
         :func:`~outbox_celery.enqueue` takes its own ``max_payload_bytes``). Default 1 MiB.
     :ivar claim_queue: Celery queue of the claim (and retention) task. Default ``"outbox.claim"``.
     :ivar default_queue: queue for event types registered without one. Default ``"outbox"``.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
-from ._seconds import MAX_DELAY_SECONDS as MAX_DELAY_SECONDS  # the longest delay (tests, docs)
+from ._seconds import MAX_DELAY_SECONDS as MAX_DELAY_SECONDS
 from ._seconds import seconds
 
 __all__ = [
@@ -53,7 +53,7 @@ class ConfigurationError(OutboxError, ValueError):
 
 
 class AdminError(OutboxError, ValueError):
-    """An operator command was refused; nothing was changed (``outbox_celery.operations``)."""
+    """An operator command was refused; nothing was changed (``outbox_celery.ops.operations``)."""
 
 
 class InboxError(OutboxError):
@@ -61,7 +61,7 @@ class InboxError(OutboxError):
 
 
 class MigrationError(OutboxError):
-    """The schema cannot be brought up to date safely (``outbox_celery.migrations``)."""
+    """The schema cannot be brought up to date safely (``outbox_celery.db.migrations``)."""
 
 
 class ProducerError(OutboxError, ValueError):

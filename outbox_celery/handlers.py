@@ -2,24 +2,67 @@
 
 :func:`register_handler` validates a handler's options once, at registration (a bad option is a
 :class:`~outbox_celery.errors.ConfigurationError` where the handler is declared, not at its
-first delivery), and records a :class:`~outbox_celery.dispatch.HandlerSpec` in the outbox's
-handler table, which the dispatcher and the publisher read. Celery is not needed here.
+first delivery), and records a :class:`HandlerSpec` in the outbox's handler table, which the
+claimer, the publisher and the deliverer read. Declaration data only: no engine, no Celery.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
 from ._seconds import seconds
-from .dispatch import HandlerSpec
 from .errors import ConfigurationError
 from .flow import Limit
-from .message import ROUTE_SEPARATOR, route, split_route
-from .transactional import transaction_kind
+from .message import ROUTE_SEPARATOR, Message, route, split_route
+from .transactional import TransactionKind, transaction_kind
 
-__all__ = ["MAX_BATCH", "MAX_PACK", "MAX_WAIT", "register_handler", "subscription_route"]
+__all__ = [
+    "MAX_BATCH",
+    "MAX_PACK",
+    "MAX_WAIT",
+    "BatchResult",
+    "Handler",
+    "HandlerSpec",
+    "TransactionalHandler",
+    "register_handler",
+    "subscription_route",
+]
+
+Handler = Callable[[Message], Any]
+#: A transactional handler: ``(message, conn)``, inside the transaction of its fenced done.
+TransactionalHandler = Callable[[Message, Any], Any]
+#: What a batch handler may return: ``None`` (every message delivered) or, for the messages that
+#: were not, their id -> a RetryableError, Defer or PermanentError instance.
+BatchResult = Mapping[int, BaseException] | None
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerSpec:
+    """A registered handler and the queue its route is sent to.
+
+    :ivar transaction: set for a transactional handler (``fn`` then takes ``(message, conn)``
+        and runs inside the transaction of its fenced done, DESIGN invariant 20).
+    :ivar batch: set for a batch handler (DESIGN invariant 21): ``fn`` takes a list of up
+        to ``batch`` messages of this event type and returns ``None`` or a mapping from message
+        id to the outcome of those that did not succeed.
+    :ivar limit: the event type's global limits, enforced by the claim (docs/flow-control.md).
+    """
+
+    event_type: str
+    fn: Callable[..., Any]
+    queue: str
+    transaction: TransactionKind | None = None
+    batch: int | None = None
+    #: Global concurrency and rate limits of the event type (DESIGN invariant 22).
+    limit: Limit | None = None
+    #: Seconds a batch handler's due rows may wait for a fuller batch; 0: never wait.
+    max_wait: float = 0.0
+    #: Rows of a one-message handler one delivery task may carry (invariant 30); 1: one each.
+    pack: int = 1
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,7 +93,7 @@ def register_handler(
 ) -> Callable[[F], F]:
     """Check the options of ``event_type``'s handler; the decorator records it in ``handlers``.
 
-    What :meth:`Outbox.handler <outbox_celery.celery_app.Outbox.handler>` does: one handler per
+    What :meth:`Outbox.handler <outbox_celery.app.outbox.Outbox.handler>` does: one handler per
     event type, or one per named subscription of it (DESIGN invariant 28).
 
     The handler receives a :class:`~outbox_celery.message.Message` and runs outside any

@@ -34,11 +34,12 @@ from typing import Any
 import psycopg
 from psycopg import pq, sql
 
-from . import _sql, migrations
-from ._connections import sync_view
 from .config import TableName
-from .errors import InboxError as InboxError  # also importable from here
-from .producer import check_transaction, checked_text
+from .db import migrations
+from .db import statements as _sql
+from .errors import InboxError as InboxError
+from .produce.connections import sync_view
+from .produce.enqueue import check_transaction, checked_text
 
 __all__ = ["DEFAULT_TABLE", "INBOX", "apply_once", "first_time", "migrate_inbox", "purge_inbox"]
 
@@ -49,7 +50,7 @@ MAX_KEY_LENGTH = 400
 
 
 #: The inbox's migrations, fresh schema and ledger (``outbox_celery_inbox_migrations``), run by
-#: the same runner as the outbox's (:func:`outbox_celery.migrations.migrate`).
+#: the same runner as the outbox's (:func:`outbox_celery.db.migrations.migrate`).
 INBOX = migrations.MigrationSet(
     "inbox/migrations", "inbox/schema.sql", "outbox_celery_inbox_migrations", _sql.compose
 )

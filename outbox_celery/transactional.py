@@ -1,12 +1,12 @@
 """Transactional handlers (DESIGN invariant 20): effect, fenced done and follow-ups commit together.
 
 A handler registered with ``transactional=...`` receives ``(message, conn)`` and runs inside one
-transaction on the outbox's database; the dispatcher writes the fenced ``done`` as the last
+transaction on the outbox's database; the deliverer writes the fenced ``done`` as the last
 statement of that transaction, so the handler's writes, the follow-up events it enqueues on
 ``conn`` and the ``done`` commit together or not at all. A run whose claim was superseded (its
 lease ran out and another claim took the row) fails the fence and rolls back, effect included.
 
-Each *kind* opens that transaction on one sort of connection and hands the dispatcher the
+Each *kind* opens that transaction on one sort of connection and hands the deliverer the
 psycopg 3 connection underneath, on which the store runs its statements:
 
 * :class:`PsycopgTransaction` (``transactional=True`` or ``"psycopg"``): a connection of the
@@ -65,7 +65,7 @@ NOTHING_COMMITTED = "; nothing it wrote was committed, nor its done"
 class TransactionRolledBack(OutboxError):  # noqa: N818 - a fact, not a fault of the library
     """The handler returned, but its transaction will not commit (or was ended by the handler).
 
-    Raised inside the transaction by a kind or the dispatcher (the transaction then rolls back),
+    Raised inside the transaction by a kind or the deliverer (the transaction then rolls back),
     and recorded as a retryable failure whose ``last_error`` says why: nothing the handler wrote
     committed, and neither did its ``done`` (DESIGN invariant 20).
     """
@@ -213,7 +213,7 @@ class SqlAlchemyTransaction:
 
     :param session_factory: returns a :class:`sqlalchemy.orm.Session` (a ``sessionmaker``)
         bound to the outbox's database through the psycopg 3 dialect. The handler must not
-        commit or roll back the session itself: the dispatcher commits after the fenced done.
+        commit or roll back the session itself: the deliverer commits after the fenced done.
     """
 
     name = "sqlalchemy"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from outbox_celery.celery_app import Outbox
+from outbox_celery.app.outbox import Outbox
 
 from . import settings
 

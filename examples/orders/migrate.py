@@ -13,7 +13,7 @@ import sys
 
 import psycopg
 
-from outbox_celery import subscriptions
+from outbox_celery.ops import subscriptions
 
 from . import settings
 from .app import outbox

@@ -1,6 +1,6 @@
 """The console's routes, its authentication and CSRF checks, and its database pools.
 
-Reads are bounded (:mod:`outbox_celery.console`); actions reuse :mod:`outbox_celery.operations`.
+Reads are bounded (:mod:`outbox_celery.ops.console`); actions reuse :mod:`outbox_celery.ops.operations`.
 Every refusal happens before any database call, so a refused request changes nothing.
 """
 
@@ -31,11 +31,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .. import console, operations
 from ..config import TableName
 from ..dsn import invalid_dsn, password
 from ..errors import AdminError, first_line
 from ..flow import Limit
+from ..ops import console, operations
 
 __all__ = ["Database", "create_app"]
 

@@ -23,7 +23,7 @@ from support.db import rows, statuses
 from support.processes import CeleryProcess, CeleryProcesses, wait_until
 
 from outbox_celery import Event, enqueue_many
-from outbox_celery.celery_app import Outbox
+from outbox_celery.app.outbox import Outbox
 
 # Seconds; generous bounds for a loaded 2-core machine. They bound waiting, never assert speed.
 SETTLE = 90.0

@@ -125,7 +125,7 @@ def test_invariant_21_a_stale_pair_is_dropped_from_its_batch(
         (c, 1, 2),
     ]
     assert all(r["attempts"] == 1 for r in harness.rows())
-    worker.wait_for_log("stale or exhausted, dropped")
+    worker.wait_for_log(f"outbox id {a} version 1 is stale or exhausted")
 
 
 def test_invariant_21_ordered_messages_in_batches_are_never_inverted(

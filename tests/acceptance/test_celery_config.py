@@ -17,7 +17,7 @@ from support.db import row
 from support.processes import CeleryProcesses
 
 from outbox_celery import ConfigurationError, enqueue
-from outbox_celery.celery_app import Outbox
+from outbox_celery.app.outbox import Outbox
 
 MEMORY = "memory://"
 

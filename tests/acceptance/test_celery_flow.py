@@ -18,7 +18,7 @@ import pytest
 from support.db import calls
 
 from acceptance.conftest import DEFAULT_EVENT, Harness, HarnessFactory
-from outbox_celery import operations
+from outbox_celery.ops import operations
 
 pytestmark = pytest.mark.slow
 

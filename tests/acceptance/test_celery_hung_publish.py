@@ -21,7 +21,7 @@ from support.db import calls
 from support.tcp_proxy import FreezableProxy
 
 from acceptance.conftest import HarnessFactory
-from outbox_celery.dispatch import ClaimRun
+from outbox_celery.claim.claimer import ClaimRun
 
 pytestmark = pytest.mark.slow
 

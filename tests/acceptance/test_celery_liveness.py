@@ -16,7 +16,7 @@ import pytest
 from support.db import calls, statuses
 
 from acceptance.conftest import DEFAULT_EVENT, Harness
-from outbox_celery import operations
+from outbox_celery.ops import operations
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from support.payloads import same
 
 from acceptance.conftest import DEFAULT_EVENT, HarnessFactory
 from outbox_celery import enqueue
-from outbox_celery._sql import named
+from outbox_celery.db.statements import named
 
 pytestmark = pytest.mark.slow
 

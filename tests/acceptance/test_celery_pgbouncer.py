@@ -22,7 +22,8 @@ from support.pgbouncer import pgbouncer
 
 from acceptance.conftest import HarnessFactory
 from outbox_celery import Event, OutboxConfig, Store, enqueue_many
-from outbox_celery.dispatch import Dispatcher, HandlerSpec
+from outbox_celery.handlers import HandlerSpec
+from outbox_celery.testing import InProcess
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +105,7 @@ def test_invariant_1_claim_runs_through_pgbouncer_never_lock_each_other_out(
             with pool.connection() as conn:
                 yield conn
 
-        dispatcher = Dispatcher(config, connection, {EVENT: HandlerSpec(EVENT, lambda m: None, "q")})
+        dispatcher = InProcess(config, connection, {EVENT: HandlerSpec(EVENT, lambda m: None, "q")})
         ids = _enqueue(bounced, 40)
         published: list[int] = []
         runs = []

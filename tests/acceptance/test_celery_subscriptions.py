@@ -16,7 +16,7 @@ import pytest
 from support.db import calls
 
 from acceptance.conftest import Harness
-from outbox_celery import subscriptions
+from outbox_celery.ops import subscriptions
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 
 from outbox_celery import Event, Store, TableName, enqueue_many
-from outbox_celery.migrations import available
+from outbox_celery.db.migrations import available
 
 BIN = Path(sys.executable).parent
 PYTHON_M = [sys.executable, "-m", "outbox_celery"]
@@ -242,7 +242,7 @@ import os
 
 from celery import Celery
 
-from outbox_celery.celery_app import Outbox
+from outbox_celery.app.outbox import Outbox
 
 app = Celery("cli_test_app", broker="memory://")
 outbox = Outbox(app, dsn=os.environ["CLI_TEST_APP_DSN"], table=os.environ["CLI_TEST_APP_TABLE"])
@@ -619,8 +619,8 @@ def test_stats_asks_for_attention_once_the_horizon_is_held_for_a_minute(
 ) -> None:
     import dataclasses
 
-    from outbox_celery import operations
     from outbox_celery.cli import HORIZON_ATTENTION_SECONDS, _attention
+    from outbox_celery.ops import operations
 
     with psycopg.connect(migrated_dsn, application_name="nightly-report") as held:
         held.execute("SELECT pg_current_xact_id()")

@@ -14,8 +14,8 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from support.tcp_proxy import FreezableProxy
 
-from outbox_celery import health, operations
-from outbox_celery.migrations import available
+from outbox_celery.db.migrations import available
+from outbox_celery.ops import health, operations
 
 from .test_cli import add, ok, run, update
 

@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 
 from acceptance.test_cli import add, ok, one_line_error, run, update
-from outbox_celery import operations, subscriptions
+from outbox_celery.ops import operations, subscriptions
 
 # Clears the screen, homes the cursor and writes a forged line; then a bidi override.
 HOSTILE = "\x1b[2J\x1b[Hpaused: none\x1b]0;owned\x07\u202e"
@@ -28,7 +28,7 @@ import os
 
 from celery import Celery
 
-from outbox_celery.celery_app import Outbox
+from outbox_celery.app.outbox import Outbox
 
 app = Celery("pause_test_app", broker="memory://")
 outbox = Outbox(app, dsn=os.environ["PAUSE_TEST_APP_DSN"], table=os.environ["PAUSE_TEST_APP_TABLE"])

@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from outbox_celery import Event, TableName, enqueue_many, migrate
-from outbox_celery.celery_app import Outbox
-from outbox_celery.metrics import OutboxCollector
+from outbox_celery.app.outbox import Outbox
+from outbox_celery.ops.metrics import OutboxCollector
 from outbox_celery.testing import free_port
 
 SETTLE = 60.0  # seconds; bounds waiting for the exporter, never asserts speed

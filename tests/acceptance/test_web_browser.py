@@ -15,8 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from acceptance.conftest import DEFAULT_EVENT, Harness, HarnessFactory
-from outbox_celery import Event, enqueue_many, operations
-from outbox_celery.migrations import migrate
+from outbox_celery import Event, enqueue_many
+from outbox_celery.db.migrations import migrate
+from outbox_celery.ops import operations
 from outbox_celery.web import Database, create_app
 
 pytestmark = pytest.mark.slow

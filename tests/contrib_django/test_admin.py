@@ -437,7 +437,7 @@ def test_pause_and_resume_the_limit_keys_of_a_selection(client: Client, pg: psyc
 def test_invariant_28_a_subscriptions_row_shows_its_route_and_the_payload_stored_once(
     client: Client, pg: psycopg.Connection[Any]
 ) -> None:
-    from outbox_celery import subscriptions
+    from outbox_celery.ops import subscriptions
 
     for name in ("receipt", "search"):
         subscriptions.add(pg, "outbox", "order.paid", name)
@@ -478,7 +478,7 @@ def test_invariant_29_groups_are_listed_with_their_progress_and_finished_or_canc
 def test_invariant_28_the_ordering_key_filter_finds_a_producers_key_on_every_subscription(
     client: Client, pg: psycopg.Connection[Any]
 ) -> None:
-    from outbox_celery import subscriptions
+    from outbox_celery.ops import subscriptions
 
     for name in ("receipt", "search"):
         subscriptions.add(pg, "outbox", "order.paid", name)

@@ -23,7 +23,7 @@ from django.test import Client
 from django.urls import reverse
 
 from outbox_celery import Event, enqueue_many
-from outbox_celery import operations as core_admin
+from outbox_celery.ops import operations as core_admin
 
 WIDTH, HEIGHT = 1400, 900
 BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)

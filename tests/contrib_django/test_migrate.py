@@ -15,7 +15,7 @@ from django.test.utils import override_settings
 from integration.test_migrations import _replay_up_to, schema_dump
 
 from outbox_celery import enqueue, migrate
-from outbox_celery.migrations import MigrationError, applied_versions, available
+from outbox_celery.db.migrations import MigrationError, applied_versions, available
 
 ALL = [m.version for m in available()]
 

@@ -16,7 +16,9 @@ from django.db import connection, connections
 from psycopg_pool import ConnectionPool
 
 from outbox_celery import Message, OutboxConfig, RetryableError, Store, enqueue
-from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
+from outbox_celery.handlers import HandlerSpec
+from outbox_celery.message import Outcome
+from outbox_celery.testing import InProcess
 from outbox_celery.transactional import DjangoTransaction
 
 from .testapp.models import Order
@@ -56,7 +58,7 @@ def test_invariant_20_django_orm_writes_follow_up_and_done_commit_together(
             raise RetryableError("once", delay=0)
 
     spec = HandlerSpec(EVENT, handler, "q", transaction=DjangoTransaction())
-    dispatcher = Dispatcher(OutboxConfig(lease=60.0), pool.connection, {EVENT: spec})
+    dispatcher = InProcess(OutboxConfig(lease=60.0), pool.connection, {EVENT: spec})
     store = Store()
     with psycopg.connect(django_db, autocommit=True) as c:
         with c.transaction():
@@ -99,7 +101,7 @@ def test_invariant_20_a_django_handler_s_session_state_never_reaches_the_next_us
             cur.execute("SET synchronous_commit = off")
 
     spec = HandlerSpec(EVENT, handler, "q", transaction=DjangoTransaction())
-    dispatcher = Dispatcher(OutboxConfig(lease=60.0), pool.connection, {EVENT: spec})
+    dispatcher = InProcess(OutboxConfig(lease=60.0), pool.connection, {EVENT: spec})
     i = _enqueue(django_db)
     assert dispatcher.deliver(i, _claim(django_db, i)) == Outcome.DONE
     # The thread's Django connection, as the application's next query in this worker uses it.
@@ -120,7 +122,7 @@ def test_invariant_20_a_django_handler_that_sets_rollback_is_a_retryable_failure
             transaction.set_rollback(True)
 
     spec = HandlerSpec(EVENT, handler, "q", transaction=DjangoTransaction())
-    dispatcher = Dispatcher(OutboxConfig(lease=60.0, max_attempts=2), pool.connection, {EVENT: spec})
+    dispatcher = InProcess(OutboxConfig(lease=60.0, max_attempts=2), pool.connection, {EVENT: spec})
     i = _enqueue(django_db)
     assert dispatcher.deliver(i, _claim(django_db, i)) == Outcome.RETRY
     [(status, attempts, lease_until, error)] = _committed(

@@ -11,9 +11,10 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from outbox_celery import Event, Store, TableName, enqueue_many
-from outbox_celery.dispatch import Dispatcher, publish_units
+from outbox_celery.claim.units import publish_units
+from outbox_celery.db.store import Claimed, ClaimResult, ScanMarks
 from outbox_celery.flow import Limit
-from outbox_celery.store import Claimed, ClaimResult, ScanMarks
+from outbox_celery.testing import InProcess
 
 # Generous default lease for claims that must not expire during a test.
 LONG = 60.0
@@ -167,7 +168,7 @@ def claim(
     )
 
 
-def claim_units(dispatcher: Dispatcher) -> list[list[Claimed]]:
+def claim_units(dispatcher: InProcess) -> list[list[Claimed]]:
     """One claim run of ``dispatcher``; the delivery tasks it would publish (publish_units)."""
     units: list[list[Claimed]] = []
 

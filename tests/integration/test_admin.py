@@ -11,8 +11,9 @@ import pytest
 from celery import Celery
 from psycopg import sql
 
-from outbox_celery import Store, TableName, operations
-from outbox_celery.celery_app import Outbox
+from outbox_celery import Store, TableName
+from outbox_celery.app.outbox import Outbox
+from outbox_celery.ops import operations
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, claim_ids, count, fetch, fetch_all, stable
 

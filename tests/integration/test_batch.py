@@ -18,10 +18,13 @@ import pytest
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from outbox_celery import Message, OutboxConfig, Store, TableName, operations
-from outbox_celery.dispatch import Dispatcher, HandlerSpec, publish_units
+from outbox_celery import Message, OutboxConfig, Store, TableName
+from outbox_celery.claim.units import publish_units
+from outbox_celery.db.store import Claimed, ClaimResult, ScanMarks
 from outbox_celery.errors import Defer, PermanentError, RateLimited, RetryableError
-from outbox_celery.store import Claimed, ClaimResult, ScanMarks
+from outbox_celery.handlers import HandlerSpec
+from outbox_celery.ops import operations
+from outbox_celery.testing import InProcess
 
 from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, claim_units, fetch
 
@@ -226,10 +229,10 @@ def pool(migrated_dsn: str) -> Iterator[ConnectionPool[Any]]:
         yield p
 
 
-def _dispatcher(pool: ConnectionPool[Any], table: str, fn: Any, batch: int = 10) -> Dispatcher:
+def _dispatcher(pool: ConnectionPool[Any], table: str, fn: Any, batch: int = 10) -> InProcess:
     spec = HandlerSpec(EVENT, fn, "q", batch=batch)
     config = OutboxConfig(table=table, backoff_base=0.1, backoff_cap=0.5, done_batch_delay=0)
-    return Dispatcher(config, pool.connection, {EVENT: spec})
+    return InProcess(config, pool.connection, {EVENT: spec})
 
 
 def test_claims_of_a_batch_handler_are_cut_into_groups_of_its_size(
@@ -452,7 +455,7 @@ def test_max_wait_in_the_claim_run_sets_when_the_listener_claims_again(
     add(conn, 2, table=table, event_type=EVENT)
     spec = HandlerSpec(EVENT, lambda msgs: None, "q", batch=10, max_wait=0.5)
     config = OutboxConfig(table=table, done_batch_delay=0)
-    dispatcher = Dispatcher(config, pool.connection, {EVENT: spec})
+    dispatcher = InProcess(config, pool.connection, {EVENT: spec})
     published: list[Claimed] = []
 
     def publish(claims: Sequence[Claimed]) -> int:

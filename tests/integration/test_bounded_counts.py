@@ -16,14 +16,15 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import TableName, operations
+from outbox_celery import TableName
 from outbox_celery.errors import AdminError
+from outbox_celery.ops import operations
 
 from .helpers import add
 
 pytest.importorskip("prometheus_client")
 
-from outbox_celery.metrics import DEFAULT_METRICS_CAP, OutboxCollector
+from outbox_celery.ops.metrics import DEFAULT_METRICS_CAP, OutboxCollector
 
 
 def _set(conn: psycopg.Connection[Any], table: str, ids: list[int], assignments: str) -> None:

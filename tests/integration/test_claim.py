@@ -153,7 +153,7 @@ def test_invariant_4_a_stale_owner_changes_nothing_and_says_so(
     lost_before = store.get_stats().get("lost_leases", 0)
 
     v = old.lease_version
-    with caplog.at_level(logging.WARNING, logger="outbox_celery.store"):
+    with caplog.at_level(logging.WARNING, logger="outbox_celery.db.store"):
         assert store.start(conn, i, v, lease=LONG, max_attempts=5) is None
         assert store.done(conn, i, v).applied is False
         assert store.retry(conn, i, v, delay=0, error="x", max_attempts=5).applied is False
@@ -204,7 +204,7 @@ def test_invariant_5_exhausted_attempts_go_dead_at_the_next_claim_and_are_never_
         assert store.start(conn, i, version, lease=SHORT, max_attempts=3) is not None
         assert fetch(conn, table, i)["attempts"] == n
         time.sleep(PAST_SHORT)
-    with caplog.at_level(logging.WARNING, logger="outbox_celery.store"):
+    with caplog.at_level(logging.WARNING, logger="outbox_celery.db.store"):
         result = store.claim(conn, limit=10, lease=SHORT, owner="w", max_attempts=3)
     assert result.reaped == 1
     assert i not in [c.id for c in result.claimed]

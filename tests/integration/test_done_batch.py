@@ -16,8 +16,10 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from outbox_celery import OutboxConfig, Store, TableName
-from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
 from outbox_celery.errors import Defer, PermanentError, RetryableError
+from outbox_celery.handlers import HandlerSpec
+from outbox_celery.message import Outcome
+from outbox_celery.testing import InProcess
 
 from .helpers import LONG, add, fetch
 
@@ -70,9 +72,9 @@ def pool(migrated_dsn: str) -> Any:
         yield p
 
 
-def _dispatcher(pool: ConnectionPool[Any], table: str, handler: Any = None, **config: Any) -> Dispatcher:
+def _dispatcher(pool: ConnectionPool[Any], table: str, handler: Any = None, **config: Any) -> InProcess:
     spec = HandlerSpec("thing.happened", handler or (lambda m: None), "q")
-    return Dispatcher(OutboxConfig(table=table, **config), pool.connection, {"thing.happened": spec})
+    return InProcess(OutboxConfig(table=table, **config), pool.connection, {"thing.happened": spec})
 
 
 def _wait_status(conn: psycopg.Connection[Any], table: str, i: int, status: str, timeout: float) -> float:
@@ -100,7 +102,7 @@ def test_a_batched_done_is_written_within_its_delay(
     assert dispatcher.store.get_stats()["done"] == 3
 
 
-def _held(conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]) -> tuple[Dispatcher, int]:
+def _held(conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]) -> tuple[InProcess, int]:
     """One message delivered whose done this process holds (a window longer than the test)."""
     dispatcher = _dispatcher(pool, table, lease=LONG, done_batch_delay=LONG / 5)
     [i] = add(conn, table=table)

@@ -229,13 +229,13 @@ def test_relaxed_commit_applies_to_start_and_done_only_when_the_store_owns_the_t
 
 def test_dispatcher_store_follows_the_relaxed_commit_setting() -> None:
     from outbox_celery import OutboxConfig
-    from outbox_celery.dispatch import Dispatcher
+    from outbox_celery.testing import InProcess
 
     def no_connection() -> Any:
         raise AssertionError("not used")
 
-    assert Dispatcher(OutboxConfig(), no_connection, {}).store.relaxed_commit is True
-    assert Dispatcher(OutboxConfig(relaxed_commit=False), no_connection, {}).store.relaxed_commit is False
+    assert InProcess(OutboxConfig(), no_connection, {}).store.relaxed_commit is True
+    assert InProcess(OutboxConfig(relaxed_commit=False), no_connection, {}).store.relaxed_commit is False
 
 
 def test_invariant_6_a_retry_policy_given_to_the_outbox_decides_the_wait_unless_the_error_carries_one(

@@ -13,9 +13,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Store, TableName, operations
+from outbox_celery import Store, TableName
+from outbox_celery.db.store import ClaimResult, ScanMarks
 from outbox_celery.flow import Limit
-from outbox_celery.store import ClaimResult, ScanMarks
+from outbox_celery.ops import operations
 
 from .helpers import LONG, Connect, add, claim, claim_together, fetch
 
@@ -245,7 +246,7 @@ def test_a_table_not_migrated_to_0007_claims_without_flow_control(
 
     conn.execute(sql.SQL("DROP TABLE {}").format(TableName.parse(table).identifier("_flow")))
     add(conn, 3, event_type=A)
-    with caplog.at_level(logging.ERROR, logger="outbox_celery.store"):
+    with caplog.at_level(logging.ERROR, logger="outbox_celery.db.store"):
         result = claim(Store(table), conn, limits={A: Limit(concurrency=1)})
     assert len(result.claimed) == 3
     assert "migration 0007 not applied" in caplog.text
@@ -288,7 +289,7 @@ def test_invariant_23_the_metrics_show_paused_and_held_event_types(
     conn: psycopg.Connection[Any], store: Store, table: str, migrated_dsn: str
 ) -> None:
     pytest.importorskip("prometheus_client")
-    from outbox_celery.metrics import OutboxCollector
+    from outbox_celery.ops.metrics import OutboxCollector
 
     operations.pause(conn, table, A)
     add(conn, 1, event_type=B)

@@ -19,10 +19,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Store, TableName, migrate, operations
+from outbox_celery import Store, TableName, migrate
+from outbox_celery.db.store import ScanMarks
 from outbox_celery.errors import MigrationError
 from outbox_celery.flow import CAP_RECHECK, Limit
-from outbox_celery.store import ScanMarks
+from outbox_celery.ops import operations
 
 from .helpers import LONG, Connect, add, claim, fetch
 
@@ -315,7 +316,7 @@ def test_invariant_25_metrics_of_many_held_keys_stay_a_bounded_number_of_series(
     conn: psycopg.Connection[Any], table: str, migrated_dsn: str
 ) -> None:
     pytest.importorskip("prometheus_client")
-    from outbox_celery.metrics import METRIC_KEYS, OutboxCollector
+    from outbox_celery.ops.metrics import METRIC_KEYS, OutboxCollector
 
     conn.execute(
         sql.SQL(

@@ -16,9 +16,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Store, TableName, migrate, operations
+from outbox_celery import Store, TableName, migrate
+from outbox_celery.db.store import ClaimResult, ScanMarks
 from outbox_celery.flow import Limit
-from outbox_celery.store import ClaimResult, ScanMarks
+from outbox_celery.ops import operations
 
 from .helpers import LONG, add, claim, claim_together, fetch
 
@@ -273,7 +274,7 @@ def test_invariant_24_stats_and_the_metrics_show_paused_and_held_keys(
     assert [(k["limit_key"], k["paused"]) for k in keys] == [("t1", True), ("t2", False)]
     assert 25 < keys[1]["held_for"] <= 30
     pytest.importorskip("prometheus_client")
-    from outbox_celery.metrics import OutboxCollector
+    from outbox_celery.ops.metrics import OutboxCollector
 
     samples = {
         (s.name, s.labels.get("event_type"), s.labels.get("limit_key")): s.value

@@ -19,12 +19,13 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from outbox_celery import OutboxConfig, Store, TableName
-from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
+from outbox_celery.claim.listener import Listener
+from outbox_celery.db.store import SLOT_FREED, Claimed
 from outbox_celery.errors import Defer, PermanentError, RetryableError
 from outbox_celery.flow import Limit
-from outbox_celery.listener import Listener
-from outbox_celery.message import Message
-from outbox_celery.store import SLOT_FREED, Claimed
+from outbox_celery.handlers import HandlerSpec
+from outbox_celery.message import Message, Outcome
+from outbox_celery.testing import InProcess
 
 from .helpers import LONG, add, fetch
 
@@ -43,9 +44,9 @@ def _dispatcher(
     handler: Callable[[Message], None],
     limit: Limit | None,
     **config: Any,
-) -> Dispatcher:
+) -> InProcess:
     spec = HandlerSpec(T, handler, "q", limit=limit)
-    return Dispatcher(OutboxConfig(table=table, **config), pool.connection, {T: spec})
+    return InProcess(OutboxConfig(table=table, **config), pool.connection, {T: spec})
 
 
 def _raise(exc: BaseException) -> Callable[[Message], None]:
@@ -223,7 +224,7 @@ def test_invariant_25_a_batch_or_a_key_at_its_limit_wakes_the_listeners_when_it_
         limit = Limit(key_concurrency=1)
         spec = HandlerSpec(T, lambda m: None, "q", limit=limit)
         ids = add(conn, 2, table=table, event_type=T, limit_key="t1")[:1]
-    dispatcher = Dispatcher(OutboxConfig(table=table, lease=LONG), pool.connection, {T: spec})
+    dispatcher = InProcess(OutboxConfig(table=table, lease=LONG), pool.connection, {T: spec})
     claimed = dispatcher.store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits={T: limit})
     assert sorted(c.id for c in claimed.claimed) == ids
     with psycopg.connect(migrated_dsn, autocommit=True) as listener:

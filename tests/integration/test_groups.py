@@ -16,17 +16,9 @@ import pytest
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from outbox_celery import (
-    Event,
-    ProducerError,
-    Store,
-    TableName,
-    enqueue_group,
-    enqueue_group_async,
-    group,
-    operations,
-)
-from outbox_celery.complete import Finish, Lease, Step
+from outbox_celery import Event, ProducerError, Store, TableName, enqueue_group, enqueue_group_async, group
+from outbox_celery.db.completer import Finish, Lease, Step
+from outbox_celery.ops import operations
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, count, fetch
 from .producer_kinds import ASYNC_KINDS, SYNC_KINDS
@@ -534,7 +526,7 @@ def test_invariant_29_a_member_fanned_out_to_subscriptions_counts_each_subscript
 ) -> None:
     # Invariant 28 and 29 together: a member of a type with subscriptions is one row per
     # subscription, each a member; the callback waits for every one of them.
-    from outbox_celery import subscriptions
+    from outbox_celery.ops import subscriptions
 
     for name in ("mail", "search"):
         subscriptions.add(conn, table, "part.work", name)

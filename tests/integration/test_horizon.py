@@ -15,8 +15,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Event, Store, enqueue, enqueue_many, operations
-from outbox_celery.store import ScanMarks
+from outbox_celery import Event, Store, enqueue, enqueue_many
+from outbox_celery.db.store import ScanMarks
+from outbox_celery.ops import operations
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, fetch
 

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from outbox_celery import ProducerError, inbox
-from outbox_celery.migrations import applied_versions, available, migrate
+from outbox_celery.db.migrations import applied_versions, available, migrate
 
 from .helpers import Connect
 from .producer_kinds import SYNC_KINDS

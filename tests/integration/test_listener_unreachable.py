@@ -10,7 +10,7 @@ import threading
 import time
 
 from outbox_celery import Store
-from outbox_celery.listener import Listener
+from outbox_celery.claim.listener import Listener
 
 
 def _closed_port() -> int:

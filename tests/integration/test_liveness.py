@@ -18,8 +18,9 @@ from psycopg_pool import ConnectionPool
 from support.tcp_proxy import ReplyCuttingProxy
 
 from outbox_celery import OutboxConfig, RetryableError, Store, migrate
-from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
-from outbox_celery.testing import temporary_database
+from outbox_celery.handlers import HandlerSpec
+from outbox_celery.message import Outcome
+from outbox_celery.testing import InProcess, temporary_database
 
 from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, fetch
 
@@ -184,7 +185,7 @@ def test_invariant_4_a_finalize_on_a_connection_the_server_closed_is_retried_onc
                 raise RetryableError("HTTP 503", delay=60)
 
         config = OutboxConfig(table=table, lease=LONG)
-        dispatcher = Dispatcher(
+        dispatcher = InProcess(
             config, pool.connection, {"thing.happened": HandlerSpec("thing.happened", handler, "q")}
         )
         [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
@@ -246,7 +247,7 @@ def test_invariant_3_a_start_whose_reply_was_lost_is_retried_without_counting_ag
         dsn = _proxied(migrated_dsn, proxy.port)
         with ConnectionPool(dsn, min_size=1, max_size=1, kwargs={"autocommit": True}, open=True) as pool:
             config = OutboxConfig(table=table, lease=LONG, max_attempts=2)
-            dispatcher = Dispatcher(
+            dispatcher = InProcess(
                 config,
                 pool.connection,
                 {"thing.happened": HandlerSpec("thing.happened", lambda m: runs.append(m.attempts), "q")},

@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 
 from outbox_celery import Store, enqueue, migrate
-from outbox_celery.migrations import applied_versions, available
+from outbox_celery.db.migrations import applied_versions, available
 
 from .test_migrations import schema_dump
 from .upgrade import TABLE, claim_old_rows, old_columns, previous_schema, rows

@@ -12,7 +12,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_celery import Store, TableName, enqueue, migrate
-from outbox_celery.migrations import applied_versions, available
+from outbox_celery.db.migrations import applied_versions, available
 
 from .helpers import LONG
 from .test_migrations import schema_dump
@@ -76,7 +76,7 @@ def test_invariant_11_a_worker_role_that_may_not_read_the_identity_still_deliver
         [c] = Store(table).claim(conn, limit=1, lease=LONG, owner="w", max_attempts=3).claimed
         with psycopg.connect(make_conninfo(migrated_dsn, user=role), autocommit=True) as worker:
             store = Store(table)
-            with caplog.at_level(logging.ERROR, logger="outbox_celery.store"):
+            with caplog.at_level(logging.ERROR, logger="outbox_celery.db.store"):
                 msg = store.start(worker, c.id, c.lease_version, lease=LONG, max_attempts=3)
             assert msg is not None
             assert msg.idempotency_key == f"public.{table}:{c.id}"

@@ -12,9 +12,10 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from outbox_celery import Store, TableName, migrate, operations
+from outbox_celery import Store, TableName, migrate
+from outbox_celery.db.migrations import applied_versions, available
 from outbox_celery.flow import Limit
-from outbox_celery.migrations import applied_versions, available
+from outbox_celery.ops import operations
 
 from .helpers import LONG
 from .test_migrations import _replay_up_to, schema_dump

@@ -12,8 +12,8 @@ from typing import Any
 import psycopg
 
 from outbox_celery import Store, enqueue, migrate
+from outbox_celery.db.migrations import applied_versions, available
 from outbox_celery.flow import Limit
-from outbox_celery.migrations import applied_versions, available
 
 from .helpers import LONG
 from .test_migrations import schema_dump

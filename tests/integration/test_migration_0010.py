@@ -16,7 +16,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from outbox_celery import Store, TableName, codec, migrate
-from outbox_celery.migrations import applied_versions, available
+from outbox_celery.db.migrations import applied_versions, available
 
 from .helpers import LONG
 from .test_migrations import schema_dump

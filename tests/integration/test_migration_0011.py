@@ -12,8 +12,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Store, TableName, enqueue, migrate, subscriptions
-from outbox_celery.migrations import applied_versions, available
+from outbox_celery import Store, TableName, enqueue, migrate
+from outbox_celery.db.migrations import applied_versions, available
+from outbox_celery.ops import subscriptions
 
 from .helpers import LONG
 from .test_migrations import schema_dump

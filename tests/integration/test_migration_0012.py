@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 
 from outbox_celery import Event, Store, group, migrate
-from outbox_celery.migrations import applied_versions, available
+from outbox_celery.db.migrations import applied_versions, available
 
 from .helpers import LONG, fetch
 from .test_migrations import schema_dump

@@ -9,8 +9,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Store, TableName, _sql, migrate, operations
-from outbox_celery.migrations import MigrationError, applied_versions, available, pending
+from outbox_celery import Store, TableName, migrate
+from outbox_celery.db import statements as _sql
+from outbox_celery.db.migrations import MigrationError, applied_versions, available, pending
+from outbox_celery.ops import operations
 from outbox_celery.testing import temporary_database
 
 from .helpers import add, claim_ids

@@ -136,8 +136,9 @@ def test_a_held_off_listener_retries_at_a_bounded_rate_under_a_notification_stor
     from psycopg_pool import ConnectionPool
 
     from outbox_celery import OutboxConfig
-    from outbox_celery.dispatch import Dispatcher, HandlerSpec
-    from outbox_celery.listener import Listener
+    from outbox_celery.claim.listener import Listener
+    from outbox_celery.handlers import HandlerSpec
+    from outbox_celery.testing import InProcess
 
     store = Store(table)
     channel = store.notify_channel(conn)
@@ -150,7 +151,7 @@ def test_a_held_off_listener_retries_at_a_bounded_rate_under_a_notification_stor
                 c.execute("SELECT pg_notify(%s, '')", [channel])
 
     with ConnectionPool(migrated_dsn, min_size=1, max_size=4, kwargs={"autocommit": True}, open=True) as pool:
-        dispatcher = Dispatcher(
+        dispatcher = InProcess(
             OutboxConfig(table=table), pool.connection, {"e": HandlerSpec("e", lambda m: None, "q")}
         )
         listener = Listener(

@@ -12,7 +12,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Event, ProducerError, Store, TableName, enqueue, enqueue_many, operations
+from outbox_celery import Event, ProducerError, Store, TableName, enqueue, enqueue_many
+from outbox_celery.ops import operations
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, claim_ids, count, fetch
 

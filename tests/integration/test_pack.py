@@ -16,10 +16,12 @@ import pytest
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
-from outbox_celery import Message, OutboxConfig, TableName, batch
-from outbox_celery.dispatch import Dispatcher, HandlerSpec, publish_units
+from outbox_celery import Message, OutboxConfig, TableName
+from outbox_celery.claim.units import publish_units
 from outbox_celery.errors import ConfigurationError, PermanentError, RetryableError
-from outbox_celery.handlers import register_handler
+from outbox_celery.handlers import HandlerSpec, register_handler
+from outbox_celery.testing import InProcess
+from outbox_celery.worker import deliverer
 
 from .helpers import add, claim_units, fetch
 
@@ -32,10 +34,10 @@ def pool(migrated_dsn: str) -> Iterator[ConnectionPool[Any]]:
         yield p
 
 
-def _dispatcher(pool: ConnectionPool[Any], table: str, fn: Any, pack: int = 4, **config: Any) -> Dispatcher:
+def _dispatcher(pool: ConnectionPool[Any], table: str, fn: Any, pack: int = 4, **config: Any) -> InProcess:
     spec = HandlerSpec(EVENT, fn, "q", pack=pack)
     settings = {"backoff_base": 0.1, "backoff_cap": 0.5, "done_batch_delay": 0, **config}
-    return Dispatcher(OutboxConfig(table=table, **settings), pool.connection, {EVENT: spec})
+    return InProcess(OutboxConfig(table=table, **settings), pool.connection, {EVENT: spec})
 
 
 def _set(conn: psycopg.Connection[Any], table: str, outbox_id: int, assignment: str) -> None:
@@ -118,7 +120,7 @@ def test_invariant_30_past_its_share_of_the_lease_a_pack_hands_back_what_it_did_
     seen: list[int] = []
     dispatcher = _dispatcher(pool, table, lambda m: seen.append(m.id), pack=4)
     [unit] = claim_units(dispatcher)
-    monkeypatch.setattr(batch, "PACK_SHARE", 0.0)  # the share is spent once the first handler ran
+    monkeypatch.setattr(deliverer, "PACK_SHARE", 0.0)  # the share is spent once the first handler ran
     counts = dispatcher.deliver_batch([c.lease for c in unit])
     assert counts == {"done": 1, "handed_back": 3}
     assert seen == [ids[0]]
@@ -129,7 +131,7 @@ def test_invariant_30_past_its_share_of_the_lease_a_pack_hands_back_what_it_did_
     due = conn.execute("SELECT now()").fetchone()
     assert due is not None and all(r["available_at"] <= due[0] for r in rows[1:])  # claimable at once
     # They travel in a pack again (no attempt spent) and are delivered.
-    monkeypatch.setattr(batch, "PACK_SHARE", 0.1)
+    monkeypatch.setattr(deliverer, "PACK_SHARE", 0.1)
     [again] = claim_units(dispatcher)
     assert sorted(c.id for c in again) == ids[1:]
     assert dispatcher.deliver_batch([c.lease for c in again]) == {"done": 3}

@@ -29,8 +29,9 @@ from outbox_celery import (
     enqueue_many_async,
 )
 from outbox_celery.config import OutboxConfig
-from outbox_celery.dispatch import Dispatcher, HandlerSpec
+from outbox_celery.handlers import HandlerSpec
 from outbox_celery.message import Message
+from outbox_celery.testing import InProcess
 from outbox_celery.transactional import PsycopgTransaction
 
 from .helpers import LONG
@@ -163,7 +164,7 @@ def test_invariant_27_every_handler_kind_receives_what_was_enqueued(
     with conn.transaction():
         ids = enqueue_many(conn, [Event("e", value, "a", 1) for value in SENT], table=table)
     with ConnectionPool(migrated_dsn, min_size=1, max_size=4, kwargs={"autocommit": True}, open=True) as pool:
-        dispatcher = Dispatcher(
+        dispatcher = InProcess(
             OutboxConfig(table=table, lease=LONG, done_batch_delay=0), pool.connection, {"e": spec}
         )
         claimed = Store(table).claim(conn, limit=50, lease=LONG, owner="w", max_attempts=5).claimed

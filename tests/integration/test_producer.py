@@ -441,7 +441,7 @@ def test_invariant_9_a_batch_with_more_ordering_keys_than_the_lock_bound_is_refu
     # exhausted a stock server's shared lock table ("out of shared memory", for every session).
     # Above MAX_ORDERING_KEYS the batch is refused with a useful message and nothing is written
     # or locked; at the bound it goes through, every key with its head.
-    bound = 1000  # outbox_celery.store.MAX_ORDERING_KEYS, documented in docs/integrations.md
+    bound = 1000  # outbox_celery.db.store.MAX_ORDERING_KEYS, documented in docs/integrations.md
 
     def events(n: int) -> list[Event]:
         return [Event("e", {"i": i}, "a", str(i), ordering_key=f"k{i}") for i in range(n)]

@@ -18,8 +18,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
 
 from outbox_celery import OutboxConfig, Store
-from outbox_celery.dispatch import Dispatcher, HandlerSpec
-from outbox_celery.listener import Listener
+from outbox_celery.claim.listener import Listener
+from outbox_celery.handlers import HandlerSpec
+from outbox_celery.testing import InProcess
 
 from .helpers import LONG, add
 
@@ -40,7 +41,7 @@ def test_invariant_19_the_listener_never_logs_a_password_it_could_not_parse(
         max_backoff=0.05,
         name="secret-test",
     )
-    with caplog.at_level(logging.WARNING, logger="outbox_celery.listener"):
+    with caplog.at_level(logging.WARNING, logger="outbox_celery.claim.listener"):
         listener.start()
         deadline = time.monotonic() + 10
         while listener.get_stats()["errors"] < 2:
@@ -58,10 +59,10 @@ def test_invariant_19_the_metrics_collector_never_logs_a_password(
     # #21 item 7: logged on every scrape. Unparseable, and parseable with a wrong password
     # (the server's refusal must not echo it either).
     pytest.importorskip("prometheus_client")
-    from outbox_celery.metrics import OutboxCollector
+    from outbox_celery.ops.metrics import OutboxCollector
 
     wrong = make_conninfo(migrated_dsn, password="wrong-s3cret", host="127.0.0.1", port="1")
-    with caplog.at_level(logging.WARNING, logger="outbox_celery.metrics"):
+    with caplog.at_level(logging.WARNING, logger="outbox_celery.ops.metrics"):
         for dsn in (UNPARSEABLE, wrong):
             list(OutboxCollector(dsn, "outbox", connect_timeout=1).collect())
     assert caplog.text.count("stats of outbox failed") == 2
@@ -84,7 +85,7 @@ def test_invariant_19_repr_of_the_config_and_a_failed_deliverys_locals_hold_no_p
         raise ZeroDivisionError("boom")
 
     with ConnectionPool(with_secret, min_size=1, max_size=1, kwargs={"autocommit": True}, open=True) as pool:
-        dispatcher = Dispatcher(
+        dispatcher = InProcess(
             config, pool.connection, {"thing.happened": HandlerSpec("thing.happened", handler, "q")}
         )
         [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed

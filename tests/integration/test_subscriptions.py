@@ -14,9 +14,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import Event, Store, TableName, console, enqueue, enqueue_many, subscriptions
+from outbox_celery import Event, Store, TableName, enqueue, enqueue_many
 from outbox_celery.errors import ProducerError
-from outbox_celery.operations import flow_states, pause, purge_done, resume, stats
+from outbox_celery.ops import console, subscriptions
+from outbox_celery.ops.operations import flow_states, pause, purge_done, resume, stats
 
 from .helpers import LONG, fetch_all
 
@@ -300,7 +301,7 @@ def test_invariant_28_a_dropped_duplicate_first_of_a_key_leaves_every_subscripti
 def test_invariant_28_show_gives_a_subscriptions_row_its_payload(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
-    from outbox_celery.operations import get_message
+    from outbox_celery.ops.operations import get_message
 
     _subscribe(conn, table, "a", "b")
     with conn.transaction():
@@ -314,7 +315,7 @@ def test_invariant_28_show_gives_a_subscriptions_row_its_payload(
 def test_invariant_28_a_subscriptions_ordered_done_and_repair_wait_for_the_producers_key_lock(
     conn: psycopg.Connection[Any], table: str, store: Store, connect: Any
 ) -> None:
-    from outbox_celery.operations import repair_heads
+    from outbox_celery.ops.operations import repair_heads
 
     _subscribe(conn, table, "a", "b")
     with conn.transaction():
@@ -347,7 +348,7 @@ def test_invariant_28_the_metrics_label_a_subscription_by_its_route(
 ) -> None:
     import contextlib
 
-    from outbox_celery.metrics import OutboxCollector
+    from outbox_celery.ops.metrics import OutboxCollector
 
     _subscribe(conn, table, "a", "b")
     with conn.transaction():

@@ -18,7 +18,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from outbox_celery import Event, Message, OutboxConfig, enqueue, enqueue_many
-from outbox_celery.dispatch import Dispatcher, HandlerSpec
+from outbox_celery.handlers import HandlerSpec
+from outbox_celery.testing import InProcess
 
 from .helpers import fetch
 
@@ -43,7 +44,7 @@ def spans() -> Iterator[InMemorySpanExporter]:
     _EXPORTER.clear()
 
 
-def _dispatcher(dsn: str, table: str, seen: list[Any]) -> Dispatcher:
+def _dispatcher(dsn: str, table: str, seen: list[Any]) -> InProcess:
     @contextlib.contextmanager
     def connection() -> Iterator[psycopg.Connection[Any]]:
         with psycopg.connect(dsn, autocommit=True) as c:
@@ -53,7 +54,7 @@ def _dispatcher(dsn: str, table: str, seen: list[Any]) -> Dispatcher:
         seen.append(trace.get_current_span().get_span_context())
 
     spec = HandlerSpec(ORDER["event_type"], handler, "outbox")
-    return Dispatcher(OutboxConfig(table=table), connection, {ORDER["event_type"]: spec})
+    return InProcess(OutboxConfig(table=table), connection, {ORDER["event_type"]: spec})
 
 
 def test_one_trace_from_enqueue_to_handler(

@@ -29,10 +29,12 @@ from outbox_celery import (
     RetryableError,
     TableName,
     enqueue,
-    subscriptions,
 )
-from outbox_celery.dispatch import Dispatcher, HandlerSpec, Outcome
-from outbox_celery.store import Claimed
+from outbox_celery.db.store import Claimed
+from outbox_celery.handlers import HandlerSpec
+from outbox_celery.message import Outcome
+from outbox_celery.ops import subscriptions
+from outbox_celery.testing import InProcess
 from outbox_celery.transactional import PsycopgTransaction
 
 from .helpers import LONG, add, count, fetch
@@ -57,9 +59,9 @@ def effects(conn: psycopg.Connection[Any]) -> None:
 
 def _dispatcher(
     pool: ConnectionPool[Any], table: str, handler: Callable[[Message, Any], Any], **config: Any
-) -> Dispatcher:
+) -> InProcess:
     spec = HandlerSpec(EVENT, handler, "q", transaction=PsycopgTransaction())
-    return Dispatcher(OutboxConfig(table=table, **{"lease": LONG, **config}), pool.connection, {EVENT: spec})
+    return InProcess(OutboxConfig(table=table, **{"lease": LONG, **config}), pool.connection, {EVENT: spec})
 
 
 def _post(message: Message, conn: psycopg.Connection[Any], table: str) -> None:
@@ -87,7 +89,7 @@ def _follow_ups(conn: psycopg.Connection[Any], table: str) -> int:
     return count(conn, table, f"event_type = '{FOLLOW_UP}'")
 
 
-def _claim_one(dispatcher: Dispatcher, conn: psycopg.Connection[Any], lease: float = LONG) -> int:
+def _claim_one(dispatcher: InProcess, conn: psycopg.Connection[Any], lease: float = LONG) -> int:
     [c] = dispatcher.store.claim(
         conn, limit=1, lease=lease, owner="w", max_attempts=5, event_types=[EVENT]
     ).claimed
@@ -534,7 +536,7 @@ def test_invariant_20_sqlalchemy_session_effect_follow_up_and_done_commit_togeth
             raise RetryableError("once", delay=0)
 
     spec = HandlerSpec(EVENT, handler, "q", transaction=SqlAlchemyTransaction(session_factory))
-    dispatcher = Dispatcher(OutboxConfig(table=table, lease=LONG), pool.connection, {EVENT: spec})
+    dispatcher = InProcess(OutboxConfig(table=table, lease=LONG), pool.connection, {EVENT: spec})
     [i] = add(conn, table=table, event_type=EVENT)
     assert dispatcher.deliver(i, _claim_one(dispatcher, conn)) == Outcome.RETRY
     assert (_ledger(conn), _follow_ups(conn, table)) == ([], 0)
@@ -586,7 +588,7 @@ def test_invariant_20_a_sqlalchemy_handler_s_session_state_never_reaches_the_eng
 
     spec = HandlerSpec(EVENT, handler, "q", transaction=SqlAlchemyTransaction(factory))
     with ConnectionPool(migrated_dsn, min_size=1, max_size=2, kwargs={"autocommit": True}, open=True) as pool:
-        dispatcher = Dispatcher(OutboxConfig(table=table, lease=LONG), pool.connection, {EVENT: spec})
+        dispatcher = InProcess(OutboxConfig(table=table, lease=LONG), pool.connection, {EVENT: spec})
         [i] = add(conn, table=table, event_type=EVENT)
         version = _claim_one(dispatcher, conn)
         assert dispatcher.deliver(i, version) == Outcome.DONE
@@ -610,7 +612,7 @@ def test_invariant_20_a_sqlalchemy_handler_that_raises_rollback_is_a_retryable_f
         raise psycopg.Rollback
 
     spec = HandlerSpec(EVENT, handler, "q", transaction=SqlAlchemyTransaction(session_factory))
-    dispatcher = Dispatcher(OutboxConfig(table=table, lease=LONG), pool.connection, {EVENT: spec})
+    dispatcher = InProcess(OutboxConfig(table=table, lease=LONG), pool.connection, {EVENT: spec})
     [i] = add(conn, table=table, event_type=EVENT)
     assert dispatcher.deliver(i, _claim_one(dispatcher, conn)) == Outcome.RETRY
     row = fetch(conn, table, i)

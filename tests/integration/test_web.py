@@ -17,9 +17,10 @@ from click.testing import CliRunner
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from starlette.testclient import TestClient
 
-from outbox_celery import Event, enqueue_many, operations
+from outbox_celery import Event, enqueue_many
 from outbox_celery.cli import cli
-from outbox_celery.migrations import migrate
+from outbox_celery.db.migrations import migrate
+from outbox_celery.ops import operations
 from outbox_celery.web import Database, create_app
 
 TOKEN = "s3cret-token"

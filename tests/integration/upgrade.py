@@ -12,7 +12,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from outbox_celery import Store, TableName
-from outbox_celery.migrations import available
+from outbox_celery.db.migrations import available
 
 from .helpers import LONG, claim_ids
 from .test_migrations import _replay_up_to

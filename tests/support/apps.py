@@ -75,7 +75,7 @@ from outbox_celery import (
     TableName,
     enqueue_group,
 )
-from outbox_celery.celery_app import Outbox
+from outbox_celery.app.outbox import Outbox
 
 ENV_VAR = "OUTBOX_TEST_APP"
 
@@ -130,7 +130,7 @@ class AppSpec:
 
     :ivar dsn: the test database.
     :ivar broker_url: the Celery broker.
-    :ivar outbox: keyword arguments of :class:`~outbox_celery.celery_app.Outbox`
+    :ivar outbox: keyword arguments of :class:`~outbox_celery.app.outbox.Outbox`
         (``lease``, ``claim_interval``, ``claim_queue``...).
     :ivar routes: event type -> queue (``None``: the outbox's default queue); one scripted
         handler is registered per event type.

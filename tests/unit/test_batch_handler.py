@@ -9,9 +9,10 @@ import pytest
 from celery import Celery
 
 from outbox_celery import ConfigurationError, Outbox
-from outbox_celery.celery_app import MAX_BATCH, MAX_WAIT
-from outbox_celery.dispatch import HandlerSpec, publish_units
-from outbox_celery.store import Claimed
+from outbox_celery.app.outbox import MAX_BATCH, MAX_WAIT
+from outbox_celery.claim.units import publish_units
+from outbox_celery.db.store import Claimed
+from outbox_celery.handlers import HandlerSpec
 
 
 def _outbox() -> Outbox:
@@ -93,7 +94,7 @@ def test_the_delivery_counter_counts_each_row_of_a_batch_task() -> None:
     from celery import signals
     from prometheus_client import CollectorRegistry
 
-    from outbox_celery.metrics import track_deliveries
+    from outbox_celery.ops.metrics import track_deliveries
 
     outbox = _outbox()
     registry = CollectorRegistry()

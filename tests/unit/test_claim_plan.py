@@ -1,4 +1,4 @@
-"""The claim's planner, without a database (outbox_celery.claim_plan)."""
+"""The claim's planner, without a database (outbox_celery.claim.plan)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from outbox_celery import claim_plan as plan
-from outbox_celery.claim import ClaimedRow, SettingsRow, typed_rows
-from outbox_celery.claim_plan import FillRow, FlowRow, KeyedRow, KeyWalk, Seen
+from outbox_celery.claim.executor import ClaimedRow, SettingsRow, plan, typed_rows
+from outbox_celery.claim.plan import FillRow, FlowRow, KeyedRow, KeyWalk, Seen
 from outbox_celery.flow import CAP_RECHECK, LIMIT_RECHECK, Allowance, Limit
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

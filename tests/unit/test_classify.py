@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from outbox_celery.dispatch import Verdict, classify
 from outbox_celery.errors import Defer, PermanentError, RetryableError
 from outbox_celery.message import Outcome
+from outbox_celery.worker.verdict import Verdict, classify
 
 
 class Policy:

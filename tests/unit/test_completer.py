@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 import outbox_celery
-from outbox_celery import _sql
-from outbox_celery.complete import _NOT_FINAL, Completer, FinalizedMany, Finish, Lease, Step
-from outbox_celery.store import Claimed, Store
+from outbox_celery.db import statements as _sql
+from outbox_celery.db.completer import _NOT_FINAL, Completer, FinalizedMany, Finish, Lease, Step
+from outbox_celery.db.store import Claimed, Store
 
 FILES = ["queries.sql", "admin.sql", "inbox/queries.sql"]
 PACKAGE = Path(outbox_celery.__file__).parent
@@ -151,21 +151,28 @@ def test_only_the_completer_runs_the_fenced_statements() -> None:
         for path in PACKAGE.rglob("*.py")
         if _query_names(path) & (FENCED | {"lock_key_of", "flow_hold", "payloads"})
     }
-    assert runners == {"complete"}
+    assert runners == {"completer"}
 
 
-def test_the_dispatcher_finishes_through_one_call_into_the_completer() -> None:
-    tree = ast.parse((PACKAGE / "dispatch.py").read_text(encoding="utf-8"))
-    calls = [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and isinstance(node.func.value, ast.Attribute)
-        and node.func.value.attr in ("store", "completer")
-    ]
-    on_completer = sorted(c.func.attr for c in calls if c.func.value.attr == "completer")  # type: ignore[attr-defined]
-    assert on_completer == ["extend", "finish", "start"]
+def test_the_worker_writes_through_one_call_per_step_into_the_completer() -> None:
+    """Every write of the worker's rooms is a completer call in fence.py: start, finish, extend."""
+    calls: dict[str, list[str]] = {}
+    for path in sorted((PACKAGE / "worker").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Attribute)
+                and node.func.value.attr in ("store", "completer")
+            ):
+                calls.setdefault(f"{node.func.value.attr}.{node.func.attr}", []).append(path.stem)
+    on_completer = {k: sorted(v) for k, v in calls.items() if k.startswith("completer.")}
+    assert on_completer == {
+        "completer.extend": ["fence"],
+        "completer.finish": ["fence"],
+        "completer.start": ["fence"],
+    }
     finalizers = {
         "done",
         "done_many",
@@ -176,7 +183,7 @@ def test_the_dispatcher_finishes_through_one_call_into_the_completer() -> None:
         "dead",
         "record_error",
     }
-    assert {c.func.attr for c in calls if c.func.value.attr == "store"} & (finalizers | {"postpone"}) == set()  # type: ignore[attr-defined]
+    assert {k.split(".")[1] for k in calls if k.startswith("store.")} & (finalizers | {"postpone"}) == set()
 
 
 class _Recorder(Completer):

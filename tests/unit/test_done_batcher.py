@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from outbox_celery._done_batch import DoneBatcher, Finished
+from outbox_celery.worker.done_batch import DoneBatcher, Finished
 
 # Bounds for a loaded 2-core machine: they bound waiting, never assert speed.
 SETTLE = 10.0
@@ -142,7 +142,7 @@ def test_a_failed_write_is_logged_and_the_next_batch_still_goes_out(
     make: Make, caplog: pytest.LogCaptureFixture
 ) -> None:
     write, batcher = make(fail=1, delay=0.05)
-    with caplog.at_level(logging.ERROR, logger="outbox_celery._done_batch"):
+    with caplog.at_level(logging.ERROR, logger="outbox_celery.worker.done_batch"):
         batcher.add(1, 1)
         deadline = time.monotonic() + SETTLE
         while write.fail:

@@ -23,10 +23,10 @@ from outbox_celery import (
     RetryableError,
     errors,
     inbox,
-    migrations,
-    operations,
 )
+from outbox_celery.db import migrations
 from outbox_celery.errors import MAX_DELAY_SECONDS, AdminError, InboxError, MigrationError, first_line
+from outbox_celery.ops import operations
 
 PACKAGE = Path(outbox_celery.__file__).parent
 
@@ -165,6 +165,6 @@ def test_a_boolean_is_not_a_delay(cls: Any) -> None:
 
 def test_the_old_name_of_the_operator_module_warns_and_is_the_same_module() -> None:
     sys.modules.pop("outbox_celery.admin", None)
-    with pytest.warns(DeprecationWarning, match="outbox_celery.operations"):
+    with pytest.warns(DeprecationWarning, match="outbox_celery.ops.operations"):
         old = importlib.import_module("outbox_celery.admin")
     assert old is operations

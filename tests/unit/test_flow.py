@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from outbox_celery import ConfigurationError, RateLimited, RetryableError
-from outbox_celery.dispatch import classify
 from outbox_celery.errors import MAX_DELAY_SECONDS, RATE_LIMITED_DEFAULT
 from outbox_celery.flow import (
     CAP_RECHECK,
@@ -21,6 +20,7 @@ from outbox_celery.flow import (
     parse_rate,
 )
 from outbox_celery.message import Outcome
+from outbox_celery.worker.verdict import classify
 
 
 @pytest.mark.parametrize(

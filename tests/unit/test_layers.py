@@ -77,7 +77,7 @@ def _reachable(module: str) -> dict[str, list[str]]:
 # handlers checks and records handler registrations: none of them needs Celery, which only
 # celery_app (and publisher, celery_config, push, tasks, worker_signals, worker_settings, cli)
 # bring in.
-CELERY_FREE = ["dispatch", "store", "_done_batch", "listener", "handlers"]
+CELERY_FREE = ["worker.deliverer", "db.store", "worker.done_batch", "claim.listener", "handlers"]
 CELERY = ("celery", "kombu", "billiard")
 
 
@@ -96,7 +96,7 @@ def test_the_core_modules_import_no_celery() -> None:
             if name.split(".")[0] in CELERY:
                 offenders[f"{module} -> {name}"] = " -> ".join(chain)
     assert offenders == {}
-    assert KOMBU_JSON in _reachable(f"{PACKAGE.name}.store")  # the exception names what it exempts
+    assert KOMBU_JSON in _reachable(f"{PACKAGE.name}.db.store")  # the exception names what it exempts
 
 
 def test_no_module_imports_itself_through_others() -> None:
@@ -125,15 +125,15 @@ def test_no_module_imports_itself_through_others() -> None:
 # migrations, the table name's identifiers (invariant 15) and the test helpers that create
 # databases.
 SQL_MODULES = {
-    "_sql",
-    "writes",
-    "store",
-    "complete",
-    "operations",
-    "subscriptions",
-    "console",
+    "db.statements",
+    "produce.writes",
+    "db.store",
+    "db.completer",
+    "ops.operations",
+    "ops.subscriptions",
+    "ops.console",
     "inbox",
-    "migrations",
+    "db.migrations",
     "config",
     "testing",
 }
@@ -159,7 +159,7 @@ def test_only_the_sql_modules_use_psycopg_sql() -> None:
         if _uses_psycopg_sql(path)
     }
     assert users - SQL_MODULES == set()
-    assert "store" in users  # the rule reads the imports it means to read
+    assert "db.store" in users  # the rule reads the imports it means to read
 
 
 def _sql_attributes(path: Path) -> set[str]:
@@ -175,7 +175,7 @@ def _sql_attributes(path: Path) -> set[str]:
 # What may read or fill the SQL files' raw text rather than take the composed statements of
 # _sql.queries: the migration runner lists and reads migration files (run once, never named
 # statements), and Store fills the replacement texts its caller passes (benchmarks, experiments).
-RAW_SQL_READERS = {"migrations": {"read", "importlib.resources"}, "store": {"fill"}}
+RAW_SQL_READERS = {"db.migrations": {"read", "importlib.resources"}, "db.store": {"fill"}}
 
 
 def test_only_the_query_registry_reads_the_sql_files() -> None:
@@ -183,11 +183,11 @@ def test_only_the_query_registry_reads_the_sql_files() -> None:
     offenders = {}
     for path in PACKAGE.rglob("*.py"):
         module = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
-        if module == "_sql":
+        if module == "db.statements":
             continue
         used = _sql_attributes(path) & raw | {"importlib.resources"} & _imports(path)
         used -= RAW_SQL_READERS.get(module, set())
         if used:
             offenders[module] = sorted(used)
     assert offenders == {}
-    assert "queries" in _sql_attributes(PACKAGE / "operations.py")  # the rule reads what it means to
+    assert "queries" in _sql_attributes(PACKAGE / "ops" / "operations.py")  # the rule reads what it means to

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from outbox_celery import listener as listener_module
-from outbox_celery.dispatch import ClaimRun
-from outbox_celery.listener import _BUSY_RETRY, _MIN_WAIT, Listener
-from outbox_celery.store import SLOT_FREED
+from outbox_celery.claim import listener as listener_module
+from outbox_celery.claim.claimer import ClaimRun
+from outbox_celery.claim.listener import _BUSY_RETRY, _MIN_WAIT, Listener
+from outbox_celery.db.store import SLOT_FREED
 
 SETTLE = 10.0
 HOUR = 3600.0
@@ -220,7 +220,7 @@ def test_reconnects_back_off_doubling_up_to_the_cap_and_hide_the_password(
 
     listener._session = refused  # type: ignore[method-assign]
     listener._stop = Stop()
-    with caplog.at_level(logging.WARNING, logger="outbox_celery.listener"):
+    with caplog.at_level(logging.WARNING, logger="outbox_celery.claim.listener"):
         listener._run()  # in this thread: it returns once stopped
     assert waits == pytest.approx([0.2, 0.4, 0.8, 1.0, 1.0, 1.0, 1.0])
     assert listener.get_stats()["errors"] == failures

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from outbox_celery import _pool
-from outbox_celery._pool import ForkSafePool, IdleCheck
+from outbox_celery.db import pool as _pool
+from outbox_celery.db.pool import ForkSafePool, IdleCheck
 
 
 class FakePool:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from outbox_celery import Event, ProducerError, enqueue, enqueue_many
-from outbox_celery.producer import (
+from outbox_celery.produce.enqueue import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     MAX_AGGREGATE_LENGTH,
     MAX_EVENT_TYPE_LENGTH,

@@ -61,7 +61,7 @@ def test_the_wheel_holds_every_data_file_of_the_package(wheel: Path) -> None:
         if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
     }
     assert "outbox_celery/py.typed" in shipped
-    assert any(n.startswith("outbox_celery/sql/migrations/") for n in shipped)
+    assert any(n.startswith("outbox_celery/db/sql/migrations/") for n in shipped)
     missing = sorted(shipped - set(names))
     assert missing == [], f"not in the wheel (add them to [tool.setuptools.package-data]): {missing}"
     modules = {p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from outbox_celery import _sql
 from outbox_celery.config import TableName
+from outbox_celery.db import statements as _sql
 
 FILES = ["queries.sql", "admin.sql", "console.sql", "inbox/queries.sql", "subscriptions.sql"]
 # What compose binds as identifiers; everything else in braces must be a fragment, filled.

@@ -22,9 +22,9 @@ from typing import Any
 import psycopg
 from django.db import connections
 
-from ... import producer
 from ...errors import ProducerError
-from ...producer import Event
+from ...produce import enqueue as producer
+from ...produce.enqueue import Event
 from .conf import database_dsn, max_payload_bytes, outbox_database, outbox_dsn, outbox_table
 
 __all__ = [

@@ -36,9 +36,9 @@ from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
-from ... import operations as core_admin
 from ...errors import first_line
 from ...message import KEY_SEPARATOR
+from ...ops import operations as core_admin
 from .conf import outbox_database, outbox_table
 from .models import OutboxGroup, OutboxMessage, Status
 

@@ -17,7 +17,7 @@ from psycopg.conninfo import make_conninfo
 
 from ...config import TableName
 from ...errors import ConfigurationError
-from ...producer import DEFAULT_MAX_PAYLOAD_BYTES
+from ...produce.enqueue import DEFAULT_MAX_PAYLOAD_BYTES
 
 __all__ = ["database_dsn", "max_payload_bytes", "outbox_database", "outbox_dsn", "outbox_table"]
 

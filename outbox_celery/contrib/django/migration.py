@@ -7,7 +7,7 @@ from typing import Any
 
 from django.db import connections
 
-from ...migrations import applied_versions, migrate
+from ...db.migrations import applied_versions, migrate
 from .conf import outbox_database, outbox_table
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,508 @@
+"""The :class:`Outbox`: binds an outbox table to a Celery app.
+
+It registers its tasks (:mod:`outbox_celery.app.tasks`), installs the claim (and retention) entries
+in ``beat_schedule`` (:mod:`outbox_celery.app.celery_config`), routes each event type to its queue
+(handlers: :mod:`outbox_celery.handlers`), opens a psycopg pool per worker process after fork
+and closes it at shutdown (:mod:`outbox_celery.app.signals`). Its settings are the fields of
+:class:`~outbox_celery.config.OutboxConfig`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import psycopg
+from celery import Celery
+from psycopg_pool import ConnectionPool
+
+from ..backoff import RetryPolicy
+from ..claim.claimer import Claimer, ClaimRun, default_owner
+from ..claim.listener import Listener
+from ..config import OutboxConfig, given_settings, resolve
+from ..db.pool import ForkSafePool, IdleCheck
+from ..db.store import Claimed, Store
+from ..dsn import DSN_ENV
+from ..errors import ConfigurationError
+from ..handlers import MAX_BATCH, MAX_WAIT, HandlerSpec, register_handler
+from ..message import Outcome, split_route
+from ..ops import subscriptions
+from ..produce import enqueue as producer
+from ..produce.enqueue import Event
+from ..worker.deliverer import Deliverer, tally
+from .celery_config import configure_app, dsn_exposed, loaded_conf
+from .publisher import TaskPublisher
+from .push import install_listener_step
+from .signals import connect_worker_signals
+from .tasks import CoalescedClaims, register_tasks
+from .worker_settings import check_worker_settings
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_BATCH", "MAX_WAIT", "Outbox"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# Retention: at most this many batches of ``retention_batch_size`` per beat-triggered run.
+PURGE_MAX_BATCHES_PER_RUN = 20
+# Seconds a pooled connection may sit idle and still be handed out without a check (IdleCheck).
+POOL_CHECK_IDLE = 2.0
+
+
+class _QuietClaims(logging.Filter):
+    """Celery's per-task INFO lines about claim tasks, moved to DEBUG.
+
+    Beat sends a claim every ``claim_interval`` and most runs find nothing: Celery's own
+    ``Task outbox.claim[...] received`` / ``succeeded`` lines (and beat's ``Sending due task``)
+    would fill an INFO log, while a run that did something logs its own INFO line (``outbox
+    claim run: claimed=...``). A matching record is dropped unless its logger is enabled for
+    DEBUG (``--loglevel DEBUG``), where it shows as a DEBUG record. Failures are untouched.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tasks: set[str] = set()
+
+    def _task(self, record: logging.LogRecord) -> str | None:
+        args = record.args
+        if isinstance(args, Mapping):  # celery.app.trace, celery.worker.strategy: a context dict
+            name = args.get("name")
+            return name if isinstance(name, str) else None
+        if isinstance(args, tuple) and len(args) == 2 and isinstance(args[1], str):  # celery.beat
+            return args[1]
+        return None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or self._task(record) not in self.tasks:
+            return True
+        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return True
+
+
+_quiet_claims = _QuietClaims()
+# Where Celery logs a task's receipt and success, and beat each task it sends.
+_TASK_LOGGERS = ("celery.app.trace", "celery.worker.strategy", "celery.beat")
+
+
+def _quiet_claim_logs(task_name: str) -> None:
+    """Keep ``task_name``'s routine receipt/success/sent lines out of INFO logs (idempotent)."""
+    _quiet_claims.tasks.add(task_name)
+    for name in _TASK_LOGGERS:
+        target = logging.getLogger(name)
+        if _quiet_claims not in target.filters:
+            target.addFilter(_quiet_claims)
+
+
+class Outbox:
+    """An outbox table delivered through a Celery app.
+
+    ::
+
+        app = Celery("proj", broker="redis://localhost:6379/0")
+        outbox = Outbox(app, dsn="postgresql://...", lease=timedelta(seconds=60))
+
+        @outbox.handler("order.created", queue="orders")
+        def deliver_order_created(message: Message) -> None:
+            post_webhook(message.payload, idempotency_key=message.idempotency_key)
+
+    :param app: the Celery app.
+    :param name: prefix of the task names and beat entries (``outbox.claim``...). Use a distinct
+        one per outbox when one app serves several tables.
+    :param config: a whole :class:`~outbox_celery.config.OutboxConfig`. Without it, a setting
+        not given as a keyword comes from the Celery configuration (``outbox_<name>``), then
+        from its default; with it, from ``config``, and the Celery configuration may hold no
+        ``outbox_*`` setting (:func:`~outbox_celery.config.resolve`).
+    :param settings: keywords named after the fields of
+        :class:`~outbox_celery.config.OutboxConfig` (``dsn``, ``table``, ``lease``...; meanings
+        and defaults there and in docs/celery.md); they win over ``config`` and the Celery
+        configuration. An unknown name raises :class:`~outbox_celery.errors.ConfigurationError`
+        naming the closest settings.
+    :param store: the :class:`~outbox_celery.db.store.Store` the claimer and the deliverer run their queries
+        through (default: one bound to ``table`` with ``relaxed_commit``).
+    :param retry: a :data:`~outbox_celery.backoff.RetryPolicy`, ``(attempt, error) -> seconds``,
+        deciding the wait after a :class:`~outbox_celery.errors.RetryableError` that carries no
+        ``delay`` (default: full-jitter :class:`~outbox_celery.backoff.Backoff` from
+        ``backoff_base`` and ``backoff_cap``).
+    """
+
+    def __init__(
+        self,
+        app: Celery,
+        *,
+        name: str = "outbox",
+        config: OutboxConfig | None = None,
+        store: Store | None = None,
+        retry: RetryPolicy | None = None,
+        **settings: Any,
+    ) -> None:
+        if config is not None and not isinstance(config, OutboxConfig):
+            raise ConfigurationError(f"config must be an OutboxConfig, got {type(config).__name__}")
+        # Only the settings the caller gave: the others come from config or the Celery configuration.
+        self._settings = given_settings(settings)
+        self._base = config
+        self._store = store
+        self._retry = retry
+        self.app = app
+        self.name = name
+        self._config: OutboxConfig | None = None
+        self._handlers: dict[str, HandlerSpec] = {}
+        self._pool = ForkSafePool(self._open_pool)
+        self._idle_check = IdleCheck(POOL_CHECK_IDLE)
+        self._claimer: Claimer | None = None
+        self._deliverer: Deliverer | None = None
+        self._publisher: TaskPublisher | None = None
+        #: The push listener running in this worker process, if any (docs/push.md).
+        self.listener: Listener | None = None
+        # Through a lambda, not the bound method: a wrapper set on the instance's ``claim``
+        # (or ``publish``) sees the claim task's runs.
+        self._claim_task_body = CoalescedClaims(lambda: self.claim(), lambda: self.config.claim_interval)
+        tasks = register_tasks(self, self._claim_task_body)
+        self.claim_task, self.deliver_task, self.deliver_batch_task, self.purge_task = tasks
+        _quiet_claim_logs(f"{name}.claim")  # the name, not the task: reading it would load the config
+        connect_worker_signals(
+            app,
+            after_fork=self._pool.after_fork,
+            shutdown=self.close,
+            check=self.check_worker_settings,
+            register=self._register_at_start,
+        )
+        install_listener_step(self)
+        if getattr(app, "configured", False):
+            self._configure_app()
+        else:
+            # Not on_after_configure: Celery's signals swallow a receiver's exceptions, so a bad
+            # setting would leave beat without a claim entry. Pending defaults run inside the
+            # configuration load and their errors reach whoever loads it (worker, beat, caller).
+            app.add_defaults(self._configure_hook)
+
+    # -- configuration -------------------------------------------------------------------------
+
+    @property
+    def config(self) -> OutboxConfig:
+        """The resolved settings (keywords > ``config`` or Celery ``outbox_*`` > defaults)."""
+        if self._config is None:
+            self._config = resolve(loaded_conf(self.app), self._settings, self._base)
+        return self._config
+
+    @property
+    def store(self) -> Store:
+        """The SQL layer bound to this outbox's table (one per process, shared by the claimer and
+        the deliverer)."""
+        if self._store is None:
+            self._store = Store(self.config.table, relaxed_commit=self.config.relaxed_commit)
+        return self._store
+
+    @property
+    def claimer(self) -> Claimer:
+        """Claim runs bound to this process's pool (what the claim task and push run)."""
+        if self._claimer is None:
+            self._claimer = Claimer(self.config, self.connection, self._handlers, store=self.store)
+        return self._claimer
+
+    @property
+    def deliverer(self) -> Deliverer:
+        """Delivery tasks bound to this process's pool (what the delivery tasks run)."""
+        if self._deliverer is None:
+            self._deliverer = Deliverer(
+                self.config,
+                self.connection,
+                self._handlers,
+                store=self.store,
+                retry=self._retry,
+                recover=self._check_pool,
+            )
+        return self._deliverer
+
+    @property
+    def handlers(self) -> dict[str, HandlerSpec]:
+        """Registered handlers by route: the event type, or ``<event_type>@<name>`` for a
+        subscription (DESIGN invariant 28)."""
+        return dict(self._handlers)
+
+    def handler(
+        self,
+        event_type: str,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        transactional: bool | str = False,
+        session_factory: Callable[[], Any] | None = None,
+        using: str | None = None,
+        batch: int | None = None,
+        max_wait: float | timedelta | None = None,
+        pack: int | None = None,
+        concurrency: int | None = None,
+        rate: str | float | None = None,
+        key_concurrency: int | None = None,
+        key_rate: str | float | None = None,
+    ) -> Callable[[F], F]:
+        """Register the function that delivers ``event_type`` (one per event type), or its
+        subscription ``name`` (one per name: each receives every event of the type, with its own
+        delivery state, queue and options; docs/subscriptions.md, DESIGN invariant 28).
+
+        The handler receives a :class:`~outbox_celery.message.Message` and runs outside any
+        database transaction. It raises :class:`~outbox_celery.errors.RetryableError`,
+        :class:`~outbox_celery.errors.PermanentError` or :class:`~outbox_celery.errors.Defer` to
+        say what happened; returning normally means delivered. ``transactional`` runs it in the
+        transaction of its fenced ``done`` (docs/transactional.md), ``batch`` and ``max_wait``
+        give it lists of messages, ``pack`` lets one task carry several (docs/batch.md),
+        ``concurrency``, ``rate``, ``key_concurrency`` and ``key_rate`` bound its deliveries
+        (docs/flow-control.md). Every option is described, and checked at once, by
+        :func:`outbox_celery.handlers.register_handler`; a bad one raises
+        :class:`~outbox_celery.errors.ConfigurationError` here.
+        """
+        return register_handler(
+            self._handlers,
+            event_type,
+            name=name,
+            queue=queue,
+            transactional=transactional,
+            session_factory=session_factory,
+            using=using,
+            batch=batch,
+            max_wait=max_wait,
+            pack=pack,
+            concurrency=concurrency,
+            rate=rate,
+            key_concurrency=key_concurrency,
+            key_rate=key_rate,
+        )
+
+    def queue_for(self, event_type: str) -> str:
+        """The queue delivery tasks of ``event_type`` are routed to (the publisher's rule)."""
+        return self.publisher.queue_for(event_type)
+
+    @property
+    def delivery_queues(self) -> list[str]:
+        """Every queue delivery tasks are routed to (default queue first)."""
+        names = [self.config.default_queue] + [s.queue for s in self._handlers.values() if s.queue]
+        return list(dict.fromkeys(names))
+
+    @property
+    def queues(self) -> list[str]:
+        """Every queue this outbox publishes to (claim queue first)."""
+        return list(dict.fromkeys([self.config.claim_queue, *self.delivery_queues]))
+
+    def _configure_hook(self) -> dict[str, Any]:
+        self._configure_app()
+        return {}
+
+    def _configure_app(self) -> None:
+        configure_app(self.app, self.config, name=self.name, claim_task=self.claim_task)
+
+    def check_worker_settings(
+        self,
+        *,
+        pool: str | None = None,
+        concurrency: int | None = None,
+        queues: Collection[str] | None = None,
+    ) -> list[str]:
+        """Return warnings for Celery settings that work against the outbox (and log them).
+
+        Run by every worker at start-up (``worker_init``) with its pool, concurrency and queues;
+        the checks are :func:`outbox_celery.app.worker_settings.check_worker_settings`.
+
+        :param pool: the worker's pool (``prefork``, ``solo``, ``threads``, ``gevent``...).
+        :param concurrency: the worker's concurrency.
+        :param queues: the queues the worker consumes; the pool checks only concern workers that
+            consume a delivery queue (not, say, a solo worker on the claim queue alone).
+        """
+        return check_worker_settings(
+            self.config,
+            self.app.conf,
+            delivery_queues=self.delivery_queues,
+            dsn_exposed=dsn_exposed(self.config, self.app.conf, given=self._settings),
+            pool=pool,
+            concurrency=concurrency,
+            queues=queues,
+        )
+
+    def register_subscriptions(self) -> list[str]:
+        """Add the subscriptions this outbox's handlers declare (``name=``) to its table, where
+        the producers read them (DESIGN invariant 28); returns the routes added. Every worker
+        runs it at start-up; one removed by an operator stays removed (logged)."""
+        # A connection of its own, not the pool: at worker_init the pool processes are not
+        # forked yet, and the parent keeps no connection it does not use.
+        with psycopg.connect(self.config.dsn or "", autocommit=True) as conn:
+            return subscriptions.register(conn, self.config.table, self._handlers)
+
+    def _register_at_start(self) -> None:
+        if not any(split_route(r)[1] for r in self._handlers):
+            return
+        try:
+            added = self.register_subscriptions()
+        except Exception:
+            logger.exception("outbox %s: the subscriptions of its handlers were not registered", self.name)
+            return
+        for r in added:
+            logger.info("outbox %s: subscription %s added", self.name, r)
+
+    # -- connections ---------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> ConnectionPool[Any]:
+        """This process's connection pool (opened lazily, again after a fork)."""
+        return self._pool.get()
+
+    def _open_pool(self) -> ConnectionPool[Any]:
+        # No local holds the DSN: error reporters that record frame locals would send it.
+        if not self.config.dsn:
+            raise ConfigurationError(
+                f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn in the Celery config"
+            )
+        return ConnectionPool(
+            self.config.dsn,
+            min_size=1,
+            max_size=self.config.pool_max_size,
+            kwargs={
+                "autocommit": True,
+                "application_name": f"outbox-celery:{self.name}",
+                # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
+                "prepare_threshold": self.config.prepare_threshold,
+            },
+            name=f"outbox-{self.name}",
+            # A connection the server closed while it sat idle (restart, failover,
+            # pg_terminate_backend) is replaced before use, not handed to a delivery whose
+            # fenced write would then fail. Only idle ones: a round trip per checkout cost as
+            # much as the fenced writes themselves; the rest are covered by the retry.
+            check=self._idle_check,
+            open=True,
+        )
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled autocommit connection."""
+        with self.pool.connection() as conn:
+            try:
+                yield conn
+            finally:
+                self._idle_check.returned(conn)
+
+    def _check_pool(self) -> None:
+        """Before a write is retried after a broken connection: test every idle one.
+
+        A server restart or ``pg_terminate_backend`` breaks them all at once; the retry must
+        not draw another broken one (psycopg_pool replaces those it finds in the background).
+        """
+        self.pool.check()
+
+    def close(self) -> None:
+        """Write the batched ``done`` still held, then close this process's pool and publishing
+        connection (idempotent)."""
+        if self._deliverer is not None:
+            self._deliverer.flush()
+        self._pool.close()
+        if self._publisher is not None:
+            self._publisher.close()
+
+    # -- tasks ---------------------------------------------------------------------------------
+
+    @property
+    def publisher(self) -> TaskPublisher:
+        """Sends this process's claimed rows to the broker: the claim run's
+        :class:`~outbox_celery.claim.claimer.Publisher`, created at first use."""
+        if self._publisher is None:
+            self._publisher = TaskPublisher(
+                self.app,
+                self.config,
+                self._handlers,
+                name=self.name,
+                deliver=self.deliver_task,
+                deliver_batch=self.deliver_batch_task,
+            )
+        return self._publisher
+
+    def task_id(self, claim: Claimed) -> str:
+        """Deterministic Celery task id of a claimed row: ``<table>:<id>:v<version>``
+        (:meth:`TaskPublisher.task_id <outbox_celery.app.publisher.TaskPublisher.task_id>`)."""
+        return self.publisher.task_id(claim)
+
+    def batch_task_id(self, unit: Sequence[Claimed]) -> str:
+        """Deterministic Celery task id of a batch or pack task: its first claim's, then ``+<size>``
+        (:meth:`~outbox_celery.app.publisher.TaskPublisher.batch_task_id`)."""
+        return self.publisher.batch_task_id(unit)
+
+    def publish(self, claims: Sequence[Claimed]) -> int:
+        """Send one delivery task per claim (per group, for batch handlers); returns how many
+        claims were sent, a prefix of ``claims``. Delegates to :attr:`publisher`
+        (:class:`~outbox_celery.app.publisher.TaskPublisher`).
+        """
+        return self.publisher(claims)
+
+    def claim(self) -> ClaimRun:
+        """Run one claim (what the beat-triggered task does); usable without Celery workers."""
+        # Through the method, not the publisher itself: a wrapper set on the instance's
+        # ``publish`` (benchmarks/hooks.py times publishes so) sees every claim run's publishes.
+        return self.claimer.run(self.publish, owner=default_owner())
+
+    def enqueue(self, conn: Any, **event: Any) -> int:
+        """:func:`~outbox_celery.enqueue` into this outbox's ``table``, within ``max_payload_bytes``.
+
+        ``event`` takes :func:`~outbox_celery.enqueue`'s keywords (``event_type``, ``payload``,
+        ``aggregate_type``, ``aggregate_id``, ...); ``conn`` is any connection it accepts.
+        """
+        return producer.enqueue(conn, **self._producer_defaults(event))
+
+    def enqueue_many(
+        self, conn: Any, messages: Iterable[Event | Mapping[str, Any]], **options: Any
+    ) -> list[int]:
+        """:func:`~outbox_celery.enqueue_many` with this outbox's ``table`` and ``max_payload_bytes``."""
+        return producer.enqueue_many(conn, messages, **self._producer_defaults(options))
+
+    def _producer_defaults(self, options: dict[str, Any]) -> dict[str, Any]:
+        return {"table": self.config.table, "max_payload_bytes": self.config.max_payload_bytes, **options}
+
+    def pause(self, event_type: str, *, limit_key: str | None = None) -> bool:
+        """Pause ``event_type`` (or only its ``limit_key``) in this outbox's table: no claim
+        hands out its messages until :meth:`resume` (docs/flow-control.md, DESIGN invariants 23,
+        24). Deliveries already running finish. A type with subscriptions is paused with every
+        route of it (DESIGN invariant 28); a route alone pauses that subscription. Returns
+        whether it was running before (``False``: already paused).
+        """
+        from ..ops.operations import pause
+
+        with self.connection() as conn:
+            return pause(conn, self.config.table, event_type, limit_key=limit_key)
+
+    def resume(self, event_type: str, *, limit_key: str | None = None) -> bool:
+        """Resume ``event_type`` (or only its ``limit_key``): it is claimable at once (the push
+        listeners are woken), and a RateLimited hold on it ends too; a type with subscriptions
+        is resumed with every route of it. Returns whether it was paused or held.
+        """
+        from ..ops.operations import resume
+
+        with self.connection() as conn:
+            return resume(conn, self.config.table, event_type, limit_key=limit_key)
+
+    def deliver(self, outbox_id: int, lease_version: int) -> Outcome:
+        """Deliver one row in this process (what the delivery task does)."""
+        return self.deliverer.deliver([(outbox_id, lease_version)])[outbox_id]
+
+    def deliver_batch(self, pairs: Sequence[tuple[int, int]]) -> dict[str, int]:
+        """Deliver ``(id, lease_version)`` pairs of a batch handler, or a pack, in this process
+        (what the batch task does); returns how many rows ended in each outcome (docs/batch.md)."""
+        return tally(self.deliverer.deliver(pairs, batch_done=True))
+
+    def purge(self) -> int:
+        """Delete old ``done`` rows per ``retention``; returns rows deleted."""
+        cfg = self.config
+        if cfg.retention is None:
+            return 0
+        from ..ops.operations import purge_done
+
+        with self.connection() as conn:
+            # Bounded per run: the purge shares the claim queue and must not hold it for long;
+            # the next run (every few minutes) continues where this one stopped.
+            return purge_done(
+                conn,
+                cfg.table,
+                older_than=cfg.retention,
+                batch_size=cfg.retention_batch_size,
+                max_batches=PURGE_MAX_BATCHES_PER_RUN,
+            )

@@ -1,0 +1,127 @@
+"""The Celery side of push: a worker bootstep that runs the :class:`Listener`.
+
+The step starts after the worker's pool (prefork children are forked before the listener's
+thread and connection exist) and only in workers that consume the outbox's claim queue: the
+process beat's claims go to is the one that claims on notifications too. The claim runs in the
+worker's main process, in the listener's thread, not through the broker: no broker round trip
+and no wait for a free pool process behind deliveries (docs/push.md has the measurements).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from celery import Celery, bootsteps
+from celery.platforms import EX_FAILURE
+from celery.worker import state as worker_state
+
+from ..claim.claimer import ClaimRun
+from ..claim.listener import Listener
+from ..config import OutboxConfig
+from ..db.store import Store
+from ..handlers import HandlerSpec
+
+__all__ = ["ListenedOutbox", "install_listener_step", "listener_for"]
+
+logger = logging.getLogger(__name__)
+
+
+class ListenedOutbox(Protocol):
+    """What the push step needs of an outbox: an :class:`~outbox_celery.app.outbox.Outbox` is one.
+
+    Described here rather than imported, so that this module does not import ``celery_app``
+    (which imports it to install the step).
+    """
+
+    app: Celery
+    name: str
+    #: The listener running in this worker process, set and cleared by the step.
+    listener: Listener | None
+
+    @property
+    def config(self) -> OutboxConfig: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def handlers(self) -> Mapping[str, HandlerSpec]: ...
+
+    def claim(self) -> ClaimRun: ...
+
+
+def _consumes(outbox: ListenedOutbox, worker: Any) -> bool:
+    try:
+        queues = worker.app.amqp.queues.consume_from
+        return outbox.config.claim_queue in (queues or {})
+    except Exception:  # pragma: no cover - a worker without the usual amqp wiring
+        return False
+
+
+def listener_for(outbox: ListenedOutbox) -> Listener:
+    """A :class:`Listener` that claims for ``outbox`` in this process."""
+    cfg = outbox.config
+    dsn = cfg.listen_dsn or cfg.dsn
+    assert dsn is not None
+    return Listener(
+        dsn=dsn,
+        store=outbox.store,
+        claim=outbox.claim,
+        event_types=lambda: sorted(outbox.handlers),
+        poll=cfg.listen_poll,
+        name=outbox.name,
+        exit_after=cfg.unreachable_exit_after,
+        on_unreachable=_stop_worker,
+        prepare_threshold=cfg.prepare_threshold,
+    )
+
+
+def _stop_worker() -> None:
+    """A warm shutdown with exit code 1, as Celery's own SIGTERM handler starts one: the worker's
+    loop reads the flag and raises ``WorkerShutdown`` (the listener's thread cannot)."""
+    worker_state.should_stop = EX_FAILURE  # type: ignore[assignment]  # Celery types it as None
+
+
+def install_listener_step(outbox: ListenedOutbox) -> None:
+    """Add a worker bootstep that runs ``outbox``'s listener where it applies."""
+
+    class OutboxListener(bootsteps.StartStopStep):
+        """Runs the outbox listener in a worker that consumes the claim queue."""
+
+        name = f"outbox_celery.app.push.OutboxListener[{outbox.name}]"
+        label = f"outbox listener {outbox.name}"
+        requires = ("celery.worker.components:Pool",)
+
+        def __init__(self, parent: Any, **kwargs: Any) -> None:
+            super().__init__(parent, **kwargs)
+            self.listener: Listener | None = None
+
+        def start(self, parent: Any) -> None:
+            if getattr(parent, "app", outbox.app) is not outbox.app:
+                return
+            cfg = outbox.config
+            if not cfg.listen or not _consumes(outbox, parent):
+                return
+            if not outbox.handlers or not (cfg.listen_dsn or cfg.dsn):
+                logger.warning("outbox listener %s not started: no handlers or no DSN", outbox.name)
+                return
+            self.listener = listener_for(outbox)
+            outbox.listener = self.listener
+            self.listener.start()
+
+        def stop(self, parent: Any) -> None:
+            listener, self.listener = self.listener, None
+            if listener is not None:
+                listener.stop()
+                if outbox.listener is listener:
+                    outbox.listener = None
+
+        def terminate(self, parent: Any) -> None:
+            self.stop(parent)
+
+        def shutdown(self, parent: Any) -> None:
+            self.stop(parent)
+
+    outbox.app.steps["worker"].add(OutboxListener)

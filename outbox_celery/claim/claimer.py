@@ -1,0 +1,306 @@
+"""The Claimer: one claim run of a table, from the claim lock to the published tasks.
+
+A run takes the table's claim lock, computes the in-flight bound (DESIGN invariant 16), claims
+batches through the executor (:mod:`outbox_celery.claim.executor`) while they come back full,
+and hands each batch to a ``publish`` callable, cut into the tasks that carry it
+(:func:`~outbox_celery.claim.units.publish_units`); rows the broker did not take go back to
+``pending`` at once (invariant 12). No Celery here: the Outbox passes its publisher in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+import psycopg
+
+from ..config import OutboxConfig
+from ..db.store import Store
+from ..handlers import HandlerSpec
+from . import executor
+from .executor import Claimed, ScanMarks
+from .units import publish_units
+
+__all__ = ["BOUND_REFRESH", "ClaimRun", "Claimer", "InFlightBound", "Publisher", "StoppedBy", "default_owner"]
+
+logger = logging.getLogger(__name__)
+
+# Seconds an adaptive in-flight bound is reused by later claim runs of the same process: it
+# follows throughput over a whole lease, so recounting it for every run adds statements, not
+# precision. Only the bound is reused; the rows in flight are counted on every run.
+BOUND_REFRESH = 1.0
+
+
+class Publisher(Protocol):
+    """Hands claimed rows to the broker; returns how many were published, in order.
+
+    It stops at the first failure; rows after the returned count are given back.
+    """
+
+    def __call__(self, claims: Sequence[Claimed]) -> int: ...
+
+
+class Connections(Protocol):
+    """Where the claimer's connections come from (a pool's ``connection``)."""
+
+    def __call__(self) -> AbstractContextManager[psycopg.Connection[Any]]: ...
+
+
+class StoppedBy(StrEnum):
+    """Why a claim run ended (a string: the claim task's result and logs carry its value)."""
+
+    #: The app has no handler: nothing to claim.
+    NO_HANDLERS = "no_handlers"
+    #: Another process's run held the claim lock; this one was skipped.
+    ANOTHER_CLAIM_RUNNING = "another_claim_running"
+    #: A publish failed; the unpublished rows were released.
+    PUBLISH_FAILED = "publish_failed"
+    #: The in-flight bound left no room for new rows (DESIGN invariant 16).
+    IN_FLIGHT_BOUND = "in_flight_bound"
+    #: A claim took fewer rows than it asked for: nothing more is due.
+    DRAINED = "drained"
+    #: The run's time budget ran out with batches still coming back full.
+    BUDGET = "budget"
+    #: A claim task piled up behind a run that had just drained; it claimed nothing.
+    COALESCED = "coalesced"
+
+
+@dataclass(slots=True)
+class ClaimRun:
+    """What one claim run did."""
+
+    claimed: int = 0
+    published: int = 0
+    released: int = 0
+    reaped: int = 0
+    lost: int = 0
+    unroutable: int = 0
+    batches: int = 0
+    in_flight_limit: int = 0
+    skipped: bool = False
+    seconds: float = 0.0
+    #: Why the run ended (``None``: it has not).
+    stopped_by: StoppedBy | None = None
+    errors: list[str] = field(default_factory=list)
+    #: Seconds until a claim can take more of an event type a limit or a RateLimited hold kept
+    #: back; ``None``: nothing was kept back. The push listener claims again then.
+    flow_wait: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (the claim task's result)."""
+        return {
+            "claimed": self.claimed,
+            "published": self.published,
+            "released": self.released,
+            "reaped": self.reaped,
+            "lost": self.lost,
+            "unroutable": self.unroutable,
+            "batches": self.batches,
+            "in_flight_limit": self.in_flight_limit,
+            "skipped": self.skipped,
+            "seconds": round(self.seconds, 4),
+            "stopped_by": "" if self.stopped_by is None else str(self.stopped_by),
+            "flow_wait": None if self.flow_wait is None else round(self.flow_wait, 4),
+        }
+
+
+def default_owner() -> str:
+    """``host:pid``: who holds a lease, for humans only (never used for decisions)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class InFlightBound:
+    """The in-flight bound of a process's claim runs (DESIGN invariant 16), computed at most
+    every :data:`BOUND_REFRESH` seconds: rows finished in the last lease, halved, clamped to
+    ``[min_in_flight, max_in_flight]``; ``max_in_flight`` when ``adaptive_in_flight`` is off."""
+
+    def __init__(self, config: OutboxConfig, store: Store) -> None:
+        self.config = config
+        self.store = store
+        # The bound and when (monotonic) it was computed.
+        self._bound: tuple[float, int] | None = None
+
+    def __call__(self, conn: psycopg.Connection[Any]) -> int:
+        """Claimed-but-unfinished rows allowed now."""
+        cfg = self.config
+        if not cfg.adaptive_in_flight:
+            return cfg.max_in_flight
+        now = time.monotonic()
+        cached = self._bound
+        if cached is not None and 0 <= now - cached[0] < BOUND_REFRESH:
+            # Push runs claims back to back, one per producer commit: a count over the last
+            # lease's finished rows changes little within a second, so it is reused.
+            return cached[1]
+        floor = cfg.effective_min_in_flight
+        # Rows finished in the last lease, halved: what was handed out can start within half a
+        # lease at the throughput the workers just showed.
+        recent = self.store.recent_done(conn, window=cfg.lease, cap=2 * cfg.max_in_flight)
+        limit = max(floor, min(cfg.max_in_flight, recent // 2))
+        self._bound = (now, limit)
+        return limit
+
+
+class Claimer:
+    """Claim runs of one outbox table.
+
+    :param config: the outbox settings.
+    :param connection: returns a context manager yielding an autocommit connection (a pool's
+        ``connection``).
+    :param handlers: route -> :class:`~outbox_celery.handlers.HandlerSpec`; the claim takes
+        only routes that have a handler here (others stay pending, counted unroutable).
+    :param store: the table's statements (default: a :class:`~outbox_celery.db.store.Store`).
+    """
+
+    def __init__(
+        self,
+        config: OutboxConfig,
+        connection: Connections,
+        handlers: Mapping[str, HandlerSpec],
+        *,
+        store: Store | None = None,
+    ) -> None:
+        self.config = config
+        self.connection = connection
+        self.handlers = handlers
+        self.store = store or Store(config.table, relaxed_commit=config.relaxed_commit)
+        self._in_flight = InFlightBound(config, self.store)
+        #: Where this process's claims start their index scans (DESIGN invariant 18).
+        self.marks = ScanMarks(lookback=config.scan_lookback, full_every=config.full_scan_interval)
+
+    def in_flight_limit(self, conn: psycopg.Connection[Any]) -> int:
+        """Claimed-but-unfinished rows allowed now (DESIGN invariant 16)."""
+        return self._in_flight(conn)
+
+    def run(self, publish: Publisher, *, owner: str | None = None) -> ClaimRun:
+        """One claim run: claim batches while they come back full, within the time budget.
+
+        Each batch is claimed and committed first, then published; rows that could not be
+        published are released at once (no attempt spent, no lease to wait out).
+        """
+        cfg = self.config
+        run = ClaimRun()
+        started = time.monotonic()
+        deadline = started + cfg.effective_claim_budget
+        owner = owner or default_owner()
+        routes = sorted(self.handlers)
+        if not routes:
+            logger.warning("outbox claim: no handlers registered, nothing to claim")
+            run.stopped_by = StoppedBy.NO_HANDLERS
+            return run
+        # The claim lock lives in a transaction held open on a connection of its own for the
+        # whole run (the claims commit on the other); its end releases the lock. Taken first, so
+        # a run that loses the race never holds a second pooled connection.
+        with self.connection() as lock_conn, lock_conn.transaction():
+            if not self.store.try_claim_lock(lock_conn):
+                run.skipped = True
+                run.stopped_by = StoppedBy.ANOTHER_CLAIM_RUNNING
+                return run
+            with self.connection() as conn:
+                self._loop(conn, publish, run, owner, routes, deadline)
+        run.seconds = time.monotonic() - started
+        if run.claimed or run.reaped or run.released or run.lost or run.unroutable:
+            logger.info(
+                "outbox claim run: claimed=%s published=%s released=%s reaped=%s in %.3fs",
+                run.claimed,
+                run.published,
+                run.released,
+                run.reaped,
+                run.seconds,
+                extra={"outcome": "claim_run", **run.as_dict()},
+            )
+        return run
+
+    def _loop(
+        self,
+        conn: psycopg.Connection[Any],
+        publish: Publisher,
+        run: ClaimRun,
+        owner: str,
+        routes: list[str],
+        deadline: float,
+    ) -> None:
+        cfg = self.config
+        run.in_flight_limit = limit = self.in_flight_limit(conn)
+        # Counted once per run, then raised by what the run claims: an over-estimate (rows that
+        # finish meanwhile are not subtracted), so the bound holds.
+        in_flight = self.store.in_flight(conn)
+        limits = {t: spec.limit for t, spec in self.handlers.items() if spec.limit is not None}
+        # Batch handlers that let a batch fill (max_wait). Capped at scan_lookback: a row
+        # held back longer could fall behind the scan marks (DESIGN invariant 18).
+        fill = {
+            t: (spec.batch, min(spec.max_wait, cfg.scan_lookback))
+            for t, spec in self.handlers.items()
+            if spec.batch and spec.max_wait > 0
+        }
+        while True:
+            room = limit - in_flight
+            # A full bound stops new claims only: the reap and the re-claim of expired leases
+            # run anyway, or lost tasks would hold the outbox still (DESIGN invariant 16).
+            want = max(0, min(cfg.batch_size, room))
+            result = executor.claim(
+                self.store,
+                conn,
+                limit=want,
+                lease=cfg.lease,
+                owner=owner,
+                max_attempts=cfg.max_attempts,
+                event_types=routes,
+                expired_limit=cfg.batch_size,
+                unroutable_delay=cfg.unroutable_delay,
+                marks=self.marks,
+                limits=limits,
+                fill=fill,
+            )
+            if result.flow_wait is not None:
+                run.flow_wait = min(run.flow_wait or result.flow_wait, result.flow_wait)
+            in_flight += len(result.claimed)
+            run.batches += 1
+            run.reaped += result.reaped
+            run.lost += result.lost
+            run.unroutable += result.unroutable
+            run.claimed += len(result.claimed)
+            if result.claimed and not self._publish(conn, publish, run, result.claimed):
+                return
+            if want == 0:
+                run.stopped_by = StoppedBy.IN_FLIGHT_BOUND
+                return
+            if len(result.claimed) < want:
+                run.stopped_by = StoppedBy.DRAINED
+                return
+            if time.monotonic() >= deadline:
+                run.stopped_by = StoppedBy.BUDGET
+                return
+
+    def _publish(
+        self, conn: psycopg.Connection[Any], publish: Publisher, run: ClaimRun, claims: Sequence[Claimed]
+    ) -> bool:
+        """Publish one claim's rows; give back what was not sent (then False: the run stops)."""
+        # Grouped as the delivery tasks will carry them (invariants 21, 30): the rows after a
+        # failed publish are then exactly those that were not sent.
+        units = publish_units(claims, self.handlers, max_attempts=self.config.max_attempts)
+        claimed = [c for unit in units for c in unit]
+        published = 0
+        try:
+            published = publish(claimed)
+        except Exception as exc:  # the publisher should not raise; be safe anyway
+            logger.exception("outbox publish failed")
+            run.errors.append(repr(exc))
+        run.published += published
+        unpublished = claimed[published:]
+        if not unpublished:
+            return True
+        run.released += self.store.release(conn, unpublished)
+        run.stopped_by = StoppedBy.PUBLISH_FAILED
+        logger.error(
+            "outbox publish failed: %s claimed row(s) given back to pending",
+            len(unpublished),
+            extra={"outcome": "released", "released": len(unpublished)},
+        )
+        return False

@@ -1,0 +1,274 @@
+"""Push: LISTEN for the producers' notifications and claim at once.
+
+A :class:`Listener` is a daemon thread with its own session connection. It waits on the
+table's channel (``outbox_celery_<table oid>``, signalled by :func:`~outbox_celery.enqueue` at
+commit) and runs a claim as soon as a notification arrives. Notifications that arrive while a
+claim runs are drained in one go and lead to one more run, so a burst of commits costs a handful
+of claims. When nothing arrives it still wakes: at the next delayed row or lease end the
+database reports (``Store.next_due``), and at most every ``listen_poll`` seconds, so rows that no
+notification announces (ordered followers, rows left by the in-flight bound) wait no longer.
+
+It never replaces beat: a listener that cannot connect retries with backoff and logs, while the
+beat-triggered claim keeps delivering every ``claim_interval``. After every (re)connect it claims
+once, for whatever was committed while it was not listening.
+
+The :class:`~outbox_celery.app.outbox.Outbox` starts one per worker that consumes the claim
+queue, in the worker's main process after the pool has forked (a Celery bootstep).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from ..db.store import SLOT_FREED, Store
+from ..dsn import error_line
+from .claimer import ClaimRun, StoppedBy
+
+__all__ = ["Listener"]
+
+logger = logging.getLogger(__name__)
+
+# After a claim run that another claim held off, try again soon: that run may have selected its
+# rows before our notifying transaction committed (the claim lock serializes runs, DESIGN 1).
+_BUSY_RETRY = (0.005, 0.2)
+# Shortest wait before a due row is claimed: the clocks compared are both the database's, but a
+# row due "now" may still lose its race with the claim's own now().
+_MIN_WAIT = 0.002
+# The thread checks for stop() at least this often while it waits.
+_STOP_CHECK = 0.5
+
+
+class Listener:
+    """Turns notifications on one outbox table's channel into claim runs.
+
+    :param dsn: a session connection (not a transaction-mode pooler: LISTEN needs a session).
+    :param store: the table's :class:`~outbox_celery.db.store.Store` (channel and next due time).
+    :param claim: runs one claim (in this thread) and returns what it did.
+    :param event_types: the event types claimed here (for the next due time).
+    :param poll: seconds between claim runs at most when nothing wakes the listener.
+    :param max_backoff: longest wait between reconnection attempts, in seconds.
+    :param name: for logs and the thread's name.
+    :param exit_after: seconds the listener may go without a working session with its database
+        (connect refused or failing, every session ending in an error) before it gives up:
+        it logs an error, calls ``on_unreachable`` and stops. ``None`` retries forever.
+    :param on_unreachable: what giving up does (the Celery step stops the worker, exit code 1).
+    :param prepare_threshold: psycopg's ``prepare_threshold`` for its connection, as for the
+        pool's (``None`` behind a transaction-mode pooler: its statements run many times).
+    """
+
+    def __init__(
+        self,
+        *,
+        dsn: str,
+        store: Store,
+        claim: Callable[[], ClaimRun | None],
+        event_types: Callable[[], Sequence[str]],
+        poll: float = 1.0,
+        max_backoff: float = 10.0,
+        name: str = "outbox",
+        exit_after: float | None = None,
+        on_unreachable: Callable[[], None] | None = None,
+        prepare_threshold: int | None = 5,
+    ) -> None:
+        self.dsn = dsn
+        self.prepare_threshold = prepare_threshold
+        self.store = store
+        self.claim = claim
+        self.event_types = event_types
+        self.poll = poll
+        self.max_backoff = max_backoff
+        self.name = name
+        self.exit_after = exit_after
+        self.on_unreachable = on_unreachable
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stats: dict[str, int] = {"notifications": 0, "claims": 0, "connects": 0, "errors": 0}
+        self._stats_lock = threading.Lock()
+        self.connected = threading.Event()
+        # Whether the last claim run left a type held back by a limit: freed slots then matter.
+        self._held = False
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self._stats[key] += n
+
+    def get_stats(self) -> dict[str, int]:
+        """Counters: notifications received, claim runs, connects, errors."""
+        with self._stats_lock:
+            return dict(self._stats)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread (returns at once; connecting happens in the thread)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=f"outbox-listener-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the thread to stop and wait for it (a claim run in progress finishes first)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("outbox listener %s did not stop within %.1fs", self.name, timeout)
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        failures = 0
+        # When the database stopped answering (monotonic): the first failure after a session.
+        down_since: float | None = None
+        while not self._stop.is_set():
+            try:
+                self._session()
+                failures = 0
+            except Exception as exc:
+                # Beat-driven claims keep delivering meanwhile; this only costs latency.
+                now = time.monotonic()
+                if self.connected.is_set() or down_since is None:
+                    down_since = now
+                self.connected.clear()
+                self._count("errors")
+                failures += 1
+                if self.exit_after is not None and now - down_since >= self.exit_after:
+                    self._give_up(exc, now - down_since)
+                    return
+                delay = min(self.max_backoff, 0.1 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0)
+                if self.exit_after is not None:  # the next attempt comes at the bound at the latest
+                    delay = max(0.0, min(delay, down_since + self.exit_after - now))
+                logger.warning(
+                    "outbox listener %s: %s: %s; reconnecting in %.1fs",
+                    self.name,
+                    type(exc).__name__,
+                    error_line(exc, self.dsn),
+                    delay,
+                    extra={"outcome": "listener_error"},
+                )
+                self._stop.wait(delay)
+        self.connected.clear()
+
+    def _give_up(self, exc: BaseException, down_for: float) -> None:
+        """The database stayed unreachable past ``exit_after``: say so and stop the worker."""
+        logger.error(
+            "outbox listener %s: no working database session for %.1fs (unreachable_exit_after "
+            "%.1fs), last error %s: %s; stopping the worker so that its supervisor sees it",
+            self.name,
+            down_for,
+            self.exit_after,
+            type(exc).__name__,
+            error_line(exc, self.dsn),
+            extra={"outcome": "listener_unreachable"},
+        )
+        self.connected.clear()
+        if self.on_unreachable is not None:
+            self.on_unreachable()
+
+    def _session(self) -> None:
+        extra: dict[str, Any] = {}
+        if self.exit_after is not None and "connect_timeout" not in conninfo_to_dict(self.dsn):
+            # A host that does not answer must fail within the bound, not after the kernel's
+            # SYN retries (minutes).
+            extra["connect_timeout"] = max(2, math.ceil(min(self.exit_after, 10.0)))
+        with psycopg.connect(
+            self.dsn,
+            autocommit=True,
+            prepare_threshold=self.prepare_threshold,
+            application_name=f"outbox-celery:{self.name}:listen",
+            **extra,
+        ) as conn:
+            channel = self.store.listen(conn)
+            self._count("connects")
+            self.connected.set()
+            logger.info("outbox listener %s: listening on %s", self.name, channel)
+            # Whatever was committed while nobody listened: claim once on every (re)connect.
+            wake = True
+            wait = 0.0
+            while not self._stop.is_set():
+                if wake:
+                    wait = self._claim_until_quiet(conn)
+                woke_at = time.monotonic()
+                deadline = woke_at + wait
+                wake = False
+                while not self._stop.is_set():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        wake = True  # something comes due, or the poll period is over
+                        break
+                    if self._wait_notification(conn, min(left, _STOP_CHECK)):
+                        wake = True
+                        break
+
+    def _wait_notification(self, conn: psycopg.Connection[Any], timeout: float) -> bool:
+        """Wait up to ``timeout`` for a notification; drain the ones already there.
+
+        True when one calls for a claim: any but a freed slot's (:data:`SLOT_FREED`), which
+        only matters while the last run left a type held back by a limit; otherwise
+        every finished delivery of a limit that does not bind would start a claim run.
+        """
+        got = list(conn.notifies(timeout=timeout, stop_after=1))
+        if got:
+            # Coalesce: every notification received meanwhile is answered by the same claim.
+            got += list(conn.notifies(timeout=0.0))
+            self._count("notifications", len(got))
+        return any(n.payload != SLOT_FREED for n in got) or (self._held and bool(got))
+
+    def _hold_off(self, conn: psycopg.Connection[Any], seconds: float) -> None:
+        """Wait ``seconds`` (or until stopped), draining every notification that arrives."""
+        deadline = time.monotonic() + seconds
+        got = 0
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            got += sum(1 for _ in conn.notifies(timeout=min(left, _STOP_CHECK)))
+        if got:
+            self._count("notifications", got)
+
+    def _claim_until_quiet(self, conn: psycopg.Connection[Any]) -> float:
+        """Claim until a run was not held off by another one; return how long to wait next."""
+        busy_wait = _BUSY_RETRY[0]
+        run: ClaimRun | None = None
+        while not self._stop.is_set():
+            run = self.claim()
+            self._count("claims")
+            if run is not None and run.stopped_by == StoppedBy.ANOTHER_CLAIM_RUNNING:
+                # Another process's run holds the claim lock and may have read the table before
+                # the notifying transaction committed: try again once it is done. The wait
+                # doubles up to _BUSY_RETRY[1] while runs are held off, and notifications do not
+                # cut it short: under a storm of commits each one would trigger another
+                # attempt at once, hundreds a second per worker, while the holder's run claims
+                # what they announce anyway. They are drained meanwhile and answered by the
+                # next attempt.
+                self._hold_off(conn, busy_wait)
+                busy_wait = min(busy_wait * 2, _BUSY_RETRY[1])
+                continue
+            if run is not None and run.stopped_by == StoppedBy.BUDGET:
+                continue  # a backlog: keep claiming
+            break
+        due = self.store.next_due(conn, self.event_types(), within=self.poll)
+        self._held = run is not None and run.flow_wait is not None
+        if run is not None and run.flow_wait is not None:
+            # An event type held back by its limit or a RateLimited outcome: a finished
+            # delivery, a refilled rate bucket or a hold's end sends no notification.
+            due = run.flow_wait if due is None else min(due, run.flow_wait)
+        if due is None:
+            return self.poll
+        return min(self.poll, max(_MIN_WAIT, due))

@@ -1,0 +1,280 @@
+"""The producer's phase of the store: the key locks and the insert plan (invariant 9).
+
+:class:`ProducerWrites` is the part of :class:`~outbox_celery.db.store.Store` that producers use:
+the per-key locks, the write plan every kind of producer connection drives, and the table's
+identity that idempotency keys are made of. It runs the store's named queries and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import tuple_row
+
+from ..config import TableName
+from ..db import statements as _sql
+from ..errors import ProducerError
+from ..message import KEY_SEPARATOR, idempotency_key
+
+__all__ = ["MAX_ORDERING_KEYS", "ProducerWrites", "Statement", "WritePlan"]
+
+# Distinct ordering keys one producer call may lock. Each key's lock is held to commit in
+# PostgreSQL's shared lock table, whose size is max_locks_per_transaction x (max_connections +
+# max_prepared_transactions) for the whole server (6,400 on a stock one): a bulk import of
+# 20,000 keys failed with "out of shared memory", and every other session needing a lock failed
+# with it meanwhile. Refused before anything is written instead; split such batches.
+MAX_ORDERING_KEYS = 1000
+
+# A producer's statement and the plan that yields them (see Store.write_plan).
+Statement = tuple[sql.Composed, dict[str, Any]]
+WritePlan = Generator[Statement, list[tuple[Any, ...]], list[int]]
+
+logger = logging.getLogger("outbox_celery.db.store")
+
+
+class ProducerWrites:
+    """The producer's statements of a :class:`~outbox_celery.db.store.Store` (its base class)."""
+
+    table: TableName
+    _q: Mapping[str, sql.Composed]
+    _canonical: str | None
+    _instance: str | None
+
+    def lock_keys(self, conn: psycopg.Connection[Any], keys: Iterable[str]) -> None:
+        """Take the per-key producer locks, all in one statement (sorted: no deadlocks).
+
+        :raises ProducerError: the transaction is not ``READ COMMITTED`` (see
+            :meth:`_check_isolation`). Refused before anything is written.
+        """
+        params = {"table": self._regclass(conn), "keys": list(keys)}
+        self._check_isolation(conn.execute(self._q["lock_keys"], params).fetchall())
+
+    @staticmethod
+    def _check_isolation(locked: Sequence[Sequence[Any]]) -> None:
+        """Refuse ordered events outside ``READ COMMITTED`` (``locked``: lock_keys' rows).
+
+        The insert that follows the key locks decides whether the new row is its key's head from
+        what its statement sees; under repeatable read or serializable the snapshot predates the
+        lock, so it could miss a message of the key committed meanwhile (two heads) or a head
+        finished meanwhile (a key with none).
+        """
+        level = locked[0][1] if locked else "read committed"
+        if level != "read committed":
+            raise ProducerError(
+                f"ordered events need a READ COMMITTED transaction, this one is {level}: the "
+                "head of an ordering key is decided under the key lock, which a snapshot taken "
+                "earlier cannot see (DESIGN invariant 9); enqueue unordered events or use "
+                "read committed for this transaction"
+            )
+
+    def _regclass(self, conn: psycopg.Connection[Any] | None) -> str:
+        # The quoted name, resolved to the table's oid in SQL: lock names then do not depend on
+        # how the table was spelled ("outbox" or "public.outbox").
+        return self.table.identifier().as_string(conn)
+
+    def canonical_name(self, conn: psycopg.Connection[Any]) -> str:
+        """``schema.name`` of the table as PostgreSQL resolves it, e.g. ``public.outbox``.
+
+        The base of every idempotency key (``public.outbox:42``): however the table was
+        spelled (``outbox``, ``public.outbox``), one message has one key. Resolved once per
+        Store, then cached.
+        """
+        if self._canonical is None:
+            row = conn.execute(self._q["canonical_name"], {"table": self._regclass(conn)}).fetchone()
+            assert row is not None
+            self._canonical = f"{row[0]}.{row[1]}"
+        return self._canonical
+
+    def instance(self, conn: psycopg.Connection[Any]) -> str | None:
+        """The table's identity (a UUID drawn once by migration 0006), or ``None`` before it.
+
+        The discriminator of idempotency keys: two databases or clusters with an outbox
+        of the same name never send the same key. Read once per Store, then cached; a table not
+        migrated to 0006 yet gives ``None`` (keys of the previous form, logged) until the
+        process restarts.
+        """
+        if self._instance is None:
+            name = self.table.identifier(_sql.INSTANCE_SUFFIX).as_string(conn)
+            found = conn.execute(self._q["instance"], {"instance_table": name}).fetchone()
+            state = str(found[0]) if found else "missing"
+            self._instance = ""
+            if state == "ok":
+                row = conn.execute(self._q["instance_id"]).fetchone()
+                self._instance = str(row[0]) if row else ""
+            if not self._instance:
+                why = {
+                    "missing": "migration 0006 not applied",
+                    "denied": f"this role may not read it: GRANT SELECT ON {name} to the workers' role",
+                }.get(state, "its row is missing")
+                logger.error(
+                    "outbox table %s has no readable identity (%s): idempotency keys keep the "
+                    "previous form until this is fixed and workers restart",
+                    self.table.qualified,
+                    why,
+                    extra={"outbox_table": self.table.qualified},
+                )
+        return self._instance or None
+
+    def key_prefix(self, conn: psycopg.Connection[Any]) -> str:
+        """What every idempotency key of this table starts with (``<instance>/public.outbox:``)."""
+        return idempotency_key(self.canonical_name(conn), 0, self.instance(conn))[:-1]
+
+    def insert(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> int:
+        """Insert one validated row in the caller's transaction (no key lock)."""
+        return self._run(conn, self.write_plan([row], lock=False))[0]
+
+    def insert_many(self, conn: psycopg.Connection[Any], rows: Sequence[dict[str, Any]]) -> list[int]:
+        """Insert validated rows with one statement; ids come back in input order (no key lock)."""
+        return self._run(conn, self.write_plan(rows, lock=False))
+
+    @staticmethod
+    def _run(conn: psycopg.Connection[Any], plan: WritePlan) -> list[int]:
+        statement = next(plan)
+        while True:
+            with conn.cursor(row_factory=tuple_row) as cur:
+                rows = cur.execute(*statement).fetchall()
+            try:
+                statement = plan.send(rows)
+            except StopIteration as done:
+                ids: list[int] = done.value
+                return ids
+
+    @staticmethod
+    def _many_params(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "event_types": [r["event_type"] for r in rows],
+            "aggregate_types": [r["aggregate_type"] for r in rows],
+            "aggregate_ids": [r["aggregate_id"] for r in rows],
+            "payloads": [r["payload"] for r in rows],
+            "ordering_keys": [r["ordering_key"] for r in rows],
+            "delays": [r["delay"] for r in rows],
+            "dedup_keys": [r.get("dedup_key") for r in rows],
+            "trace_contexts": [r.get("trace_context") for r in rows],
+            "limit_keys": [r.get("limit_key") for r in rows],
+        }
+
+    def write_plan(
+        self,
+        rows: Sequence[dict[str, Any]],
+        *,
+        lock: bool = True,
+        notify: bool = False,
+        group: Mapping[str, Any] | None = None,
+    ) -> WritePlan:
+        """The producer's statements for validated rows, as a plan without I/O.
+
+        Refuses (:class:`~outbox_celery.errors.ProducerError`, before any statement) rows with
+        more than :data:`MAX_ORDERING_KEYS` distinct ordering keys.
+
+        Yields ``(query, params)`` for the key locks (invariant 9), then the insert, then, when
+        a dedup key was already taken, the lookup of the row holding it; the caller executes
+        each in its transaction and sends back the rows it returned; the plan returns the ids
+        in input order. One plan serves every kind of producer connection (psycopg 3 sync and
+        async, psycopg2, SQLAlchemy), so locks and inserts cannot diverge. With ``notify`` the
+        insert itself signals the table's listeners (they hear it at commit): no extra
+        statement, no extra round trip.
+
+        With ``group`` (the callback's validated row and ``skip_on_dead``, DESIGN invariant 29)
+        the rows are a group's members: one statement inserts them and the group's row
+        (``group_insert``), whose total is the member rows inserted; a group none of whose rows
+        was inserted (all duplicates) is complete at once and its callback enqueued here. The
+        plan then returns the group's id first, the members' ids after it.
+        """
+        keys = [r["ordering_key"] for r in rows if r["ordering_key"] is not None]
+        distinct = len(set(keys))
+        if lock and distinct > MAX_ORDERING_KEYS:
+            raise ProducerError(
+                f"{distinct} distinct ordering keys in one enqueue; the limit is {MAX_ORDERING_KEYS}: "
+                "each key's lock is held until commit in PostgreSQL's shared lock table "
+                "(max_locks_per_transaction x max_connections for the whole server), which a larger "
+                "batch can exhaust ('out of shared memory', for every session). Nothing was written; "
+                f"split the events into transactions of at most {MAX_ORDERING_KEYS} keys each"
+            )
+        if keys and lock:
+            locked = yield self._q["lock_keys"], {"table": self._regclass(None), "keys": keys}
+            self._check_isolation(locked)
+        wake = {"notify": notify, "table": self._regclass(None)}
+        group_id: int | None = None
+        if group is not None:
+            got = yield (
+                self._q["group_insert"],
+                {**self._many_params(rows), **wake, **self._group_params(group)},
+            )
+            # (id, dedup_key, woke, ordering_key, payload_of, group_id, total): the group's row
+            # first (group_id set), then the members' rows as insert_many returns them.
+            [head] = [r for r in got if r[5] is not None]
+            group_id, total = int(head[5]), int(head[6])
+            inserted = [r[:5] for r in got if r[5] is None]
+            if total == 0:
+                yield self._q["group_fire_empty"], {"group_id": group_id, "table": wake["table"]}
+        elif len(rows) == 1:
+            params = {"dedup_key": None, "trace_context": None, "limit_key": None, **rows[0], **wake}
+            inserted = yield self._q["insert"], params
+        else:
+            inserted = yield self._q["insert_many"], {**self._many_params(rows), **wake}
+        ids = yield from self._answer(rows, inserted, lock=lock)
+        return ids if group_id is None else [group_id, *ids]
+
+    def _answer(
+        self, rows: Sequence[dict[str, Any]], inserted: list[tuple[Any, ...]], *, lock: bool
+    ) -> WritePlan:
+        """The write plan's tail: the ids of ``rows`` in input order from what the insert
+        returned, a taken dedup key answered by the row holding it, and the heads of keys whose
+        first row was dropped as a duplicate settled (invariant 9)."""
+        # The insert returns (id, dedup_key, woke, ordering_key, payload_of) for every row it
+        # wrote: each event's own row (payload_of NULL) and its other subscriptions' rows
+        # (invariant 28), which answer nothing here. Identity values are drawn in input order
+        # (ORDER BY n), so sorting the ids of the events' rows without a dedup key restores
+        # their input order.
+        owners = [r for r in inserted if r[4] is None]
+        plain = iter(sorted(int(i) for i, k, *_ in owners if k is None))
+        by_key = {k: int(i) for i, k, *_ in owners if k is not None}
+        missing = sorted({k for r in rows if (k := r.get("dedup_key")) is not None} - by_key.keys())
+        if missing:
+            # Taken before (or by a concurrent producer that committed while we waited on its
+            # row): the row that holds the key answers, and nothing new was written for it.
+            found = yield self._q["dedup_ids"], {"keys": missing}
+            by_key.update({k: int(i) for i, k in found})
+        if lock and len(owners) < len(rows):
+            # Some rows were dropped as duplicates: a dedup key taken before, or one shared by
+            # two rows of this batch (the later one is dropped). A dropped row may have been
+            # its ordering key's head candidate: hand every such key's head to its lowest
+            # unfinished message, still under the key lock (a no-op where the head is right).
+            # Keys whose first row in the batch carries no dedup key cannot have lost it.
+            first: dict[str, dict[str, Any]] = {}
+            for r in rows:
+                if r["ordering_key"] is not None:
+                    first.setdefault(r["ordering_key"], r)
+            unsettled = {k for k, r in first.items() if r.get("dedup_key") is not None}
+            # A subscription's rows carry its own key ("<key>" chr(31) route, invariant 28).
+            stored = {
+                o[3] for o in inserted if o[3] is not None and o[3].partition(KEY_SEPARATOR)[0] in unsettled
+            }
+            if unsettled:
+                yield self._q["settle_heads"], {"keys": sorted(unsettled | stored)}
+        gone = sorted({r["dedup_key"] for r in rows if r.get("dedup_key") is not None} - by_key.keys())
+        if gone:
+            # Only a purge between our insert and the lookup (or a REPEATABLE READ snapshot that
+            # cannot see the holder) gets here; the transaction can be retried.
+            raise ProducerError(f"dedup key(s) {gone} are held by rows this transaction cannot see; retry")
+        ids = [next(plain) if r.get("dedup_key") is None else by_key[r["dedup_key"]] for r in rows]
+        return ids
+
+    def _group_params(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """The parameters of ``group_insert`` beyond the members': the callback and its rule."""
+        then = group["then"]
+        return {
+            "group_table": self.table.identifier(_sql.GROUP_SUFFIX).as_string(None),
+            "skip_on_dead": bool(group["skip_on_dead"]),
+            "then_event_type": then["event_type"],
+            "then_aggregate_type": then["aggregate_type"],
+            "then_aggregate_id": then["aggregate_id"],
+            "then_payload": then["payload"],
+            "then_delay": then["delay"],
+            "then_limit_key": then.get("limit_key"),
+            "then_trace_context": then.get("trace_context"),
+        }
