@@ -208,9 +208,9 @@ SELECT count(*) FROM (
 ) AS recent;
 
 -- name: claim_settings
--- First statement of every claim transaction. Once a churned table's statistics price the
--- claim's queries above jit_above_cost, every claim pays for JIT compilation (measured by
--- benchmarks/: 15-250 ms per 200-row claim instead of 3-6 ms); these queries never profit.
+-- First statement of every claim transaction: JIT off for the claim. Once a churned table's
+-- statistics price the claim's queries above jit_above_cost, JIT compilation costs every claim
+-- many times its few milliseconds of work, and these short queries never profit from it.
 -- Also returns the transaction's now(): where the claim's scan marks move to (ScanMarks).
 SELECT set_config('jit', 'off', true) AS jit, now() AS now;
 
@@ -470,11 +470,10 @@ coalesce(payload, (SELECT w.payload FROM {table} AS w WHERE w.id = {table}.paylo
 -- same comparison, but it does not imply the predicate of the live leases' partial index
 -- (lease_idx), so PostgreSQL cannot read that index in place of the primary key: its
 -- statistics often price it as empty (analyzed while few leases were live, or never), and a
--- start or finish then stepped over every live lease's entry and row to find its own one
--- (measured: 0.6 ms of server time per start with 4,000 live leases, 0.03 ms by the key).
+-- start or finish read from it steps over every live lease's entry and row to find its own.
 -- Under a pinned xmin horizon that index also keeps a dead entry for every claim and start since
--- the pin began: the same plan then cost a bitmap scan of all of them per start and per finish,
--- a cost that grew with the pin and outlived it until VACUUM (DESIGN invariant 18).
+-- the pin began: read from it, each start and finish would scan all of them, a cost that grows
+-- with the pin and outlives it until VACUUM (DESIGN invariant 18).
 -- Unqualified: the statements' other row sources have no status column.
 status IS NOT DISTINCT FROM 'processing'
 
@@ -577,7 +576,7 @@ RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, 
 -- and in the same statement a member that reached done or dead counts in its group's row
 -- (group_settle); the last one enqueues the group's callback. The fence makes it once per row.
 -- Its own statement, so that finish, the one-message handler's, opens neither the groups'
--- table nor the outbox's indexes for an insert (measured: benchmarks/groups.py).
+-- table nor the outbox's indexes for an insert.
 WITH fin AS (
 {finish_update}
 RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay,

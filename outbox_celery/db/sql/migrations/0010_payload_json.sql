@@ -1,6 +1,6 @@
 -- The payload is kept as its text (DESIGN invariant 27): kombu's JSON, the serializer of Celery's
 -- task arguments, read back exactly as written (key order, 1e+20 a float). jsonb normalized
--- both; docs/design.md ("The payload") has the measured trade-off.
+-- both; docs/design.md ("The payload") has the trade-off.
 --
 -- The new decoder reads an object of exactly the keys "__type__" and "__value__" as a typed
 -- value (kombu's envelope); the previous one read it as that object. So that every row keeps
