@@ -22,6 +22,7 @@ from datetime import timedelta
 
 from ._seconds import MAX_DELAY_SECONDS as MAX_DELAY_SECONDS
 from ._seconds import seconds
+from ._text import first_line as first_line
 
 __all__ = [
     "AdminError",
@@ -36,12 +37,6 @@ __all__ = [
     "RateLimited",
     "RetryableError",
 ]
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message (its type's name if empty), for one-line reports."""
-    text = str(exc).strip()
-    return text.splitlines()[0].strip() if text else type(exc).__name__
 
 
 class OutboxError(Exception):
