@@ -395,6 +395,17 @@ class OutboxConfig:
         return self.lease * 0.9
 
     @property
+    def connection_wait(self) -> float:
+        """Seconds a pooled connection is waited for, and a new one given to connect.
+
+        A quarter of the lease, from 1 to 30 seconds: well inside a delivery's
+        :attr:`task_time_limit`, so a process whose connections the server dropped fails the
+        wait (the row returns after its lease, fenced) instead of being killed by its hard time
+        limit while waiting, and a claim run never waits longer than its lease for the database.
+        """
+        return min(30.0, max(1.0, self.lease / 4))
+
+    @property
     def min_redelivery_timeout(self) -> float:
         """Seconds a broker must leave an unacknowledged delivery alone: ``task_time_limit + lease``.
 

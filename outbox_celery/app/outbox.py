@@ -10,6 +10,7 @@ and closes it at shutdown (:mod:`outbox_celery.app.signals`). Its settings are t
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from celery import Celery
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from ..backoff import RetryPolicy
@@ -356,16 +358,26 @@ class Outbox:
             raise ConfigurationError(
                 f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn in the Celery config"
             )
+        kwargs: dict[str, Any] = {
+            "autocommit": True,
+            "application_name": f"outbox-celery:{self.name}",
+            # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
+            "prepare_threshold": self.config.prepare_threshold,
+        }
+        wait = self.config.connection_wait
+        if "connect_timeout" not in conninfo_to_dict(self.config.dsn):
+            # libpq's own is unbounded: a host that does not answer would hold a new
+            # connection for the kernel's SYN retries, minutes.
+            kwargs["connect_timeout"] = max(2, math.ceil(wait))
         return ConnectionPool(
             self.config.dsn,
             min_size=1,
             max_size=self.config.pool_max_size,
-            kwargs={
-                "autocommit": True,
-                "application_name": f"outbox-celery:{self.name}",
-                # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
-                "prepare_threshold": self.config.prepare_threshold,
-            },
+            kwargs=kwargs,
+            # Bounded by the lease (connection_wait): after the server dropped the pool's
+            # connections, a delivery or a claim that cannot get one fails fast and its row
+            # comes back after its lease, instead of waiting out psycopg_pool's 30 s.
+            timeout=wait,
             name=f"outbox-{self.name}",
             # A connection the server closed while it sat idle (restart, failover,
             # pg_terminate_backend) is replaced before use, not handed to a delivery whose
