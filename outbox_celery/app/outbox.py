@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -25,9 +26,10 @@ from ..backoff import RetryPolicy
 from ..claim.claimer import Claimer, ClaimRun, default_owner
 from ..claim.listener import Listener
 from ..config import OutboxConfig, given_settings, resolve
+from ..db import migrations
 from ..db.pool import ForkSafePool, IdleCheck
 from ..db.store import Claimed, Store
-from ..dsn import DSN_ENV
+from ..dsn import DSN_ENV, error_line
 from ..errors import ConfigurationError
 from ..handlers import MAX_BATCH, MAX_WAIT, HandlerSpec, register_handler
 from ..message import Outcome, split_route
@@ -172,7 +174,7 @@ class Outbox:
             after_fork=self._pool.after_fork,
             shutdown=self.close,
             check=self.check_worker_settings,
-            register=self._register_at_start,
+            start=self.start_worker,
         )
         install_listener_step(self)
         if getattr(app, "configured", False):
@@ -327,23 +329,69 @@ class Outbox:
 
     def register_subscriptions(self) -> list[str]:
         """Add the subscriptions this outbox's handlers declare (``name=``) to its table, where
-        the producers read them (DESIGN invariant 28); returns the routes added. Every worker
-        runs it at start-up; one removed by an operator stays removed (logged)."""
-        # A connection of its own, not the pool: at worker_init the pool processes are not
-        # forked yet, and the parent keeps no connection it does not use.
-        with psycopg.connect(self.config.dsn or "", autocommit=True) as conn:
+        the producers read them (DESIGN invariant 28); returns the routes added (an existing one
+        is left as it is). Every worker runs it at start-up (:meth:`start_worker`); one removed
+        by an operator stays removed (logged)."""
+        with self._start_connection() as conn:
             return subscriptions.register(conn, self.config.table, self._handlers)
 
-    def _register_at_start(self) -> None:
-        if not any(split_route(r)[1] for r in self._handlers):
+    def _start_connection(self) -> psycopg.Connection[Any]:
+        # A connection of its own, not the pool: at worker_init the pool processes are not
+        # forked yet, and the parent keeps no connection it does not use.
+        extra: dict[str, Any] = {}
+        if "connect_timeout" not in conninfo_to_dict(self.config.dsn or ""):
+            extra["connect_timeout"] = max(2, math.ceil(self.config.connection_wait))
+        return psycopg.connect(
+            self.config.dsn or "",
+            autocommit=True,
+            application_name=f"outbox-celery:{self.name}:start",
+            **extra,
+        )
+
+    def start_worker(self, queues: Collection[str] | None = None) -> None:
+        """What a worker of this app does at start-up when it serves this outbox (it consumes
+        its claim queue or a delivery queue; ``queues`` unknown: it does).
+
+        The database must be reachable, the table migrated and the handlers' subscriptions
+        registered; each is tried again with a backoff for ``wait_for_database`` seconds. Past
+        that the worker does not start: :class:`SystemExit` with one line that says why (exit
+        code 1), rather than a worker that takes tasks it can only fail.
+        """
+        if queues is not None and not set(queues) & set(self.queues):
             return
-        try:
-            added = self.register_subscriptions()
-        except Exception:
-            logger.exception("outbox %s: the subscriptions of its handlers were not registered", self.name)
-            return
-        for r in added:
-            logger.info("outbox %s: subscription %s added", self.name, r)
+        deadline = time.monotonic() + self.config.wait_for_database
+        pause = 0.5
+        while True:
+            try:
+                self._ready_to_serve()
+                return
+            except (psycopg.Error, ConfigurationError) as exc:
+                why = error_line(exc, self.config.dsn) if isinstance(exc, psycopg.Error) else str(exc)
+            if time.monotonic() + pause > deadline:
+                waited = f" after {self.config.wait_for_database:g}s" if self.config.wait_for_database else ""
+                raise SystemExit(
+                    f"outbox {self.name}: the worker does not start{waited}: {why} "
+                    "(set outbox_wait_for_database to wait for the database at start)"
+                )
+            logger.warning("outbox %s: waiting for the database before starting (%s)", self.name, why)
+            time.sleep(pause)
+            pause = min(5.0, pause * 2)
+
+    def _ready_to_serve(self) -> None:
+        """One try of :meth:`start_worker`: the table migrated, the subscriptions registered."""
+        table = self.config.table
+        with self._start_connection() as conn:
+            if not migrations.applied_versions(conn, table):
+                raise ConfigurationError(f"table {table} was never migrated: run `outbox-celery migrate`")
+            todo = migrations.pending(conn, table)
+            if todo:
+                names = ", ".join(f"{m.version:04d}_{m.name}" for m in todo)
+                raise ConfigurationError(
+                    f"table {table} is behind: pending {names} (run `outbox-celery migrate`)"
+                )
+            if any(split_route(r)[1] for r in self._handlers):
+                for r in subscriptions.register(conn, table, self._handlers):
+                    logger.info("outbox %s: subscription %s added", self.name, r)
 
     # -- connections ---------------------------------------------------------------------------
 

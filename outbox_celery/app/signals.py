@@ -6,8 +6,9 @@
 - after a fork (a prefork pool process, or any ``fork()``): the process opens its own
   connection pool at first use, never the parent's (``after_fork``);
 - ``worker_init``: the worker's pool, concurrency and queues are checked against the outbox's
-  settings (``check``; warnings are logged), and the subscriptions its handlers declare are
-  added to the table (``register``, DESIGN invariant 28);
+  settings (``check``; warnings are logged), then ``start`` makes sure the database serves it
+  (reachable, migrated, the handlers' subscriptions registered; DESIGN invariant 28) or stops
+  the worker's start with :class:`SystemExit`;
 - ``worker_process_shutdown`` and ``worker_shutdown``: the batched ``done`` still held is
   written and the pool closed (``shutdown``).
 """
@@ -48,7 +49,7 @@ def connect_worker_signals(
     after_fork: Callable[[], None],
     shutdown: Callable[[], None],
     check: WorkerCheck,
-    register: Callable[[], None] | None = None,
+    start: Callable[[Collection[str] | None], None] | None = None,
 ) -> None:
     """Connect an outbox bound to ``app`` to the worker's signals (strongly: for the process's life).
 
@@ -56,7 +57,9 @@ def connect_worker_signals(
     :param shutdown: called when a pool process or the worker shuts down.
     :param check: called at ``worker_init`` of a worker of ``app`` with its pool, concurrency
         and queues.
-    :param register: called at ``worker_init`` of a worker of ``app``, after ``check``.
+    :param start: called at ``worker_init`` of a worker of ``app``, after ``check``, with the
+        queues it consumes (``None``: unknown); a :class:`SystemExit` it raises stops the
+        worker's start (Celery's signals swallow ``Exception``, not ``SystemExit``).
     """
 
     def on_fork(**kwargs: Any) -> None:
@@ -73,8 +76,8 @@ def connect_worker_signals(
             queues = list(app.amqp.queues.consume_from or {})
         concurrency = getattr(sender, "concurrency", None)
         check(pool=_pool_name(sender), concurrency=concurrency, queues=queues or None)
-        if register is not None:
-            register()
+        if start is not None:
+            start(queues or None)
 
     signals.worker_process_init.connect(on_fork, weak=False)
     signals.worker_process_shutdown.connect(on_shutdown, weak=False)
