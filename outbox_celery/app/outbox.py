@@ -175,6 +175,7 @@ class Outbox:
             shutdown=self.close,
             check=self.check_worker_settings,
             start=self.start_worker,
+            shutting_down=self._shutting_down,
         )
         install_listener_step(self)
         if getattr(app, "configured", False):
@@ -376,6 +377,24 @@ class Outbox:
             logger.warning("outbox %s: waiting for the database before starting (%s)", self.name, why)
             time.sleep(pause)
             pause = min(5.0, pause * 2)
+
+    def _shutting_down(self, how: str) -> None:
+        """Say what a worker's shutdown waits for: its running deliveries, up to their time limit."""
+        from celery.worker import state
+
+        names = {self.deliver_task.name, self.deliver_batch_task.name}
+        # type, not name: a delivery task's name is its shadow, outbox.deliver[<route>].
+        running = [r for r in list(state.active_requests) if getattr(r, "type", None) in names]
+        if how.lower() != "warm" or not running:
+            return
+        logger.warning(
+            "outbox %s: warm shutdown waits for %s running delivery task(s), %.0fs at most (their "
+            "time limit); a second Ctrl-C stops at once and their rows come back after their lease",
+            self.name,
+            len(running),
+            self.config.task_time_limit,
+            extra={"outcome": "shutdown", "running": len(running)},
+        )
 
     def _ready_to_serve(self) -> None:
         """One try of :meth:`start_worker`: the table migrated, the subscriptions registered."""

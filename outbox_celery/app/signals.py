@@ -50,6 +50,7 @@ def connect_worker_signals(
     shutdown: Callable[[], None],
     check: WorkerCheck,
     start: Callable[[Collection[str] | None], None] | None = None,
+    shutting_down: Callable[[str], None] | None = None,
 ) -> None:
     """Connect an outbox bound to ``app`` to the worker's signals (strongly: for the process's life).
 
@@ -60,6 +61,8 @@ def connect_worker_signals(
     :param start: called at ``worker_init`` of a worker of ``app``, after ``check``, with the
         queues it consumes (``None``: unknown); a :class:`SystemExit` it raises stops the
         worker's start (Celery's signals swallow ``Exception``, not ``SystemExit``).
+    :param shutting_down: called in the worker's main process when a shutdown begins, with
+        Celery's word for it (``Warm`` or ``Cold``).
     """
 
     def on_fork(**kwargs: Any) -> None:
@@ -79,6 +82,11 @@ def connect_worker_signals(
         if start is not None:
             start(queues or None)
 
+    def on_shutting_down(how: str = "", **kwargs: Any) -> None:
+        if shutting_down is not None:
+            shutting_down(str(how))
+
+    signals.worker_shutting_down.connect(on_shutting_down, weak=False)
     signals.worker_process_init.connect(on_fork, weak=False)
     signals.worker_process_shutdown.connect(on_shutdown, weak=False)
     signals.worker_shutdown.connect(on_shutdown, weak=False)
