@@ -29,6 +29,7 @@ from ..dsn import DSN_ENV
 from ..errors import ConfigurationError
 from ..handlers import MAX_BATCH, MAX_WAIT, HandlerSpec, register_handler
 from ..message import Outcome, split_route
+from ..operated import OperatedOutbox
 from ..ops import subscriptions
 from ..produce import enqueue as producer
 from ..produce.enqueue import Event
@@ -99,7 +100,7 @@ def _quiet_claim_logs(task_name: str) -> None:
             target.addFilter(_quiet_claims)
 
 
-class Outbox:
+class Outbox(OperatedOutbox):
     """An outbox table delivered through a Celery app.
 
     ::
