@@ -40,6 +40,7 @@ import click
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from .. import ops
 from ..config import OutboxConfig, TableName
 from ..db import migrations
 from ..dsn import invalid_dsn, password, redact
@@ -47,7 +48,7 @@ from ..errors import OutboxError, first_line
 from ..message import route as route_of
 from ..message import split_route
 from ..ops import health as health_checks
-from ..ops import operations, subscriptions
+from ..ops import subscriptions
 from .discovery import celery_outbox_finder, resolve_outbox
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     if value is None:
         return None
     try:
-        return operations.parse_duration(value)
+        return ops.parse_duration(value)
     except ValueError as exc:
         raise click.ClickException(f"{param.opts[0]}: {exc}") from None
 
@@ -377,7 +378,7 @@ def migrate(target: Target, check: bool, as_json: bool) -> None:
         click.echo(f"{table.qualified} is already up to date (version {max(current)})")
 
 
-def _unstarted_line(e: operations.EventTypeStats, outbox: Outbox | None) -> str:
+def _unstarted_line(e: ops.EventTypeStats, outbox: Outbox | None) -> str:
     """A queue with no consumer shows as claims nobody starts (DESIGN invariants 10, 16)."""
     queue = "its queue"
     if outbox is not None and e.event_type in outbox.handlers:
@@ -402,7 +403,7 @@ def _unclaimed_after(outbox: Outbox | None) -> float:
     return interval + CLAIM_OVERDUE_MARGIN
 
 
-def _unclaimed_line(u: operations.Unclaimed, outbox: Outbox | None, processing: int) -> str:
+def _unclaimed_line(u: ops.Unclaimed, outbox: Outbox | None, processing: int) -> str:
     """Ready messages nobody claims: the first sign of a stopped claim worker or a missing handler."""
     if outbox is not None:
         # Its event type has a handler here (those without one are reported as unroutable).
@@ -415,12 +416,12 @@ def _unclaimed_line(u: operations.Unclaimed, outbox: Outbox | None, processing: 
     bound = f" (or the in-flight bound is full: {processing} processing)" if processing else ""
     return (
         f"event type {u.event_type!r}: {u.messages} ready message(s) unclaimed for "
-        f"{operations.format_duration(u.oldest_wait)}: {cause}{bound}"
+        f"{ops.format_duration(u.oldest_wait)}: {cause}{bound}"
     )
 
 
 def _attention(
-    s: operations.Stats, outbox: Outbox | None = None, unclaimed: Sequence[operations.Unclaimed] = ()
+    s: ops.Stats, outbox: Outbox | None = None, unclaimed: Sequence[ops.Unclaimed] = ()
 ) -> list[str]:
     """What needs a human now, as short phrases (the figures that should be zero)."""
     items = []
@@ -456,7 +457,7 @@ def _attention(
 HORIZON_ATTENTION_SECONDS = 60.0
 
 
-def _holds_long(h: operations.Horizon) -> bool:
+def _holds_long(h: ops.Horizon) -> bool:
     if h.kind is None:
         return False
     if h.seconds is not None:
@@ -471,7 +472,7 @@ def _done_note(outbox: Outbox | None) -> str:
     retention = outbox.config.retention
     if retention is None:
         return "delivered or skipped, kept (retention is off)"
-    after = operations.format_duration(retention)
+    after = ops.format_duration(retention)
     return f"delivered or skipped, deleted by retention {after} after they finish"
 
 
@@ -481,14 +482,14 @@ def _done_note(outbox: Outbox | None) -> str:
     metavar="DURATION",
     callback=_duration,
     help="Report ready messages left unclaimed this long (default: a claim interval of the -A "
-    f"Outbox plus {operations.format_duration(CLAIM_OVERDUE_MARGIN)}, else "
-    f"{operations.format_duration(DEFAULT_CLAIM_INTERVAL + CLAIM_OVERDUE_MARGIN)}).",
+    f"Outbox plus {ops.format_duration(CLAIM_OVERDUE_MARGIN)}, else "
+    f"{ops.format_duration(DEFAULT_CLAIM_INTERVAL + CLAIM_OVERDUE_MARGIN)}).",
 )
 @click.option(
     "--exact",
     is_flag=True,
     help=f"Count every row (the cost grows with the table) instead of reading each status up to "
-    f"{operations.DEFAULT_STATS_CAP:,} index entries.",
+    f"{ops.DEFAULT_STATS_CAP:,} index entries.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_target
@@ -526,18 +527,16 @@ def stats(target: Target, unclaimed_after: float | None, exact: bool, as_json: b
     _echo_unroutable(s)
 
 
-def _read_stats(
-    target: Target, threshold: float, exact: bool
-) -> tuple[operations.Stats, list[operations.Unclaimed]]:
+def _read_stats(target: Target, threshold: float, exact: bool) -> tuple[ops.Stats, list[ops.Unclaimed]]:
     """``stats``' reads: the capped (or, with --exact, full) counts and the unclaimed event types."""
-    cap = None if exact else operations.DEFAULT_STATS_CAP
+    cap = None if exact else ops.DEFAULT_STATS_CAP
     with target.connect() as conn:
-        s = operations.stats(conn, target.table, handlers=target.handlers, cap=cap)
-        waiting = operations.unclaimed(conn, target.table, older_than=threshold, cap=cap)
+        s = ops.stats(conn, target.table, handlers=target.handlers, cap=cap)
+        waiting = ops.unclaimed(conn, target.table, older_than=threshold, cap=cap)
     return s, waiting
 
 
-def _echo_status_counts(s: operations.Stats, outbox: Outbox | None) -> None:
+def _echo_status_counts(s: ops.Stats, outbox: Outbox | None) -> None:
     """The table of messages per status, each with what its figure means."""
     in_order = s.counts["pending"] - s.ready - s.scheduled
     notes = {
@@ -562,15 +561,15 @@ def _echo_status_counts(s: operations.Stats, outbox: Outbox | None) -> None:
     click.echo("")
 
 
-def _echo_facts(s: operations.Stats) -> None:
+def _echo_facts(s: ops.Stats) -> None:
     """Ages, leases, ordered keys, groups and the xmin horizon, one labelled line each."""
     for label, value in _age_facts(s) + _group_facts(s) + _horizon_facts(s):
         click.echo(f"{label + ':':<46}{value}")
     click.echo("")
 
 
-def _age_facts(s: operations.Stats) -> list[tuple[str, Any]]:
-    fd = operations.format_duration
+def _age_facts(s: ops.Stats) -> list[tuple[str, Any]]:
+    fd = ops.format_duration
     return [
         ("oldest pending (since created)", fd(s.oldest_pending_age)),
         ("oldest ready wait (claimable, not claimed)", fd(s.oldest_ready_wait)),
@@ -584,22 +583,22 @@ def _age_facts(s: operations.Stats) -> list[tuple[str, Any]]:
     ]
 
 
-def _group_facts(s: operations.Stats) -> list[tuple[str, Any]]:
+def _group_facts(s: ops.Stats) -> list[tuple[str, Any]]:
     g = s.groups
     return [
         (
             "open groups (oldest)",
-            f"{g.open}{'+' if g.capped else ''} ({operations.format_duration(g.oldest_open_age)}), "
+            f"{g.open}{'+' if g.capped else ''} ({ops.format_duration(g.oldest_open_age)}), "
             f"{g.blocked} blocked by a dead member",
         ),
     ]
 
 
-def _horizon_facts(s: operations.Stats) -> list[tuple[str, Any]]:
+def _horizon_facts(s: ops.Stats) -> list[tuple[str, Any]]:
     h = s.horizon
     if h is None:
         return []
-    fd = operations.format_duration
+    fd = ops.format_duration
     return [
         ("xmin horizon held by", _shown(h.holder())),
         (
@@ -610,7 +609,7 @@ def _horizon_facts(s: operations.Stats) -> list[tuple[str, Any]]:
     ]
 
 
-def _echo_attempts(s: operations.Stats) -> None:
+def _echo_attempts(s: ops.Stats) -> None:
     if not s.attempts:
         return
     click.echo("attempts histogram (live messages)")
@@ -624,12 +623,12 @@ def _echo_attempts(s: operations.Stats) -> None:
     click.echo("")
 
 
-def _echo_event_types(s: operations.Stats, handlers: Collection[str] | None) -> None:
+def _echo_event_types(s: ops.Stats, handlers: Collection[str] | None) -> None:
     """Live messages per event type (with -A, whether a handler takes it)."""
     if not s.event_types:
         click.echo("no live messages (nothing pending, processing or dead)")
         return
-    fd = operations.format_duration
+    fd = ops.format_duration
     headers = ["event type", "pending", "ready", "processing", "dead", "unstarted", "oldest pending"]
     if handlers is not None:
         headers.append("handler")
@@ -651,9 +650,9 @@ def _echo_event_types(s: operations.Stats, handlers: Collection[str] | None) -> 
     click.echo("")
 
 
-def _echo_flow(s: operations.Stats) -> None:
+def _echo_flow(s: ops.Stats) -> None:
     """Paused and held event types and limit keys: left unclaimed on purpose."""
-    fd = operations.format_duration
+    fd = ops.format_duration
     paused = [_shown(f.event_type) for f in s.flow if f.paused]
     held = [f"{_shown(f.event_type)} ({fd(f.held_for)} left)" for f in s.flow if not f.paused and f.held_for]
     click.echo(f"paused (claimed by nobody until resumed): {', '.join(paused) or 'none'}")
@@ -669,7 +668,7 @@ def _echo_flow(s: operations.Stats) -> None:
         click.echo(f"limit keys claimed by nobody: {', '.join(shown)}")
 
 
-def _echo_unroutable(s: operations.Stats) -> None:
+def _echo_unroutable(s: ops.Stats) -> None:
     if s.unroutable is None:
         click.echo("unroutable: unknown (pass -A module:outbox to check event types against the handlers)")
     elif s.unroutable:
@@ -713,7 +712,7 @@ def dead_list(
     as_json: bool,
 ) -> None:
     """Dead messages, oldest id first, with their last error."""
-    filters: operations.DeadFilters = {
+    filters: ops.DeadFilters = {
         "event_type": event_type,
         "aggregate_type": aggregate_type,
         "aggregate_id": aggregate_id,
@@ -721,8 +720,8 @@ def dead_list(
         "newer_than": newer_than,
     }
     with target.connect() as conn:
-        rows = operations.list_dead(conn, target.table, after=after, limit=limit, **filters)
-        total = operations.count_dead(conn, target.table, **filters)
+        rows = ops.list_dead(conn, target.table, after=after, limit=limit, **filters)
+        total = ops.count_dead(conn, target.table, **filters)
     next_after = rows[-1].id if rows and len(rows) == limit else None
     if as_json:
         _echo_json({"total": total, "messages": [r.as_dict() for r in rows], "next_after": next_after})
@@ -744,7 +743,7 @@ def dead_list(
                     r.event_type,
                     _shown(f"{r.aggregate_type}:{r.aggregate_id}"),
                     r.attempts,
-                    operations.format_duration(r.age),
+                    ops.format_duration(r.age),
                     r.waiting_behind if r.ordering_key is not None else "-",
                     _short(r.last_error),
                 )
@@ -767,13 +766,13 @@ def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
     Payload, attempts, lease, last error and, for an ordered message, its key's head.
     """
     with target.connect() as conn:
-        row = operations.get_message(conn, target.table, outbox_id)
+        row = ops.get_message(conn, target.table, outbox_id)
     if row is None:
         raise click.ClickException(f"no message with id {outbox_id} in {target.table.qualified}")
     if as_json:
         _echo_json(row)
         return
-    fd = operations.format_duration
+    fd = ops.format_duration
     status = row["status"]
     lines = [
         ("id", row["id"]),
@@ -854,10 +853,10 @@ def dead_requeue(
         raise click.ClickException("--event-type filters --all; with ids it is not needed")
     with target.connect() as conn:
         if all_:
-            n = operations.requeue_all(conn, target.table, event_type=event_type, reason=reason)
+            n = ops.requeue_all(conn, target.table, event_type=event_type, reason=reason)
             changed: list[int] | None = None
         else:
-            changed = operations.requeue(conn, target.table, ids, reason=reason)
+            changed = ops.requeue(conn, target.table, ids, reason=reason)
             n = len(changed)
     if as_json:
         _echo_json({"requeued": n, "ids": changed})
@@ -883,7 +882,7 @@ def dead_skip(target: Target, ids: tuple[int, ...], reason: str | None, as_json:
     if reason is None or not reason.strip():
         raise click.ClickException("skip needs --reason TEXT (it is recorded in last_error)")
     with target.connect() as conn:
-        changed = operations.skip(conn, target.table, ids, reason=reason)
+        changed = ops.skip(conn, target.table, ids, reason=reason)
     if as_json:
         _echo_json({"skipped": len(changed), "ids": changed})
         return
@@ -913,12 +912,12 @@ def dead_skip(target: Target, ids: tuple[int, ...], reason: str | None, as_json:
 @pass_target
 def purge(target: Target, older_than: float, batch_size: int, dry_run: bool, as_json: bool) -> None:
     """Delete old done rows, in short batches (never any other status)."""
-    age = operations.format_duration(older_than)
+    age = ops.format_duration(older_than)
     with target.connect() as conn:
         if dry_run:
-            n = operations.count_purgeable(conn, target.table, older_than=older_than)
+            n = ops.count_purgeable(conn, target.table, older_than=older_than)
         else:
-            n = operations.purge_done(conn, target.table, older_than=older_than, batch_size=batch_size)
+            n = ops.purge_done(conn, target.table, older_than=older_than, batch_size=batch_size)
     if as_json:
         _echo_json(
             {
@@ -947,7 +946,7 @@ def repair_heads(target: Target, batch_size: int, as_json: bool) -> None:
     workers run (it takes the producers' key locks); a second run mends nothing.
     """
     with target.connect() as conn:
-        keys = operations.repair_heads(conn, target.table, batch_size=batch_size)
+        keys = ops.repair_heads(conn, target.table, batch_size=batch_size)
     if as_json:
         _echo_json({"repaired": len(keys), "keys": keys})
     else:
@@ -1011,8 +1010,8 @@ def pause(target: Target, event_type: str, limit_key: str | None, as_json: bool)
     """
     _require_handler(target, event_type)
     with target.connect() as conn:
-        changed = operations.pause(conn, target.table, event_type, limit_key=limit_key)
-        routes = operations.flow_targets(conn, target.table, event_type)[1:]
+        changed = ops.pause(conn, target.table, event_type, limit_key=limit_key)
+        routes = ops.flow_targets(conn, target.table, event_type)[1:]
     what = _flow_what(event_type, limit_key, routes)
     if as_json:
         _echo_json(
@@ -1044,18 +1043,14 @@ def resume(target: Target, event_type: str, limit_key: str | None, as_json: bool
     for is refused (exit 1).
     """
     with target.connect() as conn:
-        changed = operations.resume(conn, target.table, event_type, limit_key=limit_key)
-        routes = operations.flow_targets(conn, target.table, event_type)[1:]
+        changed = ops.resume(conn, target.table, event_type, limit_key=limit_key)
+        routes = ops.flow_targets(conn, target.table, event_type)[1:]
         held: list[str] = []
         if not changed:
             if limit_key is None:
-                held = [f.event_type for f in operations.flow_states(conn, target.table)]
+                held = [f.event_type for f in ops.flow_states(conn, target.table)]
             else:
-                held = [
-                    k.limit_key
-                    for k in operations.key_states(conn, target.table)
-                    if k.event_type == event_type
-                ]
+                held = [k.limit_key for k in ops.key_states(conn, target.table) if k.event_type == event_type]
     what = _flow_what(event_type, limit_key, routes)
     close = None
     if not changed:
@@ -1105,7 +1100,7 @@ def resume(target: Target, event_type: str, limit_key: str | None, as_json: bool
     metavar="DURATION",
     callback=_duration,
     help="The outbox's claim_interval (default: the -A Outbox's, else "
-    f"{operations.format_duration(DEFAULT_CLAIM_INTERVAL)}).",
+    f"{ops.format_duration(DEFAULT_CLAIM_INTERVAL)}).",
 )
 @click.option(
     "--timeout",
@@ -1312,7 +1307,7 @@ def subscriptions_group() -> None:
 def _since(conn: psycopg.Connection[Any], text: str) -> datetime:
     """A duration back from the database's now() (``7d``) or an ISO time (``2026-12-01T00:00Z``)."""
     try:
-        back = operations.parse_duration(text)
+        back = ops.parse_duration(text)
     except ValueError:
         try:
             return datetime.fromisoformat(text)
@@ -1409,8 +1404,8 @@ def groups_() -> None:
     """Groups with a callback: list, show, finish, cancel (DESIGN invariant 29)."""
 
 
-def _group_rows(found: Sequence[operations.GroupInfo]) -> list[tuple[Any, ...]]:
-    fd = operations.format_duration
+def _group_rows(found: Sequence[ops.GroupInfo]) -> list[tuple[Any, ...]]:
+    fd = ops.format_duration
     return [
         (g.id, g.state, g.progress, g.dead, _shown(g.event_type), fd(g.age), g.callback_id or "-")
         for g in found
@@ -1430,9 +1425,7 @@ def _group_rows(found: Sequence[operations.GroupInfo]) -> list[tuple[Any, ...]]:
 def groups_list(target: Target, state: str, limit: int, as_json: bool) -> None:
     """Groups and their progress (members final, of all), the newest first."""
     with target.connect() as conn:
-        found = operations.list_groups(
-            conn, target.table, state=None if state == "any" else state, limit=limit
-        )
+        found = ops.list_groups(conn, target.table, state=None if state == "any" else state, limit=limit)
     if as_json:
         _echo_json([dataclasses.asdict(g) for g in found])
         return
@@ -1447,8 +1440,8 @@ def groups_list(target: Target, state: str, limit: int, as_json: bool) -> None:
 def groups_show(target: Target, group_id: int, as_json: bool) -> None:
     """One group, and its dead members with their last errors (the first 100)."""
     with target.connect() as conn:
-        g = operations.get_group(conn, target.table, group_id)
-        dead = operations.group_outcomes(conn, target.table, group_id, limit=100)
+        g = ops.get_group(conn, target.table, group_id)
+        dead = ops.group_outcomes(conn, target.table, group_id, limit=100)
     if as_json:
         _echo_json({**dataclasses.asdict(g), "dead_members": [dataclasses.asdict(d) for d in dead]})
         return
@@ -1472,7 +1465,7 @@ def groups_show(target: Target, group_id: int, as_json: bool) -> None:
 def groups_finish(target: Target, group_id: int, reason: str) -> None:
     """Close an open group now and enqueue its callback with the outcomes so far."""
     with target.connect() as conn:
-        callback = operations.finish_group(conn, target.table, group_id, reason=reason)
+        callback = ops.finish_group(conn, target.table, group_id, reason=reason)
     click.echo(f"group {group_id} finished by hand; its callback is outbox id {callback}")
 
 
@@ -1483,7 +1476,7 @@ def groups_finish(target: Target, group_id: int, reason: str) -> None:
 def groups_cancel(target: Target, group_id: int, reason: str) -> None:
     """Close an open group for good: its callback is never enqueued."""
     with target.connect() as conn:
-        operations.cancel_group(conn, target.table, group_id, reason=reason)
+        ops.cancel_group(conn, target.table, group_id, reason=reason)
     click.echo(f"group {group_id} cancelled; no callback will be enqueued")
 
 

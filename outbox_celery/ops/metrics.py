@@ -15,7 +15,7 @@ imported when a collector is built, never when this module is imported.
     # or, inside a process that has an Outbox object (uses its pool and knows its handlers):
     REGISTRY.register(OutboxCollector.from_outbox(outbox))
 
-Every scrape runs one read-only statement per table (:func:`outbox_celery.ops.operations.stats`) under a
+Every scrape runs one read-only statement per table (:func:`outbox_celery.ops.stats`) under a
 statement timeout. Its reads are bounded (at most ``cap`` index entries per status, done rows
 only from the newest end of their index), so a scrape costs the same with millions of done rows:
 a count that reached the cap is a lower bound, and ``outbox_messages_capped`` says so (for
@@ -36,7 +36,7 @@ import psycopg
 
 from ..config import TableName
 from ..dsn import error_line
-from . import operations
+from .snapshot import Stats, stats
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -170,9 +170,7 @@ class OutboxCollector:
             started = time.monotonic()
             try:
                 with self._connect() as conn:
-                    s = operations.stats(
-                        conn, table, handlers=self.handlers, timeout=self.timeout, cap=self.cap
-                    )
+                    s = stats(conn, table, handlers=self.handlers, timeout=self.timeout, cap=self.cap)
             except Exception as exc:
                 logger.warning(
                     "outbox metrics: stats of %s failed: %s",
@@ -188,7 +186,7 @@ class OutboxCollector:
         yield from fams.values()
 
     @staticmethod
-    def _add(fams: dict[str, GaugeMetricFamily], name: str, s: operations.Stats) -> None:
+    def _add(fams: dict[str, GaugeMetricFamily], name: str, s: Stats) -> None:
         for status in _STATUSES:
             fams["messages"].add_metric([name, status], s.counts[status])
             fams["capped"].add_metric([name, status], 1 if s.capped.get(status) else 0)

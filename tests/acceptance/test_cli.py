@@ -619,12 +619,12 @@ def test_stats_asks_for_attention_once_the_horizon_is_held_for_a_minute(
 ) -> None:
     import dataclasses
 
+    from outbox_celery import ops
     from outbox_celery.cli import HORIZON_ATTENTION_SECONDS, _attention
-    from outbox_celery.ops import operations
 
     with psycopg.connect(migrated_dsn, application_name="nightly-report") as held:
         held.execute("SELECT pg_current_xact_id()")
-        s = operations.stats(conn, table)
+        s = ops.stats(conn, table)
     assert s.horizon is not None and s.horizon.application == "nightly-report"
     assert _attention(s) == []  # held for a moment only
     old = dataclasses.replace(s, horizon=dataclasses.replace(s.horizon, seconds=HORIZON_ATTENTION_SECONDS))

@@ -7,7 +7,7 @@
   partial index, and the event type, ordering key, age and blocked filters narrow that set.
   Columns are not sortable (a sort on millions of rows is a full scan); the order is newest id
   first (the primary key).
-* Requeue and skip call :func:`outbox_celery.admin.requeue` and :func:`outbox_celery.admin.skip`:
+* Requeue and skip call :func:`outbox_celery.ops.requeue` and :func:`outbox_celery.ops.skip`:
   the same semantics, row locks and all-or-nothing refusals as ``outbox-celery dead requeue`` and
   ``outbox-celery dead skip``.
 * Nothing is editable: no add, no change form (the detail page is read-only), no delete (the
@@ -36,9 +36,9 @@ from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
+from ... import ops
 from ...errors import first_line
 from ...message import KEY_SEPARATOR
-from ...ops import operations as core_admin
 from .conf import outbox_database, outbox_table
 from .models import OutboxGroup, OutboxMessage, Status
 
@@ -283,7 +283,7 @@ class OutboxChangeList(ChangeList):
 class SkipForm(forms.Form):
     """The reason a skip requires (recorded in ``last_error``)."""
 
-    reason = forms.CharField(max_length=core_admin.MAX_REASON_LENGTH, strip=True)
+    reason = forms.CharField(max_length=ops.MAX_REASON_LENGTH, strip=True)
 
 
 @admin.register(OutboxMessage)
@@ -405,7 +405,7 @@ class OutboxMessageAdmin(_ModelAdmin):
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> Any:
         context = dict(extra_context or {})
         try:
-            context["outbox_stats"] = core_admin.stats(_psycopg(self.using), outbox_table(), timeout=2.0)
+            context["outbox_stats"] = ops.stats(_psycopg(self.using), outbox_table(), timeout=2.0)
         except psycopg.Error as exc:  # a slow or failing summary must not hide the list
             context["outbox_stats_error"] = first_line(exc)
         context["outbox_table"] = str(outbox_table())
@@ -415,7 +415,7 @@ class OutboxMessageAdmin(_ModelAdmin):
 
     @admin.display(description="status")
     def status_badge(self, obj: OutboxMessage) -> str:
-        if core_admin.was_skipped(obj.status, obj.last_error):
+        if ops.was_skipped(obj.status, obj.last_error):
             # Still "done" in the table (its state machine is unchanged); shown for what it is.
             return format_html(
                 '<b style="color:{}" title="done without delivery: skipped by an operator">skipped</b>',
@@ -476,14 +476,14 @@ class OutboxMessageAdmin(_ModelAdmin):
         # Kept on the instance, which lives for one request (the ModelAdmin is shared).
         explained: dict[str, Any] | None = getattr(obj, "_outbox_explained", None)
         if explained is None:
-            explained = core_admin.get_message(_psycopg(self.using), outbox_table(), obj.pk) or {}
+            explained = ops.get_message(_psycopg(self.using), outbox_table(), obj.pk) or {}
             obj._outbox_explained = explained  # type: ignore[attr-defined]
         return explained
 
     @admin.display(description="state")
     def state(self, obj: OutboxMessage) -> str:
         row = self._explained(obj)
-        fmt = core_admin.format_duration
+        fmt = ops.format_duration
         if obj.status == Status.PENDING:
             wait = row.get("available_in") or 0
             if obj.ordering_key is not None and row.get("key_head") is None:
@@ -502,7 +502,7 @@ class OutboxMessageAdmin(_ModelAdmin):
                 f"; blocks {behind} message(s) of its ordering key" if obj.ordering_key and behind else ""
             )
             return f"dead after {obj.attempts} attempt(s): requeue or skip it{blocking}"
-        if core_admin.was_skipped(obj.status, obj.last_error):
+        if ops.was_skipped(obj.status, obj.last_error):
             return "skipped by an operator: done without delivery (the reason is in the last error)"
         return "done: delivered"
 
@@ -544,8 +544,8 @@ class OutboxMessageAdmin(_ModelAdmin):
         if ids is None:
             return
         try:
-            done = core_admin.requeue(_psycopg(self.using), outbox_table(), ids, reason=self._who(request))
-        except core_admin.AdminError as exc:
+            done = ops.requeue(_psycopg(self.using), outbox_table(), ids, reason=self._who(request))
+        except ops.AdminError as exc:
             self.message_user(request, f"nothing requeued: {exc}", messages.ERROR)
             return
         self.message_user(request, f"requeued {len(done)} message(s): {_id_list(done)}", messages.SUCCESS)
@@ -560,8 +560,8 @@ class OutboxMessageAdmin(_ModelAdmin):
         if "confirm" in request.POST and form.is_valid():
             reason = f"{form.cleaned_data['reason']} ({self._who(request)})"
             try:
-                done = core_admin.skip(_psycopg(self.using), outbox_table(), ids, reason=reason)
-            except core_admin.AdminError as exc:
+                done = ops.skip(_psycopg(self.using), outbox_table(), ids, reason=reason)
+            except ops.AdminError as exc:
                 self.message_user(request, f"nothing skipped: {exc}", messages.ERROR)
                 return None
             self.message_user(request, f"skipped {len(done)} message(s): {_id_list(done)}", messages.SUCCESS)
@@ -591,7 +591,7 @@ class OutboxMessageAdmin(_ModelAdmin):
         self, request: HttpRequest, queryset: QuerySet[OutboxMessage], verb: str, *, keys: bool = False
     ) -> None:
         conn = _psycopg(self.using)
-        change = core_admin.pause if verb == "pause" else core_admin.resume
+        change = ops.pause if verb == "pause" else ops.resume
         changed: list[str] = []
         unchanged: list[str] = []
         targets = self._targets(queryset, keys=keys)
@@ -603,7 +603,7 @@ class OutboxMessageAdmin(_ModelAdmin):
                 name = event_type if key is None else f"{event_type} key {key}"
                 done = change(conn, outbox_table(), event_type, limit_key=key)
                 (changed if done else unchanged).append(name)
-        except (core_admin.AdminError, psycopg.Error) as exc:
+        except (ops.AdminError, psycopg.Error) as exc:
             done_first = f" ({', '.join(changed)} done first)" if changed else ""
             self.message_user(request, f"could not {verb}: {first_line(exc)}{done_first}", messages.ERROR)
             return
@@ -687,11 +687,11 @@ class OutboxGroupAdmin(_GroupAdmin):
         for g in sorted(queryset.values_list("id", flat=True)):
             try:
                 if finish:
-                    core_admin.finish_group(conn, outbox_table(), g, reason=f"finished by {who}")
+                    ops.finish_group(conn, outbox_table(), g, reason=f"finished by {who}")
                 else:
-                    core_admin.cancel_group(conn, outbox_table(), g, reason=f"cancelled by {who}")
+                    ops.cancel_group(conn, outbox_table(), g, reason=f"cancelled by {who}")
                 closed.append(g)
-            except core_admin.AdminError:
+            except ops.AdminError:
                 refused.append(g)
         verb = "finished" if finish else "cancelled"
         self.message_user(request, f"{verb} {len(closed)} group(s): {_id_list(closed)}", messages.SUCCESS)
