@@ -52,6 +52,15 @@ MAX_ACTION_ROWS = 1000
 ERROR_EXCERPT = 100
 STATUS_COLORS = {"pending": "#447e9b", "processing": "#b07d00", "done": "#3a7d44", "dead": "#ba2121"}
 SKIPPED_COLOR = "#767676"
+# A message's detail page: its sections and their fields.
+MESSAGE_FIELDSETS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
+    (None, ("id", "event_type", "status", "state", "aggregate_type", "aggregate_id")),
+    ("Payload", ("payload_json",)),
+    ("Delivery", ("attempts", "last_error_text", "available_at", "created_at", "done_at")),
+    ("Lease", ("lease_owner", "lease_until", "lease_version", "started_version")),
+    ("Ordering", ("ordering_key", "head", "key_position")),
+    ("Producer", ("dedup_key", "trace_context")),
+)
 
 
 def _when(value: datetime | None) -> str:
@@ -223,7 +232,7 @@ class AgeFilter(admin.SimpleListFilter):
     }
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [(k, v[0]) for k, v in self.AGES.items()]
+        return [(k, label) for k, (label, _age, _older) in self.AGES.items()]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         choice = self.AGES.get(self.value() or "")
@@ -266,7 +275,9 @@ class EstimatedCountPaginator(_Paginator):
         with connections[qs.db].cursor() as cur:
             # The statement is the ORM's own, with its parameters bound: nothing external is spliced.
             cur.execute("EXPLAIN (FORMAT JSON) " + text, params)
-            plan = cur.fetchone()[0]
+            row = cur.fetchone()
+            columns = [c.name for c in cur.description]
+        plan = dict(zip(columns, row, strict=True))["QUERY PLAN"]
         if isinstance(plan, str):
             plan = json.loads(plan)
         return int(plan[0]["Plan"]["Plan Rows"])
@@ -322,37 +333,9 @@ class OutboxMessageAdmin(_ModelAdmin):
         "resume_limit_keys",
     ]
     change_list_template = "admin/outbox_celery/outboxmessage/change_list.html"
-    fieldsets = (
-        (None, {"fields": ("id", "event_type", "status", "state", "aggregate_type", "aggregate_id")}),
-        ("Payload", {"fields": ("payload_json",)}),
-        ("Delivery", {"fields": ("attempts", "last_error_text", "available_at", "created_at", "done_at")}),
-        ("Lease", {"fields": ("lease_owner", "lease_until", "lease_version", "started_version")}),
-        ("Ordering", {"fields": ("ordering_key", "head", "key_position")}),
-        ("Producer", {"fields": ("dedup_key", "trace_context")}),
-    )
-    readonly_fields = (
-        "id",
-        "event_type",
-        "status",
-        "state",
-        "aggregate_type",
-        "aggregate_id",
-        "payload_json",
-        "attempts",
-        "last_error_text",
-        "available_at",
-        "created_at",
-        "done_at",
-        "lease_owner",
-        "lease_until",
-        "lease_version",
-        "started_version",
-        "ordering_key",
-        "head",
-        "key_position",
-        "dedup_key",
-        "trace_context",
-    )
+    fieldsets = tuple((title, {"fields": fields}) for title, fields in MESSAGE_FIELDSETS)
+    # Every field the detail page shows, read-only: it has no form.
+    readonly_fields = tuple(field for _title, fields in MESSAGE_FIELDSETS for field in fields)
 
     # -- where and how ---------------------------------------------------------------------------
 
@@ -533,10 +516,6 @@ class OutboxMessageAdmin(_ModelAdmin):
             return None
         return ids
 
-    def _who(self, request: HttpRequest) -> str:
-        user = getattr(request, "user", None)
-        return f"Django admin user {user.get_username()}" if user is not None else "Django admin"
-
     @admin.action(description="Requeue selected dead messages", permissions=["change"])
     def requeue_dead(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
         """Dead -> pending now, attempts reset; refuses the whole selection if one is not dead."""
@@ -544,7 +523,7 @@ class OutboxMessageAdmin(_ModelAdmin):
         if ids is None:
             return
         try:
-            done = ops.requeue(_psycopg(self.using), outbox_table(), ids, reason=self._who(request))
+            done = ops.requeue(_psycopg(self.using), outbox_table(), ids, reason=_who(request))
         except ops.AdminError as exc:
             self.message_user(request, f"nothing requeued: {exc}", messages.ERROR)
             return
@@ -558,7 +537,7 @@ class OutboxMessageAdmin(_ModelAdmin):
             return None
         form = SkipForm(request.POST if "confirm" in request.POST else None)
         if "confirm" in request.POST and form.is_valid():
-            reason = f"{form.cleaned_data['reason']} ({self._who(request)})"
+            reason = f"{form.cleaned_data['reason']} ({_who(request)})"
             try:
                 done = ops.skip(_psycopg(self.using), outbox_table(), ids, reason=reason)
             except ops.AdminError as exc:
@@ -639,6 +618,12 @@ class OutboxMessageAdmin(_ModelAdmin):
         self._flow_action(request, queryset, "resume", keys=True)
 
 
+def _who(request: HttpRequest) -> str:
+    """Who acts, as a requeue's or skip's reason records it."""
+    user = getattr(request, "user", None)
+    return f"Django admin user {user.get_username()}" if user is not None else "Django admin"
+
+
 def _id_list(ids: list[int]) -> str:
     shown = ", ".join(f"#{i}" for i in ids[:20])
     return shown + (f" and {len(ids) - 20} more" if len(ids) > 20 else "")
@@ -680,8 +665,7 @@ class OutboxGroupAdmin(_GroupAdmin):
         return f"{obj.done + obj.dead} of {obj.total}"
 
     def _close(self, request: HttpRequest, queryset: QuerySet[OutboxGroup], finish: bool) -> None:
-        user = getattr(request, "user", None)
-        who = f"Django admin user {user.get_username()}" if user is not None else "Django admin"
+        who = _who(request)
         conn = _psycopg(self.using)
         closed, refused = [], []
         for g in sorted(queryset.values_list("id", flat=True)):
