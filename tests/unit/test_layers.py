@@ -138,6 +138,17 @@ def test_ops_imports_db_and_the_root_vocabulary_only() -> None:
     assert _room(f"{PACKAGE.name}.db.statements") == "db"  # the rule reads the rooms it means to
 
 
+def test_the_cli_finds_and_operates_an_outbox_without_the_celery_side() -> None:
+    """The command line imports nothing of ``app/``, type-only imports included: it knows an
+    Outbox as an :class:`~outbox_celery.operated.OperatedOutbox`."""
+    offenders = {}
+    for module in _modules_in("cli"):
+        for name, chain in _reachable(module).items():
+            if _room(name) == "app" or name.startswith(f"{PACKAGE.name}.app."):
+                offenders[f"{module} -> {name}"] = " -> ".join(chain)
+    assert offenders == {}
+
+
 def test_no_module_imports_itself_through_others() -> None:
     """No import circle inside the package, type-only imports included.
 
