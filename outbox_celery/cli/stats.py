@@ -82,7 +82,7 @@ def attention(
         _unclaimed_line(u, outbox, s.counts["processing"]) for u in unclaimed if u.event_type not in reported
     ]
     h = s.horizon
-    if h is not None and _holds_long(h):
+    if h is not None and h.held_for_long(HORIZON_ATTENTION_SECONDS):
         items.append(
             f"the xmin horizon is held by {printable(h.holder())}: VACUUM cleans nothing meanwhile "
             f"({h.dead_row_versions:,} dead row versions in the outbox; docs/operations.md, "
@@ -93,14 +93,6 @@ def attention(
 
 # A snapshot held this long is worth a human's look (the claim stays fast, the table grows).
 HORIZON_ATTENTION_SECONDS = 60.0
-
-
-def _holds_long(h: ops.Horizon) -> bool:
-    if h.kind is None:
-        return False
-    if h.seconds is not None:
-        return h.seconds >= HORIZON_ATTENTION_SECONDS
-    return h.state == "inactive"  # a slot nobody consumes holds the horizon until dropped
 
 
 def _done_note(outbox: OperatedOutbox | None) -> str:

@@ -210,10 +210,7 @@ def _horizon(conn: psycopg.Connection[Any], t: TableName, health: Health) -> Non
     if health.schema_version is None:
         return
     h = horizon(conn, t)
-    if h.kind is None:
-        return
-    held_long = h.seconds >= HORIZON_WARNING_SECONDS if h.seconds is not None else h.state == "inactive"
-    if held_long:
+    if h.held_for_long(HORIZON_WARNING_SECONDS):
         health.warnings.append(
             f"the xmin horizon is held by {h.holder()} ({h.dead_row_versions:,} dead row versions "
             "in the outbox; docs/operations.md, long transactions)"

@@ -74,6 +74,16 @@ class Horizon:
             what += f", open {format_duration(self.seconds)}"
         return what
 
+    def held_for_long(self, threshold: float) -> bool:
+        """Whether something has held the horizon long enough for a human to look: a snapshot
+        open ``threshold`` seconds or more, or a replication slot nobody consumes (it holds the
+        horizon until it is dropped)."""
+        if self.kind is None:
+            return False
+        if self.seconds is not None:
+            return self.seconds >= threshold
+        return self.state == "inactive"
+
 
 def horizon(conn: psycopg.Connection[Any], table: str | TableName = "outbox") -> Horizon:
     """What holds the xmin horizon back, and ``table``'s dead row versions (see :class:`Horizon`)."""
