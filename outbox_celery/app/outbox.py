@@ -33,7 +33,8 @@ from ..dsn import DSN_ENV, error_line
 from ..errors import ConfigurationError
 from ..handlers import MAX_BATCH, MAX_WAIT, HandlerSpec, register_handler
 from ..message import Outcome, split_route
-from ..ops import subscriptions
+from ..operated import OperatedOutbox
+from ..ops import flow, retention, subscriptions
 from ..produce import enqueue as producer
 from ..produce.enqueue import Event
 from ..worker.deliverer import Deliverer, tally
@@ -103,7 +104,7 @@ def _quiet_claim_logs(task_name: str) -> None:
             target.addFilter(_quiet_claims)
 
 
-class Outbox:
+class Outbox(OperatedOutbox):
     """An outbox table delivered through a Celery app.
 
     ::
@@ -544,20 +545,16 @@ class Outbox:
         route of it (DESIGN invariant 28); a route alone pauses that subscription. Returns
         whether it was running before (``False``: already paused).
         """
-        from ..ops.operations import pause
-
         with self.connection() as conn:
-            return pause(conn, self.config.table, event_type, limit_key=limit_key)
+            return flow.pause(conn, self.config.table, event_type, limit_key=limit_key)
 
     def resume(self, event_type: str, *, limit_key: str | None = None) -> bool:
         """Resume ``event_type`` (or only its ``limit_key``): it is claimable at once (the push
         listeners are woken), and a RateLimited hold on it ends too; a type with subscriptions
         is resumed with every route of it. Returns whether it was paused or held.
         """
-        from ..ops.operations import resume
-
         with self.connection() as conn:
-            return resume(conn, self.config.table, event_type, limit_key=limit_key)
+            return flow.resume(conn, self.config.table, event_type, limit_key=limit_key)
 
     def deliver(self, outbox_id: int, lease_version: int) -> Outcome:
         """Deliver one row in this process (what the delivery task does)."""
@@ -573,12 +570,10 @@ class Outbox:
         cfg = self.config
         if cfg.retention is None:
             return 0
-        from ..ops.operations import purge_done
-
         with self.connection() as conn:
             # Bounded per run: the purge shares the claim queue and must not hold it for long;
             # the next run (every few minutes) continues where this one stopped.
-            return purge_done(
+            return retention.purge_done(
                 conn,
                 cfg.table,
                 older_than=cfg.retention,
