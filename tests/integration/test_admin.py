@@ -37,7 +37,7 @@ def _kill(
     claimed = {c.id: c for c in result.claimed}
     assert outbox_id in claimed, f"{outbox_id} was not claimable"
     others = [c for c in result.claimed if c.id != outbox_id]
-    store.release(conn, others)
+    store.release(conn, [c.lease for c in others])
     c = claimed[outbox_id]
     assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
     assert store.dead(conn, c.id, c.lease_version, error=error)

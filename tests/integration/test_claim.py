@@ -162,7 +162,7 @@ def test_invariant_4_a_stale_owner_changes_nothing_and_says_so(
         assert store.record_error(conn, i, v, error="x").applied is False
         assert store.extend_lease(conn, i, v, seconds=600) is False
         assert store.postpone(conn, i, v, delay=0, error="x").applied is False
-        assert store.release(conn, [old]) == 0
+        assert store.release(conn, [old.lease]) == 0
 
     assert stable(fetch(conn, table, i)) == before
     assert store.get_stats()["lost_leases"] - lost_before == 7
@@ -323,7 +323,7 @@ def test_invariant_12_release_puts_rows_back_to_pending_at_once_without_spending
     claims = store.claim(conn, limit=10, lease=LONG, owner="a", max_attempts=3).claimed
     assert sorted(c.id for c in claims) == ids
     # The broker refused the first three tasks.
-    assert store.release(conn, claims[:3]) == 3
+    assert store.release(conn, [c.lease for c in claims[:3]]) == 3
     released = {c.id for c in claims[:3]}
     for i in ids:
         row = fetch(conn, table, i)
@@ -338,7 +338,7 @@ def test_invariant_12_release_puts_rows_back_to_pending_at_once_without_spending
     again = store.claim(conn, limit=10, lease=LONG, owner="b", max_attempts=3).claimed
     assert sorted(c.id for c in again) == sorted(released)
     assert all(c.lease_version == 2 for c in again)
-    assert store.release(conn, claims[:3]) == 0
+    assert store.release(conn, [c.lease for c in claims[:3]]) == 0
     assert store.release(conn, []) == 0
     assert count(conn, table, "status = 'processing'") == 5
 
@@ -400,7 +400,7 @@ def test_claim_counts_are_reported(conn: psycopg.Connection[Any], table: str) ->
     add(conn, 4, table=table)
     claims = store.claim(conn, limit=3, lease=LONG, owner="a", max_attempts=3).claimed
     assert store.in_flight(conn) == 3
-    store.release(conn, claims[:1])
+    store.release(conn, [claims[0].lease])
     assert store.get_stats()["claimed"] == 3
     assert store.get_stats()["released"] == 1
     assert store.in_flight(conn) == 2

@@ -182,7 +182,7 @@ def test_invariant_29_steps_that_are_never_final_finish_a_member_through_the_pla
     monkeypatch.setattr(store.completer, "_query", spy)
     claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
     released, *rest = sorted(claimed, key=lambda c: c.id)
-    assert store.release(conn, [released]) == 1  # grouped unknown (None), as the claim's release
+    assert store.release(conn, [released.lease]) == 1  # grouped unknown (None), as the claim's release
     pairs = [(c.id, c.lease_version) for c in rest]
     store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="s")
     postponed, errored, handed = pairs

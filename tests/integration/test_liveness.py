@@ -138,7 +138,7 @@ def test_invariant_12_release_never_touches_a_claim_whose_fenced_start_has_run(
     worker = connect()
     msg = store.start(worker, started_row, claims[0].lease_version, lease=LONG, max_attempts=3)
     assert msg is not None
-    assert store.release(conn, claims) == 1
+    assert store.release(conn, [c.lease for c in claims]) == 1
     row = fetch(conn, table, started_row)
     assert (row["status"], row["attempts"], row["lease_version"]) == ("processing", 1, 1)
     assert fetch(conn, table, unsent)["status"] == "pending"

@@ -96,7 +96,7 @@ def test_invariant_10_random_outcomes_never_lose_a_row_nor_kill_a_healthy_one(
             if outcome == "lost_task":
                 continue
             if outcome == "release":
-                store.release(c, [cl])
+                store.release(c, [cl.lease])
                 continue
             msg = store.start(c, cl.id, cl.lease_version, lease=SHORT, max_attempts=MAX_ATTEMPTS)
             if msg is None:

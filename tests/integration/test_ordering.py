@@ -220,7 +220,7 @@ def test_invariant_9_an_expired_or_released_head_comes_back_before_its_successor
     time.sleep(PAST_SHORT)
     claims = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
     assert [(c.id, c.lease_version) for c in claims] == [(a[0], 2)]
-    assert store.release(conn, claims) == 1
+    assert store.release(conn, [c.lease for c in claims]) == 1
     assert claim_ids(store, conn) == [a[0]]
     assert fetch(conn, table, a[1])["lease_version"] == 0
 
