@@ -4,7 +4,8 @@ One registry (:func:`queries`) serves the store, the operator's commands and the
 names its statements (``-- name: x``); a rule that several statements must share is written
 once, as a fragment, and put where ``{x}`` stands:
 
-* :data:`FRAGMENTS`, in Python, for rules shared across files (lock and channel names);
+* :data:`FRAGMENTS`, in Python, for rules shared across files (lock and channel names) and for
+  the lists of steps, generated from :data:`outcomes.STEPS <outbox_celery.outcomes.STEPS>`;
 * ``-- fragment: x`` in a file, for a piece only that file's statements share.
 
 Fragments are filled in as text, before the table and its index names are bound as quoted
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from types import MappingProxyType
 
 from psycopg import sql
 
 from ..config import TableName
+from ..outcomes import NOT_FINAL, STEPS
 
 # "-- name: x" starts a named statement, "-- fragment: x" a piece of the file's statements.
 _ENTRY = re.compile(r"^--\s*(name|fragment):\s*(\w+)\s*$", re.MULTILINE)
@@ -55,6 +57,12 @@ SUBSCRIPTION_SUFFIX = "_subscription"
 # The table beside each outbox table that holds its groups and their callbacks (invariant 29).
 GROUP_SUFFIX = "_group"
 
+
+def literals(values: Iterable[str]) -> str:
+    """``'a', 'b'``: the library's own constants as a list of SQL literals, quoted by psycopg."""
+    return sql.SQL(", ").join(sql.Literal(str(v)) for v in values).as_string(None)
+
+
 #: Rules written once for every file. Names are after the table's oid, never after user text:
 #: distinct per table, and the same for "outbox" and "public.outbox".
 FRAGMENTS: Mapping[str, str] = MappingProxyType(
@@ -78,6 +86,10 @@ FRAGMENTS: Mapping[str, str] = MappingProxyType(
         # A FROM item that sets synchronous_commit for the statement's own transaction to
         # %(commit_mode)s ('off' relaxes it; NULL keeps the session's setting): see Store's
         # relaxed_commit for why losing such a commit costs at most a redelivery.
+        # Every step of the finish statement, and those that never make a row done or dead
+        # (invariant 29): lists generated from the one table of the steps (outcomes.STEPS).
+        "steps": literals(r.step for r in STEPS),
+        "steps_not_final": literals(NOT_FINAL),
         "commit_mode": (
             "(SELECT set_config('synchronous_commit',"
             " coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')), true))"

@@ -19,8 +19,9 @@ import pytest
 
 import outbox_celery
 from outbox_celery.db import statements as _sql
-from outbox_celery.db.completer import _NOT_FINAL, Completer, FinalizedMany, Finish, Lease, Step
+from outbox_celery.db.completer import Completer, FinalizedMany, Finish, Lease, Step
 from outbox_celery.db.store import Claimed, Store
+from outbox_celery.outcomes import NOT_FINAL
 
 FILES = ["queries.sql", "admin.sql", "inbox/queries.sql"]
 PACKAGE = Path(outbox_celery.__file__).parent
@@ -86,7 +87,7 @@ def test_the_plain_finish_writes_a_member_s_steps_that_are_never_final_and_no_ot
     # whatever the row. The steps are those finish_update's status rule never makes final.
     text = _sql.named("queries.sql")["finish"]
     [listed] = re.findall(r"o\.group_id IS NULL OR f\.outcome IN \(('[a-z_]+'(?:, '[a-z_]+')*)\)", text)
-    assert {s.strip("'") for s in listed.split(", ")} == {str(s) for s in _NOT_FINAL}
+    assert {s.strip("'") for s in listed.split(", ")} == {str(s) for s in NOT_FINAL}
     status_rule = text.split("SET status = CASE", 1)[1].split(" END,", 1)[0]
     final = {
         name
@@ -94,7 +95,7 @@ def test_the_plain_finish_writes_a_member_s_steps_that_are_never_final_and_no_ot
         for name in re.findall(r"'([a-z_]+)'", when[0])
     }
     assert final == {"done", "dead", "retry", "defer", "rate_limited"}
-    assert {str(s) for s in Step} - final == {str(s) for s in _NOT_FINAL}
+    assert {str(s) for s in Step} - final == {str(s) for s in NOT_FINAL}
 
 
 def test_the_fenced_row_sources_are_used_by_the_completer_statements_only() -> None:

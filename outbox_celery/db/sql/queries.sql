@@ -567,8 +567,8 @@ FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
   -- A group's member goes through finish_grouped, which counts it (the completer knows from
   -- the fenced start; a row sent here by mistake is left alone, as a lost lease), but for the
   -- steps that never make a row done or dead: they never change a group's count (invariant 29),
-  -- so the completer sends them here whatever the row (_NOT_FINAL in complete.py).
-  AND (o.group_id IS NULL OR f.outcome IN ('error', 'postpone', 'release', 'hand_back'))
+  -- so the completer sends them here whatever the row (the steps not final in outcomes.STEPS).
+  AND (o.group_id IS NULL OR f.outcome IN ({steps_not_final}))
 RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay;
 
 -- name: finish_grouped
@@ -623,7 +623,7 @@ FROM {commit_mode},
      {wake_listeners} AS woke,
      {finishes} AS f(id, lease_version, outcome, delay, error)
 WHERE o.id = f.id AND o.lease_version = f.lease_version AND {fenced_processing}
-  AND f.outcome IN ('done', 'retry', 'defer', 'rate_limited', 'dead', 'error', 'postpone', 'release', 'hand_back')
+  AND f.outcome IN ({steps})
   AND (f.outcome <> 'done' OR o.ordering_key IS NULL OR %(keys_locked)s::bool)
   AND (f.outcome <> 'release' OR o.started_version < o.lease_version)
 
