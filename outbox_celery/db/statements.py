@@ -135,8 +135,11 @@ def fill(text: str, fragments: Mapping[str, str] = FRAGMENTS) -> str:
 
 #: Fragments of one file that the statements of other files use too, by the file that holds
 #: them: counting a group's outcomes is written once, beside the finalize (invariant 29), and
-#: the operator's requeue and skip (admin.sql) run it as well.
-SHARED: Mapping[str, str] = MappingProxyType({"group_settle": "queries.sql", "group_callback": "queries.sql"})
+#: the operator's requeue and skip (admin.sql) run it as well; the key locks of an ordered done
+#: are an operator's skip's too (invariant 9).
+SHARED: Mapping[str, str] = MappingProxyType(
+    {"group_settle": "queries.sql", "group_callback": "queries.sql", "lock_keys_of_rows": "queries.sql"}
+)
 
 
 @functools.cache

@@ -533,13 +533,18 @@ SELECT id FROM exhausted;
 -- First statement of a finalize that holds an ordered done: the producers' locks (lock_keys) of
 -- those rows' keys, sorted, so that the finish statement's snapshot holds every message of the
 -- keys committed so far and none can commit until the heads have moved (DESIGN invariant 9).
--- Nothing is locked for an unordered row.
+{lock_keys_of_rows};
+
+-- fragment: lock_keys_of_rows
+-- The producers' key locks (lock_keys) of the rows %(ids)s, each key once, in sorted order;
+-- nothing for an unordered row. Written once for an ordered done (lock_key_of) and an
+-- operator's skip (admin.sql lock_keys_of_ids).
 -- A subscription's stored key ("<key>", chr(31), route: DESIGN invariant 28) takes the lock of
 -- its producer's key, the part before chr(31).
 SELECT count({key_lock})
 FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
       WHERE id = ANY(%(ids)s::bigint[]) AND ordering_key IS NOT NULL
-      ORDER BY 1) AS sorted_keys;
+      ORDER BY 1) AS sorted_keys
 
 -- name: finish
 -- The one fenced finalize (the completer, DESIGN invariants 4, 9, 21): every outcome of one row
