@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import psycopg
 
 from ..config import TableName
+from ..db import rows as _rows
 from ..db.completer import Lease
 from ..flow import Limit
 from . import plan
@@ -51,25 +52,7 @@ logger = logging.getLogger(__name__)
 #: Expired leases handled per statement of a claim (release_expired, reap).
 EXPIRED_BATCH = 1000
 
-_R = TypeVar("_R", bound=tuple[Any, ...])
-
-
-def typed_rows(cls: type[_R], cursor: Any) -> list[_R]:
-    """The rows of the statement ``cursor`` ran, each a ``cls`` (a NamedTuple) whose fields name
-    the query's columns in their order (the first ones at least: the rest keep their defaults).
-
-    The names are checked once per statement, so a column moved or renamed in the query fails
-    loudly instead of landing in the wrong field; the rows are then made from the driver's
-    tuples (its fast path: a row factory of its own costs the claim more).
-    """
-    expected: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]
-    result = cursor.pgresult
-    names = tuple(result.fname(i).decode() for i in range(result.nfields)) if result else ()
-    if names != expected[: len(names)]:
-        raise TypeError(f"the query's columns {names} do not match {cls.__name__}{expected}")
-    if len(names) == len(expected):
-        return list(map(cls._make, cursor.fetchall()))  # type: ignore[attr-defined]
-    return [cls(*values) for values in cursor.fetchall()]  # the rest keep their defaults
+_R = TypeVar("_R")
 
 
 class Store(Protocol):
@@ -138,6 +121,12 @@ class ReapedRow(NamedTuple):
     id: int
     lease_version: int
     event_type: str
+
+
+class FirstExpiredRow(NamedTuple):
+    """The earliest lease that ran out since the expired mark (``first_expired``)."""
+
+    lease_until: datetime
 
 
 class LiveRow(NamedTuple):
@@ -375,8 +364,8 @@ class _Run:
         self.params = ClaimParams(lease=0.0, owner="", max_attempts=0, event_types=None)
 
     def rows(self, cls: type[_R], query: str, params: Mapping[str, Any]) -> list[_R]:
-        """Run named query ``query``; its rows as ``cls``."""
-        return typed_rows(cls, self.conn.execute(self.q[query], params))
+        """Run named query ``query``; its rows as ``cls``, by column name (:mod:`outbox_celery.db.rows`)."""
+        return self.conn.cursor(row_factory=_rows.factory(cls)).execute(self.q[query], params).fetchall()
 
     def run(self, query: str, params: Mapping[str, Any]) -> int:
         """Run named query ``query`` for its effect; the number of rows it returned."""
@@ -435,10 +424,10 @@ class _Run:
         """Whether a lease ran out since the expired mark; if one did, the expired scans start
         at the earliest (``first_expired``): one walk of the lease index's range for the four
         statements that read it (DESIGN invariant 18)."""
-        rows = self.conn.execute(self.q["first_expired"], self.params.sql()).fetchall()
+        rows = self.rows(FirstExpiredRow, "first_expired", self.params.sql())
         if not rows:
             return False
-        self.params = replace(self.params, expired_since=rows[0][0])
+        self.params = replace(self.params, expired_since=rows[0].lease_until)
         return True
 
     def maintenance(self, *, lease: float, unroutable_delay: float, keyed: bool) -> Maintenance:

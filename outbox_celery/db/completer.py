@@ -28,7 +28,6 @@ finalizes when the store owns the transaction).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -38,12 +37,13 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import psycopg
 import psycopg.adapt
-from psycopg.rows import RowFactory, RowMaker, class_row
+from psycopg.rows import RowFactory
 
 from .. import outcomes
 from ..config import TableName
 from ..message import Message, Status
 from ..outcomes import Outcome, Step
+from . import rows as _rows
 
 __all__ = ["INLINE_BYTES", "LOST", "Completer", "Finalized", "FinalizedMany", "Finish", "Lease", "Step"]
 
@@ -213,30 +213,11 @@ class FinishedRow:
     delay: float
 
 
-def _rows_of(cls: type[T]) -> RowFactory[T]:
-    """A row factory making ``cls`` (a dataclass) of each row, by column name.
-
-    When the result's columns are the dataclass's fields in order (the statements are written
-    so), rows are made by position after that check, once per result; otherwise by name
-    (psycopg's ``class_row``).
-    """
-    fields = [f.name.encode() for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    by_name = class_row(cls)
-
-    def factory(cursor: Any) -> RowMaker[T]:
-        res = cursor.pgresult  # its column names, without building the description
-        if res is not None and [res.fname(i) for i in range(res.nfields)] == fields:
-            return lambda values: cls(*values)
-        return by_name(cursor)
-
-    return factory
-
-
 # Row factories of the statements' results, made once.
-_STARTED = _rows_of(StartedRow)
-_FINISHED = _rows_of(FinishedRow)
-_IDS = _rows_of(IdRow)
-_PAYLOADS = _rows_of(PayloadRow)
+_STARTED = _rows.factory(StartedRow)
+_FINISHED = _rows.factory(FinishedRow)
+_IDS = _rows.factory(IdRow)
+_PAYLOADS = _rows.factory(PayloadRow)
 
 
 def chunks(rows: Iterable[StartedRow], budget: int) -> list[list[int]]:
