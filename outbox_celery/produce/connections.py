@@ -16,8 +16,6 @@ objects (recognized by the package its class comes from), never otherwise.
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
@@ -26,6 +24,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from ..config import TableName
+from ..db.follow_ups import FOLLOW_UPS, FollowUps, Noted
 from ..db.store import Statement, WritePlan
 from ..errors import ProducerError
 
@@ -38,6 +37,7 @@ __all__ = [
     "async_view",
     "drive",
     "drive_async",
+    "note_follow_ups",
     "sync_view",
 ]
 
@@ -279,44 +279,9 @@ async def drive_async(view: AsyncView, plan: WritePlan) -> list[int]:
             return ids
 
 
-#: What :class:`FollowUps` collects: table -> ids enqueued.
-Noted = dict[TableName, list[int]]
-
-
-class FollowUps:
-    """The rows enqueued on the connection of a transactional handler's open transaction.
-
-    The deliverer watches that connection while the handler runs; the producer notes the ids it
-    inserted there, per outbox table. A long transaction's follow-ups are then moved to the
-    time of its commit before its done (DESIGN invariants 18, 20). Connections nobody watches
-    (every producer outside a transactional handler) cost one dictionary lookup.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._watched: weakref.WeakKeyDictionary[Any, Noted] = weakref.WeakKeyDictionary()
-
-    @contextlib.contextmanager
-    def watch(self, conn: psycopg.Connection[Any]) -> Iterator[Noted]:
-        """Collect what is enqueued on ``conn`` inside the block: table -> ids."""
-        noted: Noted = {}
-        with self._lock:
-            self._watched[conn] = noted
-        try:
-            yield noted
-        finally:
-            with self._lock:
-                self._watched.pop(conn, None)
-
-    def note(self, view: _View, table: TableName, ids: list[int]) -> None:
-        """``ids`` were inserted into ``table`` through ``view`` (the producer calls this)."""
-        if not ids or not isinstance(view, _Psycopg):
-            return
-        with self._lock:
-            noted = self._watched.get(view.conn)
-            if noted is not None:
-                noted.setdefault(table, []).extend(ids)
-
-
-#: The process's one registry (producers and deliverers of every outbox table share it).
-FOLLOW_UPS = FollowUps()
+def note_follow_ups(view: _View, table: TableName, ids: list[int]) -> None:
+    """``ids`` were inserted into ``table`` through ``view``: noted when its connection is being
+    watched (a transactional handler's, :data:`~outbox_celery.db.follow_ups.FOLLOW_UPS`); only a
+    psycopg 3 connection ever is."""
+    if ids and isinstance(view, _Psycopg):
+        FOLLOW_UPS.note(view.conn, table, ids)

@@ -24,7 +24,7 @@ from ..db.store import Store, WritePlan
 from ..errors import ProducerError, first_line
 from ..message import KEY_SEPARATOR, ROUTE_SEPARATOR
 from ..tracing import capture
-from .connections import FOLLOW_UPS, IDLE, INERROR, _View, async_view, drive, drive_async, sync_view
+from .connections import IDLE, INERROR, _View, async_view, drive, drive_async, note_follow_ups, sync_view
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -277,7 +277,7 @@ def _write(
             ids = drive(view, plan)
             # In a transactional handler's transaction: its follow-ups (DESIGN invariant 18);
             # a group's plan returns the group's id first, which is no outbox row.
-            FOLLOW_UPS.note(view, TableName.parse(table), ids if group is None else ids[1:])
+            note_follow_ups(view, TableName.parse(table), ids if group is None else ids[1:])
             return ids
         with view.own_transaction():
             return drive(view, plan)

@@ -15,11 +15,11 @@ from psycopg import pq
 from ..backoff import RetryPolicy
 from ..config import OutboxConfig
 from ..db.completer import Lease
+from ..db.follow_ups import FOLLOW_UPS, Noted
 from ..db.store import Store
 from ..errors import ConfigurationError, RetryableError
 from ..handlers import HandlerSpec
 from ..message import Message, Outcome
-from ..produce.connections import FOLLOW_UPS, Noted
 from ..tracing import handler_span
 from ..transactional import NOTHING_COMMITTED, TransactionKind, TransactionRolledBack
 from .fence import FencedWrites
