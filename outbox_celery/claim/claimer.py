@@ -296,7 +296,7 @@ class Claimer:
         unpublished = claimed[published:]
         if not unpublished:
             return True
-        run.released += self.store.release(conn, unpublished)
+        run.released += self.store.release(conn, [c.lease for c in unpublished])
         run.stopped_by = StoppedBy.PUBLISH_FAILED
         logger.error(
             "outbox publish failed: %s claimed row(s) given back to pending",

@@ -268,16 +268,18 @@ class Store(ProducerWrites):
         rows = conn.execute(self._q["flow_capped"], {"types": list(event_types)}).fetchall()
         return frozenset(str(r[0]) for r in rows)
 
-    def release(self, conn: psycopg.Connection[Any], claims: Sequence[Claimed]) -> int:
-        """Give unpublished claims back: ``pending`` now, no attempt spent (invariant 12).
+    def release(self, conn: psycopg.Connection[Any], leases: Sequence[Lease]) -> int:
+        """Give the leases of unpublished claims back: ``pending`` now, no attempt spent
+        (invariant 12).
 
         A claim whose fenced start has run is left alone (a publish that raised although the
         broker got the task): its worker holds the row. Returns how many rows went back.
         """
-        if not claims:
+        if not leases:
             return 0
         with conn.transaction():
-            won = self._finish(conn, [Finish(c.lease, Step.RELEASE) for c in claims])
+            finishes = [Finish(x, Step.RELEASE) for x in leases]
+            won = self.completer.finish(conn, finishes, max_attempts=0, max_age=0.0)
         return len(won.statuses)
 
     # -- worker side: the fenced transitions, run by the completer (complete.py) ---------------

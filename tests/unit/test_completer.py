@@ -20,7 +20,7 @@ import pytest
 import outbox_celery
 from outbox_celery.db import statements as _sql
 from outbox_celery.db.completer import Completer, FinalizedMany, Finish, Lease, Step
-from outbox_celery.db.store import Claimed, Store
+from outbox_celery.db.store import Store
 from outbox_celery.outcomes import NOT_FINAL
 
 FILES = ["queries.sql", "admin.sql", "inbox/queries.sql"]
@@ -217,7 +217,7 @@ def test_every_store_finalizer_is_one_call_of_the_completer() -> None:
     store.postpone(conn, 1, 2, delay=3, error="e")
     store.done_many(conn, [(1, 2), Lease(3, 4)])
     store.finish_many(conn, [(1, 2, "retry", 3.0, "e")], max_attempts=4, max_age=9, notify=True)
-    store.release(conn, [Claimed(1, 2, "t", None)])  # type: ignore[arg-type]
+    store.release(conn, [Lease(1, 2)])
     steps = [[(f.lease, f.step) for f in finishes] for finishes, _ in recorder.calls]
     assert steps == [
         [(Lease(1, 2), Step.DONE)],
