@@ -20,7 +20,8 @@ import psycopg
 from psycopg import sql
 
 from outbox_celery import OutboxConfig, TableName, migrate
-from outbox_celery.db.store import Claimed
+from outbox_celery.claim import executor
+from outbox_celery.claim.executor import Claimed
 from outbox_celery.handlers import HandlerSpec
 from outbox_celery.testing import InProcess
 
@@ -166,7 +167,8 @@ def measure_claim_cost(
             _finish(
                 conn,
                 table,
-                store.claim(
+                executor.claim(
+                    store,
                     conn,
                     limit=batch_size,
                     lease=600,
@@ -177,8 +179,14 @@ def measure_claim_cost(
             )
         for _ in range(batches):
             t = time.perf_counter()
-            claimed = store.claim(
-                conn, limit=batch_size, lease=600, owner="bench", max_attempts=12, event_types=["bench.noop"]
+            claimed = executor.claim(
+                store,
+                conn,
+                limit=batch_size,
+                lease=600,
+                owner="bench",
+                max_attempts=12,
+                event_types=["bench.noop"],
             ).claimed
             result.batch_ms.append((time.perf_counter() - t) * 1000)
             if len(claimed) != batch_size:
@@ -378,8 +386,14 @@ def measure_keys(
 
         def one(store: Any) -> tuple[float, list[Claimed]]:
             t = time.perf_counter()
-            claimed = store.claim(
-                conn, limit=batch_size, lease=600, owner="bench", max_attempts=12, event_types=["bench.noop"]
+            claimed = executor.claim(
+                store,
+                conn,
+                limit=batch_size,
+                lease=600,
+                owner="bench",
+                max_attempts=12,
+                event_types=["bench.noop"],
             ).claimed
             ms = (time.perf_counter() - t) * 1000
             if not claimed:
