@@ -20,9 +20,9 @@ from typing import Any
 
 from celery import Celery, Task
 
+from ..claim.executor import Claimed
 from ..claim.units import publish_units
 from ..config import OutboxConfig
-from ..db.store import Claimed
 from ..handlers import HandlerSpec
 from ..tracing import task_headers
 from .worker_settings import is_redis

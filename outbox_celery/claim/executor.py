@@ -1,6 +1,6 @@
 """The claim's executor: one claim transaction, run step by step as the planner decides.
 
-One claim (:func:`claim`, what :meth:`Store.claim <outbox_celery.db.store.Store.claim>` runs)::
+One claim (:func:`claim`, on a :class:`~outbox_celery.db.store.Store`'s statements)::
 
     settings + now()           claim_settings_flow: held types, held keys (no lock)
       |
@@ -641,7 +641,33 @@ def claim(
     limits: Mapping[str, Limit] | None = None,
     fill: Mapping[str, tuple[int, float]] | None = None,
 ) -> ClaimResult:
-    """One claim transaction; see :meth:`Store.claim <outbox_celery.db.store.Store.claim>`."""
+    """Reap and claim up to ``limit`` rows in one short transaction, then commit.
+
+    Order: expired leases with attempts left first (they have waited longest), then ordered
+    heads and unordered pending rows share what is left, so neither starves the other. Rows
+    whose attempts are exhausted and whose lease expired go ``dead`` (the reap).
+
+    The reap and the re-claim of expired leases (up to ``expired_limit``, default ``limit``) run
+    even when ``limit`` is 0: the in-flight bound counts live leases only, and expired ones must
+    come back whatever it says (DESIGN invariants 10, 16). Expired claims whose task never
+    started (lost) and expired leases of event types not in ``event_types`` (unroutable, after
+    ``unroutable_delay``) go back to ``pending`` first, no attempt spent.
+
+    Flow control (DESIGN invariants 22, 23): event types paused or held by a RateLimited outcome
+    are claimed by nobody; each type in ``limits`` is claimed by statements of its own, at most
+    its allowance (concurrency left, rate tokens), decided under its flow row's lock so that
+    concurrent claimers never hand out more than the limit together. Its re-claimed expired
+    leases count against the allowance too.
+
+    With ``marks`` (the claim loop's, one per process) the scans start a little behind where the
+    previous claim stopped and move the marks on (DESIGN invariant 18); without, every scan
+    starts at the beginning of its index.
+
+    ``fill`` maps a batch handler's event type to ``(batch, max_wait)`` (DESIGN invariant 21): a
+    type whose due unordered rows are fewer than a batch (or than ``limit``) and whose oldest
+    due row has been due for less than ``max_wait`` seconds (database clock) is left out of the
+    pending statement of this claim; ``flow_wait`` then says when to claim again.
+    """
     limit = max(0, limit)
     expired_limit = limit if expired_limit is None else max(0, expired_limit)
     limits = {t: lim for t, lim in (limits or {}).items() if event_types is None or t in event_types}

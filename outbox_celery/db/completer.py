@@ -73,12 +73,12 @@ class Lease(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Finalized:
-    """What one fenced write of a row did (a finalizer, :meth:`Store.postpone`...).
+    """What one fenced write of a row did (:meth:`FinalizedMany.of`).
 
     :ivar status: the row's status after the write, ``None`` when it changed nothing: the
         lease was lost (a newer claim, a finished or released row; counted and logged). A retry
         or defer past its limit says :attr:`Status.DEAD <outbox_celery.message.Status.DEAD>`;
-        :meth:`Store.record_error` leaves the row ``processing``.
+        an ``error`` step leaves the row ``processing``.
 
     True in a boolean context exactly when the write applied.
     """
@@ -100,7 +100,7 @@ LOST = Finalized(None)
 
 @dataclass(frozen=True, slots=True)
 class FinalizedMany:
-    """What one fenced write of many rows did (:meth:`Store.done_many`, :meth:`Store.finish_many`).
+    """What one fenced write of one row or many did (:meth:`Completer.finish`).
 
     :ivar statuses: the new status of each row the write changed, by id.
     :ivar lost: the ids it left alone: their lease was lost (counted and logged).

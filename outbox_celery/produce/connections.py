@@ -6,8 +6,8 @@ forms a psycopg 3 ``AsyncConnection`` or a SQLAlchemy ``AsyncSession``/``AsyncCo
 (psycopg driver). Each is reduced here to the driver connection underneath, seen through a small
 view: its autocommit flag, its libpq transaction status, a way to run one statement and a way to
 open a transaction of our own. The statements themselves come from
-:meth:`~outbox_celery.db.store.Store.write_plan`, one plan for every kind, so validation, key locks
-and inserts cannot differ between them.
+:meth:`~outbox_celery.produce.writes.ProducerWrites.write_plan`, one plan for every kind, so
+validation, key locks and inserts cannot differ between them.
 
 SQLAlchemy and psycopg2 are optional: they are imported only when the caller passes one of their
 objects (recognized by the package its class comes from), never otherwise.
@@ -25,8 +25,8 @@ from psycopg.rows import tuple_row
 
 from ..config import TableName
 from ..db.follow_ups import FOLLOW_UPS, FollowUps, Noted
-from ..db.store import Statement, WritePlan
 from ..errors import ProducerError
+from .writes import Statement, WritePlan
 
 __all__ = [
     "FOLLOW_UPS",

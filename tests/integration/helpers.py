@@ -12,8 +12,8 @@ from psycopg.rows import dict_row
 from support import steps
 
 from outbox_celery import Event, Store, TableName, enqueue_many
+from outbox_celery.claim.executor import Claimed, ClaimResult, ScanMarks
 from outbox_celery.claim.units import publish_units
-from outbox_celery.db.store import Claimed, ClaimResult, ScanMarks
 from outbox_celery.flow import Limit
 from outbox_celery.testing import InProcess
 

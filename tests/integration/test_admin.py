@@ -15,6 +15,7 @@ from support import steps
 from outbox_celery import Store, TableName
 from outbox_celery.app.outbox import Outbox
 from outbox_celery.ops import operations
+from outbox_celery.produce.writes import ProducerWrites
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, claim_ids, count, fetch, fetch_all, stable
 
@@ -526,7 +527,7 @@ def test_invariant_9_keys_left_without_a_head_are_counted_and_repaired_while_pro
     # waits for it, and then sees its message (flagged or not, the key gets one head only).
     producer = connect()
     with producer.transaction():
-        store.lock_keys(producer, ["old-insert"])
+        ProducerWrites(store).lock_keys(producer, ["old-insert"])
         repaired: list[list[str]] = []
         repair = threading.Thread(target=lambda: repaired.append(operations.repair_heads(connect(), table)))
         repair.start()

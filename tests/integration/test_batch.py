@@ -20,9 +20,9 @@ from psycopg_pool import ConnectionPool
 from support import steps
 
 from outbox_celery import Message, OutboxConfig, Store, TableName
+from outbox_celery.claim.executor import Claimed, ClaimResult, ScanMarks
 from outbox_celery.claim.units import publish_units
 from outbox_celery.db.completer import Finish, Lease, Step
-from outbox_celery.db.store import Claimed, ClaimResult, ScanMarks
 from outbox_celery.errors import Defer, PermanentError, RateLimited, RetryableError
 from outbox_celery.handlers import HandlerSpec
 from outbox_celery.ops import operations

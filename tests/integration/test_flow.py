@@ -15,7 +15,7 @@ from psycopg import sql
 from support import steps
 
 from outbox_celery import Store, TableName
-from outbox_celery.db.store import ClaimResult, ScanMarks
+from outbox_celery.claim.executor import ClaimResult, ScanMarks
 from outbox_celery.flow import Limit
 from outbox_celery.ops import operations
 

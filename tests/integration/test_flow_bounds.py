@@ -21,7 +21,7 @@ from psycopg import sql
 from support import steps
 
 from outbox_celery import Store, TableName, migrate
-from outbox_celery.db.store import ScanMarks
+from outbox_celery.claim.executor import ScanMarks
 from outbox_celery.errors import MigrationError
 from outbox_celery.flow import CAP_RECHECK, Limit
 from outbox_celery.ops import operations

@@ -20,8 +20,9 @@ from psycopg_pool import ConnectionPool
 from support import steps
 
 from outbox_celery import OutboxConfig, Store, TableName
+from outbox_celery.claim.executor import Claimed
 from outbox_celery.claim.listener import Listener
-from outbox_celery.db.store import SLOT_FREED, Claimed
+from outbox_celery.db.store import SLOT_FREED
 from outbox_celery.errors import Defer, PermanentError, RetryableError
 from outbox_celery.flow import Limit
 from outbox_celery.handlers import HandlerSpec

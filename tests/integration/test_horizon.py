@@ -17,7 +17,7 @@ from psycopg import sql
 from support import steps
 
 from outbox_celery import Event, Store, enqueue, enqueue_many
-from outbox_celery.db.store import ScanMarks
+from outbox_celery.claim.executor import ScanMarks
 from outbox_celery.ops import operations
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, fetch

@@ -19,6 +19,7 @@ from outbox_celery import Event, Store, TableName, enqueue, enqueue_many
 from outbox_celery.errors import ProducerError
 from outbox_celery.ops import console, subscriptions
 from outbox_celery.ops.operations import flow_states, pause, purge_done, resume, stats
+from outbox_celery.produce.writes import ProducerWrites
 
 from .helpers import LONG, fetch_all
 
@@ -333,7 +334,7 @@ def test_invariant_28_a_subscriptions_ordered_done_and_repair_wait_for_the_produ
     producer = connect()
     with producer.transaction():
         # A producer of key k holds its lock (invariant 9) until it commits.
-        store.lock_keys(producer, ["k", "j"])
+        ProducerWrites(store).lock_keys(producer, ["k", "j"])
         worker = connect()
         worker.execute("SET lock_timeout = '200ms'")
         with pytest.raises(psycopg.errors.LockNotAvailable):

@@ -31,7 +31,7 @@ from outbox_celery import (
     TableName,
     enqueue,
 )
-from outbox_celery.db.store import Claimed
+from outbox_celery.claim.executor import Claimed
 from outbox_celery.handlers import HandlerSpec
 from outbox_celery.message import Outcome
 from outbox_celery.ops import subscriptions

@@ -191,3 +191,21 @@ def test_only_the_query_registry_reads_the_sql_files() -> None:
             offenders[module] = sorted(used)
     assert offenders == {}
     assert "queries" in _sql_attributes(PACKAGE / "ops" / "operations.py")  # the rule reads what it means to
+
+
+# The rooms above the db room: they run their statements through it, never the other way.
+ABOVE_DB = ("claim", "produce", "worker", "app", "ops", "cli", "web", "contrib")
+
+
+def test_the_db_room_imports_nothing_above_it() -> None:
+    offenders = {}
+    for path in sorted((PACKAGE / "db").rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if path.name == "__init__.py":
+            module = module.rpartition(".")[0]
+        for name, chain in _reachable(module).items():
+            parts = name.split(".")
+            if parts[0] == PACKAGE.name and len(parts) > 1 and parts[1] in ABOVE_DB:
+                offenders[f"{module} -> {name}"] = " -> ".join(chain)
+    assert offenders == {}
+    assert f"{PACKAGE.name}.outcomes" in _reachable(f"{PACKAGE.name}.db.completer")  # it reads what it means to
