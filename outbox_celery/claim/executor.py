@@ -365,7 +365,7 @@ class _Run:
 
     def rows(self, cls: type[_R], query: str, params: Mapping[str, Any]) -> list[_R]:
         """Run named query ``query``; its rows as ``cls``, by column name (:mod:`outbox_celery.db.rows`)."""
-        return self.conn.cursor(row_factory=_rows.factory(cls)).execute(self.q[query], params).fetchall()
+        return _rows.read(self.conn, cls, self.q[query], params)
 
     def run(self, query: str, params: Mapping[str, Any]) -> int:
         """Run named query ``query`` for its effect; the number of rows it returned."""

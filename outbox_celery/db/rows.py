@@ -7,8 +7,9 @@ field or fails loudly, never in the wrong field. When the columns are the fields
 statements are written so), each row is made from the driver's values by position after that
 check, the driver's fast path; otherwise by name.
 
-:func:`factory` is the row factory of a psycopg cursor; :func:`maker` serves results whose
-column names come from elsewhere (the producer's, read through any driver).
+:func:`read` runs a statement and returns its typed rows; :func:`factory` is the row factory of
+a psycopg cursor; :func:`maker` serves results whose column names come from elsewhere (the
+producer's, read through any driver).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
+import psycopg
+from psycopg.abc import Params, QueryNoTemplate
 from psycopg.rows import RowFactory, RowMaker
 
-__all__ = ["factory", "fields", "maker"]
+__all__ = ["factory", "fields", "maker", "read"]
 
 R = TypeVar("R")
 
@@ -79,6 +82,14 @@ def maker(cls: type[R], columns: Sequence[str]) -> Callable[[Sequence[Any]], R]:
     :raises TypeError: a column names no field (or names one twice), or a field lacks its column.
     """
     return cast(Callable[[Sequence[Any]], R], _maker(cls, tuple(columns)))
+
+
+def read(
+    conn: psycopg.Connection[Any], cls: type[R], query: QueryNoTemplate, params: Params | None = None
+) -> list[R]:
+    """Run ``query`` on ``conn`` (on a cursor of its own); its rows as ``cls``, by column name."""
+    with conn.cursor(row_factory=factory(cls)) as cur:
+        return cur.execute(query, params).fetchall()
 
 
 def factory(cls: type[R]) -> RowFactory[R]:

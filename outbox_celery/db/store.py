@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from psycopg import pq, sql
@@ -35,12 +35,15 @@ from psycopg import pq, sql
 from .. import codec
 from ..config import TableName
 from ..message import KEY_SEPARATOR, Message, idempotency_key, split_route
+from . import rows as _rows
 from . import statements as _sql
 from .completer import LOST, Completer, Finalized, FinalizedMany, Finish, Lease, Step
 
 __all__ = ["LOST", "SLOT_FREED", "Finalized", "FinalizedMany", "Lease", "Store", "starter_token"]
 
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 #: The payload of a finished concurrency-limited delivery's notification: a slot is free.
 SLOT_FREED = "slot_freed"
@@ -54,6 +57,73 @@ def starter_token() -> str:
     same claim is refused.
     """
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+# -- the rows of the store's own statements (read by column name, db/rows.py) ------------------
+
+
+class NameRow(NamedTuple):
+    """``canonical_name``: the table as PostgreSQL resolves it."""
+
+    schema_name: str
+    table_name: str
+
+
+class InstanceStateRow(NamedTuple):
+    """``instance``: whether the identity table is there and readable (ok, missing, denied)."""
+
+    state: str
+
+
+class InstanceRow(NamedTuple):
+    """``instance_id``: the table's identity."""
+
+    instance: str
+
+
+class ClaimLockRow(NamedTuple):
+    """``try_claim_lock``: whether this transaction holds the table's claim lock."""
+
+    locked: bool
+
+
+class CountRow(NamedTuple):
+    """``count_in_flight``, ``count_recent_done``."""
+
+    n: int
+
+
+class ReadyRow(NamedTuple):
+    """``flow_exists``: whether the flow-control tables exist."""
+
+    ready: bool
+
+
+class EventTypeRow(NamedTuple):
+    """``flow_capped``: an event type."""
+
+    event_type: str
+
+
+class LimitsRow(NamedTuple):
+    """``transaction_limits``: the settings it made, and the transaction's isolation level."""
+
+    statement_timeout: str
+    idle_timeout: str
+    transaction_timeout: str | None
+    isolation: str
+
+
+class ChannelRow(NamedTuple):
+    """``notify_channel``: the table's channel."""
+
+    channel: str
+
+
+class DueRow(NamedTuple):
+    """``next_due``: seconds until something comes due (``None``: nothing in the window)."""
+
+    seconds: float | None
 
 
 class Store:
@@ -134,6 +204,12 @@ class Store:
         """The named queries, bound to this table (read-only)."""
         return MappingProxyType(dict(self._q))
 
+    def _read(
+        self, conn: psycopg.Connection[Any], cls: type[R], name: str, params: Mapping[str, Any] | None = None
+    ) -> list[R]:
+        """Run named statement ``name``; its rows as ``cls``, by column name."""
+        return _rows.read(conn, cls, self._q[name], params)
+
     # -- identity ------------------------------------------------------------------------------
 
     def _regclass(self, conn: psycopg.Connection[Any] | None) -> str:
@@ -149,9 +225,8 @@ class Store:
         Store, then cached.
         """
         if self._canonical is None:
-            row = conn.execute(self._q["canonical_name"], {"table": self._regclass(conn)}).fetchone()
-            assert row is not None
-            self._canonical = f"{row[0]}.{row[1]}"
+            [row] = self._read(conn, NameRow, "canonical_name", {"table": self._regclass(conn)})
+            self._canonical = f"{row.schema_name}.{row.table_name}"
         return self._canonical
 
     def instance(self, conn: psycopg.Connection[Any]) -> str | None:
@@ -164,12 +239,12 @@ class Store:
         """
         if self._instance is None:
             name = self.table.identifier(_sql.INSTANCE_SUFFIX).as_string(conn)
-            found = conn.execute(self._q["instance"], {"instance_table": name}).fetchone()
-            state = str(found[0]) if found else "missing"
+            [found] = self._read(conn, InstanceStateRow, "instance", {"instance_table": name})
+            state = found.state
             self._instance = ""
             if state == "ok":
-                row = conn.execute(self._q["instance_id"]).fetchone()
-                self._instance = str(row[0]) if row else ""
+                rows = self._read(conn, InstanceRow, "instance_id")
+                self._instance = rows[0].instance if rows else ""
             if not self._instance:
                 why = {
                     "missing": "migration 0006 not applied",
@@ -212,18 +287,18 @@ class Store:
         """
         if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
             raise RuntimeError("try_claim_lock needs an open transaction (conn.transaction())")
-        row = conn.execute(self._q["try_claim_lock"], {"table": self._regclass(conn)}).fetchone()
-        return bool(row and row[0])
+        [row] = self._read(conn, ClaimLockRow, "try_claim_lock", {"table": self._regclass(conn)})
+        return bool(row.locked)
 
     def in_flight(self, conn: psycopg.Connection[Any]) -> int:
         """Live leases: rows ``processing`` whose lease has not run out (DESIGN invariant 16)."""
-        row = conn.execute(self._q["count_in_flight"]).fetchone()
-        return int(row[0]) if row else 0
+        [row] = self._read(conn, CountRow, "count_in_flight")
+        return int(row.n)
 
     def recent_done(self, conn: psycopg.Connection[Any], *, window: float, cap: int) -> int:
         """Rows finished ``done`` in the last ``window`` seconds, counted up to ``cap``."""
-        row = conn.execute(self._q["count_recent_done"], {"window": window, "cap": cap}).fetchone()
-        return int(row[0]) if row else 0
+        [row] = self._read(conn, CountRow, "count_recent_done", {"window": window, "cap": cap})
+        return int(row.n)
 
     def release(self, conn: psycopg.Connection[Any], leases: Sequence[Lease]) -> int:
         """Give the leases of unpublished claims back: ``pending`` now, no attempt spent
@@ -247,8 +322,8 @@ class Store:
             name = self.table.identifier(_sql.FLOW_SUFFIX).as_string(conn)
             keys = self.table.identifier(_sql.FLOW_KEY_SUFFIX).as_string(conn)
             params = {"flow_table": name, "flow_key_table": keys}
-            row = conn.execute(self._q["flow_exists"], params).fetchone()
-            self._flow_ready = bool(row and row[0])
+            [row] = self._read(conn, ReadyRow, "flow_exists", params)
+            self._flow_ready = bool(row.ready)
         return self._flow_ready
 
     def capped(self, conn: psycopg.Connection[Any], event_types: Sequence[str]) -> frozenset[str]:
@@ -256,8 +331,8 @@ class Store:
         (empty before migration 0008)."""
         if not event_types or not self.flow_ready(conn):
             return frozenset()
-        rows = conn.execute(self._q["flow_capped"], {"types": list(event_types)}).fetchall()
-        return frozenset(str(r[0]) for r in rows)
+        rows = self._read(conn, EventTypeRow, "flow_capped", {"types": list(event_types)})
+        return frozenset(r.event_type for r in rows)
 
     # -- the worker's -------------------------------------------------------------------------
 
@@ -310,17 +385,15 @@ class Store:
         if self._owns_transaction(conn):
             raise RuntimeError("limit_transaction needs a transaction: this connection is in autocommit")
         ms = max(1, round(seconds * 1000))
-        row = conn.execute(self._q["transaction_limits"], {"ms": ms}).fetchone()
-        assert row is not None
-        return str(row[3])
+        [row] = self._read(conn, LimitsRow, "transaction_limits", {"ms": ms})
+        return row.isolation
 
     # -- push ----------------------------------------------------------------------------
 
     def notify_channel(self, conn: psycopg.Connection[Any]) -> str:
         """The channel :meth:`notify` signals on (``outbox_celery_<table oid>``)."""
-        row = conn.execute(self._q["notify_channel"], {"table": self._regclass(conn)}).fetchone()
-        assert row is not None
-        return str(row[0])
+        [row] = self._read(conn, ChannelRow, "notify_channel", {"table": self._regclass(conn)})
+        return row.channel
 
     def notify(self, conn: psycopg.Connection[Any], payload: str = "") -> None:
         """Signal this table's channel (:meth:`notify_channel`) with ``payload``: the push
@@ -343,5 +416,5 @@ class Store:
         entries only (DESIGN invariant 18).
         """
         params = {"event_types": list(event_types) if event_types is not None else None, "within": within}
-        row = conn.execute(self._q["next_due"], params).fetchone()
-        return None if row is None or row[0] is None else float(row[0])
+        [row] = self._read(conn, DueRow, "next_due", params)
+        return None if row.seconds is None else float(row.seconds)

@@ -21,9 +21,9 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
 import psycopg
-from psycopg.rows import tuple_row
 
 from ..config import TableName
+from ..db import rows as _rows
 from ..db.follow_ups import FOLLOW_UPS, FollowUps, Noted
 from ..errors import ProducerError
 from .writes import Statement, WritePlan
@@ -65,8 +65,9 @@ class _View:
 class SyncView(_View):
     """A synchronous driver connection (psycopg 3 or psycopg2)."""
 
-    def fetch(self, statement: Statement) -> list[tuple[Any, ...]]:  # pragma: no cover - abstract
-        """Run one statement in the connection's transaction; its rows as tuples."""
+    def fetch(self, statement: Statement) -> list[Any]:  # pragma: no cover - abstract
+        """Run one statement in the connection's transaction; its rows, read as it says
+        (:class:`~outbox_celery.produce.writes.Statement`)."""
         raise NotImplementedError
 
     def own_transaction(self) -> AbstractContextManager[None]:  # pragma: no cover - abstract
@@ -77,8 +78,9 @@ class SyncView(_View):
 class AsyncView(_View):
     """An asynchronous driver connection (psycopg 3 ``AsyncConnection``)."""
 
-    async def fetch(self, statement: Statement) -> list[tuple[Any, ...]]:  # pragma: no cover
-        """Run one statement in the connection's transaction; its rows as tuples."""
+    async def fetch(self, statement: Statement) -> list[Any]:  # pragma: no cover
+        """Run one statement in the connection's transaction; its rows, read as it says
+        (:class:`~outbox_celery.produce.writes.Statement`)."""
         raise NotImplementedError
 
     def own_transaction(self) -> AbstractAsyncContextManager[None]:  # pragma: no cover
@@ -92,10 +94,10 @@ class _Psycopg(SyncView):
         self.autocommit = bool(conn.autocommit)
         self.status = int(conn.info.transaction_status)
 
-    def fetch(self, statement: Statement) -> list[tuple[Any, ...]]:
-        # A cursor of our own with tuple rows: the caller's row factory (dict_row...) is theirs.
-        with self.conn.cursor(row_factory=tuple_row) as cur:
-            cur.execute(*statement)
+    def fetch(self, statement: Statement) -> list[Any]:
+        # A cursor of our own: the caller's row factory (dict_row...) is theirs.
+        with self.conn.cursor(row_factory=statement.row_factory()) as cur:
+            cur.execute(statement.query, statement.params)
             return cur.fetchall()
 
     @contextlib.contextmanager
@@ -110,15 +112,17 @@ class _Psycopg2(SyncView):
         self.autocommit = bool(conn.autocommit)
         self.status = int(conn.info.transaction_status)
 
-    def fetch(self, statement: Statement) -> list[tuple[Any, ...]]:
+    def fetch(self, statement: Statement) -> list[Any]:
         import psycopg2.extensions
 
-        query, params = statement
         # psycopg2 speaks the same %(name)s placeholders; identifiers are quoted by psycopg's
         # sql module (no connection needed for that), values stay bound parameters.
         with self.conn.cursor(cursor_factory=psycopg2.extensions.cursor) as cur:
-            cur.execute(query.as_string(None), params)
-            return [tuple(r) for r in cur.fetchall()]
+            cur.execute(statement.query.as_string(None), statement.params)
+            if statement.row is None:
+                return [tuple(r) for r in cur.fetchall()]
+            make = _rows.maker(statement.row, [column.name for column in cur.description])
+            return [make(r) for r in cur.fetchall()]
 
     @contextlib.contextmanager
     def own_transaction(self) -> Iterator[None]:
@@ -140,9 +144,9 @@ class _AsyncPsycopg(AsyncView):
         self.autocommit = bool(conn.autocommit)
         self.status = int(conn.info.transaction_status)
 
-    async def fetch(self, statement: Statement) -> list[tuple[Any, ...]]:
-        async with self.conn.cursor(row_factory=tuple_row) as cur:
-            await cur.execute(*statement)
+    async def fetch(self, statement: Statement) -> list[Any]:
+        async with self.conn.cursor(row_factory=statement.row_factory()) as cur:
+            await cur.execute(statement.query, statement.params)
             return await cur.fetchall()
 
     @contextlib.asynccontextmanager

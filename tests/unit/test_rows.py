@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -65,3 +67,37 @@ def test_a_query_whose_columns_do_not_match_its_row_type_fails_loudly(columns: t
     # A cursor's result fails at its first row: one nobody reads (a lock statement) is fine.
     with pytest.raises(TypeError, match="do not match ClaimedRow"):
         _made(ClaimedRow, columns, (0,) * len(columns))
+
+
+ROOMS = ("db", "produce", "claim", "worker")
+# What a database row is called in these rooms, when it is one.
+ROW_NAMES = {"row", "r", "found", "got", "head", "locked", "o", "record", "res"}
+
+
+def test_the_rooms_read_rows_by_column_name_only() -> None:
+    """No positional read of a row in the rooms that run statements: a row is read into its row
+    type (db/rows.py) and its columns by name (``rows[0].id`` picks a row, then reads by name)."""
+    package = Path(rows.__file__).parent.parent
+    found = []
+    for room in ROOMS:
+        for path in sorted((package / room).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            named = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and node.attr == "fetchone":
+                    found.append(f"{path.name}:{node.lineno} fetchone")
+                if not isinstance(node, ast.Subscript) or id(node) in named:
+                    continue
+                index = node.slice
+                if (
+                    not isinstance(index, ast.Slice | ast.Constant)
+                    or type(getattr(index, "value", 0)) is not int
+                ):
+                    continue
+                target = node.value
+                if isinstance(target, ast.Name) and target.id in ROW_NAMES:
+                    found.append(f"{path.name}:{node.lineno} {target.id}[...]")
+                call = target.func if isinstance(target, ast.Call) else None
+                if isinstance(call, ast.Attribute) and call.attr.startswith("fetch"):
+                    found.append(f"{path.name}:{node.lineno} {call.attr}()[...]")
+    assert found == []

@@ -183,7 +183,7 @@ SELECT id, dedup_key FROM {table} WHERE dedup_key = ANY(%(keys)s::text[]);
 -- The head finalizers (finish_done_head, admin skip) take the same locks. The isolation level
 -- comes back with it: insert decides the head from its statement's snapshot, which is taken
 -- after the lock only under read committed.
-SELECT count({key_lock}), current_setting('transaction_isolation')
+SELECT count({key_lock}) AS locked, current_setting('transaction_isolation') AS isolation
 FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k) ORDER BY k) AS sorted_keys;
 
 -- name: try_claim_lock
@@ -191,17 +191,17 @@ FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k) ORDER BY k) AS sor
 -- caller holds the transaction open for the run and its end releases the lock, so no session
 -- state is involved (PgBouncer's transaction pooling may move sessions between transactions).
 SELECT pg_try_advisory_xact_lock(hashtextextended(
-    'outbox_celery:claim:' || %(table)s::regclass::oid::text, 0));
+    'outbox_celery:claim:' || %(table)s::regclass::oid::text, 0)) AS locked;
 
 -- name: count_in_flight
 -- Live leases only (DESIGN invariant 16): a row whose lease ran out holds no worker, so a lost
 -- task (no consumer, flushed broker, a deploy with every delivery worker down) never fills the
 -- bound; the claim takes such rows back whatever the bound says.
-SELECT count(*) FROM {table} WHERE status = 'processing' AND lease_until > now();
+SELECT count(*) AS n FROM {table} WHERE status = 'processing' AND lease_until > now();
 
 -- name: count_recent_done
 -- Rows finished in the last window, counted up to a cap so the cost stays bounded.
-SELECT count(*) FROM (
+SELECT count(*) AS n FROM (
     SELECT 1 FROM {table}
     WHERE status = 'done' AND done_at > now() - make_interval(secs => %(window)s)
     LIMIT %(cap)s
@@ -696,11 +696,11 @@ WHERE (id = ANY(%(ids)s::bigint[]) OR payload_of = ANY(%(ids)s::bigint[]))
 -- the server has it (the CASE never evaluates the name on an older server, which would refuse
 -- it). None of them is needed for correctness: the fenced done, last in the transaction, rolls
 -- back a run whose claim was superseded; they bound how long its locks are held.
-SELECT set_config('statement_timeout', %(ms)s::text, true),
-       set_config('idle_in_transaction_session_timeout', %(ms)s::text, true),
+SELECT set_config('statement_timeout', %(ms)s::text, true) AS statement_timeout,
+       set_config('idle_in_transaction_session_timeout', %(ms)s::text, true) AS idle_timeout,
        CASE WHEN current_setting('server_version_num')::int >= 170000
-            THEN set_config('transaction_timeout', %(ms)s::text, true) END,
-       current_setting('transaction_isolation');
+            THEN set_config('transaction_timeout', %(ms)s::text, true) END AS transaction_timeout,
+       current_setting('transaction_isolation') AS isolation;
 
 -- name: extend_lease
 -- The lease heartbeat of one claim or many: lease_until = max(lease_until, now() + seconds),
@@ -714,7 +714,7 @@ RETURNING o.id;
 -- name: canonical_name
 -- The table as PostgreSQL resolves it, schema included: the base of idempotency keys, so that
 -- "outbox" and "public.outbox" (one table) give every message one key (DESIGN invariant 11).
-SELECT n.nspname, c.relname
+SELECT n.nspname AS schema_name, c.relname AS table_name
 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
 WHERE c.oid = %(table)s::regclass;
 
@@ -724,10 +724,10 @@ WHERE c.oid = %(table)s::regclass;
 -- table), 'denied' when this role may not read it (a worker role granted the outbox table only).
 SELECT CASE WHEN to_regclass(%(instance_table)s) IS NULL THEN 'missing'
             WHEN has_table_privilege(to_regclass(%(instance_table)s), 'SELECT') THEN 'ok'
-            ELSE 'denied' END;
+            ELSE 'denied' END AS state;
 
 -- name: instance_id
-SELECT instance::text FROM {instance_table};
+SELECT instance::text AS instance FROM {instance_table};
 
 -- name: settle_heads
 -- The one definition of giving a key its head back, under the keys' locks (the statement before
@@ -756,7 +756,7 @@ RETURNING o.id, o.ordering_key;
 -- name: notify_channel
 -- The channel the producer's insert signals on (pg_notify in insert / insert_many); the
 -- listener LISTENs on it (as an identifier).
-SELECT {notify_channel};
+SELECT {notify_channel} AS channel;
 
 -- name: notify
 -- Wake this table's listeners (at commit; at once on an autocommit connection) on the channel
@@ -788,12 +788,12 @@ SELECT extract(epoch FROM least(
      WHERE status = 'processing' AND lease_until > now()
        AND lease_until <= now() + make_interval(secs => %(within)s)
      ORDER BY lease_until LIMIT 1)
-) - now())::float8;
+) - now())::float8 AS seconds;
 
 -- name: flow_exists
 -- Whether the flow-control tables (migrations 0007 and 0008) are there: a claim of a table
 -- not migrated yet runs without pauses and limits (and says so in the log) instead of failing.
-SELECT to_regclass(%(flow_table)s) IS NOT NULL AND to_regclass(%(flow_key_table)s) IS NOT NULL;
+SELECT to_regclass(%(flow_table)s) IS NOT NULL AND to_regclass(%(flow_key_table)s) IS NOT NULL AS ready;
 
 -- name: flow_lock
 -- The flow-control rows of the event types this claim limits or claims key by key (DESIGN
