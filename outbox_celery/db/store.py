@@ -144,9 +144,9 @@ class Store:
         ordering and fencing hold across a crash. The claim itself always commits durably: its
         new ``lease_version`` goes out in published tasks and must never be rolled back.
     :param queries: replacement texts for named queries of ``sql/queries.sql`` (same name, same
-        parameters; ``{table}`` and the index names are bound as identifiers, the file's fragments
-        such as ``{claim_picked}`` filled in). For benchmarks and experiments: the text is trusted SQL,
-        never user input.
+        parameters, same column names: rows are read by column name; ``{table}`` and the index
+        names are bound as identifiers, the file's fragments such as ``{claim_picked}`` filled
+        in). For benchmarks and experiments: the text is trusted SQL, never user input.
     """
 
     def __init__(

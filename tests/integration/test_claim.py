@@ -415,7 +415,7 @@ def test_a_store_runs_the_query_texts_it_was_given_and_refuses_unknown_names(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
     # The benchmarks' seam: a replaced named query runs in place of the shipped one.
-    store = Store(table, queries={"count_in_flight": "SELECT 42 FROM {table} LIMIT 1"})
+    store = Store(table, queries={"count_in_flight": "SELECT 42 AS n FROM {table} LIMIT 1"})
     add(conn, table=table)
     assert store.in_flight(conn) == 42
     assert "claim_heads" in store.queries
