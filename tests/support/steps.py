@@ -147,14 +147,7 @@ def retry(
 
 
 def defer(
-    store: Store,
-    conn: Conn,
-    outbox_id: int,
-    lease_version: int,
-    *,
-    delay: float,
-    reason: str,
-    max_age: float,
+    store: Store, conn: Conn, outbox_id: int, lease_version: int, *, delay: float, reason: str, max_age: float
 ) -> Finalized:
     """Fenced defer, the attempt refunded: ``pending``, or ``dead`` past ``max_age``."""
     finish = Finish(Lease(outbox_id, lease_version), Step.DEFER, delay, reason)
@@ -162,14 +155,7 @@ def defer(
 
 
 def rate_limited(
-    store: Store,
-    conn: Conn,
-    outbox_id: int,
-    lease_version: int,
-    *,
-    delay: float,
-    reason: str,
-    max_age: float,
+    store: Store, conn: Conn, outbox_id: int, lease_version: int, *, delay: float, reason: str, max_age: float
 ) -> Finalized:
     """Fenced RateLimited outcome: as :func:`defer`, and the row's type (or key) held as long."""
     finish = Finish(Lease(outbox_id, lease_version), Step.RATE_LIMITED, delay, reason)

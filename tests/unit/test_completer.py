@@ -155,6 +155,28 @@ def test_only_the_completer_runs_the_fenced_statements() -> None:
     assert runners == {"completer"}
 
 
+# One claim or one step of a row per call: the test helpers' (tests/support/steps.py), never the
+# store's or the worker's (they go through executor.claim and the completer).
+PER_STEP = frozenset(
+    [
+        "claim",
+        "start",
+        "start_many",
+        "done",
+        "done_many",
+        "finish_many",
+        "retry",
+        "defer",
+        "rate_limited",
+        "dead",
+        "record_error",
+        "postpone",
+        "extend_lease",
+        "extend_leases",
+    ]
+)
+
+
 def test_the_worker_writes_through_one_call_per_step_into_the_completer() -> None:
     """Every write of the worker's rooms is a completer call in fence.py: start, finish, extend."""
     calls: dict[str, list[str]] = {}
@@ -174,17 +196,7 @@ def test_the_worker_writes_through_one_call_per_step_into_the_completer() -> Non
         "completer.finish": ["fence"],
         "completer.start": ["fence"],
     }
-    finalizers = {
-        "done",
-        "done_many",
-        "finish_many",
-        "retry",
-        "defer",
-        "rate_limited",
-        "dead",
-        "record_error",
-    }
-    assert {k.split(".")[1] for k in calls if k.startswith("store.")} & (finalizers | {"postpone"}) == set()
+    assert {k.split(".")[1] for k in calls if k.startswith("store.")} & PER_STEP == set()
 
 
 class _Recorder(Completer):
@@ -207,23 +219,7 @@ class _Conn:
 def test_the_store_writes_no_step_itself() -> None:
     """The fenced transitions are the completer's: the store keeps no per-step method, and its
     one write of claims (the release of unpublished rows) is one call of the completer."""
-    per_step = {
-        "claim",
-        "start",
-        "start_many",
-        "done",
-        "done_many",
-        "finish_many",
-        "retry",
-        "defer",
-        "rate_limited",
-        "dead",
-        "record_error",
-        "postpone",
-        "extend_lease",
-        "extend_leases",
-    }
-    assert per_step & set(dir(Store)) == set()
+    assert PER_STEP & set(dir(Store)) == set()
     store = Store("t")
     recorder = store.completer = _Recorder(store)
     assert store.release(_Conn(), [Lease(1, 2), Lease(3, 4)]) == 2  # type: ignore[arg-type]
