@@ -6,9 +6,9 @@
 On a throw-away database of ``--dsn``'s server (default ``OUTBOX_TEST_DSN``): the median time of
 each console page (served in process by Starlette's TestClient: the queries, the template and
 the HTTP round trip), of :func:`outbox_celery.ops.console.overview` alone, of
-:func:`outbox_celery.ops.operations.stats` (bounded, and with ``cap=None`` for exact counts) beside the
+:func:`outbox_celery.ops.ops.stats` (bounded, and with ``cap=None`` for exact counts) beside the
 stats statement as it was before its reads were bounded (``OLD_STATS``), and of one metrics
-scrape (``OutboxCollector.collect``, which runs ``operations.stats``; over a DSN as ``outbox-celery
+scrape (``OutboxCollector.collect``, which runs ``ops.stats``; over a DSN as ``outbox-celery
 metrics`` does, a connection per scrape, and over a kept connection) beside what the old scrape
 read (the old statement, the horizon and the holds), first at 0 rows, then with ``--done`` done
 rows and ``--unfinished`` unfinished ones (half ready, a fifth scheduled or retrying, a tenth
@@ -29,8 +29,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_celery import ops
 from outbox_celery.db.migrations import migrate
-from outbox_celery.ops import console, operations
+from outbox_celery.ops import console
 from outbox_celery.testing import temporary_database
 
 #: The stats statement as it was before its reads were bounded (exact counts: every unfinished
@@ -232,18 +233,18 @@ def _measure(dsn: str, runs: int) -> dict[str, float]:
         # What a scrape read before: the old statement, then the horizon and the holds.
         with conn.transaction():
             conn.execute(old_stats).fetchone()
-            operations.horizon(conn, "outbox")
-            operations.flow_states(conn, "outbox")
-            operations.key_states(conn, "outbox")
+            ops.horizon(conn, "outbox")
+            ops.flow_states(conn, "outbox")
+            ops.key_states(conn, "outbox")
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         out["console.overview()"] = _median_ms(lambda: console.overview(conn, "outbox"), runs)
         out["console.minutes()"] = _median_ms(lambda: console.minutes(conn, "outbox"), runs)
         out["stats statement, old (exact)"] = _median_ms(lambda: conn.execute(old_stats).fetchone(), runs)
-        out[f"stats (operations.stats, cap {operations.DEFAULT_STATS_CAP:,})"] = _median_ms(
-            lambda: operations.stats(conn, "outbox"), runs
+        out[f"stats (ops.stats, cap {ops.DEFAULT_STATS_CAP:,})"] = _median_ms(
+            lambda: ops.stats(conn, "outbox"), runs
         )
-        out["stats, cap=None (exact)"] = _median_ms(lambda: operations.stats(conn, "outbox", cap=None), runs)
+        out["stats, cap=None (exact)"] = _median_ms(lambda: ops.stats(conn, "outbox", cap=None), runs)
         out["scrape reads, old statement, kept conn"] = _median_ms(lambda: old_scrape(conn), runs)
         first_dead = conn.execute("SELECT min(id) FROM outbox WHERE status = 'dead'").fetchone()
     collector = OutboxCollector(dsn, "outbox")

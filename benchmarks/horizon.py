@@ -40,11 +40,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_celery import TableName, migrate
+from outbox_celery import TableName, migrate, ops
 from outbox_celery.claim import executor
 from outbox_celery.claim.executor import Claimed, ScanMarks
 from outbox_celery.db.store import Store
-from outbox_celery.ops import operations as outbox_admin
 from outbox_celery.testing import embedded_postgres, free_port
 
 from .measure import percentile
@@ -443,7 +442,7 @@ class Monitor:
         t = time.perf_counter()
         try:
             with psycopg.connect(self.dsn, autocommit=True) as conn:
-                deleted = outbox_admin.purge_done(conn, self.table, older_than=7 * 86400.0, batch_size=5000)
+                deleted = ops.purge_done(conn, self.table, older_than=7 * 86400.0, batch_size=5000)
             self.pin_log.update(purge_deleted=deleted, purge_s=round(time.perf_counter() - t, 2))
         except Exception as exc:  # reported, the run goes on
             self.error = f"purge: {type(exc).__name__}: {exc}"
@@ -851,7 +850,7 @@ def measure_claim_vs_dead(
                 made += 3 * sum(rows) if pin is not None else 0
                 conn.execute("SELECT pg_stat_force_next_flush()")
                 t = time.perf_counter()
-                outbox_admin.stats(conn, table)
+                ops.stats(conn, table)
                 stats_ms = (time.perf_counter() - t) * 1000
                 dead = _dead_tuples(conn, table)[0]
                 out.append(ClaimLevel(label, made, dead, times, rows, churn_seconds, stats_ms))

@@ -22,9 +22,8 @@ from typing import Any
 
 import psycopg
 
-from outbox_celery import Event, enqueue_many
+from outbox_celery import Event, enqueue_many, ops
 from outbox_celery.db.migrations import migrate
-from outbox_celery.ops import operations
 from outbox_celery.testing import temporary_database
 from outbox_celery.web import Database, create_app
 
@@ -108,8 +107,8 @@ def _seed(dsn: str, *, billing: bool) -> None:
             " lease_until = now() + interval '30 s'"
             " WHERE event_type = 'webhook.partner' AND status = 'pending' AND id % 10 IN (1, 2)"
         )
-        operations.pause(conn, "outbox", "mail.sent")
-        operations.pause(conn, "outbox", "webhook.partner", limit_key="partner-2")
+        ops.pause(conn, "outbox", "mail.sent")
+        ops.pause(conn, "outbox", "webhook.partner", limit_key="partner-2")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,13 @@ import kombu.utils.json
 
 from .errors import PayloadError as PayloadError
 
-__all__ = ["PayloadError", "decode", "encode", "register_type"]
+__all__ = ["MAX_DEPTH", "PayloadError", "decode", "encode", "register_type"]
+
+#: The deepest nesting of lists and objects a payload may have. The handler receives the payload
+#: through a decode that takes two Python frames per level, inside a worker's own stack: a
+#: payload deeper than this would fail before its handler on every attempt, so it is refused
+#: at enqueue. A registered type's value counts its own levels, its envelope one more.
+MAX_DEPTH = 200
 
 T = TypeVar("T")
 
@@ -60,8 +66,16 @@ def encode(value: Any) -> str:
     back as itself through :func:`decode` (beyond the documented conversions above).
 
     NaN and infinities are refused (PostgreSQL's ``json`` rejects them), as are texts holding
-    NUL (``\\u0000``, which PostgreSQL cannot turn into text when the payload is searched).
+    NUL (``\\u0000``, which PostgreSQL cannot turn into text when the payload is searched) and
+    nesting deeper than :data:`MAX_DEPTH`.
     """
+    try:
+        return _encode(value)
+    except RecursionError:
+        raise PayloadError(f"nested deeper than {MAX_DEPTH} levels of lists and objects") from None
+
+
+def _encode(value: Any) -> str:
     try:
         text: str = kombu.utils.json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
         text.encode("utf-8")  # a lone surrogate is refused here, not by PostgreSQL
@@ -71,7 +85,7 @@ def encode(value: Any) -> str:
         back = kombu.utils.json.loads(text)
     except Exception as exc:  # an envelope of an unknown marker, a decoder that raises
         raise PayloadError(f"would not come back as itself: decoding it fails ({exc})") from exc
-    _same(value, back, "payload")
+    _same(value, back, "payload", 0)
     return text
 
 
@@ -108,8 +122,11 @@ def _key(key: Any) -> str:
     return int.__repr__(key)
 
 
-def _same(sent: Any, back: Any, where: str) -> None:
-    """Refuse (:class:`PayloadError`) when ``back`` is not ``sent`` up to the documented conversions."""
+def _same(sent: Any, back: Any, where: str, depth: int) -> None:
+    """Refuse (:class:`PayloadError`) when ``back`` is not ``sent`` up to the documented
+    conversions, or nests deeper than :data:`MAX_DEPTH` (``depth``: the levels above it)."""
+    if isinstance(back, dict | list) and depth >= MAX_DEPTH:
+        raise PayloadError(f"nested deeper than {MAX_DEPTH} levels of lists and objects (at {where[:80]})")
     if isinstance(sent, dict):
         if not isinstance(back, dict):
             _refuse(
@@ -120,13 +137,13 @@ def _same(sent: Any, back: Any, where: str) -> None:
         for (key, item), (key_back, item_back) in zip(sent.items(), back.items(), strict=True):
             if not isinstance(key, _KEYS) or _key(key) != key_back:
                 _refuse(where, key, key_back, "a key that is not a string, number, bool or None")
-            _same(item, item_back, f"{where}[{key!r}]")
+            _same(item, item_back, f"{where}[{key!r}]", depth + 1)
         return
     if isinstance(sent, list | tuple):
         if not isinstance(back, list) or len(back) != len(sent):
             _refuse(where, sent, back)
         for i, (item, item_back) in enumerate(zip(sent, back, strict=True)):
-            _same(item, item_back, f"{where}[{i}]")
+            _same(item, item_back, f"{where}[{i}]", depth + 1)
         return
     expected = _base(sent)
     if type(back) is not expected or not _equal(sent, back):

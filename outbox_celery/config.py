@@ -132,7 +132,10 @@ _SECONDS_FIELDS = (
     "scan_lookback",
     "full_scan_interval",
     "unreachable_exit_after",
+    "wait_for_database",
 )
+# Seconds settings where 0 means "not at all".
+_MAY_BE_ZERO = ("done_batch_delay", "wait_for_database")
 _INT_FIELDS = (
     "batch_size",
     "max_attempts",
@@ -244,6 +247,11 @@ class OutboxConfig:
         before it stops (a warm shutdown, exit code 1), so that its supervisor restarts it and
         probes see it. Default ``None``: it keeps retrying and logging (docs/operations.md,
         "Health checks and probes").
+    :ivar wait_for_database: seconds a worker that serves this outbox (it consumes its claim
+        queue or a delivery queue) waits at start for its database: reachable, the table
+        migrated, the handlers' subscriptions registered. Past it the worker refuses to start
+        (one line on stderr, exit code 1) instead of running and failing every task it takes.
+        Default 0: it refuses at once.
     """
 
     # Left out of repr: error reporters that record locals (Sentry) send repr(config).
@@ -282,6 +290,7 @@ class OutboxConfig:
     scan_lookback: float = 10.0
     full_scan_interval: float = 60.0
     unreachable_exit_after: float | None = None
+    wait_for_database: float = 0.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -299,7 +308,7 @@ class OutboxConfig:
             set_(
                 self,
                 name,
-                seconds(value, name, error=ConfigurationError, positive=name != "done_batch_delay"),
+                seconds(value, name, error=ConfigurationError, positive=name not in _MAY_BE_ZERO),
             )
         for name in _INT_FIELDS:
             _positive_int(getattr(self, name), name)
@@ -393,6 +402,17 @@ class OutboxConfig:
         if self.lease_heartbeat:
             return self.handler_time_limit if self.handler_time_limit is not None else 10 * self.lease
         return self.lease * 0.9
+
+    @property
+    def connection_wait(self) -> float:
+        """Seconds a pooled connection is waited for, and a new one given to connect.
+
+        A quarter of the lease, from 1 to 30 seconds: well inside a delivery's
+        :attr:`task_time_limit`, so a process whose connections the server dropped fails the
+        wait (the row returns after its lease, fenced) instead of being killed by its hard time
+        limit while waiting, and a claim run never waits longer than its lease for the database.
+        """
+        return min(30.0, max(1.0, self.lease / 4))
 
     @property
     def min_redelivery_timeout(self) -> float:

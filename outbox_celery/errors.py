@@ -48,7 +48,7 @@ class ConfigurationError(OutboxError, ValueError):
 
 
 class AdminError(OutboxError, ValueError):
-    """An operator command was refused; nothing was changed (``outbox_celery.ops.operations``)."""
+    """An operator command was refused; nothing was changed (``outbox_celery.ops``)."""
 
 
 class InboxError(OutboxError):

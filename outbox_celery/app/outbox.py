@@ -10,6 +10,8 @@ and closes it at shutdown (:mod:`outbox_celery.app.signals`). Its settings are t
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -17,6 +19,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from celery import Celery
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from ..backoff import RetryPolicy
@@ -24,13 +27,15 @@ from ..claim.claimer import Claimer, ClaimRun, default_owner
 from ..claim.executor import Claimed
 from ..claim.listener import Listener
 from ..config import OutboxConfig, given_settings, resolve
+from ..db import migrations
 from ..db.pool import ForkSafePool, IdleCheck
 from ..db.store import Store
-from ..dsn import DSN_ENV
+from ..dsn import DSN_ENV, error_line
 from ..errors import ConfigurationError
 from ..handlers import MAX_BATCH, MAX_WAIT, HandlerSpec, register_handler
 from ..message import Outcome, split_route
-from ..ops import subscriptions
+from ..operated import OperatedOutbox
+from ..ops import flow, retention, subscriptions
 from ..produce import enqueue as producer
 from ..produce.enqueue import Event
 from ..worker.deliverer import Deliverer, tally
@@ -100,7 +105,7 @@ def _quiet_claim_logs(task_name: str) -> None:
             target.addFilter(_quiet_claims)
 
 
-class Outbox:
+class Outbox(OperatedOutbox):
     """An outbox table delivered through a Celery app.
 
     ::
@@ -171,7 +176,8 @@ class Outbox:
             after_fork=self._pool.after_fork,
             shutdown=self.close,
             check=self.check_worker_settings,
-            register=self._register_at_start,
+            start=self.start_worker,
+            shutting_down=self._shutting_down,
         )
         install_listener_step(self)
         if getattr(app, "configured", False):
@@ -326,23 +332,87 @@ class Outbox:
 
     def register_subscriptions(self) -> list[str]:
         """Add the subscriptions this outbox's handlers declare (``name=``) to its table, where
-        the producers read them (DESIGN invariant 28); returns the routes added. Every worker
-        runs it at start-up; one removed by an operator stays removed (logged)."""
-        # A connection of its own, not the pool: at worker_init the pool processes are not
-        # forked yet, and the parent keeps no connection it does not use.
-        with psycopg.connect(self.config.dsn or "", autocommit=True) as conn:
+        the producers read them (DESIGN invariant 28); returns the routes added (an existing one
+        is left as it is). Every worker runs it at start-up (:meth:`start_worker`); one removed
+        by an operator stays removed (logged)."""
+        with self._start_connection() as conn:
             return subscriptions.register(conn, self.config.table, self._handlers)
 
-    def _register_at_start(self) -> None:
-        if not any(split_route(r)[1] for r in self._handlers):
+    def _start_connection(self) -> psycopg.Connection[Any]:
+        # A connection of its own, not the pool: at worker_init the pool processes are not
+        # forked yet, and the parent keeps no connection it does not use.
+        extra: dict[str, Any] = {}
+        if "connect_timeout" not in conninfo_to_dict(self.config.dsn or ""):
+            extra["connect_timeout"] = max(2, math.ceil(self.config.connection_wait))
+        return psycopg.connect(
+            self.config.dsn or "",
+            autocommit=True,
+            application_name=f"outbox-celery:{self.name}:start",
+            **extra,
+        )
+
+    def start_worker(self, queues: Collection[str] | None = None) -> None:
+        """What a worker of this app does at start-up when it serves this outbox (it consumes
+        its claim queue or a delivery queue; ``queues`` unknown: it does).
+
+        The database must be reachable, the table migrated and the handlers' subscriptions
+        registered; each is tried again with a backoff for ``wait_for_database`` seconds. Past
+        that the worker does not start: :class:`SystemExit` with one line that says why (exit
+        code 1), rather than a worker that takes tasks it can only fail.
+        """
+        if queues is not None and not set(queues) & set(self.queues):
             return
-        try:
-            added = self.register_subscriptions()
-        except Exception:
-            logger.exception("outbox %s: the subscriptions of its handlers were not registered", self.name)
+        deadline = time.monotonic() + self.config.wait_for_database
+        pause = 0.5
+        while True:
+            try:
+                self._ready_to_serve()
+                return
+            except (psycopg.Error, ConfigurationError) as exc:
+                why = error_line(exc, self.config.dsn) if isinstance(exc, psycopg.Error) else str(exc)
+            if time.monotonic() + pause > deadline:
+                waited = f" after {self.config.wait_for_database:g}s" if self.config.wait_for_database else ""
+                raise SystemExit(
+                    f"outbox {self.name}: the worker does not start{waited}: {why} "
+                    "(set outbox_wait_for_database to wait for the database at start)"
+                )
+            logger.warning("outbox %s: waiting for the database before starting (%s)", self.name, why)
+            time.sleep(pause)
+            pause = min(5.0, pause * 2)
+
+    def _shutting_down(self, how: str) -> None:
+        """Say what a worker's shutdown waits for: its running deliveries, up to their time limit."""
+        from celery.worker import state
+
+        names = {self.deliver_task.name, self.deliver_batch_task.name}
+        # type, not name: a delivery task's name is its shadow, outbox.deliver[<route>].
+        running = [r for r in list(state.active_requests) if getattr(r, "type", None) in names]
+        if how.lower() != "warm" or not running:
             return
-        for r in added:
-            logger.info("outbox %s: subscription %s added", self.name, r)
+        logger.warning(
+            "outbox %s: warm shutdown waits for %s running delivery task(s), %.0fs at most (their "
+            "time limit); a second Ctrl-C stops at once and their rows come back after their lease",
+            self.name,
+            len(running),
+            self.config.task_time_limit,
+            extra={"outcome": "shutdown", "running": len(running)},
+        )
+
+    def _ready_to_serve(self) -> None:
+        """One try of :meth:`start_worker`: the table migrated, the subscriptions registered."""
+        table = self.config.table
+        with self._start_connection() as conn:
+            if not migrations.applied_versions(conn, table):
+                raise ConfigurationError(f"table {table} was never migrated: run `outbox-celery migrate`")
+            todo = migrations.pending(conn, table)
+            if todo:
+                names = ", ".join(f"{m.version:04d}_{m.name}" for m in todo)
+                raise ConfigurationError(
+                    f"table {table} is behind: pending {names} (run `outbox-celery migrate`)"
+                )
+            if any(split_route(r)[1] for r in self._handlers):
+                for r in subscriptions.register(conn, table, self._handlers):
+                    logger.info("outbox %s: subscription %s added", self.name, r)
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -357,16 +427,26 @@ class Outbox:
             raise ConfigurationError(
                 f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn in the Celery config"
             )
+        kwargs: dict[str, Any] = {
+            "autocommit": True,
+            "application_name": f"outbox-celery:{self.name}",
+            # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
+            "prepare_threshold": self.config.prepare_threshold,
+        }
+        wait = self.config.connection_wait
+        if "connect_timeout" not in conninfo_to_dict(self.config.dsn):
+            # libpq's own is unbounded: a host that does not answer would hold a new
+            # connection for the kernel's SYN retries, minutes.
+            kwargs["connect_timeout"] = max(2, math.ceil(wait))
         return ConnectionPool(
             self.config.dsn,
             min_size=1,
             max_size=self.config.pool_max_size,
-            kwargs={
-                "autocommit": True,
-                "application_name": f"outbox-celery:{self.name}",
-                # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
-                "prepare_threshold": self.config.prepare_threshold,
-            },
+            kwargs=kwargs,
+            # Bounded by the lease (connection_wait): after the server dropped the pool's
+            # connections, a delivery or a claim that cannot get one fails fast and its row
+            # comes back after its lease, instead of waiting out psycopg_pool's 30 s.
+            timeout=wait,
             name=f"outbox-{self.name}",
             # A connection the server closed while it sat idle (restart, failover,
             # pg_terminate_backend) is replaced before use, not handed to a delivery whose
@@ -466,20 +546,16 @@ class Outbox:
         route of it (DESIGN invariant 28); a route alone pauses that subscription. Returns
         whether it was running before (``False``: already paused).
         """
-        from ..ops.operations import pause
-
         with self.connection() as conn:
-            return pause(conn, self.config.table, event_type, limit_key=limit_key)
+            return flow.pause(conn, self.config.table, event_type, limit_key=limit_key)
 
     def resume(self, event_type: str, *, limit_key: str | None = None) -> bool:
         """Resume ``event_type`` (or only its ``limit_key``): it is claimable at once (the push
         listeners are woken), and a RateLimited hold on it ends too; a type with subscriptions
         is resumed with every route of it. Returns whether it was paused or held.
         """
-        from ..ops.operations import resume
-
         with self.connection() as conn:
-            return resume(conn, self.config.table, event_type, limit_key=limit_key)
+            return flow.resume(conn, self.config.table, event_type, limit_key=limit_key)
 
     def deliver(self, outbox_id: int, lease_version: int) -> Outcome:
         """Deliver one row in this process (what the delivery task does)."""
@@ -495,12 +571,10 @@ class Outbox:
         cfg = self.config
         if cfg.retention is None:
             return 0
-        from ..ops.operations import purge_done
-
         with self.connection() as conn:
             # Bounded per run: the purge shares the claim queue and must not hold it for long;
             # the next run (every few minutes) continues where this one stopped.
-            return purge_done(
+            return retention.purge_done(
                 conn,
                 cfg.table,
                 older_than=cfg.retention,

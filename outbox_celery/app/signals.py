@@ -6,8 +6,9 @@
 - after a fork (a prefork pool process, or any ``fork()``): the process opens its own
   connection pool at first use, never the parent's (``after_fork``);
 - ``worker_init``: the worker's pool, concurrency and queues are checked against the outbox's
-  settings (``check``; warnings are logged), and the subscriptions its handlers declare are
-  added to the table (``register``, DESIGN invariant 28);
+  settings (``check``; warnings are logged), then ``start`` makes sure the database serves it
+  (reachable, migrated, the handlers' subscriptions registered; DESIGN invariant 28) or stops
+  the worker's start with :class:`SystemExit`;
 - ``worker_process_shutdown`` and ``worker_shutdown``: the batched ``done`` still held is
   written and the pool closed (``shutdown``).
 """
@@ -48,7 +49,8 @@ def connect_worker_signals(
     after_fork: Callable[[], None],
     shutdown: Callable[[], None],
     check: WorkerCheck,
-    register: Callable[[], None] | None = None,
+    start: Callable[[Collection[str] | None], None] | None = None,
+    shutting_down: Callable[[str], None] | None = None,
 ) -> None:
     """Connect an outbox bound to ``app`` to the worker's signals (strongly: for the process's life).
 
@@ -56,7 +58,11 @@ def connect_worker_signals(
     :param shutdown: called when a pool process or the worker shuts down.
     :param check: called at ``worker_init`` of a worker of ``app`` with its pool, concurrency
         and queues.
-    :param register: called at ``worker_init`` of a worker of ``app``, after ``check``.
+    :param start: called at ``worker_init`` of a worker of ``app``, after ``check``, with the
+        queues it consumes (``None``: unknown); a :class:`SystemExit` it raises stops the
+        worker's start (Celery's signals swallow ``Exception``, not ``SystemExit``).
+    :param shutting_down: called in the worker's main process when a shutdown begins, with
+        Celery's word for it (``Warm`` or ``Cold``).
     """
 
     def on_fork(**kwargs: Any) -> None:
@@ -73,9 +79,14 @@ def connect_worker_signals(
             queues = list(app.amqp.queues.consume_from or {})
         concurrency = getattr(sender, "concurrency", None)
         check(pool=_pool_name(sender), concurrency=concurrency, queues=queues or None)
-        if register is not None:
-            register()
+        if start is not None:
+            start(queues or None)
 
+    def on_shutting_down(how: str = "", **kwargs: Any) -> None:
+        if shutting_down is not None:
+            shutting_down(str(how))
+
+    signals.worker_shutting_down.connect(on_shutting_down, weak=False)
     signals.worker_process_init.connect(on_fork, weak=False)
     signals.worker_process_shutdown.connect(on_shutdown, weak=False)
     signals.worker_shutdown.connect(on_shutdown, weak=False)

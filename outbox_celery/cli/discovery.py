@@ -1,4 +1,9 @@
-"""Finding the Outbox the CLI operates: ``--app module:attr``, or the app ``celery -A`` loaded."""
+"""Finding the Outbox the CLI operates: ``--app module:attr``, or the app ``celery -A`` loaded.
+
+An Outbox is told from anything else a module holds by its class: every
+:class:`~outbox_celery.app.outbox.Outbox` is an :class:`~outbox_celery.operated.OperatedOutbox`,
+which the CLI knows without importing the Celery side (:mod:`outbox_celery.app`).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
 from ..errors import first_line
-
-if TYPE_CHECKING:
-    from ..app.outbox import Outbox
+from ..operated import OperatedOutbox
 
 __all__ = ["celery_outbox_finder", "load_object", "outboxes_in", "resolve_outbox"]
 
@@ -40,26 +43,22 @@ def load_object(spec: str) -> Any:
     return obj
 
 
-def outboxes_in(modules: Sequence[ModuleType], app: Any = None) -> list[Outbox]:
+def outboxes_in(modules: Sequence[ModuleType], app: Any = None) -> list[OperatedOutbox]:
     """The distinct Outbox objects held by ``modules`` (bound to ``app`` when given)."""
-    from ..app.outbox import Outbox
-
-    found: dict[int, Outbox] = {}
+    found: dict[int, OperatedOutbox] = {}
     for module in modules:
         for value in list(vars(module).values()):
-            if isinstance(value, Outbox) and (app is None or value.app is app):
+            if isinstance(value, OperatedOutbox) and (app is None or value.app is app):
                 found[id(value)] = value
     return list(found.values())
 
 
-def resolve_outbox(spec: str) -> Outbox:
+def resolve_outbox(spec: str) -> OperatedOutbox:
     """The Outbox named by ``spec``: an Outbox, a Celery app or a module holding exactly one."""
     from celery import Celery
 
-    from ..app.outbox import Outbox
-
     obj = load_object(spec)
-    if isinstance(obj, Outbox):
+    if isinstance(obj, OperatedOutbox):
         return obj
     if isinstance(obj, ModuleType):
         candidates = outboxes_in([obj])
@@ -73,10 +72,10 @@ def resolve_outbox(spec: str) -> Outbox:
     return candidates[0]
 
 
-def celery_outbox_finder(ctx: click.Context, name: str | None) -> Callable[[], Outbox | None]:
+def celery_outbox_finder(ctx: click.Context, name: str | None) -> Callable[[], OperatedOutbox | None]:
     """Find the Outbox of the app ``celery -A`` loaded (optionally by its name)."""
 
-    def find() -> Outbox | None:
+    def find() -> OperatedOutbox | None:
         celery_ctx = ctx.find_root().obj
         app = getattr(celery_ctx, "app", None)
         if app is None:

@@ -3,8 +3,8 @@
 What :mod:`outbox_celery.web` shows. Every read of live rows goes through one partial index and
 stops after ``cap`` entries (``sql/console.sql``), so a page costs the same with 2 million done
 rows as with none; a figure that reached the cap is a lower bound (:class:`Count`). Actions reuse
-:mod:`outbox_celery.ops.operations` (requeue, skip, pause, resume): a bulk action by filter runs batch by
-batch, each batch its own short transaction.
+:mod:`outbox_celery.ops` (requeue, skip, pause, resume): a bulk action by filter runs batch by batch,
+each batch its own short transaction.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql
@@ -22,14 +22,20 @@ from psycopg.rows import dict_row
 from ..config import TableName
 from ..db import statements as _sql
 from ..errors import AdminError
-from . import operations
+from ._queries import many, one, values
+from .dead import SKIPPED_BY_OPERATOR, requeue, skip
+from .flow import FlowState, KeyFlowState, flow_states, key_states
+from .retention import Horizon, horizon
 
 __all__ = [
     "DEFAULT_CAP",
     "DEFAULT_MINUTE_CAP",
+    "BlockedKey",
     "BulkResult",
     "Count",
     "DeadQuery",
+    "DeadRow",
+    "KeyUse",
     "Minute",
     "Overview",
     "TypeCounts",
@@ -93,6 +99,25 @@ class TypeCounts:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockedKey:
+    """An ordering key whose head is dead: the dead head blocks every message behind it."""
+
+    ordering_key: str
+    #: The dead head's id.
+    id: int
+    event_type: str
+
+
+@dataclass(frozen=True, slots=True)
+class KeyUse:
+    """Live leases of one limit key (``in_flight``)."""
+
+    event_type: str
+    limit_key: str
+    in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
 class Overview:
     """One table at a glance (see :func:`overview`)."""
 
@@ -100,12 +125,17 @@ class Overview:
     cap: int
     event_types: list[TypeCounts]
     totals: TypeCounts
-    paused: list[operations.FlowState]
-    held_keys: list[operations.KeyFlowState]
-    blocked_keys: list[dict[str, Any]]
+    paused: list[FlowState]
+    held_keys: list[KeyFlowState]
+    blocked_keys: list[BlockedKey]
     headless_keys: Count
-    horizon: operations.Horizon
-    key_use: list[dict[str, Any]]
+    horizon: Horizon
+    key_use: list[KeyUse]
+
+
+def _count(*, keys: int, capped: bool) -> Count:
+    """A row of ``console_headless``: ordering keys without a head among those read."""
+    return Count(int(keys), bool(capped))
 
 
 def overview(
@@ -121,11 +151,11 @@ def overview(
     t = TableName.parse(table)
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(_q(t, "console_counts"), {"cap": cap}).fetchone()
-        assert row is not None
-        headless = cur.execute(_q(t, "console_headless"), {"cap": cap}).fetchone()
-        assert headless is not None
-        blocked = cur.execute(_q(t, "console_blocked"), {"cap": 100}).fetchall()
-        key_use = cur.execute(_q(t, "console_key_use"), {"cap": cap}).fetchall()
+    assert row is not None
+    headless = one(conn, _q(t, "console_headless"), {"cap": cap}, _count)
+    assert headless is not None
+    blocked = many(conn, _q(t, "console_blocked"), {"cap": 100}, BlockedKey)
+    key_use = many(conn, _q(t, "console_key_use"), {"cap": cap}, KeyUse)
     capped = {
         "ready": row["ready_capped"],
         "retrying": row["later_capped"],
@@ -154,12 +184,12 @@ def overview(
         cap=cap,
         event_types=types,
         totals=totals,
-        paused=operations.flow_states(conn, t),
-        held_keys=operations.key_states(conn, t),
-        blocked_keys=list(blocked),
-        headless_keys=Count(int(headless["keys"]), bool(headless["capped"])),
-        horizon=operations.horizon(conn, t),
-        key_use=list(key_use),
+        paused=flow_states(conn, t),
+        held_keys=key_states(conn, t),
+        blocked_keys=blocked,
+        headless_keys=headless,
+        horizon=horizon(conn, t),
+        key_use=key_use,
     )
 
 
@@ -184,12 +214,8 @@ def minutes(
     row records no start time, so commit -> start is not measurable from the table. Each
     minute reads at most ``minute_cap`` done rows (a capped minute's count is a lower bound).
     """
-    with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(
-            _q(table, "console_minutes"),
-            {"minute_cap": minute_cap, "skip_like": operations.SKIPPED_BY_OPERATOR + ": %"},
-        ).fetchall()
-    return [Minute(r["minute"], int(r["done"]), bool(r["capped"]), r["p50"], r["p99"]) for r in rows]
+    params = {"minute_cap": minute_cap, "skip_like": SKIPPED_BY_OPERATOR + ": %"}
+    return many(conn, _q(table, "console_minutes"), params, Minute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +246,31 @@ class DeadQuery:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class DeadRow:
+    """A dead message as the console lists it: its last error (300 characters) and its
+    payload's JSON (200) shortened; ``age`` in seconds since ``created_at``."""
+
+    id: int
+    event_type: str
+    aggregate_type: str
+    aggregate_id: str
+    ordering_key: str | None
+    limit_key: str | None
+    attempts: int
+    created_at: datetime
+    age: float
+    last_error: str | None
+    payload: str | None
+
+
+class _Matching(NamedTuple):
+    """A row of ``console_dead_count``: how many match, and the highest id among them."""
+
+    n: int
+    upto: int | None
+
+
 def list_dead(
     conn: psycopg.Connection[Any],
     table: str | TableName,
@@ -227,21 +278,19 @@ def list_dead(
     *,
     after: int = 0,
     limit: int = 50,
-) -> list[dict[str, Any]]:
+) -> list[DeadRow]:
     """One page of matching dead messages by id (error and payload shortened)."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(
-            _q(table, "console_dead_list"), {**query.params(), "after": after, "limit": limit}
-        ).fetchall()
+    params = {**query.params(), "after": after, "limit": limit}
+    return many(conn, _q(table, "console_dead_list"), params, DeadRow)
 
 
 def count_dead(
     conn: psycopg.Connection[Any], table: str | TableName, query: DeadQuery
 ) -> tuple[int, int | None]:
     """How many dead messages match, and the highest matching id (``None`` when none)."""
-    row = conn.execute(_q(table, "console_dead_count"), query.params()).fetchone()
+    row = one(conn, _q(table, "console_dead_count"), query.params(), _Matching)
     assert row is not None
-    return int(row[0]), None if row[1] is None else int(row[1])
+    return int(row.n), None if row.upto is None else int(row.upto)
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,10 +312,10 @@ def bulk_dead(
 ) -> BulkResult:
     """Requeue or skip every dead message matching ``query`` (ids up to ``query.upto``).
 
-    Batch by batch in id order through :func:`operations.requeue` / :func:`operations.skip` (each batch
-    one short transaction, its rows locked for milliseconds). A row another operator changed
-    meanwhile makes its batch refuse and is left out on the next read. ``conn`` must not be
-    inside a transaction.
+    Batch by batch in id order through :func:`~outbox_celery.ops.dead.requeue` /
+    :func:`~outbox_celery.ops.dead.skip` (each batch one short transaction, its rows locked for
+    milliseconds). A row another operator changed meanwhile makes its batch refuse and is left
+    out on the next read. ``conn`` must not be inside a transaction.
     """
     if action not in ("requeue", "skip"):
         raise AdminError(f"unknown action {action!r}")
@@ -275,19 +324,15 @@ def bulk_dead(
     changed = batches = 0
     after, refusals = 0, 0
     while True:
-        ids = [
-            int(r[0])
-            for r in conn.execute(
-                _q(table, "console_dead_ids"), {**query.params(), "after": after, "limit": batch_size}
-            )
-        ]
+        params = {**query.params(), "after": after, "limit": batch_size}
+        ids = [int(i) for i in values(conn, _q(table, "console_dead_ids"), params)]
         if not ids:
             break
         try:
             if action == "requeue":
-                done = operations.requeue(conn, table, ids, reason=reason)
+                done = requeue(conn, table, ids, reason=reason)
             else:
-                done = operations.skip(conn, table, ids, reason=reason)
+                done = skip(conn, table, ids, reason=reason)
         except AdminError:
             # Raced by another operator or worker: read the batch again (the rows that are no
             # longer dead drop out); give up after a few tries rather than loop.

@@ -2,21 +2,21 @@
 
 Reads are bounded (the open groups' index, the members' index); :func:`finish_group` and
 :func:`cancel_group` close an open group by hand. Every function takes an autocommit or open
-psycopg 3 connection and the outbox table's name, as :mod:`outbox_celery.ops.operations` does.
+psycopg 3 connection and the outbox table's name, as every operation of :mod:`outbox_celery.ops` does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
-from psycopg.rows import dict_row
 
 from ..config import TableName
 from ..db import statements as _sql
 from ..errors import AdminError
+from ._queries import many, one, q, regclass, value
 
 __all__ = [
     "DeadMember",
@@ -89,14 +89,16 @@ class DeadMember:
     last_error: str | None
 
 
-def _q(t: TableName, name: str) -> Any:
-    return _sql.queries("admin.sql", t)[name]
+class _Closed(NamedTuple):
+    """A row of ``group_close``: the group closed, and its callback's outbox id (finished)."""
+
+    id: int
+    callback_id: int | None
 
 
 def _ready(conn: psycopg.Connection[Any], t: TableName) -> bool:
     name = t.identifier(_sql.GROUP_SUFFIX).as_string(conn)
-    row = conn.execute(_q(t, "group_exists"), {"group_table": name}).fetchone()
-    return bool(row and row[0])
+    return bool(value(conn, q(t, "group_exists"), {"group_table": name}))
 
 
 def group_summary(
@@ -106,14 +108,13 @@ def group_summary(
     t = TableName.parse(table)
     if not _ready(conn, t):
         return GroupSummary()
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(_q(t, "group_summary"), {"cap": cap}).fetchone()
+    row = one(conn, q(t, "group_summary"), {"cap": cap}, _summary)
     assert row is not None
-    return GroupSummary(int(row["open"]), row["oldest_open_age"], int(row["blocked"]), bool(row["capped"]))
+    return row
 
 
-def _info(row: dict[str, Any]) -> GroupInfo:
-    return GroupInfo(**row)
+def _summary(*, open: int, oldest_open_age: float | None, blocked: int, capped: bool | None) -> GroupSummary:
+    return GroupSummary(int(open), oldest_open_age, int(blocked), bool(capped))
 
 
 def list_groups(
@@ -127,19 +128,16 @@ def list_groups(
     if state is not None and state not in STATES:
         raise AdminError(f"unknown group state {state!r}: one of {', '.join(STATES)}")
     t = TableName.parse(table)
-    with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(_q(t, "group_list"), {"state": state, "limit": limit}).fetchall()
-    return [_info(r) for r in rows]
+    return many(conn, q(t, "group_list"), {"state": state, "limit": limit}, GroupInfo)
 
 
 def get_group(conn: psycopg.Connection[Any], table: str | TableName, group_id: int) -> GroupInfo:
     """One group; :class:`AdminError` when there is none of that id."""
     t = TableName.parse(table)
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(_q(t, "group_get"), {"id": group_id}).fetchone()
+    row = one(conn, q(t, "group_get"), {"id": group_id}, GroupInfo)
     if row is None:
         raise AdminError(f"no group {group_id} in {t.qualified}")
-    return _info(row)
+    return row
 
 
 def group_outcomes(
@@ -153,8 +151,8 @@ def group_outcomes(
     """Every dead member of a group with its last error, in id order: the callback's payload
     carries the first 100; page through the rest with ``after`` (the last id read)."""
     t = TableName.parse(table)
-    rows = conn.execute(_q(t, "group_dead_members"), {"id": group_id, "after": after, "limit": limit})
-    return [DeadMember(int(r[0]), str(r[1]), r[2]) for r in rows.fetchall()]
+    params = {"id": group_id, "after": after, "limit": limit}
+    return many(conn, q(t, "group_dead_members"), params, DeadMember)
 
 
 def _close(
@@ -163,12 +161,12 @@ def _close(
     if not isinstance(reason, str) or not reason.strip():
         raise AdminError("a reason is required")
     t = TableName.parse(table)
-    params = {"id": group_id, "state": state, "reason": reason, "table": t.identifier().as_string(conn)}
+    params = {"id": group_id, "state": state, "reason": reason, "table": regclass(conn, t)}
     with conn.transaction():
-        row = conn.execute(_q(t, "group_close"), params).fetchone()
+        row = one(conn, q(t, "group_close"), params, _Closed)
     if row is None:
         raise AdminError(f"group {group_id} is not open in {t.qualified} (unknown, or closed already)")
-    return None if row[1] is None else int(row[1])
+    return None if row.callback_id is None else int(row.callback_id)
 
 
 def finish_group(conn: psycopg.Connection[Any], table: str | TableName, group_id: int, *, reason: str) -> int:
@@ -204,7 +202,7 @@ def purge_groups(
     total = batches = 0
     while max_batches is None or batches < max_batches:
         with conn.transaction():
-            n = conn.execute(_q(t, "group_purge"), {"cutoff": cutoff, "limit": batch_size}).rowcount
+            n = conn.execute(q(t, "group_purge"), {"cutoff": cutoff, "limit": batch_size}).rowcount
         total += n
         batches += 1
         if n < batch_size:

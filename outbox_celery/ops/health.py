@@ -7,11 +7,13 @@
 * **claims**: claims ran within ``intervals`` claim intervals. Nothing is recorded per claim
   (no write per message or per claim); a running outbox claims a due message within one
   ``claim_interval`` (at once with push), so a claimable message left longer than ``intervals``
-  intervals means no claim ran (``operations.unclaimed``: one range of each pending partial index,
-  read only below the threshold). Paused and held event types are left out (waiting on purpose),
-  and, with the handlers known (``-A``), event types no handler claims;
+  intervals means no claim ran (:func:`~outbox_celery.ops.snapshot.unclaimed`: one range of
+  each pending partial index, read only below the threshold). Paused and held event types are
+  left out (waiting on purpose), and, with the handlers known (``-A``), event types no handler
+  claims;
 * **horizon** (a warning, never a failure): what holds the xmin horizon back
-  (``operations.horizon``) when a session, prepared transaction or slot has held it for a minute.
+  (:func:`~outbox_celery.ops.retention.horizon`) when a session, prepared transaction or slot
+  has held it for a minute.
 
 docs/operations.md, "Health checks and probes", shows the probes built on it.
 """
@@ -30,7 +32,10 @@ from ..config import TableName
 from ..db import migrations
 from ..dsn import error_line, invalid_dsn, redact
 from ..errors import first_line
-from . import operations
+from .durations import format_duration
+from .flow import flow_states
+from .retention import horizon
+from .snapshot import unclaimed
 
 __all__ = ["CHECKS", "DEFAULT_INTERVALS", "HORIZON_WARNING_SECONDS", "Health", "check"]
 
@@ -181,10 +186,10 @@ def _claims(
         health.checks["claims"] = "not run"
         return
     bound = intervals * claim_interval
-    waiting = {f.event_type for f in operations.flow_states(conn, t)}  # paused or held on purpose
+    waiting = {f.event_type for f in flow_states(conn, t)}  # paused or held on purpose
     overdue = [
         u
-        for u in operations.unclaimed(conn, t, older_than=bound)
+        for u in unclaimed(conn, t, older_than=bound)
         if u.event_type not in waiting and (handlers is None or u.event_type in handlers)
     ]
     if not overdue:
@@ -195,8 +200,8 @@ def _claims(
     health.fail(
         "claims",
         f"overdue: {total} ready message(s) unclaimed past {intervals} claim intervals "
-        f"({operations.format_duration(bound)}), the oldest ({oldest.event_type!r}) for "
-        f"{operations.format_duration(oldest.oldest_wait)}: is a worker consuming the claim queue "
+        f"({format_duration(bound)}), the oldest ({oldest.event_type!r}) for "
+        f"{format_duration(oldest.oldest_wait)}: is a worker consuming the claim queue "
         "running, and beat?",
     )
 
@@ -204,11 +209,8 @@ def _claims(
 def _horizon(conn: psycopg.Connection[Any], t: TableName, health: Health) -> None:
     if health.schema_version is None:
         return
-    h = operations.horizon(conn, t)
-    if h.kind is None:
-        return
-    held_long = h.seconds >= HORIZON_WARNING_SECONDS if h.seconds is not None else h.state == "inactive"
-    if held_long:
+    h = horizon(conn, t)
+    if h.held_for_long(HORIZON_WARNING_SECONDS):
         health.warnings.append(
             f"the xmin horizon is held by {h.holder()} ({h.dead_row_versions:,} dead row versions "
             "in the outbox; docs/operations.md, long transactions)"

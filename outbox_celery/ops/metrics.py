@@ -9,13 +9,13 @@ imported when a collector is built, never when this module is imported.
 ::
 
     from prometheus_client import REGISTRY
-    from outbox_celery.ops.metrics import OutboxCollector
+    from outbox_celery.metrics import OutboxCollector
 
     REGISTRY.register(OutboxCollector("postgresql://...", "outbox"))
     # or, inside a process that has an Outbox object (uses its pool and knows its handlers):
     REGISTRY.register(OutboxCollector.from_outbox(outbox))
 
-Every scrape runs one read-only statement per table (:func:`outbox_celery.ops.operations.stats`) under a
+Every scrape runs one read-only statement per table (:func:`outbox_celery.ops.stats`) under a
 statement timeout. Its reads are bounded (at most ``cap`` index entries per status, done rows
 only from the newest end of their index), so a scrape costs the same with millions of done rows:
 a count that reached the cap is a lower bound, and ``outbox_messages_capped`` says so (for
@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -36,16 +36,21 @@ import psycopg
 
 from ..config import TableName
 from ..dsn import error_line
-from . import operations
+from ..operated import OperatedOutbox
+from .snapshot import Stats, stats
 
 if TYPE_CHECKING:
-    from prometheus_client import Counter
     from prometheus_client.core import GaugeMetricFamily
     from prometheus_client.registry import CollectorRegistry
 
-    from ..app.outbox import Outbox
-
-__all__ = ["DEFAULT_METRICS_CAP", "DEFAULT_PORT", "OutboxCollector", "start_exporter", "track_deliveries"]
+__all__ = [
+    "DEFAULT_METRICS_CAP",
+    "DEFAULT_PORT",
+    "METRIC_KEYS",
+    "OutboxCollector",
+    "require_prometheus",
+    "start_exporter",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +69,8 @@ _STATUSES = ("pending", "processing", "done", "dead")
 _LIVE = ("pending", "processing", "dead")
 
 
-def _import_prometheus() -> Any:
+def require_prometheus() -> Any:
+    """``prometheus_client.core``, or an :class:`ImportError` that says which extra to install."""
     try:
         import prometheus_client.core as core
     except ImportError as exc:  # pragma: no cover - depends on the installation
@@ -103,7 +109,7 @@ class OutboxCollector:
         connect_timeout: float = 5.0,
         cap: int | None = DEFAULT_METRICS_CAP,
     ) -> None:
-        _import_prometheus()
+        require_prometheus()
         tables = [table] if isinstance(table, str | TableName) else list(table)
         self.tables = [TableName.parse(t) for t in tables]
         if not self.tables:
@@ -130,7 +136,7 @@ class OutboxCollector:
             self._connect = source
 
     @classmethod
-    def from_outbox(cls, outbox: Outbox, **kwargs: Any) -> OutboxCollector:
+    def from_outbox(cls, outbox: OperatedOutbox, **kwargs: Any) -> OutboxCollector:
         """A collector over ``outbox``'s table, pool and handlers (keyword arguments pass on)."""
         kwargs.setdefault("handlers", set(outbox.handlers))
         return cls(outbox.connection, outbox.config.table, **kwargs)
@@ -138,7 +144,7 @@ class OutboxCollector:
     # -- the families --------------------------------------------------------------------------
 
     def _families(self) -> dict[str, GaugeMetricFamily]:
-        core = _import_prometheus()
+        core = require_prometheus()
         ns = self.namespace
         g = core.GaugeMetricFamily
         fams: dict[str, GaugeMetricFamily] = {
@@ -170,9 +176,7 @@ class OutboxCollector:
             started = time.monotonic()
             try:
                 with self._connect() as conn:
-                    s = operations.stats(
-                        conn, table, handlers=self.handlers, timeout=self.timeout, cap=self.cap
-                    )
+                    s = stats(conn, table, handlers=self.handlers, timeout=self.timeout, cap=self.cap)
             except Exception as exc:
                 logger.warning(
                     "outbox metrics: stats of %s failed: %s",
@@ -188,7 +192,7 @@ class OutboxCollector:
         yield from fams.values()
 
     @staticmethod
-    def _add(fams: dict[str, GaugeMetricFamily], name: str, s: operations.Stats) -> None:
+    def _add(fams: dict[str, GaugeMetricFamily], name: str, s: Stats) -> None:
         for status in _STATUSES:
             fams["messages"].add_metric([name, status], s.counts[status])
             fams["capped"].add_metric([name, status], 1 if s.capped.get(status) else 0)
@@ -456,10 +460,10 @@ def start_exporter(
 
     The registry holds only this collector (no Python process metrics) and, with
     ``worker_metrics_dir``, the counters that workers on this machine wrote there in
-    prometheus_client's multiprocess mode (see :func:`track_deliveries`). Returns the HTTP
-    server (call ``shutdown()`` to stop it) and the registry.
+    prometheus_client's multiprocess mode (see :func:`outbox_celery.metrics.track_deliveries`).
+    Returns the HTTP server (call ``shutdown()`` to stop it) and the registry.
     """
-    _import_prometheus()
+    require_prometheus()
     from prometheus_client import start_http_server
     from prometheus_client.multiprocess import MultiProcessCollector
     from prometheus_client.registry import CollectorRegistry
@@ -470,66 +474,3 @@ def start_exporter(
         MultiProcessCollector(registry, path=worker_metrics_dir)  # type: ignore[no-untyped-call]
     server, _thread = start_http_server(port, addr=addr, registry=registry)
     return server, registry
-
-
-def track_deliveries(
-    outbox: Outbox, *, registry: CollectorRegistry | None = None, namespace: str = "outbox"
-) -> Counter:
-    """Count the deliveries this worker finishes: ``<namespace>_deliveries_total``.
-
-    Optional and worker-side: call it in the module your workers load (after the
-    :class:`~outbox_celery.app.outbox.Outbox` is built). Labels: ``table``, ``event_type`` and
-    ``outcome``, the delivery task's result (``done``, ``retry``, ``defer``, ``dead``,
-    ``stale``, ``lost_lease``, ``unroutable``) or ``error`` when the handler raised something
-    unclassified. ``lost_lease`` is the fencing at work: a finalize that came too late. A batch
-    task (``batch=`` handlers, docs/batch.md) counts each of its rows under its own outcome.
-
-    A prefork worker counts in each pool process: run the worker with
-    ``PROMETHEUS_MULTIPROC_DIR`` set (an empty directory, before it starts) and serve the
-    counters with ``outbox-celery metrics --worker-metrics-dir DIR`` on the same machine (or
-    your own ``MultiProcessCollector``). With ``--pool solo`` or threads, registering into a
-    registry you already serve is enough.
-    """
-    _import_prometheus()
-    from celery import signals
-    from prometheus_client import REGISTRY
-    from prometheus_client import Counter as _Counter
-
-    counter = _Counter(
-        f"{namespace}_deliveries",
-        "Outbox deliveries finished by workers, per event type and outcome.",
-        ["table", "event_type", "outcome"],
-        registry=registry if registry is not None else REGISTRY,
-    )
-    task_name = outbox.deliver_task.name
-    batch_name = outbox.deliver_batch_task.name
-
-    def on_postrun(
-        sender: Any = None,
-        task: Any = None,
-        retval: Any = None,
-        state: str | None = None,
-        args: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        task = task or sender
-        name = getattr(task, "name", None)
-        if name not in (task_name, batch_name):
-            return
-        # The publisher puts the event type in a message header, which Celery exposes on the
-        # request; the task's arguments are only (id, lease_version).
-        event_type = getattr(getattr(task, "request", None), "outbox_event_type", None) or "unknown"
-        labels = (outbox.config.table.qualified, str(event_type))
-        if name == task_name:
-            outcome = str(retval) if state == "SUCCESS" else "error"
-            counter.labels(*labels, outcome).inc()
-        elif state == "SUCCESS" and isinstance(retval, Mapping):
-            # A batch task returns how many of its rows ended in each outcome.
-            for outcome, n in retval.items():
-                counter.labels(*labels, str(outcome)).inc(int(n))
-        else:
-            # It raised: every row of the batch counts as an error (they return after the lease).
-            counter.labels(*labels, "error").inc(len(args[0]) if args else 1)
-
-    signals.task_postrun.connect(on_postrun, weak=False)
-    return counter

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql
@@ -24,6 +24,7 @@ from ..db import statements as _sql
 from ..errors import AdminError
 from ..handlers import subscription_route
 from ..message import route, split_route
+from ._queries import many, regclass, value, values
 
 __all__ = ["REPLAY_BATCH", "Subscription", "add", "list_subscriptions", "register", "remove", "routes"]
 
@@ -68,11 +69,25 @@ def _q(table: str | TableName, name: str) -> sql.Composed:
     return _queries(TableName.parse(table))[name]
 
 
+class _Registered(NamedTuple):
+    """A row of ``register``: ``what`` is ``added`` or ``removed`` (by an operator, kept so)."""
+
+    what: str
+    event_type: str
+    name: str
+
+
+class _Fact(NamedTuple):
+    """A row of ``replay_facts``: a retained fact and its producer's ordering key (``k``)."""
+
+    id: int
+    k: str | None
+
+
 def _ready(conn: psycopg.Connection[Any], table: str | TableName) -> bool:
     t = TableName.parse(table)
     name = t.identifier(_sql.SUBSCRIPTION_SUFFIX).as_string(conn)
-    row = conn.execute(_q(t, "exists"), {"subscription_table": name}).fetchone()
-    return bool(row and row[0])
+    return bool(value(conn, _q(t, "exists"), {"subscription_table": name}))
 
 
 def register(conn: psycopg.Connection[Any], table: str | TableName, routes: Iterable[str]) -> list[str]:
@@ -89,15 +104,15 @@ def register(conn: psycopg.Connection[Any], table: str | TableName, routes: Iter
         logger.error("outbox table %s has no subscription table: run outbox-celery migrate", table)
         return []
     params = {"event_types": [t for t, _ in named], "names": [n for _, n in named]}
-    rows = conn.execute(_q(table, "register"), params).fetchall()
-    for what, event_type, name in rows:
-        if what == "removed":
+    rows = many(conn, _q(table, "register"), params, _Registered)
+    for r in rows:
+        if r.what == "removed":
             logger.warning(
                 "subscription %s was removed by an operator: its handler receives nothing new "
                 "until outbox-celery subscriptions add brings it back",
-                route(event_type, name),
+                route(r.event_type, r.name),
             )
-    return [route(t, n) for what, t, n in rows if what == "added"]
+    return [route(r.event_type, r.name) for r in rows if r.what == "added"]
 
 
 def list_subscriptions(
@@ -110,17 +125,16 @@ def list_subscriptions(
     """Every subscription (removed ones too), with its unfinished rows counted up to ``cap``."""
     if not _ready(conn, table):
         return []
-    rows = conn.execute(_q(table, "list"), {"event_type": event_type, "cap": cap}).fetchall()
-    return [Subscription(*r) for r in rows]
+    return many(conn, _q(table, "list"), {"event_type": event_type, "cap": cap}, Subscription)
 
 
 def routes(conn: psycopg.Connection[Any], table: str | TableName, event_type: str) -> list[str]:
     """The routes of ``event_type``'s subscriptions, removed ones too, by name: what pausing or
-    resuming the type reaches (:func:`outbox_celery.ops.operations.pause`). Empty for a route, for
+    resuming the type reaches (:func:`outbox_celery.ops.flow.pause`). Empty for a route, for
     a type without subscriptions and for a table not migrated to 0011."""
     if split_route(event_type)[1] is not None or not _ready(conn, table):
         return []
-    return [r for (r,) in conn.execute(_q(table, "routes"), {"event_type": event_type}).fetchall()]
+    return [str(r) for r in values(conn, _q(table, "routes"), {"event_type": event_type})]
 
 
 def remove(conn: psycopg.Connection[Any], table: str | TableName, event_type: str, name: str) -> bool:
@@ -131,8 +145,7 @@ def remove(conn: psycopg.Connection[Any], table: str | TableName, event_type: st
     them deliberately. Returns whether it was live.
     """
     _check(event_type, name)
-    row = conn.execute(_q(table, "remove"), {"event_type": event_type, "name": name}).fetchone()
-    return row is not None
+    return bool(values(conn, _q(table, "remove"), {"event_type": event_type, "name": name}))
 
 
 def _check(event_type: str, name: str) -> None:
@@ -170,8 +183,7 @@ def add(
     if replay_since is not None:
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             raise AdminError("a replay runs its own transactions: call it outside a transaction")
-        until = conn.execute(_q(table, "replay_until")).fetchone()
-        bound = int(until[0]) if until else 0
+        bound = int(value(conn, _q(table, "replay_until")) or 0)
         replayed, last = _replay(conn, table, event_type, name, replay_since, 0, bound, batch_size)
         with conn.transaction():
             _add_row(conn, table, event_type, name)
@@ -198,7 +210,7 @@ def _replay(
     """Replay facts after id ``after`` (to ``until``), a batch per transaction (one transaction
     of every remaining fact when ``batch_size`` is None). Returns (rows, last fact id)."""
     t = TableName.parse(table)
-    regclass = t.identifier().as_string(conn)
+    table_regclass = regclass(conn, t)
     total = 0
     limit = batch_size or 2**31 - 1
     while True:
@@ -211,14 +223,14 @@ def _replay(
             "limit": limit,
         }
         with conn.transaction():
-            facts = conn.execute(_q(t, "replay_facts"), params).fetchall()
+            facts = many(conn, _q(t, "replay_facts"), params, _Fact)
             if not facts:
                 return total, after
-            keys = sorted({k for _, k in facts if k})
+            keys = sorted({f.k for f in facts if f.k})
             if keys:
-                conn.execute(_q(t, "lock_keys"), {"table": regclass, "keys": keys})
-            ids = [int(i) for i, _ in facts]
-            total += len(conn.execute(_q(t, "replay_insert"), {**params, "ids": ids}).fetchall())
+                conn.execute(_q(t, "lock_keys"), {"table": table_regclass, "keys": keys})
+            ids = [int(f.id) for f in facts]
+            total += len(values(conn, _q(t, "replay_insert"), {**params, "ids": ids}))
             after = ids[-1]
         if batch_size is None or len(facts) < limit:
             return total, after

@@ -84,7 +84,8 @@ class Event:
 
 
 def checked_text(value: Any, name: str, limit: int) -> str:
-    """``value`` as text, refused with :class:`ProducerError` if it is empty, too long or holds NUL."""
+    """``value`` as text, refused with :class:`ProducerError` if it is empty, too long, holds NUL
+    or is not valid Unicode (a lone surrogate, which no database encoding can store)."""
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise ProducerError(f"{name} must be a string, got {type(value).__name__}")
     text = str(value)
@@ -94,6 +95,13 @@ def checked_text(value: Any, name: str, limit: int) -> str:
         raise ProducerError(f"{name} is {len(text)} characters; the limit is {limit}")
     if "\x00" in text:
         raise ProducerError(f"{name} must not contain NUL characters")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ProducerError(
+            f"{name} is not valid Unicode: a lone surrogate at position {exc.start} (decode the text "
+            "with errors='strict' or 'replace' before enqueueing it)"
+        ) from None
     return text
 
 

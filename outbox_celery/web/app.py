@@ -1,6 +1,6 @@
 """The console's routes, its authentication and CSRF checks, and its database pools.
 
-Reads are bounded (:mod:`outbox_celery.ops.console`); actions reuse :mod:`outbox_celery.ops.operations`.
+Reads are bounded (:mod:`outbox_celery.ops.console`); actions reuse :mod:`outbox_celery.ops`.
 Every refusal happens before any database call, so a refused request changes nothing.
 """
 
@@ -31,11 +31,12 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from .. import ops
 from ..config import TableName
 from ..dsn import invalid_dsn, password
 from ..errors import AdminError, first_line
 from ..flow import Limit
-from ..ops import console, operations
+from ..ops import console
 
 __all__ = ["Database", "create_app"]
 
@@ -127,7 +128,7 @@ def _environment() -> jinja2.Environment:
         autoescape=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.filters["duration"] = operations.format_duration
+    env.filters["duration"] = ops.format_duration
     env.filters["ms"] = lambda s: "-" if s is None else f"{s * 1000:,.0f} ms"
     return env
 
@@ -263,7 +264,7 @@ class _Access:
 
 class _Pages:
     """The console's pages over its databases: each reads through :mod:`console`, acts through
-    :mod:`operations`, and turns every refusal into an error page."""
+    :mod:`outbox_celery.ops`, and turns every refusal into an error page."""
 
     def __init__(
         self,
@@ -402,7 +403,7 @@ class _Pages:
         except ValueError:
             raise _RefusedError(400, "invalid page (after)") from None
 
-        def read(conn: psycopg.Connection[Any]) -> tuple[list[dict[str, Any]], tuple[int, int | None]]:
+        def read(conn: psycopg.Connection[Any]) -> tuple[list[console.DeadRow], tuple[int, int | None]]:
             return console.list_dead(conn, db.table, q, after=after, limit=50), console.count_dead(
                 conn, db.table, q
             )
@@ -439,7 +440,7 @@ class _Pages:
     async def message(self, request: Request) -> Response:
         db = self.database(request)
         outbox_id = _positive(request.path_params["id"])
-        row = await self.run(db, lambda conn: operations.get_message(conn, db.table, outbox_id))
+        row = await self.run(db, lambda conn: ops.get_message(conn, db.table, outbox_id))
         if row is None:
             raise _RefusedError(404, f"no message {outbox_id}")
         tasks = console.task_ids(db.table, outbox_id, int(row["lease_version"]))
@@ -450,7 +451,7 @@ class _Pages:
             m=row,
             payload=json.dumps(row["payload"], indent=2, ensure_ascii=False, sort_keys=True),
             tasks=tasks,
-            skipped=operations.was_skipped(row["status"], row["last_error"]),
+            skipped=ops.was_skipped(row["status"], row["last_error"]),
         )
 
     async def message_action(self, request: Request) -> Response:
@@ -460,9 +461,9 @@ class _Pages:
         action = request.path_params["action"]
         reason = form.get("reason", "").strip() or f"{action} from the console"
         if action == "requeue":
-            await self.run(db, lambda conn: operations.requeue(conn, db.table, [outbox_id], reason=reason))
+            await self.run(db, lambda conn: ops.requeue(conn, db.table, [outbox_id], reason=reason))
         elif action == "skip":
-            await self.run(db, lambda conn: operations.skip(conn, db.table, [outbox_id], reason=reason))
+            await self.run(db, lambda conn: ops.skip(conn, db.table, [outbox_id], reason=reason))
         else:
             raise _RefusedError(404, "unknown action")
         return RedirectResponse(f"{request.scope.get('root_path', '')}/db/{db.name}/message/{outbox_id}", 303)
@@ -490,11 +491,9 @@ class _Pages:
         event_type = form.get("event_type", "").strip()
         limit_key = form.get("limit_key", "").strip() or None
         if action == "pause":
-            await self.run(db, lambda conn: operations.pause(conn, db.table, event_type, limit_key=limit_key))
+            await self.run(db, lambda conn: ops.pause(conn, db.table, event_type, limit_key=limit_key))
         elif action == "resume":
-            await self.run(
-                db, lambda conn: operations.resume(conn, db.table, event_type, limit_key=limit_key)
-            )
+            await self.run(db, lambda conn: ops.resume(conn, db.table, event_type, limit_key=limit_key))
         else:
             raise _RefusedError(404, "unknown action")
         return RedirectResponse(f"{request.scope.get('root_path', '')}/db/{db.name}/flow", 303)

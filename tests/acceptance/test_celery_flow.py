@@ -18,7 +18,7 @@ import pytest
 from support.db import calls
 
 from acceptance.conftest import DEFAULT_EVENT, Harness, HarnessFactory
-from outbox_celery.ops import operations
+from outbox_celery import ops
 
 pytestmark = pytest.mark.slow
 
@@ -174,7 +174,7 @@ def test_invariant_23_pause_from_the_cli_and_resume_from_python_wakes_the_listen
     assert f"paused (claimed by nobody until resumed): {LIMITED}" in stats.stdout
     assert {r["id"] for r in harness.rows() if r["status"] == "done"} == set(flowing)
     assert [
-        e.paused for e in operations.stats(harness.conn, harness.table).event_types if e.event_type == LIMITED
+        e.paused for e in ops.stats(harness.conn, harness.table).event_types if e.event_type == LIMITED
     ] == [True]
 
     resumed_at = time.monotonic()

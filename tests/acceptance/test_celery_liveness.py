@@ -16,7 +16,7 @@ import pytest
 from support.db import calls, statuses
 
 from acceptance.conftest import DEFAULT_EVENT, Harness
-from outbox_celery.ops import operations
+from outbox_celery import ops
 
 pytestmark = pytest.mark.slow
 
@@ -86,5 +86,5 @@ def test_invariant_16_an_event_type_whose_queue_has_no_consumer_does_not_freeze_
     assert max(by_id[i]["lease_version"] for i in orphans) >= 1
     _attempts_match_handler_runs(harness)
     # Visible to the operator: claims of the orphan's event type that no worker started.
-    types = {e.event_type: e for e in operations.stats(harness.conn, harness.table).event_types}
+    types = {e.event_type: e for e in ops.stats(harness.conn, harness.table).event_types}
     assert types[ORPHAN].unstarted > 0

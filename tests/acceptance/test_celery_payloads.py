@@ -20,7 +20,8 @@ from support.db import calls, row, signals
 from support.payloads import same
 
 from acceptance.conftest import DEFAULT_EVENT, HarnessFactory
-from outbox_celery import enqueue
+from outbox_celery import ProducerError, enqueue
+from outbox_celery.codec import MAX_DEPTH
 from outbox_celery.db.statements import named
 
 pytestmark = pytest.mark.slow
@@ -69,6 +70,39 @@ def test_every_json_value_arrives_in_the_handler_as_it_was_enqueued(
         got = received[outbox_id]
         assert (got["payload_type"], json.loads(got["payload_json"])) == (type(sent).__name__, sent)
         assert row(h.conn, h.table, outbox_id)["last_error"] is None
+    assert signals(h.conn, "task_failure") == []
+
+
+def _nested(depth: int, leaf: Any) -> Any:
+    value = leaf
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def test_the_deepest_payload_enqueue_accepts_arrives_in_the_handler(
+    harness_factory: HarnessFactory, redis_url: str
+) -> None:
+    # The worker decodes a payload with two frames per level inside its own stack: whatever
+    # depth the producer accepts must arrive (a deeper one is refused at enqueue, never dead).
+    h = harness_factory(redis_url)
+    sent = [_nested(MAX_DEPTH, "leaf"), _nested(MAX_DEPTH - 1, uuid.UUID(int=9))]
+    with h.conn.transaction():
+        ids = [
+            enqueue(
+                h.conn, event_type=DEFAULT_EVENT, payload=p, aggregate_type="t", aggregate_id=i, table=h.table
+            )
+            for i, p in enumerate(sent)
+        ]
+        with pytest.raises(ProducerError, match=f"nested deeper than {MAX_DEPTH} levels"):
+            enqueue(h.conn, event_type=DEFAULT_EVENT, payload=[sent[0]], aggregate_type="t", aggregate_id=9)
+    h.worker()
+    h.beat()
+    h.wait_finished(len(sent))
+    received = {c["outbox_id"]: c for c in calls(h.conn)}
+    for outbox_id, payload in zip(ids, sent, strict=True):
+        assert same(payload, kombu.utils.json.loads(received[outbox_id]["payload_json"]))
+        assert row(h.conn, h.table, outbox_id)["attempts"] == 1
     assert signals(h.conn, "task_failure") == []
 
 

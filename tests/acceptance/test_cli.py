@@ -620,21 +620,21 @@ def test_stats_asks_for_attention_once_the_horizon_is_held_for_a_minute(
 ) -> None:
     import dataclasses
 
-    from outbox_celery.cli import HORIZON_ATTENTION_SECONDS, _attention
-    from outbox_celery.ops import operations
+    from outbox_celery import ops
+    from outbox_celery.cli.stats import HORIZON_ATTENTION_SECONDS, attention
 
     with psycopg.connect(migrated_dsn, application_name="nightly-report") as held:
         held.execute("SELECT pg_current_xact_id()")
-        s = operations.stats(conn, table)
+        s = ops.stats(conn, table)
     assert s.horizon is not None and s.horizon.application == "nightly-report"
-    assert _attention(s) == []  # held for a moment only
+    assert attention(s) == []  # held for a moment only
     old = dataclasses.replace(s, horizon=dataclasses.replace(s.horizon, seconds=HORIZON_ATTENTION_SECONDS))
-    [item] = _attention(old)
+    [item] = attention(old)
     assert item.startswith(f"the xmin horizon is held by transaction {s.horizon.name} (nightly-report)")
     slot = dataclasses.replace(
         s.horizon, kind="replication slot", name="replica1", seconds=None, state="inactive"
     )
-    assert "replication slot replica1" in _attention(dataclasses.replace(s, horizon=slot))[0]
+    assert "replication slot replica1" in attention(dataclasses.replace(s, horizon=slot))[0]
 
 
 def test_invariant_9_stats_shows_keys_without_a_head_and_repair_heads_mends_them(

@@ -14,8 +14,9 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from support.tcp_proxy import FreezableProxy
 
+from outbox_celery import ops
 from outbox_celery.db.migrations import available
-from outbox_celery.ops import health, operations
+from outbox_celery.ops import health
 
 from .test_cli import add, ok, run, update
 
@@ -84,7 +85,7 @@ def test_health_fails_when_claims_stopped(migrated_dsn: str, conn: Any, table: s
     assert ok(run("health", "--check", "database", "--check", "schema", dsn=migrated_dsn)).startswith("ok:")
     # A paused event type waits on purpose.
     with psycopg.connect(migrated_dsn, autocommit=True) as c:
-        operations.pause(c, table, "order.created")
+        ops.pause(c, table, "order.created")
     assert ok(run("health", dsn=migrated_dsn)).startswith("ok:")
 
 

@@ -18,7 +18,8 @@ from typing import Any
 import psycopg
 
 from acceptance.test_cli import add, ok, one_line_error, run, update
-from outbox_celery.ops import operations, subscriptions
+from outbox_celery import ops
+from outbox_celery.ops import subscriptions
 
 # Clears the screen, homes the cursor and writes a forged line; then a bidi override.
 HOSTILE = "\x1b[2J\x1b[Hpaused: none\x1b]0;owned\x07\u202e"
@@ -65,8 +66,8 @@ def test_stats_and_dead_letters_escape_producer_supplied_text(
 ) -> None:
     ids = add(conn, 2, table=table, event_type="order." + HOSTILE, key="k" + HOSTILE)
     update(conn, table, ids[:1], "status = 'dead', last_error = 'boom " + HOSTILE.replace("'", "''") + "'")
-    operations.pause(conn, table, "order.created", limit_key=HOSTILE)
-    operations.pause(conn, table, "invoice." + HOSTILE)
+    ops.pause(conn, table, "order.created", limit_key=HOSTILE)
+    ops.pause(conn, table, "invoice." + HOSTILE)
 
     out = ok(run("stats", dsn=migrated_dsn, OUTBOX_TABLE=table))
     _no_control_characters(out)
@@ -97,7 +98,7 @@ def test_pause_refuses_an_event_type_the_loaded_outbox_does_not_handle(
     typo = run("-A", "pause_test_app:outbox", "pause", "order.craeted", dsn=None, **env)
     error = one_line_error(typo)
     assert "no handler for event type 'order.craeted'" in error and "did you mean 'order.created'?" in error
-    assert operations.flow_states(conn, table) == []  # nothing was paused
+    assert ops.flow_states(conn, table) == []  # nothing was paused
 
     # Nothing close: the handled types are listed.
     far = one_line_error(run("-A", "pause_test_app:outbox", "pause", "zzz", dsn=None, **env))
@@ -109,7 +110,7 @@ def test_pause_refuses_an_event_type_the_loaded_outbox_does_not_handle(
     )
     again = ok(run("-A", "pause_test_app:outbox", "pause", "order.created", dsn=None, **env))
     assert "'order.created' was already paused: nothing changed" in again
-    assert [f.event_type for f in operations.flow_states(conn, table)] == ["order.created"]
+    assert [f.event_type for f in ops.flow_states(conn, table)] == ["order.created"]
 
     # Without -A the handlers are unknown: a type can be paused before its first deploy.
     assert "paused 'report.built'" in ok(run("pause", "report.built", dsn=migrated_dsn, OUTBOX_TABLE=table))
@@ -119,29 +120,29 @@ def test_resume_says_what_was_not_paused_and_refuses_an_unknown_type(
     migrated_dsn: str, conn: psycopg.Connection[Any], table: str, tmp_path: Path
 ) -> None:
     env = _app(tmp_path, migrated_dsn, table)
-    operations.pause(conn, table, "order.created")
+    ops.pause(conn, table, "order.created")
 
     # Not paused, and a close match is: named; exit 0 (nothing to undo), but it says so.
     out = ok(run("resume", "order.craeted", dsn=migrated_dsn, OUTBOX_TABLE=table))
     assert "'order.craeted' was not paused or held: nothing changed; did you mean 'order.created'?" in out
-    assert [f.event_type for f in operations.flow_states(conn, table)] == ["order.created"]
+    assert [f.event_type for f in ops.flow_states(conn, table)] == ["order.created"]
 
     # With -A the typo is refused outright.
     error = one_line_error(run("-A", "pause_test_app:outbox", "resume", "order.craeted", dsn=None, **env))
     assert "did you mean 'order.created'?" in error
 
     # A paused type whose handler is gone can still be resumed.
-    operations.pause(conn, table, "retired.type")
+    ops.pause(conn, table, "retired.type")
     assert "resumed 'retired.type'" in ok(
         run("-A", "pause_test_app:outbox", "resume", "retired.type", dsn=None, **env)
     )
     assert "resumed 'order.created': its messages are claimable now" in ok(
         run("-A", "pause_test_app:outbox", "resume", "order.created", dsn=None, **env)
     )
-    assert operations.flow_states(conn, table) == []
+    assert ops.flow_states(conn, table) == []
 
     # A key: the close paused key is named.
-    operations.pause(conn, table, "order.created", limit_key="tenant-42")
+    ops.pause(conn, table, "order.created", limit_key="tenant-42")
     keyed = ok(run("resume", "order.created", "--key", "tenant-24", dsn=migrated_dsn, OUTBOX_TABLE=table))
     assert "did you mean 'order.created' key 'tenant-42'?" in keyed, keyed
 
@@ -159,18 +160,18 @@ def test_pause_and_resume_of_a_type_with_subscriptions_reach_every_route_and_nam
         "its messages are claimed by nobody until resumed"
     ) in out, out
     paused = ["order.paid", "order.paid@receipt", "order.paid@search"]
-    assert [f.event_type for f in operations.flow_states(conn, table) if f.paused] == paused
+    assert [f.event_type for f in ops.flow_states(conn, table) if f.paused] == paused
 
     shown = json.loads(ok(run("resume", "order.paid", "--json", dsn=migrated_dsn, OUTBOX_TABLE=table)))
     assert shown["routes"] == paused[1:] and shown["changed"] is True, shown
-    assert operations.flow_states(conn, table) == []
+    assert ops.flow_states(conn, table) == []
 
     # A route alone is that subscription alone; resuming the type resumes it too.
     assert "paused 'order.paid@search':" in ok(
         run("-A", "pause_test_app:outbox", "pause", "order.paid@search", dsn=None, **env)
     )
-    assert [f.event_type for f in operations.flow_states(conn, table)] == ["order.paid@search"]
+    assert [f.event_type for f in ops.flow_states(conn, table)] == ["order.paid@search"]
     assert "resumed 'order.paid' with its subscriptions" in ok(
         run("resume", "order.paid", dsn=migrated_dsn, OUTBOX_TABLE=table)
     )
-    assert operations.flow_states(conn, table) == []
+    assert ops.flow_states(conn, table) == []

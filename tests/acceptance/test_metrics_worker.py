@@ -1,6 +1,6 @@
 """Worker-side operations in real processes: delivery counters and the retention task.
 
-The delivery counters (:func:`outbox_celery.ops.metrics.track_deliveries`) are counted in a real
+The delivery counters (:func:`outbox_celery.metrics.track_deliveries`) are counted in a real
 prefork worker in prometheus_client's multiprocess mode and served by the real exporter
 (``outbox-celery metrics --worker-metrics-dir``). The retention task runs in a real worker.
 """
@@ -31,7 +31,7 @@ SETTLE = 90.0  # seconds; bounds waiting on a loaded machine, never asserts spee
 TRACKING_MODULE = """
 from support.worker_app import outbox
 
-from outbox_celery.ops.metrics import track_deliveries
+from outbox_celery.metrics import track_deliveries
 
 track_deliveries(outbox)
 """

@@ -15,9 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from acceptance.conftest import DEFAULT_EVENT, Harness, HarnessFactory
-from outbox_celery import Event, enqueue_many
+from outbox_celery import Event, enqueue_many, ops
 from outbox_celery.db.migrations import migrate
-from outbox_celery.ops import operations
 from outbox_celery.web import Database, create_app
 
 pytestmark = pytest.mark.slow
@@ -166,7 +165,7 @@ def test_pause_and_resume_from_the_page_hold_and_release_delivery(
     assert stranger is not None
     assert stranger.new_page().goto(f"{console}/db/shop/flow").status == 401
     stranger.close()
-    assert operations.flow_states(harness.conn, harness.table) == []
+    assert ops.flow_states(harness.conn, harness.table) == []
 
     page.fill("input[name=event_type]", DEFAULT_EVENT)
     page.click("#pause-form")

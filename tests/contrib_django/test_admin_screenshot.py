@@ -22,8 +22,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
-from outbox_celery import Event, enqueue_many
-from outbox_celery.ops import operations as core_admin
+from outbox_celery import Event, enqueue_many, ops
 
 WIDTH, HEIGHT = 1400, 900
 BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
@@ -110,7 +109,7 @@ def _messages(dsn: str) -> dict[str, int]:
         dead = "UPDATE outbox SET status = 'dead', attempts = 12, last_error = %s WHERE id = %s"
         pg.execute(dead, [long_error, head])
         pg.execute("UPDATE outbox SET status = 'done', done_at = now() WHERE id = %s", [delivered])
-        core_admin.skip(pg, "outbox", [skipped], reason="customer merged into another account")
+        ops.skip(pg, "outbox", [skipped], reason="customer merged into another account")
     return {"dead": head, "delivered": delivered, "skipped": skipped, "pending": pending}
 
 

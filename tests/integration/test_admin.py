@@ -12,9 +12,9 @@ from celery import Celery
 from psycopg import sql
 from support import steps
 
-from outbox_celery import Store, TableName
+from outbox_celery import Store, TableName, ops
 from outbox_celery.app.outbox import Outbox
-from outbox_celery.ops import operations
+from outbox_celery.ops import _queries
 from outbox_celery.produce.writes import ProducerWrites
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, claim_ids, count, fetch, fetch_all, stable
@@ -71,13 +71,13 @@ def _claim_of(store: Store, conn: psycopg.Connection[Any], event_type: str, leas
     ],
 )
 def test_durations_parse(text: str, seconds: float) -> None:
-    assert operations.parse_duration(text) == seconds
+    assert ops.parse_duration(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["", "7", "7x", "d7", "-1d", "1y", "7 d", "1h-30m", "abc", "1e3s"])
 def test_malformed_durations_are_refused_with_one_line(text: str) -> None:
     with pytest.raises(ValueError, match="malformed duration") as info:
-        operations.parse_duration(text)
+        ops.parse_duration(text)
     assert "\n" not in str(info.value)
 
 
@@ -108,7 +108,7 @@ def test_stats_reports_every_status_age_lease_key_and_event_type(
     _set(conn, table, done, "status = 'done', done_at = now()")
     time.sleep(PAST_SHORT)
 
-    s = operations.stats(conn, table, handlers={"order.created", "mail.sent"})
+    s = ops.stats(conn, table, handlers={"order.created", "mail.sent"})
 
     assert s.counts == {"pending": 9, "processing": 2, "done": 4, "dead": 1}
     assert s.dead == 1
@@ -146,7 +146,7 @@ def _claim_of_new(
 
 
 def test_stats_of_an_empty_table_and_without_handlers(conn: psycopg.Connection[Any], table: str) -> None:
-    s = operations.stats(conn, table)
+    s = ops.stats(conn, table)
     assert s.counts == {"pending": 0, "processing": 0, "done": 0, "dead": 0}
     assert (s.oldest_pending_age, s.oldest_ready_wait, s.oldest_processing_age) == (None, None, None)
     assert s.attempts == [] and s.event_types == []
@@ -158,8 +158,8 @@ def test_stats_of_an_empty_table_and_without_handlers(conn: psycopg.Connection[A
 def test_stats_and_purge_on_a_schema_qualified_table(conn: psycopg.Connection[Any], table: str) -> None:
     ids = add(conn, 3, table=table)
     _set(conn, table, ids[:2], "status = 'done', done_at = now() - interval '2 days'")
-    assert operations.stats(conn, table).counts == {"pending": 1, "processing": 0, "done": 2, "dead": 0}
-    assert operations.purge_done(conn, table, older_than=86400, batch_size=10) == 2
+    assert ops.stats(conn, table).counts == {"pending": 1, "processing": 0, "done": 2, "dead": 0}
+    assert ops.purge_done(conn, table, older_than=86400, batch_size=10) == 2
     assert count(conn, table) == 1
 
 
@@ -180,11 +180,11 @@ def test_operator_queries_are_served_by_the_partial_indexes(
         "limit": 50,
         "cutoff": "2000-01-01",
         "id": 1,
-        "cap": operations.DEFAULT_STATS_CAP,
+        "cap": ops.DEFAULT_STATS_CAP,
         "table": table,
     }
     for name in ("stats", "dead_list", "dead_count", "show", "purge_count", "purge_batch"):
-        query = operations._q(table, name)
+        query = _queries.q(table, name)
         text = query.as_string(conn)
         used = {k: v for k, v in params.items() if f"%({k})s" in text}
         plan = "\n".join(r[0] for r in conn.execute(sql.SQL("EXPLAIN ") + query, used).fetchall())
@@ -201,23 +201,23 @@ def test_list_dead_filters_and_pages(conn: psycopg.Connection[Any], table: str) 
     _set(conn, table, a + b, "status = 'dead', attempts = 3, last_error = 'boom ' || id")
     _set(conn, table, a[:2], "created_at = now() - interval '3 days'")
 
-    everything = operations.list_dead(conn, table)
+    everything = ops.list_dead(conn, table)
     assert [d.id for d in everything] == a + b
     assert everything[0].last_error == f"boom {a[0]}"
-    assert operations.count_dead(conn, table) == 8
+    assert ops.count_dead(conn, table) == 8
 
-    assert [d.id for d in operations.list_dead(conn, table, event_type="b.happened")] == b
-    assert [d.id for d in operations.list_dead(conn, table, older_than=2 * 86400)] == a[:2]
-    assert [d.id for d in operations.list_dead(conn, table, newer_than=86400)] == a[2:] + b
-    assert [d.id for d in operations.list_dead(conn, table, aggregate_type="thing", aggregate_id="1")] == [
+    assert [d.id for d in ops.list_dead(conn, table, event_type="b.happened")] == b
+    assert [d.id for d in ops.list_dead(conn, table, older_than=2 * 86400)] == a[:2]
+    assert [d.id for d in ops.list_dead(conn, table, newer_than=86400)] == a[2:] + b
+    assert [d.id for d in ops.list_dead(conn, table, aggregate_type="thing", aggregate_id="1")] == [
         a[1],
         b[1],
     ]
-    assert operations.count_dead(conn, table, event_type="a.happened", older_than=86400) == 2
+    assert ops.count_dead(conn, table, event_type="a.happened", older_than=86400) == 2
 
-    page1 = operations.list_dead(conn, table, limit=3)
-    page2 = operations.list_dead(conn, table, limit=3, after=page1[-1].id)
-    page3 = operations.list_dead(conn, table, limit=3, after=page2[-1].id)
+    page1 = ops.list_dead(conn, table, limit=3)
+    page2 = ops.list_dead(conn, table, limit=3, after=page1[-1].id)
+    page3 = ops.list_dead(conn, table, limit=3, after=page2[-1].id)
     assert [d.id for d in page1 + page2 + page3] == a + b
     assert len(page3) == 2
 
@@ -227,16 +227,16 @@ def test_get_message_explains_an_ordered_wait(
 ) -> None:
     k = add(conn, 3, table=table, key="k")
     _kill(store, conn, k[0])
-    head = operations.get_message(conn, table, k[0])
+    head = ops.get_message(conn, table, k[0])
     assert head is not None
     assert (head["status"], head["key_head"], head["waiting_behind"]) == ("dead", k[0], 2)
     assert head["payload"] == {"i": 0}
     assert head["last_error"] == "PermanentError: 410"
-    second = operations.get_message(conn, table, k[1])
+    second = ops.get_message(conn, table, k[1])
     assert second is not None
     assert (second["status"], second["key_head"], second["waiting_behind"]) == ("pending", k[0], 1)
     assert second["available_in"] <= 0
-    assert operations.get_message(conn, table, 10_000) is None
+    assert ops.get_message(conn, table, 10_000) is None
 
 
 def test_requeue_resets_attempts_keeps_the_error_and_the_fencing_token(
@@ -245,7 +245,7 @@ def test_requeue_resets_attempts_keeps_the_error_and_the_fencing_token(
     [i] = add(conn, table=table)
     _kill(store, conn, i, error="PermanentError: 500 from billing")
     before = fetch(conn, table, i)
-    assert operations.requeue(conn, table, [i], reason="billing fixed") == [i]
+    assert ops.requeue(conn, table, [i], reason="billing fixed") == [i]
     row = fetch(conn, table, i)
     assert row["status"] == "pending"
     assert row["attempts"] == 0
@@ -265,16 +265,16 @@ def test_requeue_and_skip_are_all_or_nothing(conn: psycopg.Connection[Any], stor
     _kill(store, conn, ids[0])
     _claim_of(store, conn, "thing.happened", LONG)  # one of the others is now processing
     before = [stable(r) for r in fetch_all(conn, table)]
-    with pytest.raises(operations.AdminError, match=r"no message with id 999"):
-        operations.requeue(conn, table, [ids[0], 999])
-    with pytest.raises(operations.AdminError, match=r"is pending|is processing"):
-        operations.requeue(conn, table, ids)
-    with pytest.raises(operations.AdminError, match=r"is processing"):
-        operations.skip(conn, table, ids, reason="x")
-    with pytest.raises(operations.AdminError, match="reason"):
-        operations.skip(conn, table, [ids[0]], reason="  ")
-    with pytest.raises(operations.AdminError, match="no message ids"):
-        operations.requeue(conn, table, [])
+    with pytest.raises(ops.AdminError, match=r"no message with id 999"):
+        ops.requeue(conn, table, [ids[0], 999])
+    with pytest.raises(ops.AdminError, match=r"is pending|is processing"):
+        ops.requeue(conn, table, ids)
+    with pytest.raises(ops.AdminError, match=r"is processing"):
+        ops.skip(conn, table, ids, reason="x")
+    with pytest.raises(ops.AdminError, match="reason"):
+        ops.skip(conn, table, [ids[0]], reason="  ")
+    with pytest.raises(ops.AdminError, match="no message ids"):
+        ops.requeue(conn, table, [])
     assert [stable(r) for r in fetch_all(conn, table)] == before
 
 
@@ -284,14 +284,14 @@ def test_skip_of_a_dead_head_unblocks_its_key_and_records_the_reason(
     k = add(conn, 3, table=table, key="k")
     _kill(store, conn, k[0])
     assert claim_ids(store, conn) == []  # the dead head blocks its key
-    assert operations.skip(conn, table, [k[0]], reason="customer deleted") == [k[0]]
+    assert ops.skip(conn, table, [k[0]], reason="customer deleted") == [k[0]]
     row = fetch(conn, table, k[0])
     assert row["status"] == "done" and row["done_at"] is not None
     assert row["last_error"] == (
         "skipped by operator: customer deleted (was dead, attempts 1); previous error: PermanentError: 410"
     )
     assert claim_ids(store, conn) == [k[1]]
-    assert operations.stats(conn, table).blocked_keys == 0
+    assert ops.stats(conn, table).blocked_keys == 0
 
 
 def test_requeue_all_moves_forward_in_batches_and_honours_the_event_type(
@@ -300,11 +300,11 @@ def test_requeue_all_moves_forward_in_batches_and_honours_the_event_type(
     a = add(conn, 5, table=table, event_type="a.happened")
     b = add(conn, 2, table=table, event_type="b.happened")
     _set(conn, table, a + b, "status = 'dead', attempts = 5")
-    assert operations.requeue_all(conn, table, event_type="a.happened", batch_size=2) == 5
+    assert ops.requeue_all(conn, table, event_type="a.happened", batch_size=2) == 5
     assert count(conn, table, "status = 'pending' AND attempts = 0") == 5
     assert count(conn, table, "status = 'dead' AND event_type = 'b.happened'") == 2
-    assert operations.requeue_all(conn, table, batch_size=2) == 2
-    assert operations.requeue_all(conn, table) == 0
+    assert ops.requeue_all(conn, table, batch_size=2) == 2
+    assert ops.requeue_all(conn, table) == 0
     assert count(conn, table, "status = 'pending'") == 7
 
 
@@ -322,11 +322,11 @@ def test_purge_deletes_only_old_done_rows(conn: psycopg.Connection[Any], store: 
     _set(conn, table, others[:1], "status = 'dead'")
     _set(conn, table, others[1:2], "status = 'processing', lease_until = now() + interval '1 minute'")
 
-    assert operations.count_purgeable(conn, table, older_than=7 * 86400) == 7
+    assert ops.count_purgeable(conn, table, older_than=7 * 86400) == 7
     assert count(conn, table) == 12  # the count changed nothing
-    assert operations.purge_done(conn, table, older_than=7 * 86400, batch_size=3, max_batches=1) == 3
-    assert operations.purge_done(conn, table, older_than=7 * 86400, batch_size=3) == 4
-    assert operations.purge_done(conn, table, older_than=7 * 86400, batch_size=3) == 0
+    assert ops.purge_done(conn, table, older_than=7 * 86400, batch_size=3, max_batches=1) == 3
+    assert ops.purge_done(conn, table, older_than=7 * 86400, batch_size=3) == 4
+    assert ops.purge_done(conn, table, older_than=7 * 86400, batch_size=3) == 0
     remaining = {r["id"]: r["status"] for r in fetch_all(conn, table)}
     assert sorted(remaining) == sorted(recent_done + others)
 
@@ -356,7 +356,7 @@ def test_purge_runs_each_batch_in_its_own_transaction(conn: psycopg.Connection[A
         ).format(TableName.parse(table).identifier())
     )
     with pytest.raises(psycopg.errors.RaiseException):
-        operations.purge_done(conn, table, older_than=86400, batch_size=2)
+        ops.purge_done(conn, table, older_than=86400, batch_size=2)
     assert sorted(r["id"] for r in fetch_all(conn, table)) == ids[4:]
 
 
@@ -384,22 +384,22 @@ def test_purge_skips_rows_locked_by_someone_else_instead_of_waiting(
     t.start()
     try:
         assert locked.wait(10)
-        assert operations.purge_done(conn, table, older_than=86400, batch_size=10) == 3
+        assert ops.purge_done(conn, table, older_than=86400, batch_size=10) == 3
     finally:
         release.set()
         t.join(30)
     assert [r["id"] for r in fetch_all(conn, table)] == ids[:1]
-    assert operations.purge_done(conn, table, older_than=86400, batch_size=10) == 1
+    assert ops.purge_done(conn, table, older_than=86400, batch_size=10) == 1
 
 
 def test_batched_writes_refuse_a_connection_inside_a_transaction(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
     with conn.transaction():
-        with pytest.raises(operations.AdminError, match="not inside a transaction"):
-            operations.purge_done(conn, table, older_than=0, batch_size=10)
-        with pytest.raises(operations.AdminError, match="not inside a transaction"):
-            operations.requeue_all(conn, table)
+        with pytest.raises(ops.AdminError, match="not inside a transaction"):
+            ops.purge_done(conn, table, older_than=0, batch_size=10)
+        with pytest.raises(ops.AdminError, match="not inside a transaction"):
+            ops.requeue_all(conn, table)
 
 
 def test_retention_task_purges_per_config_and_is_scheduled_by_default(
@@ -444,7 +444,7 @@ def test_retention_task_purges_per_config_and_is_scheduled_by_default(
     ],
 )
 def test_durations_format_for_humans(seconds: float | None, text: str) -> None:
-    assert operations.format_duration(seconds) == text
+    assert ops.format_duration(seconds) == text
 
 
 def test_invariant_10_requeue_and_skip_take_expired_processing_rows_and_refuse_live_leases(
@@ -461,22 +461,22 @@ def test_invariant_10_requeue_and_skip_take_expired_processing_rows_and_refuse_l
     time.sleep(PAST_SHORT)
     before = [stable(r) for r in fetch_all(conn, table)]
     for action in (
-        lambda: operations.requeue(conn, table, [lost, live]),
-        lambda: operations.skip(conn, table, [skipped, live], reason="x"),
+        lambda: ops.requeue(conn, table, [lost, live]),
+        lambda: ops.skip(conn, table, [skipped, live], reason="x"),
     ):
-        with pytest.raises(operations.AdminError) as refused:
+        with pytest.raises(ops.AdminError) as refused:
             action()
         message = str(refused.value)
         assert f"message {live} is processing under a live lease" in message
         assert "\n" not in message
     assert [stable(r) for r in fetch_all(conn, table)] == before
 
-    assert operations.requeue(conn, table, [lost], reason="queue fixed") == [lost]
+    assert ops.requeue(conn, table, [lost], reason="queue fixed") == [lost]
     row = fetch(conn, table, lost)
     assert (row["status"], row["attempts"], row["lease_until"]) == ("pending", 0, None)
     assert row["started_version"] == row["lease_version"] == 1
     assert row["last_error"] == "requeued by operator: queue fixed (attempts were 0)"
-    assert operations.skip(conn, table, [skipped], reason="obsolete") == [skipped]
+    assert ops.skip(conn, table, [skipped], reason="obsolete") == [skipped]
     row = fetch(conn, table, skipped)
     assert row["status"] == "done"
     assert row["last_error"] == "skipped by operator: obsolete (was processing, attempts 0)"
@@ -518,10 +518,10 @@ def test_invariant_9_keys_left_without_a_head_are_counted_and_repaired_while_pro
     healthy = add(conn, 2, table=table, key="healthy")
     inserted, moved = _as_an_old_release(conn, table)
     assert claim_ids(store, conn, lease=SHORT) == [healthy[0]]
-    s = operations.stats(conn, table)
+    s = ops.stats(conn, table)
     assert (s.headless_keys, s.blocked_keys, s.ready) == (2, 0, 0)
     # show names the flagged head, the claim's own definition (#25): such a key has none.
-    shown = operations.get_message(conn, table, inserted[1])
+    shown = ops.get_message(conn, table, inserted[1])
     assert shown is not None and shown["key_head"] is None
     # A producer of this release holds key "old-insert"'s lock while the repair runs: the repair
     # waits for it, and then sees its message (flagged or not, the key gets one head only).
@@ -529,14 +529,14 @@ def test_invariant_9_keys_left_without_a_head_are_counted_and_repaired_while_pro
     with producer.transaction():
         ProducerWrites(store).lock_keys(producer, ["old-insert"])
         repaired: list[list[str]] = []
-        repair = threading.Thread(target=lambda: repaired.append(operations.repair_heads(connect(), table)))
+        repair = threading.Thread(target=lambda: repaired.append(ops.repair_heads(connect(), table)))
         repair.start()
         time.sleep(0.3)
         assert repaired == []  # waiting on the producer's key lock
     repair.join(10)
     assert repaired == [["old-done", "old-insert"]]
-    assert operations.stats(conn, table).headless_keys == 0
-    assert operations.repair_heads(conn, table) == []
+    assert ops.stats(conn, table).headless_keys == 0
+    assert ops.repair_heads(conn, table) == []
     heads = {r["id"] for r in fetch_all(conn, table) if r["head"] and r["status"] != "done"}
     assert heads == {healthy[0], inserted[0], moved[1]}
     assert sorted(claim_ids(store, conn)) == sorted([inserted[0], moved[1]])
@@ -552,6 +552,6 @@ def test_stats_with_a_timeout_inside_the_callers_transaction_leaves_its_statemen
     add(conn, 3, table=table)
     with conn.transaction():
         conn.execute("SET LOCAL statement_timeout = '45s'")
-        assert operations.stats(conn, table, timeout=2.0).counts["pending"] == 3
+        assert ops.stats(conn, table, timeout=2.0).counts["pending"] == 3
         assert conn.execute("SHOW statement_timeout").fetchone() == ("45s",)
     assert conn.execute("SHOW statement_timeout").fetchone() == ("0",)

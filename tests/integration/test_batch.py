@@ -19,13 +19,12 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 from support import steps
 
-from outbox_celery import Message, OutboxConfig, Store, TableName
+from outbox_celery import Message, OutboxConfig, Store, TableName, ops
 from outbox_celery.claim.executor import Claimed, ClaimResult, ScanMarks
 from outbox_celery.claim.units import publish_units
 from outbox_celery.db.completer import Finish, Lease, Step
 from outbox_celery.errors import Defer, PermanentError, RateLimited, RetryableError
 from outbox_celery.handlers import HandlerSpec
-from outbox_celery.ops import operations
 from outbox_celery.testing import InProcess
 
 from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, claim_units, fetch
@@ -297,7 +296,7 @@ def test_invariant_23_a_rate_limited_item_of_a_batch_holds_its_event_type(
     # Back to pending, its attempt refunded, and its whole event type held (not lost as a stale lease).
     assert (row["status"], row["attempts"]) == ("pending", 0)
     assert 25 < row["available_in"] <= 30
-    [held] = operations.stats(conn, table).flow
+    [held] = ops.stats(conn, table).flow
     assert held.event_type == EVENT and held.held_for is not None and held.held_for > 25
 
 
@@ -456,7 +455,7 @@ def test_invariant_21_max_wait_zero_or_a_paused_type_is_not_read(
     ids = add(conn, 2, table=table, event_type=EVENT)
     result = _fill_claim(conn, store, max_wait=0.0)
     assert sorted(c.id for c in result.claimed) == ids and result.filling == ()
-    operations.pause(conn, table, EVENT)
+    ops.pause(conn, table, EVENT)
     add(conn, 2, table=table, event_type=EVENT)
     paused = _fill_claim(conn, store, max_wait=5.0)
     assert paused.claimed == [] and paused.filling == () and paused.held == (EVENT,)

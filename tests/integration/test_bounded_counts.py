@@ -16,9 +16,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_celery import TableName
+from outbox_celery import TableName, ops
 from outbox_celery.errors import AdminError
-from outbox_celery.ops import operations
 
 from .helpers import add
 
@@ -45,13 +44,13 @@ def test_stats_counts_past_the_cap_are_lower_bounds_and_flagged(
     _set(conn, table, ids[22:25], "status = 'dead', attempts = 5")
     exact_counts = {"pending": 5, "processing": 2, "done": 20, "dead": 3}
 
-    exact = operations.stats(conn, table, cap=None)
+    exact = ops.stats(conn, table, cap=None)
     assert exact.counts == exact_counts
     assert exact.capped == dict.fromkeys(exact_counts, False)
     assert exact.done_last_minute == 5
 
     # A cap above every live status: those are exact; the done read stops at the cap.
-    s = operations.stats(conn, table, cap=10)
+    s = ops.stats(conn, table, cap=10)
     assert {k: v for k, v in s.counts.items() if k != "done"} == {"pending": 5, "processing": 2, "dead": 3}
     assert s.capped == {"pending": False, "processing": False, "done": True, "dead": False}
     assert s.counts["done"] >= 10  # past the cap: an estimate, never below what was read
@@ -59,7 +58,7 @@ def test_stats_counts_past_the_cap_are_lower_bounds_and_flagged(
     assert s.ready == 5 and s.event_types[0].pending == 5
 
     # A cap below them: lower bounds, flagged, and figures derived from the rows read agree.
-    low = operations.stats(conn, table, cap=3)
+    low = ops.stats(conn, table, cap=3)
     assert low.counts["pending"] == 3 and low.capped["pending"]
     assert low.counts["processing"] == 2 and not low.capped["processing"]
     assert low.counts["dead"] == 3 and low.capped["dead"]  # reached the cap: "at least 3"
@@ -69,7 +68,7 @@ def test_stats_counts_past_the_cap_are_lower_bounds_and_flagged(
     assert sum(a.pending for a in low.attempts) == 3
 
     with pytest.raises(AdminError):
-        operations.stats(conn, table, cap=0)
+        ops.stats(conn, table, cap=0)
 
 
 def test_unclaimed_reads_at_most_the_cap_and_keeps_the_oldest_wait(
@@ -83,9 +82,9 @@ def test_unclaimed_reads_at_most_the_cap_and_keeps_the_oldest_wait(
         )
     ).fetchone()
     assert oldest is not None
-    [every] = operations.unclaimed(conn, table, older_than=30, cap=None)
+    [every] = ops.unclaimed(conn, table, older_than=30, cap=None)
     assert every.messages == 6
-    [capped] = operations.unclaimed(conn, table, older_than=30, cap=4)
+    [capped] = ops.unclaimed(conn, table, older_than=30, cap=4)
     assert capped.messages == 4  # a lower bound: the first 4 entries of pending_idx
     assert capped.oldest_wait == pytest.approx(oldest[0], abs=5)  # the oldest comes first
 
@@ -158,7 +157,7 @@ def test_the_stats_command_shows_lower_bounds_and_exact_counts_on_request(
     assert exact["cap"] is None and exact["counts"]["done"] == 3 and exact["done_last_minute"] == 3
     assert not any(exact["capped"].values())
 
-    monkeypatch.setattr(operations, "DEFAULT_STATS_CAP", 2)  # what the command passes when not --exact
+    monkeypatch.setattr(ops, "DEFAULT_STATS_CAP", 2)  # what the command passes when not --exact
     text = runner.invoke(cli, args, catch_exceptions=False).output
     assert re.search(r"^pending +2\+ ", text, re.M), text
     assert re.search(r"^done +~\d+ +2\+ in the last minute; estimated", text, re.M), text

@@ -14,7 +14,7 @@ from psycopg import sql
 from support import steps
 
 from outbox_celery import Event, Store, TableName, enqueue, enqueue_async, enqueue_many
-from outbox_celery.ops.operations import purge_done
+from outbox_celery.ops import purge_done
 
 from .helpers import LONG, Connect, claim_ids, count, fetch
 from .producer_kinds import ASYNC_KINDS, SYNC_KINDS

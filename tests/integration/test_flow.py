@@ -14,10 +14,9 @@ import pytest
 from psycopg import sql
 from support import steps
 
-from outbox_celery import Store, TableName
+from outbox_celery import Store, TableName, ops
 from outbox_celery.claim.executor import ClaimResult, ScanMarks
 from outbox_celery.flow import Limit
-from outbox_celery.ops import operations
 
 from .helpers import LONG, Connect, add, claim, claim_together, fetch
 
@@ -45,14 +44,14 @@ def test_invariant_23_a_paused_event_type_is_claimed_by_nobody_until_resumed(
 ) -> None:
     add(conn, 3, event_type=A)
     add(conn, 3, event_type=B)
-    assert operations.pause(conn, table, A) is True
-    assert operations.pause(conn, table, A) is False  # already paused: said so, nothing changes
+    assert ops.pause(conn, table, A) is True
+    assert ops.pause(conn, table, A) is False  # already paused: said so, nothing changes
     result = claim(store, conn)
     assert types_of(result) == [B] * 3
     assert result.held == (A,)
     assert claim(store, conn).claimed == []
 
-    s = operations.stats(conn, table)
+    s = ops.stats(conn, table)
     assert [(f.event_type, f.paused) for f in s.flow] == [(A, True)]
     [a_stats] = [e for e in s.event_types if e.event_type == A]
     assert a_stats.paused and a_stats.ready == 3
@@ -60,12 +59,12 @@ def test_invariant_23_a_paused_event_type_is_claimed_by_nobody_until_resumed(
     # Resume wakes the push listeners (the table's channel) and the next claim takes them.
     with psycopg.connect(migrated_dsn, autocommit=True) as listener:
         channel = store.listen(listener)
-        assert operations.resume(conn, table, A) is True
+        assert ops.resume(conn, table, A) is True
         got = list(listener.notifies(timeout=5.0, stop_after=1))
         assert [n.channel for n in got] == [channel]
     assert types_of(claim(store, conn)) == [A] * 3
-    assert operations.stats(conn, table).flow == []
-    assert operations.resume(conn, table, A) is False
+    assert ops.stats(conn, table).flow == []
+    assert ops.resume(conn, table, A) is False
 
 
 def test_invariant_23_resume_reaches_rows_behind_the_scan_marks_at_once(
@@ -74,7 +73,7 @@ def test_invariant_23_resume_reaches_rows_behind_the_scan_marks_at_once(
     # While A is paused the general scans step over its rows and their marks move past them;
     # on resume the next claim of the same process must find them, not the full pass a minute on.
     marks = ScanMarks(lookback=0.0, full_every=3600.0)
-    operations.pause(conn, table, A)
+    ops.pause(conn, table, A)
     add(conn, 2, event_type=A)
     add(conn, 2, event_type=B)
     assert types_of(claim(store, conn, marks=marks)) == [B, B]
@@ -82,7 +81,7 @@ def test_invariant_23_resume_reaches_rows_behind_the_scan_marks_at_once(
     add(conn, 1, event_type=B)
     assert types_of(claim(store, conn, marks=marks)) == [B]  # the marks moved past A's rows
     passes = marks.full_passes
-    operations.resume(conn, table, A)
+    ops.resume(conn, table, A)
     assert types_of(claim(store, conn, marks=marks)) == [A, A]
     assert marks.full_passes == passes + 1
 
@@ -90,10 +89,10 @@ def test_invariant_23_resume_reaches_rows_behind_the_scan_marks_at_once(
 def test_invariant_23_pause_and_resume_refuse_an_empty_event_type(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
-    with pytest.raises(operations.AdminError):
-        operations.pause(conn, table, "")
-    with pytest.raises(operations.AdminError):
-        operations.resume(conn, table, "")
+    with pytest.raises(ops.AdminError):
+        ops.pause(conn, table, "")
+    with pytest.raises(ops.AdminError):
+        ops.resume(conn, table, "")
 
 
 # -- concurrency (invariant 22) ------------------------------------------------------------------
@@ -217,7 +216,7 @@ def test_invariant_23_rate_limited_holds_its_event_type_without_spending_attempt
     result = claim(store, conn)
     assert types_of(result) == [B, B]  # the rest of A waits; other types flow
     assert result.held == (A,) and result.flow_wait is not None and 29 < result.flow_wait <= 30
-    [held] = operations.stats(conn, table).flow
+    [held] = ops.stats(conn, table).flow
     assert held.event_type == A and not held.paused and held.held_for is not None
     # A shorter hold never shortens the longer one; a stale finalize holds nothing.
     assert (
@@ -225,7 +224,7 @@ def test_invariant_23_rate_limited_holds_its_event_type_without_spending_attempt
         is False
     )
     # resume ends the hold at once.
-    assert operations.resume(conn, table, A) is True
+    assert ops.resume(conn, table, A) is True
     assert sorted(x.id for x in claim(store, conn).claimed) == a_ids[1:]
 
 
@@ -240,7 +239,7 @@ def test_invariant_23_a_later_hold_never_shortens_an_earlier_one(
     assert steps.rate_limited(
         store, conn, got[1].id, got[1].lease_version, delay=1.0, reason="b", max_age=3600.0
     )
-    [held] = operations.stats(conn, table).flow
+    [held] = ops.stats(conn, table).flow
     assert held.held_for is not None and held.held_for > 55
 
 
@@ -255,7 +254,7 @@ def test_a_table_not_migrated_to_0007_claims_without_flow_control(
         result = claim(Store(table), conn, limits={A: Limit(concurrency=1)})
     assert len(result.claimed) == 3
     assert "migration 0007 not applied" in caplog.text
-    assert operations.stats(conn, table).flow == []
+    assert ops.stats(conn, table).flow == []
 
 
 def test_invariant_22_several_limited_types_each_get_their_allowance_in_one_claim(
@@ -296,7 +295,7 @@ def test_invariant_23_the_metrics_show_paused_and_held_event_types(
     pytest.importorskip("prometheus_client")
     from outbox_celery.ops.metrics import OutboxCollector
 
-    operations.pause(conn, table, A)
+    ops.pause(conn, table, A)
     add(conn, 1, event_type=B)
     [c] = claim(store, conn).claimed
     assert steps.rate_limited(store, conn, c.id, c.lease_version, delay=30.0, reason="429", max_age=3600.0)

@@ -20,11 +20,10 @@ import pytest
 from psycopg import sql
 from support import steps
 
-from outbox_celery import Store, TableName, migrate
+from outbox_celery import Store, TableName, migrate, ops
 from outbox_celery.claim.executor import ScanMarks
 from outbox_celery.errors import MigrationError
 from outbox_celery.flow import CAP_RECHECK, Limit
-from outbox_celery.ops import operations
 
 from .helpers import LONG, Connect, add, claim, fetch
 
@@ -53,7 +52,7 @@ def test_invariant_24_keys_behind_a_window_of_held_keys_are_claimed(
     # 60 paused keys sort before "zeta": more than one claim's walk (50 keys at least).
     for i in range(60):
         add(conn, 1, event_type=A, limit_key=f"k{i:02d}")
-        operations.pause(conn, table, A, limit_key=f"k{i:02d}")
+        ops.pause(conn, table, A, limit_key=f"k{i:02d}")
     [zeta] = add(conn, 1, event_type=A, limit_key="zeta")
     limits = {A: Limit(key_concurrency=1)}
     got: list[int] = []
@@ -70,7 +69,7 @@ def test_invariant_25_a_key_back_from_a_pause_or_hold_is_claimed_at_once_behind_
     marks = ScanMarks(lookback=0.3, full_every=3600.0)
     waiting = add(conn, 2, event_type=A, limit_key="t1")
     if how == "resume":
-        operations.pause(conn, table, A, limit_key="t1")
+        ops.pause(conn, table, A, limit_key="t1")
     else:
         conn.execute(
             sql.SQL(
@@ -87,7 +86,7 @@ def test_invariant_25_a_key_back_from_a_pause_or_hold_is_claimed_at_once_behind_
         assert len(claim(store, conn, marks=marks, limits=limits).claimed) == 1
     passes = marks.full_passes
     if how == "resume":
-        assert operations.resume(conn, table, A, limit_key="t1")
+        assert ops.resume(conn, table, A, limit_key="t1")
     else:
         ended = sql.SQL("UPDATE {} SET paused_until = now() - interval '1 second'")
         conn.execute(ended.format(_flow_key(table)))
@@ -136,7 +135,7 @@ def test_invariant_22_first_claims_of_newly_limited_types_never_deadlock(
     first = threading.Thread(target=claimer, args=({"a": Limit(concurrency=2), "b": Limit(concurrency=2)},))
     first.start()
     _until(lambda: _lock_waiters(conn) == 1)  # it created "a" and waits for the blocker's "b"
-    operations.pause(conn, table, "z")
+    ops.pause(conn, table, "z")
     second = threading.Thread(target=claimer, args=({"a": Limit(concurrency=2), "z": Limit(concurrency=2)},))
     second.start()
     _until(lambda: _lock_waiters(conn) == 2)  # it waits for the first's "a"
@@ -183,7 +182,7 @@ def test_invariant_25_per_key_state_is_pruned_when_a_key_has_nothing_left(
     assert len(claimed) == 300
     for c in claimed:
         assert steps.done(store, conn, c.id, c.lease_version)
-    operations.pause(conn, table, A, limit_key="paused")  # worth keeping
+    ops.pause(conn, table, A, limit_key="paused")  # worth keeping
     conn.execute(
         sql.SQL(
             "INSERT INTO {} (event_type, limit_key, tokens, refilled_at, full_at)"
@@ -195,7 +194,7 @@ def test_invariant_25_per_key_state_is_pruned_when_a_key_has_nothing_left(
     assert conn.execute(count).fetchone() == (302,)
     # Untouched for a minute: as if the minute had passed.
     conn.execute(sql.SQL("UPDATE {} SET updated_at = now() - interval '2 minutes'").format(_flow_key(table)))
-    assert operations.purge_done(conn, table, older_than=3600.0, batch_size=100) == 0
+    assert ops.purge_done(conn, table, older_than=3600.0, batch_size=100) == 0
     left = conn.execute(sql.SQL("SELECT limit_key FROM {} ORDER BY 1").format(_flow_key(table))).fetchall()
     assert left == [("busy",), ("paused",)]
 
@@ -254,7 +253,7 @@ def test_invariant_25_a_claim_with_no_limit_declared_runs_no_flow_statement(
         assert len(touching) == 1 and touching[0] is _Recording.seen[0], touching
         assert "FOR UPDATE" not in touching[0] and "UPDATE" not in touching[0].replace("FOR UPDATE", "")
         # With a type paused, still none: the paused type is left out as that statement read it.
-        operations.pause(c, table, B)
+        ops.pause(c, table, B)
         _Recording.seen.clear()
         steps.claim(store, c, limit=10, lease=LONG, owner="t", max_attempts=5)
         assert len([q for q in _Recording.seen if flow.search(q)]) == 1
@@ -311,7 +310,7 @@ def test_invariant_25_an_outbox_named_like_another_outboxs_flow_table_is_refused
         migrate(conn, second)
     # The first still claims with its flow control.
     add(conn, 1, table=first, event_type=A)
-    operations.pause(conn, first, A)
+    ops.pause(conn, first, A)
     assert steps.claim(Store(first), conn, limit=5, lease=LONG, owner="t", max_attempts=5).claimed == []
 
 

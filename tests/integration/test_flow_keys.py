@@ -17,10 +17,9 @@ import pytest
 from psycopg import sql
 from support import steps
 
-from outbox_celery import Store, TableName, migrate
+from outbox_celery import Store, TableName, migrate, ops
 from outbox_celery.claim.executor import ClaimResult, ScanMarks
 from outbox_celery.flow import Limit
-from outbox_celery.ops import operations
 
 from .helpers import LONG, add, claim, claim_together, fetch
 
@@ -212,9 +211,9 @@ def test_invariant_24_pause_and_resume_one_key_from_python_and_the_cli(
 ) -> None:
     t1 = add(conn, 2, event_type=A, limit_key="t1")
     add(conn, 2, event_type=A, limit_key="t2")
-    assert operations.pause(conn, table, A, limit_key="t1") is True
-    assert operations.pause(conn, table, A, limit_key="t1") is False  # already
-    [state] = operations.key_states(conn, table)
+    assert ops.pause(conn, table, A, limit_key="t1") is True
+    assert ops.pause(conn, table, A, limit_key="t1") is False  # already
+    [state] = ops.key_states(conn, table)
     assert (state.event_type, state.limit_key, state.paused) == (A, "t1", True)
     # Paused: the type's other key flows, with or without a key limit declared.
     assert keys_of(conn, table, claim(store, conn)) == Counter({"t2": 2})
@@ -226,9 +225,9 @@ def test_invariant_24_pause_and_resume_one_key_from_python_and_the_cli(
         [*cli, "resume", A, "--key", "t1"], capture_output=True, text=True, timeout=60, check=True
     )
     assert f"resumed {A!r} key 't1'" in resumed.stdout
-    assert operations.key_states(conn, table) == []
+    assert ops.key_states(conn, table) == []
     assert sorted(c.id for c in claim(store, conn).claimed) == t1
-    assert operations.resume(conn, table, A, limit_key="t1") is False
+    assert ops.resume(conn, table, A, limit_key="t1") is False
 
 
 def test_invariant_24_key_rate_hands_out_one_burst_per_key_then_what_its_bucket_refills(
@@ -277,11 +276,11 @@ def test_invariant_24_concurrent_claimers_never_exceed_a_key_limit_together(
 def test_invariant_24_stats_and_the_metrics_show_paused_and_held_keys(
     conn: psycopg.Connection[Any], store: Store, table: str, migrated_dsn: str
 ) -> None:
-    operations.pause(conn, table, A, limit_key="t1")
+    ops.pause(conn, table, A, limit_key="t1")
     add(conn, 1, event_type=A, limit_key="t2")
     [c] = claim(store, conn).claimed
     assert steps.rate_limited(store, conn, c.id, c.lease_version, delay=30.0, reason="429", max_age=3600.0)
-    keys = operations.stats(conn, table).as_dict()["keys"]
+    keys = ops.stats(conn, table).as_dict()["keys"]
     assert [(k["limit_key"], k["paused"]) for k in keys] == [("t1", True), ("t2", False)]
     assert 25 < keys[1]["held_for"] <= 30
     pytest.importorskip("prometheus_client")

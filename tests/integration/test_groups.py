@@ -17,9 +17,17 @@ from psycopg import sql
 from psycopg.rows import dict_row
 from support import steps
 
-from outbox_celery import Event, ProducerError, Store, TableName, enqueue_group, enqueue_group_async, group
+from outbox_celery import (
+    Event,
+    ProducerError,
+    Store,
+    TableName,
+    enqueue_group,
+    enqueue_group_async,
+    group,
+    ops,
+)
 from outbox_celery.db.completer import Finish, Lease, Step
-from outbox_celery.ops import operations
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, count, fetch
 from .producer_kinds import ASYNC_KINDS, SYNC_KINDS
@@ -251,10 +259,10 @@ def test_invariant_29_an_operator_skip_counts_done_and_a_requeue_uncounts_a_dead
     assert steps.dead(store, conn, *a, error="x")
     assert steps.dead(store, conn, *b, error="y")
     assert (grp(conn, table, gid)["dead"], len(grp(conn, table, gid)["dead_members"])) == (2, 2)
-    operations.requeue(conn, table, [a[0]])
+    ops.requeue(conn, table, [a[0]])
     g = grp(conn, table, gid)
     assert (g["dead"], [m["id"] for m in g["dead_members"]]) == (1, [b[0]])
-    operations.skip(conn, table, [b[0]], reason="not needed")
+    ops.skip(conn, table, [b[0]], reason="not needed")
     g = grp(conn, table, gid)
     assert (g["done"], g["dead"], g["dead_members"], g["state"]) == (1, 0, [], "open")
     assert steps.done(store, conn, *c)
@@ -271,7 +279,7 @@ def test_invariant_29_requeue_all_uncounts_the_dead(
     gid, _ = make(conn, table, 2)
     a, _b = start_all(store, conn)
     assert steps.dead(store, conn, *a, error="x")
-    assert operations.requeue_all(conn, table=table) == 1
+    assert ops.requeue_all(conn, table=table) == 1
     assert grp(conn, table, gid)["dead"] == 0
 
 
@@ -443,27 +451,27 @@ def test_invariant_29_operators_see_open_groups_and_finish_or_cancel_them(
     g3, _ = make(conn, table, 150)
     pairs = start_all(store, conn)
     assert steps.dead(store, conn, *pairs[0], error="first failed")
-    s = operations.stats(conn, table)
+    s = ops.stats(conn, table)
     assert (s.groups.open, s.groups.blocked) == (3, 1)
     assert s.groups.oldest_open_age is not None
-    [a, _b, _c] = sorted(operations.list_groups(conn, table), key=lambda g: g.id)
+    [a, _b, _c] = sorted(ops.list_groups(conn, table), key=lambda g: g.id)
     assert (a.id, a.progress, a.dead) == (g1, "1 of 2", 1)
-    assert operations.get_group(conn, table, g3).progress == "0 of 150"
+    assert ops.get_group(conn, table, g3).progress == "0 of 150"
 
-    callback = operations.finish_group(conn, table, g1, reason="good enough")
+    callback = ops.finish_group(conn, table, g1, reason="good enough")
     [cb] = callbacks(conn, table)
     assert cb["id"] == callback
     assert cb["payload"]["outbox_group"]["state"] == "finished"
     assert cb["payload"]["outbox_group"]["dead_members"][0]["last_error"] == "first failed"
-    operations.cancel_group(conn, table, g2, reason="not wanted")
+    ops.cancel_group(conn, table, g2, reason="not wanted")
     for p in pairs[1:4]:
         assert steps.done(store, conn, *p)  # members of closed groups count nothing more
-    assert operations.get_group(conn, table, g1).done == 0
+    assert ops.get_group(conn, table, g1).done == 0
     assert len(callbacks(conn, table)) == 1
-    with pytest.raises(operations.AdminError):
-        operations.cancel_group(conn, table, g1, reason="again")
-    with pytest.raises(operations.AdminError):
-        operations.finish_group(conn, table, g3, reason=" ")
+    with pytest.raises(ops.AdminError):
+        ops.cancel_group(conn, table, g1, reason="again")
+    with pytest.raises(ops.AdminError):
+        ops.finish_group(conn, table, g3, reason=" ")
 
     # More than 100 dead: the payload carries the first 100 and says so; the rest are read.
     rest = pairs[4:]
@@ -482,10 +490,10 @@ def test_invariant_29_operators_see_open_groups_and_finish_or_cancel_them(
     [_, big] = callbacks(conn, table)
     out = big["payload"]["outbox_group"]
     assert (out["dead"], len(out["dead_members"]), out["truncated"]) == (150, 100, True)
-    page1 = operations.group_outcomes(conn, table, g3, limit=120)
-    page2 = operations.group_outcomes(conn, table, g3, after=page1[-1].id, limit=120)
+    page1 = ops.group_outcomes(conn, table, g3, limit=120)
+    page2 = ops.group_outcomes(conn, table, g3, after=page1[-1].id, limit=120)
     assert [d.id for d in page1 + page2] == [i for i, _ in rest]
-    assert operations.stats(conn, table).groups.open == 0
+    assert ops.stats(conn, table).groups.open == 0
 
 
 def test_invariant_29_the_worker_knows_a_member_from_its_start_and_the_plain_finish_leaves_it_alone(
@@ -521,7 +529,7 @@ def test_invariant_29_the_purge_deletes_closed_groups_past_retention_and_keeps_o
     conn.execute(
         sql.SQL("UPDATE {} SET closed_at = now() - interval '2 days' WHERE id = %s").format(t), [closed]
     )
-    operations.purge_done(conn, table, older_than=86400, batch_size=10)
+    ops.purge_done(conn, table, older_than=86400, batch_size=10)
     left = [r[0] for r in conn.execute(sql.SQL("SELECT id FROM {} ORDER BY id").format(t)).fetchall()]
     assert left == [kept]
 

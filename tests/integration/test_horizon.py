@@ -16,9 +16,8 @@ import pytest
 from psycopg import sql
 from support import steps
 
-from outbox_celery import Event, Store, enqueue, enqueue_many
+from outbox_celery import Event, Store, enqueue, enqueue_many, ops
 from outbox_celery.claim.executor import ScanMarks
-from outbox_celery.ops import operations
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, fetch
 
@@ -292,10 +291,10 @@ def test_invariant_18_stats_name_what_holds_the_horizon_and_count_the_dead_versi
         time.sleep(1.1)
         churn(store, conn, 400, ScanMarks())
         deadline = time.monotonic() + 10
-        h = operations.horizon(conn, store.table)
+        h = ops.horizon(conn, store.table)
         while h.dead_row_versions < 400 and time.monotonic() < deadline:
             time.sleep(0.2)  # the statistics are flushed by the backends about once a second
-            h = operations.horizon(conn, store.table)
+            h = ops.horizon(conn, store.table)
         assert (h.kind, h.name, h.application) == (
             "transaction",
             str(held.info.backend_pid),
@@ -305,13 +304,13 @@ def test_invariant_18_stats_name_what_holds_the_horizon_and_count_the_dead_versi
         assert h.seconds is not None and h.seconds >= 1
         assert h.dead_row_versions >= 400
         assert "nightly-report" in h.holder() and "idle in transaction" in h.holder()
-        s = operations.stats(conn, store.table)
+        s = ops.stats(conn, store.table)
         assert s.horizon is not None and s.horizon.name == h.name
         assert s.as_dict()["horizon"]["application"] == "nightly-report"
     finally:
         held.close()
     # The closed session's backend exits a moment after the client closes: wait for it to go.
     deadline = time.monotonic() + 10
-    while operations.horizon(conn, store.table).name == pid and time.monotonic() < deadline:
+    while ops.horizon(conn, store.table).name == pid and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert operations.horizon(conn, store.table).name != pid
+    assert ops.horizon(conn, store.table).name != pid

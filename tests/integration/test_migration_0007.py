@@ -13,10 +13,9 @@ from psycopg import sql
 from psycopg.rows import dict_row
 from support import steps
 
-from outbox_celery import Store, TableName, migrate
+from outbox_celery import Store, TableName, migrate, ops
 from outbox_celery.db.migrations import applied_versions, available
 from outbox_celery.flow import Limit
-from outbox_celery.ops import operations
 
 from .helpers import LONG
 from .test_migrations import _replay_up_to, schema_dump
@@ -67,7 +66,7 @@ def test_invariant_23_migration_0007_from_the_previous_schema_with_rows_in_every
         conn.execute(insert, {**params, "lease": lease, "version": version, "started": version})
     before = _rows(conn)
     # Before 0007: claims run without flow control (logged), stats show no pause.
-    assert operations.stats(conn, TABLE).flow == []
+    assert ops.stats(conn, TABLE).flow == []
 
     assert migrate(conn, TABLE) == [m.version for m in available() if m.version > previous]
     assert VERSION in applied_versions(conn, TABLE)
@@ -81,7 +80,7 @@ def test_invariant_23_migration_0007_from_the_previous_schema_with_rows_in_every
     # The dispatcher works on the old rows, and a pause and a limit hold on them.
     by = {(r["event_type"], r["status"], r["ordering_key"]): r["id"] for r in before}
     store = Store(TABLE)
-    assert operations.pause(conn, TABLE, "b")
+    assert ops.pause(conn, TABLE, "b")
     result = steps.claim(
         store, conn, limit=10, lease=LONG, owner="w", max_attempts=12, limits={"a": Limit(concurrency=2)}
     )
@@ -89,7 +88,7 @@ def test_invariant_23_migration_0007_from_the_previous_schema_with_rows_in_every
     assert len(result.claimed) == 1
     assert result.claimed[0].id in {by[("a", "pending", None)], by[("a", "pending", "order:1")]}
     assert result.held == ("b",)
-    operations.resume(conn, TABLE, "b")
+    ops.resume(conn, TABLE, "b")
     again = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=12)
     assert {c.id for c in again.claimed} >= {by[("b", "processing", "order:2")], by[("b", "pending", None)]}
     assert migrate(conn, TABLE) == []

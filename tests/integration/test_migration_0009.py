@@ -15,10 +15,9 @@ from psycopg import sql
 from psycopg.rows import dict_row
 from support import steps
 
-from outbox_celery import Store, TableName, enqueue, migrate
+from outbox_celery import Store, TableName, enqueue, migrate, ops
 from outbox_celery.db.migrations import applied_versions, available
 from outbox_celery.flow import Limit
-from outbox_celery.ops import operations
 
 from .helpers import LONG
 from .test_migrations import schema_dump
@@ -89,6 +88,6 @@ def test_invariant_25_migration_0009_from_the_previous_schema_with_rows_in_every
     assert len(result.claimed) == 2  # ran-out and bucket
     # The prune: the hold that ran out goes; the buckets written before the migration stay.
     conn.execute(sql.SQL("UPDATE {} SET updated_at = now() - interval '1 hour'").format(flow_key))
-    assert operations.prune_flow_keys(conn, TABLE) == 1
+    assert ops.prune_flow_keys(conn, TABLE) == 1
     assert [k["limit_key"] for k in _key_rows(conn)] == ["bucket", "held", "held-bucket", "paused"]
     assert migrate(conn, TABLE) == []

@@ -10,10 +10,9 @@ import pytest
 from psycopg import sql
 from support import steps
 
-from outbox_celery import Store, TableName, migrate
+from outbox_celery import Store, TableName, migrate, ops
 from outbox_celery.db import statements as _sql
 from outbox_celery.db.migrations import MigrationError, applied_versions, available, pending
-from outbox_celery.ops import operations
 from outbox_celery.testing import temporary_database
 
 from .helpers import add, claim_ids
@@ -415,7 +414,7 @@ def test_0004_flags_the_head_of_every_key_and_keeps_every_ordering_rule(
     ).fetchall()
     assert [r[0] for r in heads] == [2, 5, 7, 9]
     # stats reads the flags: D's head and one unordered row are ready; A is blocked, 2 waiting.
-    s = operations.stats(conn, upgraded)
+    s = ops.stats(conn, upgraded)
     assert (s.ready, s.blocked_keys, s.blocked_messages) == (2, 1, 2)
     store = Store(upgraded)
     # The expired head comes back first with a new token and keeps its place; D's head and the
@@ -429,7 +428,7 @@ def test_0004_flags_the_head_of_every_key_and_keeps_every_ordering_rule(
     for i in (7, 9):
         assert steps.done(store, conn, i, claims[i].lease_version).applied
     assert sorted(claim_ids(store, conn)) == [8, 10]
-    assert operations.skip(conn, upgraded, [2], reason="obsolete") == [2]
+    assert ops.skip(conn, upgraded, [2], reason="obsolete") == [2]
     assert claim_ids(store, conn) == [3]
     # New messages of an upgraded key queue behind its head; of a finished key, lead it.
     [e2] = add(conn, table=str(upgraded), key="E")

@@ -13,8 +13,7 @@ import pytest
 from psycopg import sql
 from support import steps
 
-from outbox_celery import Event, ProducerError, Store, TableName, enqueue, enqueue_many
-from outbox_celery.ops import operations
+from outbox_celery import Event, ProducerError, Store, TableName, enqueue, enqueue_many, ops
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, claim_ids, count, fetch
 
@@ -348,7 +347,7 @@ def test_invariant_9_skipping_a_dead_head_while_a_producer_commits_hands_over_th
     operator = connect()
     got: list[int] = []
     with operator.transaction():
-        assert operations.skip(operator, table, [a0], reason="customer deleted") == [a0]
+        assert ops.skip(operator, table, [a0], reason="customer deleted") == [a0]
         producer = threading.Thread(target=lambda: got.extend(add(connect(), table=table, key="A")))
         producer.start()
         wait_for_advisory_waiter(conn)
@@ -363,19 +362,19 @@ def test_invariant_9_skip_and_requeue_move_or_keep_the_head_as_the_key_needs(
     a = add(conn, 5, table=table, key="A")
     [c] = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
     # A pending message behind a processing head is skipped: the head stays where it is.
-    assert operations.skip(conn, table, [a[1]], reason="obsolete") == [a[1]]
+    assert ops.skip(conn, table, [a[1]], reason="obsolete") == [a[1]]
     heads_consistent(conn, table)
     assert claim_ids(store, conn) == []
     assert steps.dead(store, conn, c.id, c.lease_version, error="HTTP 400").applied
     assert claim_ids(store, conn) == []
     # Requeued, the dead head is the head again, ahead of everything behind it.
-    assert operations.requeue(conn, table, [a[0]]) == [a[0]]
+    assert ops.requeue(conn, table, [a[0]]) == [a[0]]
     heads_consistent(conn, table)
     [c] = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
     assert c.id == a[0]
     assert steps.dead(store, conn, c.id, c.lease_version, error="HTTP 400").applied
     # The dead head and the message after it skipped together: the next one is the head.
-    assert operations.skip(conn, table, [a[0], a[2]], reason="obsolete") == [a[0], a[2]]
+    assert ops.skip(conn, table, [a[0], a[2]], reason="obsolete") == [a[0], a[2]]
     heads_consistent(conn, table)
     assert claim_ids(store, conn) == [a[3]]
     assert steps.done(store, conn, a[3], 1).applied
@@ -387,7 +386,7 @@ def test_invariant_9_done_rows_purged_never_disturb_the_heads(
 ) -> None:
     a = add(conn, 2, table=table, key="A")
     assert steps.done(store, conn, claim_ids(store, conn)[0], 1).applied
-    assert operations.purge_done(conn, table, older_than=0, batch_size=100) == 1
+    assert ops.purge_done(conn, table, older_than=0, batch_size=100) == 1
     [a2] = add(conn, table=table, key="A")
     heads_consistent(conn, table)
     assert claim_ids(store, conn) == [a[1]]

@@ -17,8 +17,7 @@ from support import steps
 
 from outbox_celery import Event, Store, TableName, enqueue, enqueue_many
 from outbox_celery.errors import ProducerError
-from outbox_celery.ops import console, subscriptions
-from outbox_celery.ops.operations import flow_states, pause, purge_done, resume, stats
+from outbox_celery.ops import console, flow_states, pause, purge_done, resume, stats, subscriptions
 from outbox_celery.produce.writes import ProducerWrites
 
 from .helpers import LONG, fetch_all
@@ -303,7 +302,7 @@ def test_invariant_28_a_dropped_duplicate_first_of_a_key_leaves_every_subscripti
 def test_invariant_28_show_gives_a_subscriptions_row_its_payload(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
-    from outbox_celery.ops.operations import get_message
+    from outbox_celery.ops import get_message
 
     _subscribe(conn, table, "a", "b")
     with conn.transaction():
@@ -317,7 +316,7 @@ def test_invariant_28_show_gives_a_subscriptions_row_its_payload(
 def test_invariant_28_a_subscriptions_ordered_done_and_repair_wait_for_the_producers_key_lock(
     conn: psycopg.Connection[Any], table: str, store: Store, connect: Any
 ) -> None:
-    from outbox_celery.ops.operations import repair_heads
+    from outbox_celery.ops import repair_heads
 
     _subscribe(conn, table, "a", "b")
     with conn.transaction():
@@ -404,13 +403,13 @@ def test_invariant_28_the_consoles_key_filter_finds_a_producers_key_on_every_sub
     t = TableName.parse(table).identifier()
     conn.execute(sql.SQL("UPDATE {} SET status = 'dead', head = false").format(t))
     found = console.list_dead(conn, table, console.DeadQuery(key="tenant_1"))
-    assert [(r["event_type"], r["ordering_key"]) for r in found] == [
+    assert [(r.event_type, r.ordering_key) for r in found] == [
         ("order.paid@a", "tenant_1\x1forder.paid@a"),
         ("order.paid@b", "tenant_1\x1forder.paid@b"),
         ("e", "tenant_1"),
     ]
-    assert found[0]["id"] == ids[0] and found[2]["id"] == ids[1]
+    assert found[0].id == ids[0] and found[2].id == ids[1]
     assert console.count_dead(conn, table, console.DeadQuery(key="tenant_1")) == (3, ids[1])
     # A subscription's stored key finds that subscription's row alone.
     one = console.list_dead(conn, table, console.DeadQuery(key="tenant_1\x1forder.paid@b"))
-    assert [r["event_type"] for r in one] == ["order.paid@b"]
+    assert [r.event_type for r in one] == ["order.paid@b"]

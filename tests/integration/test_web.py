@@ -17,10 +17,9 @@ from click.testing import CliRunner
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from starlette.testclient import TestClient
 
-from outbox_celery import Event, enqueue_many
+from outbox_celery import Event, enqueue_many, ops
 from outbox_celery.cli import cli
 from outbox_celery.db.migrations import migrate
-from outbox_celery.ops import operations
 from outbox_celery.web import Database, create_app
 
 TOKEN = "s3cret-token"
@@ -175,17 +174,15 @@ def test_pause_and_resume_a_type_and_a_limit_key(client: TestClient, conn: psyco
     )
     key = {**fields, "event_type": "webhook.sent", "limit_key": "partner-a"}
     assert client.post("/db/main/flow/pause", data=key).status_code == 200
-    assert [(f.event_type, f.paused) for f in operations.flow_states(conn, "outbox")] == [
-        ("webhook.sent", True)
-    ]
-    assert [(k.limit_key, k.paused) for k in operations.key_states(conn, "outbox")] == [("partner-a", True)]
+    assert [(f.event_type, f.paused) for f in ops.flow_states(conn, "outbox")] == [("webhook.sent", True)]
+    assert [(k.limit_key, k.paused) for k in ops.key_states(conn, "outbox")] == [("partner-a", True)]
     page = client.get("/db/main/flow").text
     assert re.search(r'<tr data-type="webhook.sent">.*?paused', page, re.S)
     assert (
         client.post("/db/main/flow/resume", data={**fields, "event_type": "webhook.sent"}).status_code == 200
     )
     assert client.post("/db/main/flow/resume", data=key).status_code == 200
-    assert operations.flow_states(conn, "outbox") == [] and operations.key_states(conn, "outbox") == []
+    assert ops.flow_states(conn, "outbox") == [] and ops.key_states(conn, "outbox") == []
 
 
 def test_refused_requests_get_a_clear_status_and_change_nothing(
@@ -217,7 +214,7 @@ def test_refused_requests_get_a_clear_status_and_change_nothing(
         assert refused.status_code == 403 and "actions are disabled" in refused.text
         assert ro.post("/db/main/flow/pause", data={"event_type": "webhook.sent"}).status_code == 403
     assert _statuses(conn) == before
-    assert operations.flow_states(conn, "outbox") == []
+    assert ops.flow_states(conn, "outbox") == []
 
 
 def test_every_method_passes_the_same_authentication(migrated_dsn: str, seeded: dict[str, list[int]]) -> None:

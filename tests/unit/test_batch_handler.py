@@ -94,7 +94,7 @@ def test_the_delivery_counter_counts_each_row_of_a_batch_task() -> None:
     from celery import signals
     from prometheus_client import CollectorRegistry
 
-    from outbox_celery.ops.metrics import track_deliveries
+    from outbox_celery.metrics import track_deliveries
 
     outbox = _outbox()
     registry = CollectorRegistry()

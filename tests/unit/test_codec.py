@@ -121,3 +121,25 @@ def test_aware_values_keep_their_offset() -> None:
     assert through_the_column(paris).utcoffset() == timedelta(hours=1)
     assert same(uuid.UUID(int=7), through_the_column(uuid.UUID(int=7)))
     assert same(date(2026, 1, 2), through_the_column(date(2026, 1, 2)))
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 0
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+@pytest.mark.parametrize("depth", [codec.MAX_DEPTH + 1, 550, 900, 10_000])
+def test_a_payload_nested_deeper_than_the_worker_decodes_is_refused(depth: int) -> None:
+    with pytest.raises(codec.PayloadError, match=f"nested deeper than {codec.MAX_DEPTH} levels"):
+        codec.encode(_nested(depth))
+
+
+def test_the_deepest_accepted_payload_decodes_inside_a_deep_stack() -> None:
+    text = codec.encode(_nested(codec.MAX_DEPTH))
+
+    def under(frames: int) -> Any:
+        return under(frames - 1) if frames else codec.decode(json.loads(text))
+
+    assert under(300) == _nested(codec.MAX_DEPTH)

@@ -23,10 +23,10 @@ from outbox_celery import (
     RetryableError,
     errors,
     inbox,
+    ops,
 )
 from outbox_celery.db import migrations
 from outbox_celery.errors import MAX_DELAY_SECONDS, AdminError, InboxError, MigrationError, first_line
-from outbox_celery.ops import operations
 
 PACKAGE = Path(outbox_celery.__file__).parent
 
@@ -65,7 +65,7 @@ def test_every_public_exception_class_in_the_package_is_under_the_root() -> None
 
 
 def test_the_moved_errors_keep_their_import_paths() -> None:
-    assert operations.AdminError is AdminError
+    assert ops.AdminError is AdminError
     assert inbox.InboxError is InboxError
     assert migrations.MigrationError is MigrationError
 
@@ -165,6 +165,6 @@ def test_a_boolean_is_not_a_delay(cls: Any) -> None:
 
 def test_the_old_name_of_the_operator_module_warns_and_is_the_same_module() -> None:
     sys.modules.pop("outbox_celery.admin", None)
-    with pytest.warns(DeprecationWarning, match="outbox_celery.ops.operations"):
+    with pytest.warns(DeprecationWarning, match="outbox_celery.ops"):
         old = importlib.import_module("outbox_celery.admin")
-    assert old is operations
+    assert old is ops

@@ -46,7 +46,7 @@ def exported() -> set[str]:
     """Every metric name the package exports (with the default namespace)."""
     collector = OutboxCollector("postgresql://unused@127.0.0.1/unused", handlers=set())
     names = {family.name for family in collector.describe()}
-    source = (ROOT / "outbox_celery" / "ops" / "metrics.py").read_text(encoding="utf-8")
+    source = (ROOT / "outbox_celery" / "app" / "metrics.py").read_text(encoding="utf-8")
     assert 'f"{namespace}_deliveries"' in source  # track_deliveries' counter, exposed with _total
     return names | {"outbox_deliveries_total"}
 

@@ -156,3 +156,19 @@ def test_enqueue_many_refuses_unknown_mapping_keys_and_other_types() -> None:
 def test_absurd_delay_is_refused() -> None:
     with pytest.raises(ProducerError, match="100 years"):
         _row(Event("a.b", {}, "order", 1, delay=1e15), DEFAULT_MAX_PAYLOAD_BYTES)
+
+
+@pytest.mark.parametrize(
+    "field", ["event_type", "aggregate_type", "aggregate_id", "ordering_key", "dedup_key", "limit_key"]
+)
+def test_a_lone_surrogate_in_a_text_field_is_a_producer_error(field: str) -> None:
+    with pytest.raises(ProducerError, match=f"{field} is not valid Unicode: a lone surrogate at position 3"):
+        _row(event(**{field: "abc\ud800def"}), DEFAULT_MAX_PAYLOAD_BYTES)
+
+
+def test_a_payload_nested_too_deep_is_a_producer_error() -> None:
+    deep: Any = 1
+    for _ in range(10_000):
+        deep = [deep]
+    with pytest.raises(ProducerError, match="nested deeper than"):
+        _row(event(payload=deep), DEFAULT_MAX_PAYLOAD_BYTES)

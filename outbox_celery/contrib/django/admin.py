@@ -7,7 +7,7 @@
   partial index, and the event type, ordering key, age and blocked filters narrow that set.
   Columns are not sortable (a sort on millions of rows is a full scan); the order is newest id
   first (the primary key).
-* Requeue and skip call :func:`outbox_celery.admin.requeue` and :func:`outbox_celery.admin.skip`:
+* Requeue and skip call :func:`outbox_celery.ops.requeue` and :func:`outbox_celery.ops.skip`:
   the same semantics, row locks and all-or-nothing refusals as ``outbox-celery dead requeue`` and
   ``outbox-celery dead skip``.
 * Nothing is editable: no add, no change form (the detail page is read-only), no delete (the
@@ -36,9 +36,9 @@ from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
+from ... import ops
 from ...errors import first_line
 from ...message import KEY_SEPARATOR
-from ...ops import operations as core_admin
 from .conf import outbox_database, outbox_table
 from .models import OutboxGroup, OutboxMessage, Status
 
@@ -52,6 +52,15 @@ MAX_ACTION_ROWS = 1000
 ERROR_EXCERPT = 100
 STATUS_COLORS = {"pending": "#447e9b", "processing": "#b07d00", "done": "#3a7d44", "dead": "#ba2121"}
 SKIPPED_COLOR = "#767676"
+# A message's detail page: its sections and their fields.
+MESSAGE_FIELDSETS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
+    (None, ("id", "event_type", "status", "state", "aggregate_type", "aggregate_id")),
+    ("Payload", ("payload_json",)),
+    ("Delivery", ("attempts", "last_error_text", "available_at", "created_at", "done_at")),
+    ("Lease", ("lease_owner", "lease_until", "lease_version", "started_version")),
+    ("Ordering", ("ordering_key", "head", "key_position")),
+    ("Producer", ("dedup_key", "trace_context")),
+)
 
 
 def _when(value: datetime | None) -> str:
@@ -223,7 +232,7 @@ class AgeFilter(admin.SimpleListFilter):
     }
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [(k, v[0]) for k, v in self.AGES.items()]
+        return [(k, label) for k, (label, _age, _older) in self.AGES.items()]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         choice = self.AGES.get(self.value() or "")
@@ -266,7 +275,9 @@ class EstimatedCountPaginator(_Paginator):
         with connections[qs.db].cursor() as cur:
             # The statement is the ORM's own, with its parameters bound: nothing external is spliced.
             cur.execute("EXPLAIN (FORMAT JSON) " + text, params)
-            plan = cur.fetchone()[0]
+            row = cur.fetchone()
+            columns = [c.name for c in cur.description]
+        plan = dict(zip(columns, row, strict=True))["QUERY PLAN"]
         if isinstance(plan, str):
             plan = json.loads(plan)
         return int(plan[0]["Plan"]["Plan Rows"])
@@ -283,7 +294,7 @@ class OutboxChangeList(ChangeList):
 class SkipForm(forms.Form):
     """The reason a skip requires (recorded in ``last_error``)."""
 
-    reason = forms.CharField(max_length=core_admin.MAX_REASON_LENGTH, strip=True)
+    reason = forms.CharField(max_length=ops.MAX_REASON_LENGTH, strip=True)
 
 
 @admin.register(OutboxMessage)
@@ -322,37 +333,9 @@ class OutboxMessageAdmin(_ModelAdmin):
         "resume_limit_keys",
     ]
     change_list_template = "admin/outbox_celery/outboxmessage/change_list.html"
-    fieldsets = (
-        (None, {"fields": ("id", "event_type", "status", "state", "aggregate_type", "aggregate_id")}),
-        ("Payload", {"fields": ("payload_json",)}),
-        ("Delivery", {"fields": ("attempts", "last_error_text", "available_at", "created_at", "done_at")}),
-        ("Lease", {"fields": ("lease_owner", "lease_until", "lease_version", "started_version")}),
-        ("Ordering", {"fields": ("ordering_key", "head", "key_position")}),
-        ("Producer", {"fields": ("dedup_key", "trace_context")}),
-    )
-    readonly_fields = (
-        "id",
-        "event_type",
-        "status",
-        "state",
-        "aggregate_type",
-        "aggregate_id",
-        "payload_json",
-        "attempts",
-        "last_error_text",
-        "available_at",
-        "created_at",
-        "done_at",
-        "lease_owner",
-        "lease_until",
-        "lease_version",
-        "started_version",
-        "ordering_key",
-        "head",
-        "key_position",
-        "dedup_key",
-        "trace_context",
-    )
+    fieldsets = tuple((title, {"fields": fields}) for title, fields in MESSAGE_FIELDSETS)
+    # Every field the detail page shows, read-only: it has no form.
+    readonly_fields = tuple(field for _title, fields in MESSAGE_FIELDSETS for field in fields)
 
     # -- where and how ---------------------------------------------------------------------------
 
@@ -405,7 +388,7 @@ class OutboxMessageAdmin(_ModelAdmin):
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> Any:
         context = dict(extra_context or {})
         try:
-            context["outbox_stats"] = core_admin.stats(_psycopg(self.using), outbox_table(), timeout=2.0)
+            context["outbox_stats"] = ops.stats(_psycopg(self.using), outbox_table(), timeout=2.0)
         except psycopg.Error as exc:  # a slow or failing summary must not hide the list
             context["outbox_stats_error"] = first_line(exc)
         context["outbox_table"] = str(outbox_table())
@@ -415,7 +398,7 @@ class OutboxMessageAdmin(_ModelAdmin):
 
     @admin.display(description="status")
     def status_badge(self, obj: OutboxMessage) -> str:
-        if core_admin.was_skipped(obj.status, obj.last_error):
+        if ops.was_skipped(obj.status, obj.last_error):
             # Still "done" in the table (its state machine is unchanged); shown for what it is.
             return format_html(
                 '<b style="color:{}" title="done without delivery: skipped by an operator">skipped</b>',
@@ -476,14 +459,14 @@ class OutboxMessageAdmin(_ModelAdmin):
         # Kept on the instance, which lives for one request (the ModelAdmin is shared).
         explained: dict[str, Any] | None = getattr(obj, "_outbox_explained", None)
         if explained is None:
-            explained = core_admin.get_message(_psycopg(self.using), outbox_table(), obj.pk) or {}
+            explained = ops.get_message(_psycopg(self.using), outbox_table(), obj.pk) or {}
             obj._outbox_explained = explained  # type: ignore[attr-defined]
         return explained
 
     @admin.display(description="state")
     def state(self, obj: OutboxMessage) -> str:
         row = self._explained(obj)
-        fmt = core_admin.format_duration
+        fmt = ops.format_duration
         if obj.status == Status.PENDING:
             wait = row.get("available_in") or 0
             if obj.ordering_key is not None and row.get("key_head") is None:
@@ -502,7 +485,7 @@ class OutboxMessageAdmin(_ModelAdmin):
                 f"; blocks {behind} message(s) of its ordering key" if obj.ordering_key and behind else ""
             )
             return f"dead after {obj.attempts} attempt(s): requeue or skip it{blocking}"
-        if core_admin.was_skipped(obj.status, obj.last_error):
+        if ops.was_skipped(obj.status, obj.last_error):
             return "skipped by an operator: done without delivery (the reason is in the last error)"
         return "done: delivered"
 
@@ -533,10 +516,6 @@ class OutboxMessageAdmin(_ModelAdmin):
             return None
         return ids
 
-    def _who(self, request: HttpRequest) -> str:
-        user = getattr(request, "user", None)
-        return f"Django admin user {user.get_username()}" if user is not None else "Django admin"
-
     @admin.action(description="Requeue selected dead messages", permissions=["change"])
     def requeue_dead(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
         """Dead -> pending now, attempts reset; refuses the whole selection if one is not dead."""
@@ -544,8 +523,8 @@ class OutboxMessageAdmin(_ModelAdmin):
         if ids is None:
             return
         try:
-            done = core_admin.requeue(_psycopg(self.using), outbox_table(), ids, reason=self._who(request))
-        except core_admin.AdminError as exc:
+            done = ops.requeue(_psycopg(self.using), outbox_table(), ids, reason=_who(request))
+        except ops.AdminError as exc:
             self.message_user(request, f"nothing requeued: {exc}", messages.ERROR)
             return
         self.message_user(request, f"requeued {len(done)} message(s): {_id_list(done)}", messages.SUCCESS)
@@ -558,10 +537,10 @@ class OutboxMessageAdmin(_ModelAdmin):
             return None
         form = SkipForm(request.POST if "confirm" in request.POST else None)
         if "confirm" in request.POST and form.is_valid():
-            reason = f"{form.cleaned_data['reason']} ({self._who(request)})"
+            reason = f"{form.cleaned_data['reason']} ({_who(request)})"
             try:
-                done = core_admin.skip(_psycopg(self.using), outbox_table(), ids, reason=reason)
-            except core_admin.AdminError as exc:
+                done = ops.skip(_psycopg(self.using), outbox_table(), ids, reason=reason)
+            except ops.AdminError as exc:
                 self.message_user(request, f"nothing skipped: {exc}", messages.ERROR)
                 return None
             self.message_user(request, f"skipped {len(done)} message(s): {_id_list(done)}", messages.SUCCESS)
@@ -591,7 +570,7 @@ class OutboxMessageAdmin(_ModelAdmin):
         self, request: HttpRequest, queryset: QuerySet[OutboxMessage], verb: str, *, keys: bool = False
     ) -> None:
         conn = _psycopg(self.using)
-        change = core_admin.pause if verb == "pause" else core_admin.resume
+        change = ops.pause if verb == "pause" else ops.resume
         changed: list[str] = []
         unchanged: list[str] = []
         targets = self._targets(queryset, keys=keys)
@@ -603,7 +582,7 @@ class OutboxMessageAdmin(_ModelAdmin):
                 name = event_type if key is None else f"{event_type} key {key}"
                 done = change(conn, outbox_table(), event_type, limit_key=key)
                 (changed if done else unchanged).append(name)
-        except (core_admin.AdminError, psycopg.Error) as exc:
+        except (ops.AdminError, psycopg.Error) as exc:
             done_first = f" ({', '.join(changed)} done first)" if changed else ""
             self.message_user(request, f"could not {verb}: {first_line(exc)}{done_first}", messages.ERROR)
             return
@@ -637,6 +616,12 @@ class OutboxMessageAdmin(_ModelAdmin):
         """End a pause or a ``RateLimited`` hold of these limit keys
         (``outbox-celery resume EVENT_TYPE --key KEY``)."""
         self._flow_action(request, queryset, "resume", keys=True)
+
+
+def _who(request: HttpRequest) -> str:
+    """Who acts, as a requeue's or skip's reason records it."""
+    user = getattr(request, "user", None)
+    return f"Django admin user {user.get_username()}" if user is not None else "Django admin"
 
 
 def _id_list(ids: list[int]) -> str:
@@ -680,18 +665,17 @@ class OutboxGroupAdmin(_GroupAdmin):
         return f"{obj.done + obj.dead} of {obj.total}"
 
     def _close(self, request: HttpRequest, queryset: QuerySet[OutboxGroup], finish: bool) -> None:
-        user = getattr(request, "user", None)
-        who = f"Django admin user {user.get_username()}" if user is not None else "Django admin"
+        who = _who(request)
         conn = _psycopg(self.using)
         closed, refused = [], []
         for g in sorted(queryset.values_list("id", flat=True)):
             try:
                 if finish:
-                    core_admin.finish_group(conn, outbox_table(), g, reason=f"finished by {who}")
+                    ops.finish_group(conn, outbox_table(), g, reason=f"finished by {who}")
                 else:
-                    core_admin.cancel_group(conn, outbox_table(), g, reason=f"cancelled by {who}")
+                    ops.cancel_group(conn, outbox_table(), g, reason=f"cancelled by {who}")
                 closed.append(g)
-            except core_admin.AdminError:
+            except ops.AdminError:
                 refused.append(g)
         verb = "finished" if finish else "cancelled"
         self.message_user(request, f"{verb} {len(closed)} group(s): {_id_list(closed)}", messages.SUCCESS)

@@ -2,7 +2,7 @@
 
 The table belongs to the library (created by :func:`outbox_celery.migrate`); Django never
 creates, alters or writes it. Rows change state only through the library's fenced SQL
-(claim, finalize, the operator functions of :mod:`outbox_celery.ops.operations`): saving or deleting a
+(claim, finalize, the operator functions of :mod:`outbox_celery.ops`): saving or deleting a
 model instance raises, because an ORM write would bypass the lease fence (invariant 4).
 """
 
@@ -104,8 +104,8 @@ class OutboxMessage(models.Model):
 class OutboxGroup(models.Model):
     """One group with a callback (``<CELERY_OUTBOX_TABLE>_group``, migration 0012, DESIGN
     invariant 29): its progress and state. Read-only: groups are counted by the fenced finalize
-    and closed by hand through :func:`outbox_celery.ops.operations.finish_group` and
-    :func:`~outbox_celery.ops.operations.cancel_group` (the admin's actions)."""
+    and closed by hand through :func:`outbox_celery.ops.finish_group` and
+    :func:`~outbox_celery.ops.cancel_group` (the admin's actions)."""
 
     id: models.BigAutoField[int, int] = models.BigAutoField(primary_key=True)
     total: models.IntegerField[int, int] = models.IntegerField()
