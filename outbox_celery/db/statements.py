@@ -83,13 +83,13 @@ FRAGMENTS: Mapping[str, str] = MappingProxyType(
         "wake_listeners": (
             "(SELECT CASE WHEN %(notify)s::bool THEN pg_notify({notify_channel}, '') IS NULL END)"
         ),
-        # A FROM item that sets synchronous_commit for the statement's own transaction to
-        # %(commit_mode)s ('off' relaxes it; NULL keeps the session's setting): see Store's
-        # relaxed_commit for why losing such a commit costs at most a redelivery.
         # Every step of the finish statement, and those that never make a row done or dead
         # (invariant 29): lists generated from the one table of the steps (outcomes.STEPS).
         "steps": literals(r.step for r in STEPS),
         "steps_not_final": literals(NOT_FINAL),
+        # A FROM item that sets synchronous_commit for the statement's own transaction to
+        # %(commit_mode)s ('off' relaxes it; NULL keeps the session's setting): see Store's
+        # relaxed_commit for why losing such a commit costs at most a redelivery.
         "commit_mode": (
             "(SELECT set_config('synchronous_commit',"
             " coalesce(%(commit_mode)s::text, current_setting('synchronous_commit')), true))"
