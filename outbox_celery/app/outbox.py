@@ -24,11 +24,12 @@ from psycopg_pool import ConnectionPool
 
 from ..backoff import RetryPolicy
 from ..claim.claimer import Claimer, ClaimRun, Published, default_owner
+from ..claim.executor import Claimed
 from ..claim.listener import Listener
 from ..config import OutboxConfig, given_settings, resolve
 from ..db import migrations
 from ..db.pool import ForkSafePool, IdleCheck
-from ..db.store import Claimed, Store
+from ..db.store import Store
 from ..dsn import DSN_ENV, error_line
 from ..errors import ConfigurationError
 from ..handlers import MAX_BATCH, MAX_WAIT, HandlerSpec, register_handler

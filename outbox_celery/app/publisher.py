@@ -22,9 +22,9 @@ from celery import Celery, Task
 from celery.exceptions import QueueNotFound
 
 from ..claim.claimer import Published
+from ..claim.executor import Claimed
 from ..claim.units import publish_units
 from ..config import OutboxConfig
-from ..db.store import Claimed
 from ..handlers import HandlerSpec
 from ..tracing import task_headers
 from .worker_settings import is_redis
