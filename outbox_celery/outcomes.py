@@ -55,7 +55,8 @@ class Step(enum.StrEnum):
     RATE_LIMITED = "rate_limited"
     #: ``dead`` with the error.
     DEAD = "dead"
-    #: The error kept; the row stays ``processing`` and returns through its lease.
+    #: A failed attempt (an exception the handler did not classify, invariant 31): as
+    #: :attr:`RETRY`, with its own counter and outcome.
     ERROR = "error"
     #: Back to ``pending`` after the delay, attempt refunded: no handler here (unroutable).
     POSTPONE = "postpone"
@@ -94,7 +95,7 @@ STEPS: tuple[Row, ...] = (
     Row(Step.DEFER, "finish_defer", "deferred", True, Outcome.DEFER),
     Row(Step.RATE_LIMITED, "finish_rate_limited", "rate_limited", True, Outcome.RATE_LIMITED),
     Row(Step.DEAD, "finish_dead", "dead", True, Outcome.DEAD),
-    Row(Step.ERROR, "record_error", "errors", False, Outcome.ERROR),
+    Row(Step.ERROR, "record_error", "errors", True, Outcome.ERROR),
     # A delivery's postpone is not counted; "unroutable" counts what the claim gives back.
     Row(Step.POSTPONE, "postpone", None, False, Outcome.UNROUTABLE),
     Row(Step.RELEASE, "release", "released", False, None),

@@ -17,7 +17,7 @@ from ..handlers import HandlerSpec
 from ..message import Message, Outcome
 from .fence import FencedWrites
 from .heartbeat import lease_heartbeat
-from .verdict import Verdict, classify, error_text, ms_since, outcome_of
+from .verdict import Verdict, classify, failed, ms_since, outcome_of
 
 __all__ = ["BatchRun"]
 
@@ -63,8 +63,8 @@ class BatchRun:
 
         The handler receives the messages sorted by id and returns ``None`` (all delivered) or a
         mapping from message id to the outcome of those that were not; an exception it raises
-        applies to every message. An unclassified exception is recorded for every row and
-        re-raised (the rows come back through their lease).
+        applies to every message. An unclassified exception is a failed attempt of every row
+        (invariant 31), written, then re-raised.
         """
         leases = [Lease(m.id, m.lease_version) for m in msgs]
         msgs = [replace(m, _extend=self.fence.extender(x)) for m, x in zip(msgs, leases, strict=True)]
@@ -78,11 +78,10 @@ class BatchRun:
         except BaseException as exc:
             verdicts = {m.id: classify(exc, m.attempts, retry) for m in msgs}
             if any(v is None for v in verdicts.values()):
-                # Not classified: recorded for every row, which comes back through its lease.
-                error = error_text(exc)
-                self._finish(msgs, dict.fromkeys(verdicts, Verdict(Outcome.ERROR, error=error)))
+                # Not classified: a failed attempt of every row (invariant 31).
+                self._finish(msgs, {m.id: failed(exc, m.attempts, retry) for m in msgs})
                 logger.error(
-                    "outbox batch of %s %s raised %s; rows return after their lease",
+                    "outbox batch of %s %s raised %s; a failed attempt of each row",
                     len(msgs),
                     spec.event_type,
                     type(exc).__name__,
@@ -93,14 +92,12 @@ class BatchRun:
         else:
             whole = {}
             for m in msgs:
-                failed = failures.get(m.id)
-                if failed is None:
+                error = failures.get(m.id)
+                if error is None:
                     whole[m.id] = Verdict(Outcome.DONE)
                 else:
-                    # A non-outcome exception for one message: recorded, back through its lease.
-                    whole[m.id] = classify(failed, m.attempts, retry) or Verdict(
-                        Outcome.ERROR, error=error_text(failed)
-                    )
+                    # A non-outcome exception for one message: a failed attempt of it.
+                    whole[m.id] = classify(error, m.attempts, retry) or failed(error, m.attempts, retry)
         outcomes = self._finish(msgs, whole)
         tally = Counter(outcomes.values())
         logger.info(

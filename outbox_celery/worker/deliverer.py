@@ -29,7 +29,7 @@ from .fence import Connections, FencedWrites
 from .heartbeat import lease_heartbeat
 from .in_transaction import TransactionalRun
 from .slot_wake import SlotWake
-from .verdict import Verdict, classify, error_text, ms_since, outcome_of
+from .verdict import Verdict, classify, failed, ms_since, outcome_of
 
 __all__ = ["DONE_BATCH_MARGIN", "PACK_SHARE", "Deliverer", "tally"]
 
@@ -238,17 +238,29 @@ class Deliverer:
                 self._slots.wake()  # its done committed with the handler's transaction: a slot is free
             return outcome
         started = time.monotonic()
-        verdict = self._run_handler(spec, msg, log, started)
+        verdict, raised = self._run_handler(spec, msg, log)
         if self._slots.wakes_claim(spec):
             outcome = self._finish(verdict, msg)
             # A RateLimited outcome holds the type (no claim could use the slot) and a lost
             # lease freed nothing: no wake.
-            if outcome in (Outcome.DONE, Outcome.RETRY, Outcome.DEFER, Outcome.DEAD):
+            if outcome not in (Outcome.RATE_LIMITED, Outcome.LOST_LEASE):
                 self._slots.wake()
         elif batch_done and verdict.outcome is Outcome.DONE and self._batch_done(msg, lease_end):
             outcome = Outcome.DONE
         else:
             outcome = self._finish(verdict, msg)
+        if raised is not None:
+            logger.error(
+                "outbox id %s handler raised %s: a failed attempt (%s of %s), %s",
+                msg.id,
+                type(raised).__name__,
+                msg.attempts,
+                self.config.max_attempts,
+                "dead" if outcome is Outcome.DEAD else f"retried in {verdict.delay:.1f}s",
+                extra={**log, "outcome": outcome, "duration_ms": ms_since(started)},
+            )
+            # Celery reports the task failed, as for any task whose function raised.
+            raise raised
         logger.info(
             "outbox id %s %s -> %s",
             msg.id,
@@ -258,12 +270,11 @@ class Deliverer:
         )
         return outcome
 
-    def _run_handler(self, spec: HandlerSpec, msg: Message, log: dict[str, Any], started: float) -> Verdict:
-        """Call a plain handler outside any transaction; the verdict of what it did.
-
-        An exception the handler does not classify is recorded and re-raised: Celery reports a
-        failure and the row comes back through its lease, never a silent "transient" retry.
-        """
+    def _run_handler(
+        self, spec: HandlerSpec, msg: Message, log: dict[str, Any]
+    ) -> tuple[Verdict, BaseException | None]:
+        """Call a plain handler outside any transaction; the verdict of what it did, and the
+        exception it raised without classifying it (a failed attempt, invariant 31)."""
         try:
             # The lease heartbeat is a no-op unless configured; the span continues the producer's
             # trace when it had one (tracing.py).
@@ -272,16 +283,9 @@ class Deliverer:
         except BaseException as exc:
             verdict = classify(exc, msg.attempts, self.retry)
             if verdict is None:
-                self.fence.finish([Verdict(Outcome.ERROR, error=error_text(exc)).finish(msg)])
-                logger.error(
-                    "outbox id %s handler raised %s; row returns after its lease",
-                    msg.id,
-                    type(exc).__name__,
-                    extra={**log, "outcome": Outcome.ERROR, "duration_ms": ms_since(started)},
-                )
-                raise
-            return verdict
-        return Verdict(Outcome.DONE)
+                return failed(exc, msg.attempts, self.retry), exc
+            return verdict, None
+        return Verdict(Outcome.DONE), None
 
     def _finish(self, verdict: Verdict, msg: Message) -> Outcome:
         """The verdict's fenced write; :attr:`Outcome.LOST_LEASE` when another claim won."""

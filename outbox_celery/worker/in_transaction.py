@@ -24,7 +24,7 @@ from ..tracing import handler_span
 from ..transactional import NOTHING_COMMITTED, TransactionKind, TransactionRolledBack
 from .fence import FencedWrites
 from .heartbeat import lease_heartbeat
-from .verdict import Verdict, classify, error_text, ms_since, outcome_of
+from .verdict import Verdict, classify, failed, ms_since, outcome_of
 
 __all__ = ["TransactionalRun"]
 
@@ -195,13 +195,14 @@ class TransactionalRun:
             exc = self._rolled_back(msg, _RAISED_ROLLBACK, log)
         verdict = classify(exc, msg.attempts, self._retry())
         if verdict is None:
-            error = Verdict(Outcome.ERROR, error=error_text(exc))
-            self.fence.finish([error.finish(msg)])
+            # A failed attempt (invariant 31): recorded in a statement of its own, then raised.
+            outcome = self._finish(failed(exc, msg.attempts, self._retry()), msg)
             logger.error(
-                "outbox id %s transactional handler raised %s; rolled back, row returns after its lease",
+                "outbox id %s transactional handler raised %s; rolled back, a failed attempt -> %s",
                 msg.id,
                 type(exc).__name__,
-                extra={**log, "outcome": Outcome.ERROR, "duration_ms": ms_since(started)},
+                outcome,
+                extra={**log, "outcome": outcome, "duration_ms": ms_since(started)},
             )
             raise exc
         return self._finish(verdict, msg)

@@ -17,7 +17,7 @@ from ..errors import Defer, PermanentError, RateLimited, RetryableError
 from ..message import Message, Status
 from ..outcomes import Outcome, step_of
 
-__all__ = ["Verdict", "classify", "error_text", "ms_since", "outcome_of"]
+__all__ = ["Verdict", "classify", "error_text", "failed", "ms_since", "outcome_of"]
 
 
 def ms_since(started: float) -> float:
@@ -77,3 +77,10 @@ def classify(exc: BaseException, attempts: int, retry: RetryPolicy) -> Verdict |
     if isinstance(exc, PermanentError):
         return Verdict(Outcome.DEAD, error=error_text(exc))
     return None
+
+
+def failed(exc: BaseException, attempts: int, retry: RetryPolicy) -> Verdict:
+    """The verdict of an exception the handler did not classify (DESIGN invariant 31): a failed
+    attempt, back after the backoff with its traceback in ``last_error``, ``dead`` once attempts
+    are spent. Only a run that wrote no outcome at all (its process died) waits for its lease."""
+    return Verdict(Outcome.ERROR, delay=retry(attempts, exc), error=error_text(exc))

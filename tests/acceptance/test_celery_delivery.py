@@ -169,7 +169,7 @@ def test_outcomes_map_to_states_on_the_solo_pool_configured_from_celery_settings
     assert rows[deferred]["available_in"] > 3500
     assert rows[deferred]["last_error"] == "deferred: scripted defer"
     assert rows[extended]["status"] == "done"
-    # An unclassified exception: recorded, the row came back through its lease (version 2).
+    # An unclassified exception: a failed attempt, claimed again after the backoff (version 2).
     assert (rows[unexpected]["status"], rows[unexpected]["attempts"]) == ("done", 2)
     assert rows[unexpected]["lease_version"] == 2
     assert "RuntimeError: scripted unexpected error" in rows[unexpected]["last_error"]

@@ -14,7 +14,7 @@ from urllib.parse import urlparse, urlunparse
 
 import pytest
 from support.brokers import RedisServer
-from support.db import calls, statuses
+from support.db import calls, signals, statuses
 
 from acceptance.conftest import Harness, HarnessFactory
 from outbox_celery.testing import free_port
@@ -100,6 +100,32 @@ def test_a_poison_message_that_kills_its_worker_ends_dead_at_max_attempts(harnes
     assert all(c["finished_at"] is None for c in runs)
     assert all(rows[i]["status"] == "done" and rows[i]["attempts"] == 1 for i in healthy)
     assert worker.alive()
+
+
+def test_invariant_31_a_plain_exception_is_a_failed_attempt_retried_after_the_backoff(
+    harness_factory: HarnessFactory, broker_url: str
+) -> None:
+    """A handler that always raises ValueError reaches the dead letters after its attempts and
+    their backoffs, not one lease per attempt; each failure is recorded at once and each task
+    fails in Celery."""
+    harness = harness_factory(broker_url)
+    harness.configure(lease=60.0, max_attempts=3, backoff_base=0.2, backoff_cap=1.0)
+    [broken] = harness.enqueue(1, payload={"mode": "error"})
+    harness.worker()
+    harness.beat()
+    started = time.monotonic()
+    harness.wait(lambda: statuses(harness.conn, harness.table) == {"dead": 1}, what="the row to go dead")
+    assert time.monotonic() - started < 30  # three leases would be 180 s
+    [row] = harness.rows()
+    assert (row["attempts"], row["lease_version"]) == (3, 3)
+    assert row["last_error"].startswith(
+        "attempts exhausted (3 of 3): RuntimeError: scripted unexpected error"
+    )
+    assert "lease expired" not in row["last_error"]
+    runs = [c for c in calls(harness.conn) if c["outbox_id"] == broken]
+    assert [(c["attempts"], c["lease_version"]) for c in runs] == [(1, 1), (2, 2), (3, 3)]
+    failures = signals(harness.conn, "task_failure")
+    assert len(failures) == 3 and all("scripted unexpected error" in f["detail"] for f in failures)
 
 
 def _with_port(url: str, port: int) -> str:

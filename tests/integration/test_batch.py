@@ -136,7 +136,7 @@ CASES: list[tuple[str, float, str]] = [
     ("defer", 20.0, "not yet"),
     ("defer", 3600.0, "too late"),  # past max_age: dead
     ("dead", 0.0, "PermanentError: nope"),
-    ("error", 0.0, "RuntimeError: boom"),
+    ("error", 40.0, "RuntimeError: boom"),  # a failed attempt (invariant 31): backs off
     ("postpone", 60.0, "unroutable: none here"),
     ("rate_limited", 20.0, "HTTP 429"),
     ("rate_limited", 3600.0, "HTTP 429 for an hour"),  # past max_age: dead
@@ -159,7 +159,7 @@ def _one_row(
         case "dead":
             assert steps.dead(store, conn, i, v, error=error)
         case "error":
-            assert steps.record_error(store, conn, i, v, error=error)
+            assert steps.record_error(store, conn, i, v, error=error, delay=delay, max_attempts=MAX_ATTEMPTS)
         case "postpone":
             assert steps.postpone(store, conn, i, v, delay=delay, error=error)
         case "rate_limited":
@@ -200,16 +200,14 @@ def test_invariant_21_one_finalize_writes_what_each_one_row_finalizer_writes(
         assert _written(fetch(conn, table, many)) == _written(fetch(conn, table, one)), case
     statuses = [fetch(conn, table, i)["status"] for i in batch]
     assert statuses == [
-        *["done", "pending", "dead", "pending", "dead", "dead", "processing", "pending"],
+        *["done", "pending", "dead", "pending", "dead", "dead", "pending", "pending"],
         *["pending", "dead"],
     ]
     errors = [fetch(conn, table, i)["last_error"] for i in batch]
     assert errors[3:5] == ["deferred: not yet", "deferred past max_defer_age: too late"]
     assert errors[8:] == ["rate limited: HTTP 429", "rate limited past max_defer_age: HTTP 429 for an hour"]
     # Fenced: written again, or by a stale claim, it changes nothing.
-    assert steps.finish_many(store, conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE).statuses == {
-        batch[6]: "processing"  # the recorded error leaves the row processing under its lease
-    }
+    assert steps.finish_many(store, conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE).statuses == {}
 
 
 def test_invariant_21_a_batch_finalize_never_finishes_an_ordered_row(
@@ -273,7 +271,8 @@ def test_invariant_21_a_mixed_batch_records_each_outcome(
     assert seen == [ids]
     assert counts == {"done": 2, "retry": 1, "defer": 1, "dead": 1, "error": 1}
     rows = {i: fetch(conn, table, i) for i in ids}
-    assert [rows[i]["status"] for i in ids] == ["done", "pending", "pending", "dead", "processing", "done"]
+    # The unclassified one is a failed attempt (invariant 31): back after the backoff.
+    assert [rows[i]["status"] for i in ids] == ["done", "pending", "pending", "dead", "pending", "done"]
     assert [rows[i]["attempts"] for i in ids] == [1, 1, 0, 1, 1, 1]
     assert 25 < rows[ids[1]]["available_in"] <= 30
     assert rows[ids[3]]["last_error"] == "PermanentError: never"
@@ -322,7 +321,7 @@ def test_invariant_21_an_exception_applies_to_the_whole_batch(
     with pytest.raises(RuntimeError):
         dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit])
     row = fetch(conn, table, ids[0])
-    assert (row["status"], row["attempts"]) == ("processing", 2)
+    assert (row["status"], row["attempts"]) == ("pending", 2)  # a failed attempt (invariant 31)
     assert row["last_error"].startswith("RuntimeError: bug")
 
 
@@ -335,7 +334,7 @@ def test_a_batch_handler_that_returns_something_else_fails_the_whole_batch(
     [unit] = claim_units(dispatcher)
     with pytest.raises(TypeError):
         dispatcher.deliver_batch([(c.id, c.lease_version) for c in unit])
-    assert {fetch(conn, table, i)["status"] for i in ids} == {"processing"}
+    assert {fetch(conn, table, i)["status"] for i in ids} == {"pending"}  # failed attempts
     assert all("TypeError" in fetch(conn, table, i)["last_error"] for i in ids)
 
 

@@ -181,18 +181,58 @@ def test_invariant_8_permanent_failure_is_dead_and_never_claimed(
     assert fetch(conn, table, i)["lease_version"] == 1
 
 
-def test_record_error_keeps_the_row_processing_until_its_lease_returns_it(
+def test_invariant_31_a_failed_attempt_backs_off_with_its_error_and_goes_dead_at_max_attempts(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     [i] = add(conn, table=table)
-    [c] = steps.claim(store, conn, limit=1, lease=SHORT, owner="w", max_attempts=5).claimed
-    assert steps.start(store, conn, i, c.lease_version, lease=SHORT, max_attempts=5) is not None
-    assert steps.record_error(store, conn, i, c.lease_version, error="KeyError: 'x'").applied
+    c = started(conn, store, i, max_attempts=2)
+    won = steps.record_error(store, conn, i, c.lease_version, error="KeyError: 'x'", delay=30, max_attempts=2)
+    assert won.status == "pending"
     row = fetch(conn, table, i)
-    assert (row["status"], row["last_error"], row["attempts"]) == ("processing", "KeyError: 'x'", 1)
-    time.sleep(PAST_SHORT)
-    assert claim_ids(store, conn) == [i]
-    assert fetch(conn, table, i)["lease_version"] == 2
+    assert (row["status"], row["last_error"], row["attempts"], row["lease_until"]) == (
+        "pending",
+        "KeyError: 'x'",
+        1,
+        None,
+    )
+    assert 28 < row["available_in"] <= 30  # the backoff, not the lease
+    assert store.get_stats()["errors"] == 1
+    conn.execute(sql.SQL("UPDATE {} SET available_at = now()").format(store.table.identifier()))
+    c = started(conn, store, i, max_attempts=2)
+    won = steps.record_error(store, conn, i, c.lease_version, error="KeyError: 'x'", delay=30, max_attempts=2)
+    assert won.status == "dead"
+    row = fetch(conn, table, i)
+    assert (row["status"], row["attempts"]) == ("dead", 2)
+    assert row["last_error"] == "attempts exhausted (2 of 2): KeyError: 'x'"
+
+
+def test_invariant_31_a_handler_that_raises_a_plain_exception_is_retried_after_the_backoff(
+    conn: psycopg.Connection[Any], table: str, migrated_dsn: str
+) -> None:
+    from celery import Celery
+
+    from outbox_celery import Message, Outbox
+
+    store = Store(table)
+    outbox = Outbox(
+        Celery("plain-error"), dsn=migrated_dsn, table=table, store=store, retry=lambda a, e: 45.0
+    )
+
+    @outbox.handler("thing.happened")
+    def broken(message: Message) -> None:
+        raise ValueError("no such customer")
+
+    [i] = add(conn, table=table)
+    try:
+        [c] = steps.claim(store, conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+        with pytest.raises(ValueError, match="no such customer"):
+            outbox.deliver(i, c.lease_version)  # the Celery task fails
+        row = fetch(conn, table, i)
+        assert (row["status"], row["attempts"], row["lease_until"]) == ("pending", 1, None)
+        assert 43 < row["available_in"] <= 45
+        assert row["last_error"].startswith("ValueError: no such customer\nTraceback")
+    finally:
+        outbox.close()
 
 
 def test_postpone_waits_with_the_attempt_refunded(

@@ -196,7 +196,7 @@ def test_invariant_20_an_unclassified_error_rolls_back_is_recorded_and_raised(
     with pytest.raises(KeyError):
         dispatcher.deliver(i, _claim_one(dispatcher, conn))
     row = fetch(conn, table, i)
-    assert row["status"] == "processing"  # back through its lease, as a plain handler's
+    assert (row["status"], row["attempts"]) == ("pending", 1)  # a failed attempt, as a plain handler's
     assert "KeyError" in row["last_error"]
     assert _ledger(conn) == []
 
@@ -241,7 +241,7 @@ def test_invariant_20_the_transaction_is_bounded_below_the_lease(
         with pytest.raises(expected):
             dispatcher.deliver(i, _claim_one(dispatcher, conn, lease=2.0))
         assert time.monotonic() - started < 4.0
-        assert fetch(conn, table, i)["status"] == "processing"
+        assert fetch(conn, table, i)["status"] == "pending"  # a failed attempt (invariant 31)
 
 
 @pytest.mark.usefixtures("effects")

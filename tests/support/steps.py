@@ -167,9 +167,19 @@ def dead(store: Store, conn: Conn, outbox_id: int, lease_version: int, *, error:
     return _one(store, conn, Finish(Lease(outbox_id, lease_version), Step.DEAD, error=error))
 
 
-def record_error(store: Store, conn: Conn, outbox_id: int, lease_version: int, *, error: str) -> Finalized:
-    """Fenced: ``error`` kept, the row left ``processing`` to return through its lease."""
-    return _one(store, conn, Finish(Lease(outbox_id, lease_version), Step.ERROR, error=error))
+def record_error(
+    store: Store,
+    conn: Conn,
+    outbox_id: int,
+    lease_version: int,
+    *,
+    error: str,
+    delay: float = 0.0,
+    max_attempts: int = 5,
+) -> Finalized:
+    """Fenced failed attempt (invariant 31): ``pending`` after ``delay``, or ``dead`` at the limit."""
+    finish = Finish(Lease(outbox_id, lease_version), Step.ERROR, delay, error)
+    return _one(store, conn, finish, max_attempts=max_attempts)
 
 
 def postpone(

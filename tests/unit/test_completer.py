@@ -51,8 +51,8 @@ RULES = {
     "attempt refunded": "greatest(o.attempts - 1, 0)",
     # done: the row finished.
     "done written": "done_at = CASE WHEN f.outcome = 'done' THEN now()",
-    # error: the row left to its lease.
-    "error keeps the lease": "lease_until = CASE WHEN f.outcome = 'error' THEN o.lease_until END",
+    # retry and a failed attempt (error, invariant 31): back after the delay, dead at the limit.
+    "failed attempt backs off": "OR f.outcome IN ('retry', 'error') AND NOT ",
     # release: only a claim that never started.
     "release unstarted only": "f.outcome <> 'release' OR o.started_version < o.lease_version",
 }
@@ -94,7 +94,7 @@ def test_the_plain_finish_writes_a_member_s_steps_that_are_never_final_and_no_ot
         for when in re.findall(r"WHEN (.*?) THEN ('dead'|f\.outcome)\n", status_rule)
         for name in re.findall(r"'([a-z_]+)'", when[0])
     }
-    assert final == {"done", "dead", "retry", "defer", "rate_limited"}
+    assert final == {"done", "dead", "retry", "error", "defer", "rate_limited"}
     assert {str(s) for s in Step} - final == {str(s) for s in NOT_FINAL}
 
 

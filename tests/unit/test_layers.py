@@ -241,3 +241,143 @@ def test_only_the_query_registry_reads_the_sql_files() -> None:
             offenders[module] = sorted(used)
     assert offenders == {}
     assert "queries" in _sql_attributes(PACKAGE / "ops" / "_queries.py")  # the rule reads what it means to
+
+
+# -- rooms by role ---------------------------------------------------------------------------------
+#
+# The package's folders, each one role's room, and the rooms each may import. The modules at the
+# package's root are its shared vocabulary (settings, errors, the message, the codec, handler
+# declarations): they import only each other. Above the rooms stand the package's entry points
+# (``__init__``, ``__main__``, ``inbox``, ``testing``, ``metrics``), which may import anything.
+BASE = "base"
+ROOMS: dict[str, set[str]] = {
+    BASE: set(),
+    "db": {BASE},
+    "produce": {BASE, "db"},
+    "claim": {BASE, "db"},
+    "worker": {BASE, "db", "produce"},  # a transactional handler's follow-ups are producer writes
+    "ops": {BASE, "db"},
+    "web": {BASE, "db", "ops"},
+    "app": {BASE, "db", "produce", "claim", "worker", "ops"},
+    "cli": {BASE, "db", "produce", "claim", "worker", "ops", "app", "web"},
+    "contrib": {BASE, "db", "produce", "worker", "ops"},
+}
+ENTRY_POINTS = {"__init__", "__main__", "inbox", "testing", "metrics", "_moved"}
+MAX_FLOORS = 10
+
+
+def _room_of(module: str) -> str | None:
+    """The room of package module ``module`` (``outbox_celery.db.store`` -> ``db``); ``None``
+    for an entry point."""
+    parts = module.split(".")[1:]
+    if not parts or (len(parts) == 1 and parts[0] in ENTRY_POINTS):
+        return None
+    return parts[0] if len(parts) > 1 or parts[0] in ROOMS else BASE
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The package modules ``path`` imports when it runs: module level and inside functions,
+    not under ``if TYPE_CHECKING``."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.dump(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom):
+                base = package.rsplit(".", child.level - 1)[0] if child.level else ""
+                target = ".".join(p for p in (base, child.module or "") if p)
+                subs = [f"{target}.{a.name}" for a in child.names if _module_path(f"{target}.{a.name}")]
+                found.update(subs)
+                if len(subs) < len(child.names):
+                    found.add(target)
+            elif isinstance(child, ast.Import):
+                found.update(a.name for a in child.names)
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return {
+        name
+        for name in found
+        if name.split(".")[0] == PACKAGE.name and name != module and _module_path(name) is not None
+    }
+
+
+def _graph() -> dict[str, set[str]]:
+    """Every package module and the package modules it imports at run time; a folder's
+    ``__init__`` that only re-exports counts as the modules it names."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        graph[module] = _runtime_imports(path) - {PACKAGE.name}
+    return graph
+
+
+def test_each_room_imports_only_the_rooms_below_it() -> None:
+    """claim never imports worker nor worker claim, db nothing above it, ops nothing of the
+    Celery wiring; the root's vocabulary imports no room."""
+    offenders = []
+    for module, imports in _graph().items():
+        room = _room_of(module)
+        if room is None:
+            continue
+        for name in sorted(imports):
+            other = _room_of(name)
+            if other is None or (other != room and other not in ROOMS[room]):
+                offenders.append(f"{module} ({room}) -> {name} ({other or 'entry point'})")
+    assert offenders == []
+
+
+def test_every_room_below_the_celery_wiring_imports_no_celery() -> None:
+    offenders = {}
+    for module in _graph():
+        if _room_of(module) not in ("ops", "web", "db", "produce", "claim", "worker", BASE):
+            continue
+        for name, chain in _reachable(module).items():
+            if name == KOMBU_JSON and chain[-2:] == [CODEC, KOMBU_JSON]:
+                continue
+            if name.split(".")[0] in CELERY:
+                offenders[f"{module} -> {name}"] = " -> ".join(chain)
+    assert offenders == {}
+
+
+def _floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each module's floor: 1 for a module that imports none of the package, else one more than
+    the highest floor it imports (a circle would recurse forever: the circle test runs first)."""
+    floors: dict[str, int] = {}
+
+    def floor(module: str, path: tuple[str, ...]) -> int:
+        if module in floors:
+            return floors[module]
+        assert module not in path, " -> ".join([*path, module])
+        below = [floor(name, (*path, module)) for name in graph.get(module, ())]
+        floors[module] = 1 + max(below, default=0)
+        return floors[module]
+
+    for module in graph:
+        floor(module, ())
+    return floors
+
+
+def test_the_package_has_at_most_ten_floors() -> None:
+    floors = _floors(_graph())
+    top = max(floors.values())
+    chain = sorted(floors.items(), key=lambda kv: kv[1])
+    assert top <= MAX_FLOORS, chain[-MAX_FLOORS - 2 :]
+
+
+def test_the_rooms_are_folders() -> None:
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert set(ROOMS) - {BASE} <= folders
+    assert len(folders & set(ROOMS)) >= 6
+
+
+def test_no_module_is_over_700_lines() -> None:
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 700
+    }
+    assert long == {}

@@ -600,23 +600,22 @@ SELECT id, status, outcome, event_type, limit_key, ordering_key, delay FROM fin;
 UPDATE {table} AS o
 SET status = CASE
         WHEN f.outcome IN ('done', 'dead') THEN f.outcome
-        WHEN f.outcome = 'retry' AND {attempts_spent} THEN 'dead'
+        WHEN f.outcome IN ('retry', 'error') AND {attempts_spent} THEN 'dead'
         WHEN f.outcome IN ('defer', 'rate_limited') AND {past_max_defer_age} THEN 'dead'
-        WHEN f.outcome = 'error' THEN o.status
         ELSE 'pending' END,
     attempts = CASE WHEN f.outcome IN ('defer', 'rate_limited', 'postpone', 'hand_back')
                     THEN greatest(o.attempts - 1, 0) ELSE o.attempts END,
     available_at = CASE
         WHEN f.outcome IN ('release', 'hand_back') THEN now()
         WHEN f.outcome IN ('defer', 'rate_limited', 'postpone')
-             OR f.outcome = 'retry' AND NOT {attempts_spent}
+             OR f.outcome IN ('retry', 'error') AND NOT {attempts_spent}
         THEN now() + make_interval(secs => f.delay)
         ELSE o.available_at END,
-    lease_until = CASE WHEN f.outcome = 'error' THEN o.lease_until END,
+    lease_until = NULL,
     done_at = CASE WHEN f.outcome = 'done' THEN now() ELSE o.done_at END,
     last_error = CASE
         WHEN f.outcome IN ('done', 'release', 'hand_back') THEN o.last_error
-        WHEN f.outcome = 'retry' AND {attempts_spent}
+        WHEN f.outcome IN ('retry', 'error') AND {attempts_spent}
         THEN 'attempts exhausted (' || o.attempts || ' of ' || %(max_attempts)s::int || '): '
              || f.error
         WHEN f.outcome IN ('defer', 'rate_limited')
@@ -633,7 +632,7 @@ WHERE o.id = f.id AND o.lease_version = f.lease_version AND {fenced_processing}
   AND (f.outcome <> 'release' OR o.started_version < o.lease_version)
 
 -- fragment: attempts_spent
--- A retry at the limit goes dead (finish).
+-- A retry or a failed attempt at the limit goes dead (finish).
 o.attempts >= %(max_attempts)s
 
 -- fragment: past_max_defer_age
