@@ -7,6 +7,8 @@ purge keep every delivery's payload.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import datetime
 from typing import Any
 
@@ -16,11 +18,12 @@ from psycopg import sql
 
 from outbox_celery import Event, Store, TableName, enqueue, enqueue_many
 from outbox_celery.errors import ProducerError
-from outbox_celery.ops import console, flow_states, pause, purge_done, resume, stats, subscriptions
+from outbox_celery.ops import console, flow_states, pause, purge_done, resume, retention, stats, subscriptions
 
-from .helpers import LONG, fetch_all
+from .helpers import LONG, Connect, fetch_all
 
 PAID = {"event_type": "order.paid", "aggregate_type": "order", "aggregate_id": "7"}
+SINCE = datetime(2000, 1, 1)
 
 
 def _subscribe(
@@ -203,6 +206,92 @@ def test_invariant_28_the_purge_keeps_a_payload_while_a_subscription_still_needs
     assert msg.payload == {"keep": True} and msg.id != owner
     # Both done: the owner goes with (or after) the row that read it.
     assert purge_done(conn, table, older_than=0, batch_size=10) == 2
+    assert _rows(conn, table) == []
+
+
+def _delivered_facts(conn: psycopg.Connection[Any], table: str, store: Store, n: int = 50) -> list[int]:
+    """``n`` events of ``order.paid`` to its one subscription ``a``, all delivered: ``n`` owners
+    that the purge may delete, and that a replay may point new rows at."""
+    _subscribe(conn, table, "a")
+    events = [Event("order.paid", {"n": i}, "order", str(i)) for i in range(n)]
+    with conn.transaction():
+        ids = enqueue_many(conn, events, table=table)
+    assert len(_deliver_all(store, conn)) == n
+    return ids
+
+
+def _lock_waiters(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _orphans(conn: psycopg.Connection[Any], table: str) -> int:
+    """Rows whose payload is nowhere: they would fail before their handler, at every attempt."""
+    t = TableName.parse(table).identifier()
+    query = sql.SQL(
+        "SELECT count(*) FROM {t} AS r WHERE r.payload IS NULL"
+        " AND NOT EXISTS (SELECT 1 FROM {t} AS w WHERE w.id = r.payload_of)"
+    ).format(t=t)
+    row = conn.execute(query).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_invariant_28_a_purge_while_a_replay_is_open_keeps_the_payloads_it_points_at(
+    conn: psycopg.Connection[Any], table: str, store: Store, connect: Connect
+) -> None:
+    # The replay has written its rows and not committed (held open at the point where
+    # subscriptions.add makes the subscription live and replays the last facts); a purge runs
+    # on another connection. It cannot see the uncommitted rows that read the owners' payloads:
+    # the owners must stay anyway, and the purge must not wait for the replay either.
+    owners = _delivered_facts(conn, table, store)
+    replay = connect()
+    with replay.transaction():
+        subscriptions._add_row(replay, table, "order.paid", "late")
+        replayed, _ = subscriptions._replay(replay, table, "order.paid", "late", SINCE, 0, None, None)
+        assert replayed == len(owners)
+        assert purge_done(connect(), table, older_than=0, batch_size=100) == 0
+    assert _orphans(conn, table) == 0
+    got = _deliver_all(store, conn, "order.paid@late")
+    assert sorted(m.payload["n"] for m in got) == list(range(len(owners)))
+    # Once the replayed rows are done, the owners go with them.
+    assert purge_done(conn, table, older_than=0, batch_size=100) == 2 * len(owners)
+
+
+def test_invariant_28_a_replay_while_a_purge_is_open_skips_the_facts_it_deletes(
+    conn: psycopg.Connection[Any], table: str, store: Store, connect: Connect
+) -> None:
+    # The purge has deleted the owners and not committed; the operator adds a subscription with
+    # --replay-since on another connection. The replay reads the facts with its own snapshot,
+    # which still holds them: it must wait for the purge, then skip the facts it deleted,
+    # rather than write rows whose payload is gone when the purge commits.
+    owners = _delivered_facts(conn, table, store)
+    purger = connect()
+    replayed: list[int] = []
+    errors: list[BaseException] = []
+
+    def replay() -> None:
+        try:
+            replayed.append(subscriptions.add(connect(), table, "order.paid", "late", replay_since=SINCE))
+        except BaseException as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+
+    thread = threading.Thread(target=replay)
+    with purger.transaction():
+        cutoff = retention.cutoff(purger, table, 0)
+        assert retention._purge_batch(purger, table, cutoff=cutoff, limit=100).deleted == len(owners)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while thread.is_alive() and _lock_waiters(conn) == 0:
+            assert time.monotonic() < deadline, "the replay neither ended nor waited"
+            time.sleep(0.02)
+        waited = _lock_waiters(conn) == 1
+    thread.join(30)
+    assert not errors, errors
+    assert _orphans(conn, table) == 0
+    assert waited and replayed == [0]
     assert _rows(conn, table) == []
 
 

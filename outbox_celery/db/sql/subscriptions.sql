@@ -74,7 +74,16 @@ LIMIT %(limit)s;
 -- The rows of a replay batch for the route (under the producers' locks of their keys, taken by
 -- lock_keys before: a replayed ordered row is its key's head only when nothing of the
 -- subscription's key is unfinished, as the producers' insert decides it, invariant 9). Each
--- reads its fact's payload (payload_of); due now.
+-- reads its fact's payload (payload_of); due now. The facts are locked as a foreign key's check
+-- locks the row it references (FOR KEY SHARE: claims and finishes go on, a delete waits), until
+-- commit: a purge deleting one already makes this wait, then skip it (read committed); a purge
+-- after it skips it (purge_batch's SKIP LOCKED) or sees the committed row that reads it.
+WITH facts AS (
+    SELECT f.id, f.aggregate_type, f.aggregate_id, f.ordering_key, f.trace_context, f.limit_key
+    FROM {table} AS f
+    WHERE f.id = ANY(%(ids)s::bigint[])
+    FOR KEY SHARE OF f
+)
 INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, payload_of, ordering_key,
                      head, trace_context, limit_key)
 SELECT %(route)s, f.aggregate_type, f.aggregate_id, NULL, f.id, v.k,
@@ -82,9 +91,8 @@ SELECT %(route)s, f.aggregate_type, f.aggregate_id, NULL, f.id, v.k,
        AND row_number() OVER (PARTITION BY v.k ORDER BY f.id) = 1
        AND NOT EXISTS (SELECT 1 FROM {table} AS o WHERE o.ordering_key = v.k AND o.status <> 'done'),
        f.trace_context, f.limit_key
-FROM {table} AS f,
+FROM facts AS f,
      LATERAL (SELECT split_part(f.ordering_key, chr(31), 1) || chr(31) || %(route)s AS k) AS v
-WHERE f.id = ANY(%(ids)s::bigint[])
 ORDER BY f.id
 RETURNING id;
 
