@@ -185,13 +185,14 @@ def test_invariant_28_a_new_subscription_gets_later_events_unless_it_replays(
     replayed = subscriptions.add(
         conn, table, "order.paid", "replayed", replay_since=datetime(2000, 1, 1), batch_size=2
     )
-    assert replayed == 5
+    assert replayed == ("order.paid@replayed", True, 5)
     with conn.transaction():
         enqueue(conn, payload=5, table=table, ordered=True, **PAID)
     assert [m.payload for m in _deliver_all(store, conn, "order.paid@late")] == [5]
     assert [m.payload for m in _deliver_all(store, conn, "order.paid@replayed")] == [0, 1, 2, 3, 4, 5]
     # Replaying again adds nothing: every fact has its row.
-    assert subscriptions.add(conn, table, "order.paid", "replayed", replay_since=datetime(2000, 1, 1)) == 0
+    again = subscriptions.add(conn, table, "order.paid", "replayed", replay_since=datetime(2000, 1, 1))
+    assert again == ("order.paid@replayed", False, 0)
 
 
 def test_invariant_28_the_purge_keeps_a_payload_while_a_subscription_still_needs_it(
@@ -274,7 +275,8 @@ def test_invariant_28_a_replay_while_a_purge_is_open_skips_the_facts_it_deletes(
 
     def replay() -> None:
         try:
-            replayed.append(subscriptions.add(connect(), table, "order.paid", "late", replay_since=SINCE))
+            added = subscriptions.add(connect(), table, "order.paid", "late", replay_since=SINCE)
+            replayed.append(added.replayed)
         except BaseException as exc:  # pragma: no cover - surfaced below
             errors.append(exc)
 

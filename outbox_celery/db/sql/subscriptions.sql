@@ -7,8 +7,10 @@
 SELECT to_regclass(%(subscription_table)s) IS NOT NULL;
 
 -- name: register
--- The subscriptions a worker's handlers declare, added when missing (workers at start-up). One
--- an operator removed stays removed: returned, so the worker can say so.
+-- The subscriptions a worker's handlers (or an app, at a deploy step) declare, added when
+-- missing. One row per declared subscription says what it is now: "added" by this statement,
+-- "exists" (live already, or added meanwhile by another registration) or "removed" (an
+-- operator removed it, and it stays so: returned, so the caller can say so).
 WITH wanted AS (
     SELECT * FROM unnest(%(event_types)s::text[], %(names)s::text[]) AS u(event_type, name)
 ),
@@ -18,15 +20,29 @@ added AS (
     ON CONFLICT (event_type, name) DO NOTHING
     RETURNING event_type, name
 )
-SELECT 'added' AS what, event_type, name FROM added
-UNION ALL
-SELECT 'removed', s.event_type, s.name
-FROM {subscription_table} AS s JOIN wanted AS w USING (event_type, name)
-WHERE s.removed_at IS NOT NULL;
+SELECT CASE WHEN a.name IS NOT NULL THEN 'added'
+            WHEN s.removed_at IS NOT NULL THEN 'removed'
+            ELSE 'exists' END AS what,
+       w.event_type, w.name
+FROM wanted AS w
+LEFT JOIN added AS a USING (event_type, name)
+LEFT JOIN {subscription_table} AS s USING (event_type, name)
+ORDER BY w.event_type, w.name;
+
+-- name: declared
+-- What register would find, changing nothing: "exists", "removed" or "missing" per declared
+-- subscription (migrate --check).
+SELECT CASE WHEN s.name IS NULL THEN 'missing'
+            WHEN s.removed_at IS NOT NULL THEN 'removed'
+            ELSE 'exists' END AS what,
+       w.event_type, w.name
+FROM unnest(%(event_types)s::text[], %(names)s::text[]) AS w(event_type, name)
+LEFT JOIN {subscription_table} AS s USING (event_type, name)
+ORDER BY w.event_type, w.name;
 
 -- name: add
 -- An operator's add: a new subscription, or a removed one back (its created_at is then now():
--- it receives the events committed from now on).
+-- it receives the events committed from now on). No row when it was live already.
 INSERT INTO {subscription_table} AS s (event_type, name)
 VALUES (%(event_type)s, %(name)s)
 ON CONFLICT (event_type, name) DO UPDATE
