@@ -168,10 +168,15 @@ def register(conn: psycopg.Connection[Any], table: str | TableName, routes: Iter
 
     Routes without a name are ignored. One an operator removed stays removed (logged): a worker
     does not bring it back, ``outbox-celery subscriptions add`` does. Returns the routes added.
-    A table not migrated to 0011 adds nothing (logged).
+    A table not migrated to 0011 adds nothing (logged). When none is missing (a deploy step
+    added them: ``outbox-celery migrate -A``) it only reads, so a worker's role needs no
+    ``INSERT`` on the subscription table then.
     """
+    routes = list(routes)
     try:
-        found = declare(conn, table, routes)
+        found = declared(conn, table, routes)
+        if any(d.state == "missing" for d in found):
+            found = declare(conn, table, routes)
     except AdminError as exc:
         logger.error("%s", exc)
         return []

@@ -297,6 +297,37 @@ def test_invariant_28_a_replay_while_a_purge_is_open_skips_the_facts_it_deletes(
     assert _rows(conn, table) == []
 
 
+def test_invariant_28_a_worker_role_without_insert_registers_what_a_deploy_step_added(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    # Workers register their subscriptions at start; one whose role may only read the
+    # subscription table starts once the deploy step (migrate -A, subscriptions sync) added them.
+    role = sql.Identifier("outbox_worker_0011")
+    subscription_table = TableName.parse(table).identifier(subscriptions._sql.SUBSCRIPTION_SUFFIX)
+    routes = ["order.paid@a", "order.paid@b", "order.created"]
+    conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(role))
+    conn.execute(sql.SQL("CREATE ROLE {}").format(role))
+    try:
+        conn.execute(sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(role))
+        conn.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(subscription_table, role))
+        conn.execute(sql.SQL("SET ROLE {}").format(role))
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            subscriptions.register(conn, table, routes)
+        conn.execute("RESET ROLE")
+        found = subscriptions.declare(conn, table, routes)
+        assert [(d.route, d.state) for d in found] == [("order.paid@a", "added"), ("order.paid@b", "added")]
+        conn.execute(sql.SQL("SET ROLE {}").format(role))
+        assert subscriptions.register(conn, table, routes) == []
+    finally:
+        conn.execute("RESET ROLE")
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(role))
+        conn.execute(sql.SQL("DROP ROLE {}").format(role))
+    assert [(d.route, d.state) for d in subscriptions.declare(conn, table, routes)] == [
+        ("order.paid@a", "exists"),
+        ("order.paid@b", "exists"),
+    ]
+
+
 def test_invariant_28_routes_are_refused_where_a_fact_is_expected(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
