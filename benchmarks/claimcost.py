@@ -20,7 +20,8 @@ import psycopg
 from psycopg import sql
 
 from outbox_celery import OutboxConfig, TableName, migrate
-from outbox_celery.db.store import Claimed
+from outbox_celery.claim import executor
+from outbox_celery.claim.executor import Claimed
 from outbox_celery.handlers import HandlerSpec
 from outbox_celery.testing import InProcess
 
@@ -139,6 +140,14 @@ def build_table(dsn: str, table: str, *, history: int, pending: int) -> tuple[fl
     return seconds, size[0] / 2**20
 
 
+def _claim(store: Any, conn: psycopg.Connection[Any], limit: int) -> list[Claimed]:
+    """One claim of up to ``limit`` rows of the benchmark's event type."""
+    result = executor.claim(
+        store, conn, limit=limit, lease=600, owner="bench", max_attempts=12, event_types=["bench.noop"]
+    )
+    return result.claimed
+
+
 def measure_claim_cost(
     dsn: str,
     *,
@@ -163,23 +172,10 @@ def measure_claim_cost(
         store = make_store(table, variant)
         # Warm-up: plans cached, prepared statements in place, pages in shared buffers.
         for _ in range(10):
-            _finish(
-                conn,
-                table,
-                store.claim(
-                    conn,
-                    limit=batch_size,
-                    lease=600,
-                    owner="bench",
-                    max_attempts=12,
-                    event_types=["bench.noop"],
-                ).claimed,
-            )
+            _finish(conn, table, _claim(store, conn, batch_size))
         for _ in range(batches):
             t = time.perf_counter()
-            claimed = store.claim(
-                conn, limit=batch_size, lease=600, owner="bench", max_attempts=12, event_types=["bench.noop"]
-            ).claimed
+            claimed = _claim(store, conn, batch_size)
             result.batch_ms.append((time.perf_counter() - t) * 1000)
             if len(claimed) != batch_size:
                 raise RuntimeError(f"claim returned {len(claimed)} rows, expected {batch_size}")
@@ -378,9 +374,7 @@ def measure_keys(
 
         def one(store: Any) -> tuple[float, list[Claimed]]:
             t = time.perf_counter()
-            claimed = store.claim(
-                conn, limit=batch_size, lease=600, owner="bench", max_attempts=12, event_types=["bench.noop"]
-            ).claimed
+            claimed = _claim(store, conn, batch_size)
             ms = (time.perf_counter() - t) * 1000
             if not claimed:
                 raise RuntimeError(f"{label}: the claim returned nothing")

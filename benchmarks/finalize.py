@@ -3,7 +3,7 @@
 ``python -m benchmarks.finalize --baseline <git ref> [--dsn DSN] [--rows N] [--rounds R] [--stale-stats]``
 
 Times ``--rows`` one-row deliveries' database writes on one autocommit connection (the worker's)
-through :class:`~outbox_celery.db.store.Store`: the fenced start (:meth:`Store.start`), then the
+through :class:`~outbox_celery.db.store.Store`'s completer: the fenced start, then the
 finalize as the one-message handler writes it (the completer's finish of a done of an unordered
 row, or of a retry). The package as it is at ``--baseline`` (extracted with ``git archive``) and
 the working tree's run in turn, ``--rounds`` times each, alternated, each run in a fresh process
@@ -55,6 +55,7 @@ def child(dsn: str, rows: int, *, stale_stats: bool = False) -> dict[str, float]
     import psycopg
 
     from outbox_celery import migrate
+    from outbox_celery.claim import executor
     from outbox_celery.db.store import Store, starter_token
     from outbox_celery.testing import temporary_database
 
@@ -63,8 +64,8 @@ def child(dsn: str, rows: int, *, stale_stats: bool = False) -> dict[str, float]
     def claim(conn: psycopg.Connection[Any], store: Store, n: int) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
         while len(out) < n:
-            got = store.claim(
-                conn, limit=min(1000, n - len(out)), lease=LEASE, owner="bench", max_attempts=50
+            got = executor.claim(
+                store, conn, limit=min(1000, n - len(out)), lease=LEASE, owner="bench", max_attempts=50
             )
             out += [(c.id, c.lease_version) for c in got.claimed]
         return out
@@ -76,8 +77,10 @@ def child(dsn: str, rows: int, *, stale_stats: bool = False) -> dict[str, float]
     grouped: dict[str, Any] = {"grouped": False} if "grouped" in complete.Finish.__dataclass_fields__ else {}
 
     def deliver(conn: psycopg.Connection[Any], store: Store, outcome: str, i: int, v: int) -> None:
-        msg = store.start(conn, i, v, lease=LEASE, max_attempts=MAX_ATTEMPTS, starter=starter_token())
-        assert msg is not None
+        lease = [complete.Lease(i, v)]
+        assert store.completer.start(
+            conn, lease, lease=LEASE, max_attempts=MAX_ATTEMPTS, starter=starter_token()
+        )
         if outcome == "done":
             finish = complete.Finish(complete.Lease(i, v), complete.Step.DONE, ordered=False, **grouped)
             assert store.completer.finish(conn, [finish], max_attempts=0, max_age=0.0).of(i)

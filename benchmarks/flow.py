@@ -57,7 +57,9 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from outbox_celery import OutboxConfig, Store, TableName, migrate
-from outbox_celery.db.store import Claimed, ScanMarks
+from outbox_celery.claim import executor
+from outbox_celery.claim.executor import Claimed, ScanMarks
+from outbox_celery.db.completer import Finish, Step
 from outbox_celery.flow import Limit, parse_rate
 from outbox_celery.handlers import HandlerSpec
 from outbox_celery.message import Message
@@ -183,6 +185,12 @@ def fill_interleaved(
     )
 
 
+def _done_all(conn: psycopg.Connection[Any], store: Store, claimed: Sequence[Claimed]) -> None:
+    """Every claim ``done`` (unordered rows) in one fenced statement."""
+    done = [Finish(c.lease, Step.DONE) for c in claimed]
+    store.completer.finish(conn, done, max_attempts=0, max_age=0.0)
+
+
 def _median_claims(
     dsn: str,
     table: str,
@@ -205,7 +213,8 @@ def _median_claims(
         for r in range(rounds + 1):
             for name, limits in variants.items():
                 began = time.perf_counter()
-                result = store.claim(
+                result = executor.claim(
+                    store,
                     conn,
                     limit=200,
                     lease=60.0,
@@ -219,7 +228,7 @@ def _median_claims(
                 assert len(result.claimed) == 200, (name, len(result.claimed))
                 # Delivered (untimed): live leases stay what the in-flight bound allows, as in a
                 # running outbox, rather than piling up across rounds.
-                store.done_many(conn, [(c.id, c.lease_version) for c in result.claimed])
+                _done_all(conn, store, result.claimed)
                 if r > 0:  # the first round warms caches and creates the flow rows
                     timings[name].append(elapsed * 1000)
     return backlog, {name: statistics.median(ms) for name, ms in timings.items()}
@@ -262,8 +271,8 @@ def fairness(dsn: str, table: str, *, big: int, small: int, keyed: bool) -> tupl
         seen = 0
         runs = 0
         while every is None:
-            result = store.claim(
-                conn, limit=200, lease=60.0, owner="bench", max_attempts=5, limits=limits, marks=marks
+            result = executor.claim(
+                store, conn, limit=200, lease=60.0, owner="bench", max_attempts=5, limits=limits, marks=marks
             )
             if not result.claimed:
                 break
@@ -277,7 +286,7 @@ def fairness(dsn: str, table: str, *, big: int, small: int, keyed: bool) -> tupl
                 first = runs
             if seen >= small:
                 every = runs
-            store.done_many(conn, [(c.id, c.lease_version) for c in result.claimed])
+            _done_all(conn, store, result.claimed)
     return first, every
 
 
@@ -347,7 +356,8 @@ def held_cost(dsn: str, *, rounds: int, keys: int, held: int) -> dict[str, tuple
                 for h in tables:
                     store = stores[h]
                     began = time.perf_counter()
-                    result = store.claim(
+                    result = executor.claim(
+                        store,
                         conn,
                         limit=200,
                         lease=60.0,
@@ -358,7 +368,7 @@ def held_cost(dsn: str, *, rounds: int, keys: int, held: int) -> dict[str, tuple
                         marks=marks[f"{v}, {h}"],
                     )
                     elapsed = time.perf_counter() - began
-                    store.done_many(conn, [(c.id, c.lease_version) for c in result.claimed])
+                    _done_all(conn, store, result.claimed)
                     if r > 0:
                         timings[f"{v}, {h}"].append(elapsed * 1000)
                         taken[f"{v}, {h}"].append(len(result.claimed))
@@ -379,8 +389,8 @@ def claim_runs_at_cap(dsn: str, table: str, *, seconds: float, recheck: float | 
         fill_interleaved(conn, table, 100, [kind], keys=1)
         ends = time.monotonic() + seconds
         while time.monotonic() < ends:
-            result = store.claim(
-                conn, limit=200, lease=600.0, owner="bench", max_attempts=5, limits=limits, marks=marks
+            result = executor.claim(
+                store, conn, limit=200, lease=600.0, owner="bench", max_attempts=5, limits=limits, marks=marks
             )
             runs += 1
             wait = 1.0 if result.flow_wait is None else min(1.0, result.flow_wait)

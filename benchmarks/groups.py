@@ -40,25 +40,38 @@ def _write(conn: Any, n: int, size: int, grouped: bool) -> None:
                 enqueue_many(conn, events, table="bench_groups")
 
 
+def _claim(conn: Any, store: Any, limit: int) -> list[Any]:
+    """One claim of up to ``limit`` due rows."""
+    from outbox_celery.claim import executor
+
+    return executor.claim(store, conn, limit=limit, lease=LEASE, owner="bench", max_attempts=50).claimed
+
+
+def _done(conn: Any, store: Any, c: Any, grouped: bool | None = None) -> bool:
+    """The fenced done of claim ``c`` (an unordered row's), as the worker writes it."""
+    from outbox_celery.db.completer import Finish, Step
+
+    done = Finish(c.lease, Step.DONE, ordered=False, grouped=grouped)
+    return store.completer.finish(conn, [done], max_attempts=0, max_age=0.0).of(c.id).applied
+
+
 def _deliver_all(conn: Any, store: Any, last: list[float] | None = None) -> int:
     """Claim, start and finish every due row one at a time; the rows delivered."""
     from outbox_celery.db.store import starter_token
 
     n = 0
     while True:
-        got = store.claim(conn, limit=1000, lease=LEASE, owner="bench", max_attempts=50).claimed
+        got = _claim(conn, store, 1000)
         if not got:
             return n
         for c in got:
-            msg = store.start(
-                conn, c.id, c.lease_version, lease=LEASE, max_attempts=MAX_ATTEMPTS, starter=starter_token()
+            [msg] = store.completer.start(
+                conn, [c.lease], lease=LEASE, max_attempts=MAX_ATTEMPTS, starter=starter_token()
             )
-            assert msg is not None
             t0 = time.perf_counter()
             # As the worker does: it knows a member from its start, and a row of no group takes
             # the plain finish.
-            grouped = msg.group_id is not None
-            assert store.done(conn, c.id, c.lease_version, ordered=False, grouped=grouped)
+            assert _done(conn, store, c, grouped=msg.group_id is not None)
             if last is not None:
                 last.append(time.perf_counter() - t0)
         n += len(got)
@@ -72,8 +85,8 @@ def _started_group(conn: Any, store: Any, g: int, size: int) -> list[Any]:
     with conn.transaction():
         events = [Event("bench.part", {"i": i}, "bench", i) for i in range(size)]
         enqueue_group(conn, events, then=Event("bench.done", {"g": g}, "bench", g), table="bench_groups")
-    got = store.claim(conn, limit=size, lease=LEASE, owner="bench", max_attempts=50).claimed
-    store.start_many(conn, [(c.id, c.lease_version) for c in got], lease=LEASE, max_attempts=5, starter="s")
+    got = _claim(conn, store, size)
+    store.completer.start(conn, [c.lease for c in got], lease=LEASE, max_attempts=5, starter="s")
     return list(got)
 
 
@@ -123,7 +136,7 @@ def last_member(dsn: str, groups: int, size: int) -> tuple[float, float]:
             got = _started_group(conn, store, g, size)
             for k, c in enumerate(got):
                 t0 = time.perf_counter()
-                assert store.done(conn, c.id, c.lease_version, ordered=False)
+                assert _done(conn, store, c)
                 (lasts if k == len(got) - 1 else others).append(time.perf_counter() - t0)
             _deliver_all(conn, store)  # the callback
     return statistics.median(others) * 1e3, statistics.median(lasts) * 1e3
@@ -151,18 +164,18 @@ def wake_to_claim(dsn: str, groups: int, size: int) -> list[float]:
         for g in range(groups):
             got = _started_group(conn, store, g, size)
             for c in got[:-1]:
-                assert store.done(conn, c.id, c.lease_version, ordered=False)
+                assert _done(conn, store, c)
             for _ in listener.notifies(timeout=0.0):
                 pass  # the members' wakes
             last = got[-1]
             t0 = time.perf_counter()
-            assert store.done(conn, last.id, last.lease_version, ordered=False)
+            assert _done(conn, store, last)
             for _ in listener.notifies(timeout=5.0, stop_after=1):
                 pass
-            claimed = claimer.claim(listener, limit=10, lease=LEASE, owner="bench", max_attempts=50).claimed
+            claimed = _claim(listener, claimer, 10)
             out.append((time.perf_counter() - t0) * 1e3)
             assert [c.event_type for c in claimed] == ["bench.done"]
-            store.done(conn, claimed[0].id, claimed[0].lease_version)
+            _done(conn, store, claimed[0])
     return out
 
 

@@ -106,9 +106,9 @@ def time_publish(outbox: Any) -> None:
         return
     publish = outbox.publish
 
-    def timed(claims: Any) -> int:
-        sent = int(publish(claims))
-        record_published([c.id for c in claims[:sent]])
-        return sent
+    def timed(claims: Any) -> Any:
+        result = publish(claims)
+        record_published([c.id for c in result.sent])
+        return result
 
     outbox.publish = timed

@@ -41,7 +41,9 @@ import psycopg
 from psycopg import sql
 
 from outbox_celery import TableName, migrate, ops
-from outbox_celery.db.store import Claimed, ScanMarks, Store
+from outbox_celery.claim import executor
+from outbox_celery.claim.executor import Claimed, ScanMarks
+from outbox_celery.db.store import Store
 from outbox_celery.testing import embedded_postgres, free_port
 
 from .measure import percentile
@@ -756,7 +758,8 @@ def claim_once(claimer: Claimer, limit: int) -> list[Claimed]:
     Keywords only, on the one store object the probe keeps (a per-process low-water mark in it,
     or in a dispatcher wrapping it, carries over from claim to claim as in production).
     """
-    result = claimer.store.claim(
+    result = executor.claim(
+        claimer.store,
         claimer.conn,
         limit=limit,
         lease=claimer.lease,

@@ -35,6 +35,9 @@ import psycopg
 from psycopg import sql
 
 from outbox_celery import Event, Store, codec, enqueue_many, migrate
+from outbox_celery.claim import executor
+from outbox_celery.db.completer import Lease
+from outbox_celery.db.store import starter_token
 from outbox_celery.testing import temporary_database
 
 EXACT_CASES: list[Any] = [
@@ -113,12 +116,17 @@ def measure(dsn: str, rows: int) -> dict[str, dict[str, Any]]:
             store = Store(table)
             claimed = {
                 c.id: c.lease_version
-                for c in store.claim(conn, limit=rows + 100, lease=60, owner="b", max_attempts=5).claimed
+                for c in executor.claim(
+                    store, conn, limit=rows + 100, lease=60, owner="b", max_attempts=5
+                ).claimed
             }
             exact = 0
             for outbox_id, sent in zip(ids, EXACT_CASES, strict=True):
-                msg = store.start(conn, outbox_id, claimed[outbox_id], lease=60, max_attempts=5)
-                exact += msg is not None and _same(sent, msg.payload)
+                lease = [Lease(outbox_id, claimed[outbox_id])]
+                started = store.completer.start(
+                    conn, lease, lease=60, max_attempts=5, starter=starter_token()
+                )
+                exact += bool(started) and _same(sent, started[0].payload)
             size = _one(conn, sql.SQL("SELECT pg_table_size({})").format(sql.Literal(table)))
             column = _one(conn, sql.SQL("SELECT avg(pg_column_size(payload))::float8 FROM {}").format(t))
             cast = sql.SQL("payload::jsonb" if kind == "json" else "payload")

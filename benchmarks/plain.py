@@ -24,7 +24,7 @@ from psycopg import pq, sql
 from psycopg_pool import ConnectionPool
 
 from outbox_celery import OutboxConfig, Store, TableName, migrate
-from outbox_celery.db.store import Claimed
+from outbox_celery.claim.executor import Claimed
 from outbox_celery.handlers import HandlerSpec
 from outbox_celery.message import Message
 from outbox_celery.testing import InProcess

@@ -25,6 +25,7 @@ import psycopg
 from outbox_celery import Event, Store, migrate
 from outbox_celery.ops import subscriptions
 from outbox_celery.produce.enqueue import DEFAULT_MAX_PAYLOAD_BYTES, _row
+from outbox_celery.produce.writes import ProducerWrites
 
 from .pipeline import drop_table
 from .procs import Processes, celery_command
@@ -57,8 +58,10 @@ def _table(n: int) -> str:
     return f"bench_subs_{n}" if n >= 0 else "bench_subs_before"
 
 
-def _stores() -> dict[int, Store]:
-    return {n: Store(_table(n), queries={"insert": BEFORE} if n < 0 else None) for n in VARIANTS}
+def _stores() -> dict[int, ProducerWrites]:
+    return {
+        n: ProducerWrites(Store(_table(n), queries={"insert": BEFORE} if n < 0 else None)) for n in VARIANTS
+    }
 
 
 def _setup(dsn: str) -> None:
@@ -70,7 +73,7 @@ def _setup(dsn: str) -> None:
                 subscriptions.add(conn, _table(n), "order.paid", f"sub{i:02d}")
 
 
-def _one(conn: psycopg.Connection[Any], store: Store, i: int) -> float:
+def _one(conn: psycopg.Connection[Any], store: ProducerWrites, i: int) -> float:
     start = time.perf_counter()
     with conn.transaction():
         # What enqueue does (validation, kombu's JSON, the insert), on the variant's statement.
@@ -305,7 +308,9 @@ def _lines(path: Path) -> list[list[str]]:
 
 def store_insert(conn: psycopg.Connection[Any], table: str, payload: dict[str, Any], i: int) -> None:
     """One ``order.paid`` event in ``conn``'s open transaction, as enqueue writes it."""
-    Store(table).insert(conn, _row(Event("order.paid", payload, "order", i), DEFAULT_MAX_PAYLOAD_BYTES))
+    ProducerWrites(Store(table)).insert(
+        conn, _row(Event("order.paid", payload, "order", i), DEFAULT_MAX_PAYLOAD_BYTES)
+    )
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ from __future__ import annotations
 from . import _moved
 from .app.outbox import Outbox
 from .backoff import Backoff
+from .claim.executor import Claimed
 from .config import OutboxConfig, TableName
 from .db.migrations import migrate
-from .db.store import Claimed, Store
+from .db.store import Store
 from .errors import (
     ConfigurationError,
     Defer,

@@ -4,8 +4,8 @@ Pure decisions, no I/O: :class:`Limit` (what ``@outbox.handler(..., concurrency=
 declares), :func:`parse_rate` (Celery's rate strings) and :func:`allowance` (how many rows of a
 limited event type one claim may hand out, from the state the claim read under the type's row
 lock). The SQL that reads and writes that state is in ``sql/queries.sql`` (``flow_*``) and runs
-in :meth:`Store.claim <outbox_celery.db.store.Store.claim>`; docs/flow-control.md has the
-semantics (DESIGN invariants 22 and 23).
+in :func:`outbox_celery.claim.executor.claim`; docs/flow-control.md has the semantics (DESIGN
+invariants 22 and 23).
 """
 
 from __future__ import annotations

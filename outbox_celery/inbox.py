@@ -40,6 +40,7 @@ from .db import statements as _sql
 from .errors import InboxError as InboxError
 from .produce.connections import sync_view
 from .produce.enqueue import check_transaction, checked_text
+from .produce.writes import Statement
 
 __all__ = ["DEFAULT_TABLE", "INBOX", "apply_once", "first_time", "migrate_inbox", "purge_inbox"]
 
@@ -92,12 +93,12 @@ def first_time(
     view = sync_view(conn)
     check_transaction(view, allow_autocommit=False)
     query = _queries(str(TableName.parse(table)))["record"]
-    new = bool(view.fetch((query, {"key": key, "event_type": event_type})))
+    new = bool(view.fetch(Statement(query, {"key": key, "event_type": event_type})))
     if new and previous_key is not None and previous_key != key:
         # Recorded, not merely looked up: a concurrent delivery under the old key waits for
         # this transaction and then skips, exactly as for one key.
         previous = checked_text(previous_key, "previous idempotency key", MAX_KEY_LENGTH)
-        new = bool(view.fetch((query, {"key": previous, "event_type": event_type})))
+        new = bool(view.fetch(Statement(query, {"key": previous, "event_type": event_type})))
     return new
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .outcomes import Outcome
+
 __all__ = ["KEY_SEPARATOR", "ROUTE_SEPARATOR", "Message", "Outcome", "Status", "route", "split_route"]
 
 #: Between an event type and a subscription's name in a route, ``order.paid@receipt`` (DESIGN
@@ -38,39 +40,6 @@ class Status(enum.StrEnum):
     PROCESSING = "processing"
     DONE = "done"
     DEAD = "dead"
-
-
-class Outcome(enum.StrEnum):
-    """What one delivery did: the delivery task's return value and the log's ``outcome``."""
-
-    DONE = "done"
-    RETRY = "retry"
-    DEFER = "defer"
-    DEAD = "dead"
-    ERROR = "error"
-    STALE = "stale"
-    LOST_LEASE = "lost_lease"
-    UNROUTABLE = "unroutable"
-    #: A :class:`~outbox_celery.errors.RateLimited` outcome: held with its event type.
-    RATE_LIMITED = "rate_limited"
-    #: A pack's row whose handler its task did not run: pending again, attempt refunded.
-    HANDED_BACK = "handed_back"
-
-    @property
-    def counter(self) -> str:
-        """The :meth:`Store.get_stats() <outbox_celery.db.store.Store.get_stats>` key counting it."""
-        return _COUNTERS.get(self, self.value)
-
-
-# Counter names that predate the enum and are documented (docs/operations.md); the others are
-# the outcome's own value.
-_COUNTERS = {
-    Outcome.RETRY: "retried",
-    Outcome.DEFER: "deferred",
-    Outcome.ERROR: "errors",
-    Outcome.STALE: "stale_starts",
-    Outcome.LOST_LEASE: "lost_leases",
-}
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,12 +23,13 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from ..backoff import RetryPolicy
-from ..claim.claimer import Claimer, ClaimRun, default_owner
+from ..claim.claimer import Claimer, ClaimRun, Published, default_owner
+from ..claim.executor import Claimed
 from ..claim.listener import Listener
 from ..config import OutboxConfig, given_settings, resolve
 from ..db import migrations
 from ..db.pool import ForkSafePool, IdleCheck
-from ..db.store import Claimed, Store
+from ..db.store import Store
 from ..dsn import DSN_ENV, error_line
 from ..errors import ConfigurationError
 from ..handlers import MAX_BATCH, MAX_WAIT, HandlerSpec, register_handler
@@ -508,9 +509,9 @@ class Outbox(OperatedOutbox):
         (:meth:`~outbox_celery.app.publisher.TaskPublisher.batch_task_id`)."""
         return self.publisher.batch_task_id(unit)
 
-    def publish(self, claims: Sequence[Claimed]) -> int:
-        """Send one delivery task per claim (per group, for batch handlers); returns how many
-        claims were sent, a prefix of ``claims``. Delegates to :attr:`publisher`
+    def publish(self, claims: Sequence[Claimed]) -> Published:
+        """Send one delivery task per claim (per group, for batch handlers and packs); what was
+        sent and which routes the app refused. Delegates to :attr:`publisher`
         (:class:`~outbox_celery.app.publisher.TaskPublisher`).
         """
         return self.publisher(claims)

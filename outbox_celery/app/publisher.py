@@ -19,10 +19,12 @@ from datetime import timedelta
 from typing import Any
 
 from celery import Celery, Task
+from celery.exceptions import QueueNotFound
 
+from ..claim.claimer import Published
+from ..claim.executor import Claimed
 from ..claim.units import publish_units
 from ..config import OutboxConfig
-from ..db.store import Claimed
 from ..handlers import HandlerSpec
 from ..tracing import task_headers
 from .worker_settings import is_redis
@@ -112,25 +114,37 @@ class TaskPublisher:
         """Deterministic Celery task id of a batch task: its first claim's, then ``+<size>``."""
         return f"{self.task_id(unit[0])}+{len(unit)}"
 
-    def __call__(self, claims: Sequence[Claimed]) -> int:
-        """Send one delivery task per claim (per group, for batch handlers) over one connection.
+    def __call__(self, claims: Sequence[Claimed]) -> Published:
+        """Send one delivery task per claim (per group, for batch handlers and packs) over one
+        connection; never raises.
 
-        Returns how many claims were sent (stops at the first failure; never raises). Claims are
-        grouped by :func:`~outbox_celery.claim.units.publish_units`; the claim loop orders them that
-        way first, so the count is a prefix of ``claims``.
+        A route the app refuses to route (its queue is not declared while
+        ``task_create_missing_queues`` is off: Celery's ``QueueNotFound``) is skipped and named
+        in :attr:`Published.refused`; the other routes are published. A broker failure stops
+        the publish: the claims after it are in neither list. Claims are grouped by
+        :func:`~outbox_celery.claim.units.publish_units`; the claim loop orders them that way.
         """
-        sent = 0
+        sent: list[Claimed] = []
+        refused: dict[str, str] = {}
         skew = timedelta(seconds=self.config.max_clock_skew)
         try:
             with self._producer() as producer:
-                queued = 0
+                queued: list[Claimed] = []
                 with _publish_batch(producer, len(claims)) as batched:
                     # Batched, the publish only buffers: nothing to retry there.
                     options = self._options(producer, retry=not batched)
                     for unit in publish_units(claims, self._handlers, max_attempts=self.config.max_attempts):
-                        queued += self._send(unit, options, skew)
+                        route = unit[0].event_type
+                        if route in refused:
+                            continue
+                        try:
+                            self._send(unit, options, skew)
+                        except QueueNotFound as exc:
+                            refused[route] = f"{type(exc).__name__}: {exc}"
+                            continue
+                        queued += unit
                         if not batched:
-                            sent = queued
+                            sent = list(queued)
                 # Batched (Redis): nothing left this process before the pipeline ran, at the
                 # exit of the batch; a failure there counts none of the batch as sent, so all of
                 # its rows are released (any task that did reach the broker then finds its row
@@ -140,12 +154,12 @@ class TaskPublisher:
         except Exception as exc:
             logger.error(
                 "outbox publish failed after %s of %s task(s): %s",
-                sent,
+                len(sent),
                 len(claims),
                 exc,
                 extra={"outcome": "publish_failed"},
             )
-        return sent
+        return Published(sent, refused)
 
     def _options(self, producer: Any, *, retry: bool) -> dict[str, Any]:
         """The ``apply_async`` options every delivery task of one publish shares."""
@@ -166,8 +180,8 @@ class TaskPublisher:
             },
         }
 
-    def _send(self, unit: Sequence[Claimed], options: dict[str, Any], skew: timedelta) -> int:
-        """Publish the task of one unit (a claim, a batch handler's group or a pack); its claims."""
+    def _send(self, unit: Sequence[Claimed], options: dict[str, Any], skew: timedelta) -> None:
+        """Publish the task of one unit (a claim, a batch handler's group or a pack)."""
         c = unit[0]
         spec = self._handlers.get(c.event_type)
         batch = spec is not None and spec.batch is not None
@@ -185,7 +199,7 @@ class TaskPublisher:
                 **_batch_reprs(unit),
                 **options,
             )
-            return len(unit)
+            return
         self._deliver.apply_async(
             (c.id, c.lease_version),
             task_id=self.task_id(c),
@@ -200,7 +214,6 @@ class TaskPublisher:
             **_reprs(c),
             **options,
         )
-        return 1
 
     @contextmanager
     def _producer(self) -> Iterator[Any]:

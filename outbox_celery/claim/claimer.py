@@ -38,13 +38,27 @@ logger = logging.getLogger(__name__)
 BOUND_REFRESH = 1.0
 
 
-class Publisher(Protocol):
-    """Hands claimed rows to the broker; returns how many were published, in order.
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What a publish did with a claim batch.
 
-    It stops at the first failure; rows after the returned count are given back.
+    :ivar sent: the claims whose task the broker took.
+    :ivar refused: route -> why the app refused to route its tasks (a queue that is not
+        declared while ``task_create_missing_queues`` is off): a fault of that route alone; its
+        claims were skipped and the rest of the batch published.
+
+    A claim in neither was not sent because the broker failed: the publish stopped there.
     """
 
-    def __call__(self, claims: Sequence[Claimed]) -> int: ...
+    sent: Sequence[Claimed]
+    refused: Mapping[str, str] = field(default_factory=dict)
+
+
+class Publisher(Protocol):
+    """Hands claimed rows to the broker: a :class:`Published`, or how many were published, in
+    order (a prefix: it stopped at the first failure; the rows after it are given back)."""
+
+    def __call__(self, claims: Sequence[Claimed]) -> Published | int: ...
 
 
 class Connections(Protocol):
@@ -82,6 +96,9 @@ class ClaimRun:
     reaped: int = 0
     lost: int = 0
     unroutable: int = 0
+    #: Claims whose route's tasks the app refused to route (an undeclared queue): given back
+    #: and that route left out of this process's claims for ``unroutable_delay``.
+    refused: int = 0
     batches: int = 0
     in_flight_limit: int = 0
     skipped: bool = False
@@ -102,6 +119,7 @@ class ClaimRun:
             "reaped": self.reaped,
             "lost": self.lost,
             "unroutable": self.unroutable,
+            "refused": self.refused,
             "batches": self.batches,
             "in_flight_limit": self.in_flight_limit,
             "skipped": self.skipped,
@@ -173,6 +191,9 @@ class Claimer:
         self._in_flight = InFlightBound(config, self.store)
         #: Where this process's claims start their index scans (DESIGN invariant 18).
         self.marks = ScanMarks(lookback=config.scan_lookback, full_every=config.full_scan_interval)
+        #: Routes whose tasks the app refused to route, and until when (monotonic) this
+        #: process's claims leave them out.
+        self._refused: dict[str, float] = {}
 
     def in_flight_limit(self, conn: psycopg.Connection[Any]) -> int:
         """Claimed-but-unfinished rows allowed now (DESIGN invariant 16)."""
@@ -189,9 +210,12 @@ class Claimer:
         started = time.monotonic()
         deadline = started + cfg.effective_claim_budget
         owner = owner or default_owner()
-        routes = sorted(self.handlers)
+        routes = self._routes()
         if not routes:
-            logger.warning("outbox claim: no handlers registered, nothing to claim")
+            if self.handlers:
+                logger.warning("outbox claim: every route's tasks were refused lately, nothing to claim")
+            else:
+                logger.warning("outbox claim: no handlers registered, nothing to claim")
             run.stopped_by = StoppedBy.NO_HANDLERS
             return run
         # The claim lock lives in a transaction held open on a connection of its own for the
@@ -216,6 +240,13 @@ class Claimer:
                 extra={"outcome": "claim_run", **run.as_dict()},
             )
         return run
+
+    def _routes(self) -> list[str]:
+        """The routes this run claims: every handler's, less those whose tasks were refused
+        within the last ``unroutable_delay`` (their rows wait in ``pending``)."""
+        now = time.monotonic()
+        self._refused = {r: until for r, until in self._refused.items() if until > now}
+        return sorted(set(self.handlers) - set(self._refused))
 
     def _loop(
         self,
@@ -281,26 +312,48 @@ class Claimer:
     def _publish(
         self, conn: psycopg.Connection[Any], publish: Publisher, run: ClaimRun, claims: Sequence[Claimed]
     ) -> bool:
-        """Publish one claim's rows; give back what was not sent (then False: the run stops)."""
+        """Publish one claim's rows; give back what was not sent (False: the broker failed and
+        the run stops; a route the app refused to route does not stop it, invariant 12)."""
         # Grouped as the delivery tasks will carry them (invariants 21, 30): the rows after a
         # failed publish are then exactly those that were not sent.
         units = publish_units(claims, self.handlers, max_attempts=self.config.max_attempts)
         claimed = [c for unit in units for c in unit]
-        published = 0
+        result: Published | int = 0
         try:
-            published = publish(claimed)
+            result = publish(claimed)
         except Exception as exc:  # the publisher should not raise; be safe anyway
             logger.exception("outbox publish failed")
             run.errors.append(repr(exc))
-        run.published += published
-        unpublished = claimed[published:]
-        if not unpublished:
-            return True
-        run.released += self.store.release(conn, unpublished)
-        run.stopped_by = StoppedBy.PUBLISH_FAILED
-        logger.error(
-            "outbox publish failed: %s claimed row(s) given back to pending",
-            len(unpublished),
-            extra={"outcome": "released", "released": len(unpublished)},
-        )
-        return False
+        if isinstance(result, int):
+            result = Published(claimed[:result])
+        sent = {c.id for c in result.sent}
+        run.published += len(sent)
+        refused = [c for c in claimed if c.id not in sent and c.event_type in result.refused]
+        failed = [c for c in claimed if c.id not in sent and c.event_type not in result.refused]
+        if refused:
+            self._refuse(run, refused, result.refused)
+        if failed:
+            run.stopped_by = StoppedBy.PUBLISH_FAILED
+            logger.error(
+                "outbox publish failed: %s claimed row(s) given back to pending",
+                len(failed),
+                extra={"outcome": "released", "released": len(failed)},
+            )
+        if refused or failed:
+            run.released += self.store.release(conn, [c.lease for c in refused + failed])
+        return not failed
+
+    def _refuse(self, run: ClaimRun, claims: list[Claimed], why: Mapping[str, str]) -> None:
+        """Leave the refused routes out of this process's claims for ``unroutable_delay``."""
+        delay = self.config.unroutable_delay
+        run.refused += len(claims)
+        for route in sorted({c.event_type for c in claims}):
+            self._refused[route] = time.monotonic() + delay
+            logger.error(
+                "outbox: the app refused to route the tasks of %r (%s); its rows go back to pending "
+                "and are not claimed by this process for %.0fs, the other routes are published",
+                route,
+                why[route],
+                delay,
+                extra={"outcome": "refused", "event_type": route, "refused": why[route]},
+            )

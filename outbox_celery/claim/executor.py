@@ -1,6 +1,6 @@
 """The claim's executor: one claim transaction, run step by step as the planner decides.
 
-One claim (:func:`claim`, what :meth:`Store.claim <outbox_celery.db.store.Store.claim>` runs)::
+One claim (:func:`claim`, on a :class:`~outbox_celery.db.store.Store`'s statements)::
 
     settings + now()           claim_settings_flow: held types, held keys (no lock)
       |
@@ -33,15 +33,17 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import psycopg
 
 from ..config import TableName
+from ..db import rows as _rows
 from ..db.completer import Lease
 from ..flow import Limit
 from . import plan
+from .marks import ScanMarks
 from .plan import FillRow, FlowRead, FlowRow, KeyedRow, KeyWalk, Seen
 
 __all__ = ["ClaimParams", "ClaimResult", "Claimed", "FlowRead", "Maintenance", "ScanMarks", "claim"]
@@ -51,25 +53,7 @@ logger = logging.getLogger(__name__)
 #: Expired leases handled per statement of a claim (release_expired, reap).
 EXPIRED_BATCH = 1000
 
-_R = TypeVar("_R", bound=tuple[Any, ...])
-
-
-def typed_rows(cls: type[_R], cursor: Any) -> list[_R]:
-    """The rows of the statement ``cursor`` ran, each a ``cls`` (a NamedTuple) whose fields name
-    the query's columns in their order (the first ones at least: the rest keep their defaults).
-
-    The names are checked once per statement, so a column moved or renamed in the query fails
-    loudly instead of landing in the wrong field; the rows are then made from the driver's
-    tuples (its fast path: a row factory of its own costs the claim more).
-    """
-    expected: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]
-    result = cursor.pgresult
-    names = tuple(result.fname(i).decode() for i in range(result.nfields)) if result else ()
-    if names != expected[: len(names)]:
-        raise TypeError(f"the query's columns {names} do not match {cls.__name__}{expected}")
-    if len(names) == len(expected):
-        return list(map(cls._make, cursor.fetchall()))  # type: ignore[attr-defined]
-    return [cls(*values) for values in cursor.fetchall()]  # the rest keep their defaults
+_R = TypeVar("_R")
 
 
 class Store(Protocol):
@@ -138,6 +122,12 @@ class ReapedRow(NamedTuple):
     id: int
     lease_version: int
     event_type: str
+
+
+class FirstExpiredRow(NamedTuple):
+    """The earliest lease that ran out since the expired mark (``first_expired``)."""
+
+    lease_until: datetime
 
 
 class LiveRow(NamedTuple):
@@ -211,120 +201,6 @@ class Maintenance:
     expired: bool = True
 
 
-class ScanMarks:
-    """Where one process's claims start their index scans (DESIGN invariant 18).
-
-    A claim steps over every index entry in front of the rows it takes. While a long transaction
-    somewhere in the database pins the xmin horizon, VACUUM removes nothing, and the entries of
-    rows claimed, started and finished since then stay in front of every scan: the claim slows as
-    the pin lasts. The marks remember, per index, where this process's previous claim stopped
-    (the database's ``now()`` when it took everything due, else the last row it took), and the
-    next claim starts ``lookback`` seconds behind that, so what it steps over is bounded by the
-    rows of ``lookback`` seconds, not by the age of the pin.
-
-    A row can still appear behind a mark: one whose producer's transaction committed more than
-    ``lookback`` after it began (``available_at`` is the transaction's ``now()``), or one that a
-    concurrent transaction held locked. Every ``full_every`` seconds (and on a process's first
-    claim) a claim scans from the start of each index instead, and takes those.
-
-    Times are the database's (``now()`` and row values); only the full-pass period is measured
-    on this process's monotonic clock, a duration.
-    """
-
-    __slots__ = (
-        "db_now",
-        "excluded",
-        "expired",
-        "full_at",
-        "full_every",
-        "full_passes",
-        "heads",
-        "keyed",
-        "lookback",
-        "pending",
-        "typed",
-    )
-
-    def __init__(self, *, lookback: float = 10.0, full_every: float = 60.0) -> None:
-        if lookback < 0 or full_every < 0:
-            raise ValueError("lookback and full_every are seconds >= 0")
-        self.lookback = lookback
-        self.full_every = full_every
-        self.pending: datetime | None = None
-        self.heads: datetime | None = None
-        self.expired: datetime | None = None
-        #: Monotonic time of the last full pass; None before the first claim.
-        self.full_at: float | None = None
-        self.full_passes = 0
-        #: Marks of the limited event types' own statements, by (scan, event type).
-        self.typed: dict[tuple[str, str], datetime | None] = {}
-        #: Event types the previous claim left out of every statement (paused, or held by a
-        #: RateLimited outcome): their rows may lie behind the marks (DESIGN invariant 23).
-        self.excluded: frozenset[str] = frozenset()
-        #: Event types the previous claim took key by key: their keyed rows were left out of
-        #: their own statements, whose marks moved past them (DESIGN invariant 25).
-        self.keyed: frozenset[str] = frozenset()
-        #: The database's now() of the previous claim.
-        self.db_now: datetime | None = None
-
-    def begin(self, monotonic_now: float) -> bool:
-        """Start a claim: forget the marks when a full pass is due; return whether it is."""
-        if self.full_at is None or not 0 <= monotonic_now - self.full_at < self.full_every:
-            self.forget(monotonic_now)
-            return True
-        return False
-
-    def forget(self, monotonic_now: float) -> None:
-        """Make this claim a full pass: every scan starts at the beginning of its index."""
-        self.pending = self.heads = self.expired = None
-        self.typed.clear()
-        self.full_at = monotonic_now
-        self.full_passes += 1
-
-    def check_clock(self, db_now: datetime, monotonic_now: float) -> None:
-        """A full pass when the database's clock went back more than ``lookback`` since the
-        previous claim (a failover to a lagging host): rows written since lie behind marks
-        taken on the other clock (DESIGN invariant 25)."""
-        stepped_back = self.db_now is not None and db_now < self.db_now - timedelta(seconds=self.lookback)
-        if stepped_back and self.full_at != monotonic_now:
-            self.forget(monotonic_now)
-        self.db_now = db_now
-
-    def readmit(
-        self, excluded: frozenset[str], monotonic_now: float, *, keyed: frozenset[str] = frozenset()
-    ) -> None:
-        """Note the types this claim leaves out; a full pass when one of the last claim's is back.
-
-        While an event type is left out of the general statements (paused, held by a
-        RateLimited outcome), they step over its rows and their marks move past them; when it
-        comes back (resumed, hold over, limit removed) its rows lie behind the marks, and only a
-        scan from the beginning finds them at once (DESIGN invariant 23).
-        """
-        if self.excluded - excluded and self.full_at != monotonic_now:
-            self.forget(monotonic_now)
-        for event_type in self.keyed - keyed:
-            # Its keyed rows come back to its own statements: from the start of their index.
-            for scan in ("expired", "heads", "pending"):
-                self.typed.pop((scan, event_type), None)
-        self.excluded = excluded
-        self.keyed = keyed
-
-    def since(self, mark: datetime | None) -> datetime | None:
-        """The lower bound of a scan whose previous claim stopped at ``mark`` (None: from the start)."""
-        return None if mark is None else mark - timedelta(seconds=self.lookback)
-
-    @staticmethod
-    def moved(asked: int, rows: Sequence[ClaimedRow], now: datetime) -> datetime | None:
-        """Where a scan's mark goes after a claim statement asked ``asked`` rows and got ``rows``.
-
-        Fewer than asked: every row due at ``now`` was taken, the mark is ``now``. As many: the
-        rest starts at the last row taken (its ``available_at``).
-        """
-        if len(rows) < asked or not rows:
-            return now
-        return max(r.available_at for r in rows)
-
-
 @dataclass(frozen=True, slots=True)
 class ClaimParams:
     """The parameters every statement of one claim shares."""
@@ -375,8 +251,8 @@ class _Run:
         self.params = ClaimParams(lease=0.0, owner="", max_attempts=0, event_types=None)
 
     def rows(self, cls: type[_R], query: str, params: Mapping[str, Any]) -> list[_R]:
-        """Run named query ``query``; its rows as ``cls``."""
-        return typed_rows(cls, self.conn.execute(self.q[query], params))
+        """Run named query ``query``; its rows as ``cls``, by column name (:mod:`outbox_celery.db.rows`)."""
+        return _rows.read(self.conn, cls, self.q[query], params)
 
     def run(self, query: str, params: Mapping[str, Any]) -> int:
         """Run named query ``query`` for its effect; the number of rows it returned."""
@@ -435,10 +311,10 @@ class _Run:
         """Whether a lease ran out since the expired mark; if one did, the expired scans start
         at the earliest (``first_expired``): one walk of the lease index's range for the four
         statements that read it (DESIGN invariant 18)."""
-        rows = self.conn.execute(self.q["first_expired"], self.params.sql()).fetchall()
+        rows = self.rows(FirstExpiredRow, "first_expired", self.params.sql())
         if not rows:
             return False
-        self.params = replace(self.params, expired_since=rows[0][0])
+        self.params = replace(self.params, expired_since=rows[0].lease_until)
         return True
 
     def maintenance(self, *, lease: float, unroutable_delay: float, keyed: bool) -> Maintenance:
@@ -652,7 +528,33 @@ def claim(
     limits: Mapping[str, Limit] | None = None,
     fill: Mapping[str, tuple[int, float]] | None = None,
 ) -> ClaimResult:
-    """One claim transaction; see :meth:`Store.claim <outbox_celery.db.store.Store.claim>`."""
+    """Reap and claim up to ``limit`` rows in one short transaction, then commit.
+
+    Order: expired leases with attempts left first (they have waited longest), then ordered
+    heads and unordered pending rows share what is left, so neither starves the other. Rows
+    whose attempts are exhausted and whose lease expired go ``dead`` (the reap).
+
+    The reap and the re-claim of expired leases (up to ``expired_limit``, default ``limit``) run
+    even when ``limit`` is 0: the in-flight bound counts live leases only, and expired ones must
+    come back whatever it says (DESIGN invariants 10, 16). Expired claims whose task never
+    started (lost) and expired leases of event types not in ``event_types`` (unroutable, after
+    ``unroutable_delay``) go back to ``pending`` first, no attempt spent.
+
+    Flow control (DESIGN invariants 22, 23): event types paused or held by a RateLimited outcome
+    are claimed by nobody; each type in ``limits`` is claimed by statements of its own, at most
+    its allowance (concurrency left, rate tokens), decided under its flow row's lock so that
+    concurrent claimers never hand out more than the limit together. Its re-claimed expired
+    leases count against the allowance too.
+
+    With ``marks`` (the claim loop's, one per process) the scans start a little behind where the
+    previous claim stopped and move the marks on (DESIGN invariant 18); without, every scan
+    starts at the beginning of its index.
+
+    ``fill`` maps a batch handler's event type to ``(batch, max_wait)`` (DESIGN invariant 21): a
+    type whose due unordered rows are fewer than a batch (or than ``limit``) and whose oldest
+    due row has been due for less than ``max_wait`` seconds (database clock) is left out of the
+    pending statement of this claim; ``flow_wait`` then says when to claim again.
+    """
     limit = max(0, limit)
     expired_limit = limit if expired_limit is None else max(0, expired_limit)
     limits = {t: lim for t, lim in (limits or {}).items() if event_types is None or t in event_types}

@@ -16,7 +16,8 @@ holds its event type or key after it (``flow_hold``, invariant 23). A final step
 member (or of a row not known to be of no group, :attr:`Finish.grouped`) is finished by
 ``finish_grouped``, the same update with the group's count after it in the same statement; the
 last member enqueues the group's callback there (invariant 29). A step that never makes a row
-done or dead (``_NOT_FINAL``) counts in no group: ``finish`` writes it for any row.
+done or dead (not ``final`` in :data:`outcomes.STEPS <outbox_celery.outcomes.STEPS>`) counts in
+no group: ``finish`` writes it for any row.
 
 The completer runs its statements through the :class:`~outbox_celery.db.store.Store` it belongs
 to: its named queries, counters and transaction rules (a single statement on an autocommit
@@ -27,8 +28,6 @@ finalizes when the store owns the transaction).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -38,10 +37,13 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import psycopg
 import psycopg.adapt
-from psycopg.rows import RowFactory, RowMaker, class_row
+from psycopg.rows import RowFactory
 
+from .. import outcomes
 from ..config import TableName
-from ..message import Message, Outcome, Status
+from ..message import Message, Status
+from ..outcomes import Outcome, Step
+from . import rows as _rows
 
 __all__ = ["INLINE_BYTES", "LOST", "Completer", "Finalized", "FinalizedMany", "Finish", "Lease", "Step"]
 
@@ -69,69 +71,14 @@ class Lease(NamedTuple):
         return pair if isinstance(pair, Lease) else cls(int(pair[0]), int(pair[1]))
 
 
-class Step(enum.StrEnum):
-    """What a finalize writes; each step's rule lives in the ``finish`` statement only."""
-
-    #: ``done``; an ordered row hands its key's head to the next message (invariant 9).
-    DONE = "done"
-    #: Back to ``pending`` after the delay, the attempt kept; ``dead`` once attempts are spent.
-    RETRY = "retry"
-    #: Back to ``pending`` after the delay, attempt refunded; ``dead`` past ``max_defer_age``.
-    DEFER = "defer"
-    #: As :attr:`DEFER`, and the event type (or limit key) held as long (invariant 23).
-    RATE_LIMITED = "rate_limited"
-    #: ``dead`` with the error.
-    DEAD = "dead"
-    #: The error kept; the row stays ``processing`` and returns through its lease.
-    ERROR = "error"
-    #: Back to ``pending`` after the delay, attempt refunded: no handler here (unroutable).
-    POSTPONE = "postpone"
-    #: Back to ``pending`` now, nothing spent, only while the claim never started (invariant 12).
-    RELEASE = "release"
-    #: Back to ``pending`` now, attempt refunded, ``last_error`` kept: a started pack's row whose
-    #: handler its task did not run (invariant 30).
-    HAND_BACK = "hand_back"
-
-
-# The operation a lost lease is logged under (the log line names it) and the counter of a won
-# write (None: not counted), per step.
-_OPERATION = {
-    Step.DONE: "finish_done",
-    Step.RETRY: "finish_retry",
-    Step.DEFER: "finish_defer",
-    Step.RATE_LIMITED: "finish_rate_limited",
-    Step.DEAD: "finish_dead",
-    Step.ERROR: "record_error",
-    Step.POSTPONE: "postpone",
-    Step.RELEASE: "release",
-    Step.HAND_BACK: "hand_back",
-}
-_COUNTER: dict[Step, str | None] = {
-    Step.DONE: Outcome.DONE.counter,
-    Step.RETRY: Outcome.RETRY.counter,
-    Step.DEFER: Outcome.DEFER.counter,
-    Step.RATE_LIMITED: Outcome.RATE_LIMITED.counter,
-    Step.DEAD: Outcome.DEAD.counter,
-    Step.ERROR: Outcome.ERROR.counter,
-    Step.POSTPONE: None,
-    Step.RELEASE: "released",
-    Step.HAND_BACK: "handed_back",
-}
-
-# The steps that never make a row done or dead (``finish_update`` in sql/queries.sql): they never
-# change a group's count (invariant 29), so ``finish`` writes them for a member too, which its
-# group guard lists them for, and ``finish_grouped``'s count is never needed.
-_NOT_FINAL = frozenset({Step.ERROR, Step.POSTPONE, Step.RELEASE, Step.HAND_BACK})
-
-
 @dataclass(frozen=True, slots=True)
 class Finalized:
-    """What one fenced write of a row did (a finalizer, :meth:`Store.postpone`...).
+    """What one fenced write of a row did (:meth:`FinalizedMany.of`).
 
     :ivar status: the row's status after the write, ``None`` when it changed nothing: the
         lease was lost (a newer claim, a finished or released row; counted and logged). A retry
         or defer past its limit says :attr:`Status.DEAD <outbox_celery.message.Status.DEAD>`;
-        :meth:`Store.record_error` leaves the row ``processing``.
+        an ``error`` step leaves the row ``processing``.
 
     True in a boolean context exactly when the write applied.
     """
@@ -153,7 +100,7 @@ LOST = Finalized(None)
 
 @dataclass(frozen=True, slots=True)
 class FinalizedMany:
-    """What one fenced write of many rows did (:meth:`Store.done_many`, :meth:`Store.finish_many`).
+    """What one fenced write of one row or many did (:meth:`Completer.finish`).
 
     :ivar statuses: the new status of each row the write changed, by id.
     :ivar lost: the ids it left alone: their lease was lost (counted and logged).
@@ -266,30 +213,11 @@ class FinishedRow:
     delay: float
 
 
-def _rows_of(cls: type[T]) -> RowFactory[T]:
-    """A row factory making ``cls`` (a dataclass) of each row, by column name.
-
-    When the result's columns are the dataclass's fields in order (the statements are written
-    so), rows are made by position after that check, once per result; otherwise by name
-    (psycopg's ``class_row``).
-    """
-    fields = [f.name.encode() for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    by_name = class_row(cls)
-
-    def factory(cursor: Any) -> RowMaker[T]:
-        res = cursor.pgresult  # its column names, without building the description
-        if res is not None and [res.fname(i) for i in range(res.nfields)] == fields:
-            return lambda values: cls(*values)
-        return by_name(cursor)
-
-    return factory
-
-
 # Row factories of the statements' results, made once.
-_STARTED = _rows_of(StartedRow)
-_FINISHED = _rows_of(FinishedRow)
-_IDS = _rows_of(IdRow)
-_PAYLOADS = _rows_of(PayloadRow)
+_STARTED = _rows.factory(StartedRow)
+_FINISHED = _rows.factory(FinishedRow)
+_IDS = _rows.factory(IdRow)
+_PAYLOADS = _rows.factory(PayloadRow)
 
 
 def chunks(rows: Iterable[StartedRow], budget: int) -> list[list[int]]:
@@ -446,9 +374,9 @@ class Completer:
     def _refused_start(self, x: Lease, *, dead: bool) -> None:
         """Count (and, when its attempts ran out, log) a start that did not start its row."""
         if not dead:
-            self.store._count("stale_starts")
+            self.store._count(Outcome.STALE.counter)
             return
-        self.store._count("dead")
+        self.store._count(Outcome.DEAD.counter)
         logger.error(
             "outbox id %s went dead: attempts exhausted before this run",
             x.id,
@@ -519,7 +447,7 @@ class Completer:
             # A group's member (or a row not known not to be one) counts a final step in its
             # group in the same statement (invariant 29); the plain statement costs no more than
             # before, and writes the steps that are never final for any row.
-            plain = all(f.grouped is False or f.step in _NOT_FINAL for f in finishes)
+            plain = all(f.grouped is False or not outcomes.row(f.step).final for f in finishes)
             name = "finish" if plain else "finish_grouped"
             won = {r.id: r for r in cur.execute(self._query(name, len(finishes)), params).fetchall()}
             keys = sorted({r.ordering_key for r in won.values() if r.outcome == Step.DONE and r.ordering_key})
@@ -559,30 +487,29 @@ class Completer:
 
     def _tally(self, finishes: Sequence[Finish], won: dict[int, FinishedRow]) -> FinalizedMany:
         """Count what won, log what lost its lease; the result by id."""
-        store = self.store
-        statuses: dict[int, Status] = {}
         if len(finishes) == 1 and won:
             [f] = finishes
-            status = statuses[f.lease.id] = Status(won[f.lease.id].status)
-            counter = Outcome.DEAD.counter if status is Status.DEAD else _COUNTER[f.step]
-            if counter is not None:
-                store._count(counter)
-            return FinalizedMany(statuses, frozenset())
+            status = Status(won[f.lease.id].status)
+            self._won(f.step, status)
+            return FinalizedMany({f.lease.id: status}, frozenset())
+        statuses: dict[int, Status] = {}
         for f in finishes:
             row = won.get(f.lease.id)
             if row is None:
                 if f.step is not Step.RELEASE:
-                    self._lost(_OPERATION[f.step], f.lease)
+                    self._lost(outcomes.row(f.step).operation, f.lease)
                 continue
             status = statuses[f.lease.id] = Status(row.status)
-            counter = (
-                Outcome.DEAD.counter
-                if status is Status.DEAD and f.step is not Step.DEAD
-                else _COUNTER[f.step]
-            )
-            if counter is not None:
-                store._count(counter)
+            self._won(f.step, status)
         return FinalizedMany(statuses, frozenset(f.lease.id for f in finishes) - statuses.keys())
+
+    def _won(self, step: Step, status: Status) -> None:
+        """Count a won write of ``step``: under ``dead`` when it made the row dead (a retry or
+        defer past its limit), else under its step's counter (:data:`outcomes.STEPS
+        <outbox_celery.outcomes.STEPS>`)."""
+        counter = Outcome.DEAD.counter if status is Status.DEAD else outcomes.row(step).counter
+        if counter is not None:
+            self.store._count(counter)
 
     def _lost(self, op: str, x: Lease) -> None:
         self.store._count(Outcome.LOST_LEASE.counter)

@@ -17,13 +17,14 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql
 
 from ..config import TableName
 from ..errors import MigrationError as MigrationError
+from . import rows as _rows
 from . import statements as _sql
 
 __all__ = [
@@ -87,14 +88,23 @@ def _ledger(table: TableName, name: str = _LEDGER) -> sql.Identifier:
     return sql.Identifier(table.schema, name) if table.schema else sql.Identifier(name)
 
 
-def _table_exists(conn: psycopg.Connection[Any], table: TableName) -> bool:
-    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [table.identifier().as_string(conn)]).fetchone()
-    return bool(row and row[0])
+class _Exists(NamedTuple):
+    exists: bool
 
 
-def _ledger_exists(conn: psycopg.Connection[Any], ledger: sql.Identifier) -> bool:
-    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [ledger.as_string(conn)]).fetchone()
-    return bool(row and row[0])
+class _Name(NamedTuple):
+    table_name: str
+
+
+class _Version(NamedTuple):
+    version: int
+
+
+def _exists(conn: psycopg.Connection[Any], relation: sql.Identifier) -> bool:
+    """Whether the table ``relation`` names exists."""
+    query = "SELECT to_regclass(%s) IS NOT NULL AS exists"
+    [row] = _rows.read(conn, _Exists, query, [relation.as_string(conn)])
+    return bool(row.exists)
 
 
 # The tables an outbox table owns beside it, named after it (DESIGN invariant 25).
@@ -111,16 +121,12 @@ def _refuse_name_clash(conn: psycopg.Connection[Any], t: TableName) -> None:
     outbox ``x_flow`` beside an outbox ``x``, whose flow table is ``x_flow``), or whose own
     tables would take another outbox's name: either would share a table between two roles."""
     ledger = _ledger(t)
-    if not _ledger_exists(conn, ledger):
+    if not _exists(conn, ledger):
         return
     names = [t.name + suffix for suffix in _SIBLINGS]
     names += [t.name[: -len(suffix)] for suffix in _SIBLINGS if t.name.endswith(suffix)]
-    recorded = {
-        str(r[0])
-        for r in conn.execute(
-            sql.SQL("SELECT DISTINCT table_name FROM {} WHERE table_name = ANY(%s)").format(ledger), [names]
-        ).fetchall()
-    }
+    query = sql.SQL("SELECT DISTINCT table_name FROM {} WHERE table_name = ANY(%s)").format(ledger)
+    recorded = {r.table_name for r in _rows.read(conn, _Name, query, [names])}
     for suffix, role in _SIBLINGS.items():
         if t.name + suffix in recorded:
             raise MigrationError(
@@ -141,13 +147,10 @@ def applied_versions(
     """Versions recorded for ``table`` (empty when never migrated)."""
     t = TableName.parse(table)
     ledger = _ledger(t, migrations.ledger)
-    if not _ledger_exists(conn, ledger):
+    if not _exists(conn, ledger):
         return []
-    rows = conn.execute(
-        sql.SQL("SELECT version FROM {} WHERE table_name = %s ORDER BY version").format(ledger),
-        [t.name],
-    ).fetchall()
-    return [int(r[0]) for r in rows]
+    query = sql.SQL("SELECT version FROM {} WHERE table_name = %s ORDER BY version").format(ledger)
+    return [int(r.version) for r in _rows.read(conn, _Version, query, [t.name])]
 
 
 def pending(
@@ -197,7 +200,7 @@ def migrate(
             return []
         if migrations is OUTBOX and not done:
             _refuse_name_clash(conn, t)
-        exists = _table_exists(conn, t)
+        exists = _exists(conn, t.identifier())
         if not done and exists:
             raise MigrationError(
                 f"table {t.qualified} exists but has no recorded outbox-celery migrations; "

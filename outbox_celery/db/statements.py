@@ -4,7 +4,8 @@ One registry (:func:`queries`) serves the store, the operator's commands and the
 names its statements (``-- name: x``); a rule that several statements must share is written
 once, as a fragment, and put where ``{x}`` stands:
 
-* :data:`FRAGMENTS`, in Python, for rules shared across files (lock and channel names);
+* :data:`FRAGMENTS`, in Python, for rules shared across files (lock and channel names) and for
+  the lists of steps, generated from :data:`outcomes.STEPS <outbox_celery.outcomes.STEPS>`;
 * ``-- fragment: x`` in a file, for a piece only that file's statements share.
 
 Fragments are filled in as text, before the table and its index names are bound as quoted
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from types import MappingProxyType
 
 from psycopg import sql
 
 from ..config import TableName
+from ..outcomes import NOT_FINAL, STEPS
 
 # "-- name: x" starts a named statement, "-- fragment: x" a piece of the file's statements.
 _ENTRY = re.compile(r"^--\s*(name|fragment):\s*(\w+)\s*$", re.MULTILINE)
@@ -55,6 +57,12 @@ SUBSCRIPTION_SUFFIX = "_subscription"
 # The table beside each outbox table that holds its groups and their callbacks (invariant 29).
 GROUP_SUFFIX = "_group"
 
+
+def literals(values: Iterable[str]) -> str:
+    """``'a', 'b'``: the library's own constants as a list of SQL literals, quoted by psycopg."""
+    return sql.SQL(", ").join(sql.Literal(str(v)) for v in values).as_string(None)
+
+
 #: Rules written once for every file. Names are after the table's oid, never after user text:
 #: distinct per table, and the same for "outbox" and "public.outbox".
 FRAGMENTS: Mapping[str, str] = MappingProxyType(
@@ -75,6 +83,10 @@ FRAGMENTS: Mapping[str, str] = MappingProxyType(
         "wake_listeners": (
             "(SELECT CASE WHEN %(notify)s::bool THEN pg_notify({notify_channel}, '') IS NULL END)"
         ),
+        # Every step of the finish statement, and those that never make a row done or dead
+        # (invariant 29): lists generated from the one table of the steps (outcomes.STEPS).
+        "steps": literals(r.step for r in STEPS),
+        "steps_not_final": literals(NOT_FINAL),
         # A FROM item that sets synchronous_commit for the statement's own transaction to
         # %(commit_mode)s ('off' relaxes it; NULL keeps the session's setting): see Store's
         # relaxed_commit for why losing such a commit costs at most a redelivery.
@@ -123,8 +135,11 @@ def fill(text: str, fragments: Mapping[str, str] = FRAGMENTS) -> str:
 
 #: Fragments of one file that the statements of other files use too, by the file that holds
 #: them: counting a group's outcomes is written once, beside the finalize (invariant 29), and
-#: the operator's requeue and skip (admin.sql) run it as well.
-SHARED: Mapping[str, str] = MappingProxyType({"group_settle": "queries.sql", "group_callback": "queries.sql"})
+#: the operator's requeue and skip (admin.sql) run it as well; the key locks of an ordered done
+#: are an operator's skip's too (invariant 9).
+SHARED: Mapping[str, str] = MappingProxyType(
+    {"group_settle": "queries.sql", "group_callback": "queries.sql", "lock_keys_of_rows": "queries.sql"}
+)
 
 
 @functools.cache

@@ -1,20 +1,18 @@
-"""The table's statements and the small reads and writes around them.
+"""One outbox table's named statements and the small reads and writes around them.
 
-The claim (``claim/executor.py``) and the completer (``db/completer.py``) run their named
-statements through the :class:`Store` of their table.
+:class:`Store` is the table's seam: its named statements (and their one-row forms), its
+counters, its transaction rules and its identity. The rooms above run their statements through
+it: the producers (:class:`~outbox_celery.produce.writes.ProducerWrites`), the claim
+(:func:`outbox_celery.claim.executor.claim`), the fenced transitions (its
+:class:`~outbox_celery.db.completer.Completer`, ``store.completer``); the operators' reads and
+actions are ``ops/``. It imports nothing of them.
 
-Every method takes a psycopg connection. Methods that own a transaction (claim, start, the
-finalizers) open it themselves with ``conn.transaction()``, so they work on pooled autocommit
-connections; the producer's insert runs inside the caller's transaction instead. The fenced start
-and the finalizers are single statements: on an autocommit connection outside a transaction they
-run as their own implicit transaction, which saves the ``BEGIN`` and ``COMMIT`` round trips.
-
-The fenced start and ``done`` commit with ``synchronous_commit = off`` when the store owns the
+Every method takes a psycopg connection. A method that owns a transaction opens it itself with
+``conn.transaction()``, so it works on pooled autocommit connections; a single fenced statement
+on an autocommit connection outside a transaction is its own implicit transaction, which saves
+the ``BEGIN`` and ``COMMIT`` round trips (:meth:`Store._single_statement`). The fenced start and
+an all-done finalize commit with ``synchronous_commit = off`` when the store owns the
 transaction (see :class:`Store`); everything else, the claim above all, commits durably.
-
-Each finalizer is fenced: it changes the row only when ``status = 'processing'`` and the
-``lease_version`` still matches the claim the caller came from, and returns a :class:`Finalized`
-(:class:`FinalizedMany` for a batch) that says whether it won and the row's status after it.
 """
 
 from __future__ import annotations
@@ -29,38 +27,23 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from psycopg import pq, sql
 
 from .. import codec
-from ..claim import executor as _claim
-from ..claim.executor import Claimed, ClaimResult, FlowRead, ScanMarks
 from ..config import TableName
-from ..flow import Limit
 from ..message import KEY_SEPARATOR, Message, idempotency_key, split_route
-from ..produce.writes import MAX_ORDERING_KEYS, ProducerWrites, Statement, WritePlan
+from . import rows as _rows
 from . import statements as _sql
 from .completer import LOST, Completer, Finalized, FinalizedMany, Finish, Lease, Step
 
-__all__ = [
-    "LOST",
-    "MAX_ORDERING_KEYS",
-    "ClaimResult",
-    "Claimed",
-    "Finalized",
-    "FinalizedMany",
-    "FlowRead",
-    "Lease",
-    "ScanMarks",
-    "Statement",
-    "Store",
-    "WritePlan",
-    "starter_token",
-]
+__all__ = ["LOST", "SLOT_FREED", "Finalized", "FinalizedMany", "Lease", "Store", "starter_token"]
 
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 #: The payload of a finished concurrency-limited delivery's notification: a slot is free.
 SLOT_FREED = "slot_freed"
@@ -70,16 +53,85 @@ def starter_token() -> str:
     """``host:pid:<random>``: names one fenced start (written to ``lease_owner``).
 
     A start's retry after a lost reply passes the same token and gets its row back
-    (:meth:`Store.start`); any other start of the same claim is refused.
+    (:meth:`Completer.start <outbox_celery.db.completer.Completer.start>`); any other start of the
+    same claim is refused.
     """
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
-class Store(ProducerWrites):
-    """Named queries bound to one outbox table, by phase: the producer's writes
-    (:class:`~outbox_celery.produce.writes.ProducerWrites`), the claim (``claim.py``, planned by
-    ``claim_plan.py``), the fenced transitions (:class:`~outbox_celery.db.completer.Completer`);
-    the operators' reads and actions are ``operations.py``.
+# -- the rows of the store's own statements (read by column name, db/rows.py) ------------------
+
+
+class NameRow(NamedTuple):
+    """``canonical_name``: the table as PostgreSQL resolves it."""
+
+    schema_name: str
+    table_name: str
+
+
+class InstanceStateRow(NamedTuple):
+    """``instance``: whether the identity table is there and readable (ok, missing, denied)."""
+
+    state: str
+
+
+class InstanceRow(NamedTuple):
+    """``instance_id``: the table's identity."""
+
+    instance: str
+
+
+class ClaimLockRow(NamedTuple):
+    """``try_claim_lock``: whether this transaction holds the table's claim lock."""
+
+    locked: bool
+
+
+class CountRow(NamedTuple):
+    """``count_in_flight``, ``count_recent_done``."""
+
+    n: int
+
+
+class ReadyRow(NamedTuple):
+    """``flow_exists``: whether the flow-control tables exist."""
+
+    ready: bool
+
+
+class EventTypeRow(NamedTuple):
+    """``flow_capped``: an event type."""
+
+    event_type: str
+
+
+class LimitsRow(NamedTuple):
+    """``transaction_limits``: the settings it made, and the transaction's isolation level."""
+
+    statement_timeout: str
+    idle_timeout: str
+    transaction_timeout: str | None
+    isolation: str
+
+
+class ChannelRow(NamedTuple):
+    """``notify_channel``: the table's channel."""
+
+    channel: str
+
+
+class DueRow(NamedTuple):
+    """``next_due``: seconds until something comes due (``None``: nothing in the window)."""
+
+    seconds: float | None
+
+
+class Store:
+    """The named statements of one outbox table, its counters, transaction rules and identity.
+
+    The fenced transitions of its rows are :attr:`completer`'s; the claim is
+    :func:`outbox_celery.claim.executor.claim`'s; the producers' writes are
+    :class:`~outbox_celery.produce.writes.ProducerWrites`'; each runs this store's statements.
 
     :param table: ``"name"``, ``"schema.name"`` or a :class:`~outbox_celery.config.TableName`.
     :param relaxed_commit: commit the fenced start and ``done`` with ``synchronous_commit = off``
@@ -92,9 +144,9 @@ class Store(ProducerWrites):
         ordering and fencing hold across a crash. The claim itself always commits durably: its
         new ``lease_version`` goes out in published tasks and must never be rolled back.
     :param queries: replacement texts for named queries of ``sql/queries.sql`` (same name, same
-        parameters; ``{table}`` and the index names are bound as identifiers, the file's fragments
-        such as ``{claim_picked}`` filled in). For benchmarks and experiments: the text is trusted SQL,
-        never user input.
+        parameters, same column names: rows are read by column name; ``{table}`` and the index
+        names are bound as identifiers, the file's fragments such as ``{claim_picked}`` filled
+        in). For benchmarks and experiments: the text is trusted SQL, never user input.
     """
 
     def __init__(
@@ -152,6 +204,65 @@ class Store(ProducerWrites):
         """The named queries, bound to this table (read-only)."""
         return MappingProxyType(dict(self._q))
 
+    def _read(
+        self, conn: psycopg.Connection[Any], cls: type[R], name: str, params: Mapping[str, Any] | None = None
+    ) -> list[R]:
+        """Run named statement ``name``; its rows as ``cls``, by column name."""
+        return _rows.read(conn, cls, self._q[name], params)
+
+    # -- identity ------------------------------------------------------------------------------
+
+    def _regclass(self, conn: psycopg.Connection[Any] | None) -> str:
+        # The quoted name, resolved to the table's oid in SQL: lock names then do not depend on
+        # how the table was spelled ("outbox" or "public.outbox").
+        return self.table.identifier().as_string(conn)
+
+    def canonical_name(self, conn: psycopg.Connection[Any]) -> str:
+        """``schema.name`` of the table as PostgreSQL resolves it, e.g. ``public.outbox``.
+
+        The base of every idempotency key (``public.outbox:42``): however the table was
+        spelled (``outbox``, ``public.outbox``), one message has one key. Resolved once per
+        Store, then cached.
+        """
+        if self._canonical is None:
+            [row] = self._read(conn, NameRow, "canonical_name", {"table": self._regclass(conn)})
+            self._canonical = f"{row.schema_name}.{row.table_name}"
+        return self._canonical
+
+    def instance(self, conn: psycopg.Connection[Any]) -> str | None:
+        """The table's identity (a UUID drawn once by migration 0006), or ``None`` before it.
+
+        The discriminator of idempotency keys: two databases or clusters with an outbox
+        of the same name never send the same key. Read once per Store, then cached; a table not
+        migrated to 0006 yet gives ``None`` (keys of the previous form, logged) until the
+        process restarts.
+        """
+        if self._instance is None:
+            name = self.table.identifier(_sql.INSTANCE_SUFFIX).as_string(conn)
+            [found] = self._read(conn, InstanceStateRow, "instance", {"instance_table": name})
+            state = found.state
+            self._instance = ""
+            if state == "ok":
+                rows = self._read(conn, InstanceRow, "instance_id")
+                self._instance = rows[0].instance if rows else ""
+            if not self._instance:
+                why = {
+                    "missing": "migration 0006 not applied",
+                    "denied": f"this role may not read it: GRANT SELECT ON {name} to the workers' role",
+                }.get(state, "its row is missing")
+                logger.error(
+                    "outbox table %s has no readable identity (%s): idempotency keys keep the "
+                    "previous form until this is fixed and workers restart",
+                    self.table.qualified,
+                    why,
+                    extra={"outbox_table": self.table.qualified},
+                )
+        return self._instance or None
+
+    def key_prefix(self, conn: psycopg.Connection[Any]) -> str:
+        """What every idempotency key of this table starts with (``<instance>/public.outbox:``)."""
+        return idempotency_key(self.canonical_name(conn), 0, self.instance(conn))[:-1]
+
     # -- observability -------------------------------------------------------------------------
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -163,7 +274,7 @@ class Store(ProducerWrites):
         with self._stats_lock:
             return dict(self._stats)
 
-    # -- claim ---------------------------------------------------------------------------------
+    # -- the claim run's reads -----------------------------------------------------------------
 
     def try_claim_lock(self, conn: psycopg.Connection[Any]) -> bool:
         """Transaction-level advisory lock: one claim run per table at a time.
@@ -176,77 +287,32 @@ class Store(ProducerWrites):
         """
         if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
             raise RuntimeError("try_claim_lock needs an open transaction (conn.transaction())")
-        row = conn.execute(self._q["try_claim_lock"], {"table": self._regclass(conn)}).fetchone()
-        return bool(row and row[0])
+        [row] = self._read(conn, ClaimLockRow, "try_claim_lock", {"table": self._regclass(conn)})
+        return bool(row.locked)
 
     def in_flight(self, conn: psycopg.Connection[Any]) -> int:
         """Live leases: rows ``processing`` whose lease has not run out (DESIGN invariant 16)."""
-        row = conn.execute(self._q["count_in_flight"]).fetchone()
-        return int(row[0]) if row else 0
+        [row] = self._read(conn, CountRow, "count_in_flight")
+        return int(row.n)
 
     def recent_done(self, conn: psycopg.Connection[Any], *, window: float, cap: int) -> int:
         """Rows finished ``done`` in the last ``window`` seconds, counted up to ``cap``."""
-        row = conn.execute(self._q["count_recent_done"], {"window": window, "cap": cap}).fetchone()
-        return int(row[0]) if row else 0
+        [row] = self._read(conn, CountRow, "count_recent_done", {"window": window, "cap": cap})
+        return int(row.n)
 
-    def claim(
-        self,
-        conn: psycopg.Connection[Any],
-        *,
-        limit: int,
-        lease: float,
-        owner: str,
-        max_attempts: int,
-        event_types: Sequence[str] | None = None,
-        expired_limit: int | None = None,
-        unroutable_delay: float = 60.0,
-        marks: ScanMarks | None = None,
-        limits: Mapping[str, Limit] | None = None,
-        fill: Mapping[str, tuple[int, float]] | None = None,
-    ) -> ClaimResult:
-        """Reap and claim up to ``limit`` rows in one short transaction, then commit.
+    def release(self, conn: psycopg.Connection[Any], leases: Sequence[Lease]) -> int:
+        """Give the leases of unpublished claims back: ``pending`` now, no attempt spent
+        (invariant 12).
 
-        Planned by :mod:`outbox_celery.claim.plan` and run by :func:`outbox_celery.claim.executor.claim`.
-
-        Order: expired leases with attempts left first (they have waited longest), then ordered
-        heads and unordered pending rows share what is left, so neither starves the other.
-        Rows whose attempts are exhausted and whose lease expired go ``dead`` (the reap).
-
-        The reap and the re-claim of expired leases (up to ``expired_limit``, default ``limit``)
-        run even when ``limit`` is 0: the in-flight bound counts live leases only, and expired
-        ones must come back whatever it says (DESIGN invariants 10, 16). Expired claims whose
-        task never started (lost) and expired leases of event types not in ``event_types``
-        (unroutable, after ``unroutable_delay``) go back to ``pending`` first, no attempt spent.
-
-        Flow control (DESIGN invariants 22, 23): event types paused or held by a
-        RateLimited outcome are claimed by nobody; each type in ``limits`` is claimed by
-        statements of its own, at most its allowance (concurrency left, rate tokens), decided
-        under its flow row's lock so that concurrent claimers never hand out more than the
-        limit together. Its re-claimed expired leases count against the allowance too.
-
-        With ``marks`` (the claim loop's, one per process) the scans start a little behind where
-        the previous claim stopped and move the marks on (DESIGN invariant 18); without, every
-        scan starts at the beginning of its index.
-
-        ``fill`` maps a batch handler's event type to ``(batch, max_wait)`` (DESIGN invariant
-        21): a type whose due unordered rows are fewer than a batch (or than ``limit``) and whose
-        oldest due row has been due for less than ``max_wait`` seconds (database clock) is left
-        out of the pending statement of this claim; ``flow_wait`` then says when to claim again.
+        A claim whose fenced start has run is left alone (a publish that raised although the
+        broker got the task): its worker holds the row. Returns how many rows went back.
         """
-        return _claim.claim(
-            self,
-            conn,
-            limit=limit,
-            lease=lease,
-            owner=owner,
-            max_attempts=max_attempts,
-            event_types=event_types,
-            expired_limit=expired_limit,
-            unroutable_delay=unroutable_delay,
-            marks=marks,
-            limits=limits,
-            fill=fill,
-        )
+        if not leases:
+            return 0
+        with conn.transaction():
+            finishes = [Finish(x, Step.RELEASE) for x in leases]
+            won = self.completer.finish(conn, finishes, max_attempts=0, max_age=0.0)
+        return len(won.statuses)
 
     # -- flow control --------------------------------------------------------------------
 
@@ -256,8 +322,8 @@ class Store(ProducerWrites):
             name = self.table.identifier(_sql.FLOW_SUFFIX).as_string(conn)
             keys = self.table.identifier(_sql.FLOW_KEY_SUFFIX).as_string(conn)
             params = {"flow_table": name, "flow_key_table": keys}
-            row = conn.execute(self._q["flow_exists"], params).fetchone()
-            self._flow_ready = bool(row and row[0])
+            [row] = self._read(conn, ReadyRow, "flow_exists", params)
+            self._flow_ready = bool(row.ready)
         return self._flow_ready
 
     def capped(self, conn: psycopg.Connection[Any], event_types: Sequence[str]) -> frozenset[str]:
@@ -265,217 +331,10 @@ class Store(ProducerWrites):
         (empty before migration 0008)."""
         if not event_types or not self.flow_ready(conn):
             return frozenset()
-        rows = conn.execute(self._q["flow_capped"], {"types": list(event_types)}).fetchall()
-        return frozenset(str(r[0]) for r in rows)
+        rows = self._read(conn, EventTypeRow, "flow_capped", {"types": list(event_types)})
+        return frozenset(r.event_type for r in rows)
 
-    def release(self, conn: psycopg.Connection[Any], claims: Sequence[Claimed]) -> int:
-        """Give unpublished claims back: ``pending`` now, no attempt spent (invariant 12).
-
-        A claim whose fenced start has run is left alone (a publish that raised although the
-        broker got the task): its worker holds the row. Returns how many rows went back.
-        """
-        if not claims:
-            return 0
-        with conn.transaction():
-            won = self._finish(conn, [Finish(c.lease, Step.RELEASE) for c in claims])
-        return len(won.statuses)
-
-    # -- worker side: the fenced transitions, run by the completer (complete.py) ---------------
-
-    def start(
-        self,
-        conn: psycopg.Connection[Any],
-        outbox_id: int,
-        lease_version: int,
-        *,
-        lease: float,
-        max_attempts: int,
-        starter: str | None = None,
-    ) -> Message | None:
-        """The fenced start: count the attempt, extend the lease, return the message.
-
-        A claim starts once: ``None`` when the claim is stale (version superseded, row finished
-        or released) or already started by another task (a redelivery while the first run holds
-        the lease: two runs of one claim at once are refused here). ``None`` too when a claim
-        that never started finds every attempt spent, in which case the row goes ``dead``; a
-        started claim is never made dead here, the reap judges it when its lease ends.
-
-        :param starter: names this start (:func:`starter_token`; a fresh one by default). Called
-            again with the same token after its reply was lost, the start returns the row
-            without counting the attempt again.
-        """
-        started = self.completer.start(
-            conn,
-            [Lease(outbox_id, lease_version)],
-            lease=lease,
-            max_attempts=max_attempts,
-            starter=starter or starter_token(),
-            resume=starter is not None,
-        )
-        return started[0] if started else None
-
-    def start_many(
-        self,
-        conn: psycopg.Connection[Any],
-        pairs: Sequence[Lease | tuple[int, int]],
-        *,
-        lease: float,
-        max_attempts: int,
-        starter: str,
-    ) -> list[Message]:
-        """The fenced start of a batch: :meth:`start` for many leases (or ``(id, lease_version)``
-        pairs) in one statement; the started messages sorted by id (:meth:`Completer.start
-        <outbox_celery.db.completer.Completer.start>`)."""
-        leases = [Lease.of(p) for p in pairs]
-        return self.completer.start(conn, leases, lease=lease, max_attempts=max_attempts, starter=starter)
-
-    def _finish(self, conn: psycopg.Connection[Any], finishes: Sequence[Finish], **kw: Any) -> FinalizedMany:
-        """:meth:`Completer.finish <outbox_celery.db.completer.Completer.finish>` with limits that the
-        given steps do not read (retry's ``max_attempts``, defer's ``max_age``) left at zero."""
-        kw.setdefault("max_attempts", 0)
-        kw.setdefault("max_age", 0.0)
-        return self.completer.finish(conn, finishes, **kw)
-
-    def done(
-        self,
-        conn: psycopg.Connection[Any],
-        outbox_id: int,
-        lease_version: int,
-        *,
-        ordered: bool | None = None,
-        joined: bool = False,
-        grouped: bool | None = None,
-    ) -> Finalized:
-        """Fenced: ``processing`` -> ``done``; an ordered head hands its key to the next message.
-
-        Unordered rows finish in one statement and take no key lock. An ordered row's done is
-        one transaction: the key lock first (the producers' lock), then the fenced done and the
-        head's move in one statement whose snapshot follows the lock, so a producer committing
-        a message of the key meanwhile is either seen or waits (invariant 9).
-
-        :param ordered: whether the row has an ordering key, when the caller knows (the worker
-            does, from the fenced start). ``None`` takes the lock statement too (it locks
-            nothing for an unordered row).
-        :param joined: the done is the last statement of the caller's open transaction (a
-            transactional handler's, DESIGN invariant 20).
-        :param grouped: whether the row is a group's member (:attr:`Message.group_id
-            <outbox_celery.message.Message.group_id>`), when the caller knows; ``None`` runs the
-            statement that counts a member in its group (DESIGN invariant 29), which a row of no
-            group goes through too, at a little more cost.
-        """
-        done = [Finish(Lease(outbox_id, lease_version), Step.DONE, ordered=ordered, grouped=grouped)]
-        return self.completer.finish(conn, done, max_attempts=0, max_age=0.0, joined=joined).of(outbox_id)
-
-    def done_many(
-        self, conn: psycopg.Connection[Any], finished: Sequence[Lease | tuple[int, int]]
-    ) -> FinalizedMany:
-        """Fenced: many unordered leases (or ``(id, lease_version)`` pairs) ``done`` at once.
-
-        One statement and one transaction for the whole batch; each row is fenced on its own
-        version. Ordered rows are never finished here (left as they are, counted as lost): their
-        done moves the key's head under the key lock (:meth:`done`).
-        """
-        return self._finish(conn, [Finish(Lease.of(p), Step.DONE) for p in finished])
-
-    def finish_many(
-        self,
-        conn: psycopg.Connection[Any],
-        rows: Sequence[tuple[int, int, str, float, str]],
-        *,
-        max_attempts: int,
-        max_age: float,
-        notify: bool = False,
-    ) -> FinalizedMany:
-        """The fenced finalize of a batch: ``(id, lease_version, step, delay, error)`` rows, each
-        with its own :class:`~outbox_celery.db.completer.Step` (an ordered row's done is refused
-        here, as in :meth:`done_many`); see :meth:`Completer.finish
-        <outbox_celery.db.completer.Completer.finish>`."""
-        finishes = [Finish(Lease(i, v), Step(step), delay, error) for i, v, step, delay, error in rows]
-        return self._finish(conn, finishes, max_attempts=max_attempts, max_age=max_age, notify=notify)
-
-    def retry(
-        self,
-        conn: psycopg.Connection[Any],
-        outbox_id: int,
-        lease_version: int,
-        *,
-        delay: float,
-        error: str,
-        max_attempts: int,
-    ) -> Finalized:
-        """Fenced retryable failure: the new status is ``pending``, or ``dead`` at the limit."""
-        finish = Finish(Lease(outbox_id, lease_version), Step.RETRY, delay, error)
-        return self._finish(conn, [finish], max_attempts=max_attempts).of(outbox_id)
-
-    def defer(
-        self,
-        conn: psycopg.Connection[Any],
-        outbox_id: int,
-        lease_version: int,
-        *,
-        delay: float,
-        reason: str,
-        max_age: float,
-    ) -> Finalized:
-        """Fenced defer, attempt refunded: the new status is ``pending``, or ``dead`` past ``max_age``."""
-        finish = Finish(Lease(outbox_id, lease_version), Step.DEFER, delay, reason)
-        return self._finish(conn, [finish], max_age=max_age).of(outbox_id)
-
-    def rate_limited(
-        self,
-        conn: psycopg.Connection[Any],
-        outbox_id: int,
-        lease_version: int,
-        *,
-        delay: float,
-        reason: str,
-        max_age: float,
-    ) -> Finalized:
-        """Fenced RateLimited outcome (DESIGN invariant 23): as :meth:`defer`, and in the same
-        transaction the row's event type is held until ``now() + delay`` (a row with a limit
-        key holds its key only, invariant 24). Nothing is held when the lease was lost."""
-        finish = Finish(Lease(outbox_id, lease_version), Step.RATE_LIMITED, delay, reason)
-        return self._finish(conn, [finish], max_age=max_age).of(outbox_id)
-
-    def dead(
-        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, error: str
-    ) -> Finalized:
-        """Fenced: ``processing`` -> ``dead`` with ``error``."""
-        return self._finish(conn, [Finish(Lease(outbox_id, lease_version), Step.DEAD, error=error)]).of(
-            outbox_id
-        )
-
-    def record_error(
-        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, error: str
-    ) -> Finalized:
-        """Fenced: store ``error`` and leave the row (``processing``) to return through its lease."""
-        finish = Finish(Lease(outbox_id, lease_version), Step.ERROR, error=error)
-        return self._finish(conn, [finish]).of(outbox_id)
-
-    def postpone(
-        self,
-        conn: psycopg.Connection[Any],
-        outbox_id: int,
-        lease_version: int,
-        *,
-        delay: float,
-        error: str,
-    ) -> Finalized:
-        """Fenced: back to pending after ``delay`` with the attempt refunded (no handler here)."""
-        finish = Finish(Lease(outbox_id, lease_version), Step.POSTPONE, delay, error)
-        return self._finish(conn, [finish]).of(outbox_id)
-
-    def extend_lease(
-        self, conn: psycopg.Connection[Any], outbox_id: int, lease_version: int, *, seconds: float
-    ) -> bool:
-        """Fenced: ``lease_until = max(lease_until, now() + seconds)``; whether the lease held."""
-        return bool(self.completer.extend(conn, [Lease(outbox_id, lease_version)], seconds=seconds))
-
-    def extend_leases(
-        self, conn: psycopg.Connection[Any], pairs: Sequence[Lease | tuple[int, int]], *, seconds: float
-    ) -> set[int]:
-        """Fenced :meth:`extend_lease` of many leases in one statement; returns the ids extended."""
-        return self.completer.extend(conn, [Lease.of(p) for p in pairs], seconds=seconds)
+    # -- the worker's -------------------------------------------------------------------------
 
     def _message(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> Message:
         event_type, subscription = split_route(row["event_type"])
@@ -526,17 +385,15 @@ class Store(ProducerWrites):
         if self._owns_transaction(conn):
             raise RuntimeError("limit_transaction needs a transaction: this connection is in autocommit")
         ms = max(1, round(seconds * 1000))
-        row = conn.execute(self._q["transaction_limits"], {"ms": ms}).fetchone()
-        assert row is not None
-        return str(row[3])
+        [row] = self._read(conn, LimitsRow, "transaction_limits", {"ms": ms})
+        return row.isolation
 
     # -- push ----------------------------------------------------------------------------
 
     def notify_channel(self, conn: psycopg.Connection[Any]) -> str:
         """The channel :meth:`notify` signals on (``outbox_celery_<table oid>``)."""
-        row = conn.execute(self._q["notify_channel"], {"table": self._regclass(conn)}).fetchone()
-        assert row is not None
-        return str(row[0])
+        [row] = self._read(conn, ChannelRow, "notify_channel", {"table": self._regclass(conn)})
+        return row.channel
 
     def notify(self, conn: psycopg.Connection[Any], payload: str = "") -> None:
         """Signal this table's channel (:meth:`notify_channel`) with ``payload``: the push
@@ -559,5 +416,5 @@ class Store(ProducerWrites):
         entries only (DESIGN invariant 18).
         """
         params = {"event_types": list(event_types) if event_types is not None else None, "within": within}
-        row = conn.execute(self._q["next_due"], params).fetchone()
-        return None if row is None or row[0] is None else float(row[0])
+        [row] = self._read(conn, DueRow, "next_due", params)
+        return None if row.seconds is None else float(row.seconds)

@@ -6,8 +6,8 @@ forms a psycopg 3 ``AsyncConnection`` or a SQLAlchemy ``AsyncSession``/``AsyncCo
 (psycopg driver). Each is reduced here to the driver connection underneath, seen through a small
 view: its autocommit flag, its libpq transaction status, a way to run one statement and a way to
 open a transaction of our own. The statements themselves come from
-:meth:`~outbox_celery.db.store.Store.write_plan`, one plan for every kind, so validation, key locks
-and inserts cannot differ between them.
+:meth:`~outbox_celery.produce.writes.ProducerWrites.write_plan`, one plan for every kind, so
+validation, key locks and inserts cannot differ between them.
 
 SQLAlchemy and psycopg2 are optional: they are imported only when the caller passes one of their
 objects (recognized by the package its class comes from), never otherwise.
@@ -16,18 +16,17 @@ objects (recognized by the package its class comes from), never otherwise.
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
 import psycopg
-from psycopg.rows import tuple_row
 
 from ..config import TableName
-from ..db.store import Statement, WritePlan
+from ..db import rows as _rows
+from ..db.follow_ups import FOLLOW_UPS, FollowUps, Noted
 from ..errors import ProducerError
+from .writes import Statement, WritePlan
 
 __all__ = [
     "FOLLOW_UPS",
@@ -38,6 +37,7 @@ __all__ = [
     "async_view",
     "drive",
     "drive_async",
+    "note_follow_ups",
     "sync_view",
 ]
 
@@ -65,8 +65,9 @@ class _View:
 class SyncView(_View):
     """A synchronous driver connection (psycopg 3 or psycopg2)."""
 
-    def fetch(self, statement: Statement) -> list[tuple[Any, ...]]:  # pragma: no cover - abstract
-        """Run one statement in the connection's transaction; its rows as tuples."""
+    def fetch(self, statement: Statement) -> list[Any]:  # pragma: no cover - abstract
+        """Run one statement in the connection's transaction; its rows, read as it says
+        (:class:`~outbox_celery.produce.writes.Statement`)."""
         raise NotImplementedError
 
     def own_transaction(self) -> AbstractContextManager[None]:  # pragma: no cover - abstract
@@ -77,8 +78,9 @@ class SyncView(_View):
 class AsyncView(_View):
     """An asynchronous driver connection (psycopg 3 ``AsyncConnection``)."""
 
-    async def fetch(self, statement: Statement) -> list[tuple[Any, ...]]:  # pragma: no cover
-        """Run one statement in the connection's transaction; its rows as tuples."""
+    async def fetch(self, statement: Statement) -> list[Any]:  # pragma: no cover
+        """Run one statement in the connection's transaction; its rows, read as it says
+        (:class:`~outbox_celery.produce.writes.Statement`)."""
         raise NotImplementedError
 
     def own_transaction(self) -> AbstractAsyncContextManager[None]:  # pragma: no cover
@@ -92,10 +94,10 @@ class _Psycopg(SyncView):
         self.autocommit = bool(conn.autocommit)
         self.status = int(conn.info.transaction_status)
 
-    def fetch(self, statement: Statement) -> list[tuple[Any, ...]]:
-        # A cursor of our own with tuple rows: the caller's row factory (dict_row...) is theirs.
-        with self.conn.cursor(row_factory=tuple_row) as cur:
-            cur.execute(*statement)
+    def fetch(self, statement: Statement) -> list[Any]:
+        # A cursor of our own: the caller's row factory (dict_row...) is theirs.
+        with self.conn.cursor(row_factory=statement.row_factory()) as cur:
+            cur.execute(statement.query, statement.params)
             return cur.fetchall()
 
     @contextlib.contextmanager
@@ -110,15 +112,17 @@ class _Psycopg2(SyncView):
         self.autocommit = bool(conn.autocommit)
         self.status = int(conn.info.transaction_status)
 
-    def fetch(self, statement: Statement) -> list[tuple[Any, ...]]:
+    def fetch(self, statement: Statement) -> list[Any]:
         import psycopg2.extensions
 
-        query, params = statement
         # psycopg2 speaks the same %(name)s placeholders; identifiers are quoted by psycopg's
         # sql module (no connection needed for that), values stay bound parameters.
         with self.conn.cursor(cursor_factory=psycopg2.extensions.cursor) as cur:
-            cur.execute(query.as_string(None), params)
-            return [tuple(r) for r in cur.fetchall()]
+            cur.execute(statement.query.as_string(None), statement.params)
+            if statement.row is None:
+                return [tuple(r) for r in cur.fetchall()]
+            make = _rows.maker(statement.row, [column.name for column in cur.description])
+            return [make(r) for r in cur.fetchall()]
 
     @contextlib.contextmanager
     def own_transaction(self) -> Iterator[None]:
@@ -140,9 +144,9 @@ class _AsyncPsycopg(AsyncView):
         self.autocommit = bool(conn.autocommit)
         self.status = int(conn.info.transaction_status)
 
-    async def fetch(self, statement: Statement) -> list[tuple[Any, ...]]:
-        async with self.conn.cursor(row_factory=tuple_row) as cur:
-            await cur.execute(*statement)
+    async def fetch(self, statement: Statement) -> list[Any]:
+        async with self.conn.cursor(row_factory=statement.row_factory()) as cur:
+            await cur.execute(statement.query, statement.params)
             return await cur.fetchall()
 
     @contextlib.asynccontextmanager
@@ -279,44 +283,9 @@ async def drive_async(view: AsyncView, plan: WritePlan) -> list[int]:
             return ids
 
 
-#: What :class:`FollowUps` collects: table -> ids enqueued.
-Noted = dict[TableName, list[int]]
-
-
-class FollowUps:
-    """The rows enqueued on the connection of a transactional handler's open transaction.
-
-    The deliverer watches that connection while the handler runs; the producer notes the ids it
-    inserted there, per outbox table. A long transaction's follow-ups are then moved to the
-    time of its commit before its done (DESIGN invariants 18, 20). Connections nobody watches
-    (every producer outside a transactional handler) cost one dictionary lookup.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._watched: weakref.WeakKeyDictionary[Any, Noted] = weakref.WeakKeyDictionary()
-
-    @contextlib.contextmanager
-    def watch(self, conn: psycopg.Connection[Any]) -> Iterator[Noted]:
-        """Collect what is enqueued on ``conn`` inside the block: table -> ids."""
-        noted: Noted = {}
-        with self._lock:
-            self._watched[conn] = noted
-        try:
-            yield noted
-        finally:
-            with self._lock:
-                self._watched.pop(conn, None)
-
-    def note(self, view: _View, table: TableName, ids: list[int]) -> None:
-        """``ids`` were inserted into ``table`` through ``view`` (the producer calls this)."""
-        if not ids or not isinstance(view, _Psycopg):
-            return
-        with self._lock:
-            noted = self._watched.get(view.conn)
-            if noted is not None:
-                noted.setdefault(table, []).extend(ids)
-
-
-#: The process's one registry (producers and deliverers of every outbox table share it).
-FOLLOW_UPS = FollowUps()
+def note_follow_ups(view: _View, table: TableName, ids: list[int]) -> None:
+    """``ids`` were inserted into ``table`` through ``view``: noted when its connection is being
+    watched (a transactional handler's, :data:`~outbox_celery.db.follow_ups.FOLLOW_UPS`); only a
+    psycopg 3 connection ever is."""
+    if ids and isinstance(view, _Psycopg):
+        FOLLOW_UPS.note(view.conn, table, ids)

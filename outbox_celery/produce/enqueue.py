@@ -5,7 +5,7 @@ The whole point of an outbox is that the event commits with the business data or
 so every function refuses a connection in autocommit mode outside a transaction block unless
 ``allow_autocommit=True`` is passed on purpose. Every connection kind (psycopg 3, psycopg2,
 SQLAlchemy, sync or async) goes through the same validation, the same transaction check and the
-same statements (:meth:`Store.write_plan`).
+same statements (:meth:`ProducerWrites.write_plan <outbox_celery.produce.writes.ProducerWrites.write_plan>`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from typing import Any
 from .. import codec
 from .._seconds import seconds
 from ..config import TableName
-from ..db.store import Store, WritePlan
+from ..db.store import Store
 from ..errors import ProducerError, first_line
 from ..message import KEY_SEPARATOR, ROUTE_SEPARATOR
 from ..tracing import capture
-from .connections import FOLLOW_UPS, IDLE, INERROR, _View, async_view, drive, drive_async, sync_view
+from .connections import IDLE, INERROR, _View, async_view, drive, drive_async, note_follow_ups, sync_view
+from .writes import ProducerWrites, WritePlan
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -50,7 +51,7 @@ MAX_LIMIT_KEY_LENGTH = 400
 # PostgreSQL's SQLSTATE for "relation does not exist": the schema was never migrated.
 UNDEFINED_TABLE = "42P01"
 
-_stores: dict[str, Store] = {}
+_writes: dict[str, ProducerWrites] = {}
 
 # JSON writes NUL as the escape \u0000 (PostgreSQL cannot turn it into text, so a search of the
 # payload would fail on the row) and a literal backslash as \\, so only a \u0000 preceded by an
@@ -58,12 +59,13 @@ _stores: dict[str, Store] = {}
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
-def _store(table: str | TableName) -> Store:
+def _producer(table: str | TableName) -> ProducerWrites:
+    """The producer's writes of ``table``, made once per process."""
     key = str(TableName.parse(table))
-    store = _stores.get(key)
-    if store is None:
-        store = _stores[key] = Store(table)
-    return store
+    writes = _writes.get(key)
+    if writes is None:
+        writes = _writes[key] = ProducerWrites(Store(table))
+    return writes
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +225,7 @@ def _plan(
     if not rows:
         return None
     _trace(rows if group is None else [*rows, group["then"]])
-    return _store(table).write_plan(rows, notify=notify, group=group)
+    return _producer(table).write_plan(rows, notify=notify, group=group)
 
 
 def _sqlstate(exc: BaseException) -> str | None:
@@ -285,7 +287,7 @@ def _write(
             ids = drive(view, plan)
             # In a transactional handler's transaction: its follow-ups (DESIGN invariant 18);
             # a group's plan returns the group's id first, which is no outbox row.
-            FOLLOW_UPS.note(view, TableName.parse(table), ids if group is None else ids[1:])
+            note_follow_ups(view, TableName.parse(table), ids if group is None else ids[1:])
             return ids
         with view.own_transaction():
             return drive(view, plan)

@@ -1,26 +1,34 @@
-"""The producer's phase of the store: the key locks and the insert plan (invariant 9).
+"""The producer's writes: the key locks and the insert plan (invariant 9).
 
-:class:`ProducerWrites` is the part of :class:`~outbox_celery.db.store.Store` that producers use:
-the per-key locks, the write plan every kind of producer connection drives, and the table's
-identity that idempotency keys are made of. It runs the store's named queries and nothing else.
+:class:`ProducerWrites` holds the statements producers run on one outbox table: the per-key
+locks and the write plan every kind of producer connection drives. It runs the named statements
+of its table's :class:`~outbox_celery.db.store.Store` and nothing else.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql
 from psycopg.rows import tuple_row
 
-from ..config import TableName
+from ..db import rows as _rows
 from ..db import statements as _sql
+from ..db.store import Store
 from ..errors import ProducerError
-from ..message import KEY_SEPARATOR, idempotency_key
+from ..message import KEY_SEPARATOR
 
-__all__ = ["MAX_ORDERING_KEYS", "ProducerWrites", "Statement", "WritePlan"]
+__all__ = [
+    "MAX_ORDERING_KEYS",
+    "DedupRow",
+    "InsertedRow",
+    "LockedRow",
+    "ProducerWrites",
+    "Statement",
+    "WritePlan",
+]
 
 # Distinct ordering keys one producer call may lock. Each key's lock is held to commit in
 # PostgreSQL's shared lock table, whose size is max_locks_per_transaction x (max_connections +
@@ -29,20 +37,65 @@ __all__ = ["MAX_ORDERING_KEYS", "ProducerWrites", "Statement", "WritePlan"]
 # with it meanwhile. Refused before anything is written instead; split such batches.
 MAX_ORDERING_KEYS = 1000
 
-# A producer's statement and the plan that yields them (see Store.write_plan).
-Statement = tuple[sql.Composed, dict[str, Any]]
-WritePlan = Generator[Statement, list[tuple[Any, ...]], list[int]]
 
-logger = logging.getLogger("outbox_celery.db.store")
+class Statement(NamedTuple):
+    """One statement of a write plan: the query, its parameters, and the row type its rows are
+    read into by column name (:mod:`outbox_celery.db.rows`); ``None``: the plan reads none of
+    them."""
+
+    query: sql.Composed
+    params: dict[str, Any]
+    row: type[Any] | None = None
+
+    def row_factory(self) -> Any:
+        """The psycopg 3 row factory of its rows (a sync or async cursor's): its row type's, by
+        column name, else tuples."""
+        return tuple_row if self.row is None else _rows.factory(self.row)
+
+
+#: The producer's statements for some rows (see :meth:`ProducerWrites.write_plan`): it yields
+#: each statement, is sent back its rows (typed as the statement says) and returns the ids.
+WritePlan = Generator[Statement, list[Any], list[int]]
+
+
+class LockedRow(NamedTuple):
+    """The row of ``lock_keys``: the keys locked and the transaction's isolation level."""
+
+    locked: int
+    isolation: str
+
+
+class InsertedRow(NamedTuple):
+    """A row of ``insert``, ``insert_many`` and ``group_insert``: one row written (its own or a
+    subscription's, invariant 28), or a group's row (``group_insert``, invariant 29)."""
+
+    id: int | None
+    dedup_key: str | None
+    woke: bool | None
+    ordering_key: str | None
+    #: The row whose payload a subscription's row reads; ``None`` on an event's own row.
+    payload_of: int | None
+    #: ``group_insert``'s group row only: the group's id and its member rows inserted.
+    group_id: int | None = None
+    total: int | None = None
+
+
+class DedupRow(NamedTuple):
+    """A row of ``dedup_ids``: the row holding a dedup key."""
+
+    id: int
+    dedup_key: str
 
 
 class ProducerWrites:
-    """The producer's statements of a :class:`~outbox_celery.db.store.Store` (its base class)."""
+    """The producer's statements of one outbox table.
 
-    table: TableName
-    _q: Mapping[str, sql.Composed]
-    _canonical: str | None
-    _instance: str | None
+    :param store: the table's :class:`~outbox_celery.db.store.Store`, whose named statements
+        these are.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
 
     def lock_keys(self, conn: psycopg.Connection[Any], keys: Iterable[str]) -> None:
         """Take the per-key producer locks, all in one statement (sorted: no deadlocks).
@@ -50,11 +103,12 @@ class ProducerWrites:
         :raises ProducerError: the transaction is not ``READ COMMITTED`` (see
             :meth:`_check_isolation`). Refused before anything is written.
         """
-        params = {"table": self._regclass(conn), "keys": list(keys)}
-        self._check_isolation(conn.execute(self._q["lock_keys"], params).fetchall())
+        params = {"table": self.store._regclass(conn), "keys": list(keys)}
+        with conn.cursor(row_factory=_rows.factory(LockedRow)) as cur:
+            self._check_isolation(cur.execute(self.store._q["lock_keys"], params).fetchall())
 
     @staticmethod
-    def _check_isolation(locked: Sequence[Sequence[Any]]) -> None:
+    def _check_isolation(locked: Sequence[LockedRow]) -> None:
         """Refuse ordered events outside ``READ COMMITTED`` (``locked``: lock_keys' rows).
 
         The insert that follows the key locks decides whether the new row is its key's head from
@@ -62,7 +116,7 @@ class ProducerWrites:
         lock, so it could miss a message of the key committed meanwhile (two heads) or a head
         finished meanwhile (a key with none).
         """
-        level = locked[0][1] if locked else "read committed"
+        level = locked[0].isolation if locked else "read committed"
         if level != "read committed":
             raise ProducerError(
                 f"ordered events need a READ COMMITTED transaction, this one is {level}: the "
@@ -70,58 +124,6 @@ class ProducerWrites:
                 "earlier cannot see (DESIGN invariant 9); enqueue unordered events or use "
                 "read committed for this transaction"
             )
-
-    def _regclass(self, conn: psycopg.Connection[Any] | None) -> str:
-        # The quoted name, resolved to the table's oid in SQL: lock names then do not depend on
-        # how the table was spelled ("outbox" or "public.outbox").
-        return self.table.identifier().as_string(conn)
-
-    def canonical_name(self, conn: psycopg.Connection[Any]) -> str:
-        """``schema.name`` of the table as PostgreSQL resolves it, e.g. ``public.outbox``.
-
-        The base of every idempotency key (``public.outbox:42``): however the table was
-        spelled (``outbox``, ``public.outbox``), one message has one key. Resolved once per
-        Store, then cached.
-        """
-        if self._canonical is None:
-            row = conn.execute(self._q["canonical_name"], {"table": self._regclass(conn)}).fetchone()
-            assert row is not None
-            self._canonical = f"{row[0]}.{row[1]}"
-        return self._canonical
-
-    def instance(self, conn: psycopg.Connection[Any]) -> str | None:
-        """The table's identity (a UUID drawn once by migration 0006), or ``None`` before it.
-
-        The discriminator of idempotency keys: two databases or clusters with an outbox
-        of the same name never send the same key. Read once per Store, then cached; a table not
-        migrated to 0006 yet gives ``None`` (keys of the previous form, logged) until the
-        process restarts.
-        """
-        if self._instance is None:
-            name = self.table.identifier(_sql.INSTANCE_SUFFIX).as_string(conn)
-            found = conn.execute(self._q["instance"], {"instance_table": name}).fetchone()
-            state = str(found[0]) if found else "missing"
-            self._instance = ""
-            if state == "ok":
-                row = conn.execute(self._q["instance_id"]).fetchone()
-                self._instance = str(row[0]) if row else ""
-            if not self._instance:
-                why = {
-                    "missing": "migration 0006 not applied",
-                    "denied": f"this role may not read it: GRANT SELECT ON {name} to the workers' role",
-                }.get(state, "its row is missing")
-                logger.error(
-                    "outbox table %s has no readable identity (%s): idempotency keys keep the "
-                    "previous form until this is fixed and workers restart",
-                    self.table.qualified,
-                    why,
-                    extra={"outbox_table": self.table.qualified},
-                )
-        return self._instance or None
-
-    def key_prefix(self, conn: psycopg.Connection[Any]) -> str:
-        """What every idempotency key of this table starts with (``<instance>/public.outbox:``)."""
-        return idempotency_key(self.canonical_name(conn), 0, self.instance(conn))[:-1]
 
     def insert(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> int:
         """Insert one validated row in the caller's transaction (no key lock)."""
@@ -133,10 +135,11 @@ class ProducerWrites:
 
     @staticmethod
     def _run(conn: psycopg.Connection[Any], plan: WritePlan) -> list[int]:
+        """Run a plan's statements on a psycopg connection, each read as its statement says."""
         statement = next(plan)
         while True:
-            with conn.cursor(row_factory=tuple_row) as cur:
-                rows = cur.execute(*statement).fetchall()
+            with conn.cursor(row_factory=statement.row_factory()) as cur:
+                rows = cur.execute(statement.query, statement.params).fetchall()
             try:
                 statement = plan.send(rows)
             except StopIteration as done:
@@ -195,50 +198,48 @@ class ProducerWrites:
                 f"split the events into transactions of at most {MAX_ORDERING_KEYS} keys each"
             )
         if keys and lock:
-            locked = yield self._q["lock_keys"], {"table": self._regclass(None), "keys": keys}
-            self._check_isolation(locked)
-        wake = {"notify": notify, "table": self._regclass(None)}
+            lock_params = {"table": self.store._regclass(None), "keys": keys}
+            self._check_isolation((yield Statement(self.store._q["lock_keys"], lock_params, LockedRow)))
+        wake = {"notify": notify, "table": self.store._regclass(None)}
         group_id: int | None = None
         if group is not None:
-            got = yield (
-                self._q["group_insert"],
-                {**self._many_params(rows), **wake, **self._group_params(group)},
-            )
-            # (id, dedup_key, woke, ordering_key, payload_of, group_id, total): the group's row
-            # first (group_id set), then the members' rows as insert_many returns them.
-            [head] = [r for r in got if r[5] is not None]
-            group_id, total = int(head[5]), int(head[6])
-            inserted = [r[:5] for r in got if r[5] is None]
+            params = {**self._many_params(rows), **wake, **self._group_params(group)}
+            got: list[InsertedRow] = yield Statement(self.store._q["group_insert"], params, InsertedRow)
+            # The group's row (group_id set), then the members' rows as insert_many returns them.
+            [head] = [r for r in got if r.group_id is not None]
+            group_id, total = int(head.group_id or 0), int(head.total or 0)
+            inserted = [r for r in got if r.group_id is None]
             if total == 0:
-                yield self._q["group_fire_empty"], {"group_id": group_id, "table": wake["table"]}
+                empty = {"group_id": group_id, "table": wake["table"]}
+                yield Statement(self.store._q["group_fire_empty"], empty)
         elif len(rows) == 1:
             params = {"dedup_key": None, "trace_context": None, "limit_key": None, **rows[0], **wake}
-            inserted = yield self._q["insert"], params
+            inserted = yield Statement(self.store._q["insert"], params, InsertedRow)
         else:
-            inserted = yield self._q["insert_many"], {**self._many_params(rows), **wake}
+            params = {**self._many_params(rows), **wake}
+            inserted = yield Statement(self.store._q["insert_many"], params, InsertedRow)
         ids = yield from self._answer(rows, inserted, lock=lock)
         return ids if group_id is None else [group_id, *ids]
 
     def _answer(
-        self, rows: Sequence[dict[str, Any]], inserted: list[tuple[Any, ...]], *, lock: bool
+        self, rows: Sequence[dict[str, Any]], inserted: Sequence[InsertedRow], *, lock: bool
     ) -> WritePlan:
         """The write plan's tail: the ids of ``rows`` in input order from what the insert
         returned, a taken dedup key answered by the row holding it, and the heads of keys whose
         first row was dropped as a duplicate settled (invariant 9)."""
-        # The insert returns (id, dedup_key, woke, ordering_key, payload_of) for every row it
-        # wrote: each event's own row (payload_of NULL) and its other subscriptions' rows
-        # (invariant 28), which answer nothing here. Identity values are drawn in input order
-        # (ORDER BY n), so sorting the ids of the events' rows without a dedup key restores
-        # their input order.
-        owners = [r for r in inserted if r[4] is None]
-        plain = iter(sorted(int(i) for i, k, *_ in owners if k is None))
-        by_key = {k: int(i) for i, k, *_ in owners if k is not None}
+        # The insert returns every row it wrote: each event's own row (payload_of NULL) and its
+        # other subscriptions' rows (invariant 28), which answer nothing here. Identity values
+        # are drawn in input order (ORDER BY n), so sorting the ids of the events' rows without
+        # a dedup key restores their input order.
+        owners = [r for r in inserted if r.payload_of is None]
+        plain = iter(sorted(int(r.id or 0) for r in owners if r.dedup_key is None))
+        by_key = {r.dedup_key: int(r.id or 0) for r in owners if r.dedup_key is not None}
         missing = sorted({k for r in rows if (k := r.get("dedup_key")) is not None} - by_key.keys())
         if missing:
             # Taken before (or by a concurrent producer that committed while we waited on its
             # row): the row that holds the key answers, and nothing new was written for it.
-            found = yield self._q["dedup_ids"], {"keys": missing}
-            by_key.update({k: int(i) for i, k in found})
+            found: list[DedupRow] = yield Statement(self.store._q["dedup_ids"], {"keys": missing}, DedupRow)
+            by_key.update({r.dedup_key: int(r.id) for r in found})
         if lock and len(owners) < len(rows):
             # Some rows were dropped as duplicates: a dedup key taken before, or one shared by
             # two rows of this batch (the later one is dropped). A dropped row may have been
@@ -252,10 +253,12 @@ class ProducerWrites:
             unsettled = {k for k, r in first.items() if r.get("dedup_key") is not None}
             # A subscription's rows carry its own key ("<key>" chr(31) route, invariant 28).
             stored = {
-                o[3] for o in inserted if o[3] is not None and o[3].partition(KEY_SEPARATOR)[0] in unsettled
+                r.ordering_key
+                for r in inserted
+                if r.ordering_key is not None and r.ordering_key.partition(KEY_SEPARATOR)[0] in unsettled
             }
             if unsettled:
-                yield self._q["settle_heads"], {"keys": sorted(unsettled | stored)}
+                yield Statement(self.store._q["settle_heads"], {"keys": sorted(unsettled | stored)})
         gone = sorted({r["dedup_key"] for r in rows if r.get("dedup_key") is not None} - by_key.keys())
         if gone:
             # Only a purge between our insert and the lookup (or a REPEATABLE READ snapshot that
@@ -268,7 +271,7 @@ class ProducerWrites:
         """The parameters of ``group_insert`` beyond the members': the callback and its rule."""
         then = group["then"]
         return {
-            "group_table": self.table.identifier(_sql.GROUP_SUFFIX).as_string(None),
+            "group_table": self.store.table.identifier(_sql.GROUP_SUFFIX).as_string(None),
             "skip_on_dead": bool(group["skip_on_dead"]),
             "then_event_type": then["event_type"],
             "then_aggregate_type": then["aggregate_type"],

@@ -122,5 +122,5 @@ class BatchRun:
         ordered done under its key lock, a RateLimited item's hold, in the same transaction)."""
         finishes = [verdicts[m.id].finish(m) for m in msgs]
         # Wake the claim: a batch's leases ended at once, room under the bound.
-        won = self.fence.finish("finish_many", finishes, notify=self.config.listen)
+        won = self.fence.finish(finishes, notify=self.config.listen)
         return {m.id: outcome_of(verdicts[m.id], won.of(m.id)) for m in msgs}

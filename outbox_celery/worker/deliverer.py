@@ -181,7 +181,7 @@ class Deliverer:
         delay = self.config.unroutable_delay
         why = f"unroutable: no handler for event type {route!r} in this worker"
         verdict = Verdict(Outcome.UNROUTABLE, delay=delay, error=why)
-        won = self.fence.finish("postpone", [verdict.finish(m) for m in msgs])
+        won = self.fence.finish([verdict.finish(m) for m in msgs])
         logger.warning(
             "outbox id %s: no handler for %r here; %s row(s) postponed %.0fs",
             msgs[0].id,
@@ -272,7 +272,7 @@ class Deliverer:
         except BaseException as exc:
             verdict = classify(exc, msg.attempts, self.retry)
             if verdict is None:
-                self.fence.finish("record_error", [Verdict(Outcome.ERROR, error=error_text(exc)).finish(msg)])
+                self.fence.finish([Verdict(Outcome.ERROR, error=error_text(exc)).finish(msg)])
                 logger.error(
                     "outbox id %s handler raised %s; row returns after its lease",
                     msg.id,
@@ -285,7 +285,7 @@ class Deliverer:
 
     def _finish(self, verdict: Verdict, msg: Message) -> Outcome:
         """The verdict's fenced write; :attr:`Outcome.LOST_LEASE` when another claim won."""
-        won = self.fence.finish(str(verdict.outcome), [verdict.finish(msg)])
+        won = self.fence.finish([verdict.finish(msg)])
         return outcome_of(verdict, won.of(msg.id))
 
     def _hand_back(self, msgs: list[Message], log: dict[str, Any]) -> dict[int, Outcome]:
@@ -293,7 +293,7 @@ class Deliverer:
         finishes = [
             Finish(Lease(m.id, m.lease_version), Step.HAND_BACK, grouped=m.group_id is not None) for m in msgs
         ]
-        won = self.fence.finish("hand_back", finishes, notify=self.config.listen)
+        won = self.fence.finish(finishes, notify=self.config.listen)
         logger.info(
             "outbox pack of %s: %s row(s) handed back unrun (past %.0f%% of the lease)",
             msgs[0].route,
@@ -314,4 +314,4 @@ class Deliverer:
         return True
 
     def _write_done_batch(self, finished: list[Lease]) -> FinalizedMany:
-        return self.fence.finish("done_many", [Finish(x, Step.DONE, grouped=False) for x in finished])
+        return self.fence.finish([Finish(x, Step.DONE, grouped=False) for x in finished])

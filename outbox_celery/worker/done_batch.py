@@ -2,7 +2,7 @@
 
 A handled unordered message's ``done`` waits up to ``done_batch_delay`` in its worker process,
 then goes out with the others of that window in one fenced statement
-(:meth:`~outbox_celery.db.store.Store.done_many`): one round trip and one commit for many rows
+(the completer's ``finish`` with a ``done`` per row): one round trip and one commit for many rows
 instead of one each.
 
 The crash window, and why it keeps invariants 4 and 10 (docs/design.md, "Batched done"): the

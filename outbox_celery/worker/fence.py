@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 import psycopg
 
+from .. import outcomes
 from ..backoff import Backoff
 from ..config import OutboxConfig
 from ..db.completer import FinalizedMany, Finish, Lease, Step
@@ -77,7 +78,6 @@ class FencedWrites:
 
     def finish(
         self,
-        op: str,
         finishes: Sequence[Finish],
         *,
         notify: bool = False,
@@ -87,7 +87,8 @@ class FencedWrites:
 
         On its own connection, retried once when the server broke it; with ``conn`` as the last
         statements of that connection's open transaction (a transactional handler's, invariant
-        20), which commits or rolls back as a whole.
+        20), which commits or rolls back as a whole. The logs name the write after its steps
+        (:func:`outcomes.operation <outbox_celery.outcomes.operation>`).
         """
         cfg = self.config
 
@@ -103,7 +104,7 @@ class FencedWrites:
 
         if conn is not None:
             return write(conn)
-        return self._write(op, finishes[0].lease, write)
+        return self._write(outcomes.operation(f.step for f in finishes), finishes[0].lease, write)
 
     def extend(self, leases: Sequence[Lease], seconds: float) -> bool:
         """The lease heartbeat of a delivery or a batch: true while any row of it holds its lease."""
@@ -127,7 +128,7 @@ class FencedWrites:
         error = f"{PRE_HANDLER_FAILURE}: {error_text(exc)}"[:4000]
         retry = [Finish(x, Step.RETRY, self._backoff.delay(1), error) for x in leases]
         try:
-            self.finish("finish_retry", retry)
+            self.finish(retry)
         except Exception:
             logger.exception("outbox: could not record the failure before the handler", extra=log)
         logger.error(

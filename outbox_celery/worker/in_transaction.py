@@ -15,11 +15,11 @@ from psycopg import pq
 from ..backoff import RetryPolicy
 from ..config import OutboxConfig
 from ..db.completer import Lease
+from ..db.follow_ups import FOLLOW_UPS, Noted
 from ..db.store import Store
 from ..errors import ConfigurationError, RetryableError
 from ..handlers import HandlerSpec
 from ..message import Message, Outcome
-from ..produce.connections import FOLLOW_UPS, Noted
 from ..tracing import handler_span
 from ..transactional import NOTHING_COMMITTED, TransactionKind, TransactionRolledBack
 from .fence import FencedWrites
@@ -177,7 +177,7 @@ class TransactionalRun:
                 # marks, at its start; they move to its commit (invariant 18).
                 self._follow_ups_at_commit(conn, follow_ups)
             done = Verdict(Outcome.DONE).finish(msg)
-            if not self.fence.finish("finish_done", [done], conn=conn).of(msg.id).applied:
+            if not self.fence.finish([done], conn=conn).of(msg.id).applied:
                 raise _Superseded
             progress.done = True
 
@@ -196,7 +196,7 @@ class TransactionalRun:
         verdict = classify(exc, msg.attempts, self._retry())
         if verdict is None:
             error = Verdict(Outcome.ERROR, error=error_text(exc))
-            self.fence.finish("record_error", [error.finish(msg)])
+            self.fence.finish([error.finish(msg)])
             logger.error(
                 "outbox id %s transactional handler raised %s; rolled back, row returns after its lease",
                 msg.id,
@@ -207,7 +207,7 @@ class TransactionalRun:
         return self._finish(verdict, msg)
 
     def _finish(self, verdict: Verdict, msg: Message) -> Outcome:
-        won = self.fence.finish(str(verdict.outcome), [verdict.finish(msg)])
+        won = self.fence.finish([verdict.finish(msg)])
         return outcome_of(verdict, won.of(msg.id))
 
     @staticmethod

@@ -12,9 +12,10 @@ import traceback
 from dataclasses import dataclass
 
 from ..backoff import RetryPolicy
-from ..db.completer import Finalized, Finish, Lease, Step
+from ..db.completer import Finalized, Finish, Lease
 from ..errors import Defer, PermanentError, RateLimited, RetryableError
-from ..message import Message, Outcome, Status
+from ..message import Message, Status
+from ..outcomes import Outcome, step_of
 
 __all__ = ["Verdict", "classify", "error_text", "ms_since", "outcome_of"]
 
@@ -47,24 +48,12 @@ class Verdict:
         version = msg.lease_version if lease_version is None else lease_version
         return Finish(
             Lease(msg.id, version),
-            _STEPS[self.outcome],
+            step_of(self.outcome),
             self.delay,
             self.error,
             ordered=msg.ordering_key is not None,
             grouped=msg.group_id is not None,
         )
-
-
-# What the completer writes for each verdict's outcome.
-_STEPS = {
-    Outcome.DONE: Step.DONE,
-    Outcome.RETRY: Step.RETRY,
-    Outcome.DEFER: Step.DEFER,
-    Outcome.RATE_LIMITED: Step.RATE_LIMITED,
-    Outcome.DEAD: Step.DEAD,
-    Outcome.ERROR: Step.ERROR,
-    Outcome.UNROUTABLE: Step.POSTPONE,
-}
 
 
 def outcome_of(verdict: Verdict, result: Finalized) -> Outcome:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from psycopg import sql
+from support import steps
 from support.db import calls, statuses
 
 from acceptance.conftest import Harness, HarnessFactory
@@ -110,7 +111,7 @@ def test_invariant_21_a_stale_pair_is_dropped_from_its_batch(
     # back, and once that delay (one lease) passed, claims it again at version 2.
     with outbox.connection() as conn:
         for i in (b, c):
-            assert outbox.store.extend_lease(conn, i, 1, seconds=120)
+            assert steps.extend_lease(outbox.store, conn, i, 1, seconds=120)
     harness.wait(lambda: outbox.claim().lost == 1, timeout=20, what="a's lease to run out")
     harness.wait(lambda: outbox.claim().published == 1, timeout=20, what="a to be claimed again")
     assert {r["id"]: r["lease_version"] for r in harness.rows()} == {a: 2, b: 1, c: 1}

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 
 import pytest
+from support import steps
 from support.db import calls, signals
 
 from acceptance.conftest import Harness, HarnessFactory
@@ -82,11 +83,11 @@ def test_a_stale_delivery_task_does_not_call_the_handler(harness: Harness) -> No
     outbox = harness.outbox
     store = outbox.store
     with outbox.connection() as c:
-        [first] = store.claim(c, limit=1, lease=60, owner="test", max_attempts=5).claimed
+        [first] = steps.claim(store, c, limit=1, lease=60, owner="test", max_attempts=5).claimed
         # Its task never went out (invariant 12): released, then claimed again by a later run.
-        assert store.release(c, [first]) == 1
+        assert steps.release(store, c, [first]) == 1
     with outbox.connection() as c:
-        [second] = store.claim(c, limit=1, lease=60, owner="test", max_attempts=5).claimed
+        [second] = steps.claim(store, c, limit=1, lease=60, owner="test", max_attempts=5).claimed
     assert (first.id, first.lease_version, second.lease_version) == (i, 1, 2)
     worker = harness.worker(concurrency=1)
 

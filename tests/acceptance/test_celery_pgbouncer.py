@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
+from support import steps
 from support.db import calls, statuses
 from support.pgbouncer import pgbouncer
 
@@ -66,12 +67,12 @@ def test_store_claim_start_and_finalize_through_pgbouncer(
     ids = _enqueue(bounced, 20)
     store = Store("outbox")
     with psycopg.connect(bounced, autocommit=True, prepare_threshold=None) as conn:
-        claimed = store.claim(conn, limit=20, lease=30.0, owner="t", max_attempts=5).claimed
+        claimed = steps.claim(store, conn, limit=20, lease=30.0, owner="t", max_attempts=5).claimed
         assert sorted(c.id for c in claimed) == ids
         for c in claimed:
-            msg = store.start(conn, c.id, c.lease_version, lease=30.0, max_attempts=5)
+            msg = steps.start(store, conn, c.id, c.lease_version, lease=30.0, max_attempts=5)
             assert msg is not None and msg.attempts == 1
-            assert store.done(conn, c.id, c.lease_version)
+            assert steps.done(store, conn, c.id, c.lease_version)
         assert store.get_stats().get("lost_leases", 0) == 0
     with psycopg.connect(migrated_dsn) as direct:
         assert statuses(direct, "outbox") == {"done": 20}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from support import steps
 from support.db import calls, row
 
 from acceptance.conftest import HarnessFactory
@@ -32,7 +33,7 @@ def test_a_pool_connection_the_server_closed_is_not_handed_to_a_delivery(
     h.configure(lease=30.0)
     ids = h.enqueue(3)
     outbox = h.outbox
-    claimed = outbox.store.claim(h.conn, limit=3, lease=30.0, owner="test", max_attempts=5).claimed
+    claimed = steps.claim(outbox.store, h.conn, limit=3, lease=30.0, owner="test", max_attempts=5).claimed
     assert [c.id for c in claimed] == ids
     first, *rest = claimed
     assert outbox.deliver(first.id, first.lease_version) == "done"  # the pool is open and used

@@ -22,6 +22,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
+from support import steps
 
 from outbox_celery import Event, Store, TableName, enqueue_many
 from outbox_celery.db.migrations import available
@@ -123,17 +124,17 @@ def status_of(conn: psycopg.Connection[Any], table: str, outbox_id: int) -> dict
 
 def kill(store: Store, conn: psycopg.Connection[Any], outbox_id: int, error: str) -> None:
     """Claim, start and dead-finalize ``outbox_id`` the way a worker would."""
-    result = store.claim(conn, limit=100, lease=60, owner="test", max_attempts=5)
+    result = steps.claim(store, conn, limit=100, lease=60, owner="test", max_attempts=5)
     mine = [c for c in result.claimed if c.id == outbox_id]
-    store.release(conn, [c for c in result.claimed if c.id != outbox_id])
+    steps.release(store, conn, [c for c in result.claimed if c.id != outbox_id])
     assert mine, f"{outbox_id} was not claimable"
     [c] = mine
-    assert store.start(conn, c.id, c.lease_version, lease=60, max_attempts=5) is not None
-    assert store.dead(conn, c.id, c.lease_version, error=error)
+    assert steps.start(store, conn, c.id, c.lease_version, lease=60, max_attempts=5) is not None
+    assert steps.dead(store, conn, c.id, c.lease_version, error=error)
 
 
 def claim(store: Store, conn: psycopg.Connection[Any]) -> list[int]:
-    return [c.id for c in store.claim(conn, limit=100, lease=60, owner="test", max_attempts=5).claimed]
+    return [c.id for c in steps.claim(store, conn, limit=100, lease=60, owner="test", max_attempts=5).claimed]
 
 
 # -- migrate -----------------------------------------------------------------------------------
@@ -452,11 +453,11 @@ def test_requeue_of_an_ordered_dead_head_lets_its_key_move_again(
         "previous error: PermanentError: downstream said 500"
     )
 
-    result = store.claim(conn, limit=100, lease=60, owner="test", max_attempts=5)
+    result = steps.claim(store, conn, limit=100, lease=60, owner="test", max_attempts=5)
     assert [c.id for c in result.claimed] == [key[0]]
     [c] = result.claimed
-    assert store.start(conn, c.id, c.lease_version, lease=60, max_attempts=5) is not None
-    assert store.done(conn, c.id, c.lease_version)
+    assert steps.start(store, conn, c.id, c.lease_version, lease=60, max_attempts=5) is not None
+    assert steps.done(store, conn, c.id, c.lease_version)
     assert claim(store, conn) == [key[1]]
 
 

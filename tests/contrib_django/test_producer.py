@@ -8,6 +8,7 @@ import psycopg
 import pytest
 from django.db import IntegrityError, transaction
 from django.test.utils import override_settings
+from support import steps
 
 from outbox_celery import Event, ProducerError, migrate
 from outbox_celery.contrib.django import enqueue, enqueue_group, enqueue_many
@@ -189,11 +190,11 @@ def test_invariant_27_djangos_enqueue_hands_over_what_was_enqueued(django_db: st
     assert shown[ids[3]] == "1" and list(shown[ids[0]]) == ["b", "a"]
     store = Store("outbox")
     with psycopg.connect(django_db, autocommit=True) as c:
-        claimed = store.claim(c, limit=20, lease=60, owner="w", max_attempts=5).claimed
+        claimed = steps.claim(store, c, limit=20, lease=60, owner="w", max_attempts=5).claimed
         got = {
             m.id: m.payload
-            for m in store.start_many(
-                c, [(x.id, x.lease_version) for x in claimed], lease=60, max_attempts=5, starter="t"
+            for m in steps.start_many(
+                store, c, [(x.id, x.lease_version) for x in claimed], lease=60, max_attempts=5, starter="t"
             )
         }
     for outbox_id, value in zip(ids, sent + sent, strict=True):

@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from django.db import connection, connections
 from psycopg_pool import ConnectionPool
+from support import steps
 
 from outbox_celery import Message, OutboxConfig, RetryableError, Store, enqueue
 from outbox_celery.handlers import HandlerSpec
@@ -64,8 +65,8 @@ def test_invariant_20_django_orm_writes_follow_up_and_done_commit_together(
         with c.transaction():
             i = enqueue(c, event_type=EVENT, payload={}, aggregate_type="order", aggregate_id="1")
         for expected in (Outcome.RETRY, Outcome.DONE):
-            [claim] = store.claim(
-                c, limit=1, lease=60.0, owner="w", max_attempts=5, event_types=[EVENT]
+            [claim] = steps.claim(
+                store, c, limit=1, lease=60.0, owner="w", max_attempts=5, event_types=[EVENT]
             ).claimed
             assert dispatcher.deliver(i, claim.lease_version) == expected
             if expected is Outcome.RETRY:
@@ -80,7 +81,7 @@ def test_invariant_20_django_orm_writes_follow_up_and_done_commit_together(
 
 def _claim(dsn: str, outbox_id: int) -> int:
     with psycopg.connect(dsn, autocommit=True) as c:
-        claimed = Store().claim(c, limit=1, lease=60.0, owner="w", max_attempts=5, event_types=[EVENT])
+        claimed = steps.claim(Store(), c, limit=1, lease=60.0, owner="w", max_attempts=5, event_types=[EVENT])
         [claim] = claimed.claimed
         assert claim.id == outbox_id
         return claim.lease_version

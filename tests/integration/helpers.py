@@ -9,10 +9,11 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
+from support import steps
 
 from outbox_celery import Event, Store, TableName, enqueue_many
+from outbox_celery.claim.executor import Claimed, ClaimResult, ScanMarks
 from outbox_celery.claim.units import publish_units
-from outbox_celery.db.store import Claimed, ClaimResult, ScanMarks
 from outbox_celery.flow import Limit
 from outbox_celery.testing import InProcess
 
@@ -102,7 +103,7 @@ def claim_ids(
     owner: str = "test",
 ) -> list[int]:
     """Ids of one claim, in the order the claim returned them."""
-    result = store.claim(conn, limit=limit, lease=lease, owner=owner, max_attempts=max_attempts)
+    result = steps.claim(store, conn, limit=limit, lease=lease, owner=owner, max_attempts=max_attempts)
     return [c.id for c in result.claimed]
 
 
@@ -132,13 +133,15 @@ def claim_together(
             s = Store(table)
             for _ in range(rounds):
                 barrier.wait(10)
-                got = s.claim(c, limit=50, lease=LONG, owner="t", max_attempts=5, limits=limits).claimed
+                got = steps.claim(
+                    s, c, limit=50, lease=LONG, owner="t", max_attempts=5, limits=limits
+                ).claimed
                 barrier.wait(10)
                 with lock:
                     seen.append(observe(c))
                 barrier.wait(10)
                 for g in got:
-                    assert s.done(c, g.id, g.lease_version)
+                    assert steps.done(s, c, g.id, g.lease_version)
         except BaseException as exc:  # pragma: no cover - surfaced below
             errors.append(exc)
             barrier.abort()
@@ -163,8 +166,8 @@ def claim(
     lease: float = LONG,
 ) -> ClaimResult:
     """One claim run as the flow-control tests make it (owner ``test``, 5 attempts)."""
-    return store.claim(
-        conn, limit=limit, lease=lease, owner="test", max_attempts=5, limits=limits, marks=marks
+    return steps.claim(
+        store, conn, limit=limit, lease=lease, owner="test", max_attempts=5, limits=limits, marks=marks
     )
 
 

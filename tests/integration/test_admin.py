@@ -10,10 +10,12 @@ import psycopg
 import pytest
 from celery import Celery
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Store, TableName, ops
 from outbox_celery.app.outbox import Outbox
 from outbox_celery.ops import _queries
+from outbox_celery.produce.writes import ProducerWrites
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, claim_ids, count, fetch, fetch_all, stable
 
@@ -31,20 +33,22 @@ def _kill(
 ) -> None:
     """Take ``outbox_id`` through a real claim, start and dead finalize."""
     row = fetch(conn, store.table.qualified, outbox_id)
-    result = store.claim(
-        conn, limit=50, lease=LONG, owner="t", max_attempts=5, event_types=[row["event_type"]]
+    result = steps.claim(
+        store, conn, limit=50, lease=LONG, owner="t", max_attempts=5, event_types=[row["event_type"]]
     )
     claimed = {c.id: c for c in result.claimed}
     assert outbox_id in claimed, f"{outbox_id} was not claimable"
     others = [c for c in result.claimed if c.id != outbox_id]
-    store.release(conn, others)
+    steps.release(store, conn, others)
     c = claimed[outbox_id]
-    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
-    assert store.dead(conn, c.id, c.lease_version, error=error)
+    assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert steps.dead(store, conn, c.id, c.lease_version, error=error)
 
 
 def _claim_of(store: Store, conn: psycopg.Connection[Any], event_type: str, lease: float) -> int:
-    result = store.claim(conn, limit=1, lease=lease, owner="t", max_attempts=5, event_types=[event_type])
+    result = steps.claim(
+        store, conn, limit=1, lease=lease, owner="t", max_attempts=5, event_types=[event_type]
+    )
     assert len(result.claimed) == 1
     return result.claimed[0].id
 
@@ -253,7 +257,7 @@ def test_requeue_resets_attempts_keeps_the_error_and_the_fencing_token(
         "previous error: PermanentError: 500 from billing"
     )
     # Claimable again, with a newer fencing token than any earlier claim.
-    [c] = store.claim(conn, limit=5, lease=LONG, owner="t", max_attempts=5).claimed
+    [c] = steps.claim(store, conn, limit=5, lease=LONG, owner="t", max_attempts=5).claimed
     assert (c.id, c.lease_version) == (i, before["lease_version"] + 1)
 
 
@@ -451,9 +455,9 @@ def test_invariant_10_requeue_and_skip_take_expired_processing_rows_and_refuse_l
     # processing with an expired lease and no worker. The operator can move it; a live lease,
     # which a worker may be running, is refused with one line and nothing changes.
     [lost, skipped, live] = add(conn, 3, table=table)
-    expired = store.claim(conn, limit=2, lease=SHORT, owner="t", max_attempts=5).claimed
+    expired = steps.claim(store, conn, limit=2, lease=SHORT, owner="t", max_attempts=5).claimed
     assert [c.id for c in expired] == [lost, skipped]
-    [held] = store.claim(conn, limit=1, lease=LONG, owner="t", max_attempts=5).claimed
+    [held] = steps.claim(store, conn, limit=1, lease=LONG, owner="t", max_attempts=5).claimed
     assert held.id == live
     time.sleep(PAST_SHORT)
     before = [stable(r) for r in fetch_all(conn, table)]
@@ -479,7 +483,7 @@ def test_invariant_10_requeue_and_skip_take_expired_processing_rows_and_refuse_l
     assert row["last_error"] == "skipped by operator: obsolete (was processing, attempts 0)"
     # The lost tasks, should they still arrive, are stale.
     for c in expired:
-        assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is None
+        assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is None
     assert claim_ids(store, conn) == [lost]
 
 
@@ -524,7 +528,7 @@ def test_invariant_9_keys_left_without_a_head_are_counted_and_repaired_while_pro
     # waits for it, and then sees its message (flagged or not, the key gets one head only).
     producer = connect()
     with producer.transaction():
-        store.lock_keys(producer, ["old-insert"])
+        ProducerWrites(store).lock_keys(producer, ["old-insert"])
         repaired: list[list[str]] = []
         repair = threading.Thread(target=lambda: repaired.append(ops.repair_heads(connect(), table)))
         repair.start()

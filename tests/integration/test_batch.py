@@ -17,10 +17,12 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg_pool import ConnectionPool
+from support import steps
 
 from outbox_celery import Message, OutboxConfig, Store, TableName, ops
+from outbox_celery.claim.executor import Claimed, ClaimResult, ScanMarks
 from outbox_celery.claim.units import publish_units
-from outbox_celery.db.store import Claimed, ClaimResult, ScanMarks
+from outbox_celery.db.completer import Finish, Lease, Step
 from outbox_celery.errors import Defer, PermanentError, RateLimited, RetryableError
 from outbox_celery.handlers import HandlerSpec
 from outbox_celery.testing import InProcess
@@ -31,7 +33,7 @@ EVENT = "metrics.sample"
 
 
 def _claim(conn: psycopg.Connection[Any], store: Store, n: int) -> list[Claimed]:
-    return store.claim(conn, limit=n, lease=LONG, owner="w", max_attempts=5).claimed
+    return steps.claim(store, conn, limit=n, lease=LONG, owner="w", max_attempts=5).claimed
 
 
 def _set(conn: psycopg.Connection[Any], table: str, outbox_id: int, assignment: str) -> None:
@@ -49,18 +51,18 @@ def test_invariant_21_one_start_drops_stale_pairs_and_counts_each_started_row_on
     claims = {c.id: c.lease_version for c in _claim(conn, store, 4)}
     superseded, started_elsewhere = ids[0], ids[1]
     _set(conn, table, superseded, "lease_version = lease_version + 1")  # re-claimed since
-    assert store.start(conn, started_elsewhere, claims[started_elsewhere], lease=LONG, max_attempts=5)
+    assert steps.start(store, conn, started_elsewhere, claims[started_elsewhere], lease=LONG, max_attempts=5)
     pairs = [(i, claims[i]) for i in ids]
 
-    msgs = store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="w:1:a")
+    msgs = steps.start_many(store, conn, pairs, lease=LONG, max_attempts=5, starter="w:1:a")
     assert [m.id for m in msgs] == ids[2:]
     assert all(isinstance(m, Message) and m.attempts == 1 for m in msgs)
     assert [fetch(conn, table, i)["attempts"] for i in ids] == [0, 1, 1, 1]
     # The same start again (its reply was lost): the rows come back, nothing counted twice.
-    again = store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="w:1:a")
+    again = steps.start_many(store, conn, pairs, lease=LONG, max_attempts=5, starter="w:1:a")
     assert [m.id for m in again] == ids[2:]
     # Another task of the same claims (a redelivery): refused.
-    assert store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="w:2:b") == []
+    assert steps.start_many(store, conn, pairs, lease=LONG, max_attempts=5, starter="w:2:b") == []
     assert [fetch(conn, table, i)["attempts"] for i in ids] == [0, 1, 1, 1]
 
 
@@ -70,7 +72,7 @@ def test_invariant_21_a_batch_start_with_no_attempt_left_makes_the_row_dead(
     ids = add(conn, 2, table=table)
     claims = {c.id: c.lease_version for c in _claim(conn, store, 2)}
     _set(conn, table, ids[0], "attempts = 5")
-    msgs = store.start_many(conn, list(claims.items()), lease=LONG, max_attempts=5, starter="w:1:a")
+    msgs = steps.start_many(store, conn, list(claims.items()), lease=LONG, max_attempts=5, starter="w:1:a")
     assert [m.id for m in msgs] == [ids[1]]
     row = fetch(conn, table, ids[0])
     assert row["status"] == "dead"
@@ -105,7 +107,9 @@ def test_a_batch_start_reads_large_payloads_in_results_of_bounded_size(
     claims = {c.id: c.lease_version for c in _claim(conn, store, 12)}
     with psycopg.connect(migrated_dsn, autocommit=True, cursor_factory=_Results) as worker:
         _Results.sizes = []
-        msgs = store.start_many(worker, list(claims.items()), lease=LONG, max_attempts=5, starter="w:1:a")
+        msgs = steps.start_many(
+            store, worker, list(claims.items()), lease=LONG, max_attempts=5, starter="w:1:a"
+        )
         sizes = list(_Results.sizes)
     assert [m.id for m in msgs] == ids
     assert [m.payload for m in msgs] == [big[i] for i in range(12)]
@@ -117,13 +121,13 @@ def test_a_batch_start_reads_large_payloads_in_results_of_bounded_size(
     assert c.id == one
     with psycopg.connect(migrated_dsn, autocommit=True, cursor_factory=_Results) as worker:
         _Results.sizes = []
-        started = store.start(worker, c.id, c.lease_version, lease=LONG, max_attempts=5)
+        started = steps.start(store, worker, c.id, c.lease_version, lease=LONG, max_attempts=5)
         assert started is not None and started.payload == big[0]
         assert len(_Results.sizes) == 1
 
 
 # (outcome, delay, error) per row, written by the completer's one statement in its one-row form
-# (Store's one-row calls) and in its form of many rows (finish_many): the two forms differ only
+# (one row per call) and in its form of many rows (finish_many): the two forms differ only
 # in where the rows come from (_sql.one_row), and must write the same.
 CASES: list[tuple[str, float, str]] = [
     ("done", 0.0, ""),
@@ -147,19 +151,19 @@ def _one_row(
     kw: dict[str, Any] = {"max_attempts": MAX_ATTEMPTS}
     match outcome:
         case "done":
-            assert store.done(conn, i, v)
+            assert steps.done(store, conn, i, v)
         case "retry":
-            assert store.retry(conn, i, v, delay=delay, error=error, **kw)
+            assert steps.retry(store, conn, i, v, delay=delay, error=error, **kw)
         case "defer":
-            assert store.defer(conn, i, v, delay=delay, reason=error, max_age=MAX_AGE)
+            assert steps.defer(store, conn, i, v, delay=delay, reason=error, max_age=MAX_AGE)
         case "dead":
-            assert store.dead(conn, i, v, error=error)
+            assert steps.dead(store, conn, i, v, error=error)
         case "error":
-            assert store.record_error(conn, i, v, error=error)
+            assert steps.record_error(store, conn, i, v, error=error)
         case "postpone":
-            assert store.postpone(conn, i, v, delay=delay, error=error)
+            assert steps.postpone(store, conn, i, v, delay=delay, error=error)
         case "rate_limited":
-            assert store.rate_limited(conn, i, v, delay=delay, reason=error, max_age=MAX_AGE)
+            assert steps.rate_limited(store, conn, i, v, delay=delay, reason=error, max_age=MAX_AGE)
 
 
 def _written(row: dict[str, Any]) -> dict[str, Any]:
@@ -180,15 +184,17 @@ def test_invariant_21_one_finalize_writes_what_each_one_row_finalizer_writes(
     n = len(CASES)
     ids = add(conn, 2 * n, table=table)
     claims = {c.id: c.lease_version for c in _claim(conn, store, 2 * n)}
-    started = store.start_many(conn, list(claims.items()), lease=LONG, max_attempts=10, starter="w:1:a")
+    started = steps.start_many(
+        store, conn, list(claims.items()), lease=LONG, max_attempts=10, starter="w:1:a"
+    )
     assert len(started) == 2 * n
     singles, batch = ids[:n], ids[n:]
     for i in (singles[2], batch[2]):
         _set(conn, table, i, f"attempts = {MAX_ATTEMPTS}")
     for i, case in zip(singles, CASES, strict=True):
         _one_row(conn, store, i, claims[i], case)
-    rows = [(i, claims[i], *case) for i, case in zip(batch, CASES, strict=True)]
-    won = store.finish_many(conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE).statuses
+    rows = [Finish(Lease(i, claims[i]), Step(s), d, e) for i, (s, d, e) in zip(batch, CASES, strict=True)]
+    won = steps.finish_many(store, conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE).statuses
     assert set(won) == set(batch)
     for one, many, case in zip(singles, batch, CASES, strict=True):
         assert _written(fetch(conn, table, many)) == _written(fetch(conn, table, one)), case
@@ -201,7 +207,7 @@ def test_invariant_21_one_finalize_writes_what_each_one_row_finalizer_writes(
     assert errors[3:5] == ["deferred: not yet", "deferred past max_defer_age: too late"]
     assert errors[8:] == ["rate limited: HTTP 429", "rate limited past max_defer_age: HTTP 429 for an hour"]
     # Fenced: written again, or by a stale claim, it changes nothing.
-    assert store.finish_many(conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE).statuses == {
+    assert steps.finish_many(store, conn, rows, max_attempts=MAX_ATTEMPTS, max_age=MAX_AGE).statuses == {
         batch[6]: "processing"  # the recorded error leaves the row processing under its lease
     }
 
@@ -213,9 +219,9 @@ def test_invariant_21_a_batch_finalize_never_finishes_an_ordered_row(
     [first, _second] = add(conn, 2, table=table, key="k")
     [c] = _claim(conn, store, 5)
     assert c.id == first
-    store.start_many(conn, [(c.id, c.lease_version)], lease=LONG, max_attempts=5, starter="w:1:a")
-    done = [(c.id, c.lease_version, "done", 0.0, "")]
-    assert store.finish_many(conn, done, max_attempts=5, max_age=MAX_AGE).statuses == {}
+    steps.start_many(store, conn, [(c.id, c.lease_version)], lease=LONG, max_attempts=5, starter="w:1:a")
+    done = [Finish(c.lease, Step.DONE)]
+    assert steps.finish_many(store, conn, done, max_attempts=5, max_age=MAX_AGE).statuses == {}
     assert fetch(conn, table, first)["status"] == "processing"
 
 
@@ -362,12 +368,12 @@ def test_a_batch_finalize_wakes_the_listeners_when_asked(
     ids = add(conn, 2, table=table)
     list(listener.notifies(timeout=0.2))  # the producer's own notification, if any
     claims = {c.id: c.lease_version for c in _claim(conn, store, 2)}
-    store.start_many(conn, list(claims.items()), lease=LONG, max_attempts=5, starter="w:1:a")
-    quiet = [(ids[0], claims[ids[0]], "done", 0.0, "")]
-    store.finish_many(conn, quiet, max_attempts=5, max_age=MAX_AGE)
+    steps.start_many(store, conn, list(claims.items()), lease=LONG, max_attempts=5, starter="w:1:a")
+    quiet = [Finish(Lease(ids[0], claims[ids[0]]), Step.DONE)]
+    steps.finish_many(store, conn, quiet, max_attempts=5, max_age=MAX_AGE)
     assert list(listener.notifies(timeout=0.3)) == []
-    loud = [(ids[1], claims[ids[1]], "done", 0.0, "")]
-    store.finish_many(conn, loud, max_attempts=5, max_age=MAX_AGE, notify=True)
+    loud = [Finish(Lease(ids[1], claims[ids[1]]), Step.DONE)]
+    steps.finish_many(store, conn, loud, max_attempts=5, max_age=MAX_AGE, notify=True)
     assert len(list(listener.notifies(timeout=2.0, stop_after=1))) == 1
 
 
@@ -385,8 +391,15 @@ def _fill_claim(
     limit: int = 100,
     marks: ScanMarks | None = None,
 ) -> ClaimResult:
-    return store.claim(
-        conn, limit=limit, lease=LONG, owner="w", max_attempts=5, marks=marks, fill={EVENT: (batch, max_wait)}
+    return steps.claim(
+        store,
+        conn,
+        limit=limit,
+        lease=LONG,
+        owner="w",
+        max_attempts=5,
+        marks=marks,
+        fill={EVENT: (batch, max_wait)},
     )
 
 
@@ -473,9 +486,9 @@ def test_invariant_21_max_wait_never_holds_expired_leases(
 ) -> None:
     # A started claim whose worker died: its rows waited a lease already and come back at once.
     ids = add(conn, 2, table=table, event_type=EVENT)
-    claims = store.claim(conn, limit=10, lease=SHORT, owner="w", max_attempts=5).claimed
+    claims = steps.claim(store, conn, limit=10, lease=SHORT, owner="w", max_attempts=5).claimed
     pairs = [(c.id, c.lease_version) for c in claims]
-    store.start_many(conn, pairs, lease=SHORT, max_attempts=5, starter="w:1:a")
+    steps.start_many(store, conn, pairs, lease=SHORT, max_attempts=5, starter="w:1:a")
     time.sleep(PAST_SHORT)
     again = _fill_claim(conn, store, max_wait=5.0)
     assert sorted(c.id for c in again.claimed) == ids

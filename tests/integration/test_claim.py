@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Store, TableName
 
@@ -61,12 +62,12 @@ def test_invariant_2_a_row_whose_lease_has_not_expired_is_never_claimed(
 ) -> None:
     ids = add(conn, 20, table=table)
     long = claim_ids(store, conn, limit=10, lease=LONG)
-    short_claims = store.claim(conn, limit=10, lease=SHORT, owner="test", max_attempts=5).claimed
+    short_claims = steps.claim(store, conn, limit=10, lease=SHORT, owner="test", max_attempts=5).claimed
     short = [c.id for c in short_claims]
     assert sorted(short + long) == ids
     # Their worker starts them and dies (claims that never started wait out a delay instead).
     for c in short_claims:
-        assert store.start(conn, c.id, c.lease_version, lease=SHORT, max_attempts=5) is not None
+        assert steps.start(store, conn, c.id, c.lease_version, lease=SHORT, max_attempts=5) is not None
     other = connect()
     # Nothing is claimable until the short leases run out (a slow machine may already be there).
     again = claim_ids(store, other)
@@ -86,9 +87,9 @@ def test_invariant_2_a_started_row_is_not_claimable_while_its_extended_lease_run
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     [i] = add(conn, table=table)
-    [c] = store.claim(conn, limit=1, lease=SHORT, owner="a", max_attempts=5).claimed
+    [c] = steps.claim(store, conn, limit=1, lease=SHORT, owner="a", max_attempts=5).claimed
     # The start extends the short claim lease to the handler's lease.
-    assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert steps.start(store, conn, i, c.lease_version, lease=LONG, max_attempts=5) is not None
     time.sleep(PAST_SHORT)
     assert claim_ids(store, conn) == []
     assert fetch(conn, table, i)["lease_version"] == 1
@@ -101,13 +102,13 @@ def test_invariant_3_every_claim_increments_lease_version_and_every_start_increm
     row = fetch(conn, table, i)
     assert (row["status"], row["lease_version"], row["attempts"]) == ("pending", 0, 0)
     for n in range(1, 4):
-        [c] = store.claim(conn, limit=5, lease=SHORT, owner=f"claim{n}", max_attempts=5).claimed
+        [c] = steps.claim(store, conn, limit=5, lease=SHORT, owner=f"claim{n}", max_attempts=5).claimed
         assert c.lease_version == n
         row = fetch(conn, table, i)
         assert (row["status"], row["lease_version"], row["attempts"]) == ("processing", n, n - 1)
         assert row["lease_owner"] == f"claim{n}"
         assert c.lease_until == row["lease_until"]
-        msg = store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=5)
+        msg = steps.start(store, conn, i, c.lease_version, lease=SHORT, max_attempts=5)
         assert msg is not None
         assert (msg.id, msg.lease_version, msg.attempts) == (i, n, n)
         row = fetch(conn, table, i)
@@ -119,9 +120,9 @@ def test_invariant_3_start_extends_the_lease_and_returns_the_message(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     [i] = add(conn, table=table, payload=lambda _: {"order": 7, "lines": ["a", "ü"]})
-    [c] = store.claim(conn, limit=1, lease=5, owner="a", max_attempts=5).claimed
+    [c] = steps.claim(store, conn, limit=1, lease=5, owner="a", max_attempts=5).claimed
     assert 3 < fetch(conn, table, i)["lease_in"] <= 5
-    msg = store.start(conn, i, c.lease_version, lease=120, max_attempts=5, starter="me")
+    msg = steps.start(store, conn, i, c.lease_version, lease=120, max_attempts=5, starter="me")
     assert msg is not None
     assert 115 < fetch(conn, table, i)["lease_in"] <= 120
     assert msg.payload == {"order": 7, "lines": ["a", "ü"]}
@@ -129,7 +130,7 @@ def test_invariant_3_start_extends_the_lease_and_returns_the_message(
     assert msg.idempotency_key == f"{store.instance(conn)}/public.{store.table.qualified}:{i}"
     assert msg.legacy_idempotency_key == f"public.{store.table.qualified}:{i}"
     # A start never shortens a lease, nor does its retry after a lost reply (same starter).
-    again = store.start(conn, i, c.lease_version, lease=1, max_attempts=5, starter="me")
+    again = steps.start(store, conn, i, c.lease_version, lease=1, max_attempts=5, starter="me")
     assert again is not None
     assert again.attempts == 1
     assert fetch(conn, table, i)["lease_in"] > 110
@@ -143,26 +144,26 @@ def test_invariant_4_a_stale_owner_changes_nothing_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     [i] = add(conn, table=table)
-    [old] = store.claim(conn, limit=1, lease=SHORT, owner="stale", max_attempts=5).claimed
-    assert store.start(conn, i, old.lease_version, lease=SHORT, max_attempts=5) is not None
+    [old] = steps.claim(store, conn, limit=1, lease=SHORT, owner="stale", max_attempts=5).claimed
+    assert steps.start(store, conn, i, old.lease_version, lease=SHORT, max_attempts=5) is not None
     time.sleep(PAST_SHORT)
     fresh = connect()
-    [new] = store.claim(fresh, limit=1, lease=LONG, owner="fresh", max_attempts=5).claimed
+    [new] = steps.claim(store, fresh, limit=1, lease=LONG, owner="fresh", max_attempts=5).claimed
     assert (new.id, new.lease_version) == (i, old.lease_version + 1)
     before = stable(fetch(conn, table, i))
     lost_before = store.get_stats().get("lost_leases", 0)
 
     v = old.lease_version
     with caplog.at_level(logging.WARNING, logger="outbox_celery.db.store"):
-        assert store.start(conn, i, v, lease=LONG, max_attempts=5) is None
-        assert store.done(conn, i, v).applied is False
-        assert store.retry(conn, i, v, delay=0, error="x", max_attempts=5).applied is False
-        assert store.defer(conn, i, v, delay=0, reason="x", max_age=3600).applied is False
-        assert store.dead(conn, i, v, error="x").applied is False
-        assert store.record_error(conn, i, v, error="x").applied is False
-        assert store.extend_lease(conn, i, v, seconds=600) is False
-        assert store.postpone(conn, i, v, delay=0, error="x").applied is False
-        assert store.release(conn, [old]) == 0
+        assert steps.start(store, conn, i, v, lease=LONG, max_attempts=5) is None
+        assert steps.done(store, conn, i, v).applied is False
+        assert steps.retry(store, conn, i, v, delay=0, error="x", max_attempts=5).applied is False
+        assert steps.defer(store, conn, i, v, delay=0, reason="x", max_age=3600).applied is False
+        assert steps.dead(store, conn, i, v, error="x").applied is False
+        assert steps.record_error(store, conn, i, v, error="x").applied is False
+        assert steps.extend_lease(store, conn, i, v, seconds=600) is False
+        assert steps.postpone(store, conn, i, v, delay=0, error="x").applied is False
+        assert steps.release(store, conn, [old]) == 0
 
     assert stable(fetch(conn, table, i)) == before
     assert store.get_stats()["lost_leases"] - lost_before == 7
@@ -170,8 +171,8 @@ def test_invariant_4_a_stale_owner_changes_nothing_and_says_so(
     assert len(lost) == 7
     assert all(getattr(r, "outbox_id", None) == i and getattr(r, "lease_version", None) == v for r in lost)
     # The current owner still wins.
-    assert store.start(fresh, i, new.lease_version, lease=LONG, max_attempts=5) is not None
-    assert store.done(fresh, i, new.lease_version).applied
+    assert steps.start(store, fresh, i, new.lease_version, lease=LONG, max_attempts=5) is not None
+    assert steps.done(store, fresh, i, new.lease_version).applied
     assert fetch(conn, table, i)["status"] == "done"
 
 
@@ -179,15 +180,17 @@ def test_invariant_4_finalizing_a_finished_row_again_changes_nothing(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     [i] = add(conn, table=table)
-    [c] = store.claim(conn, limit=1, lease=LONG, owner="a", max_attempts=5).claimed
-    assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=5) is not None
-    assert store.done(conn, i, c.lease_version).applied
+    [c] = steps.claim(store, conn, limit=1, lease=LONG, owner="a", max_attempts=5).claimed
+    assert steps.start(store, conn, i, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert steps.done(store, conn, i, c.lease_version).applied
     before = stable(fetch(conn, table, i))
     # A redelivered task with the same (id, version) after the row is done.
-    assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=5) is None
-    assert store.done(conn, i, c.lease_version).applied is False
-    assert store.dead(conn, i, c.lease_version, error="late").applied is False
-    assert store.retry(conn, i, c.lease_version, delay=0, error="late", max_attempts=5).applied is False
+    assert steps.start(store, conn, i, c.lease_version, lease=LONG, max_attempts=5) is None
+    assert steps.done(store, conn, i, c.lease_version).applied is False
+    assert steps.dead(store, conn, i, c.lease_version, error="late").applied is False
+    assert (
+        steps.retry(store, conn, i, c.lease_version, delay=0, error="late", max_attempts=5).applied is False
+    )
     assert stable(fetch(conn, table, i)) == before
 
 
@@ -197,15 +200,15 @@ def test_invariant_5_exhausted_attempts_go_dead_at_the_next_claim_and_are_never_
     [i] = add(conn, table=table)
     [healthy] = add(conn, table=table)
     for n in range(1, 4):
-        result = store.claim(conn, limit=10, lease=SHORT, owner="w", max_attempts=3)
+        result = steps.claim(store, conn, limit=10, lease=SHORT, owner="w", max_attempts=3)
         assert i in [c.id for c in result.claimed]
         version = next(c.lease_version for c in result.claimed if c.id == i)
         # The handler starts and its worker dies: no finalize.
-        assert store.start(conn, i, version, lease=SHORT, max_attempts=3) is not None
+        assert steps.start(store, conn, i, version, lease=SHORT, max_attempts=3) is not None
         assert fetch(conn, table, i)["attempts"] == n
         time.sleep(PAST_SHORT)
     with caplog.at_level(logging.WARNING, logger="outbox_celery.db.store"):
-        result = store.claim(conn, limit=10, lease=SHORT, owner="w", max_attempts=3)
+        result = steps.claim(store, conn, limit=10, lease=SHORT, owner="w", max_attempts=3)
     assert result.reaped == 1
     assert i not in [c.id for c in result.claimed]
     row = fetch(conn, table, i)
@@ -228,11 +231,11 @@ def test_invariant_5_an_expired_lease_with_attempts_left_is_reclaimed(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     [i] = add(conn, table=table)
-    [c] = store.claim(conn, limit=1, lease=SHORT, owner="a", max_attempts=3).claimed
-    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=3) is not None
-    store.record_error(conn, i, c.lease_version, error="ZeroDivisionError: boom")
+    [c] = steps.claim(store, conn, limit=1, lease=SHORT, owner="a", max_attempts=3).claimed
+    assert steps.start(store, conn, i, c.lease_version, lease=SHORT, max_attempts=3) is not None
+    steps.record_error(store, conn, i, c.lease_version, error="ZeroDivisionError: boom")
     time.sleep(PAST_SHORT)
-    result = store.claim(conn, limit=1, lease=LONG, owner="b", max_attempts=3)
+    result = steps.claim(store, conn, limit=1, lease=LONG, owner="b", max_attempts=3)
     assert result.reaped == 0
     assert [(x.id, x.lease_version) for x in result.claimed] == [(i, 2)]
     row = fetch(conn, table, i)
@@ -247,12 +250,12 @@ def test_invariant_5_a_redelivered_start_after_the_last_attempt_goes_dead_at_the
     # run may as well still be going (#21, item 5), so the redelivered start calls nothing and
     # judges nothing; once the lease has run out the reap makes the row dead (invariant 5).
     [i] = add(conn, table=table)
-    [c] = store.claim(conn, limit=1, lease=SHORT, owner="a", max_attempts=1).claimed
-    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=1) is not None
-    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=1) is None
+    [c] = steps.claim(store, conn, limit=1, lease=SHORT, owner="a", max_attempts=1).claimed
+    assert steps.start(store, conn, i, c.lease_version, lease=SHORT, max_attempts=1) is not None
+    assert steps.start(store, conn, i, c.lease_version, lease=SHORT, max_attempts=1) is None
     assert (fetch(conn, table, i)["status"], fetch(conn, table, i)["attempts"]) == ("processing", 1)
     time.sleep(PAST_SHORT)
-    assert store.claim(conn, limit=1, lease=LONG, owner="b", max_attempts=1).reaped == 1
+    assert steps.claim(store, conn, limit=1, lease=LONG, owner="b", max_attempts=1).reaped == 1
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"]) == ("dead", 1)
     assert "attempts exhausted" in row["last_error"]
@@ -264,9 +267,9 @@ def test_invariant_5_a_claim_that_never_started_with_no_attempt_left_goes_dead_a
 ) -> None:
     # max_attempts lowered by a deploy: the row already spent more than the new limit.
     [i] = add(conn, table=table)
-    [c] = store.claim(conn, limit=1, lease=LONG, owner="a", max_attempts=5).claimed
+    [c] = steps.claim(store, conn, limit=1, lease=LONG, owner="a", max_attempts=5).claimed
     conn.execute(sql.SQL("UPDATE {} SET attempts = 2").format(TableName.parse(table).identifier()))
-    assert store.start(conn, i, c.lease_version, lease=LONG, max_attempts=2) is None
+    assert steps.start(store, conn, i, c.lease_version, lease=LONG, max_attempts=2) is None
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"]) == ("dead", 2)
     assert "attempts exhausted" in row["last_error"]
@@ -280,15 +283,15 @@ def test_invariant_2_a_second_start_of_a_started_claim_is_refused_while_its_leas
     # consumer_timeout) hands the same lease_version to a second worker. Its start is refused:
     # one claim never runs twice at once, and the first run's finalize still wins.
     [i] = add(conn, table=table)
-    [c] = store.claim(conn, limit=1, lease=LONG, owner="a", max_attempts=5).claimed
+    [c] = steps.claim(store, conn, limit=1, lease=LONG, owner="a", max_attempts=5).claimed
     first, second = connect(), connect()
-    assert store.start(first, i, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert steps.start(store, first, i, c.lease_version, lease=LONG, max_attempts=5) is not None
     for _ in range(3):
-        assert store.start(second, i, c.lease_version, lease=LONG, max_attempts=5) is None
+        assert steps.start(store, second, i, c.lease_version, lease=LONG, max_attempts=5) is None
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"]) == ("processing", 1)
     assert store.get_stats()["stale_starts"] == 3
-    assert store.done(first, i, c.lease_version).applied
+    assert steps.done(store, first, i, c.lease_version).applied
 
 
 def test_invariant_3_a_claim_whose_start_never_happens_spends_no_attempt(
@@ -303,15 +306,15 @@ def test_invariant_3_a_claim_whose_start_never_happens_spends_no_attempt(
         row = fetch(conn, table, i)
         assert (row["status"], row["lease_version"], row["attempts"]) == ("processing", n, 0)
         time.sleep(PAST_SHORT)
-        result = store.claim(conn, limit=10, lease=SHORT, owner="a", max_attempts=3)
+        result = steps.claim(store, conn, limit=10, lease=SHORT, owner="a", max_attempts=3)
         assert (result.claimed, result.lost) == ([], 1)
         row = fetch(conn, table, i)
         assert (row["status"], row["attempts"], row["lease_until"]) == ("pending", 0, None)
         assert row["lease_version"] - row["started_version"] == n
         assert SHORT * 2 ** (n - 1) - 0.1 < row["available_in"] <= SHORT * 2 ** (n - 1)
         time.sleep(max(0.0, row["available_in"]) + 0.05)
-    [c] = store.claim(conn, limit=1, lease=LONG, owner="a", max_attempts=3).claimed
-    msg = store.start(conn, i, c.lease_version, lease=LONG, max_attempts=3)
+    [c] = steps.claim(store, conn, limit=1, lease=LONG, owner="a", max_attempts=3).claimed
+    msg = steps.start(store, conn, i, c.lease_version, lease=LONG, max_attempts=3)
     assert msg is not None
     assert msg.attempts == 1
 
@@ -320,10 +323,10 @@ def test_invariant_12_release_puts_rows_back_to_pending_at_once_without_spending
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     ids = add(conn, 5, table=table)
-    claims = store.claim(conn, limit=10, lease=LONG, owner="a", max_attempts=3).claimed
+    claims = steps.claim(store, conn, limit=10, lease=LONG, owner="a", max_attempts=3).claimed
     assert sorted(c.id for c in claims) == ids
     # The broker refused the first three tasks.
-    assert store.release(conn, claims[:3]) == 3
+    assert steps.release(store, conn, claims[:3]) == 3
     released = {c.id for c in claims[:3]}
     for i in ids:
         row = fetch(conn, table, i)
@@ -335,28 +338,28 @@ def test_invariant_12_release_puts_rows_back_to_pending_at_once_without_spending
         else:
             assert row["status"] == "processing"
     # Claimable again at once, with a new fencing token; the old one is dead.
-    again = store.claim(conn, limit=10, lease=LONG, owner="b", max_attempts=3).claimed
+    again = steps.claim(store, conn, limit=10, lease=LONG, owner="b", max_attempts=3).claimed
     assert sorted(c.id for c in again) == sorted(released)
     assert all(c.lease_version == 2 for c in again)
-    assert store.release(conn, claims[:3]) == 0
-    assert store.release(conn, []) == 0
+    assert steps.release(store, conn, claims[:3]) == 0
+    assert steps.release(store, conn, []) == 0
     assert count(conn, table, "status = 'processing'") == 5
 
 
 def test_extend_lease_is_fenced(conn: psycopg.Connection[Any], store: Store, table: str) -> None:
     [i] = add(conn, table=table)
-    [c] = store.claim(conn, limit=1, lease=SHORT, owner="a", max_attempts=3).claimed
-    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=3) is not None
-    assert store.extend_lease(conn, i, c.lease_version, seconds=90) is True
+    [c] = steps.claim(store, conn, limit=1, lease=SHORT, owner="a", max_attempts=3).claimed
+    assert steps.start(store, conn, i, c.lease_version, lease=SHORT, max_attempts=3) is not None
+    assert steps.extend_lease(store, conn, i, c.lease_version, seconds=90) is True
     assert 85 < fetch(conn, table, i)["lease_in"] <= 90
     # Never shortens.
-    assert store.extend_lease(conn, i, c.lease_version, seconds=1) is True
+    assert steps.extend_lease(store, conn, i, c.lease_version, seconds=1) is True
     assert fetch(conn, table, i)["lease_in"] > 85
     assert claim_ids(store, conn, max_attempts=3) == []
-    assert store.extend_lease(conn, i, c.lease_version + 1, seconds=300) is False
+    assert steps.extend_lease(store, conn, i, c.lease_version + 1, seconds=300) is False
     assert fetch(conn, table, i)["lease_in"] <= 90
-    assert store.done(conn, i, c.lease_version).applied
-    assert store.extend_lease(conn, i, c.lease_version, seconds=300) is False
+    assert steps.done(store, conn, i, c.lease_version).applied
+    assert steps.extend_lease(store, conn, i, c.lease_version, seconds=300) is False
     assert fetch(conn, table, i)["lease_until"] is None
 
 
@@ -364,11 +367,11 @@ def test_an_extended_lease_outlives_the_claim_lease(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     [i] = add(conn, table=table)
-    [c] = store.claim(conn, limit=1, lease=SHORT, owner="a", max_attempts=3).claimed
-    assert store.extend_lease(conn, i, c.lease_version, seconds=LONG)
+    [c] = steps.claim(store, conn, limit=1, lease=SHORT, owner="a", max_attempts=3).claimed
+    assert steps.extend_lease(store, conn, i, c.lease_version, seconds=LONG)
     time.sleep(PAST_SHORT)
     assert claim_ids(store, conn, max_attempts=3) == []
-    assert store.done(conn, i, c.lease_version).applied
+    assert steps.done(store, conn, i, c.lease_version).applied
 
 
 def test_claim_respects_limit_and_event_type_filter(
@@ -376,10 +379,12 @@ def test_claim_respects_limit_and_event_type_filter(
 ) -> None:
     mails = add(conn, 5, table=table, event_type="mail.send")
     hooks = add(conn, 5, table=table, event_type="webhook.post")
-    result = store.claim(conn, limit=3, lease=LONG, owner="a", max_attempts=3, event_types=["mail.send"])
+    result = steps.claim(
+        store, conn, limit=3, lease=LONG, owner="a", max_attempts=3, event_types=["mail.send"]
+    )
     assert [c.id for c in result.claimed] == mails[:3]
     assert all(c.event_type == "mail.send" for c in result.claimed)
-    assert store.claim(conn, limit=0, lease=LONG, owner="a", max_attempts=3).claimed == []
+    assert steps.claim(store, conn, limit=0, lease=LONG, owner="a", max_attempts=3).claimed == []
     rest = claim_ids(store, conn, limit=100)
     assert sorted(rest) == sorted(mails[3:] + hooks)
 
@@ -398,9 +403,9 @@ def test_claim_takes_due_rows_oldest_first_and_skips_future_ones(
 def test_claim_counts_are_reported(conn: psycopg.Connection[Any], table: str) -> None:
     store = Store(table)
     add(conn, 4, table=table)
-    claims = store.claim(conn, limit=3, lease=LONG, owner="a", max_attempts=3).claimed
+    claims = steps.claim(store, conn, limit=3, lease=LONG, owner="a", max_attempts=3).claimed
     assert store.in_flight(conn) == 3
-    store.release(conn, claims[:1])
+    steps.release(store, conn, claims[:1])
     assert store.get_stats()["claimed"] == 3
     assert store.get_stats()["released"] == 1
     assert store.in_flight(conn) == 2
@@ -410,7 +415,7 @@ def test_a_store_runs_the_query_texts_it_was_given_and_refuses_unknown_names(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
     # The benchmarks' seam: a replaced named query runs in place of the shipped one.
-    store = Store(table, queries={"count_in_flight": "SELECT 42 FROM {table} LIMIT 1"})
+    store = Store(table, queries={"count_in_flight": "SELECT 42 AS n FROM {table} LIMIT 1"})
     add(conn, table=table)
     assert store.in_flight(conn) == 42
     assert "claim_heads" in store.queries

@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Event, Store, TableName, enqueue, enqueue_async, enqueue_many
 from outbox_celery.ops import purge_done
@@ -197,10 +198,10 @@ def test_invariant_9_a_batch_whose_first_ordered_row_is_a_duplicate_still_leaves
     store = Store(table)
     with conn.transaction():
         [old] = enqueue_many(conn, [Event(payload={}, ordered=True, dedup_key="once", **ORDER)], table=table)
-    [claimed] = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    [claimed] = steps.claim(store, conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
     assert claimed.id == old
-    assert store.start(conn, old, claimed.lease_version, lease=LONG, max_attempts=5) is not None
-    assert store.done(conn, old, claimed.lease_version)
+    assert steps.start(store, conn, old, claimed.lease_version, lease=LONG, max_attempts=5) is not None
+    assert steps.done(store, conn, old, claimed.lease_version)
     events = [
         Event(payload={"n": 1}, ordered=True, dedup_key="once", **ORDER),
         Event(payload={"n": 2}, ordered=True, **ORDER),

@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg_pool import ConnectionPool
+from support import steps
 
 from outbox_celery import OutboxConfig, Store, TableName
 from outbox_celery.errors import Defer, PermanentError, RetryableError
@@ -25,9 +26,9 @@ from .helpers import LONG, add, fetch
 
 
 def _claim_all(conn: psycopg.Connection[Any], store: Store, n: int) -> dict[int, int]:
-    claimed = store.claim(conn, limit=n, lease=LONG, owner="w", max_attempts=5).claimed
+    claimed = steps.claim(store, conn, limit=n, lease=LONG, owner="w", max_attempts=5).claimed
     for c in claimed:
-        assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+        assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
     return {c.id: c.lease_version for c in claimed}
 
 
@@ -45,7 +46,7 @@ def test_invariant_4_done_many_fences_each_row_on_its_own_version(
         ),
         [stale],
     )
-    won = store.done_many(conn, [(i, versions[i]) for i in ids]).applied
+    won = steps.done_many(store, conn, [(i, versions[i]) for i in ids]).applied
     assert won == set(ids[1:])
     assert fetch(conn, table, stale)["status"] == "processing"
     assert {fetch(conn, table, i)["status"] for i in ids[1:]} == {"done"}
@@ -53,7 +54,7 @@ def test_invariant_4_done_many_fences_each_row_on_its_own_version(
     stats = store.get_stats()
     assert (stats["done"], stats["lost_leases"]) == (3, 1)
     # Written twice (a retry after a lost reply): the second changes nothing.
-    assert store.done_many(conn, [(ids[1], versions[ids[1]])]).applied == set()
+    assert steps.done_many(store, conn, [(ids[1], versions[ids[1]])]).applied == set()
 
 
 def test_done_many_never_finishes_an_ordered_row(
@@ -62,7 +63,7 @@ def test_done_many_never_finishes_an_ordered_row(
     # An ordered row's done moves its key's head under the key lock: only Store.done does that.
     [i] = add(conn, table=table, key="k")
     versions = _claim_all(conn, store, 1)
-    assert store.done_many(conn, [(i, versions[i])]).applied == set()
+    assert steps.done_many(store, conn, [(i, versions[i])]).applied == set()
     assert fetch(conn, table, i)["status"] == "processing"
 
 
@@ -90,7 +91,7 @@ def test_a_batched_done_is_written_within_its_delay(
 ) -> None:
     dispatcher = _dispatcher(pool, table, lease=LONG, done_batch_delay=0.5)
     ids = add(conn, 3, table=table)
-    claimed = dispatcher.store.claim(conn, limit=3, lease=LONG, owner="w", max_attempts=5).claimed
+    claimed = steps.claim(dispatcher.store, conn, limit=3, lease=LONG, owner="w", max_attempts=5).claimed
     versions = {c.id: c.lease_version for c in claimed}
     for i in ids:
         assert dispatcher.deliver(i, versions[i], batch_done=True) == Outcome.DONE
@@ -106,7 +107,7 @@ def _held(conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]) 
     """One message delivered whose done this process holds (a window longer than the test)."""
     dispatcher = _dispatcher(pool, table, lease=LONG, done_batch_delay=LONG / 5)
     [i] = add(conn, table=table)
-    [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+    [c] = steps.claim(dispatcher.store, conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
     assert dispatcher.deliver(i, c.lease_version, batch_done=True) == Outcome.DONE
     assert fetch(conn, table, i)["status"] == "processing"
     return dispatcher, i
@@ -129,7 +130,7 @@ def test_a_done_with_little_lease_left_is_written_at_once(
         pool, table, handler=lambda m: time.sleep(1.2), lease=2.0, claim_interval=1.0, done_batch_delay=0.3
     )
     [i] = add(conn, table=table)
-    [c] = dispatcher.store.claim(conn, limit=1, lease=2.0, owner="w", max_attempts=5).claimed
+    [c] = steps.claim(dispatcher.store, conn, limit=1, lease=2.0, owner="w", max_attempts=5).claimed
     assert dispatcher.deliver(i, c.lease_version, batch_done=True) == Outcome.DONE
     assert fetch(conn, table, i)["status"] == "done"
 
@@ -142,7 +143,7 @@ def test_without_batch_done_or_with_a_zero_delay_done_is_written_at_once(
         (_dispatcher(pool, table, lease=LONG, done_batch_delay=0), True),
     ):
         [i] = add(conn, table=table)
-        [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+        [c] = steps.claim(dispatcher.store, conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
         assert dispatcher.deliver(i, c.lease_version, batch_done=batch) == Outcome.DONE
         assert fetch(conn, table, i)["status"] == "done"
 
@@ -184,7 +185,7 @@ def test_only_a_done_is_ever_held_other_outcomes_are_written_at_once(
 
     dispatcher = _dispatcher(pool, table, handler=handler, lease=LONG, done_batch_delay=LONG / 5)
     [i] = add(conn, table=table)
-    [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+    [c] = steps.claim(dispatcher.store, conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
     assert dispatcher.deliver(i, c.lease_version, batch_done=True) == outcome
     assert fetch(conn, table, i)["status"] == status
     assert dispatcher.done_batch is not None and dispatcher.done_batch.pending() == 0

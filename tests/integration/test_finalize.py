@@ -8,6 +8,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Claimed, Store
 
@@ -16,9 +17,9 @@ from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, fetch
 
 def started(conn: psycopg.Connection[Any], store: Store, outbox_id: int, max_attempts: int = 5) -> Claimed:
     """Claim ``outbox_id`` (the only due row) and start it."""
-    [c] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=max_attempts).claimed
+    [c] = steps.claim(store, conn, limit=1, lease=LONG, owner="w", max_attempts=max_attempts).claimed
     assert c.id == outbox_id
-    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=max_attempts) is not None
+    assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=max_attempts) is not None
     return c
 
 
@@ -26,7 +27,7 @@ def started(conn: psycopg.Connection[Any], store: Store, outbox_id: int, max_att
 def test_done_finishes_the_row_for_good(conn: psycopg.Connection[Any], store: Store, table: str) -> None:
     [i] = add(conn, table=table)
     c = started(conn, store, i)
-    assert store.done(conn, i, c.lease_version).applied
+    assert steps.done(store, conn, i, c.lease_version).applied
     row = fetch(conn, table, i)
     assert row["status"] == "done"
     assert row["lease_until"] is None
@@ -41,7 +42,7 @@ def test_invariant_6_retryable_keeps_the_attempt_and_backs_off_by_the_database_c
 ) -> None:
     [i] = add(conn, table=table)
     c = started(conn, store, i)
-    status = store.retry(conn, i, c.lease_version, delay=30, error="HTTP 503", max_attempts=5).status
+    status = steps.retry(store, conn, i, c.lease_version, delay=30, error="HTTP 503", max_attempts=5).status
     assert status == "pending"
     row = fetch(conn, table, i)
     assert row["status"] == "pending"
@@ -60,13 +61,13 @@ def test_invariant_6_retry_delay_is_honored_then_the_next_attempt_counts(
     c = started(conn, store, i)
     # An HTTP 429 Retry-After, here a short one.
     assert (
-        store.retry(conn, i, c.lease_version, delay=SHORT, error="HTTP 429", max_attempts=5).status
+        steps.retry(store, conn, i, c.lease_version, delay=SHORT, error="HTTP 429", max_attempts=5).status
         == "pending"
     )
     time.sleep(PAST_SHORT)
-    [c2] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+    [c2] = steps.claim(store, conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
     assert (c2.id, c2.lease_version) == (i, 2)
-    msg = store.start(conn, i, c2.lease_version, lease=LONG, max_attempts=5)
+    msg = steps.start(store, conn, i, c2.lease_version, lease=LONG, max_attempts=5)
     assert msg is not None
     assert msg.attempts == 2
 
@@ -78,12 +79,15 @@ def test_invariant_6_retryable_goes_dead_at_max_attempts(
     for attempt in (1, 2):
         c = started(conn, store, i, max_attempts=3)
         assert (
-            store.retry(conn, i, c.lease_version, delay=0, error=f"e{attempt}", max_attempts=3).status
+            steps.retry(store, conn, i, c.lease_version, delay=0, error=f"e{attempt}", max_attempts=3).status
             == "pending"
         )
         assert fetch(conn, table, i)["attempts"] == attempt
     c = started(conn, store, i, max_attempts=3)
-    assert store.retry(conn, i, c.lease_version, delay=0, error="HTTP 502", max_attempts=3).status == "dead"
+    assert (
+        steps.retry(store, conn, i, c.lease_version, delay=0, error="HTTP 502", max_attempts=3).status
+        == "dead"
+    )
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"]) == ("dead", 3)
     assert row["last_error"].startswith("attempts exhausted (3 of 3)")
@@ -99,7 +103,7 @@ def test_invariant_7_defer_refunds_the_attempt_and_waits(
     c = started(conn, store, i)
     assert fetch(conn, table, i)["attempts"] == 1
     assert (
-        store.defer(conn, i, c.lease_version, delay=45, reason="payment pending", max_age=3600).status
+        steps.defer(store, conn, i, c.lease_version, delay=45, reason="payment pending", max_age=3600).status
         == "pending"
     )
     row = fetch(conn, table, i)
@@ -119,7 +123,8 @@ def test_invariant_7_defers_never_use_up_attempts(
     for _ in range(4):
         c = started(conn, store, i, max_attempts=2)
         assert (
-            store.defer(conn, i, c.lease_version, delay=0, reason="not yet", max_age=3600).status == "pending"
+            steps.defer(store, conn, i, c.lease_version, delay=0, reason="not yet", max_age=3600).status
+            == "pending"
         )
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"], row["lease_version"]) == ("pending", 0, 4)
@@ -130,7 +135,10 @@ def test_invariant_7_defer_past_max_defer_age_goes_dead(
 ) -> None:
     [i] = add(conn, table=table)
     c = started(conn, store, i)
-    assert store.defer(conn, i, c.lease_version, delay=120, reason="no stock", max_age=60).status == "dead"
+    assert (
+        steps.defer(store, conn, i, c.lease_version, delay=120, reason="no stock", max_age=60).status
+        == "dead"
+    )
     row = fetch(conn, table, i)
     assert row["status"] == "dead"
     assert row["last_error"] == "deferred past max_defer_age: no stock"
@@ -146,7 +154,7 @@ def test_invariant_7_max_defer_age_counts_from_created_at(
     c = started(conn, store, i)
     # A zero delay still lands past created_at + max_age: the message is older than that.
     assert (
-        store.defer(conn, i, c.lease_version, delay=0, reason="still no stock", max_age=SHORT).status
+        steps.defer(store, conn, i, c.lease_version, delay=0, reason="still no stock", max_age=SHORT).status
         == "dead"
     )
     assert fetch(conn, table, i)["status"] == "dead"
@@ -157,7 +165,7 @@ def test_invariant_8_permanent_failure_is_dead_and_never_claimed(
 ) -> None:
     [i] = add(conn, table=table)
     c = started(conn, store, i)
-    assert store.dead(conn, i, c.lease_version, error="HTTP 400: no such mailbox").applied
+    assert steps.dead(store, conn, i, c.lease_version, error="HTTP 400: no such mailbox").applied
     row = fetch(conn, table, i)
     assert (row["status"], row["last_error"]) == ("dead", "HTTP 400: no such mailbox")
     assert row["lease_until"] is None
@@ -166,7 +174,7 @@ def test_invariant_8_permanent_failure_is_dead_and_never_claimed(
     # Later claims (and reaps) take the other row and never the dead one.
     assert claim_ids(store, conn, lease=SHORT) == [other]
     # Started, then its worker died: the next claim takes it straight back.
-    assert store.start(conn, other, 1, lease=SHORT, max_attempts=5) is not None
+    assert steps.start(store, conn, other, 1, lease=SHORT, max_attempts=5) is not None
     time.sleep(PAST_SHORT)
     assert claim_ids(store, conn, lease=SHORT) == [other]
     assert fetch(conn, table, i)["status"] == "dead"
@@ -177,9 +185,9 @@ def test_record_error_keeps_the_row_processing_until_its_lease_returns_it(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     [i] = add(conn, table=table)
-    [c] = store.claim(conn, limit=1, lease=SHORT, owner="w", max_attempts=5).claimed
-    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=5) is not None
-    assert store.record_error(conn, i, c.lease_version, error="KeyError: 'x'").applied
+    [c] = steps.claim(store, conn, limit=1, lease=SHORT, owner="w", max_attempts=5).claimed
+    assert steps.start(store, conn, i, c.lease_version, lease=SHORT, max_attempts=5) is not None
+    assert steps.record_error(store, conn, i, c.lease_version, error="KeyError: 'x'").applied
     row = fetch(conn, table, i)
     assert (row["status"], row["last_error"], row["attempts"]) == ("processing", "KeyError: 'x'", 1)
     time.sleep(PAST_SHORT)
@@ -192,7 +200,9 @@ def test_postpone_waits_with_the_attempt_refunded(
 ) -> None:
     [i] = add(conn, table=table)
     c = started(conn, store, i)
-    assert store.postpone(conn, i, c.lease_version, delay=60, error="no handler for thing.happened").applied
+    assert steps.postpone(
+        store, conn, i, c.lease_version, delay=60, error="no handler for thing.happened"
+    ).applied
     row = fetch(conn, table, i)
     assert (row["status"], row["attempts"]) == ("pending", 0)
     assert 58 < row["available_in"] <= 60
@@ -210,7 +220,7 @@ def test_relaxed_commit_applies_to_start_and_done_only_when_the_store_owns_the_t
         # Inside the caller's transaction the caller decides how it commits.
         assert relaxed._commit_mode(conn) is None
     [i] = add(conn, table=table)
-    [c] = relaxed.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+    [c] = steps.claim(relaxed, conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
     with conn.transaction():
         # The statement sets synchronous_commit for its own transaction only.
         params = {
@@ -262,12 +272,12 @@ def test_invariant_6_a_retry_policy_given_to_the_outbox_decides_the_wait_unless_
     assert outbox.store is store
     [i] = add(conn, table=table)
     try:
-        [c] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+        [c] = steps.claim(store, conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
         assert outbox.deliver(i, c.lease_version) == Outcome.RETRY
         assert asked == [(1, "HTTP 503")]
         assert 118 < fetch(conn, table, i)["available_in"] <= 120
         conn.execute(sql.SQL("UPDATE {} SET available_at = now()").format(store.table.identifier()))
-        [c] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+        [c] = steps.claim(store, conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
         assert outbox.deliver(i, c.lease_version) == Outcome.RETRY
         assert asked == [(1, "HTTP 503")]  # a Retry-After of its own wins over the policy
         assert 38 < fetch(conn, table, i)["available_in"] <= 40

@@ -12,9 +12,10 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Store, TableName, ops
-from outbox_celery.db.store import ClaimResult, ScanMarks
+from outbox_celery.claim.executor import ClaimResult, ScanMarks
 from outbox_celery.flow import Limit
 
 from .helpers import LONG, Connect, add, claim, claim_together, fetch
@@ -120,7 +121,7 @@ def test_invariant_22_a_concurrency_limit_bounds_live_deliveries_and_other_types
     assert claim(store, conn, limits=limits).claimed == []
     # One finishes: one slot.
     done = next(c for c in first.claimed if c.event_type == A)
-    assert store.done(conn, done.id, done.lease_version)
+    assert steps.done(store, conn, done.id, done.lease_version)
     assert types_of(claim(store, conn, limits=limits)) == [A]
     assert live(conn, table, A) == 2
 
@@ -133,7 +134,7 @@ def test_invariant_22_a_dead_workers_slot_comes_back_when_its_lease_ends(
     taken = claim(store, conn, limits=limits).claimed
     assert len(taken) == 2
     for c in taken:
-        assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+        assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
     assert claim(store, conn, limits=limits).claimed == []
     # The worker running the first one dies: nothing finishes it, its lease runs out.
     _set(conn, table, [taken[0].id], "lease_until = now() - interval '1 second'")
@@ -162,7 +163,7 @@ def test_invariant_22_a_limited_ordered_type_is_claimed_by_heads_in_order(
     first = claim(store, conn, limits=limits).claimed
     assert sorted(c.id for c in first) == [k1[0], k2[0]]  # heads only, whatever the room
     for c in first:
-        assert store.done(conn, c.id, c.lease_version)
+        assert steps.done(store, conn, c.id, c.lease_version)
     assert sorted(c.id for c in claim(store, conn, limits=limits).claimed) == [k1[1], k2[1]]
 
 
@@ -190,7 +191,7 @@ def test_invariant_22_a_rate_limit_hands_out_one_burst_then_what_the_rate_refill
     assert taken >= 4 + 20 * (elapsed - 0.3)
     # Kept in the database, shared by every claimer: a fresh Store finds the bucket nearly empty
     # (at most the token refilled since the last claim), not a full burst.
-    fresh = Store(table).claim(conn, limit=100, lease=LONG, owner="x", max_attempts=5, limits=limits)
+    fresh = steps.claim(Store(table), conn, limit=100, lease=LONG, owner="x", max_attempts=5, limits=limits)
     assert len(fresh.claimed) <= 1
 
 
@@ -203,9 +204,9 @@ def test_invariant_23_rate_limited_holds_its_event_type_without_spending_attempt
     a_ids = add(conn, 3, event_type=A)
     [c] = [x for x in claim(store, conn, limit=1).claimed]
     assert c.id == a_ids[0]
-    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
-    status = store.rate_limited(
-        conn, c.id, c.lease_version, delay=30.0, reason="HTTP 429", max_age=3600.0
+    assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    status = steps.rate_limited(
+        store, conn, c.id, c.lease_version, delay=30.0, reason="HTTP 429", max_age=3600.0
     ).status
     assert status == "pending"
     row = fetch(conn, table, c.id)
@@ -219,7 +220,7 @@ def test_invariant_23_rate_limited_holds_its_event_type_without_spending_attempt
     assert held.event_type == A and not held.paused and held.held_for is not None
     # A shorter hold never shortens the longer one; a stale finalize holds nothing.
     assert (
-        store.rate_limited(conn, c.id, c.lease_version, delay=1.0, reason="x", max_age=3600.0).applied
+        steps.rate_limited(store, conn, c.id, c.lease_version, delay=1.0, reason="x", max_age=3600.0).applied
         is False
     )
     # resume ends the hold at once.
@@ -232,8 +233,12 @@ def test_invariant_23_a_later_hold_never_shortens_an_earlier_one(
 ) -> None:
     add(conn, 2, event_type=A)
     got = claim(store, conn).claimed
-    assert store.rate_limited(conn, got[0].id, got[0].lease_version, delay=60.0, reason="a", max_age=3600.0)
-    assert store.rate_limited(conn, got[1].id, got[1].lease_version, delay=1.0, reason="b", max_age=3600.0)
+    assert steps.rate_limited(
+        store, conn, got[0].id, got[0].lease_version, delay=60.0, reason="a", max_age=3600.0
+    )
+    assert steps.rate_limited(
+        store, conn, got[1].id, got[1].lease_version, delay=1.0, reason="b", max_age=3600.0
+    )
     [held] = ops.stats(conn, table).flow
     assert held.held_for is not None and held.held_for > 55
 
@@ -293,7 +298,7 @@ def test_invariant_23_the_metrics_show_paused_and_held_event_types(
     ops.pause(conn, table, A)
     add(conn, 1, event_type=B)
     [c] = claim(store, conn).claimed
-    assert store.rate_limited(conn, c.id, c.lease_version, delay=30.0, reason="429", max_age=3600.0)
+    assert steps.rate_limited(store, conn, c.id, c.lease_version, delay=30.0, reason="429", max_age=3600.0)
     samples = {
         (s.name, s.labels.get("event_type")): s.value
         for family in OutboxCollector(migrated_dsn, table).collect()
@@ -314,7 +319,7 @@ def test_invariant_22_a_limited_types_expired_leases_are_scanned_from_its_own_ma
     limits = {A: Limit(concurrency=5)}
     [i] = add(conn, 1, event_type=A)
     [c] = claim(store, conn, limits=limits, marks=marks).claimed
-    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
     assert claim(store, conn, limits=limits, marks=marks).claimed == []  # moves the marks to now()
     _set(conn, table, [i], "lease_until = now() - interval '1 hour'")
     assert claim(store, conn, limits=limits, marks=marks).claimed == []

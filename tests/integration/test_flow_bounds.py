@@ -18,9 +18,10 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Store, TableName, migrate, ops
-from outbox_celery.db.store import ScanMarks
+from outbox_celery.claim.executor import ScanMarks
 from outbox_celery.errors import MigrationError
 from outbox_celery.flow import CAP_RECHECK, Limit
 
@@ -125,7 +126,9 @@ def test_invariant_22_first_claims_of_newly_limited_types_never_deadlock(
 
     def claimer(limits: dict[str, Limit]) -> None:
         try:
-            Store(table).claim(connect(), limit=10, lease=LONG, owner="t", max_attempts=5, limits=limits)
+            steps.claim(
+                Store(table), connect(), limit=10, lease=LONG, owner="t", max_attempts=5, limits=limits
+            )
         except BaseException as exc:  # pragma: no cover - surfaced below
             errors.append(exc)
 
@@ -151,9 +154,9 @@ def test_invariant_25_a_rate_limited_hold_lasts_max_defer_age_at_most(
     later = add(conn, 2, event_type=A, limit_key=limit_key)
     [c] = claim(store, conn, limit=1).claimed
     assert c.id == first
-    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
     month = 30 * 86400.0
-    assert store.rate_limited(conn, c.id, c.lease_version, delay=month, reason="429", max_age=1.0)
+    assert steps.rate_limited(store, conn, c.id, c.lease_version, delay=month, reason="429", max_age=1.0)
     assert fetch(conn, table, first)["status"] == "dead"  # held past max_defer_age, as a Defer
     held = sql.SQL("SELECT extract(epoch FROM paused_until - now())::float8 FROM {}").format(
         _flow(table) if limit_key is None else _flow_key(table)
@@ -178,7 +181,7 @@ def test_invariant_25_per_key_state_is_pruned_when_a_key_has_nothing_left(
         claimed += got
     assert len(claimed) == 300
     for c in claimed:
-        assert store.done(conn, c.id, c.lease_version)
+        assert steps.done(store, conn, c.id, c.lease_version)
     ops.pause(conn, table, A, limit_key="paused")  # worth keeping
     conn.execute(
         sql.SQL(
@@ -211,7 +214,7 @@ def test_invariant_25_a_key_at_its_key_concurrency_waits_for_a_finish_not_a_time
     assert conn.execute(at_cap, [A]).fetchone() == (True,)
     assert Store(table).capped(conn, [A]) == frozenset({A})
     [c] = first.claimed
-    assert store.done(conn, c.id, c.lease_version)
+    assert steps.done(store, conn, c.id, c.lease_version)
     again = claim(store, conn, limits=limits)
     assert len(again.claimed) == 1
     # The concurrency of the type: the same.
@@ -237,11 +240,11 @@ def test_invariant_25_a_claim_with_no_limit_declared_runs_no_flow_statement(
     store = Store(table)
     with psycopg.connect(migrated_dsn, autocommit=True, cursor_factory=_Recording) as c:
         add(c, 3, event_type=A)
-        store.claim(c, limit=10, lease=LONG, owner="t", max_attempts=5)  # flow_ready, cached
+        steps.claim(store, c, limit=10, lease=LONG, owner="t", max_attempts=5)  # flow_ready, cached
         _Recording.seen.clear()
         add(c, 3, event_type=A)
         _Recording.seen.clear()
-        got = store.claim(c, limit=10, lease=LONG, owner="t", max_attempts=5)
+        got = steps.claim(store, c, limit=10, lease=LONG, owner="t", max_attempts=5)
         assert len(got.claimed) == 3
         flow = re.compile(rf'"?{re.escape(table)}_flow')
         touching = [q for q in _Recording.seen if flow.search(q)]
@@ -252,7 +255,7 @@ def test_invariant_25_a_claim_with_no_limit_declared_runs_no_flow_statement(
         # With a type paused, still none: the paused type is left out as that statement read it.
         ops.pause(c, table, B)
         _Recording.seen.clear()
-        store.claim(c, limit=10, lease=LONG, owner="t", max_attempts=5)
+        steps.claim(store, c, limit=10, lease=LONG, owner="t", max_attempts=5)
         assert len([q for q in _Recording.seen if flow.search(q)]) == 1
 
 
@@ -308,7 +311,7 @@ def test_invariant_25_an_outbox_named_like_another_outboxs_flow_table_is_refused
     # The first still claims with its flow control.
     add(conn, 1, table=first, event_type=A)
     ops.pause(conn, first, A)
-    assert Store(first).claim(conn, limit=5, lease=LONG, owner="t", max_attempts=5).claimed == []
+    assert steps.claim(Store(first), conn, limit=5, lease=LONG, owner="t", max_attempts=5).claimed == []
 
 
 def test_invariant_25_metrics_of_many_held_keys_stay_a_bounded_number_of_series(

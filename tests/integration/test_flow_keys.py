@@ -15,9 +15,10 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Store, TableName, migrate, ops
-from outbox_celery.db.store import ClaimResult, ScanMarks
+from outbox_celery.claim.executor import ClaimResult, ScanMarks
 from outbox_celery.flow import Limit
 
 from .helpers import LONG, add, claim, claim_together, fetch
@@ -64,7 +65,7 @@ def test_invariant_24_key_concurrency_bounds_each_keys_live_deliveries(
     done = next(
         c for c in first.claimed if c.event_type == A and fetch(conn, table, c.id)["limit_key"] == "t1"
     )
-    assert store.done(conn, done.id, done.lease_version)
+    assert steps.done(store, conn, done.id, done.lease_version)
     again = claim(store, conn, limits=limits)
     assert keys_of(conn, table, again) == Counter({"t1": 1})
     assert live_per_key(conn, table, A) == {"t1": 2, "t2": 1, "t3": 2}
@@ -88,7 +89,7 @@ def test_invariant_24_a_dead_workers_key_slot_comes_back_when_its_lease_ends(
     add(conn, 4, event_type=A, limit_key="t1")
     limits = {A: Limit(key_concurrency=1)}
     [taken] = claim(store, conn, limits=limits).claimed
-    assert store.start(conn, taken.id, taken.lease_version, lease=LONG, max_attempts=5) is not None
+    assert steps.start(store, conn, taken.id, taken.lease_version, lease=LONG, max_attempts=5) is not None
     assert claim(store, conn, limits=limits).claimed == []
     # The worker dies mid-handler: nothing finishes it, its lease runs out (shortened here).
     conn.execute(
@@ -120,7 +121,7 @@ def test_invariant_24_a_small_key_is_claimed_in_the_first_claim_beside_a_big_bac
     seen = got["small"]
     for _ in range(3):
         for c in first.claimed:
-            assert store.done(conn, c.id, c.lease_version)
+            assert steps.done(store, conn, c.id, c.lease_version)
         first = claim(store, conn, limits=limits, limit=40, marks=marks)
         seen += keys_of(conn, table, first)["small"]
     assert seen == 20
@@ -139,7 +140,7 @@ def test_invariant_24_round_robin_reaches_every_key_when_keys_outnumber_the_batc
         assert len(result.claimed) == 20
         served += keys_of(conn, table, result)
         for c in result.claimed:
-            assert store.done(conn, c.id, c.lease_version)
+            assert steps.done(store, conn, c.id, c.lease_version)
     # 160 claims over 120 keys: every key at least once, none more than twice.
     assert set(served) == set(keys) and max(served.values()) <= 2
 
@@ -153,8 +154,8 @@ def test_invariant_24_rate_limited_holds_its_key_only(
     first = claim(store, conn, limit=1)
     [c] = first.claimed
     assert c.id == t1[0]
-    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
-    assert store.rate_limited(conn, c.id, c.lease_version, delay=30.0, reason="429", max_age=3600.0)
+    assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert steps.rate_limited(store, conn, c.id, c.lease_version, delay=30.0, reason="429", max_age=3600.0)
     row = fetch(conn, table, c.id)
     assert row["status"] == "pending" and row["attempts"] == 0
     # No limits declared at all: the held key alone makes the claim go key by key.
@@ -179,7 +180,7 @@ def test_invariant_24_ordered_keys_stay_in_order_under_key_limits(
         assert len(result.claimed) <= 1
         for c in result.claimed:
             order.append(c.id)
-            assert store.done(conn, c.id, c.lease_version)
+            assert steps.done(store, conn, c.id, c.lease_version)
     assert len(order) == 8
     assert [i for i in order if i in o1] == o1
     assert [i for i in order if i in o2] == o2
@@ -193,8 +194,14 @@ def test_invariant_24_a_table_named_like_a_word_of_the_claim_still_claims_by_key
     for name in ["keys", "rooms"]:
         migrate(conn, name)
         add(conn, 3, table=name, event_type=A, limit_key="t1")
-        got = Store(name).claim(
-            conn, limit=10, lease=LONG, owner="t", max_attempts=5, limits={A: Limit(key_concurrency=2)}
+        got = steps.claim(
+            Store(name),
+            conn,
+            limit=10,
+            lease=LONG,
+            owner="t",
+            max_attempts=5,
+            limits={A: Limit(key_concurrency=2)},
         )
         assert len(got.claimed) == 2
 
@@ -235,7 +242,11 @@ def test_invariant_24_key_rate_hands_out_one_burst_per_key_then_what_its_bucket_
     assert first.flow_wait is not None and 0.05 <= first.flow_wait <= 0.1
     # Kept in the database: a fresh Store finds the buckets (nearly) empty.
     assert (
-        len(Store(table).claim(conn, limit=100, lease=LONG, owner="x", max_attempts=5, limits=limits).claimed)
+        len(
+            steps.claim(
+                Store(table), conn, limit=100, lease=LONG, owner="x", max_attempts=5, limits=limits
+            ).claimed
+        )
         <= 2
     )
     started = time.monotonic()
@@ -268,7 +279,7 @@ def test_invariant_24_stats_and_the_metrics_show_paused_and_held_keys(
     ops.pause(conn, table, A, limit_key="t1")
     add(conn, 1, event_type=A, limit_key="t2")
     [c] = claim(store, conn).claimed
-    assert store.rate_limited(conn, c.id, c.lease_version, delay=30.0, reason="429", max_age=3600.0)
+    assert steps.rate_limited(store, conn, c.id, c.lease_version, delay=30.0, reason="429", max_age=3600.0)
     keys = ops.stats(conn, table).as_dict()["keys"]
     assert [(k["limit_key"], k["paused"]) for k in keys] == [("t1", True), ("t2", False)]
     assert 25 < keys[1]["held_for"] <= 30
@@ -292,7 +303,7 @@ def test_invariant_24_a_hold_that_ran_out_leaves_the_held_keys_index(
     add(conn, 1, event_type=A, limit_key="t1")
     [c] = claim(store, conn, limit=1).claimed
     assert c.id == first
-    assert store.rate_limited(conn, c.id, c.lease_version, delay=0.3, reason="429", max_age=3600.0)
+    assert steps.rate_limited(store, conn, c.id, c.lease_version, delay=0.3, reason="429", max_age=3600.0)
     flow_key = TableName.parse(table).identifier("_flow_key")
     held = sql.SQL("SELECT count(*) FROM {} WHERE paused OR paused_until IS NOT NULL").format(flow_key)
     assert conn.execute(held).fetchone() == (1,)

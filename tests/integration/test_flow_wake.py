@@ -17,10 +17,12 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg_pool import ConnectionPool
+from support import steps
 
 from outbox_celery import OutboxConfig, Store, TableName
+from outbox_celery.claim.executor import Claimed
 from outbox_celery.claim.listener import Listener
-from outbox_celery.db.store import SLOT_FREED, Claimed
+from outbox_celery.db.store import SLOT_FREED
 from outbox_celery.errors import Defer, PermanentError, RetryableError
 from outbox_celery.flow import Limit
 from outbox_celery.handlers import HandlerSpec
@@ -83,8 +85,14 @@ def test_a_finished_concurrency_limited_delivery_is_written_at_once_and_wakes_th
     )
     [i] = add(conn, table=table, event_type=T, key="k" if ordered else None)
     # The claim takes the one row its limit allows: it leaves the type at its limit (at_cap).
-    claimed = dispatcher.store.claim(
-        conn, limit=1, lease=LONG, owner="w", max_attempts=5, limits={T: Limit(concurrency=1)}
+    claimed = steps.claim(
+        dispatcher.store,
+        conn,
+        limit=1,
+        lease=LONG,
+        owner="w",
+        max_attempts=5,
+        limits={T: Limit(concurrency=1)},
     )
     [c] = claimed.claimed
     with psycopg.connect(migrated_dsn, autocommit=True) as listener:
@@ -106,7 +114,7 @@ def test_other_types_dones_are_still_batched_and_wake_nobody(
 ) -> None:
     dispatcher = _dispatcher(pool, table, lambda m: None, limit, lease=LONG, done_batch_delay=LONG / 5)
     [i] = add(conn, table=table, event_type=T)
-    [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+    [c] = steps.claim(dispatcher.store, conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
     with psycopg.connect(migrated_dsn, autocommit=True) as listener:
         Store(table).listen(listener)
         assert dispatcher.deliver(i, c.lease_version, batch_done=True) == Outcome.DONE
@@ -130,7 +138,9 @@ def test_below_its_limit_a_limited_types_done_stays_batched_and_wakes_nobody(
     limit = Limit(concurrency=5)
     dispatcher = _dispatcher(pool, table, lambda m: None, limit, lease=LONG, done_batch_delay=LONG / 5)
     ids = add(conn, 2, table=table, event_type=T)
-    got = dispatcher.store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits={T: limit})
+    got = steps.claim(
+        dispatcher.store, conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits={T: limit}
+    )
     assert len(got.claimed) == 2 and not _at_cap(conn, table)  # 2 of the 5 allowed
     with psycopg.connect(migrated_dsn, autocommit=True) as listener:
         Store(table).listen(listener)
@@ -147,13 +157,16 @@ def test_the_claim_records_whether_it_left_a_type_at_its_limit(
 ) -> None:
     limits = {T: Limit(concurrency=2)}
     add(conn, 3, table=table, event_type=T)
-    first = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits=limits).claimed
+    first = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits=limits).claimed
     assert len(first) == 2 and _at_cap(conn, table)
     assert store.capped(conn, [T, "other"]) == {T}
     for c in first:
-        assert store.done(conn, c.id, c.lease_version)
+        assert steps.done(store, conn, c.id, c.lease_version)
     # The last row: 1 of the 2 allowed, so the type is no longer at its limit.
-    assert len(store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits=limits).claimed) == 1
+    assert (
+        len(steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits=limits).claimed)
+        == 1
+    )
     assert not _at_cap(conn, table) and store.capped(conn, [T]) == frozenset()
 
 
@@ -225,7 +238,9 @@ def test_invariant_25_a_batch_or_a_key_at_its_limit_wakes_the_listeners_when_it_
         spec = HandlerSpec(T, lambda m: None, "q", limit=limit)
         ids = add(conn, 2, table=table, event_type=T, limit_key="t1")[:1]
     dispatcher = InProcess(OutboxConfig(table=table, lease=LONG), pool.connection, {T: spec})
-    claimed = dispatcher.store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits={T: limit})
+    claimed = steps.claim(
+        dispatcher.store, conn, limit=10, lease=LONG, owner="w", max_attempts=5, limits={T: limit}
+    )
     assert sorted(c.id for c in claimed.claimed) == ids
     with psycopg.connect(migrated_dsn, autocommit=True) as listener:
         channel = Store(table).listen(listener)

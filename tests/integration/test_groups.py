@@ -15,6 +15,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg.rows import dict_row
+from support import steps
 
 from outbox_celery import (
     Event,
@@ -66,10 +67,10 @@ def make(conn: psycopg.Connection[Any], table: str, n: int, **kw: Any) -> tuple[
 
 def start_all(store: Store, conn: psycopg.Connection[Any], *, max_attempts: int = 5) -> list[tuple[int, int]]:
     """Claim and start every due row; their (id, lease_version)."""
-    got = store.claim(conn, limit=20000, lease=LONG, owner="t", max_attempts=max_attempts).claimed
+    got = steps.claim(store, conn, limit=20000, lease=LONG, owner="t", max_attempts=max_attempts).claimed
     pairs = [(c.id, c.lease_version) for c in got]
     if pairs:
-        store.start_many(conn, pairs, lease=LONG, max_attempts=max_attempts, starter="s")
+        steps.start_many(store, conn, pairs, lease=LONG, max_attempts=max_attempts, starter="s")
     return pairs
 
 
@@ -93,10 +94,10 @@ def test_invariant_29_the_last_done_enqueues_the_callback_once_with_the_outcomes
     gid, _ids = make(conn, table, 3)
     pairs = start_all(store, conn)
     for p in pairs[:2]:
-        assert store.done(conn, *p)
+        assert steps.done(store, conn, *p)
     assert callbacks(conn, table) == [] and grp(conn, table, gid)["done"] == 2
-    assert store.done(conn, *pairs[2])
-    assert not store.done(conn, *pairs[2])  # fenced: a second done counts nothing
+    assert steps.done(store, conn, *pairs[2])
+    assert not steps.done(store, conn, *pairs[2])  # fenced: a second done counts nothing
     [cb] = callbacks(conn, table)
     g = grp(conn, table, gid)
     assert (g["state"], g["done"], g["dead"], g["callback_id"]) == ("fired", 3, 0, cb["id"])
@@ -115,7 +116,7 @@ def test_invariant_29_the_last_done_enqueues_the_callback_once_with_the_outcomes
     assert cb["status"] == "pending" and cb["group_id"] is None
     # The callback is a normal message: claimed, delivered, done.
     [(cb_id, v)] = start_all(store, conn)
-    assert cb_id == cb["id"] and store.done(conn, cb_id, v)
+    assert cb_id == cb["id"] and steps.done(store, conn, cb_id, v)
 
 
 @pytest.mark.parametrize("skip_on_dead", [False, True])
@@ -124,9 +125,9 @@ def test_invariant_29_a_dead_member_takes_the_declared_path(
 ) -> None:
     gid, _ids = make(conn, table, 3, skip_on_dead=skip_on_dead)
     a, b, c = start_all(store, conn)
-    assert store.dead(conn, *a, error="HTTP 410 gone")
-    assert store.retry(conn, *b, delay=0, error="boom", max_attempts=1).status == "dead"
-    assert store.done(conn, *c)
+    assert steps.dead(store, conn, *a, error="HTTP 410 gone")
+    assert steps.retry(store, conn, *b, delay=0, error="boom", max_attempts=1).status == "dead"
+    assert steps.done(store, conn, *c)
     g = grp(conn, table, gid)
     assert (g["done"], g["dead"]) == (1, 2)
     if skip_on_dead:
@@ -147,7 +148,7 @@ def test_invariant_29_a_defer_past_max_defer_age_counts_dead(
 ) -> None:
     gid, _ = make(conn, table, 1)
     [p] = start_all(store, conn)
-    assert store.defer(conn, *p, delay=10, reason="later", max_age=1).status == "dead"
+    assert steps.defer(store, conn, *p, delay=10, reason="later", max_age=1).status == "dead"
     assert grp(conn, table, gid)["state"] == "fired"
     assert callbacks(conn, table)[0]["payload"]["outbox_group"]["dead"] == 1
 
@@ -157,9 +158,9 @@ def test_invariant_29_outcomes_that_are_not_final_count_nothing(
 ) -> None:
     gid, _ = make(conn, table, 3)
     a, b, c = start_all(store, conn)
-    assert store.retry(conn, *a, delay=0, error="again", max_attempts=5).status == "pending"
-    assert store.defer(conn, *b, delay=0, reason="later", max_age=3600).status == "pending"
-    assert store.record_error(conn, *c, error="hm")
+    assert steps.retry(store, conn, *a, delay=0, error="again", max_attempts=5).status == "pending"
+    assert steps.defer(store, conn, *b, delay=0, reason="later", max_age=3600).status == "pending"
+    assert steps.record_error(store, conn, *c, error="hm")
     g = grp(conn, table, gid)
     assert (g["done"], g["dead"], g["state"]) == (0, 0, "open")
 
@@ -180,14 +181,14 @@ def test_invariant_29_steps_that_are_never_final_finish_a_member_through_the_pla
         return query(name, rows)
 
     monkeypatch.setattr(store.completer, "_query", spy)
-    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    claimed = steps.claim(store, conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
     released, *rest = sorted(claimed, key=lambda c: c.id)
-    assert store.release(conn, [released]) == 1  # grouped unknown (None), as the claim's release
+    assert steps.release(store, conn, [released]) == 1  # grouped unknown (None), as the claim's release
     pairs = [(c.id, c.lease_version) for c in rest]
-    store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="s")
+    steps.start_many(store, conn, pairs, lease=LONG, max_attempts=5, starter="s")
     postponed, errored, handed = pairs
-    assert store.postpone(conn, *postponed, delay=0, error="no handler here").status == "pending"
-    assert store.record_error(conn, *errored, error="hm").status == "processing"
+    assert steps.postpone(store, conn, *postponed, delay=0, error="no handler here").status == "pending"
+    assert steps.record_error(store, conn, *errored, error="hm").status == "processing"
     back = Finish(Lease(*handed), Step.HAND_BACK, grouped=True)
     won = store.completer.finish(conn, [back], max_attempts=5, max_age=3600)
     assert won.of(handed[0]).status == "pending"
@@ -198,9 +199,9 @@ def test_invariant_29_steps_that_are_never_final_finish_a_member_through_the_pla
     g = grp(conn, table, gid)
     assert (g["done"], g["dead"], g["state"]) == (0, 0, "open") and callbacks(conn, table) == []
     # Each member is then counted once, by its final step.
-    assert store.done(conn, *errored)
+    assert steps.done(store, conn, *errored)
     for p in start_all(store, conn):
-        assert store.done(conn, *p)
+        assert steps.done(store, conn, *p)
     g = grp(conn, table, gid)
     assert (g["done"], g["dead"], g["state"]) == (4, 0, "fired") and len(callbacks(conn, table)) == 1
 
@@ -212,11 +213,11 @@ def test_invariant_29_a_batch_finish_counts_each_member_once(
     g2, _ = make(conn, table, 2)
     pairs = start_all(store, conn)
     stale = (pairs[0][0], pairs[0][1] + 1)  # a lost lease: fenced off, counts nothing
-    assert store.done_many(conn, [stale, *pairs[1:4]]).applied == {p[0] for p in pairs[1:4]}
+    assert steps.done_many(store, conn, [stale, *pairs[1:4]]).applied == {p[0] for p in pairs[1:4]}
     assert grp(conn, table, g1)["done"] == 3
-    rows = [(i, v, "done", 0.0, "") for i, v in pairs]
-    rows[5] = (*pairs[5], "dead", 0.0, "bad")
-    won = store.finish_many(conn, rows, max_attempts=5, max_age=3600)
+    rows = [Finish(Lease(i, v), Step.DONE) for i, v in pairs]
+    rows[5] = Finish(Lease(*pairs[5]), Step.DEAD, error="bad")
+    won = steps.finish_many(store, conn, rows, max_attempts=5, max_age=3600)
     assert won.applied == {pairs[0][0], pairs[4][0], pairs[5][0]}
     assert [(grp(conn, table, g)["done"], grp(conn, table, g)["dead"]) for g in (g1, g2)] == [(4, 0), (1, 1)]
     assert len(callbacks(conn, table)) == 2
@@ -226,10 +227,10 @@ def test_invariant_29_the_reap_of_an_exhausted_lease_counts_dead(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     gid, _ = make(conn, table, 1)
-    got = store.claim(conn, limit=10, lease=SHORT, owner="t", max_attempts=1).claimed
-    assert store.start(conn, got[0].id, got[0].lease_version, lease=SHORT, max_attempts=1)
+    got = steps.claim(store, conn, limit=10, lease=SHORT, owner="t", max_attempts=1).claimed
+    assert steps.start(store, conn, got[0].id, got[0].lease_version, lease=SHORT, max_attempts=1)
     time.sleep(PAST_SHORT + SHORT)
-    store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=1)
+    steps.claim(store, conn, limit=10, lease=LONG, owner="t", max_attempts=1)
     assert fetch(conn, table, got[0].id)["status"] == "dead"
     g = grp(conn, table, gid)
     assert (g["dead"], g["state"]) == (1, "fired")
@@ -241,11 +242,11 @@ def test_invariant_29_a_start_with_no_attempt_left_counts_dead(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     gid, [i] = make(conn, table, 1)
-    [c] = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    [c] = steps.claim(store, conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
     conn.execute(
         sql.SQL("UPDATE {} SET attempts = 5 WHERE id = %s").format(TableName.parse(table).identifier()), [i]
     )
-    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is None
+    assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is None
     assert fetch(conn, table, i)["status"] == "dead"
     assert grp(conn, table, gid)["state"] == "fired"
 
@@ -255,8 +256,8 @@ def test_invariant_29_an_operator_skip_counts_done_and_a_requeue_uncounts_a_dead
 ) -> None:
     gid, _ids = make(conn, table, 3)
     a, b, c = start_all(store, conn)
-    assert store.dead(conn, *a, error="x")
-    assert store.dead(conn, *b, error="y")
+    assert steps.dead(store, conn, *a, error="x")
+    assert steps.dead(store, conn, *b, error="y")
     assert (grp(conn, table, gid)["dead"], len(grp(conn, table, gid)["dead_members"])) == (2, 2)
     ops.requeue(conn, table, [a[0]])
     g = grp(conn, table, gid)
@@ -264,9 +265,9 @@ def test_invariant_29_an_operator_skip_counts_done_and_a_requeue_uncounts_a_dead
     ops.skip(conn, table, [b[0]], reason="not needed")
     g = grp(conn, table, gid)
     assert (g["done"], g["dead"], g["dead_members"], g["state"]) == (1, 0, [], "open")
-    assert store.done(conn, *c)
+    assert steps.done(store, conn, *c)
     [(i, v)] = start_all(store, conn)  # the requeued one
-    assert i == a[0] and store.done(conn, i, v)
+    assert i == a[0] and steps.done(store, conn, i, v)
     g = grp(conn, table, gid)
     assert (g["done"], g["dead"], g["state"]) == (3, 0, "fired")
     assert len(callbacks(conn, table)) == 1
@@ -277,7 +278,7 @@ def test_invariant_29_requeue_all_uncounts_the_dead(
 ) -> None:
     gid, _ = make(conn, table, 2)
     a, _b = start_all(store, conn)
-    assert store.dead(conn, *a, error="x")
+    assert steps.dead(store, conn, *a, error="x")
     assert ops.requeue_all(conn, table=table) == 1
     assert grp(conn, table, gid)["dead"] == 0
 
@@ -321,27 +322,27 @@ def test_invariant_29_nested_groups_run_as_a_workflow_of_three_steps(
 ) -> None:
     """Each step's callback starts the next group in its own transaction (a transactional
     handler's): the step's done and the next group commit together."""
-    steps = ["step.1", "step.2", "step.3"]
+    workflow = ["step.1", "step.2", "step.3"]
     with conn.transaction():
         group(conn, members(3, event_type="work.1"), then=Event("step.1", {"n": 1}, "flow", 1), table=table)
     seen: list[str] = []
     for _ in range(20):
-        claimed = store.claim(conn, limit=100, lease=LONG, owner="t", max_attempts=5).claimed
+        claimed = steps.claim(store, conn, limit=100, lease=LONG, owner="t", max_attempts=5).claimed
         if not claimed:
             break
         for c in claimed:
             with conn.transaction():
-                msg = store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5)
+                msg = steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5)
                 assert msg is not None
-                if msg.event_type in steps:
+                if msg.event_type in workflow:
                     seen.append(msg.event_type)
                     n = int(msg.payload["n"])
                     assert msg.payload["outbox_group"]["done"] == 3
                     if n < 3:
                         then = Event(f"step.{n + 1}", {"n": n + 1}, "flow", 1)
                         group(conn, members(3, event_type=f"work.{n + 1}"), then=then, table=table)
-                assert store.done(conn, c.id, c.lease_version, joined=True)
-    assert seen == steps
+                assert steps.done(store, conn, c.id, c.lease_version, joined=True)
+    assert seen == workflow
     assert count(conn, table, "status <> 'done'") == 0
 
 
@@ -367,10 +368,10 @@ def test_invariant_29_ten_thousand_members_with_concurrent_finalizers(
             s = Store(table)
             if one_by_one:
                 for p in shard:
-                    assert s.done(c, *p)
+                    assert steps.done(s, c, *p)
             else:
                 for k in range(0, len(shard), 50):
-                    assert len(s.done_many(c, shard[k : k + 50]).applied) == len(shard[k : k + 50])
+                    assert len(steps.done_many(s, c, shard[k : k + 50]).applied) == len(shard[k : k + 50])
         except BaseException as exc:  # pragma: no cover - surfaced below
             errors.append(exc)
 
@@ -398,12 +399,12 @@ def test_invariant_29_the_group_row_is_locked_only_for_the_length_of_one_finaliz
     a, b, _c = start_all(store, conn)
     first = connect()
     first.execute("BEGIN")
-    assert store.done(first, *a, joined=True)
+    assert steps.done(store, first, *a, joined=True)
     other = connect()
     finished = threading.Event()
 
     def second() -> None:
-        assert Store(table).done(other, *b)
+        assert steps.done(Store(table), other, *b)
         finished.set()
 
     t = threading.Thread(target=second)
@@ -449,7 +450,7 @@ def test_invariant_29_operators_see_open_groups_and_finish_or_cancel_them(
     g2, _ = make(conn, table, 2)
     g3, _ = make(conn, table, 150)
     pairs = start_all(store, conn)
-    assert store.dead(conn, *pairs[0], error="first failed")
+    assert steps.dead(store, conn, *pairs[0], error="first failed")
     s = ops.stats(conn, table)
     assert (s.groups.open, s.groups.blocked) == (3, 1)
     assert s.groups.oldest_open_age is not None
@@ -464,7 +465,7 @@ def test_invariant_29_operators_see_open_groups_and_finish_or_cancel_them(
     assert cb["payload"]["outbox_group"]["dead_members"][0]["last_error"] == "first failed"
     ops.cancel_group(conn, table, g2, reason="not wanted")
     for p in pairs[1:4]:
-        assert store.done(conn, *p)  # members of closed groups count nothing more
+        assert steps.done(store, conn, *p)  # members of closed groups count nothing more
     assert ops.get_group(conn, table, g1).done == 0
     assert len(callbacks(conn, table)) == 1
     with pytest.raises(ops.AdminError):
@@ -476,8 +477,12 @@ def test_invariant_29_operators_see_open_groups_and_finish_or_cancel_them(
     rest = pairs[4:]
     assert (
         len(
-            store.finish_many(
-                conn, [(i, v, "dead", 0.0, f"e{i}") for i, v in rest], max_attempts=5, max_age=60
+            steps.finish_many(
+                store,
+                conn,
+                [Finish(Lease(i, v), Step.DEAD, error=f"e{i}") for i, v in rest],
+                max_attempts=5,
+                max_age=60,
             ).applied
         )
         == 150
@@ -498,19 +503,19 @@ def test_invariant_29_the_worker_knows_a_member_from_its_start_and_the_plain_fin
     (the statement that does not count) refuses a member, as a lost lease: a wrong flag costs a
     redelivery, never a lost count."""
     gid, [i] = make(conn, table, 1)
-    [c] = store.claim(conn, limit=1, lease=LONG, owner="t", max_attempts=5).claimed
-    msg = store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5)
+    [c] = steps.claim(store, conn, limit=1, lease=LONG, owner="t", max_attempts=5).claimed
+    msg = steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5)
     assert msg is not None and msg.group_id == gid
-    assert not store.done(conn, i, c.lease_version, grouped=False)
+    assert not steps.done(store, conn, i, c.lease_version, grouped=False)
     assert fetch(conn, table, i)["status"] == "processing"
-    assert store.done(conn, i, c.lease_version, grouped=True)
+    assert steps.done(store, conn, i, c.lease_version, grouped=True)
     assert grp(conn, table, gid)["state"] == "fired"
     # The callback is a row of no group: the plain statement finishes it.
-    [c] = store.claim(conn, limit=1, lease=LONG, owner="t", max_attempts=5).claimed
+    [c] = steps.claim(store, conn, limit=1, lease=LONG, owner="t", max_attempts=5).claimed
     assert c.id == grp(conn, table, gid)["callback_id"]
-    started = store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5)
+    started = steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5)
     assert started is not None and started.group_id is None
-    assert store.done(conn, c.id, c.lease_version, grouped=False)
+    assert steps.done(store, conn, c.id, c.lease_version, grouped=False)
 
 
 def test_invariant_29_the_purge_deletes_closed_groups_past_retention_and_keeps_open_ones(
@@ -519,7 +524,7 @@ def test_invariant_29_the_purge_deletes_closed_groups_past_retention_and_keeps_o
     closed, _ = make(conn, table, 1)
     kept, _ = make(conn, table, 1)
     [p, _q] = start_all(store, conn)
-    assert store.done(conn, *p)
+    assert steps.done(store, conn, *p)
     t = TableName.parse(table).identifier("_group")
     conn.execute(
         sql.SQL("UPDATE {} SET closed_at = now() - interval '2 days' WHERE id = %s").format(t), [closed]
@@ -546,8 +551,8 @@ def test_invariant_29_a_member_fanned_out_to_subscriptions_counts_each_subscript
     pairs = start_all(store, conn)
     assert len(pairs) == 4
     for p in pairs[:3]:
-        assert store.done(conn, *p)
+        assert steps.done(store, conn, *p)
     assert callbacks(conn, table) == []
-    assert store.done(conn, *pairs[3])
+    assert steps.done(store, conn, *pairs[3])
     [cb] = callbacks(conn, table)
     assert cb["payload"]["outbox_group"]["done"] == 4

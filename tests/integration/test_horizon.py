@@ -14,9 +14,10 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Event, Store, enqueue, enqueue_many, ops
-from outbox_celery.db.store import ScanMarks
+from outbox_celery.claim.executor import ScanMarks
 
 from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, fetch
 
@@ -54,15 +55,15 @@ def churn(
             ]
             with conn.transaction():
                 enqueue_many(conn, events, table=store.table.name)
-        claimed = store.claim(conn, limit=200, marks=marks, **CLAIM).claimed
+        claimed = steps.claim(store, conn, limit=200, marks=marks, **CLAIM).claimed
         assert len(claimed) == 200
         if key is None:
-            assert store.done_many(conn, [(c.id, c.lease_version) for c in claimed]).applied == {
+            assert steps.done_many(store, conn, [(c.id, c.lease_version) for c in claimed]).applied == {
                 c.id for c in claimed
             }
         else:
             for c in claimed:
-                assert store.done(conn, c.id, c.lease_version)
+                assert steps.done(store, conn, c.id, c.lease_version)
 
 
 def shared_hits(
@@ -111,7 +112,7 @@ def test_invariant_18_a_claim_under_a_pinned_horizon_starts_past_the_dead_entrie
     # buffer access per heap page in a run of entries that point into it).
     assert from_start > 50, from_start
     assert from_mark < from_start / 4, (from_mark, from_start)
-    claimed = store.claim(conn, limit=200, marks=marks, **CLAIM).claimed
+    claimed = steps.claim(store, conn, limit=200, marks=marks, **CLAIM).claimed
     assert len(claimed) == (1 if ordered else 10)
 
 
@@ -135,13 +136,13 @@ def test_invariant_18_a_full_pass_walks_the_dead_lease_entries_once(
     n = 3000
     for _ in range(0, n, 500):
         add(conn, 500, table=store.table.name)
-        claimed = store.claim(conn, limit=500, **{**CLAIM, "lease": SHORT}).claimed
+        claimed = steps.claim(store, conn, limit=500, **{**CLAIM, "lease": SHORT}).claimed
         assert len(claimed) == 500
-        assert len(store.done_many(conn, [(c.id, c.lease_version) for c in claimed]).applied) == 500
+        assert len(steps.done_many(store, conn, [(c.id, c.lease_version) for c in claimed]).applied) == 500
     time.sleep(PAST_SHORT)
     before = lease_entries_read(conn, store)
     marks = ScanMarks()  # a process's first claim: a full pass
-    assert store.claim(conn, limit=10, marks=marks, **CLAIM).claimed == []
+    assert steps.claim(store, conn, limit=10, marks=marks, **CLAIM).claimed == []
     walked = lease_entries_read(conn, store) - before
     # One walk (first_expired: no lease ran out) instead of one per expired scan (release_expired,
     # reap, claim_expired: three).
@@ -149,11 +150,11 @@ def test_invariant_18_a_full_pass_walks_the_dead_lease_entries_once(
     assert marks.expired is not None  # and the next claim starts at this one's now()
     # A lease that does run out is still found, and the scans start at it.
     [late] = add(conn, 1, table=store.table.name)
-    [c] = store.claim(conn, limit=10, marks=ScanMarks(), **{**CLAIM, "lease": SHORT}).claimed
-    assert c.id == late and store.start(conn, c.id, c.lease_version, lease=SHORT, max_attempts=5)
+    [c] = steps.claim(store, conn, limit=10, marks=ScanMarks(), **{**CLAIM, "lease": SHORT}).claimed
+    assert c.id == late and steps.start(store, conn, c.id, c.lease_version, lease=SHORT, max_attempts=5)
     time.sleep(PAST_SHORT)
     before = lease_entries_read(conn, store)
-    again = store.claim(conn, limit=10, marks=ScanMarks(), **CLAIM).claimed
+    again = steps.claim(store, conn, limit=10, marks=ScanMarks(), **CLAIM).claimed
     assert [r.id for r in again] == [late]  # its worker died: re-claimed
     walked = lease_entries_read(conn, store) - before
     assert walked < 1.5 * n + 20, walked
@@ -168,18 +169,18 @@ def test_invariant_18_fenced_starts_and_finishes_read_by_primary_key_under_a_pin
     n = 3000
     for _ in range(0, n, 500):
         add(conn, 500, table=store.table.name)
-        claimed = store.claim(conn, limit=500, **CLAIM).claimed
+        claimed = steps.claim(store, conn, limit=500, **CLAIM).claimed
         for c in claimed[:50]:
-            assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
-        assert len(store.done_many(conn, [(c.id, c.lease_version) for c in claimed]).applied) == 500
+            assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+        assert len(steps.done_many(store, conn, [(c.id, c.lease_version) for c in claimed]).applied) == 500
     add(conn, 30, table=store.table.name)
     conn.execute(sql.SQL("ANALYZE {}").format(store.table.identifier()))
-    claimed = store.claim(conn, limit=30, **CLAIM).claimed
+    claimed = steps.claim(store, conn, limit=30, **CLAIM).claimed
     assert len(claimed) == 30
     before = lease_entries_read(conn, store)
     for c in claimed:
-        assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
-    assert len(store.done_many(conn, [(c.id, c.lease_version) for c in claimed]).applied) == 30
+        assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert len(steps.done_many(store, conn, [(c.id, c.lease_version) for c in claimed]).applied) == 30
     # By primary key: the lease index is not read at all (it held n dead entries and more).
     assert lease_entries_read(conn, store) - before == 0
 
@@ -188,22 +189,22 @@ def test_invariant_18_a_message_committed_behind_the_marks_is_claimed_by_the_nex
     conn: psycopg.Connection[Any], store: Store, connect: Connect
 ) -> None:
     marks = ScanMarks(lookback=0.1, full_every=1.5)
-    assert store.claim(conn, limit=10, marks=marks, **CLAIM).claimed == []  # the first: a full pass
+    assert steps.claim(store, conn, limit=10, marks=marks, **CLAIM).claimed == []  # the first: a full pass
     slow = connect()
     with slow.transaction():
         late = enqueue(slow, event_type="late", payload={}, aggregate_type="t", aggregate_id="1")
         time.sleep(0.3)  # available_at is this transaction's start, now behind the look-back
         [quick] = add(conn, 1, table=store.table.name)
-        assert [c.id for c in store.claim(conn, limit=10, marks=marks, **CLAIM).claimed] == [quick]
+        assert [c.id for c in steps.claim(store, conn, limit=10, marks=marks, **CLAIM).claimed] == [quick]
     # Committed behind the marks: the next claims from the marks do not see it ...
-    assert store.claim(conn, limit=10, marks=marks, **CLAIM).claimed == []
+    assert steps.claim(store, conn, limit=10, marks=marks, **CLAIM).claimed == []
     assert fetch(conn, store.table.name, late)["status"] == "pending"
     # ... the next full pass does: late, never lost.
     deadline = time.monotonic() + 5
     taken: list[int] = []
     while not taken and time.monotonic() < deadline:
         time.sleep(0.1)
-        taken = [c.id for c in store.claim(conn, limit=10, marks=marks, **CLAIM).claimed]
+        taken = [c.id for c in steps.claim(store, conn, limit=10, marks=marks, **CLAIM).claimed]
     assert taken == [late]
     assert marks.full_passes == 2
 
@@ -214,13 +215,13 @@ def test_invariant_18_a_promoted_head_enters_the_heads_index_when_it_becomes_cla
     marks = ScanMarks(lookback=0.1)
     first, second = add(conn, 2, table=store.table.name, key="order-1")
     time.sleep(0.3)  # the second message's available_at is now behind any look-back
-    [head] = store.claim(conn, limit=10, marks=marks, **CLAIM).claimed
+    [head] = steps.claim(store, conn, limit=10, marks=marks, **CLAIM).claimed
     assert head.id == first
-    assert store.done(conn, head.id, head.lease_version)
+    assert steps.done(store, conn, head.id, head.lease_version)
     promoted = fetch(conn, store.table.name, second)
     assert promoted["head"] and promoted["available_at"] > promoted["created_at"]
     time.sleep(0.2)
-    assert [c.id for c in store.claim(conn, limit=10, marks=marks, **CLAIM).claimed] == [second]
+    assert [c.id for c in steps.claim(store, conn, limit=10, marks=marks, **CLAIM).claimed] == [second]
 
 
 def test_invariant_18_a_delayed_head_keeps_its_later_available_at_when_promoted(
@@ -231,8 +232,8 @@ def test_invariant_18_a_delayed_head_keeps_its_later_available_at_when_promoted(
         second = enqueue(
             conn, event_type="e", payload={}, aggregate_type="o", aggregate_id="1", ordered=True, delay=300
         )
-    [head] = store.claim(conn, limit=10, **CLAIM).claimed
-    assert head.id == first and store.done(conn, head.id, head.lease_version)
+    [head] = steps.claim(store, conn, limit=10, **CLAIM).claimed
+    assert head.id == first and steps.done(store, conn, head.id, head.lease_version)
     promoted = fetch(conn, store.table.name, second)
     assert promoted["head"] and promoted["available_in"] > 290
 
@@ -242,13 +243,13 @@ def test_invariant_18_leases_that_run_out_after_the_mark_come_back(
 ) -> None:
     marks = ScanMarks(lookback=0.05)
     started, unstarted = add(conn, 2, table=store.table.name)
-    claimed = store.claim(conn, limit=10, marks=marks, **{**CLAIM, "lease": SHORT}).claimed
+    claimed = steps.claim(store, conn, limit=10, marks=marks, **{**CLAIM, "lease": SHORT}).claimed
     assert {c.id for c in claimed} == {started, unstarted}
     v = {c.id: c.lease_version for c in claimed}
-    assert store.start(conn, started, v[started], lease=SHORT, max_attempts=5) is not None
-    assert store.claim(conn, limit=0, marks=marks, **CLAIM).claimed == []  # marks move to now()
+    assert steps.start(store, conn, started, v[started], lease=SHORT, max_attempts=5) is not None
+    assert steps.claim(store, conn, limit=0, marks=marks, **CLAIM).claimed == []  # marks move to now()
     time.sleep(PAST_SHORT)
-    result = store.claim(conn, limit=10, marks=marks, **CLAIM)
+    result = steps.claim(store, conn, limit=10, marks=marks, **CLAIM)
     assert [c.id for c in result.claimed] == [started]  # its worker died: re-claimed
     assert result.lost == 1  # the claim whose task never started: back to pending
     assert marks.full_passes == 1
@@ -268,7 +269,7 @@ def test_invariant_18_events_queued_during_a_pin_and_after_it_are_all_claimed(
     after = add(conn, 5, table=store.table.name, payload=lambda i: [i])
     taken: set[int] = set()
     for _ in range(5):
-        taken |= {c.id for c in store.claim(conn, limit=200, marks=marks, **CLAIM).claimed}
+        taken |= {c.id for c in steps.claim(store, conn, limit=200, marks=marks, **CLAIM).claimed}
     assert taken == set(during) | set(after)
 
 

@@ -15,6 +15,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
+from support import steps
 from support.tcp_proxy import ReplyCuttingProxy
 
 from outbox_celery import OutboxConfig, RetryableError, Store, migrate
@@ -27,7 +28,7 @@ from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, fetch
 
 def _claim(store: Store, conn: psycopg.Connection[Any], **kw: Any) -> Any:
     params: dict[str, Any] = {"limit": 10, "lease": SHORT, "owner": "w", "max_attempts": 3}
-    return store.claim(conn, **{**params, **kw})
+    return steps.claim(store, conn, **{**params, **kw})
 
 
 def test_invariant_16_the_in_flight_count_holds_live_leases_only(
@@ -47,7 +48,7 @@ def test_invariant_16_expired_leases_come_back_even_when_no_new_claim_is_allowed
     # A full bound means limit=0: no new rows, but the expired leases are still taken back.
     [started_row, lost_row] = add(conn, 2, table=table)
     claims = _claim(store, conn).claimed
-    assert store.start(conn, started_row, claims[0].lease_version, lease=SHORT, max_attempts=3)
+    assert steps.start(store, conn, started_row, claims[0].lease_version, lease=SHORT, max_attempts=3)
     [fresh] = add(conn, table=table)
     time.sleep(PAST_SHORT)
     result = _claim(store, conn, limit=0, expired_limit=10, lease=LONG)
@@ -63,7 +64,7 @@ def test_invariant_10_a_lost_claim_goes_back_to_pending_and_a_started_one_is_rec
     [crashed, lost] = add(conn, 2, table=table)
     claims = {c.id: c for c in _claim(store, conn).claimed}
     # The worker starts "crashed" and dies mid-handler; "lost"'s task never reaches a worker.
-    assert store.start(conn, crashed, claims[crashed].lease_version, lease=SHORT, max_attempts=3)
+    assert steps.start(store, conn, crashed, claims[crashed].lease_version, lease=SHORT, max_attempts=3)
     time.sleep(PAST_SHORT)
     result = _claim(store, conn, lease=LONG)
     assert [(c.id, c.lease_version) for c in result.claimed] == [(crashed, 2)]
@@ -100,7 +101,7 @@ def test_invariant_10_an_expired_lease_of_an_event_type_without_handler_goes_bac
     [kept] = add(conn, table=table, event_type="kept.event")
     claims = {c.id: c for c in _claim(store, conn, event_types=["gone.event", "kept.event"]).claimed}
     for c in claims.values():
-        assert store.start(conn, c.id, c.lease_version, lease=SHORT, max_attempts=3)
+        assert steps.start(store, conn, c.id, c.lease_version, lease=SHORT, max_attempts=3)
     time.sleep(PAST_SHORT)
     result = _claim(store, conn, event_types=["kept.event"], unroutable_delay=LONG, lease=LONG)
     assert [c.id for c in result.claimed] == [kept]
@@ -136,15 +137,15 @@ def test_invariant_12_release_never_touches_a_claim_whose_fenced_start_has_run(
     [started_row, unsent] = add(conn, 2, table=table)
     claims = _claim(store, conn, lease=LONG).claimed
     worker = connect()
-    msg = store.start(worker, started_row, claims[0].lease_version, lease=LONG, max_attempts=3)
+    msg = steps.start(store, worker, started_row, claims[0].lease_version, lease=LONG, max_attempts=3)
     assert msg is not None
-    assert store.release(conn, claims) == 1
+    assert steps.release(store, conn, claims) == 1
     row = fetch(conn, table, started_row)
     assert (row["status"], row["attempts"], row["lease_version"]) == ("processing", 1, 1)
     assert fetch(conn, table, unsent)["status"] == "pending"
     # Not claimable again while its handler runs, and its worker's finalize wins.
     assert claim_ids(store, conn) == [unsent]
-    assert store.done(worker, started_row, claims[0].lease_version).applied
+    assert steps.done(store, worker, started_row, claims[0].lease_version).applied
 
 
 def _terminate(admin: psycopg.Connection[Any], pid: int) -> None:
@@ -188,7 +189,7 @@ def test_invariant_4_a_finalize_on_a_connection_the_server_closed_is_retried_onc
         dispatcher = InProcess(
             config, pool.connection, {"thing.happened": HandlerSpec("thing.happened", handler, "q")}
         )
-        [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+        [c] = steps.claim(dispatcher.store, conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
         assert dispatcher.deliver(i, c.lease_version) == outcome
         with pool.connection() as c2:
             assert c2.info.backend_pid != seen[0]
@@ -206,8 +207,8 @@ def test_invariant_11_one_message_has_one_idempotency_key_however_the_table_is_s
     for spelling in ("outbox", "public.outbox"):
         store = Store(spelling)
         [i] = add(conn, table=table)
-        [c] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=3).claimed
-        msg = store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=3)
+        [c] = steps.claim(store, conn, limit=1, lease=LONG, owner="w", max_attempts=3).claimed
+        msg = steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=3)
         assert msg is not None
         keys.append(msg.idempotency_key)
         assert msg.idempotency_key == f"{store.instance(conn)}/public.outbox:{i}"
@@ -237,10 +238,10 @@ def test_invariant_3_a_start_whose_reply_was_lost_is_retried_without_counting_ag
     # see attempts = max_attempts and make a healthy message dead without its last run.
     [i] = add(conn, table=table)
     store = Store(table)
-    [c] = store.claim(conn, limit=1, lease=SHORT, owner="w", max_attempts=2).claimed
-    assert store.start(conn, i, c.lease_version, lease=SHORT, max_attempts=2) is not None
+    [c] = steps.claim(store, conn, limit=1, lease=SHORT, owner="w", max_attempts=2).claimed
+    assert steps.start(store, conn, i, c.lease_version, lease=SHORT, max_attempts=2) is not None
     time.sleep(PAST_SHORT)
-    [c] = store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=2).claimed
+    [c] = steps.claim(store, conn, limit=1, lease=LONG, owner="w", max_attempts=2).claimed
     runs: list[int] = []
     server = conninfo_to_dict(migrated_dsn)
     with ReplyCuttingProxy((str(server.get("host", "127.0.0.1")), int(server.get("port", 5432)))) as proxy:
@@ -272,8 +273,8 @@ def test_invariant_11_two_databases_with_the_default_table_never_send_the_same_k
         for c in (conn, other):
             store = Store(table)
             [i] = add(c, table=table)
-            [claimed] = store.claim(c, limit=1, lease=LONG, owner="w", max_attempts=3).claimed
-            msg = store.start(c, i, claimed.lease_version, lease=LONG, max_attempts=3)
+            [claimed] = steps.claim(store, c, limit=1, lease=LONG, owner="w", max_attempts=3).claimed
+            msg = steps.start(store, c, i, claimed.lease_version, lease=LONG, max_attempts=3)
             assert msg is not None
             keys.append(msg.idempotency_key)
         assert keys[0] != keys[1]

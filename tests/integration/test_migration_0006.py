@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Store, TableName, enqueue, migrate
 from outbox_celery.db.migrations import applied_versions, available
@@ -44,7 +45,7 @@ def test_invariant_11_migration_0006_from_the_previous_schema_with_rows_in_every
     row = conn.execute(sql.SQL("SELECT lease_version FROM {} WHERE id = %s").format(t), [min(claimed)])
     version = row.fetchone()
     assert version is not None
-    msg = store.start(conn, min(claimed), version[0], lease=LONG, max_attempts=12)
+    msg = steps.start(store, conn, min(claimed), version[0], lease=LONG, max_attempts=12)
     assert msg is not None
     assert msg.idempotency_key == f"{instance}/events.upgraded:{msg.id}"
     assert msg.legacy_idempotency_key == f"events.upgraded:{msg.id}"
@@ -73,11 +74,11 @@ def test_invariant_11_a_worker_role_that_may_not_read_the_identity_still_deliver
         )
         with conn.transaction():
             enqueue(conn, event_type="e", payload={}, aggregate_type="a", aggregate_id=1, table=table)
-        [c] = Store(table).claim(conn, limit=1, lease=LONG, owner="w", max_attempts=3).claimed
+        [c] = steps.claim(Store(table), conn, limit=1, lease=LONG, owner="w", max_attempts=3).claimed
         with psycopg.connect(make_conninfo(migrated_dsn, user=role), autocommit=True) as worker:
             store = Store(table)
             with caplog.at_level(logging.ERROR, logger="outbox_celery.db.store"):
-                msg = store.start(worker, c.id, c.lease_version, lease=LONG, max_attempts=3)
+                msg = steps.start(store, worker, c.id, c.lease_version, lease=LONG, max_attempts=3)
             assert msg is not None
             assert msg.idempotency_key == f"public.{table}:{c.id}"
             assert f'GRANT SELECT ON "{table}_instance"' in caplog.text

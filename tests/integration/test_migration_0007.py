@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
+from support import steps
 
 from outbox_celery import Store, TableName, migrate, ops
 from outbox_celery.db.migrations import applied_versions, available
@@ -80,14 +81,14 @@ def test_invariant_23_migration_0007_from_the_previous_schema_with_rows_in_every
     by = {(r["event_type"], r["status"], r["ordering_key"]): r["id"] for r in before}
     store = Store(TABLE)
     assert ops.pause(conn, TABLE, "b")
-    result = store.claim(
-        conn, limit=10, lease=LONG, owner="w", max_attempts=12, limits={"a": Limit(concurrency=2)}
+    result = steps.claim(
+        store, conn, limit=10, lease=LONG, owner="w", max_attempts=12, limits={"a": Limit(concurrency=2)}
     )
     # a: one live lease already, so one more of its two claimable rows; b: paused.
     assert len(result.claimed) == 1
     assert result.claimed[0].id in {by[("a", "pending", None)], by[("a", "pending", "order:1")]}
     assert result.held == ("b",)
     ops.resume(conn, TABLE, "b")
-    again = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=12)
+    again = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=12)
     assert {c.id for c in again.claimed} >= {by[("b", "processing", "order:2")], by[("b", "pending", None)]}
     assert migrate(conn, TABLE) == []

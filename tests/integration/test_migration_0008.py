@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from support import steps
 
 from outbox_celery import Store, enqueue, migrate
 from outbox_celery.db.migrations import applied_versions, available
@@ -52,8 +53,8 @@ def test_invariant_24_migration_0008_from_the_previous_schema_with_rows_in_every
                 table=TABLE,
                 limit_key=key,
             )
-    result = store.claim(
-        conn, limit=10, lease=LONG, owner="w", max_attempts=12, limits={"e": Limit(key_concurrency=2)}
+    result = steps.claim(
+        store, conn, limit=10, lease=LONG, owner="w", max_attempts=12, limits={"e": Limit(key_concurrency=2)}
     )
     assert len(result.claimed) == 3
     assert migrate(conn, TABLE) == []

@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
+from support import steps
 
 from outbox_celery import Store, TableName, enqueue, migrate, ops
 from outbox_celery.db.migrations import applied_versions, available
@@ -81,8 +82,8 @@ def test_invariant_25_migration_0009_from_the_previous_schema_with_rows_in_every
                 table=TABLE,
                 limit_key=key,
             )
-    result = store.claim(
-        conn, limit=10, lease=LONG, owner="w", max_attempts=12, limits={"e": Limit(key_concurrency=2)}
+    result = steps.claim(
+        store, conn, limit=10, lease=LONG, owner="w", max_attempts=12, limits={"e": Limit(key_concurrency=2)}
     )
     assert len(result.claimed) == 2  # ran-out and bucket
     # The prune: the hold that ran out goes; the buckets written before the migration stay.

@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
+from support import steps
 
 from outbox_celery import Store, TableName, codec, migrate
 from outbox_celery.db.migrations import applied_versions, available
@@ -69,7 +70,7 @@ def test_invariant_27_migration_0010_from_the_previous_schema_with_rows_in_every
     by_id = {r["id"]: (r, p) for r, p in zip(before, old_payloads, strict=True)}
     for outbox_id in claimed:
         version = rows(conn)[[r["id"] for r in before].index(outbox_id)]["lease_version"]
-        msg = store.start(conn, outbox_id, version, lease=LONG, max_attempts=12)
+        msg = steps.start(store, conn, outbox_id, version, lease=LONG, max_attempts=12)
         assert msg is not None
         assert (type(msg.payload), msg.payload) == (type(by_id[outbox_id][1]), by_id[outbox_id][1])
     assert migrate(conn, TABLE) == []

@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Store, TableName, enqueue, migrate
 from outbox_celery.db.migrations import applied_versions, available
@@ -42,7 +43,7 @@ def test_invariant_28_migration_0011_from_the_previous_schema_with_rows_in_every
     store = Store(TABLE)
     for outbox_id in claim_old_rows(conn, store, before):
         version = next(r for r in rows(conn) if r["id"] == outbox_id)["lease_version"]
-        msg = store.start(conn, outbox_id, version, lease=LONG, max_attempts=12)
+        msg = steps.start(store, conn, outbox_id, version, lease=LONG, max_attempts=12)
         assert msg is not None and msg.payload == {} and msg.subscription is None
 
     # Old rows of event type "e" stay as they are; new events of "e" fan out.

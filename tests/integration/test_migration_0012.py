@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from support import steps
 
 from outbox_celery import Event, Store, group, migrate
 from outbox_celery.db.migrations import applied_versions, available
@@ -38,17 +39,17 @@ def test_invariant_29_migration_0012_from_the_previous_schema_with_rows_in_every
     store = Store(TABLE)
     for outbox_id in claim_old_rows(conn, store, before):
         version = fetch(conn, TABLE, outbox_id)["lease_version"]
-        assert store.start(conn, outbox_id, version, lease=LONG, max_attempts=12) is not None
-        assert store.done(conn, outbox_id, version)
+        assert steps.start(store, conn, outbox_id, version, lease=LONG, max_attempts=12) is not None
+        assert steps.done(store, conn, outbox_id, version)
     assert conn.execute(f"SELECT count(*) FROM {TABLE}_group").fetchone() == (0,)
 
     # A group written after the migration completes with its callback.
     with conn.transaction():
         g = group(conn, [Event("part", {"i": 1}, "p", 1)], then=Event("cb", {}, "p", 0), table=TABLE)
-    [c] = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=12).claimed
+    [c] = steps.claim(store, conn, limit=10, lease=LONG, owner="t", max_attempts=12).claimed
     assert c.id == g.member_ids[0]
-    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=12) is not None
-    assert store.done(conn, c.id, c.lease_version)
+    assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=12) is not None
+    assert steps.done(store, conn, c.id, c.lease_version)
     cb = conn.execute(f"SELECT payload FROM {TABLE} WHERE event_type = 'cb'").fetchone()
     assert cb is not None and cb[0]["outbox_group"]["done"] == 1
     assert migrate(conn, TABLE) == []

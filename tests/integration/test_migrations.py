@@ -8,6 +8,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Store, TableName, migrate, ops
 from outbox_celery.db import statements as _sql
@@ -357,7 +358,7 @@ def test_migration_3_started_version_from_the_previous_schema_with_rows_in_every
         "done": ("done", 1, 0),
         "dead": ("dead", 3, 3),
     }
-    result = Store("events.upgraded").claim(conn, limit=10, lease=60.0, owner="w", max_attempts=5)
+    result = steps.claim(Store("events.upgraded"), conn, limit=10, lease=60.0, owner="w", max_attempts=5)
     assert sorted(c.id for c in result.claimed) == sorted(
         [ids["expired_started"], ids["pending"], ids["pending_ordered"]]
     )
@@ -418,12 +419,14 @@ def test_0004_flags_the_head_of_every_key_and_keeps_every_ordering_rule(
     store = Store(upgraded)
     # The expired head comes back first with a new token and keeps its place; D's head and the
     # unordered rows are claimable; A (dead head) and B (live lease) stay blocked (invariant 9).
-    claims = {c.id: c for c in store.claim(conn, limit=20, lease=60, owner="w", max_attempts=5).claimed}
+    claims = {
+        c.id: c for c in steps.claim(store, conn, limit=20, lease=60, owner="w", max_attempts=5).claimed
+    }
     assert sorted(claims) == [7, 9, 13, 15]
     assert claims[7].lease_version == 4
     assert claim_ids(store, conn) == []
     for i in (7, 9):
-        assert store.done(conn, i, claims[i].lease_version).applied
+        assert steps.done(store, conn, i, claims[i].lease_version).applied
     assert sorted(claim_ids(store, conn)) == [8, 10]
     assert ops.skip(conn, upgraded, [2], reason="obsolete") == [2]
     assert claim_ids(store, conn) == [3]
@@ -431,6 +434,6 @@ def test_0004_flags_the_head_of_every_key_and_keeps_every_ordering_rule(
     [e2] = add(conn, table=str(upgraded), key="E")
     [b3] = add(conn, table=str(upgraded), key="B")
     assert claim_ids(store, conn) == [e2]
-    assert store.done(conn, 5, 1).applied
+    assert steps.done(store, conn, 5, 1).applied
     assert claim_ids(store, conn) == [6]
     assert b3 > 6

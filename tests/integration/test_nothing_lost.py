@@ -9,6 +9,7 @@ from collections import defaultdict
 from typing import Any
 
 import psycopg
+from support import steps
 
 from outbox_celery import Event, Store, enqueue_many
 
@@ -73,32 +74,34 @@ def test_invariant_10_random_outcomes_never_lose_a_row_nor_kill_a_healthy_one(
         nonlocal stale_finishes
         if outcome in ("done", "slow", "redelivered"):
             with lock:
-                if store.done(c, i, version):
+                if steps.done(store, c, i, version):
                     done_calls[i] += 1
                     done_order.append(i)
                 else:
                     stale_finishes += 1
         elif outcome == "retry":
-            store.retry(c, i, version, delay=rng.uniform(0, 0.1), error="503", max_attempts=MAX_ATTEMPTS)
+            steps.retry(
+                store, c, i, version, delay=rng.uniform(0, 0.1), error="503", max_attempts=MAX_ATTEMPTS
+            )
         elif outcome == "defer":
-            store.defer(c, i, version, delay=0.05, reason="not yet", max_age=3600)
+            steps.defer(store, c, i, version, delay=0.05, reason="not yet", max_age=3600)
         elif outcome == "error":
-            store.record_error(c, i, version, error="RuntimeError")
+            steps.record_error(store, c, i, version, error="RuntimeError")
         elif outcome == "permanent":
             with lock:
-                if store.dead(c, i, version, error="PermanentError"):
+                if steps.dead(store, c, i, version, error="PermanentError"):
                     killed.add(i)
 
     def work(c: psycopg.Connection[Any], rng: random.Random, outcome_of: Any) -> bool:
-        claims = store.claim(c, limit=5, lease=SHORT, owner="w", max_attempts=MAX_ATTEMPTS).claimed
+        claims = steps.claim(store, c, limit=5, lease=SHORT, owner="w", max_attempts=MAX_ATTEMPTS).claimed
         for cl in claims:
             outcome = outcome_of(rng)
             if outcome == "lost_task":
                 continue
             if outcome == "release":
-                store.release(c, [cl])
+                steps.release(store, c, [cl])
                 continue
-            msg = store.start(c, cl.id, cl.lease_version, lease=SHORT, max_attempts=MAX_ATTEMPTS)
+            msg = steps.start(store, c, cl.id, cl.lease_version, lease=SHORT, max_attempts=MAX_ATTEMPTS)
             if msg is None:
                 continue
             if outcome == "crash":
@@ -106,7 +109,7 @@ def test_invariant_10_random_outcomes_never_lose_a_row_nor_kill_a_healthy_one(
             if outcome == "slow":
                 time.sleep(SHORT + 0.1)
             if outcome == "redelivered":
-                store.start(c, cl.id, cl.lease_version, lease=SHORT, max_attempts=MAX_ATTEMPTS)
+                steps.start(store, c, cl.id, cl.lease_version, lease=SHORT, max_attempts=MAX_ATTEMPTS)
             finish(c, cl.id, cl.lease_version, outcome, rng)
         return bool(claims)
 

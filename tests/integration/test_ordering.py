@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Event, ProducerError, Store, TableName, enqueue, enqueue_many, ops
 
@@ -45,10 +46,10 @@ def test_invariant_9_only_the_lowest_unfinished_id_of_a_key_is_claimable(
 ) -> None:
     ids = add(conn, 5, table=table, key="order:1")
     for i in ids:
-        [c] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+        [c] = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
         assert c.id == i
         assert claim_ids(store, conn, limit=10) == []
-        assert store.done(conn, c.id, c.lease_version).applied
+        assert steps.done(store, conn, c.id, c.lease_version).applied
     assert count(conn, table, "status = 'done'") == 5
 
 
@@ -108,17 +109,17 @@ def test_invariant_9_concurrent_workers_finish_each_key_in_id_order_while_keys_i
                 with lock:
                     if len(order) == total:
                         return
-                claims = store.claim(c, limit=3, lease=LONG, owner=f"w{n}", max_attempts=5).claimed
+                claims = steps.claim(store, c, limit=3, lease=LONG, owner=f"w{n}", max_attempts=5).claimed
                 if not claims:
                     time.sleep(0.002)
                     continue
                 for cl in claims:
-                    msg = store.start(c, cl.id, cl.lease_version, lease=LONG, max_attempts=5)
+                    msg = steps.start(store, c, cl.id, cl.lease_version, lease=LONG, max_attempts=5)
                     assert msg is not None
                     time.sleep(rng.uniform(0, 0.004))  # the handler
                     # Recording under the lock keeps `order` the order of successful done()s.
                     with lock:
-                        assert store.done(c, cl.id, cl.lease_version).applied
+                        assert steps.done(store, c, cl.id, cl.lease_version).applied
                         order.append((msg.ordering_key, msg.id))
         except BaseException as exc:  # pragma: no cover - surfaced below
             errors.append(exc)
@@ -144,13 +145,15 @@ def test_invariant_9_a_slow_head_does_not_hold_up_other_keys(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     by_key = add_interleaved(conn, table, ["A", "B"], 3)
-    claims = {c.id: c for c in store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed}
+    claims = {
+        c.id: c for c in steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    }
     assert sorted(claims) == [by_key["A"][0], by_key["B"][0]]
     # A's head is still running; B moves on twice.
     for j in (0, 1):
         b = claims.pop(by_key["B"][j])
-        assert store.done(conn, b.id, b.lease_version).applied
-        [nxt] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+        assert steps.done(store, conn, b.id, b.lease_version).applied
+        [nxt] = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
         assert nxt.id == by_key["B"][j + 1]
         claims[nxt.id] = nxt
     assert fetch(conn, table, by_key["A"][1])["status"] == "pending"
@@ -161,19 +164,21 @@ def test_invariant_9_a_dead_head_blocks_only_its_key(
 ) -> None:
     by_key = add_interleaved(conn, table, ["A", "B", None], 3)
     a, b, u = by_key["A"], by_key["B"], by_key[None]
-    first = {c.id: c for c in store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed}
+    first = {
+        c.id: c for c in steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    }
     assert sorted(first) == sorted([a[0], b[0], *u])
-    assert store.dead(conn, a[0], first.pop(a[0]).lease_version, error="HTTP 400").applied
+    assert steps.dead(store, conn, a[0], first.pop(a[0]).lease_version, error="HTTP 400").applied
     for c in first.values():
-        assert store.done(conn, c.id, c.lease_version).applied
+        assert steps.done(store, conn, c.id, c.lease_version).applied
     # B's next message and brand-new work are claimable; A's tail is not.
     [c_new] = add(conn, table=table, key="C")
     [u_new] = add(conn, table=table)
     assert sorted(claim_ids(store, conn, limit=10)) == sorted([b[1], c_new, u_new])
     for i in (b[1], c_new, u_new):
-        assert store.done(conn, i, 1).applied
+        assert steps.done(store, conn, i, 1).applied
     assert claim_ids(store, conn, limit=10) == [b[2]]
-    assert store.done(conn, b[2], 1).applied
+    assert steps.done(store, conn, b[2], 1).applied
     assert claim_ids(store, conn, limit=10) == []
     for i in a[1:]:
         row = fetch(conn, table, i)
@@ -185,20 +190,21 @@ def test_invariant_9_a_head_sent_back_to_pending_keeps_its_key_waiting(
     conn: psycopg.Connection[Any], store: Store, table: str, outcome: str
 ) -> None:
     a = add(conn, 2, table=table, key="A")
-    [c] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    [c] = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
     assert c.id == a[0]
-    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
     if outcome == "retry":
         assert (
-            store.retry(conn, c.id, c.lease_version, delay=SHORT, error="503", max_attempts=5).status
+            steps.retry(store, conn, c.id, c.lease_version, delay=SHORT, error="503", max_attempts=5).status
             == "pending"
         )
     elif outcome == "defer":
         assert (
-            store.defer(conn, c.id, c.lease_version, delay=SHORT, reason="x", max_age=60).status == "pending"
+            steps.defer(store, conn, c.id, c.lease_version, delay=SHORT, reason="x", max_age=60).status
+            == "pending"
         )
     else:
-        assert store.postpone(conn, c.id, c.lease_version, delay=SHORT, error="no handler").applied
+        assert steps.postpone(store, conn, c.id, c.lease_version, delay=SHORT, error="no handler").applied
     # The head may come back once its delay is over; its successor never before it is done.
     got = claim_ids(store, conn, limit=10)
     assert a[1] not in got
@@ -206,7 +212,7 @@ def test_invariant_9_a_head_sent_back_to_pending_keeps_its_key_waiting(
     got += claim_ids(store, conn, limit=10)
     assert got == [a[0]]
     assert fetch(conn, table, a[1])["status"] == "pending"
-    assert store.done(conn, a[0], 2).applied
+    assert steps.done(store, conn, a[0], 2).applied
     assert claim_ids(store, conn, limit=10) == [a[1]]
 
 
@@ -216,11 +222,11 @@ def test_invariant_9_an_expired_or_released_head_comes_back_before_its_successor
     a = add(conn, 2, table=table, key="A")
     assert claim_ids(store, conn, lease=SHORT) == [a[0]]
     # Its worker starts it and dies (a claim that never started waits out a delay instead).
-    assert store.start(conn, a[0], 1, lease=SHORT, max_attempts=5) is not None
+    assert steps.start(store, conn, a[0], 1, lease=SHORT, max_attempts=5) is not None
     time.sleep(PAST_SHORT)
-    claims = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    claims = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
     assert [(c.id, c.lease_version) for c in claims] == [(a[0], 2)]
-    assert store.release(conn, claims) == 1
+    assert steps.release(store, conn, claims) == 1
     assert claim_ids(store, conn) == [a[0]]
     assert fetch(conn, table, a[1])["lease_version"] == 0
 
@@ -284,7 +290,7 @@ def test_invariant_9_enqueue_many_with_several_messages_of_one_key_flags_only_th
     # A already had an unfinished message: none of the batch is its head.
     assert sorted(claim_ids(store, conn)) == sorted([old_a, ids[1], ids[3], ids[5]])
     for i in (old_a, ids[1], ids[3], ids[5]):
-        assert store.done(conn, i, 1).applied
+        assert steps.done(store, conn, i, 1).applied
     heads_consistent(conn, table)
     assert sorted(claim_ids(store, conn)) == sorted([ids[0], ids[4]])
 
@@ -295,13 +301,13 @@ def test_invariant_9_a_producer_committing_while_the_head_finishes_is_never_miss
     # The producer holds the key lock with its message uncommitted; the head's done must wait
     # for it, then hand the key to that message.
     [a0] = add(conn, table=table, key="A")
-    [c] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    [c] = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
     producer = connect()
     with producer.transaction():
         [a1] = enqueue_many(producer, [Event("e", {}, "t", 1, ordering_key="A")], table=table)
         result: dict[str, bool] = {}
         worker = threading.Thread(
-            target=lambda: result.update(won=store.done(connect(), c.id, c.lease_version).applied)
+            target=lambda: result.update(won=steps.done(store, connect(), c.id, c.lease_version).applied)
         )
         worker.start()
         wait_for_advisory_waiter(conn)
@@ -318,11 +324,11 @@ def test_invariant_9_a_producer_waiting_while_the_head_finishes_sees_it_done(
     # The reverse order: the head's done holds the key lock uncommitted; the producer waits for
     # it and its message becomes the key's head.
     add(conn, table=table, key="A")
-    [c] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    [c] = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
     worker = connect()
     got: list[int] = []
     with worker.transaction():
-        assert store.done(worker, c.id, c.lease_version).applied
+        assert steps.done(store, worker, c.id, c.lease_version).applied
         producer = threading.Thread(target=lambda: got.extend(add(connect(), table=table, key="A")))
         producer.start()
         wait_for_advisory_waiter(conn)
@@ -336,8 +342,8 @@ def test_invariant_9_skipping_a_dead_head_while_a_producer_commits_hands_over_th
     conn: psycopg.Connection[Any], store: Store, table: str, connect: Connect
 ) -> None:
     [a0] = add(conn, table=table, key="A")
-    [c] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
-    assert store.dead(conn, c.id, c.lease_version, error="HTTP 400").applied
+    [c] = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    assert steps.dead(store, conn, c.id, c.lease_version, error="HTTP 400").applied
     operator = connect()
     got: list[int] = []
     with operator.transaction():
@@ -354,24 +360,24 @@ def test_invariant_9_skip_and_requeue_move_or_keep_the_head_as_the_key_needs(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     a = add(conn, 5, table=table, key="A")
-    [c] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    [c] = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
     # A pending message behind a processing head is skipped: the head stays where it is.
     assert ops.skip(conn, table, [a[1]], reason="obsolete") == [a[1]]
     heads_consistent(conn, table)
     assert claim_ids(store, conn) == []
-    assert store.dead(conn, c.id, c.lease_version, error="HTTP 400").applied
+    assert steps.dead(store, conn, c.id, c.lease_version, error="HTTP 400").applied
     assert claim_ids(store, conn) == []
     # Requeued, the dead head is the head again, ahead of everything behind it.
     assert ops.requeue(conn, table, [a[0]]) == [a[0]]
     heads_consistent(conn, table)
-    [c] = store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    [c] = steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
     assert c.id == a[0]
-    assert store.dead(conn, c.id, c.lease_version, error="HTTP 400").applied
+    assert steps.dead(store, conn, c.id, c.lease_version, error="HTTP 400").applied
     # The dead head and the message after it skipped together: the next one is the head.
     assert ops.skip(conn, table, [a[0], a[2]], reason="obsolete") == [a[0], a[2]]
     heads_consistent(conn, table)
     assert claim_ids(store, conn) == [a[3]]
-    assert store.done(conn, a[3], 1).applied
+    assert steps.done(store, conn, a[3], 1).applied
     assert claim_ids(store, conn) == [a[4]]
 
 
@@ -379,12 +385,12 @@ def test_invariant_9_done_rows_purged_never_disturb_the_heads(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     a = add(conn, 2, table=table, key="A")
-    assert store.done(conn, claim_ids(store, conn)[0], 1).applied
+    assert steps.done(store, conn, claim_ids(store, conn)[0], 1).applied
     assert ops.purge_done(conn, table, older_than=0, batch_size=100) == 1
     [a2] = add(conn, table=table, key="A")
     heads_consistent(conn, table)
     assert claim_ids(store, conn) == [a[1]]
-    assert store.done(conn, a[1], 1).applied
+    assert steps.done(store, conn, a[1], 1).applied
     assert claim_ids(store, conn) == [a2]
 
 
@@ -434,7 +440,7 @@ def test_invariant_9_producers_and_finalizers_racing_on_few_keys_never_lose_or_d
             c = connect()
             idle_since = time.monotonic()
             while time.monotonic() - idle_since < 2:
-                claims = store.claim(c, limit=5, lease=LONG, owner="w", max_attempts=5).claimed
+                claims = steps.claim(store, c, limit=5, lease=LONG, owner="w", max_attempts=5).claimed
                 if not claims:
                     if producing.is_set():
                         idle_since = time.monotonic()
@@ -449,7 +455,7 @@ def test_invariant_9_producers_and_finalizers_racing_on_few_keys_never_lose_or_d
                     assert row is not None
                     with lock:
                         finished.append((row[0], claim.id))
-                    assert store.done(c, claim.id, claim.lease_version).applied
+                    assert steps.done(store, c, claim.id, claim.lease_version).applied
         except BaseException as exc:  # pragma: no cover - surfaced below
             errors.append(exc)
 
@@ -477,11 +483,13 @@ def test_invariant_9_a_head_s_done_hands_its_key_on_whether_or_not_the_caller_sa
 ) -> None:
     a = add(conn, 3, table=table, key="A")
     [u] = add(conn, table=table)
-    claims = {c.id: c for c in store.claim(conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed}
+    claims = {
+        c.id: c for c in steps.claim(store, conn, limit=10, lease=LONG, owner="w", max_attempts=5).claimed
+    }
     assert sorted(claims) == [a[0], u]
-    assert store.done(conn, u, claims[u].lease_version, ordered=False if ordered else None).applied
-    assert store.done(conn, a[0], claims[a[0]].lease_version, ordered=ordered).applied
+    assert steps.done(store, conn, u, claims[u].lease_version, ordered=False if ordered else None).applied
+    assert steps.done(store, conn, a[0], claims[a[0]].lease_version, ordered=ordered).applied
     # A second done of the same claim is a lost lease, and moves nothing further.
-    assert store.done(conn, a[0], claims[a[0]].lease_version, ordered=ordered).applied is False
+    assert steps.done(store, conn, a[0], claims[a[0]].lease_version, ordered=ordered).applied is False
     heads_consistent(conn, table)
     assert claim_ids(store, conn) == [a[1]]

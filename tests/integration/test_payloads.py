@@ -17,6 +17,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from psycopg_pool import ConnectionPool
+from support import steps
 from support.payloads import PAYLOADS, same
 
 from outbox_celery import (
@@ -56,14 +57,16 @@ def _start_all(
 ) -> dict[int, Message]:
     """Claim and start ``ids`` as a one-row delivery (or one batch) would."""
     store = Store(table)
-    claimed = store.claim(conn, limit=len(ids) + 10, lease=LONG, owner="w", max_attempts=5).claimed
+    claimed = steps.claim(store, conn, limit=len(ids) + 10, lease=LONG, owner="w", max_attempts=5).claimed
     pairs = [(c.id, c.lease_version) for c in claimed if c.id in ids]
     assert sorted(i for i, _ in pairs) == sorted(ids)
     if batch:
-        return {m.id: m for m in store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="t")}
+        return {
+            m.id: m for m in steps.start_many(store, conn, pairs, lease=LONG, max_attempts=5, starter="t")
+        }
     started = {}
     for outbox_id, version in pairs:
-        msg = store.start(conn, outbox_id, version, lease=LONG, max_attempts=5)
+        msg = steps.start(store, conn, outbox_id, version, lease=LONG, max_attempts=5)
         assert msg is not None
         started[outbox_id] = msg
     return started
@@ -167,7 +170,7 @@ def test_invariant_27_every_handler_kind_receives_what_was_enqueued(
         dispatcher = InProcess(
             OutboxConfig(table=table, lease=LONG, done_batch_delay=0), pool.connection, {"e": spec}
         )
-        claimed = Store(table).claim(conn, limit=50, lease=LONG, owner="w", max_attempts=5).claimed
+        claimed = steps.claim(Store(table), conn, limit=50, lease=LONG, owner="w", max_attempts=5).claimed
         pairs = [(c.id, c.lease_version) for c in claimed]
         if how == "batch":
             dispatcher.deliver_batch(pairs)

@@ -13,6 +13,7 @@ import pytest
 from psycopg import pq, sql
 
 from outbox_celery import Event, ProducerError, Store, TableName, enqueue, enqueue_many
+from outbox_celery.produce.writes import ProducerWrites
 
 from .helpers import Connect, count, fetch, fetch_all
 
@@ -249,7 +250,7 @@ def test_a_failed_transaction_is_refused(conn: psycopg.Connection[Any], table: s
 def test_the_check_constraint_backs_the_validation(conn: psycopg.Connection[Any], table: str) -> None:
     # Writers that bypass enqueue still cannot store an empty event type.
     with pytest.raises(psycopg.errors.CheckViolation):
-        Store(table).insert(
+        ProducerWrites(Store(table)).insert(
             conn,
             {
                 "event_type": "",

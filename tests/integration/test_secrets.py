@@ -16,6 +16,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
+from support import steps
 
 from outbox_celery import OutboxConfig, Store
 from outbox_celery.claim.listener import Listener
@@ -88,7 +89,7 @@ def test_invariant_19_repr_of_the_config_and_a_failed_deliverys_locals_hold_no_p
         dispatcher = InProcess(
             config, pool.connection, {"thing.happened": HandlerSpec("thing.happened", handler, "q")}
         )
-        [c] = dispatcher.store.claim(conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
+        [c] = steps.claim(dispatcher.store, conn, limit=1, lease=LONG, owner="w", max_attempts=5).claimed
         with pytest.raises(ZeroDivisionError) as raised:
             dispatcher.deliver(i, c.lease_version)
     frames = 0

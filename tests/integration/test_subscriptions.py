@@ -15,10 +15,12 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from support import steps
 
 from outbox_celery import Event, Store, TableName, enqueue, enqueue_many
 from outbox_celery.errors import ProducerError
 from outbox_celery.ops import console, flow_states, pause, purge_done, resume, retention, stats, subscriptions
+from outbox_celery.produce.writes import ProducerWrites
 
 from .helpers import LONG, Connect, fetch_all
 
@@ -41,16 +43,16 @@ def _deliver_all(store: Store, conn: psycopg.Connection[Any], route: str | None 
     """Claim, start and finish (done) everything claimable of ``route``; the messages, in order."""
     got = []
     while True:
-        claimed = store.claim(conn, limit=100, lease=LONG, owner="t", max_attempts=5).claimed
+        claimed = steps.claim(store, conn, limit=100, lease=LONG, owner="t", max_attempts=5).claimed
         mine = [c for c in claimed if route is None or c.event_type == route]
         if not claimed:
             return got
-        store.release(conn, [c for c in claimed if c not in mine])
+        steps.release(store, conn, [c for c in claimed if c not in mine])
         for c in mine:
-            msg = store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5)
+            msg = steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5)
             assert msg is not None
             got.append(msg)
-            store.done(conn, c.id, c.lease_version)
+            steps.done(store, conn, c.id, c.lease_version)
         if not mine:
             return got
 
@@ -140,14 +142,14 @@ def test_invariant_28_a_key_blocked_on_one_subscription_does_not_block_the_other
         for n in range(3):
             enqueue(conn, payload=n, table=table, ordered=True, **PAID)
     # The stuck subscription's head goes dead: its key stays blocked there.
-    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    claimed = steps.claim(store, conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
     assert sorted(c.event_type for c in claimed) == ["order.paid@fast", "order.paid@stuck"]
     for c in claimed:
-        assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+        assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
         if c.event_type.endswith("stuck"):
-            store.dead(conn, c.id, c.lease_version, error="down")
+            steps.dead(store, conn, c.id, c.lease_version, error="down")
         else:
-            store.done(conn, c.id, c.lease_version)
+            steps.done(store, conn, c.id, c.lease_version)
     got = [m.payload for m in _deliver_all(store, conn, "order.paid@fast")]
     assert got == [1, 2]
     assert _deliver_all(store, conn, "order.paid@stuck") == []
@@ -384,9 +386,9 @@ def test_invariant_28_a_subscription_reads_a_large_payload_beyond_the_start_budg
     with conn.transaction():
         enqueue(conn, payload=big, table=table, **PAID)
     store.completer.inline_bytes = 1000  # every payload read after the start, in chunks
-    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    claimed = steps.claim(store, conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
     pairs = [(c.id, c.lease_version) for c in claimed]
-    msgs = store.start_many(conn, pairs, lease=LONG, max_attempts=5, starter="w:1:a")
+    msgs = steps.start_many(store, conn, pairs, lease=LONG, max_attempts=5, starter="w:1:a")
     assert [(m.subscription, m.payload) for m in msgs] == [("a", big), ("b", big), ("c", big)]
 
 
@@ -447,20 +449,20 @@ def test_invariant_28_a_subscriptions_ordered_done_and_repair_wait_for_the_produ
     conn.execute(
         sql.SQL("UPDATE {} SET head = false WHERE ordering_key = %s").format(t), ["j\x1forder.paid@b"]
     )
-    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    claimed = steps.claim(store, conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
     c = min(claimed, key=lambda x: x.id)  # key k's head on subscription a
-    assert store.start(conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
     producer = connect()
     with producer.transaction():
         # A producer of key k holds its lock (invariant 9) until it commits.
-        store.lock_keys(producer, ["k", "j"])
+        ProducerWrites(store).lock_keys(producer, ["k", "j"])
         worker = connect()
         worker.execute("SET lock_timeout = '200ms'")
         with pytest.raises(psycopg.errors.LockNotAvailable):
-            store.done(worker, c.id, c.lease_version)
+            steps.done(store, worker, c.id, c.lease_version)
         with pytest.raises(psycopg.errors.LockNotAvailable):
             repair_heads(worker, table)
-    assert store.done(worker, c.id, c.lease_version)
+    assert steps.done(store, worker, c.id, c.lease_version)
     assert repair_heads(worker, table) == ["j\x1forder.paid@b"]
 
 
@@ -489,20 +491,20 @@ def test_invariant_28_pausing_an_event_type_pauses_every_subscription_of_it(
     assert pause(conn, table, "order.paid") is True
     routes = ["order.paid", "order.paid@a", "order.paid@b", "order.paid@gone"]
     assert [f.event_type for f in flow_states(conn, table) if f.paused] == routes
-    assert store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed == []
+    assert steps.claim(store, conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed == []
     assert pause(conn, table, "order.paid") is False  # every route was paused already
 
     assert resume(conn, table, "order.paid") is True
     assert flow_states(conn, table) == []
-    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    claimed = steps.claim(store, conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
     assert sorted(c.event_type for c in claimed) == routes[1:]
-    store.release(conn, claimed)
+    steps.release(store, conn, claimed)
 
     # A route alone pauses that subscription; the type's other routes flow on.
     assert pause(conn, table, "order.paid@a") is True
-    claimed = store.claim(conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
+    claimed = steps.claim(store, conn, limit=10, lease=LONG, owner="t", max_attempts=5).claimed
     assert sorted(c.event_type for c in claimed) == ["order.paid@b", "order.paid@gone"]
-    store.release(conn, claimed)
+    steps.release(store, conn, claimed)
     assert pause(conn, table, "order.paid", limit_key="7") is True
     assert resume(conn, table, "order.paid") is True  # resumes the route paused alone too
     assert resume(conn, table, "order.paid", limit_key="7") is True

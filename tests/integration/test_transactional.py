@@ -19,6 +19,7 @@ from psycopg import sql
 from psycopg.adapt import Loader
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
+from support import steps
 
 from outbox_celery import (
     ConfigurationError,
@@ -30,7 +31,7 @@ from outbox_celery import (
     TableName,
     enqueue,
 )
-from outbox_celery.db.store import Claimed
+from outbox_celery.claim.executor import Claimed
 from outbox_celery.handlers import HandlerSpec
 from outbox_celery.message import Outcome
 from outbox_celery.ops import subscriptions
@@ -90,8 +91,8 @@ def _follow_ups(conn: psycopg.Connection[Any], table: str) -> int:
 
 
 def _claim_one(dispatcher: InProcess, conn: psycopg.Connection[Any], lease: float = LONG) -> int:
-    [c] = dispatcher.store.claim(
-        conn, limit=1, lease=lease, owner="w", max_attempts=5, event_types=[EVENT]
+    [c] = steps.claim(
+        dispatcher.store, conn, limit=1, lease=lease, owner="w", max_attempts=5, event_types=[EVENT]
     ).claimed
     return c.lease_version
 
@@ -258,8 +259,14 @@ def test_invariant_20_the_lease_heartbeat_keeps_a_long_transaction_its_claim(
             tx.execute("SELECT pg_sleep(0.5)")
             reclaimed.extend(
                 c.id
-                for c in dispatcher.store.claim(
-                    conn, limit=5, lease=2.0, owner="thief", max_attempts=5, event_types=[EVENT]
+                for c in steps.claim(
+                    dispatcher.store,
+                    conn,
+                    limit=5,
+                    lease=2.0,
+                    owner="thief",
+                    max_attempts=5,
+                    event_types=[EVENT],
                 ).claimed
             )
 

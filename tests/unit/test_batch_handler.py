@@ -10,8 +10,8 @@ from celery import Celery
 
 from outbox_celery import ConfigurationError, Outbox
 from outbox_celery.app.outbox import MAX_BATCH, MAX_WAIT
+from outbox_celery.claim.executor import Claimed
 from outbox_celery.claim.units import publish_units
-from outbox_celery.db.store import Claimed
 from outbox_celery.handlers import HandlerSpec
 
 

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from types import SimpleNamespace
 from typing import Any
 
-import pytest
-
-from outbox_celery.claim.executor import ClaimedRow, SettingsRow, plan, typed_rows
+from outbox_celery.claim.executor import plan
 from outbox_celery.claim.plan import FillRow, FlowRow, KeyedRow, KeyWalk, Seen
 from outbox_celery.flow import CAP_RECHECK, LIMIT_RECHECK, Allowance, Limit
 
@@ -210,19 +207,3 @@ def test_flow_writes_only_what_changed() -> None:
     assert ("idle", 1.0) in plan.flow_writes(
         reclocked, limits, {"r": 0, "c": 0, "idle": 0, "k": 0}, {}
     ).buckets
-
-
-def test_a_query_whose_columns_do_not_match_its_row_type_fails_loudly() -> None:
-    def cursor(names: tuple[str, ...], *rows: tuple[Any, ...]) -> Any:
-        fnames = [n.encode() for n in names]
-        result = SimpleNamespace(nfields=len(names), fname=fnames.__getitem__)
-        return SimpleNamespace(pgresult=result, fetchall=lambda: list(rows))
-
-    columns = ("id", "lease_version", "event_type", "lease_until", "available_at", "attempts")
-    [row] = typed_rows(ClaimedRow, cursor(columns, (1, 2, "t", NOW, NOW, 0)))
-    assert row.claimed().lease_version == 2 and row.available_at == NOW
-    swapped = ("id", "event_type", "lease_version", "lease_until", "available_at", "attempts")
-    with pytest.raises(TypeError, match="do not match ClaimedRow"):
-        typed_rows(ClaimedRow, cursor(swapped, (1, "t", 2, NOW, NOW, 0)))
-    [settings] = typed_rows(SettingsRow, cursor(("jit", "now"), (None, NOW)))  # the rest: defaults
-    assert settings.seen() == Seen(now=NOW)

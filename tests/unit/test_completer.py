@@ -19,8 +19,9 @@ import pytest
 
 import outbox_celery
 from outbox_celery.db import statements as _sql
-from outbox_celery.db.completer import _NOT_FINAL, Completer, FinalizedMany, Finish, Lease, Step
-from outbox_celery.db.store import Claimed, Store
+from outbox_celery.db.completer import Completer, FinalizedMany, Finish, Lease, Step
+from outbox_celery.db.store import Store
+from outbox_celery.outcomes import NOT_FINAL
 
 FILES = ["queries.sql", "admin.sql", "inbox/queries.sql"]
 PACKAGE = Path(outbox_celery.__file__).parent
@@ -86,7 +87,7 @@ def test_the_plain_finish_writes_a_member_s_steps_that_are_never_final_and_no_ot
     # whatever the row. The steps are those finish_update's status rule never makes final.
     text = _sql.named("queries.sql")["finish"]
     [listed] = re.findall(r"o\.group_id IS NULL OR f\.outcome IN \(('[a-z_]+'(?:, '[a-z_]+')*)\)", text)
-    assert {s.strip("'") for s in listed.split(", ")} == {str(s) for s in _NOT_FINAL}
+    assert {s.strip("'") for s in listed.split(", ")} == {str(s) for s in NOT_FINAL}
     status_rule = text.split("SET status = CASE", 1)[1].split(" END,", 1)[0]
     final = {
         name
@@ -94,7 +95,7 @@ def test_the_plain_finish_writes_a_member_s_steps_that_are_never_final_and_no_ot
         for name in re.findall(r"'([a-z_]+)'", when[0])
     }
     assert final == {"done", "dead", "retry", "defer", "rate_limited"}
-    assert {str(s) for s in Step} - final == {str(s) for s in _NOT_FINAL}
+    assert {str(s) for s in Step} - final == {str(s) for s in NOT_FINAL}
 
 
 def test_the_fenced_row_sources_are_used_by_the_completer_statements_only() -> None:
@@ -154,6 +155,28 @@ def test_only_the_completer_runs_the_fenced_statements() -> None:
     assert runners == {"completer"}
 
 
+# One claim or one step of a row per call: the test helpers' (tests/support/steps.py), never the
+# store's or the worker's (they go through executor.claim and the completer).
+PER_STEP = frozenset(
+    [
+        "claim",
+        "start",
+        "start_many",
+        "done",
+        "done_many",
+        "finish_many",
+        "retry",
+        "defer",
+        "rate_limited",
+        "dead",
+        "record_error",
+        "postpone",
+        "extend_lease",
+        "extend_leases",
+    ]
+)
+
+
 def test_the_worker_writes_through_one_call_per_step_into_the_completer() -> None:
     """Every write of the worker's rooms is a completer call in fence.py: start, finish, extend."""
     calls: dict[str, list[str]] = {}
@@ -173,17 +196,7 @@ def test_the_worker_writes_through_one_call_per_step_into_the_completer() -> Non
         "completer.finish": ["fence"],
         "completer.start": ["fence"],
     }
-    finalizers = {
-        "done",
-        "done_many",
-        "finish_many",
-        "retry",
-        "defer",
-        "rate_limited",
-        "dead",
-        "record_error",
-    }
-    assert {k.split(".")[1] for k in calls if k.startswith("store.")} & (finalizers | {"postpone"}) == set()
+    assert {k.split(".")[1] for k in calls if k.startswith("store.")} & PER_STEP == set()
 
 
 class _Recorder(Completer):
@@ -203,33 +216,13 @@ class _Conn:
         return contextlib.nullcontext()
 
 
-def test_every_store_finalizer_is_one_call_of_the_completer() -> None:
+def test_the_store_writes_no_step_itself() -> None:
+    """The fenced transitions are the completer's: the store keeps no per-step method, and its
+    one write of claims (the release of unpublished rows) is one call of the completer."""
+    assert PER_STEP & set(dir(Store)) == set()
     store = Store("t")
     recorder = store.completer = _Recorder(store)
-    conn: Any = _Conn()
-    store.done(conn, 1, 2, ordered=True)
-    store.retry(conn, 1, 2, delay=3, error="e", max_attempts=4)
-    store.defer(conn, 1, 2, delay=3, reason="r", max_age=9)
-    store.rate_limited(conn, 1, 2, delay=3, reason="r", max_age=9)
-    store.dead(conn, 1, 2, error="e")
-    store.record_error(conn, 1, 2, error="e")
-    store.postpone(conn, 1, 2, delay=3, error="e")
-    store.done_many(conn, [(1, 2), Lease(3, 4)])
-    store.finish_many(conn, [(1, 2, "retry", 3.0, "e")], max_attempts=4, max_age=9, notify=True)
-    store.release(conn, [Claimed(1, 2, "t", None)])  # type: ignore[arg-type]
-    steps = [[(f.lease, f.step) for f in finishes] for finishes, _ in recorder.calls]
-    assert steps == [
-        [(Lease(1, 2), Step.DONE)],
-        [(Lease(1, 2), Step.RETRY)],
-        [(Lease(1, 2), Step.DEFER)],
-        [(Lease(1, 2), Step.RATE_LIMITED)],
-        [(Lease(1, 2), Step.DEAD)],
-        [(Lease(1, 2), Step.ERROR)],
-        [(Lease(1, 2), Step.POSTPONE)],
-        [(Lease(1, 2), Step.DONE), (Lease(3, 4), Step.DONE)],
-        [(Lease(1, 2), Step.RETRY)],
-        [(Lease(1, 2), Step.RELEASE)],
-    ]
-    assert recorder.calls[0][0][0].ordered is True
-    assert all(f.ordered is False for f in recorder.calls[7][0])  # done_many never finishes ordered rows
-    assert recorder.calls[8][1] == {"max_attempts": 4, "max_age": 9, "notify": True}
+    assert store.release(_Conn(), [Lease(1, 2), Lease(3, 4)]) == 2  # type: ignore[arg-type]
+    [(finishes, kw)] = recorder.calls
+    assert [(f.lease, f.step) for f in finishes] == [(Lease(1, 2), Step.RELEASE), (Lease(3, 4), Step.RELEASE)]
+    assert kw == {"max_attempts": 0, "max_age": 0.0}

@@ -256,14 +256,7 @@ WITH was AS (
 ),
 requeued AS (
 UPDATE {table} AS o
-SET status = 'pending',
-    attempts = 0,
-    available_at = now(),
-    lease_until = NULL,
-    started_version = o.lease_version,
-    last_error = left('requeued by operator' || coalesce(': ' || %(reason)s::text, '')
-                      || ' (attempts were ' || o.attempts || ')'
-                      || coalesce('; previous error: ' || o.last_error, ''), 8000)
+{requeue_set}
 FROM was
 WHERE o.id = was.id
 RETURNING o.id, o.group_id, o.event_type, was.status AS was
@@ -288,14 +281,7 @@ WITH picked AS (
 )
 , requeued AS (
 UPDATE {table} AS o
-SET status = 'pending',
-    attempts = 0,
-    available_at = now(),
-    lease_until = NULL,
-    started_version = o.lease_version,
-    last_error = left('requeued by operator' || coalesce(': ' || %(reason)s::text, '')
-                      || ' (attempts were ' || o.attempts || ')'
-                      || coalesce('; previous error: ' || o.last_error, ''), 8000)
+{requeue_set}
 FROM picked
 WHERE o.id = picked.id
 RETURNING o.id, o.group_id, o.event_type
@@ -308,15 +294,25 @@ group_moves AS (
 {group_settle}
 SELECT id FROM requeued;
 
+-- fragment: requeue_set
+-- What an operator's requeue writes (requeue_ids, requeue_batch) to the rows it updates, "o":
+-- pending, claimable now, attempts reset, the previous error kept behind a prefix.
+-- lease_version is never reset (the fencing token only ever grows); started_version catches up
+-- with it, so the count of claims that never started starts again from zero.
+SET status = 'pending',
+    attempts = 0,
+    available_at = now(),
+    lease_until = NULL,
+    started_version = o.lease_version,
+    last_error = left('requeued by operator' || coalesce(': ' || %(reason)s::text, '')
+                      || ' (attempts were ' || o.attempts || ')'
+                      || coalesce('; previous error: ' || o.last_error, ''), 8000)
+
 -- name: lock_keys_of_ids
 -- Before a skip: the producers' key locks (queries.sql lock_keys) of every ordered message among
 -- the ids, in sorted order, so the head moved by settle_heads sees every message of those keys
 -- committed so far and no producer commits one until the skip does (DESIGN invariant 9).
--- A subscription's stored key takes its producer's key lock (the part before chr(31)).
-SELECT count({key_lock})
-FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
-      WHERE id = ANY(%(ids)s::bigint[]) AND ordering_key IS NOT NULL
-      ORDER BY 1) AS sorted_keys;
+{lock_keys_of_rows};
 
 -- name: skip_ids
 -- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded behind

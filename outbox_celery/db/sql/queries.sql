@@ -183,7 +183,7 @@ SELECT id, dedup_key FROM {table} WHERE dedup_key = ANY(%(keys)s::text[]);
 -- The head finalizers (finish_done_head, admin skip) take the same locks. The isolation level
 -- comes back with it: insert decides the head from its statement's snapshot, which is taken
 -- after the lock only under read committed.
-SELECT count({key_lock}), current_setting('transaction_isolation')
+SELECT count({key_lock}) AS locked, current_setting('transaction_isolation') AS isolation
 FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k) ORDER BY k) AS sorted_keys;
 
 -- name: try_claim_lock
@@ -191,17 +191,17 @@ FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k) ORDER BY k) AS sor
 -- caller holds the transaction open for the run and its end releases the lock, so no session
 -- state is involved (PgBouncer's transaction pooling may move sessions between transactions).
 SELECT pg_try_advisory_xact_lock(hashtextextended(
-    'outbox_celery:claim:' || %(table)s::regclass::oid::text, 0));
+    'outbox_celery:claim:' || %(table)s::regclass::oid::text, 0)) AS locked;
 
 -- name: count_in_flight
 -- Live leases only (DESIGN invariant 16): a row whose lease ran out holds no worker, so a lost
 -- task (no consumer, flushed broker, a deploy with every delivery worker down) never fills the
 -- bound; the claim takes such rows back whatever the bound says.
-SELECT count(*) FROM {table} WHERE status = 'processing' AND lease_until > now();
+SELECT count(*) AS n FROM {table} WHERE status = 'processing' AND lease_until > now();
 
 -- name: count_recent_done
 -- Rows finished in the last window, counted up to a cap so the cost stays bounded.
-SELECT count(*) FROM (
+SELECT count(*) AS n FROM (
     SELECT 1 FROM {table}
     WHERE status = 'done' AND done_at > now() - make_interval(secs => %(window)s)
     LIMIT %(cap)s
@@ -533,13 +533,18 @@ SELECT id FROM exhausted;
 -- First statement of a finalize that holds an ordered done: the producers' locks (lock_keys) of
 -- those rows' keys, sorted, so that the finish statement's snapshot holds every message of the
 -- keys committed so far and none can commit until the heads have moved (DESIGN invariant 9).
--- Nothing is locked for an unordered row.
+{lock_keys_of_rows};
+
+-- fragment: lock_keys_of_rows
+-- The producers' key locks (lock_keys) of the rows %(ids)s, each key once, in sorted order;
+-- nothing for an unordered row. Written once for an ordered done (lock_key_of) and an
+-- operator's skip (admin.sql lock_keys_of_ids).
 -- A subscription's stored key ("<key>", chr(31), route: DESIGN invariant 28) takes the lock of
 -- its producer's key, the part before chr(31).
 SELECT count({key_lock})
 FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
       WHERE id = ANY(%(ids)s::bigint[]) AND ordering_key IS NOT NULL
-      ORDER BY 1) AS sorted_keys;
+      ORDER BY 1) AS sorted_keys
 
 -- name: finish
 -- The one fenced finalize (the completer, DESIGN invariants 4, 9, 21): every outcome of one row
@@ -567,8 +572,8 @@ FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
   -- A group's member goes through finish_grouped, which counts it (the completer knows from
   -- the fenced start; a row sent here by mistake is left alone, as a lost lease), but for the
   -- steps that never make a row done or dead: they never change a group's count (invariant 29),
-  -- so the completer sends them here whatever the row (_NOT_FINAL in complete.py).
-  AND (o.group_id IS NULL OR f.outcome IN ('error', 'postpone', 'release', 'hand_back'))
+  -- so the completer sends them here whatever the row (the steps not final in outcomes.STEPS).
+  AND (o.group_id IS NULL OR f.outcome IN ({steps_not_final}))
 RETURNING o.id, o.status, f.outcome, o.event_type, o.limit_key, o.ordering_key, f.delay;
 
 -- name: finish_grouped
@@ -623,7 +628,7 @@ FROM {commit_mode},
      {wake_listeners} AS woke,
      {finishes} AS f(id, lease_version, outcome, delay, error)
 WHERE o.id = f.id AND o.lease_version = f.lease_version AND {fenced_processing}
-  AND f.outcome IN ('done', 'retry', 'defer', 'rate_limited', 'dead', 'error', 'postpone', 'release', 'hand_back')
+  AND f.outcome IN ({steps})
   AND (f.outcome <> 'done' OR o.ordering_key IS NULL OR %(keys_locked)s::bool)
   AND (f.outcome <> 'release' OR o.started_version < o.lease_version)
 
@@ -691,11 +696,11 @@ WHERE (id = ANY(%(ids)s::bigint[]) OR payload_of = ANY(%(ids)s::bigint[]))
 -- the server has it (the CASE never evaluates the name on an older server, which would refuse
 -- it). None of them is needed for correctness: the fenced done, last in the transaction, rolls
 -- back a run whose claim was superseded; they bound how long its locks are held.
-SELECT set_config('statement_timeout', %(ms)s::text, true),
-       set_config('idle_in_transaction_session_timeout', %(ms)s::text, true),
+SELECT set_config('statement_timeout', %(ms)s::text, true) AS statement_timeout,
+       set_config('idle_in_transaction_session_timeout', %(ms)s::text, true) AS idle_timeout,
        CASE WHEN current_setting('server_version_num')::int >= 170000
-            THEN set_config('transaction_timeout', %(ms)s::text, true) END,
-       current_setting('transaction_isolation');
+            THEN set_config('transaction_timeout', %(ms)s::text, true) END AS transaction_timeout,
+       current_setting('transaction_isolation') AS isolation;
 
 -- name: extend_lease
 -- The lease heartbeat of one claim or many: lease_until = max(lease_until, now() + seconds),
@@ -709,7 +714,7 @@ RETURNING o.id;
 -- name: canonical_name
 -- The table as PostgreSQL resolves it, schema included: the base of idempotency keys, so that
 -- "outbox" and "public.outbox" (one table) give every message one key (DESIGN invariant 11).
-SELECT n.nspname, c.relname
+SELECT n.nspname AS schema_name, c.relname AS table_name
 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
 WHERE c.oid = %(table)s::regclass;
 
@@ -719,10 +724,10 @@ WHERE c.oid = %(table)s::regclass;
 -- table), 'denied' when this role may not read it (a worker role granted the outbox table only).
 SELECT CASE WHEN to_regclass(%(instance_table)s) IS NULL THEN 'missing'
             WHEN has_table_privilege(to_regclass(%(instance_table)s), 'SELECT') THEN 'ok'
-            ELSE 'denied' END;
+            ELSE 'denied' END AS state;
 
 -- name: instance_id
-SELECT instance::text FROM {instance_table};
+SELECT instance::text AS instance FROM {instance_table};
 
 -- name: settle_heads
 -- The one definition of giving a key its head back, under the keys' locks (the statement before
@@ -751,7 +756,7 @@ RETURNING o.id, o.ordering_key;
 -- name: notify_channel
 -- The channel the producer's insert signals on (pg_notify in insert / insert_many); the
 -- listener LISTENs on it (as an identifier).
-SELECT {notify_channel};
+SELECT {notify_channel} AS channel;
 
 -- name: notify
 -- Wake this table's listeners (at commit; at once on an autocommit connection) on the channel
@@ -783,12 +788,12 @@ SELECT extract(epoch FROM least(
      WHERE status = 'processing' AND lease_until > now()
        AND lease_until <= now() + make_interval(secs => %(within)s)
      ORDER BY lease_until LIMIT 1)
-) - now())::float8;
+) - now())::float8 AS seconds;
 
 -- name: flow_exists
 -- Whether the flow-control tables (migrations 0007 and 0008) are there: a claim of a table
 -- not migrated yet runs without pauses and limits (and says so in the log) instead of failing.
-SELECT to_regclass(%(flow_table)s) IS NOT NULL AND to_regclass(%(flow_key_table)s) IS NOT NULL;
+SELECT to_regclass(%(flow_table)s) IS NOT NULL AND to_regclass(%(flow_key_table)s) IS NOT NULL AS ready;
 
 -- name: flow_lock
 -- The flow-control rows of the event types this claim limits or claims key by key (DESIGN
