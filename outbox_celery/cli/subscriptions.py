@@ -3,6 +3,7 @@ invariant 28), listed, added (optionally replaying history) and removed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -81,20 +82,7 @@ def subscriptions_list(target: Target, event_type: str | None, as_json: bool) ->
     if not found:
         click.echo("no subscriptions")
         return
-    rows = [
-        (
-            printable(s.route),
-            f"{s.created_at:%Y-%m-%d %H:%M:%S}",
-            f"removed {s.removed_at:%Y-%m-%d %H:%M:%S}" if s.removed_at else "live",
-            s.pending,
-            s.processing,
-            s.dead,
-        )
-        for s in found
-    ]
-    click.echo(
-        text_table(["route", "created", "state", "pending", "processing", "dead"], rows, right=[3, 4, 5])
-    )
+    click.echo(_table(found, "created", lambda s: f"{s.created_at:%Y-%m-%d %H:%M:%S}", set()))
 
 
 @subscriptions_group.command("add")
@@ -164,20 +152,8 @@ def subscriptions_sync(target: Target, as_json: bool) -> None:
     if not listed:
         click.echo("no subscriptions")
         return
-    rows = [
-        (
-            printable(s.route),
-            "yes" if s.route in states else "no",
-            _state(s, states.get(s.route)),
-            s.pending,
-            s.processing,
-            s.dead,
-        )
-        for s in listed
-    ]
-    click.echo(
-        text_table(["route", "declared", "state", "pending", "processing", "dead"], rows, right=[3, 4, 5])
-    )
+    added = {route for route, state in states.items() if state == "added"}
+    click.echo(_table(listed, "declared", lambda s: "yes" if s.route in states else "no", added))
     for s in listed:
         route = printable(s.route)
         if s.route in states and s.removed_at is not None:
@@ -189,10 +165,22 @@ def subscriptions_sync(target: Target, as_json: bool) -> None:
             click.echo(f"{route}: live, not declared by the app: its events wait for its handler")
 
 
-def _state(s: subscriptions.Subscription, synced: str | None) -> str:
-    if s.removed_at is not None:
-        return f"removed {s.removed_at:%Y-%m-%d %H:%M:%S}"
-    return "added" if synced == "added" else "live"
+def _table(
+    found: list[subscriptions.Subscription],
+    column: str,
+    cell: Callable[[subscriptions.Subscription], str],
+    added: set[str],
+) -> str:
+    """The subscriptions as a table: route, ``column`` (``cell`` of each), state (``added`` for
+    the routes in ``added``, else live or removed) and unfinished rows."""
+
+    def state(s: subscriptions.Subscription) -> str:
+        if s.removed_at is not None:
+            return f"removed {s.removed_at:%Y-%m-%d %H:%M:%S}"
+        return "added" if s.route in added else "live"
+
+    rows = [(printable(s.route), cell(s), state(s), s.pending, s.processing, s.dead) for s in found]
+    return text_table(["route", column, "state", "pending", "processing", "dead"], rows, right=[3, 4, 5])
 
 
 @subscriptions_group.command("remove")

@@ -22,7 +22,7 @@ from outbox_celery.errors import ProducerError
 from outbox_celery.ops import console, flow_states, pause, purge_done, resume, retention, stats, subscriptions
 from outbox_celery.produce.writes import ProducerWrites
 
-from .helpers import LONG, Connect, fetch_all
+from .helpers import LONG, Connect, fetch_all, lock_waiters
 
 PAID = {"event_type": "order.paid", "aggregate_type": "order", "aggregate_id": "7"}
 SINCE = datetime(2000, 1, 1)
@@ -223,14 +223,6 @@ def _delivered_facts(conn: psycopg.Connection[Any], table: str, store: Store, n:
     return ids
 
 
-def _lock_waiters(conn: psycopg.Connection[Any]) -> int:
-    row = conn.execute(
-        "SELECT count(*) FROM pg_stat_activity"
-        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-    ).fetchone()
-    return int(row[0]) if row else 0
-
-
 def _orphans(conn: psycopg.Connection[Any], table: str) -> int:
     """Rows whose payload is nowhere: they would fail before their handler, at every attempt."""
     t = TableName.parse(table).identifier()
@@ -288,10 +280,10 @@ def test_invariant_28_a_replay_while_a_purge_is_open_skips_the_facts_it_deletes(
         assert retention._purge_batch(purger, table, cutoff=cutoff, limit=100).deleted == len(owners)
         thread.start()
         deadline = time.monotonic() + 10
-        while thread.is_alive() and _lock_waiters(conn) == 0:
+        while thread.is_alive() and lock_waiters(conn) == 0:
             assert time.monotonic() < deadline, "the replay neither ended nor waited"
             time.sleep(0.02)
-        waited = _lock_waiters(conn) == 1
+        waited = lock_waiters(conn) == 1
     thread.join(30)
     assert not errors, errors
     assert _orphans(conn, table) == 0
