@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 from types import FrameType
+from typing import Any
 
 import click
 
@@ -17,16 +18,21 @@ from .options import duration, pass_target
 from .output import echo_json
 from .target import DEFAULT_CLAIM_INTERVAL, Target
 
-__all__ = ["health", "metrics"]
+__all__ = ["BROKER_CHECK", "broker_problem", "health", "metrics"]
+
+
+#: The check ``health`` adds with the app known (``-A``): its Celery broker accepts a connection.
+BROKER_CHECK = "broker"
 
 
 @cli.command()
 @click.option(
     "--check",
     "checks",
-    type=click.Choice(health_checks.CHECKS),
+    type=click.Choice((*health_checks.CHECKS, BROKER_CHECK)),
     multiple=True,
-    help="Run only this check (repeatable); default: all. The horizon is always reported, as a warning.",
+    help="Run only this check (repeatable); default: all (broker: with -A). The horizon is always "
+    "reported, as a warning.",
 )
 @click.option(
     "--claim-intervals",
@@ -48,7 +54,7 @@ __all__ = ["health", "metrics"]
     callback=duration,
     default="5s",
     show_default=True,
-    help="Connect and statement timeout.",
+    help="Connect and statement timeout (the broker's connect too).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_target
@@ -63,25 +69,65 @@ def health(
     """Exit 0 when the outbox is healthy, 1 with the reason on one line (for probes).
 
     Checks the database answers, the schema is current, and claims ran within
-    --claim-intervals claim intervals; warns about what holds the xmin horizon.
+    --claim-intervals claim intervals; with the app known (-A), that its Celery broker accepts
+    a connection. Warns about what holds the xmin horizon.
     """
     if claim_interval is None:
         claim_interval = target.claim_interval
-    result = health_checks.check(
-        target.dsn,
-        target.table,
-        claim_interval=claim_interval,
-        intervals=claim_intervals,
-        checks=checks or health_checks.CHECKS,
-        handlers=target.handlers,
-        timeout=timeout or 5.0,
-    )
+    outbox = target.outbox
+    if BROKER_CHECK in checks and outbox is None:
+        raise click.ClickException("the broker check needs the app: pass -A module:outbox")
+    database_checks = tuple(c for c in checks if c != BROKER_CHECK)
+    if checks and not database_checks:
+        result = health_checks.Health()
+    else:
+        result = health_checks.check(
+            target.dsn,
+            target.table,
+            claim_interval=claim_interval,
+            intervals=claim_intervals,
+            checks=database_checks or health_checks.CHECKS,
+            handlers=target.handlers,
+            timeout=timeout or 5.0,
+        )
+    if outbox is not None and (not checks or BROKER_CHECK in checks):
+        problem = broker_problem(outbox.app, timeout or 5.0)
+        if problem is None:
+            result.checks[BROKER_CHECK] = "ok"
+        else:
+            result.fail(BROKER_CHECK, problem)
     if as_json:
         echo_json({"table": target.table.qualified, **result.as_dict()})
     else:
         click.echo(target.scrub(result.line()))
     if not result.healthy:
         raise SystemExit(1)
+
+
+def broker_problem(app: Any, timeout: float) -> str | None:
+    """Why the Celery ``app``'s broker does not accept a connection, or ``None`` when it does.
+
+    One attempt, no retry, bounded by ``timeout`` seconds for the connect (and, on Redis, for
+    its answer: a frozen server would otherwise hold the probe). The broker's password is never
+    in the answer.
+    """
+    conn = app.connection_for_write(connect_timeout=timeout)
+    try:
+        if conn.transport.driver_type == "redis":
+            conn.release()
+            # Redis takes its socket timeouts from the transport options, not connect_timeout.
+            bounded = {"socket_connect_timeout": timeout, "socket_timeout": timeout}
+            conn = app.connection_for_write(connect_timeout=timeout, transport_options=bounded)
+        conn.ensure_connection(max_retries=0)
+    except Exception as exc:
+        why = first_line(exc)
+        secret = conn.password
+        if secret:
+            why = why.replace(str(secret), "***")
+        return f"unreachable ({conn.as_uri()}): {why}"  # as_uri masks the password
+    finally:
+        conn.release()
+    return None
 
 
 # -- metrics -----------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The options and arguments commands share: durations, message ids, and the target's
-``--dsn``/``--table`` after the command."""
+``--dsn``/``--table``/``-A`` after the command."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ pass_target_object = click.make_pass_decorator(Target)
 
 
 def _override_target(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    """Option callback: ``--dsn``/``--table`` given after the command beat the group's."""
+    """Option callback: ``--dsn``/``--table``/``-A`` given after the command beat the group's."""
     if value is None:
         return
     target = ctx.find_object(Target)
@@ -54,12 +54,21 @@ def _override_target(ctx: click.Context, param: click.Parameter, value: str | No
 
 
 def pass_target(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Pass the :class:`Target` and accept ``--dsn``/``--table`` after the command too.
+    """Pass the :class:`Target` and accept ``--dsn``/``--table``/``-A`` after the command too.
 
     ``outbox-celery migrate --dsn ...`` is how most people type it (and how the README shows
     it); the group's options (before the command) and the environment keep working.
     """
     fn = pass_target_object(fn)
+    fn = click.option(
+        "-A",
+        "--app",
+        "app_spec",
+        metavar="MODULE[:ATTR]",
+        expose_value=False,
+        callback=_override_target,
+        help="Load an Outbox (e.g. proj.tasks:outbox); same as the option before the command.",
+    )(fn)
     for name, what in (("--table", "Outbox table"), ("--dsn", "PostgreSQL connection string")):
         fn = click.option(
             name,

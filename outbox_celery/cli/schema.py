@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from ..db import migrations
+from ..ops import subscriptions
 from .main import cli
 from .options import pass_target
 from .output import echo_json
+from .subscriptions import declared_lines
 from .target import Target
 
 __all__ = ["migrate"]
@@ -18,12 +22,23 @@ __all__ = ["migrate"]
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_target
 def migrate(target: Target, check: bool, as_json: bool) -> None:
-    """Create or upgrade the outbox table (idempotent)."""
+    """Create or upgrade the outbox table (idempotent).
+
+    With -A, also add the subscriptions the app's handlers declare and say, for each, whether
+    it was added or existed (as `subscriptions sync`): a deploy step run before the producers.
+    With --check, exit 1 as well when one of them is missing.
+    """
     table = target.table
+    outbox = target.outbox
+    routes = list(outbox.handlers) if outbox is not None else None
+    declared: list[subscriptions.Declared] | None = None
     with target.connect() as conn:
         if check:
             todo = migrations.pending(conn, table)
             current = migrations.applied_versions(conn, table)
+            if routes is not None:
+                declared = subscriptions.declared(conn, table, routes)
+            missing = [d for d in declared or [] if d.state == "missing"]
             if as_json:
                 echo_json(
                     {
@@ -31,24 +46,46 @@ def migrate(target: Target, check: bool, as_json: bool) -> None:
                         "up_to_date": not todo,
                         "applied": current,
                         "pending": [m.version for m in todo],
+                        **_declared_json(declared),
                     }
                 )
-            elif todo:
-                names = ", ".join(f"{m.version:04d}_{m.name}" for m in todo)
-                click.echo(f"schema of {table.qualified} is behind: pending {names}")
             else:
-                click.echo(f"schema of {table.qualified} is up to date (version {max(current)})")
-            if todo:
+                if todo:
+                    names = ", ".join(f"{m.version:04d}_{m.name}" for m in todo)
+                    click.echo(f"schema of {table.qualified} is behind: pending {names}")
+                else:
+                    click.echo(f"schema of {table.qualified} is up to date (version {max(current)})")
+                _echo_declared(declared)
+            if todo or missing:
                 raise SystemExit(1)
             return
         applied = migrations.migrate(conn, table)
         current = migrations.applied_versions(conn, table)
+        if routes is not None:
+            declared = subscriptions.declare(conn, table, routes)
     if as_json:
-        echo_json({"table": table.qualified, "applied_now": applied, "applied": current})
-    elif applied:
+        echo_json(
+            {"table": table.qualified, "applied_now": applied, "applied": current, **_declared_json(declared)}
+        )
+        return
+    if applied:
         click.echo(
             f"migrated {table.qualified}: applied version(s) {', '.join(map(str, applied))}; "
             f"now at version {max(current)}"
         )
     else:
         click.echo(f"{table.qualified} is already up to date (version {max(current)})")
+    _echo_declared(declared)
+
+
+def _declared_json(declared: list[subscriptions.Declared] | None) -> dict[str, Any]:
+    """The ``subscriptions`` key of ``--json`` with -A; nothing without."""
+    if declared is None:
+        return {}
+    return {"subscriptions": [{"route": d.route, "state": d.state} for d in declared]}
+
+
+def _echo_declared(declared: list[subscriptions.Declared] | None) -> None:
+    if declared is not None:
+        for line in declared_lines(declared):
+            click.echo(line)

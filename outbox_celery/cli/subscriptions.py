@@ -3,6 +3,7 @@ invariant 28), listed, added (optionally replaying history) and removed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -18,7 +19,7 @@ from .options import pass_target
 from .output import echo_json, printable, text_table
 from .target import Target
 
-__all__ = ["subscriptions_group"]
+__all__ = ["declared_lines", "subscriptions_group"]
 
 
 @cli.group("subscriptions", cls=Group)
@@ -28,8 +29,29 @@ def subscriptions_group() -> None:
     A subscription is a named handler of an event type (@outbox.handler("order.paid",
     name="receipt")); its messages carry the route order.paid@receipt wherever an event type is
     shown or given (stats, dead, pause, resume, metrics). Workers add their handlers'
-    subscriptions at start-up.
+    subscriptions at start-up; `subscriptions sync -A` (or `migrate -A`) adds them at a deploy
+    step, before producers run.
     """
+
+
+def declared_lines(found: list[subscriptions.Declared]) -> list[str]:
+    """One line per subscription an app declares, saying what the table holds of it."""
+    if not found:
+        return ["the app declares no subscriptions"]
+    lines = []
+    for d in found:
+        route = printable(d.route)
+        if d.state == "removed":
+            lines.append(
+                f"subscription {route} was removed by an operator: left removed "
+                f"(outbox-celery subscriptions add {printable(d.event_type)} {printable(d.name)} "
+                "brings it back)"
+            )
+        elif d.state == "missing":
+            lines.append(f"subscription {route} is missing (outbox-celery migrate -A adds it)")
+        else:
+            lines.append(f"subscription {route} {d.state}")
+    return lines
 
 
 def _since(conn: psycopg.Connection[Any], table: TableName, text: str) -> datetime:
@@ -60,20 +82,7 @@ def subscriptions_list(target: Target, event_type: str | None, as_json: bool) ->
     if not found:
         click.echo("no subscriptions")
         return
-    rows = [
-        (
-            printable(s.route),
-            f"{s.created_at:%Y-%m-%d %H:%M:%S}",
-            f"removed {s.removed_at:%Y-%m-%d %H:%M:%S}" if s.removed_at else "live",
-            s.pending,
-            s.processing,
-            s.dead,
-        )
-        for s in found
-    ]
-    click.echo(
-        text_table(["route", "created", "state", "pending", "processing", "dead"], rows, right=[3, 4, 5])
-    )
+    click.echo(_table(found, "created", lambda s: f"{s.created_at:%Y-%m-%d %H:%M:%S}", set()))
 
 
 @subscriptions_group.command("add")
@@ -89,17 +98,89 @@ def subscriptions_list(target: Target, event_type: str | None, as_json: bool) ->
 def subscriptions_add(
     target: Target, event_type: str, name: str, replay_since: str | None, as_json: bool
 ) -> None:
-    """Add subscription NAME of EVENT_TYPE: it receives the events written after this commits."""
+    """Add subscription NAME of EVENT_TYPE: it receives the events written after this commits.
+
+    One that is live already is left as it is ("exists", exit 0); a removed one comes back.
+    """
     with target.connect() as conn:
         since = _since(conn, target.table, replay_since) if replay_since else None
-        replayed = subscriptions.add(conn, target.table, event_type, name, replay_since=since)
-    route = route_of(event_type, name)
+        done = subscriptions.add(conn, target.table, event_type, name, replay_since=since)
     if as_json:
-        echo_json({"route": route, "replayed": replayed})
-    else:
-        click.echo(
-            f"subscription {printable(route)} added" + (f"; {replayed} event(s) replayed" if since else "")
+        echo_json({"route": done.route, "added": done.added, "replayed": done.replayed})
+        return
+    what = "added" if done.added else "exists: nothing changed"
+    replayed = f"; {done.replayed} event(s) replayed" if since else ""
+    click.echo(f"subscription {printable(done.route)} {what}{replayed}")
+
+
+@subscriptions_group.command("sync")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_target
+def subscriptions_sync(target: Target, as_json: bool) -> None:
+    """Add the subscriptions the app (-A) declares, then list every subscription of the table.
+
+    A deploy step, idempotent: run it before the producers of a release that adds a
+    subscription, so no event written meanwhile misses it. Each subscription is shown declared
+    by the app or not, live or removed; one an operator removed stays removed, and none is
+    removed here.
+    """
+    outbox = target.outbox
+    if outbox is None:
+        raise click.ClickException(
+            "subscriptions sync adds the subscriptions an app declares: pass -A module:outbox"
         )
+    with target.connect() as conn:
+        found = subscriptions.declare(conn, target.table, outbox.handlers)
+        listed = subscriptions.list_subscriptions(conn, target.table)
+    states = {d.route: d.state for d in found}
+    if as_json:
+        echo_json(
+            {
+                "declared": [{"route": d.route, "state": d.state} for d in found],
+                "subscriptions": [{**s.as_dict(), "declared": s.route in states} for s in listed],
+            }
+        )
+        return
+    counts = {state: sum(d.state == state for d in found) for state in ("added", "exists", "removed")}
+    if found:
+        click.echo(
+            f"{len(found)} subscription(s) declared by the app: {counts['added']} added, "
+            f"{counts['exists']} existed, {counts['removed']} removed by an operator (left removed)"
+        )
+    else:
+        click.echo("the app declares no subscriptions")
+    if not listed:
+        click.echo("no subscriptions")
+        return
+    added = {route for route, state in states.items() if state == "added"}
+    click.echo(_table(listed, "declared", lambda s: "yes" if s.route in states else "no", added))
+    for s in listed:
+        route = printable(s.route)
+        if s.route in states and s.removed_at is not None:
+            click.echo(
+                f"{route}: declared by the app, removed by an operator: outbox-celery subscriptions "
+                f"add {printable(s.event_type)} {printable(s.name)} brings it back"
+            )
+        elif s.route not in states and s.removed_at is None:
+            click.echo(f"{route}: live, not declared by the app: its events wait for its handler")
+
+
+def _table(
+    found: list[subscriptions.Subscription],
+    column: str,
+    cell: Callable[[subscriptions.Subscription], str],
+    added: set[str],
+) -> str:
+    """The subscriptions as a table: route, ``column`` (``cell`` of each), state (``added`` for
+    the routes in ``added``, else live or removed) and unfinished rows."""
+
+    def state(s: subscriptions.Subscription) -> str:
+        if s.removed_at is not None:
+            return f"removed {s.removed_at:%Y-%m-%d %H:%M:%S}"
+        return "added" if s.route in added else "live"
+
+    rows = [(printable(s.route), cell(s), state(s), s.pending, s.processing, s.dead) for s in found]
+    return text_table(["route", column, "state", "pending", "processing", "dead"], rows, right=[3, 4, 5])
 
 
 @subscriptions_group.command("remove")

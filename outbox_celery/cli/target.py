@@ -40,12 +40,17 @@ class Target:
         self._outbox: OperatedOutbox | None = None
         self._loaded = False
 
-    def override(self, *, dsn: str | None = None, table: str | None = None) -> None:
-        """Replace the DSN or the table (options given after the command)."""
+    def override(
+        self, *, dsn: str | None = None, table: str | None = None, app_spec: str | None = None
+    ) -> None:
+        """Replace the DSN, the table or the Outbox's spec (options given after the command)."""
         if dsn is not None:
             self._dsn = dsn
         if table is not None:
             self._table = table
+        if app_spec is not None:
+            self._app_spec = app_spec
+            self._outbox, self._loaded = None, False
 
     @property
     def outbox(self) -> OperatedOutbox | None:

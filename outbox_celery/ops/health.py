@@ -15,6 +15,10 @@
   (:func:`~outbox_celery.ops.retention.horizon`) when a session, prepared transaction or slot
   has held it for a minute.
 
+With the app known (``-A``), ``outbox-celery health`` adds a **broker** check: the app's Celery
+broker accepts a connection (:func:`outbox_celery.cli.monitoring.broker_problem`; this module
+knows nothing of Celery).
+
 docs/operations.md, "Health checks and probes", shows the probes built on it.
 """
 

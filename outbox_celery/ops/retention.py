@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg.rows import dict_row
@@ -20,7 +20,7 @@ from psycopg.rows import dict_row
 from .._seconds import seconds
 from ..config import TableName
 from ..errors import AdminError
-from ._queries import outside_transaction, q, regclass, value
+from ._queries import outside_transaction, q, regclass, value, values
 from .durations import format_duration
 from .flow import prune_flow_keys
 from .groups import purge_groups
@@ -117,6 +117,29 @@ def count_purgeable(conn: psycopg.Connection[Any], table: str | TableName, *, ol
     return int(n or 0)
 
 
+class _Batch(NamedTuple):
+    """One purge batch: the rows it locked, and those it deleted."""
+
+    locked: int
+    deleted: int
+
+
+def _purge_batch(
+    conn: psycopg.Connection[Any], table: str | TableName, *, cutoff: datetime, limit: int
+) -> _Batch:
+    """One batch of :func:`purge_done`, in the caller's transaction (read committed).
+
+    Two statements: lock the candidates, then delete those no unfinished row reads, judged by a
+    snapshot taken after the locks. One statement would judge by a snapshot taken before them,
+    and a replay that committed a row reading an owner in between would lose that payload.
+    """
+    ids = [int(i) for i in values(conn, q(table, "purge_batch"), {"cutoff": cutoff, "limit": limit})]
+    if not ids:
+        return _Batch(0, 0)
+    deleted = conn.execute(q(table, "purge_delete"), {"cutoff": cutoff, "ids": ids}).rowcount
+    return _Batch(len(ids), deleted)
+
+
 def purge_done(
     conn: psycopg.Connection[Any],
     table: str | TableName,
@@ -130,7 +153,10 @@ def purge_done(
     Only ``done`` rows whose ``done_at`` is before ``now() - older_than`` (fixed when the run
     starts) are deleted; pending, processing and dead rows are never touched. Each batch of at
     most ``batch_size`` rows is its own short transaction (``FOR UPDATE SKIP LOCKED``, so two
-    purges never wait on each other), hence ``conn`` must not be inside a transaction.
+    purges never wait on each other), hence ``conn`` must not be inside a transaction. A row
+    whose payload another subscription's unfinished row reads stays (DESIGN invariant 28), and
+    so does one a replay is pointing new rows at (``subscriptions add --replay-since``): a
+    later run deletes it.
     ``max_batches`` bounds the run; the next run continues. Then the per-key flow state
     worth nothing any more goes too (:func:`~outbox_celery.ops.flow.prune_flow_keys`), and the
     groups closed before the cutoff (:func:`~outbox_celery.ops.groups.purge_groups`), neither
@@ -140,14 +166,16 @@ def purge_done(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise AdminError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     before = cutoff(conn, table, older_than)
-    query = q(table, "purge_batch")
     total = batches = 0
     while max_batches is None or batches < max_batches:
         with conn.transaction():
-            n = conn.execute(query, {"cutoff": before, "limit": batch_size}).rowcount
-        total += n
+            # purge_delete's snapshot must be taken after purge_batch's locks, which only read
+            # committed does, whatever the server's default_transaction_isolation.
+            conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            batch = _purge_batch(conn, table, cutoff=before, limit=batch_size)
+        total += batch.deleted
         batches += 1
-        if n < batch_size:
+        if batch.locked < batch_size:
             break
     prune_flow_keys(conn, table, batch_size=batch_size, max_batches=max_batches)
     purge_groups(conn, table, cutoff=before, batch_size=batch_size, max_batches=max_batches)

@@ -26,7 +26,19 @@ from ..handlers import subscription_route
 from ..message import route, split_route
 from ._queries import many, regclass, value, values
 
-__all__ = ["REPLAY_BATCH", "Subscription", "add", "list_subscriptions", "register", "remove", "routes"]
+__all__ = [
+    "REPLAY_BATCH",
+    "Added",
+    "Declared",
+    "Subscription",
+    "add",
+    "declare",
+    "declared",
+    "list_subscriptions",
+    "register",
+    "remove",
+    "routes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +81,38 @@ def _q(table: str | TableName, name: str) -> sql.Composed:
     return _queries(TableName.parse(table))[name]
 
 
-class _Registered(NamedTuple):
-    """A row of ``register``: ``what`` is ``added`` or ``removed`` (by an operator, kept so)."""
+class Declared(NamedTuple):
+    """A subscription an app declares (a handler with ``name=``), and what the table holds of it.
+
+    ``state`` is ``added`` (by this call), ``exists`` (live already), ``removed`` (an operator
+    removed it: left so, ``outbox-celery subscriptions add`` brings it back) or, from
+    :func:`declared` only, ``missing``.
+    """
+
+    state: str
+    event_type: str
+    name: str
+
+    @property
+    def route(self) -> str:
+        """``<event_type>@<name>``."""
+        return route(self.event_type, self.name)
+
+
+class _Row(NamedTuple):
+    """A row of ``register`` and ``declared``."""
 
     what: str
     event_type: str
     name: str
+
+
+class Added(NamedTuple):
+    """What :func:`add` did: ``added`` is false when the subscription was live already."""
+
+    route: str
+    added: bool
+    replayed: int
 
 
 class _Fact(NamedTuple):
@@ -90,29 +128,66 @@ def _ready(conn: psycopg.Connection[Any], table: str | TableName) -> bool:
     return bool(value(conn, _q(t, "exists"), {"subscription_table": name}))
 
 
+def _named(routes: Iterable[str]) -> dict[str, list[str]]:
+    """The routes' event types and names (routes without a name left out), sorted: the
+    parameters of ``register`` and ``declared``."""
+    named = sorted({(t, n) for t, n in map(split_route, routes) if n is not None})
+    return {"event_types": [t for t, _ in named], "names": [n for _, n in named]}
+
+
+def declare(conn: psycopg.Connection[Any], table: str | TableName, routes: Iterable[str]) -> list[Declared]:
+    """Add the subscriptions among ``routes`` (an app's handler keys) that the table lacks, and
+    say what each is now (:class:`Declared`), by route. Idempotent: a deploy step
+    (``outbox-celery migrate -A``, ``subscriptions sync``) and every worker at start-up run it.
+
+    Routes without a name are ignored. One an operator removed stays removed. Raises
+    :class:`~outbox_celery.errors.AdminError` when the table is not migrated to 0011.
+    """
+    params = _named(routes)
+    if not params["names"]:
+        return []
+    if not _ready(conn, table):
+        raise AdminError(f"outbox table {table} has no subscription table: run outbox-celery migrate")
+    return [Declared(r.what, r.event_type, r.name) for r in many(conn, _q(table, "register"), params, _Row)]
+
+
+def declared(conn: psycopg.Connection[Any], table: str | TableName, routes: Iterable[str]) -> list[Declared]:
+    """What :func:`declare` would find, changing nothing: each declared subscription ``exists``,
+    is ``removed`` or is ``missing`` (all of them on a table not migrated to 0011)."""
+    params = _named(routes)
+    if not _ready(conn, table):
+        pairs = zip(params["event_types"], params["names"], strict=True)
+        return [Declared("missing", t, n) for t, n in pairs]
+    if not params["names"]:
+        return []
+    return [Declared(r.what, r.event_type, r.name) for r in many(conn, _q(table, "declared"), params, _Row)]
+
+
 def register(conn: psycopg.Connection[Any], table: str | TableName, routes: Iterable[str]) -> list[str]:
     """Add the subscriptions among ``routes`` (a worker's handler keys) that the table lacks.
 
     Routes without a name are ignored. One an operator removed stays removed (logged): a worker
     does not bring it back, ``outbox-celery subscriptions add`` does. Returns the routes added.
-    A table not migrated to 0011 adds nothing (logged).
+    A table not migrated to 0011 adds nothing (logged). When none is missing (a deploy step
+    added them: ``outbox-celery migrate -A``) it only reads, so a worker's role needs no
+    ``INSERT`` on the subscription table then.
     """
-    named = sorted({(t, n) for t, n in map(split_route, routes) if n is not None})
-    if not named:
+    routes = list(routes)
+    try:
+        found = declared(conn, table, routes)
+        if any(d.state == "missing" for d in found):
+            found = declare(conn, table, routes)
+    except AdminError as exc:
+        logger.error("%s", exc)
         return []
-    if not _ready(conn, table):
-        logger.error("outbox table %s has no subscription table: run outbox-celery migrate", table)
-        return []
-    params = {"event_types": [t for t, _ in named], "names": [n for _, n in named]}
-    rows = many(conn, _q(table, "register"), params, _Registered)
-    for r in rows:
-        if r.what == "removed":
+    for d in found:
+        if d.state == "removed":
             logger.warning(
                 "subscription %s was removed by an operator: its handler receives nothing new "
                 "until outbox-celery subscriptions add brings it back",
-                route(r.event_type, r.name),
+                d.route,
             )
-    return [route(r.event_type, r.name) for r in rows if r.what == "added"]
+    return [d.route for d in found if d.state == "added"]
 
 
 def list_subscriptions(
@@ -163,18 +238,19 @@ def add(
     *,
     replay_since: datetime | None = None,
     batch_size: int = REPLAY_BATCH,
-) -> int:
+) -> Added:
     """Add (or bring back) a subscription; it receives the events whose insert statement runs
-    after this commits. Returns the rows replayed.
+    after this commits. Returns whether it was added (false: it was live already, nothing
+    changed) and the rows replayed.
 
     With ``replay_since``, it first receives the retained events of ``event_type`` written
     from that time (a replay): in batches of ``batch_size`` facts, each its own transaction,
     under the producers' key locks, before the subscription is live, then the facts written
     meanwhile with the add itself, in one transaction; each replayed row reads its fact's
-    payload (stored once). Replaying again writes nothing twice. A replay for a subscription
-    that is live already (a worker added it) writes its rows after the ones it has: its
-    ordered events of a key then come after the live ones. ``conn`` must then not be inside a
-    transaction.
+    payload (stored once), locked against the retention purge until it commits. Replaying
+    again writes nothing twice. A replay for a subscription that is live already (a worker
+    added it) writes its rows after the ones it has: its ordered events of a key then come
+    after the live ones. ``conn`` must then not be inside a transaction.
     """
     _check(event_type, name)
     if not _ready(conn, table):
@@ -186,15 +262,16 @@ def add(
         bound = int(value(conn, _q(table, "replay_until")) or 0)
         replayed, last = _replay(conn, table, event_type, name, replay_since, 0, bound, batch_size)
         with conn.transaction():
-            _add_row(conn, table, event_type, name)
+            added = _add_row(conn, table, event_type, name)
             replayed += _replay(conn, table, event_type, name, replay_since, last, None, None)[0]
     else:
-        _add_row(conn, table, event_type, name)
-    return replayed
+        added = _add_row(conn, table, event_type, name)
+    return Added(route(event_type, name), added, replayed)
 
 
-def _add_row(conn: psycopg.Connection[Any], table: str | TableName, event_type: str, name: str) -> None:
-    conn.execute(_q(table, "add"), {"event_type": event_type, "name": name})
+def _add_row(conn: psycopg.Connection[Any], table: str | TableName, event_type: str, name: str) -> bool:
+    """Add the subscription's row, or bring it back; false when it was live already."""
+    return bool(values(conn, _q(table, "add"), {"event_type": event_type, "name": name}))
 
 
 def _replay(

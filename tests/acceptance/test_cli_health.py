@@ -7,7 +7,9 @@ missing, claims stop (ready messages overdue). The horizon is a warning, never a
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -17,8 +19,10 @@ from support.tcp_proxy import FreezableProxy
 from outbox_celery import ops
 from outbox_celery.db.migrations import available
 from outbox_celery.ops import health
+from outbox_celery.testing import free_port
 
-from .test_cli import add, ok, run, update
+from .test_cli import add, ok, one_line_error, run, update
+from .test_cli_subscriptions import APP, cli
 
 
 def unhealthy(result: Any) -> str:
@@ -106,3 +110,43 @@ def test_a_held_horizon_is_a_warning_not_a_failure(
 def test_a_table_never_migrated_is_unhealthy(dsn: str, conn: Any) -> None:
     line = unhealthy(run("health", "--table", "nowhere", dsn=dsn))
     assert line == "unhealthy: schema: table nowhere was never migrated: run `outbox-celery migrate`"
+
+
+def test_health_with_the_app_fails_when_its_broker_is_unreachable(migrated_dsn: str, broker_url: str) -> None:
+    # A probe of a Celery deployment sees the broker (the app's, -A): through a proxy to the real
+    # Redis or RabbitMQ, then with the proxy frozen (connections accepted, never answered), then
+    # on a port nothing listens on. The database stays up all along.
+    parts = urlsplit(broker_url)
+    default_port = 6379 if parts.scheme.startswith("redis") else 5672
+    proxy = FreezableProxy((parts.hostname or "127.0.0.1", parts.port or default_port))
+    try:
+        through = urlunsplit(parts._replace(netloc=parts.netloc.rsplit(":", 1)[0] + f":{proxy.port}"))
+        up = ok(cli("health", "-A", APP, dsn=migrated_dsn, CLI_APP_BROKER=through))
+        assert up.strip() == "ok: database ok, schema ok, claims ok, broker ok"
+        proxy.freeze()
+        started = time.monotonic()
+        frozen = unhealthy(
+            cli("health", "-A", APP, "--timeout", "2s", dsn=migrated_dsn, CLI_APP_BROKER=through)
+        )
+        assert frozen.startswith(f"unhealthy: broker: unreachable ({parts.scheme}://"), frozen
+        assert time.monotonic() - started < 60  # bounded by the timeout, not by the kernel's retries
+    finally:
+        proxy.close()
+
+    user = "guest" if parts.scheme.startswith("amqp") else ""
+    closed = f"{parts.scheme}://{user}:s3cret-pw@127.0.0.1:{free_port()}{parts.path or '/'}"
+    line = unhealthy(cli("health", "-A", APP, "--timeout", "2s", dsn=migrated_dsn, CLI_APP_BROKER=closed))
+    assert line.startswith(f"unhealthy: broker: unreachable ({parts.scheme}://{user}:**@127.0.0.1:"), line
+    assert "s3cret-pw" not in line
+    result = cli("health", "-A", APP, "--json", "--timeout", "2s", dsn=migrated_dsn, CLI_APP_BROKER=closed)
+    assert result.returncode == 1 and "s3cret-pw" not in result.stdout + result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["checks"]["database"] == "ok" and doc["checks"]["broker"].startswith("unreachable (")
+    assert doc["reason"] == "broker: " + doc["checks"]["broker"]
+    # The broker alone, as a probe of it.
+    assert unhealthy(cli("health", "-A", APP, "--check", "broker", dsn=migrated_dsn, CLI_APP_BROKER=closed))
+    # Without the app nothing changes: the broker is not known, not checked.
+    assert ok(run("health", dsn=migrated_dsn)).strip() == "ok: database ok, schema ok, claims ok"
+    assert one_line_error(run("health", "--check", "broker", dsn=migrated_dsn)) == (
+        "Error: the broker check needs the app: pass -A module:outbox"
+    )

@@ -181,3 +181,12 @@ def claim_units(dispatcher: InProcess) -> list[list[Claimed]]:
 
     dispatcher.claim_and_publish(publish, owner="test")
     return units
+
+
+def lock_waiters(conn: psycopg.Connection[Any]) -> int:
+    """How many sessions of the database wait for a lock now."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    ).fetchone()
+    return int(row[0]) if row else 0

@@ -180,10 +180,11 @@ def test_operator_queries_are_served_by_the_partial_indexes(
         "limit": 50,
         "cutoff": "2000-01-01",
         "id": 1,
+        "ids": [1, 2],
         "cap": ops.DEFAULT_STATS_CAP,
         "table": table,
     }
-    for name in ("stats", "dead_list", "dead_count", "show", "purge_count", "purge_batch"):
+    for name in ("stats", "dead_list", "dead_count", "show", "purge_count", "purge_batch", "purge_delete"):
         query = _queries.q(table, name)
         text = query.as_string(conn)
         used = {k: v for k, v in params.items() if f"%({k})s" in text}

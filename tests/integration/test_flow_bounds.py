@@ -25,7 +25,7 @@ from outbox_celery.claim.executor import ScanMarks
 from outbox_celery.errors import MigrationError
 from outbox_celery.flow import CAP_RECHECK, Limit
 
-from .helpers import LONG, Connect, add, claim, fetch
+from .helpers import LONG, Connect, add, claim, fetch, lock_waiters
 
 A, B = "webhook.a", "webhook.b"
 
@@ -94,14 +94,6 @@ def test_invariant_25_a_key_back_from_a_pause_or_hold_is_claimed_at_once_behind_
     assert marks.full_passes <= passes + 1
 
 
-def _lock_waiters(conn: psycopg.Connection[Any]) -> int:
-    row = conn.execute(
-        "SELECT count(*) FROM pg_stat_activity"
-        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-    ).fetchone()
-    return int(row[0]) if row else 0
-
-
 def _until(what: Any, seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
     while not what():
@@ -134,11 +126,11 @@ def test_invariant_22_first_claims_of_newly_limited_types_never_deadlock(
 
     first = threading.Thread(target=claimer, args=({"a": Limit(concurrency=2), "b": Limit(concurrency=2)},))
     first.start()
-    _until(lambda: _lock_waiters(conn) == 1)  # it created "a" and waits for the blocker's "b"
+    _until(lambda: lock_waiters(conn) == 1)  # it created "a" and waits for the blocker's "b"
     ops.pause(conn, table, "z")
     second = threading.Thread(target=claimer, args=({"a": Limit(concurrency=2), "z": Limit(concurrency=2)},))
     second.start()
-    _until(lambda: _lock_waiters(conn) == 2)  # it waits for the first's "a"
+    _until(lambda: lock_waiters(conn) == 2)  # it waits for the first's "a"
     blocker.commit()
     first.join(30)
     second.join(30)

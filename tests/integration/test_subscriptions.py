@@ -7,6 +7,8 @@ purge keep every delivery's payload.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import datetime
 from typing import Any
 
@@ -17,12 +19,13 @@ from support import steps
 
 from outbox_celery import Event, Store, TableName, enqueue, enqueue_many
 from outbox_celery.errors import ProducerError
-from outbox_celery.ops import console, flow_states, pause, purge_done, resume, stats, subscriptions
+from outbox_celery.ops import console, flow_states, pause, purge_done, resume, retention, stats, subscriptions
 from outbox_celery.produce.writes import ProducerWrites
 
-from .helpers import LONG, fetch_all
+from .helpers import LONG, Connect, fetch_all, lock_waiters
 
 PAID = {"event_type": "order.paid", "aggregate_type": "order", "aggregate_id": "7"}
+SINCE = datetime(2000, 1, 1)
 
 
 def _subscribe(
@@ -184,13 +187,14 @@ def test_invariant_28_a_new_subscription_gets_later_events_unless_it_replays(
     replayed = subscriptions.add(
         conn, table, "order.paid", "replayed", replay_since=datetime(2000, 1, 1), batch_size=2
     )
-    assert replayed == 5
+    assert replayed == ("order.paid@replayed", True, 5)
     with conn.transaction():
         enqueue(conn, payload=5, table=table, ordered=True, **PAID)
     assert [m.payload for m in _deliver_all(store, conn, "order.paid@late")] == [5]
     assert [m.payload for m in _deliver_all(store, conn, "order.paid@replayed")] == [0, 1, 2, 3, 4, 5]
     # Replaying again adds nothing: every fact has its row.
-    assert subscriptions.add(conn, table, "order.paid", "replayed", replay_since=datetime(2000, 1, 1)) == 0
+    again = subscriptions.add(conn, table, "order.paid", "replayed", replay_since=datetime(2000, 1, 1))
+    assert again == ("order.paid@replayed", False, 0)
 
 
 def test_invariant_28_the_purge_keeps_a_payload_while_a_subscription_still_needs_it(
@@ -206,6 +210,116 @@ def test_invariant_28_the_purge_keeps_a_payload_while_a_subscription_still_needs
     # Both done: the owner goes with (or after) the row that read it.
     assert purge_done(conn, table, older_than=0, batch_size=10) == 2
     assert _rows(conn, table) == []
+
+
+def _delivered_facts(conn: psycopg.Connection[Any], table: str, store: Store, n: int = 50) -> list[int]:
+    """``n`` events of ``order.paid`` to its one subscription ``a``, all delivered: ``n`` owners
+    that the purge may delete, and that a replay may point new rows at."""
+    _subscribe(conn, table, "a")
+    events = [Event("order.paid", {"n": i}, "order", str(i)) for i in range(n)]
+    with conn.transaction():
+        ids = enqueue_many(conn, events, table=table)
+    assert len(_deliver_all(store, conn)) == n
+    return ids
+
+
+def _orphans(conn: psycopg.Connection[Any], table: str) -> int:
+    """Rows whose payload is nowhere: they would fail before their handler, at every attempt."""
+    t = TableName.parse(table).identifier()
+    query = sql.SQL(
+        "SELECT count(*) FROM {t} AS r WHERE r.payload IS NULL"
+        " AND NOT EXISTS (SELECT 1 FROM {t} AS w WHERE w.id = r.payload_of)"
+    ).format(t=t)
+    row = conn.execute(query).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_invariant_28_a_purge_while_a_replay_is_open_keeps_the_payloads_it_points_at(
+    conn: psycopg.Connection[Any], table: str, store: Store, connect: Connect
+) -> None:
+    # The replay has written its rows and not committed (held open at the point where
+    # subscriptions.add makes the subscription live and replays the last facts); a purge runs
+    # on another connection. It cannot see the uncommitted rows that read the owners' payloads:
+    # the owners must stay anyway, and the purge must not wait for the replay either.
+    owners = _delivered_facts(conn, table, store)
+    replay = connect()
+    with replay.transaction():
+        subscriptions._add_row(replay, table, "order.paid", "late")
+        replayed, _ = subscriptions._replay(replay, table, "order.paid", "late", SINCE, 0, None, None)
+        assert replayed == len(owners)
+        assert purge_done(connect(), table, older_than=0, batch_size=100) == 0
+    assert _orphans(conn, table) == 0
+    got = _deliver_all(store, conn, "order.paid@late")
+    assert sorted(m.payload["n"] for m in got) == list(range(len(owners)))
+    # Once the replayed rows are done, the owners go with them.
+    assert purge_done(conn, table, older_than=0, batch_size=100) == 2 * len(owners)
+
+
+def test_invariant_28_a_replay_while_a_purge_is_open_skips_the_facts_it_deletes(
+    conn: psycopg.Connection[Any], table: str, store: Store, connect: Connect
+) -> None:
+    # The purge has deleted the owners and not committed; the operator adds a subscription with
+    # --replay-since on another connection. The replay reads the facts with its own snapshot,
+    # which still holds them: it must wait for the purge, then skip the facts it deleted,
+    # rather than write rows whose payload is gone when the purge commits.
+    owners = _delivered_facts(conn, table, store)
+    purger = connect()
+    replayed: list[int] = []
+    errors: list[BaseException] = []
+
+    def replay() -> None:
+        try:
+            added = subscriptions.add(connect(), table, "order.paid", "late", replay_since=SINCE)
+            replayed.append(added.replayed)
+        except BaseException as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+
+    thread = threading.Thread(target=replay)
+    with purger.transaction():
+        cutoff = retention.cutoff(purger, table, 0)
+        assert retention._purge_batch(purger, table, cutoff=cutoff, limit=100).deleted == len(owners)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while thread.is_alive() and lock_waiters(conn) == 0:
+            assert time.monotonic() < deadline, "the replay neither ended nor waited"
+            time.sleep(0.02)
+        waited = lock_waiters(conn) == 1
+    thread.join(30)
+    assert not errors, errors
+    assert _orphans(conn, table) == 0
+    assert waited and replayed == [0]
+    assert _rows(conn, table) == []
+
+
+def test_invariant_28_a_worker_role_without_insert_registers_what_a_deploy_step_added(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    # Workers register their subscriptions at start; one whose role may only read the
+    # subscription table starts once the deploy step (migrate -A, subscriptions sync) added them.
+    role = sql.Identifier("outbox_worker_0011")
+    subscription_table = TableName.parse(table).identifier(subscriptions._sql.SUBSCRIPTION_SUFFIX)
+    routes = ["order.paid@a", "order.paid@b", "order.created"]
+    conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(role))
+    conn.execute(sql.SQL("CREATE ROLE {}").format(role))
+    try:
+        conn.execute(sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(role))
+        conn.execute(sql.SQL("GRANT SELECT ON {} TO {}").format(subscription_table, role))
+        conn.execute(sql.SQL("SET ROLE {}").format(role))
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            subscriptions.register(conn, table, routes)
+        conn.execute("RESET ROLE")
+        found = subscriptions.declare(conn, table, routes)
+        assert [(d.route, d.state) for d in found] == [("order.paid@a", "added"), ("order.paid@b", "added")]
+        conn.execute(sql.SQL("SET ROLE {}").format(role))
+        assert subscriptions.register(conn, table, routes) == []
+    finally:
+        conn.execute("RESET ROLE")
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(role))
+        conn.execute(sql.SQL("DROP ROLE {}").format(role))
+    assert [(d.route, d.state) for d in subscriptions.declare(conn, table, routes)] == [
+        ("order.paid@a", "exists"),
+        ("order.paid@b", "exists"),
+    ]
 
 
 def test_invariant_28_routes_are_refused_where_a_fact_is_expected(

@@ -356,20 +356,32 @@ SELECT now() - make_interval(secs => %(older_than)s::float8);
 SELECT count(*) FROM {table} WHERE status = 'done' AND done_at < %(cutoff)s;
 
 -- name: purge_batch
--- One short transaction per batch: locks at most "limit" rows, for milliseconds. A row whose
--- payload other subscriptions' rows read (payload_of, DESIGN invariant 28) stays while one of
--- them is not itself purgeable (done before the cutoff): no delivery ever loses its payload.
-DELETE FROM {table}
-WHERE id IN (
-    SELECT o.id FROM {table} AS o
-    WHERE o.status = 'done' AND o.done_at < %(cutoff)s
-      AND NOT EXISTS (SELECT 1 FROM {table} AS r
-                      WHERE r.payload_of = o.id
-                        AND NOT (r.status = 'done' AND r.done_at < %(cutoff)s))
-    ORDER BY o.done_at
-    LIMIT %(limit)s
-    FOR UPDATE OF o SKIP LOCKED
-);
+-- A purge batch's first statement, in one short transaction with purge_delete: locks at most
+-- "limit" done rows past the cutoff (SKIP LOCKED: two purges never wait on each other). A row
+-- whose payload other subscriptions' rows read (payload_of, DESIGN invariant 28) is a candidate
+-- only when each of them is itself purgeable; this statement's snapshot may predate the lock,
+-- so purge_delete decides. A row a replay is pointing new rows at is locked by it (FOR KEY
+-- SHARE, replay_insert): skipped, for a later run.
+SELECT o.id FROM {table} AS o
+WHERE o.status = 'done' AND o.done_at < %(cutoff)s
+  AND NOT EXISTS (SELECT 1 FROM {table} AS r
+                  WHERE r.payload_of = o.id
+                    AND NOT (r.status = 'done' AND r.done_at < %(cutoff)s))
+ORDER BY o.done_at
+LIMIT %(limit)s
+FOR UPDATE OF o SKIP LOCKED;
+
+-- name: purge_delete
+-- Deletes the rows purge_batch locked that no unfinished row reads, seen by this statement's
+-- snapshot, taken after those locks (read committed): a row that reads one of them committed
+-- before the lock (seen here, so the payload stays), or is not written yet, and its writer's
+-- FOR KEY SHARE of the owner waits for this transaction, then finds the owner gone and skips it.
+-- No delivery ever loses its payload.
+DELETE FROM {table} AS o
+WHERE o.id = ANY(%(ids)s::bigint[])
+  AND NOT EXISTS (SELECT 1 FROM {table} AS r
+                  WHERE r.payload_of = o.id
+                    AND NOT (r.status = 'done' AND r.done_at < %(cutoff)s));
 
 -- name: flow_keys_prune
 -- Per-key state worth nothing any more (DESIGN invariant 25): rows of keys neither paused nor

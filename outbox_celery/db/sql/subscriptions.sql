@@ -7,8 +7,10 @@
 SELECT to_regclass(%(subscription_table)s) IS NOT NULL;
 
 -- name: register
--- The subscriptions a worker's handlers declare, added when missing (workers at start-up). One
--- an operator removed stays removed: returned, so the worker can say so.
+-- The subscriptions a worker's handlers (or an app, at a deploy step) declare, added when
+-- missing. One row per declared subscription says what it is now: "added" by this statement,
+-- "exists" (live already, or added meanwhile by another registration) or "removed" (an
+-- operator removed it, and it stays so: returned, so the caller can say so).
 WITH wanted AS (
     SELECT * FROM unnest(%(event_types)s::text[], %(names)s::text[]) AS u(event_type, name)
 ),
@@ -18,15 +20,29 @@ added AS (
     ON CONFLICT (event_type, name) DO NOTHING
     RETURNING event_type, name
 )
-SELECT 'added' AS what, event_type, name FROM added
-UNION ALL
-SELECT 'removed', s.event_type, s.name
-FROM {subscription_table} AS s JOIN wanted AS w USING (event_type, name)
-WHERE s.removed_at IS NOT NULL;
+SELECT CASE WHEN a.name IS NOT NULL THEN 'added'
+            WHEN s.removed_at IS NOT NULL THEN 'removed'
+            ELSE 'exists' END AS what,
+       w.event_type, w.name
+FROM wanted AS w
+LEFT JOIN added AS a USING (event_type, name)
+LEFT JOIN {subscription_table} AS s USING (event_type, name)
+ORDER BY w.event_type, w.name;
+
+-- name: declared
+-- What register would find, changing nothing: "exists", "removed" or "missing" per declared
+-- subscription (migrate --check).
+SELECT CASE WHEN s.name IS NULL THEN 'missing'
+            WHEN s.removed_at IS NOT NULL THEN 'removed'
+            ELSE 'exists' END AS what,
+       w.event_type, w.name
+FROM unnest(%(event_types)s::text[], %(names)s::text[]) AS w(event_type, name)
+LEFT JOIN {subscription_table} AS s USING (event_type, name)
+ORDER BY w.event_type, w.name;
 
 -- name: add
 -- An operator's add: a new subscription, or a removed one back (its created_at is then now():
--- it receives the events committed from now on).
+-- it receives the events committed from now on). No row when it was live already.
 INSERT INTO {subscription_table} AS s (event_type, name)
 VALUES (%(event_type)s, %(name)s)
 ON CONFLICT (event_type, name) DO UPDATE
@@ -74,7 +90,16 @@ LIMIT %(limit)s;
 -- The rows of a replay batch for the route (under the producers' locks of their keys, taken by
 -- lock_keys before: a replayed ordered row is its key's head only when nothing of the
 -- subscription's key is unfinished, as the producers' insert decides it, invariant 9). Each
--- reads its fact's payload (payload_of); due now.
+-- reads its fact's payload (payload_of); due now. The facts are locked as a foreign key's check
+-- locks the row it references (FOR KEY SHARE: claims and finishes go on, a delete waits), until
+-- commit: a purge deleting one already makes this wait, then skip it (read committed); a purge
+-- after it skips it (purge_batch's SKIP LOCKED) or sees the committed row that reads it.
+WITH facts AS (
+    SELECT f.id, f.aggregate_type, f.aggregate_id, f.ordering_key, f.trace_context, f.limit_key
+    FROM {table} AS f
+    WHERE f.id = ANY(%(ids)s::bigint[])
+    FOR KEY SHARE OF f
+)
 INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, payload_of, ordering_key,
                      head, trace_context, limit_key)
 SELECT %(route)s, f.aggregate_type, f.aggregate_id, NULL, f.id, v.k,
@@ -82,9 +107,8 @@ SELECT %(route)s, f.aggregate_type, f.aggregate_id, NULL, f.id, v.k,
        AND row_number() OVER (PARTITION BY v.k ORDER BY f.id) = 1
        AND NOT EXISTS (SELECT 1 FROM {table} AS o WHERE o.ordering_key = v.k AND o.status <> 'done'),
        f.trace_context, f.limit_key
-FROM {table} AS f,
+FROM facts AS f,
      LATERAL (SELECT split_part(f.ordering_key, chr(31), 1) || chr(31) || %(route)s AS k) AS v
-WHERE f.id = ANY(%(ids)s::bigint[])
 ORDER BY f.id
 RETURNING id;
 
