@@ -225,7 +225,8 @@ class DeadQuery:
     :ivar key: an ordering key, a limit key or an aggregate id; a producer's ordering key also
         matches its subscriptions' rows (stored as ``<key>`` chr(31) route, DESIGN invariant 28).
     :ivar error: text found in the last error (case-insensitive).
-    :ivar payload: text found in the payload's JSON (case-insensitive).
+    :ivar payload: text found in the payload's JSON (case-insensitive), the payload its handler
+        receives: a subscription's row that is not the owner is found by its owner's payload.
     :ivar upto: only ids up to this one (a bulk action is bounded by the count it confirmed).
     """
 

@@ -20,6 +20,7 @@ from starlette.testclient import TestClient
 from outbox_celery import Event, enqueue_many, ops
 from outbox_celery.cli import cli
 from outbox_celery.db.migrations import migrate
+from outbox_celery.ops import subscriptions
 from outbox_celery.web import Database, create_app
 
 TOKEN = "s3cret-token"
@@ -117,6 +118,45 @@ def test_dead_letters_filter_by_type_key_error_and_payload(
     assert ids("key=3") == [hooks[3]]  # the aggregate id
     assert ids("payload=window.pwned") == mails[:1]
     assert ids("error=%25") == []  # LIKE's wildcards are plain text
+
+
+def test_the_payload_filter_finds_every_subscriptions_row_through_its_owner(
+    client: TestClient, conn: psycopg.Connection[Any]
+) -> None:
+    # Invariant 28: only the first subscription's row keeps the payload; the others read it
+    # through payload_of. The list, the count and "replay all" by that filter take all three.
+    for name in ("receipt", "search", "warehouse"):
+        subscriptions.add(conn, "outbox", "order.paid", name)
+    with conn.transaction():
+        enqueue_many(
+            conn,
+            [
+                Event("order.paid", {"partner": "partner-z"}, "order", "1"),
+                Event("order.paid", {"partner": "partner-y"}, "order", "2"),
+            ],
+        )
+    fanned = [int(r[0]) for r in conn.execute("SELECT id FROM outbox ORDER BY id")]
+    assert len(fanned) == 6
+    _dead(conn, fanned, "HTTP 503")
+    z = [
+        int(r[0])
+        for r in conn.execute(
+            "SELECT o.id FROM outbox AS o JOIN outbox AS w ON w.id = coalesce(o.payload_of, o.id)"
+            " WHERE w.payload::text LIKE '%%partner-z%%' ORDER BY o.id"
+        )
+    ]
+    assert len(z) == 3
+
+    page = client.get("/db/main/dead?payload=PARTNER-Z")
+    assert [int(i) for i in re.findall(r'<a href="/db/main/message/(\d+)">', page.text)] == z
+    assert re.search(r'id="count"><strong>3</strong>', page.text), page.text
+    fields = _form(client, "/db/main/dead/confirm?action=requeue&payload=partner-z")
+    assert fields["upto"] == str(z[-1])
+    done = client.post("/db/main/dead/bulk", data=fields)
+    assert re.search(r'id="result"><strong>3</strong>', done.text), done.text
+    after = _statuses(conn)
+    assert [after[i] for i in z] == ["pending"] * 3
+    assert sorted(i for i in fanned if after[i] == "dead") == sorted(set(fanned) - set(z))
 
 
 def test_untrusted_text_renders_as_text(client: TestClient, seeded: dict[str, list[int]]) -> None:

@@ -135,6 +135,12 @@ GROUP BY event_type, limit_key
 ORDER BY count(*) DESC, event_type, limit_key
 LIMIT 50;
 
+-- fragment: seen_payload
+-- The payload of the row d as its handler receives it: its own, or for a subscription's row
+-- that is not the owner (payload NULL) its owner's through payload_of, one primary-key probe
+-- made only for those rows (DESIGN invariant 28).
+coalesce(d.payload, (SELECT w.payload FROM {table} AS w WHERE w.id = d.payload_of))
+
 -- fragment: console_dead_filter
 -- The console's dead-letter filters over the alias d (a NULL filter matches every row): type,
 -- key (ordering, limit or aggregate id), and text found in the last error or the payload
@@ -142,14 +148,16 @@ LIMIT 50;
 -- producer's ordering key also finds its subscriptions' rows, whose stored key is "<key>",
 -- chr(31), route (DESIGN invariant 28): starts_with, not a range, since a collation may sort
 -- chr(31) apart from its byte order; a predicate on the rows the dead scan reads, as the
--- others are.
+-- others are. The payload searched is the one the handler receives ({seen_payload}): a
+-- subscription's row is found by its owner's payload.
 (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)
   AND (%(key)s::text IS NULL OR d.ordering_key = %(key)s::text OR d.limit_key = %(key)s::text
        OR d.aggregate_id = %(key)s::text
        OR starts_with(d.ordering_key, %(key)s::text || chr(31)))
   AND (%(error)s::text IS NULL
        OR strpos(lower(coalesce(d.last_error, '')), lower(%(error)s::text)) > 0)
-  AND (%(payload)s::text IS NULL OR strpos(lower(d.payload::text), lower(%(payload)s::text)) > 0)
+  AND (%(payload)s::text IS NULL
+       OR strpos(lower({seen_payload}::text), lower(%(payload)s::text)) > 0)
   AND d.id <= coalesce(%(upto)s::bigint, d.id)
 
 -- name: console_dead_list
@@ -157,9 +165,7 @@ LIMIT 50;
 SELECT d.id, d.event_type, d.aggregate_type, d.aggregate_id, d.ordering_key, d.limit_key,
        d.attempts, d.created_at, extract(epoch FROM now() - d.created_at)::float8 AS age,
        left(d.last_error, 300) AS last_error,
-       -- A subscription's row reads its owner's payload (DESIGN invariant 28).
-       left(coalesce(d.payload, (SELECT w.payload FROM {table} AS w WHERE w.id = d.payload_of))::text, 200)
-           AS payload
+       left({seen_payload}::text, 200) AS payload
 FROM {table} AS d
 WHERE d.status = 'dead' AND d.id > %(after)s AND {console_dead_filter}
 ORDER BY d.id
