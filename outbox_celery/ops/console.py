@@ -10,6 +10,7 @@ each batch its own short transaction.
 from __future__ import annotations
 
 import functools
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -227,6 +228,7 @@ class DeadQuery:
     :ivar error: text found in the last error (case-insensitive).
     :ivar payload: text found in the payload's JSON (case-insensitive), the payload its handler
         receives: a subscription's row that is not the owner is found by its owner's payload.
+        A UUID (``1b4e28ba-2fa1-...``) also finds the 32 hex digits kombu stores it as.
     :ivar upto: only ids up to this one (a bulk action is bounded by the count it confirmed).
     """
 
@@ -243,14 +245,32 @@ class DeadQuery:
             "key": self.key or None,
             "error": self.error or None,
             "payload": self.payload or None,
+            "payload_uuid": _uuid_hex(self.payload),
             "upto": self.upto,
         }
+
+
+def _uuid_hex(text: str | None) -> str | None:
+    """The hex form kombu's JSON stores a UUID as (``{"__type__": "uuid", "__value__": {"hex":
+    ...}}``), when ``text`` is a UUID; ``None`` otherwise."""
+    if not text:
+        return None
+    try:
+        return uuid.UUID(text.strip()).hex
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
 class DeadRow:
     """A dead message as the console lists it: its last error (300 characters) and its
-    payload's JSON (200) shortened; ``age`` in seconds since ``created_at``."""
+    payload's JSON (200) shortened; ``age`` in seconds since ``created_at``.
+
+    :ivar payload: the stored JSON text of the payload its handler receives (a subscription's
+        row: its owner's), cut to 200 characters.
+    :ivar payload_json: that payload whole, as psycopg loads it, when its text is at most 2,000
+        characters (``None`` otherwise): what a page decodes (:func:`outbox_celery.codec.decode`).
+    """
 
     id: int
     event_type: str
@@ -263,6 +283,7 @@ class DeadRow:
     age: float
     last_error: str | None
     payload: str | None
+    payload_json: Any = None
 
 
 class _Matching(NamedTuple):

@@ -11,7 +11,6 @@ import binascii
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import secrets
 import threading
@@ -37,6 +36,7 @@ from ..dsn import invalid_dsn, password
 from ..errors import AdminError, first_line
 from ..flow import Limit
 from ..ops import console
+from . import display
 
 __all__ = ["Database", "create_app"]
 
@@ -130,6 +130,7 @@ def _environment() -> jinja2.Environment:
     )
     env.filters["duration"] = ops.format_duration
     env.filters["ms"] = lambda s: "-" if s is None else f"{s * 1000:,.0f} ms"
+    env.filters["short_payload"] = display.short_payload
     return env
 
 
@@ -391,7 +392,7 @@ class _Pages:
                 panels.append({"db": db, "error": exc.message})
         for p in panels:
             if p["error"] is None:
-                p["chart"] = _chart(p["minutes"])
+                p["chart"] = display.chart(p["minutes"])
         template = "overview_live.html" if request.query_params.get("partial") else "overview.html"
         return self.render(request, template, panels=panels)
 
@@ -444,14 +445,21 @@ class _Pages:
         if row is None:
             raise _RefusedError(404, f"no message {outbox_id}")
         tasks = console.task_ids(db.table, outbox_id, int(row["lease_version"]))
+        skipped = ops.was_skipped(row["status"], row["last_error"])
+        heading, now = display.error_heading(
+            row["status"], int(row["attempts"]), row["last_error"], skipped=skipped
+        )
         return self.render(
             request,
             "message.html",
             db=db,
             m=row,
-            payload=json.dumps(row["payload"], indent=2, ensure_ascii=False, sort_keys=True),
+            payload=display.payload(row["payload"]),
             tasks=tasks,
-            skipped=ops.was_skipped(row["status"], row["last_error"]),
+            skipped=skipped,
+            error_heading=heading,
+            error_now=now,
+            errors=display.error_history(row["last_error"]),
         )
 
     async def message_action(self, request: Request) -> Response:
@@ -550,33 +558,3 @@ def _positive(text: str) -> int:
     if value < 1:
         raise _RefusedError(404, "no such message")
     return value
-
-
-def _chart(minutes: Sequence[console.Minute]) -> dict[str, Any]:
-    """The hour as SVG coordinates: bars of done per minute, lines of p50 and p99 latency."""
-    width, height = 600, 120
-    step = width / max(1, len(minutes))
-    top = max([m.done for m in minutes] + [1])
-    slowest = max([m.p99 or 0.0 for m in minutes] + [0.001])
-    bars = []
-    p50, p99 = [], []
-    for i, m in enumerate(minutes):
-        h = height * m.done / top
-        bars.append({"x": round(i * step, 1), "y": round(height - h, 1), "h": round(h, 1), "m": m})
-        x = round(i * step + step / 2, 1)
-        if m.p50 is not None:
-            p50.append(f"{x},{round(height - height * m.p50 / slowest, 1)}")
-        if m.p99 is not None:
-            p99.append(f"{x},{round(height - height * m.p99 / slowest, 1)}")
-    return {
-        "width": width,
-        "height": height,
-        "step": round(step - 1, 1),
-        "bars": bars,
-        "p50": " ".join(p50),
-        "p99": " ".join(p99),
-        "top": top,
-        "slowest": slowest,
-        "done": sum(m.done for m in minutes),
-        "capped": any(m.capped for m in minutes),
-    }

@@ -148,8 +148,9 @@ coalesce(d.payload, (SELECT w.payload FROM {table} AS w WHERE w.id = d.payload_o
 -- producer's ordering key also finds its subscriptions' rows, whose stored key is "<key>",
 -- chr(31), route (DESIGN invariant 28): starts_with, not a range, since a collation may sort
 -- chr(31) apart from its byte order; a predicate on the rows the dead scan reads, as the
--- others are. The payload searched is the one the handler receives ({seen_payload}): a
--- subscription's row is found by its owner's payload.
+-- others are. The payload searched is the one the handler receives (seen_payload): a
+-- subscription's row is found by its owner's payload. A UUID typed in its usual form also
+-- finds its hex form (%(payload_uuid)s), which kombu's envelope stores.
 (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)
   AND (%(key)s::text IS NULL OR d.ordering_key = %(key)s::text OR d.limit_key = %(key)s::text
        OR d.aggregate_id = %(key)s::text
@@ -157,19 +158,29 @@ coalesce(d.payload, (SELECT w.payload FROM {table} AS w WHERE w.id = d.payload_o
   AND (%(error)s::text IS NULL
        OR strpos(lower(coalesce(d.last_error, '')), lower(%(error)s::text)) > 0)
   AND (%(payload)s::text IS NULL
-       OR strpos(lower({seen_payload}::text), lower(%(payload)s::text)) > 0)
+       OR strpos(lower({seen_payload}::text), lower(%(payload)s::text)) > 0
+       OR (%(payload_uuid)s::text IS NOT NULL
+           AND strpos(lower({seen_payload}::text), %(payload_uuid)s::text) > 0))
   AND d.id <= coalesce(%(upto)s::bigint, d.id)
 
 -- name: console_dead_list
--- One page of matching dead rows by id (dead_idx), after the previous page's last id.
-SELECT d.id, d.event_type, d.aggregate_type, d.aggregate_id, d.ordering_key, d.limit_key,
-       d.attempts, d.created_at, extract(epoch FROM now() - d.created_at)::float8 AS age,
-       left(d.last_error, 300) AS last_error,
-       left({seen_payload}::text, 200) AS payload
-FROM {table} AS d
-WHERE d.status = 'dead' AND d.id > %(after)s AND {console_dead_filter}
-ORDER BY d.id
-LIMIT %(limit)s;
+-- One page of matching dead rows by id (dead_idx), after the previous page's last id: the
+-- payload the handler receives cut to 200 characters, and whole (payload_json) when it is at
+-- most 2,000 characters, for the page to decode (a page never carries a large payload).
+SELECT l.id, l.event_type, l.aggregate_type, l.aggregate_id, l.ordering_key, l.limit_key,
+       l.attempts, l.created_at, l.age, l.last_error,
+       left(l.seen::text, 200) AS payload,
+       CASE WHEN length(l.seen::text) <= 2000 THEN l.seen END AS payload_json
+FROM (
+    SELECT d.id, d.event_type, d.aggregate_type, d.aggregate_id, d.ordering_key, d.limit_key,
+           d.attempts, d.created_at, extract(epoch FROM now() - d.created_at)::float8 AS age,
+           left(d.last_error, 300) AS last_error, {seen_payload} AS seen
+    FROM {table} AS d
+    WHERE d.status = 'dead' AND d.id > %(after)s AND {console_dead_filter}
+    ORDER BY d.id
+    LIMIT %(limit)s
+) AS l
+ORDER BY l.id;
 
 -- name: console_dead_count
 -- How many dead rows match, and the highest id among them (what a bulk action is bounded by, so
