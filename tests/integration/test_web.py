@@ -277,6 +277,25 @@ def test_the_message_page_lists_each_error_the_row_keeps_the_latest_first(
     ]
 
 
+def test_a_table_never_vacuumed_reads_never_and_the_hours_chart_has_axes_and_a_legend(
+    client: TestClient, conn: psycopg.Connection[Any], seeded: dict[str, list[int]]
+) -> None:
+    conn.execute(
+        "UPDATE outbox SET status = 'done', done_at = now() - interval '2 minutes' WHERE id = %s",
+        [seeded["mails"][1]],
+    )
+    page = client.get("/").text
+    assert "last vacuum never" in page and "- ago" not in page
+    svg = re.search(r'<svg class="chart".*?</svg>', page, re.S)
+    assert svg is not None, page
+    texts = re.findall(r"<text[^>]*>(.*?)</text>", svg.group(0))
+    assert "done per minute (bars, left axis)" in texts
+    assert "enqueue &#8594; done latency (lines, right axis)" in texts
+    assert "now" in texts and any(re.fullmatch(r"\d\d:\d\d", t) for t in texts)
+    assert "1" in texts  # the done axis' top: one message done in the hour
+    assert re.search(r'<p class="legend">.*p50-key.*p99-key', page, re.S)
+
+
 def test_pause_and_resume_a_type_and_a_limit_key(client: TestClient, conn: psycopg.Connection[Any]) -> None:
     fields = _form(client, "/db/main/flow")
     assert (
