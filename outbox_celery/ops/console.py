@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -20,31 +20,39 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from ..config import TableName
+from ..config import OutboxConfig, TableName
 from ..db import statements as _sql
 from ..errors import AdminError
-from ._queries import many, one, values
+from ._queries import many, one, value, values
 from .dead import SKIPPED_BY_OPERATOR, requeue, skip
+from .durations import format_duration
 from .flow import FlowState, KeyFlowState, flow_states, key_states
 from .retention import Horizon, horizon
+from .snapshot import overdue_after
 
 __all__ = [
     "DEFAULT_CAP",
     "DEFAULT_MINUTE_CAP",
+    "STATES",
     "BlockedKey",
     "BulkResult",
     "Count",
     "DeadQuery",
     "DeadRow",
+    "Flag",
     "KeyUse",
     "Minute",
     "Overview",
+    "StateRow",
     "TypeCounts",
     "bulk_dead",
     "count_dead",
+    "flags",
     "list_dead",
+    "list_state",
     "minutes",
     "overview",
+    "subscription_routes",
     "task_ids",
 ]
 
@@ -54,6 +62,8 @@ DEFAULT_CAP = 10_000
 DEFAULT_MINUTE_CAP = 2_000
 #: Rows one batch of a bulk action locks at most (each batch is its own transaction).
 BULK_BATCH = 200
+#: The overview's states that :func:`list_state` lists (dead letters: :func:`list_dead`).
+STATES = ("ready", "in_flight", "retrying", "scheduled", "behind_key")
 
 
 @functools.cache
@@ -87,6 +97,9 @@ class TypeCounts:
     :ivar behind_key: ordered messages waiting behind their key's head.
     :ivar dead: dead letters.
     :ivar oldest_ready_wait: seconds the oldest ready message has been due (``None``: none).
+    :ivar unstarted: pending or in-flight messages claimed since their last start without a
+        worker starting them (stats' rule: a live lease's own claim does not count yet).
+    :ivar expired: in-flight messages whose lease ran out (a worker lost or stuck).
     """
 
     event_type: str
@@ -97,6 +110,13 @@ class TypeCounts:
     behind_key: Count
     dead: Count
     oldest_ready_wait: float | None
+    unstarted: int = 0
+    expired: int = 0
+
+    @property
+    def pending(self) -> int:
+        """Pending messages read: ready, retrying, scheduled and behind a key."""
+        return sum(c.value for c in (self.ready, self.retrying, self.scheduled, self.behind_key))
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +152,9 @@ class Overview:
     headless_keys: Count
     horizon: Horizon
     key_use: list[KeyUse]
+    #: The subscriptions' routes, each with whether it is live (not removed); ``None`` before
+    #: migration 0011.
+    routes: Mapping[str, bool] | None = None
 
 
 def _count(*, keys: int, capped: bool) -> Count:
@@ -171,6 +194,8 @@ def overview(
             event_type=str(e["event_type"]),
             **{f: Count(int(e[f]), bool(capped[f])) for f in fields},
             oldest_ready_wait=e["oldest_ready_wait"],
+            unstarted=int(e["unstarted"]),
+            expired=int(e["expired"]),
         )
         for e in row["event_types"]
     ]
@@ -179,6 +204,8 @@ def overview(
         event_type="all",
         **{f: Count(sum(getattr(e, f).value for e in types), bool(capped[f])) for f in fields},
         oldest_ready_wait=max(waits) if waits else None,
+        unstarted=sum(e.unstarted for e in types),
+        expired=sum(e.expired for e in types),
     )
     return Overview(
         now=row["now"],
@@ -191,7 +218,117 @@ def overview(
         headless_keys=headless,
         horizon=horizon(conn, t),
         key_use=key_use,
+        routes=subscription_routes(conn, t),
     )
+
+
+def subscription_routes(conn: psycopg.Connection[Any], table: str | TableName) -> dict[str, bool] | None:
+    """Every subscription's route (``<event_type>@<name>``) and whether it is live (not removed):
+    what the database knows of who handles an event type (DESIGN invariant 28). ``None`` before
+    migration 0011. The subscription table holds one row per subscription ever added."""
+    t = TableName.parse(table)
+    exists = {"subscription_table": t.identifier(_sql.SUBSCRIPTION_SUFFIX).as_string(conn)}
+    if not value(conn, _subscription_queries(t)["exists"], exists):
+        return None
+    return {str(r): bool(live) for r, live in many(conn, _q(t, "console_routes"), None, _route)}
+
+
+@functools.cache
+def _subscription_queries(table: TableName) -> Mapping[str, sql.Composed]:
+    return _sql.queries("subscriptions.sql", table)
+
+
+def _route(*, route: str, live: bool) -> tuple[str, bool]:
+    return route, live
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """Something about one event type that needs a human, as ``outbox-celery stats``' attention
+    line says it (the console shows it in red).
+
+    :ivar kind: ``unroutable`` (no handler or subscription takes its pending messages),
+        ``unclaimed`` (ready longer than a claim interval and a margin: no claim took it),
+        ``unstarted`` (claimed, and no worker started the task) or ``expired`` (leases ran out
+        in flight).
+    """
+
+    event_type: str
+    kind: str
+    text: str
+
+
+def flags(
+    ov: Overview, *, handlers: Collection[str] | None = None, claim_interval: float | None = None
+) -> list[Flag]:
+    """What needs a human among ``ov``'s event types, by ``stats``' rules.
+
+    :param handlers: the routes the app handles (``-A``): a type with pending messages and no
+        handler is unroutable. ``None`` (no app): what the database knows decides, a route
+        whose subscription was removed or never existed, a plain type whose subscriptions took
+        over (a type has one handler or subscriptions, never both), and a ready message nobody
+        claimed past :func:`~outbox_celery.ops.snapshot.overdue_after` the claim interval.
+    :param claim_interval: the app's ``claim_interval`` (default: the default configuration's).
+    """
+    interval = OutboxConfig().claim_interval if claim_interval is None else claim_interval
+    overdue = overdue_after(interval)
+    # Paused and held types are left unclaimed on purpose (stats does not report them either).
+    waiting = {f.event_type for f in ov.paused}
+    out = []
+    for e in ov.event_types:
+        why = _unroutable(e.event_type, handlers, ov.routes) if e.pending else None
+        wait = e.oldest_ready_wait
+        if why is not None:
+            out.append(Flag(e.event_type, "unroutable", why))
+        elif wait is not None and wait > overdue and e.event_type not in waiting:
+            cause = (
+                "is a worker consuming the claim queue running, and beat?"
+                if handlers is not None
+                else "no claim worker running (a worker consuming the claim queue, and beat), "
+                "or no handler for it in the app that claims"
+            )
+            out.append(
+                Flag(e.event_type, "unclaimed", f"ready for {format_duration(wait)}, unclaimed: {cause}")
+            )
+        if e.unstarted:
+            out.append(
+                Flag(
+                    e.event_type,
+                    "unstarted",
+                    f"{e.unstarted} message(s) claimed without a worker starting them: "
+                    "does its queue have a consumer?",
+                )
+            )
+        if e.expired:
+            out.append(
+                Flag(
+                    e.event_type,
+                    "expired",
+                    f"{e.expired} lease(s) expired in flight (workers lost or stuck?)",
+                )
+            )
+    return out
+
+
+def _unroutable(
+    event_type: str, handlers: Collection[str] | None, routes: Mapping[str, bool] | None
+) -> str | None:
+    """Why no handler takes ``event_type``'s pending messages, or ``None`` (one does, or the
+    console cannot tell)."""
+    if handlers is not None:
+        if event_type in handlers:
+            return None
+        return "no handler in the app: its messages are never delivered (unroutable)"
+    if routes is None:
+        return None
+    if "@" in event_type:
+        live = routes.get(event_type)
+        if live is None:
+            return "no such subscription: no handler takes this route"
+        return None if live else "subscription removed: no handler takes its rows (skip or purge them)"
+    if any(live and r.startswith(event_type + "@") for r, live in routes.items()):
+        return "the type has subscriptions: no handler takes its rows under the plain type"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +354,60 @@ def minutes(
     """
     params = {"minute_cap": minute_cap, "skip_like": SKIPPED_BY_OPERATOR + ": %"}
     return many(conn, _q(table, "console_minutes"), params, Minute)
+
+
+@dataclass(frozen=True, slots=True)
+class StateRow:
+    """A live message as :func:`list_state` lists it (times in seconds from now: negative
+    ``available_in`` is how long it has been due, negative ``lease_expires_in`` how long its
+    lease has been over); ``last_error`` cut to 300 characters."""
+
+    id: int
+    event_type: str
+    aggregate_type: str
+    aggregate_id: str
+    ordering_key: str | None
+    limit_key: str | None
+    attempts: int
+    created_at: datetime
+    age: float
+    available_in: float
+    lease_expires_in: float | None
+    #: Claims since its last start (lease_version - started_version).
+    unstarted_claims: int
+    last_error: str | None
+
+
+def list_state(
+    conn: psycopg.Connection[Any],
+    table: str | TableName,
+    state: str,
+    *,
+    event_type: str | None = None,
+    after: int = 0,
+    limit: int = 50,
+    cap: int = DEFAULT_CAP,
+) -> tuple[list[StateRow], int]:
+    """One page of the messages behind one figure of :func:`overview` (``state`` in
+    :data:`STATES`), by id after ``after``, and how many match.
+
+    Read as :func:`overview` reads them: the first ``cap`` entries of the state's partial
+    indexes, then those of ``event_type`` (``None``: every type). So the count is the figure
+    the overview shows, a lower bound past the cap, and each page costs at most ``cap`` index
+    entries whatever the table holds.
+    """
+    if state not in STATES:
+        raise AdminError(f"unknown state {state!r}: one of {', '.join(STATES)}")
+    if cap < 1 or limit < 1:
+        raise AdminError("cap and limit must be at least 1")
+    params = {"state": state, "event_type": event_type, "after": after, "limit": limit, "cap": cap}
+    read = many(conn, _q(table, "console_state_rows"), params, _state_row)
+    return [r for _, r in read if r is not None], int(read[0][0]) if read else 0
+
+
+def _state_row(*, matching: int, **row: Any) -> tuple[int, StateRow | None]:
+    """A row of ``console_state_rows``: the count, and the row (``None``: an empty page)."""
+    return matching, None if row["id"] is None else StateRow(**row)
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,12 +58,19 @@ class Database:
     :ivar dsn: a libpq connection string; kept out of ``repr`` and of every page and error.
     :ivar table: the outbox table (``schema.table`` allowed).
     :ivar limits: the declared limits per event type, when the app is known (``-A``).
+    :ivar handlers: the routes the app has a handler for, when it is known (``-A``): a type with
+        pending messages and none is flagged unroutable. ``None``: the console judges by what
+        the database knows (subscriptions, ready messages nobody claims).
+    :ivar claim_interval: the app's ``claim_interval`` (``None``: the default configuration's);
+        a ready message unclaimed past it and a margin is flagged.
     """
 
     name: str
     dsn: str = field(repr=False)
     table: str = "outbox"
     limits: Mapping[str, Limit] = field(default_factory=dict, repr=False)
+    handlers: frozenset[str] | None = field(default=None, repr=False)
+    claim_interval: float | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.name or not set(self.name) <= _NAME_CHARS:
@@ -291,6 +298,7 @@ class _Pages:
             Route("/", page(self.overview)),
             Route("/login", page(self.login, public=True), methods=["GET", "POST"]),
             Route("/db/{db}/dead", page(self.dead)),
+            Route("/db/{db}/messages", page(self.messages)),
             Route("/db/{db}/dead/confirm", page(self.confirm)),
             Route("/db/{db}/dead/bulk", page(self.bulk), methods=["POST"]),
             Route("/db/{db}/message/{id}", page(self.message)),
@@ -393,6 +401,11 @@ class _Pages:
         for p in panels:
             if p["error"] is None:
                 p["chart"] = display.chart(p["minutes"])
+                known: Database = p["db"]
+                p["flags"] = console.flags(
+                    p["overview"], handlers=known.handlers, claim_interval=known.claim_interval
+                )
+                p["flagged"] = {f.event_type for f in p["flags"]}
         template = "overview_live.html" if request.query_params.get("partial") else "overview.html"
         return self.render(request, template, panels=panels)
 
@@ -412,6 +425,34 @@ class _Pages:
         rows, (count, upto) = await self.run(db, read)
         return self.render(
             request, "dead.html", db=db, q=q, rows=rows, count=count, upto=upto, qs=_filter_qs(q)
+        )
+
+    async def messages(self, request: Request) -> Response:
+        db = self.database(request)
+        state = request.query_params.get("state", "")
+        if state not in console.STATES:
+            raise _RefusedError(400, f"unknown state: one of {', '.join(console.STATES)}")
+        event_type = request.query_params.get("event_type", "").strip() or None
+        try:
+            after = max(0, int(request.query_params.get("after", "0")))
+        except ValueError:
+            raise _RefusedError(400, "invalid page (after)") from None
+
+        def read(conn: psycopg.Connection[Any]) -> tuple[list[console.StateRow], int]:
+            return console.list_state(conn, db.table, state, event_type=event_type, after=after, cap=self.cap)
+
+        rows, matching = await self.run(db, read)
+        qs = urlencode({k: v for k, v in (("state", state), ("event_type", event_type)) if v})
+        return self.render(
+            request,
+            "messages.html",
+            db=db,
+            state=state,
+            event_type=event_type,
+            rows=rows,
+            matching=matching,
+            cap=self.cap,
+            qs=qs,
         )
 
     async def confirm(self, request: Request) -> Response:

@@ -7,6 +7,7 @@ untrusted text renders as text; no DSN or password reaches a page or an error.
 
 from __future__ import annotations
 
+import html
 import re
 import uuid
 from collections.abc import Iterator
@@ -101,7 +102,9 @@ def test_a_count_past_the_cap_reads_as_a_lower_bound(migrated_dsn: str, seeded: 
     with TestClient(create_app([Database("main", migrated_dsn)], cap=3)) as c:
         page = c.get("/").text
     assert re.search(
-        r'<tr class="total"><td>all</td>.*?<td class="n">3\+</td><td class="n">[^<]*</td></tr>', page, re.S
+        r'<tr class="total"><td>all</td>.*?<td class="n"><a [^>]*>3\+</a></td><td class="n">[^<]*</td></tr>',
+        page,
+        re.S,
     ), page
 
 
@@ -160,6 +163,130 @@ def test_the_payload_filter_finds_every_subscriptions_row_through_its_owner(
     after = _statuses(conn)
     assert [after[i] for i in z] == ["pending"] * 3
     assert sorted(i for i in fanned if after[i] == "dead") == sorted(set(fanned) - set(z))
+
+
+def _flagged(page: str, db: str = "main") -> dict[str, list[str]]:
+    """The red attention lines of ``db``'s panel, by event type (kind: text)."""
+    panel = re.search(rf'data-db="{db}">(.*?)</section>', page, re.S)
+    assert panel is not None, page
+    out: dict[str, list[str]] = {}
+    for kind, event_type, text in re.findall(
+        r'<li data-kind="([a-z]+)"><strong>(.*?)</strong>: (.*?)</li>', panel.group(1)
+    ):
+        out.setdefault(event_type, []).append(f"{kind}: {text}")
+    return out
+
+
+def test_a_typod_or_stuck_event_type_is_flagged_in_red_as_stats_does(
+    migrated_dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    subscriptions.add(conn, "outbox", "order.paid", "receipt")
+    subscriptions.add(conn, "outbox", "order.paid", "gone")
+    with conn.transaction():
+        enqueue_many(
+            conn,
+            [
+                Event("webhook.sent", {}, "hook", "1"),
+                Event("webhok.sent", {}, "hook", "2"),  # the typo: no handler takes it
+                Event("order.paid", {}, "order", "3"),
+                Event("mail.sent", {}, "mail", "4"),
+            ],
+        )
+    subscriptions.remove(conn, "outbox", "order.paid", "gone")
+    # A message claimed twice whose task no worker started (a queue without a consumer).
+    conn.execute("UPDATE outbox SET lease_version = 2 WHERE event_type = 'mail.sent'")
+    # With the app (-A): its handlers decide at once.
+    app = create_app(
+        [
+            Database(
+                "main", migrated_dsn, handlers=frozenset({"webhook.sent", "order.paid@receipt", "mail.sent"})
+            )
+        ]
+    )
+    with TestClient(app) as c:
+        page = c.get("/").text
+    assert _flagged(page) == {
+        "order.paid@gone": [
+            "unroutable: no handler in the app: its messages are never delivered (unroutable)"
+        ],
+        "webhok.sent": ["unroutable: no handler in the app: its messages are never delivered (unroutable)"],
+        "mail.sent": [
+            "unstarted: 1 message(s) claimed without a worker starting them: does its queue have a consumer?"
+        ],
+    }
+    assert '<tr class="bad flagged" data-type="webhok.sent">' in page
+    assert '<tr data-type="webhook.sent">' in page
+
+    # Without the app: what the database knows. The removed subscription's route at once; the
+    # typo once it has waited past a claim interval and a margin with nobody claiming it.
+    with TestClient(create_app([Database("main", migrated_dsn)])) as c:
+        page = c.get("/").text
+        assert set(_flagged(page)) == {"order.paid@gone", "mail.sent"}
+        assert _flagged(page)["order.paid@gone"] == [
+            "unroutable: subscription removed: no handler takes its rows (skip or purge them)"
+        ]
+        conn.execute("UPDATE outbox SET available_at = now() - interval '2 minutes'")
+        ops.pause(conn, "outbox", "webhook.sent")  # paused: unclaimed on purpose, not flagged
+        page = c.get("/").text
+    flagged = _flagged(page)
+    assert set(flagged) == {"order.paid@gone", "mail.sent", "webhok.sent", "order.paid@receipt"}
+    assert flagged["webhok.sent"] == [
+        "unclaimed: ready for 2m, unclaimed: no claim worker running (a worker consuming the claim "
+        "queue, and beat), or no handler for it in the app that claims"
+    ]
+
+
+def test_every_count_links_to_a_page_of_the_rows_behind_it(
+    client: TestClient, conn: psycopg.Connection[Any]
+) -> None:
+    with conn.transaction():
+        ids = enqueue_many(conn, [Event("webhook.sent", {"n": i}, "hook", str(i)) for i in range(8)])
+        ordered = enqueue_many(
+            conn, [Event("mail.sent", {"n": i}, "mail", "m", ordering_key="k") for i in range(3)]
+        )
+    ready, flight, retrying, scheduled, dead = ids[:2], ids[2:3], ids[3:5], ids[5:7], ids[7:]
+    conn.execute(
+        "UPDATE outbox SET status = 'processing', lease_until = now() + interval '1 minute',"
+        " lease_version = 1 WHERE id = ANY(%s)",
+        [flight],
+    )
+    conn.execute(
+        "UPDATE outbox SET available_at = now() + interval '1 hour', attempts = 1 WHERE id = ANY(%s)",
+        [retrying],
+    )
+    conn.execute("UPDATE outbox SET available_at = now() + interval '1 hour' WHERE id = ANY(%s)", [scheduled])
+    _dead(conn, dead, "HTTP 500")
+    page = client.get("/").text
+    row = re.search(r'<tr data-type="webhook.sent">(.*?)</tr>', page, re.S)
+    assert row is not None, page
+    links = dict(
+        (html.unescape(url), int(n)) for url, n in re.findall(r'<a href="([^"]+)">(\d+)</a>', row.group(1))
+    )
+    assert links == {
+        "/db/main/messages?state=ready&event_type=webhook.sent": 2,
+        "/db/main/messages?state=in_flight&event_type=webhook.sent": 1,
+        "/db/main/messages?state=retrying&event_type=webhook.sent": 2,
+        "/db/main/messages?state=scheduled&event_type=webhook.sent": 2,
+        "/db/main/dead?event_type=webhook.sent": 1,
+    }
+    expected = {
+        "ready": ready,
+        "in_flight": flight,
+        "retrying": retrying,
+        "scheduled": scheduled,
+    }
+    for url, n in links.items():
+        listed = client.get(url)
+        assert listed.status_code == 200, listed.text
+        shown = [int(i) for i in re.findall(r'<a href="/db/main/message/(\d+)">', listed.text)]
+        state = url.partition("state=")[2].partition("&")[0]
+        assert shown == expected.get(state, dead), url
+        if state:
+            assert re.search(rf'id="count"><strong>{n}</strong>', listed.text), listed.text
+    # The totals link too, and the ordered messages waiting behind their key's head.
+    behind = client.get("/db/main/messages?state=behind_key").text
+    assert [int(i) for i in re.findall(r'<a href="/db/main/message/(\d+)">', behind)] == ordered[1:]
+    assert client.get("/db/main/messages?state=nope").status_code == 400
 
 
 def test_untrusted_text_renders_as_text(client: TestClient, seeded: dict[str, list[int]]) -> None:

@@ -9,25 +9,27 @@
 -- Per event type: ready, in flight, retrying, scheduled, waiting behind a key, dead, and the
 -- oldest ready row. Each branch reads the first %(cap)s entries of one partial index in its
 -- order; "capped" says a branch stopped at the cap (its figures are then lower bounds, and event
--- types whose rows all lie past the cap are not seen by that branch).
+-- types whose rows all lie past the cap are not seen by that branch). Of the rows read, also
+-- what stats' attention line reports: claims whose task never started ("lost", stats' rule:
+-- a live lease's own claim may still start) and leases that ran out.
 WITH ready_free AS (
-    SELECT event_type, available_at, created_at FROM {table}
+    SELECT event_type, available_at, lease_version - started_version AS lost FROM {table}
     WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()
     ORDER BY available_at, id LIMIT %(cap)s
 ),
 ready_heads AS (
-    SELECT event_type, available_at, created_at FROM {table}
+    SELECT event_type, available_at, lease_version - started_version AS lost FROM {table}
     WHERE status = 'pending' AND head AND available_at <= now()
     ORDER BY available_at, id LIMIT %(cap)s
 ),
 later AS (
     -- Pending, not yet due: a backoff (attempts spent) or a delay or defer (none spent).
-    SELECT event_type, attempts FROM {table}
+    SELECT event_type, attempts, lease_version - started_version AS lost FROM {table}
     WHERE status = 'pending' AND ordering_key IS NULL AND available_at > now()
     ORDER BY available_at, id LIMIT %(cap)s
 ),
 later_heads AS (
-    SELECT event_type, attempts FROM {table}
+    SELECT event_type, attempts, lease_version - started_version AS lost FROM {table}
     WHERE status = 'pending' AND head AND available_at > now()
     ORDER BY available_at, id LIMIT %(cap)s
 ),
@@ -38,22 +40,24 @@ ordered AS (
     ORDER BY ordering_key, id LIMIT %(cap)s
 ),
 flight AS (
-    SELECT event_type FROM {table}
+    SELECT event_type, lease_until <= now() AS expired,
+           lease_version - started_version - CASE WHEN lease_until > now() THEN 1 ELSE 0 END AS lost
+    FROM {table}
     WHERE status = 'processing' ORDER BY lease_until LIMIT %(cap)s
 ),
 dead AS (
     SELECT event_type FROM {table} WHERE status = 'dead' ORDER BY id LIMIT %(cap)s
 ),
 rows AS (
-    SELECT event_type, 'ready' AS what, 0 AS attempts, available_at FROM ready_free
-    UNION ALL SELECT event_type, 'ready', 0, available_at FROM ready_heads
-    UNION ALL SELECT event_type, CASE WHEN attempts > 0 THEN 'retrying' ELSE 'scheduled' END, attempts,
-                     NULL FROM later
-    UNION ALL SELECT event_type, CASE WHEN attempts > 0 THEN 'retrying' ELSE 'scheduled' END, attempts,
-                     NULL FROM later_heads
-    UNION ALL SELECT event_type, 'behind_key', 0, NULL FROM ordered
-    UNION ALL SELECT event_type, 'in_flight', 0, NULL FROM flight
-    UNION ALL SELECT event_type, 'dead', 0, NULL FROM dead
+    SELECT event_type, 'ready' AS what, available_at, lost, false AS expired FROM ready_free
+    UNION ALL SELECT event_type, 'ready', available_at, lost, false FROM ready_heads
+    UNION ALL SELECT event_type, CASE WHEN attempts > 0 THEN 'retrying' ELSE 'scheduled' END, NULL,
+                     lost, false FROM later
+    UNION ALL SELECT event_type, CASE WHEN attempts > 0 THEN 'retrying' ELSE 'scheduled' END, NULL,
+                     lost, false FROM later_heads
+    UNION ALL SELECT event_type, 'behind_key', NULL, 0, false FROM ordered
+    UNION ALL SELECT event_type, 'in_flight', NULL, lost, expired FROM flight
+    UNION ALL SELECT event_type, 'dead', NULL, 0, false FROM dead
 )
 SELECT now() AS now,
        (SELECT count(*) FROM ready_free) >= %(cap)s OR (SELECT count(*) FROM ready_heads) >= %(cap)s
@@ -71,8 +75,73 @@ SELECT now() AS now,
                    count(*) FILTER (WHERE what = 'scheduled') AS scheduled,
                    count(*) FILTER (WHERE what = 'behind_key') AS behind_key,
                    count(*) FILTER (WHERE what = 'dead') AS dead,
-                   extract(epoch FROM now() - min(available_at))::float8 AS oldest_ready_wait
+                   extract(epoch FROM now() - min(available_at))::float8 AS oldest_ready_wait,
+                   count(*) FILTER (WHERE lost > 0) AS unstarted,
+                   count(*) FILTER (WHERE expired) AS expired
             FROM rows GROUP BY event_type) AS t) AS event_types;
+
+-- name: console_routes
+-- The subscriptions' routes (DESIGN invariant 28) and whether each is live (not removed): what
+-- the database knows of who handles an event type when the console has no app.
+SELECT event_type || '@' || name AS route, removed_at IS NULL AS live
+FROM {subscription_table}
+ORDER BY 1;
+
+-- name: console_state_rows
+-- One page of the rows of one state of the overview (%(state)s: ready, in_flight, retrying,
+-- scheduled, behind_key), read as console_counts reads them: the first %(cap)s entries of that
+-- state's partial indexes in their order (a branch whose state is another is not run), then
+-- those of %(event_type)s (NULL: every type), by id after %(after)s. "matching" is how many of
+-- the rows read match, the figure of the overview's cell; the page's rows are then read by
+-- their primary key. One row of NULLs but "matching" when the page is empty.
+WITH seen AS (
+    (SELECT id, event_type, attempts FROM {table}
+     WHERE %(state)s::text = 'ready' AND status = 'pending' AND ordering_key IS NULL
+       AND available_at <= now()
+     ORDER BY available_at, id LIMIT %(cap)s)
+    UNION ALL
+    (SELECT id, event_type, attempts FROM {table}
+     WHERE %(state)s::text = 'ready' AND status = 'pending' AND head AND available_at <= now()
+     ORDER BY available_at, id LIMIT %(cap)s)
+    UNION ALL
+    (SELECT id, event_type, attempts FROM {table}
+     WHERE %(state)s::text IN ('retrying', 'scheduled') AND status = 'pending'
+       AND ordering_key IS NULL AND available_at > now()
+     ORDER BY available_at, id LIMIT %(cap)s)
+    UNION ALL
+    (SELECT id, event_type, attempts FROM {table}
+     WHERE %(state)s::text IN ('retrying', 'scheduled') AND status = 'pending' AND head
+       AND available_at > now()
+     ORDER BY available_at, id LIMIT %(cap)s)
+    UNION ALL
+    (SELECT id, event_type, attempts FROM {table}
+     WHERE %(state)s::text = 'behind_key' AND ordering_key IS NOT NULL AND status <> 'done'
+       AND NOT head
+     ORDER BY ordering_key, id LIMIT %(cap)s)
+    UNION ALL
+    (SELECT id, event_type, attempts FROM {table}
+     WHERE %(state)s::text = 'in_flight' AND status = 'processing'
+     ORDER BY lease_until LIMIT %(cap)s)
+),
+matching AS MATERIALIZED (
+    SELECT id FROM seen
+    WHERE (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
+      AND (%(state)s::text <> 'retrying' OR attempts > 0)
+      AND (%(state)s::text <> 'scheduled' OR attempts = 0)
+),
+page AS (
+    SELECT id FROM matching WHERE id > %(after)s ORDER BY id LIMIT %(limit)s
+)
+SELECT m.n AS matching, o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.ordering_key,
+       o.limit_key, o.attempts, o.created_at,
+       extract(epoch FROM now() - o.created_at)::float8 AS age,
+       extract(epoch FROM o.available_at - now())::float8 AS available_in,
+       extract(epoch FROM o.lease_until - now())::float8 AS lease_expires_in,
+       o.lease_version - o.started_version AS unstarted_claims,
+       left(o.last_error, 300) AS last_error
+FROM (SELECT count(*) AS n FROM matching) AS m
+LEFT JOIN (page JOIN {table} AS o USING (id)) ON true
+ORDER BY o.id;
 
 -- name: console_headless
 -- Ordering keys with unfinished messages and no head (see admin.sql stats), among the first
