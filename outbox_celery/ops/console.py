@@ -37,6 +37,7 @@ __all__ = [
     "BlockedKey",
     "BulkResult",
     "Count",
+    "DeadPage",
     "DeadQuery",
     "DeadRow",
     "Flag",
@@ -47,6 +48,7 @@ __all__ = [
     "TypeCounts",
     "bulk_dead",
     "count_dead",
+    "dead_page",
     "flags",
     "list_dead",
     "list_state",
@@ -495,6 +497,38 @@ def list_dead(
     """One page of matching dead messages by id (error and payload shortened)."""
     params = {**query.params(), "after": after, "limit": limit}
     return many(conn, _q(table, "console_dead_list"), params, DeadRow)
+
+
+@dataclass(frozen=True, slots=True)
+class DeadPage:
+    """The dead-letter page: how many dead messages match, the highest matching id (``None``
+    when none: what a bulk action is then bounded by), and one page of them."""
+
+    matching: int
+    upto: int | None
+    rows: list[DeadRow]
+
+
+def dead_page(
+    conn: psycopg.Connection[Any],
+    table: str | TableName,
+    query: DeadQuery,
+    *,
+    after: int = 0,
+    limit: int = 50,
+) -> DeadPage:
+    """:func:`count_dead` and :func:`list_dead` in one read of the dead rows: a text filter
+    reads each dead row's error or payload once."""
+    params = {**query.params(), "after": after, "limit": limit}
+    read = many(conn, _q(table, "console_dead_page"), params, _dead_page_row)
+    matching, upto = read[0][0], read[0][1]
+    return DeadPage(matching, upto, [r for _, _, r in read if r is not None])
+
+
+def _dead_page_row(*, matching: int, upto: int | None, **row: Any) -> tuple[int, int | None, DeadRow | None]:
+    """A row of ``console_dead_page``: the count, the highest id, and the row (``None``: an
+    empty page)."""
+    return int(matching), None if upto is None else int(upto), None if row["id"] is None else DeadRow(**row)
 
 
 def count_dead(

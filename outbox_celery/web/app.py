@@ -417,14 +417,18 @@ class _Pages:
         except ValueError:
             raise _RefusedError(400, "invalid page (after)") from None
 
-        def read(conn: psycopg.Connection[Any]) -> tuple[list[console.DeadRow], tuple[int, int | None]]:
-            return console.list_dead(conn, db.table, q, after=after, limit=50), console.count_dead(
-                conn, db.table, q
-            )
-
-        rows, (count, upto) = await self.run(db, read)
+        found: console.DeadPage = await self.run(
+            db, lambda conn: console.dead_page(conn, db.table, q, after=after, limit=50)
+        )
         return self.render(
-            request, "dead.html", db=db, q=q, rows=rows, count=count, upto=upto, qs=_filter_qs(q)
+            request,
+            "dead.html",
+            db=db,
+            q=q,
+            rows=found.rows,
+            count=found.matching,
+            upto=found.upto,
+            qs=_filter_qs(q),
         )
 
     async def messages(self, request: Request) -> Response:

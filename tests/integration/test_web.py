@@ -11,6 +11,7 @@ import html
 import re
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -24,7 +25,7 @@ from starlette.testclient import TestClient
 from outbox_celery import Event, enqueue_many, ops
 from outbox_celery.cli import cli
 from outbox_celery.db.migrations import migrate
-from outbox_celery.ops import subscriptions
+from outbox_celery.ops import console, subscriptions
 from outbox_celery.web import Database, create_app
 
 TOKEN = "s3cret-token"
@@ -287,6 +288,24 @@ def test_every_count_links_to_a_page_of_the_rows_behind_it(
     behind = client.get("/db/main/messages?state=behind_key").text
     assert [int(i) for i in re.findall(r'<a href="/db/main/message/(\d+)">', behind)] == ordered[1:]
     assert client.get("/db/main/messages?state=nope").status_code == 400
+
+
+def test_the_dead_page_reads_what_the_list_and_the_count_read_in_one_statement(
+    conn: psycopg.Connection[Any], seeded: dict[str, list[int]]
+) -> None:
+    queries = [
+        console.DeadQuery(),
+        console.DeadQuery(error="partner-a"),
+        console.DeadQuery(payload="pwned", event_type="mail.sent"),
+        console.DeadQuery(key="nothing"),
+    ]
+    for q in queries:
+        for after in (0, seeded["hooks"][1]):
+            found = console.dead_page(conn, "outbox", q, after=after, limit=2)
+            listed = console.list_dead(conn, "outbox", q, after=after, limit=2)
+            # age is read against each statement's now()
+            assert [replace(r, age=0) for r in found.rows] == [replace(r, age=0) for r in listed], (q, after)
+            assert (found.matching, found.upto) == console.count_dead(conn, "outbox", q), q
 
 
 def test_untrusted_text_renders_as_text(client: TestClient, seeded: dict[str, list[int]]) -> None:

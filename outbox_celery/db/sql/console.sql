@@ -230,26 +230,54 @@ coalesce(d.payload, (SELECT w.payload FROM {table} AS w WHERE w.id = d.payload_o
        OR strpos(lower({seen_payload}::text), lower(%(payload)s::text)) > 0
        OR (%(payload_uuid)s::text IS NOT NULL
            AND strpos(lower({seen_payload}::text), %(payload_uuid)s::text) > 0))
-  AND d.id <= coalesce(%(upto)s::bigint, d.id)
+  -- An index condition on dead_idx (its end, when no bound is given), not a filter of every row.
+  AND d.id <= coalesce(%(upto)s::bigint, 9223372036854775807)
+
+-- fragment: console_dead_shown
+-- The columns a dead row is listed with, over the alias d and its payload s.seen (the one the
+-- handler receives, read once per row by console_dead_seen): the last error cut to 300
+-- characters, the payload's JSON cut to 200, and whole (payload_json) when it is at most 2,000
+-- characters, for the page to decode (a page never carries a large payload).
+d.id, d.event_type, d.aggregate_type, d.aggregate_id, d.ordering_key, d.limit_key, d.attempts,
+d.created_at, extract(epoch FROM now() - d.created_at)::float8 AS age,
+left(d.last_error, 300) AS last_error, left(s.seen::text, 200) AS payload,
+CASE WHEN length(s.seen::text) <= 2000 THEN s.seen END AS payload_json
+
+-- fragment: console_dead_seen
+-- The payload of d as its handler receives it, as s.seen: OFFSET 0 keeps the subquery from
+-- being pulled up, so the owner's probe runs once per row, not once per use.
+CROSS JOIN LATERAL (SELECT {seen_payload} AS seen OFFSET 0) AS s
 
 -- name: console_dead_list
--- One page of matching dead rows by id (dead_idx), after the previous page's last id: the
--- payload the handler receives cut to 200 characters, and whole (payload_json) when it is at
--- most 2,000 characters, for the page to decode (a page never carries a large payload).
-SELECT l.id, l.event_type, l.aggregate_type, l.aggregate_id, l.ordering_key, l.limit_key,
-       l.attempts, l.created_at, l.age, l.last_error,
-       left(l.seen::text, 200) AS payload,
-       CASE WHEN length(l.seen::text) <= 2000 THEN l.seen END AS payload_json
-FROM (
-    SELECT d.id, d.event_type, d.aggregate_type, d.aggregate_id, d.ordering_key, d.limit_key,
-           d.attempts, d.created_at, extract(epoch FROM now() - d.created_at)::float8 AS age,
-           left(d.last_error, 300) AS last_error, {seen_payload} AS seen
-    FROM {table} AS d
-    WHERE d.status = 'dead' AND d.id > %(after)s AND {console_dead_filter}
-    ORDER BY d.id
-    LIMIT %(limit)s
-) AS l
-ORDER BY l.id;
+-- One page of matching dead rows by id (dead_idx), after the previous page's last id.
+SELECT {console_dead_shown}
+FROM (SELECT d.id FROM {table} AS d
+      WHERE d.status = 'dead' AND d.id > %(after)s AND {console_dead_filter}
+      ORDER BY d.id
+      LIMIT %(limit)s) AS page
+JOIN {table} AS d USING (id)
+{console_dead_seen}
+ORDER BY d.id;
+
+-- name: console_dead_page
+-- The dead-letter page in one read of the dead rows: how many match and the highest matching
+-- id (console_dead_count's figures) with the page after %(after)s (console_dead_list's rows).
+-- A text filter reads each dead row's error or payload once, not once for the count and again
+-- for the page. One row of NULLs but the count when the page is empty.
+WITH matching AS MATERIALIZED (
+    SELECT d.id FROM {table} AS d WHERE d.status = 'dead' AND {console_dead_filter}
+),
+page AS (
+    SELECT id FROM matching WHERE id > %(after)s ORDER BY id LIMIT %(limit)s
+)
+SELECT m.n AS matching, m.upto, shown.*
+FROM (SELECT count(*) AS n, max(id) AS upto FROM matching) AS m
+LEFT JOIN (
+    SELECT {console_dead_shown}
+    FROM page JOIN {table} AS d USING (id)
+    {console_dead_seen}
+) AS shown ON true
+ORDER BY shown.id;
 
 -- name: console_dead_count
 -- How many dead rows match, and the highest id among them (what a bulk action is bounded by, so
