@@ -18,7 +18,6 @@ from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import dict_row
 
 from ..config import OutboxConfig, TableName
 from ..db import statements as _sql
@@ -31,25 +30,31 @@ from .retention import Horizon, horizon
 from .snapshot import overdue_after
 
 __all__ = [
+    "COUNT_PARTS",
     "DEFAULT_CAP",
     "DEFAULT_MINUTE_CAP",
     "STATES",
     "BlockedKey",
     "BulkResult",
     "Count",
+    "CountPart",
     "DeadPage",
     "DeadQuery",
     "DeadRow",
     "Flag",
+    "Holds",
     "KeyUse",
     "Minute",
     "Overview",
     "StateRow",
     "TypeCounts",
+    "assemble",
     "bulk_dead",
     "count_dead",
+    "count_part",
     "dead_page",
     "flags",
+    "holds",
     "list_dead",
     "list_state",
     "minutes",
@@ -164,64 +169,128 @@ def _count(*, keys: int, capped: bool) -> Count:
     return Count(int(keys), bool(capped))
 
 
+#: The overview's counts, in parts: each one statement over its own indexes (ready; retrying and
+#: scheduled; behind a key, in flight and dead). :func:`overview` reads them one after another;
+#: a console reads them at once on several connections (:func:`count_part`, :func:`assemble`).
+COUNT_PARTS = ("ready", "later", "rest")
+_KINDS = ("ready", "in_flight", "retrying", "scheduled", "behind_key", "dead")
+
+
+@dataclass(frozen=True, slots=True)
+class CountPart:
+    """One part of the overview's counts (:data:`COUNT_PARTS`), as its statement read it.
+
+    :ivar capped: per kind it counts, whether a read of it stopped at the cap.
+    :ivar counts: per kind and event type: ``what``, ``event_type``, ``n``,
+        ``oldest_ready_wait``, ``unstarted``, ``expired``.
+    """
+
+    now: datetime
+    capped: dict[str, bool]
+    counts: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Holds:
+    """What the overview shows beside the counts: what holds messages back, the key leases in
+    use, the xmin horizon and the subscriptions' routes (see :class:`Overview`)."""
+
+    paused: list[FlowState]
+    held_keys: list[KeyFlowState]
+    blocked_keys: list[BlockedKey]
+    headless_keys: Count
+    horizon: Horizon
+    key_use: list[KeyUse]
+    routes: Mapping[str, bool] | None
+
+
+def count_part(
+    conn: psycopg.Connection[Any], table: str | TableName, part: str, *, cap: int = DEFAULT_CAP
+) -> CountPart:
+    """Read one part of :func:`overview`'s counts (``part`` in :data:`COUNT_PARTS`): at most
+    ``cap`` entries of each of its partial indexes."""
+    if part not in COUNT_PARTS:
+        raise AdminError(f"unknown part {part!r}: one of {', '.join(COUNT_PARTS)}")
+    if cap < 1:
+        raise AdminError("cap must be at least 1")
+    row = one(conn, _q(table, f"console_counts_{part}"), {"cap": cap}, CountPart)
+    assert row is not None
+    return row
+
+
+def holds(conn: psycopg.Connection[Any], table: str | TableName, *, cap: int = DEFAULT_CAP) -> Holds:
+    """What :func:`overview` shows beside the counts, each read bounded by ``cap``."""
+    t = TableName.parse(table)
+    headless = one(conn, _q(t, "console_headless"), {"cap": cap}, _count)
+    assert headless is not None
+    return Holds(
+        paused=flow_states(conn, t),
+        held_keys=key_states(conn, t),
+        blocked_keys=many(conn, _q(t, "console_blocked"), {"cap": 100}, BlockedKey),
+        headless_keys=headless,
+        horizon=horizon(conn, t),
+        key_use=many(conn, _q(t, "console_key_use"), {"cap": cap}, KeyUse),
+        routes=subscription_routes(conn, t),
+    )
+
+
+def assemble(parts: Collection[CountPart], held: Holds, *, cap: int) -> Overview:
+    """The :class:`Overview` of the parts of its counts (one of each of :data:`COUNT_PARTS`)
+    and what holds messages back."""
+    capped = {kind: bool(c) for p in parts for kind, c in p.capped.items()}
+    by_type: dict[str, dict[str, Any]] = {}
+    for p in parts:
+        for c in p.counts:
+            e = by_type.setdefault(c["event_type"], {"oldest_ready_wait": None, "unstarted": 0, "expired": 0})
+            e[c["what"]] = int(c["n"])
+            if c["what"] == "ready":
+                e["oldest_ready_wait"] = c["oldest_ready_wait"]
+            e["unstarted"] += int(c["unstarted"])
+            e["expired"] += int(c["expired"])
+    types = [
+        TypeCounts(
+            event_type=event_type,
+            **{k: Count(e.get(k, 0), capped.get(k, False)) for k in _KINDS},
+            oldest_ready_wait=e["oldest_ready_wait"],
+            unstarted=e["unstarted"],
+            expired=e["expired"],
+        )
+        for event_type, e in sorted(by_type.items())
+    ]
+    waits = [e.oldest_ready_wait for e in types if e.oldest_ready_wait is not None]
+    totals = TypeCounts(
+        event_type="all",
+        **{k: Count(sum(getattr(e, k).value for e in types), capped.get(k, False)) for k in _KINDS},
+        oldest_ready_wait=max(waits) if waits else None,
+        unstarted=sum(e.unstarted for e in types),
+        expired=sum(e.expired for e in types),
+    )
+    return Overview(
+        now=max(p.now for p in parts),
+        cap=cap,
+        event_types=types,
+        totals=totals,
+        paused=held.paused,
+        held_keys=held.held_keys,
+        blocked_keys=held.blocked_keys,
+        headless_keys=held.headless_keys,
+        horizon=held.horizon,
+        key_use=held.key_use,
+        routes=held.routes,
+    )
+
+
 def overview(
     conn: psycopg.Connection[Any], table: str | TableName = "outbox", *, cap: int = DEFAULT_CAP
 ) -> Overview:
     """Counts per event type, holds, blocked and headless keys and the xmin horizon.
 
     Each status is read from its partial index up to ``cap`` entries (a bounded read, never a
-    scan of the history): a count that reached the cap is a lower bound (``Count.capped``).
+    scan of the history): a count that reached the cap is a lower bound (``Count.capped``). The
+    counts are the parts of :data:`COUNT_PARTS`, read one after another here.
     """
-    if cap < 1:
-        raise AdminError("cap must be at least 1")
-    t = TableName.parse(table)
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(_q(t, "console_counts"), {"cap": cap}).fetchone()
-    assert row is not None
-    headless = one(conn, _q(t, "console_headless"), {"cap": cap}, _count)
-    assert headless is not None
-    blocked = many(conn, _q(t, "console_blocked"), {"cap": 100}, BlockedKey)
-    key_use = many(conn, _q(t, "console_key_use"), {"cap": cap}, KeyUse)
-    capped = {
-        "ready": row["ready_capped"],
-        "retrying": row["later_capped"],
-        "scheduled": row["later_capped"],
-        "behind_key": row["behind_key_capped"],
-        "in_flight": row["in_flight_capped"],
-        "dead": row["dead_capped"],
-    }
-    fields = ("ready", "in_flight", "retrying", "scheduled", "behind_key", "dead")
-    types = [
-        TypeCounts(
-            event_type=str(e["event_type"]),
-            **{f: Count(int(e[f]), bool(capped[f])) for f in fields},
-            oldest_ready_wait=e["oldest_ready_wait"],
-            unstarted=int(e["unstarted"]),
-            expired=int(e["expired"]),
-        )
-        for e in row["event_types"]
-    ]
-    waits = [e.oldest_ready_wait for e in types if e.oldest_ready_wait is not None]
-    totals = TypeCounts(
-        event_type="all",
-        **{f: Count(sum(getattr(e, f).value for e in types), bool(capped[f])) for f in fields},
-        oldest_ready_wait=max(waits) if waits else None,
-        unstarted=sum(e.unstarted for e in types),
-        expired=sum(e.expired for e in types),
-    )
-    return Overview(
-        now=row["now"],
-        cap=cap,
-        event_types=types,
-        totals=totals,
-        paused=flow_states(conn, t),
-        held_keys=key_states(conn, t),
-        blocked_keys=blocked,
-        headless_keys=headless,
-        horizon=horizon(conn, t),
-        key_use=key_use,
-        routes=subscription_routes(conn, t),
-    )
+    parts = [count_part(conn, table, p, cap=cap) for p in COUNT_PARTS]
+    return assemble(parts, holds(conn, table, cap=cap), cap=cap)
 
 
 def subscription_routes(conn: psycopg.Connection[Any], table: str | TableName) -> dict[str, bool] | None:

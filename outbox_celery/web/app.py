@@ -386,13 +386,18 @@ class _Pages:
     # -- pages --------------------------------------------------------------------------------
 
     async def overview(self, request: Request) -> Response:
-        # Every database's reads at once, and in each the counts beside the hour's chart (two of
-        # its pool's connections): the page waits for the slowest read, not for their sum.
+        # Every database at once (an unavailable one becomes its panel's error).
         panels: list[dict[str, Any]] = [{"db": db, "error": None} for db in self.databases]
+
+        async def fill(panel: dict[str, Any]) -> None:
+            try:
+                panel.update(await self.read_overview(panel["db"], minutes=True))
+            except _RefusedError as exc:
+                panel["error"] = exc.message
+
         async with anyio.create_task_group() as group:
             for p in panels:
-                group.start_soon(self._read_into, p, "overview", self._counts(p["db"]))
-                group.start_soon(self._read_into, p, "minutes", self._minutes(p["db"]))
+                group.start_soon(fill, p)
         for p in panels:
             if p["error"] is None:
                 p["chart"] = display.chart(p["minutes"])
@@ -404,21 +409,35 @@ class _Pages:
         template = "overview_live.html" if request.query_params.get("partial") else "overview.html"
         return self.render(request, template, panels=panels)
 
-    def _counts(self, db: Database) -> Callable[[psycopg.Connection[Any]], Any]:
-        return lambda conn: console.overview(conn, db.table, cap=self.cap)
+    async def read_overview(self, db: Database, *, minutes: bool) -> dict[str, Any]:
+        """``{"overview": ..., "minutes": ...}`` of ``db``: the parts of the counts each on its
+        own connection of the pool, the holds (and the hour's chart) on a fourth, all at once,
+        so the page waits for its slowest read rather than their sum."""
+        got: dict[str, Any] = {}
+        refused: list[_RefusedError] = []
 
-    def _minutes(self, db: Database) -> Callable[[psycopg.Connection[Any]], Any]:
-        return lambda conn: console.minutes(conn, db.table, minute_cap=self.minute_cap)
+        async def read(key: str, fn: Callable[[psycopg.Connection[Any]], Any]) -> None:
+            try:
+                got[key] = await self.run(db, fn)
+            except _RefusedError as exc:
+                refused.append(exc)
 
-    async def _read_into(
-        self, panel: dict[str, Any], key: str, fn: Callable[[psycopg.Connection[Any]], Any]
-    ) -> None:
-        """``panel[key]`` read from ``panel["db"]``; a refusal (the database unavailable) becomes
-        the panel's error, and the other panels are shown."""
-        try:
-            panel[key] = await self.run(panel["db"], fn)
-        except _RefusedError as exc:
-            panel["error"] = panel["error"] or exc.message
+        def part(name: str) -> Callable[[psycopg.Connection[Any]], console.CountPart]:
+            return lambda conn: console.count_part(conn, db.table, name, cap=self.cap)
+
+        def beside(conn: psycopg.Connection[Any]) -> tuple[console.Holds, list[console.Minute] | None]:
+            held = console.holds(conn, db.table, cap=self.cap)
+            return held, console.minutes(conn, db.table, minute_cap=self.minute_cap) if minutes else None
+
+        async with anyio.create_task_group() as group:
+            for name in console.COUNT_PARTS:
+                group.start_soon(read, name, part(name))
+            group.start_soon(read, "beside", beside)
+        if refused:
+            raise refused[0]
+        held, chart = got["beside"]
+        parts = [got[name] for name in console.COUNT_PARTS]
+        return {"overview": console.assemble(parts, held, cap=self.cap), "minutes": chart}
 
     async def dead(self, request: Request) -> Response:
         db = self.database(request)
@@ -535,10 +554,7 @@ class _Pages:
     async def flow(self, request: Request) -> Response:
         db = self.database(request)
 
-        def read(conn: psycopg.Connection[Any]) -> console.Overview:
-            return console.overview(conn, db.table, cap=self.cap)
-
-        ov = await self.run(db, read)
+        ov: console.Overview = (await self.read_overview(db, minutes=False))["overview"]
         types = sorted(
             {e.event_type for e in ov.event_types} | {p.event_type for p in ov.paused} | set(db.limits)
         )

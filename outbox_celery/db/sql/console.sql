@@ -5,36 +5,78 @@
 -- the cap is shown as "cap+" (console.Count.capped). Done rows are read only through done_idx,
 -- only within the last hour and at most %(minute_cap)s per minute.
 
--- name: console_counts
--- Per event type: ready, in flight, retrying, scheduled, waiting behind a key, dead, and the
--- oldest ready row. Each branch reads the first %(cap)s entries of one partial index in its
--- order; "capped" says a branch stopped at the cap (its figures are then lower bounds, and event
--- types whose rows all lie past the cap are not seen by that branch). Of the rows read, also
--- what stats' attention line reports: claims whose task never started ("lost", stats' rule:
--- a live lease's own claim may still start) and leases that ran out.
-WITH ready_free AS (
+-- The overview's counts per event type, in three parts: ready; retrying and scheduled; behind a
+-- key, in flight and dead. Each branch reads the first %(cap)s entries of one partial index in
+-- its order; a kind is "capped" when a branch of it stopped at the cap (its figures are then
+-- lower bounds, and event types whose rows all lie past the cap are not seen by that branch).
+-- Of the rows read, also what stats' attention line reports: claims whose task never started
+-- ("lost", stats' rule: a live lease's own claim may still start) and leases that ran out.
+-- Three statements, so that a console can read them at once on three connections (the cost
+-- of a part is the index entries it walks, dead versions included); each part is one
+-- snapshot, the parts are three.
+
+-- fragment: console_part
+-- One row of a part: now(), each kind's capped flag (from the part's "capped" rows), and per
+-- kind and event type of its "counted" rows how many, the oldest ready wait, the claims never
+-- started and the expired leases.
+SELECT now() AS now,
+       (SELECT json_object_agg(kind, capped) FROM capped) AS capped,
+       (SELECT coalesce(json_agg(t), '[]'::json) FROM (
+            SELECT what, event_type, count(*) AS n,
+                   extract(epoch FROM now() - min(available_at))::float8 AS oldest_ready_wait,
+                   count(*) FILTER (WHERE lost > 0) AS unstarted,
+                   count(*) FILTER (WHERE expired) AS expired
+            FROM counted GROUP BY what, event_type) AS t) AS counts
+
+-- name: console_counts_ready
+-- Pending, due and in turn (unordered, or the head of its key).
+WITH free AS (
     SELECT event_type, available_at, lease_version - started_version AS lost FROM {table}
     WHERE status = 'pending' AND ordering_key IS NULL AND available_at <= now()
     ORDER BY available_at, id LIMIT %(cap)s
 ),
-ready_heads AS (
+heads AS (
     SELECT event_type, available_at, lease_version - started_version AS lost FROM {table}
     WHERE status = 'pending' AND head AND available_at <= now()
     ORDER BY available_at, id LIMIT %(cap)s
 ),
-later AS (
-    -- Pending, not yet due: a backoff (attempts spent) or a delay or defer (none spent).
+counted AS (
+    SELECT 'ready' AS what, event_type, available_at, lost, false AS expired FROM free
+    UNION ALL SELECT 'ready', event_type, available_at, lost, false FROM heads
+),
+capped(kind, capped) AS (
+    VALUES ('ready', (SELECT count(*) FROM free) >= %(cap)s OR (SELECT count(*) FROM heads) >= %(cap)s)
+)
+{console_part};
+
+-- name: console_counts_later
+-- Pending, not yet due: a backoff (attempts spent: retrying) or a delay or defer (none spent:
+-- scheduled).
+WITH free AS (
     SELECT event_type, attempts, lease_version - started_version AS lost FROM {table}
     WHERE status = 'pending' AND ordering_key IS NULL AND available_at > now()
     ORDER BY available_at, id LIMIT %(cap)s
 ),
-later_heads AS (
+heads AS (
     SELECT event_type, attempts, lease_version - started_version AS lost FROM {table}
     WHERE status = 'pending' AND head AND available_at > now()
     ORDER BY available_at, id LIMIT %(cap)s
 ),
-ordered AS (
-    -- Ordered rows that are neither done nor a head: they wait behind their key's head.
+counted AS (
+    SELECT CASE WHEN attempts > 0 THEN 'retrying' ELSE 'scheduled' END AS what, event_type,
+           NULL::timestamptz AS available_at, lost, false AS expired
+    FROM (SELECT * FROM free UNION ALL SELECT * FROM heads) AS later
+),
+capped(kind, capped) AS (
+    SELECT kind, (SELECT count(*) FROM free) >= %(cap)s OR (SELECT count(*) FROM heads) >= %(cap)s
+    FROM (VALUES ('retrying'), ('scheduled')) AS k(kind)
+)
+{console_part};
+
+-- name: console_counts_rest
+-- Ordered rows that are neither done nor a head (they wait behind their key's head), rows in
+-- flight (processing) and dead rows.
+WITH ordered AS (
     SELECT event_type FROM {table}
     WHERE ordering_key IS NOT NULL AND status <> 'done' AND NOT head
     ORDER BY ordering_key, id LIMIT %(cap)s
@@ -48,37 +90,18 @@ flight AS (
 dead AS (
     SELECT event_type FROM {table} WHERE status = 'dead' ORDER BY id LIMIT %(cap)s
 ),
-rows AS (
-    SELECT event_type, 'ready' AS what, available_at, lost, false AS expired FROM ready_free
-    UNION ALL SELECT event_type, 'ready', available_at, lost, false FROM ready_heads
-    UNION ALL SELECT event_type, CASE WHEN attempts > 0 THEN 'retrying' ELSE 'scheduled' END, NULL,
-                     lost, false FROM later
-    UNION ALL SELECT event_type, CASE WHEN attempts > 0 THEN 'retrying' ELSE 'scheduled' END, NULL,
-                     lost, false FROM later_heads
-    UNION ALL SELECT event_type, 'behind_key', NULL, 0, false FROM ordered
-    UNION ALL SELECT event_type, 'in_flight', NULL, lost, expired FROM flight
-    UNION ALL SELECT event_type, 'dead', NULL, 0, false FROM dead
+counted AS (
+    SELECT 'behind_key' AS what, event_type, NULL::timestamptz AS available_at, 0 AS lost,
+           false AS expired FROM ordered
+    UNION ALL SELECT 'in_flight', event_type, NULL, lost, expired FROM flight
+    UNION ALL SELECT 'dead', event_type, NULL, 0, false FROM dead
+),
+capped(kind, capped) AS (
+    VALUES ('behind_key', (SELECT count(*) FROM ordered) >= %(cap)s),
+           ('in_flight', (SELECT count(*) FROM flight) >= %(cap)s),
+           ('dead', (SELECT count(*) FROM dead) >= %(cap)s)
 )
-SELECT now() AS now,
-       (SELECT count(*) FROM ready_free) >= %(cap)s OR (SELECT count(*) FROM ready_heads) >= %(cap)s
-           AS ready_capped,
-       (SELECT count(*) FROM later) >= %(cap)s OR (SELECT count(*) FROM later_heads) >= %(cap)s
-           AS later_capped,
-       (SELECT count(*) FROM ordered) >= %(cap)s AS behind_key_capped,
-       (SELECT count(*) FROM flight) >= %(cap)s AS in_flight_capped,
-       (SELECT count(*) FROM dead) >= %(cap)s AS dead_capped,
-       (SELECT coalesce(json_agg(t ORDER BY t.event_type), '[]'::json) FROM (
-            SELECT event_type,
-                   count(*) FILTER (WHERE what = 'ready') AS ready,
-                   count(*) FILTER (WHERE what = 'in_flight') AS in_flight,
-                   count(*) FILTER (WHERE what = 'retrying') AS retrying,
-                   count(*) FILTER (WHERE what = 'scheduled') AS scheduled,
-                   count(*) FILTER (WHERE what = 'behind_key') AS behind_key,
-                   count(*) FILTER (WHERE what = 'dead') AS dead,
-                   extract(epoch FROM now() - min(available_at))::float8 AS oldest_ready_wait,
-                   count(*) FILTER (WHERE lost > 0) AS unstarted,
-                   count(*) FILTER (WHERE expired) AS expired
-            FROM rows GROUP BY event_type) AS t) AS event_types;
+{console_part};
 
 -- name: console_routes
 -- The subscriptions' routes (DESIGN invariant 28) and whether each is live (not removed): what
@@ -89,7 +112,7 @@ ORDER BY 1;
 
 -- name: console_state_rows
 -- One page of the rows of one state of the overview (%(state)s: ready, in_flight, retrying,
--- scheduled, behind_key), read as console_counts reads them: the first %(cap)s entries of that
+-- scheduled, behind_key), read as the overview's counts read them: the first %(cap)s entries of that
 -- state's partial indexes in their order (a branch whose state is another is not run), then
 -- those of %(event_type)s (NULL: every type), by id after %(after)s. "matching" is how many of
 -- the rows read match, the figure of the overview's cell; the page's rows are then read by
