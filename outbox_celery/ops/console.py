@@ -428,10 +428,9 @@ def minutes(
 
 
 @dataclass(frozen=True, slots=True)
-class StateRow:
-    """A live message as :func:`list_state` lists it (times in seconds from now: negative
-    ``available_in`` is how long it has been due, negative ``lease_expires_in`` how long its
-    lease has been over); ``last_error`` cut to 300 characters."""
+class _Listed:
+    """What every list of the console shows of a message; ``age`` in seconds since
+    ``created_at``."""
 
     id: int
     event_type: str
@@ -442,6 +441,14 @@ class StateRow:
     attempts: int
     created_at: datetime
     age: float
+
+
+@dataclass(frozen=True, slots=True)
+class StateRow(_Listed):
+    """A live message as :func:`list_state` lists it (times in seconds from now: negative
+    ``available_in`` is how long it has been due, negative ``lease_expires_in`` how long its
+    lease has been over); ``last_error`` cut to 300 characters."""
+
     available_in: float
     lease_expires_in: float | None
     #: Claims since its last start (lease_version - started_version).
@@ -524,7 +531,7 @@ def _uuid_hex(text: str | None) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class DeadRow:
+class DeadRow(_Listed):
     """A dead message as the console lists it: its last error (300 characters) and its
     payload's JSON (200) shortened; ``age`` in seconds since ``created_at``.
 
@@ -534,15 +541,6 @@ class DeadRow:
         characters (``None`` otherwise): what a page decodes (:func:`outbox_celery.codec.decode`).
     """
 
-    id: int
-    event_type: str
-    aggregate_type: str
-    aggregate_id: str
-    ordering_key: str | None
-    limit_key: str | None
-    attempts: int
-    created_at: datetime
-    age: float
     last_error: str | None
     payload: str | None
     payload_json: Any = None
