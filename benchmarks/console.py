@@ -136,37 +136,21 @@ SELECT
 GOAL_PAGE_MS = 150.0
 GOAL_SCRAPE_MS = 20.0
 
+# The load, one statement: ``--done`` done rows and ``--unfinished`` unfinished ones (half ready,
+# a fifth scheduled or retrying, a tenth in flight, a fifth dead), by id in one block per status
+# (done, pending, processing, dead), or with %(interleaved)s spread through the table the way
+# rows of a table that has lived are (a dead row among the done history rather than in one block
+# at the end): a page's reads then touch a heap page per row. With %(fanout)s > 1 every event is
+# written as that many subscription rows (DESIGN invariant 28): the first, the owner, keeps the
+# payload, the others read it through payload_of. Ids are given (the rows are numbered 1..n), so
+# payload_of can name the owner.
 LOAD = """
-INSERT INTO outbox (event_type, aggregate_type, aggregate_id, payload, status, created_at,
-                    available_at, attempts, lease_until, lease_version, started_version, done_at,
-                    last_error)
-SELECT 'type.' || (g %% 8), 'agg', g::text, jsonb_build_object('n', g, 'note', 'x'),
-       s.status,
-       now() - make_interval(secs => (%(n)s - g) * 0.3),
-       CASE WHEN s.status = 'pending' AND g %% 5 < 2 THEN now() + interval '1 hour' ELSE now() END,
-       CASE WHEN s.status = 'dead' THEN 5 WHEN g %% 5 = 0 THEN 1 ELSE 0 END,
-       CASE WHEN s.status = 'processing' THEN now() + interval '1 minute' END,
-       1, 1,
-       CASE WHEN s.status = 'done' THEN now() - make_interval(secs => (%(n)s - g) * 0.3) END,
-       CASE WHEN s.status = 'dead' THEN 'HTTP 503 from partner ' || (g %% 17) END
-FROM generate_series(1, %(n)s) AS g,
-     LATERAL (SELECT %(status)s::text AS status) AS s
-"""
-
-
-# The same mix as LOAD in one statement, each status spread through the table the way rows of a
-# table that has lived are (a dead row every hundred rows, among the done history, rather than
-# in one block at the end): a page's reads then touch a heap page per row. With %(fanout)s > 1
-# every event is written as that many subscription rows (DESIGN invariant 28): the first, the
-# owner, keeps the payload, the others read it through payload_of. Ids are given (the load's
-# rows are numbered 1..n), so payload_of can name the owner.
-LOAD_INTERLEAVED = """
 INSERT INTO outbox (id, event_type, aggregate_type, aggregate_id, payload, payload_of, status,
                     created_at, available_at, attempts, lease_until, lease_version,
                     started_version, done_at, last_error)
 OVERRIDING SYSTEM VALUE
 SELECT g, 'type.' || (e %% 8) || CASE WHEN %(fanout)s > 1 THEN '@s' || r ELSE '' END, 'agg', e::text,
-       CASE WHEN r = 0 THEN json_build_object('n', e, 'note', repeat('x', %(payload_bytes)s)) END,
+       CASE WHEN r = 0 THEN jsonb_build_object('n', e, 'note', repeat('x', %(payload_bytes)s))::json END,
        CASE WHEN r > 0 THEN g - r END,
        s.status,
        now() - make_interval(secs => (%(n)s - g) * 0.3),
@@ -178,12 +162,13 @@ SELECT g, 'type.' || (e %% 8) || CASE WHEN %(fanout)s > 1 THEN '@s' || r ELSE ''
        CASE WHEN s.status = 'dead' THEN 'HTTP 503 from partner ' || (g %% 17) END
 FROM generate_series(1, %(n)s) AS g,
      LATERAL (SELECT (g - 1) / %(fanout)s + 1 AS e, (g - 1) %% %(fanout)s AS r,
-                     -- a permutation of 0..n-1 (7919 is prime, so coprime with n unless it divides n)
-                     (g::bigint * 7919) %% %(n)s AS rank) AS k,
-     LATERAL (SELECT CASE WHEN k.rank < %(dead)s THEN 'dead'
-                          WHEN k.rank < %(dead)s + %(processing)s THEN 'processing'
-                          WHEN k.rank < %(dead)s + %(processing)s + %(pending)s THEN 'pending'
-                          ELSE 'done' END AS status) AS s
+                     -- interleaved: a permutation of 0..n-1 (7919 is prime, so coprime with n
+                     -- unless it divides n); else the row's place
+                     CASE WHEN %(interleaved)s THEN (g::bigint * 7919) %% %(n)s ELSE g - 1 END AS rank) AS k,
+     LATERAL (SELECT CASE WHEN k.rank < %(done)s THEN 'done'
+                          WHEN k.rank < %(done)s + %(pending)s THEN 'pending'
+                          WHEN k.rank < %(done)s + %(pending)s + %(processing)s THEN 'processing'
+                          ELSE 'dead' END AS status) AS s
 """
 
 
@@ -212,18 +197,19 @@ def _load(
         "processing": unfinished // 10,
         "dead": unfinished - unfinished // 2 - unfinished // 5 - unfinished // 10,
     }
+    n = done + unfinished
+    if interleaved and n % 7919 == 0:
+        raise SystemExit("--interleaved needs a row count that 7919 does not divide")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        if interleaved:
-            n = done + unfinished
-            if n % 7919 == 0:
-                raise SystemExit("--interleaved needs a row count that 7919 does not divide")
-            params = {**parts, "n": n, "fanout": fanout, "payload_bytes": payload_bytes}
-            conn.execute(LOAD_INTERLEAVED, params)  # type: ignore[arg-type]
-            conn.execute("SELECT setval(pg_get_serial_sequence('outbox', 'id'), %s)", [n])
-        else:
-            for status, n in parts.items():
-                if n:
-                    conn.execute(LOAD, {"n": n, "status": status})  # type: ignore[arg-type]
+        params = {
+            **parts,
+            "n": n,
+            "interleaved": interleaved,
+            "fanout": fanout,
+            "payload_bytes": payload_bytes,
+        }
+        conn.execute(LOAD, params)  # type: ignore[arg-type]
+        conn.execute("SELECT setval(pg_get_serial_sequence('outbox', 'id'), %s)", [max(n, 1)])
         conn.execute("VACUUM ANALYZE outbox")
 
 
