@@ -1,7 +1,8 @@
 """What the operator console's pages cost, beside ``stats`` and the metrics scrape (#33).
 
 ``python -m benchmarks.console [--dsn DSN] [--done 2000000] [--unfinished 100000] [--runs 15]
-[--dead-versions 500000] [--pinned-deliveries 100000]``
+[--dead-versions 500000] [--pinned-deliveries 100000] [--interleaved] [--subscriptions 3]
+[--payload-bytes 300]``
 
 On a throw-away database of ``--dsn``'s server (default ``OUTBOX_TEST_DSN``): the median time of
 each console page (served in process by Starlette's TestClient: the queries, the template and
@@ -12,8 +13,10 @@ scrape (``OutboxCollector.collect``, which runs ``ops.stats``; over a DSN as ``o
 metrics`` does, a connection per scrape, and over a kept connection) beside what the old scrape
 read (the old statement, the horizon and the holds), first at 0 rows, then with ``--done`` done
 rows and ``--unfinished`` unfinished ones (half ready, a fifth scheduled or retrying, a tenth
-in flight, a fifth dead). The table is vacuumed and analysed after the load (as autovacuum
-would have), and the server's version and autovacuum setting are printed with the figures.
+in flight, a fifth dead), each status in one block or, with ``--interleaved``, spread through
+the table (with ``--subscriptions N``, every event as N subscription rows reading one payload).
+The table is vacuumed and analysed after the load (as autovacuum would have), and the server's
+version and autovacuum setting are printed with the figures.
 """
 
 from __future__ import annotations
@@ -133,11 +136,22 @@ SELECT
 GOAL_PAGE_MS = 150.0
 GOAL_SCRAPE_MS = 20.0
 
+# The load, one statement: ``--done`` done rows and ``--unfinished`` unfinished ones (half ready,
+# a fifth scheduled or retrying, a tenth in flight, a fifth dead), by id in one block per status
+# (done, pending, processing, dead), or with %(interleaved)s spread through the table the way
+# rows of a table that has lived are (a dead row among the done history rather than in one block
+# at the end): a page's reads then touch a heap page per row. With %(fanout)s > 1 every event is
+# written as that many subscription rows (DESIGN invariant 28): the first, the owner, keeps the
+# payload, the others read it through payload_of. Ids are given (the rows are numbered 1..n), so
+# payload_of can name the owner.
 LOAD = """
-INSERT INTO outbox (event_type, aggregate_type, aggregate_id, payload, status, created_at,
-                    available_at, attempts, lease_until, lease_version, started_version, done_at,
-                    last_error)
-SELECT 'type.' || (g %% 8), 'agg', g::text, jsonb_build_object('n', g, 'note', 'x'),
+INSERT INTO outbox (id, event_type, aggregate_type, aggregate_id, payload, payload_of, status,
+                    created_at, available_at, attempts, lease_until, lease_version,
+                    started_version, done_at, last_error)
+OVERRIDING SYSTEM VALUE
+SELECT g, 'type.' || (e %% 8) || CASE WHEN %(fanout)s > 1 THEN '@s' || r ELSE '' END, 'agg', e::text,
+       CASE WHEN r = 0 THEN jsonb_build_object('n', e, 'note', repeat('x', %(payload_bytes)s))::json END,
+       CASE WHEN r > 0 THEN g - r END,
        s.status,
        now() - make_interval(secs => (%(n)s - g) * 0.3),
        CASE WHEN s.status = 'pending' AND g %% 5 < 2 THEN now() + interval '1 hour' ELSE now() END,
@@ -147,7 +161,14 @@ SELECT 'type.' || (g %% 8), 'agg', g::text, jsonb_build_object('n', g, 'note', '
        CASE WHEN s.status = 'done' THEN now() - make_interval(secs => (%(n)s - g) * 0.3) END,
        CASE WHEN s.status = 'dead' THEN 'HTTP 503 from partner ' || (g %% 17) END
 FROM generate_series(1, %(n)s) AS g,
-     LATERAL (SELECT %(status)s::text AS status) AS s
+     LATERAL (SELECT (g - 1) / %(fanout)s + 1 AS e, (g - 1) %% %(fanout)s AS r,
+                     -- interleaved: a permutation of 0..n-1 (7919 is prime, so coprime with n
+                     -- unless it divides n); else the row's place
+                     CASE WHEN %(interleaved)s THEN (g::bigint * 7919) %% %(n)s ELSE g - 1 END AS rank) AS k,
+     LATERAL (SELECT CASE WHEN k.rank < %(done)s THEN 'done'
+                          WHEN k.rank < %(done)s + %(pending)s THEN 'pending'
+                          WHEN k.rank < %(done)s + %(pending)s + %(processing)s THEN 'processing'
+                          ELSE 'dead' END AS status) AS s
 """
 
 
@@ -161,17 +182,34 @@ def _median_ms(fn: Callable[[], Any], runs: int) -> float:
     return statistics.median(times)
 
 
-def _load(dsn: str, done: int, unfinished: int) -> None:
+def _load(
+    dsn: str,
+    done: int,
+    unfinished: int,
+    *,
+    interleaved: bool = False,
+    fanout: int = 1,
+    payload_bytes: int = 4,
+) -> None:
     parts = {
         "done": done,
         "pending": unfinished // 2 + unfinished // 5,
         "processing": unfinished // 10,
         "dead": unfinished - unfinished // 2 - unfinished // 5 - unfinished // 10,
     }
+    n = done + unfinished
+    if interleaved and n % 7919 == 0:
+        raise SystemExit("--interleaved needs a row count that 7919 does not divide")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        for status, n in parts.items():
-            if n:
-                conn.execute(LOAD, {"n": n, "status": status})  # type: ignore[arg-type]
+        params = {
+            **parts,
+            "n": n,
+            "interleaved": interleaved,
+            "fanout": fanout,
+            "payload_bytes": payload_bytes,
+        }
+        conn.execute(LOAD, params)  # type: ignore[arg-type]
+        conn.execute("SELECT setval(pg_get_serial_sequence('outbox', 'id'), %s)", [max(n, 1)])
         conn.execute("VACUUM ANALYZE outbox")
 
 
@@ -266,8 +304,11 @@ def _measure(dsn: str, runs: int) -> dict[str, float]:
         "page dead, error filter": "/db/main/dead?error=partner%2016",
         "page dead, payload filter": "/db/main/dead?payload=%22n%22%3A%2042",
         "page replay-all confirm": "/db/main/dead/confirm?action=requeue&event_type=type.3",
+        "page replay-all confirm, payload": "/db/main/dead/confirm?action=requeue&payload=%22n%22%3A%2042",
         "page message": f"/db/main/message/{dead_id}",
         "page flow": "/db/main/flow",
+        "page ready messages": "/db/main/messages?state=ready",
+        "page in-flight messages": "/db/main/messages?state=in_flight",
     }
     with TestClient(create_app([Database("main", dsn)])) as client:
         for name, url in pages.items():
@@ -303,7 +344,23 @@ def main(argv: list[str] | None = None) -> int:
         help="then (after a VACUUM) also measure after this many deliveries under a pinned snapshot: "
         "new rows, the oldest ready claimed and done, as workers would (e.g. 100000)",
     )
+    p.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="spread each status through the table (a dead row among the done history, as in a table "
+        "that has lived) instead of loading each status in one block",
+    )
+    p.add_argument(
+        "--subscriptions",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --interleaved: write every event as N subscription rows, the payload on the first only",
+    )
+    p.add_argument("--payload-bytes", type=int, default=4, help="the size of each payload's filler text")
     args = p.parse_args(argv)
+    if args.subscriptions < 1 or (args.subscriptions > 1 and not args.interleaved):
+        p.error("--subscriptions takes N >= 1, and N > 1 needs --interleaved")
     if not args.dsn:
         p.error("give --dsn or set OUTBOX_TEST_DSN")
     with temporary_database(args.dsn, prefix="bench_console") as db:
@@ -316,8 +373,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"server: PostgreSQL {row[0]}, autovacuum {row[1]}; median of {args.runs} runs, ms")
         empty = _measure(db, args.runs)
         t0 = time.monotonic()
-        _load(db, args.done, args.unfinished)
-        print(f"loaded {args.done:,} done + {args.unfinished:,} unfinished in {time.monotonic() - t0:.0f} s")
+        _load(
+            db,
+            args.done,
+            args.unfinished,
+            interleaved=args.interleaved,
+            fanout=args.subscriptions,
+            payload_bytes=args.payload_bytes,
+        )
+        layout = "interleaved" if args.interleaved else "in blocks"
+        print(
+            f"loaded {args.done:,} done + {args.unfinished:,} unfinished ({layout}, {args.subscriptions} "
+            f"row(s) per event, {args.payload_bytes}-byte filler) in {time.monotonic() - t0:.0f} s"
+        )
         loaded = _measure(db, args.runs)
         pinned: dict[str, float] = {}
         if args.dead_versions:

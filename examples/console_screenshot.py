@@ -7,7 +7,8 @@ Creates two throw-away databases on the server of ``--dsn`` (a shop and a billin
 fills them with a realistic mix (a backlog, retries, dead letters with a hostile payload, a
 paused type, a held limit key, a blocked ordering key, an hour of deliveries), serves the console
 over both in process with actions on, and photographs the overview, the dead letters, a
-message, a replay confirmation and the flow page at 1,400 px.
+message, a replay confirmation, the flow page and the ready messages of a typo'd event type at
+1,400 px.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import shutil
 import socket
 import threading
 import time
+import uuid
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +72,19 @@ def _seed(dsn: str, *, billing: bool) -> None:
                 [
                     Event(
                         "mail.sent",
-                        {"to": "a@example.com", "body": "<script>alert('x')</script>"},
+                        {
+                            "to": "a@example.com",
+                            "order": uuid.UUID("1b4e28ba-2fa1-11d2-883f-0016d3cca427"),
+                            "total": Decimal("129.90"),
+                            "body": "<script>alert('x')</script>",
+                        },
                         "mail",
                         "m1",
                     )
                 ],
             )
+            # A typo'd event type: no app claims it, so it waits, flagged in red.
+            enqueue_many(conn, [Event("order.creatd", {"order": 7}, "order", "2026-00007")])
         # An hour of deliveries, with latencies that move.
         conn.execute(
             "UPDATE outbox SET status = 'done', created_at = now() - make_interval(secs => id * 20 + 5),"
@@ -101,6 +111,9 @@ def _seed(dsn: str, *, billing: bool) -> None:
         conn.execute(
             "UPDATE outbox SET attempts = 2, available_at = now() + interval '40 seconds'"
             " WHERE event_type = 'order.created' AND id > 110"
+        )
+        conn.execute(
+            "UPDATE outbox SET available_at = now() - interval '4 minutes' WHERE event_type = 'order.creatd'"
         )
         conn.execute(
             "UPDATE outbox SET status = 'processing', lease_version = 1,"
@@ -151,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             "console-message.png": f"/db/shop/message/{row[0]}",
             "console-confirm.png": "/db/shop/dead/confirm?action=requeue&error=422",
             "console-flow.png": "/db/shop/flow",
+            "console-ready.png": "/db/shop/messages?state=ready&event_type=order.creatd",
         }
         args.out.mkdir(parents=True, exist_ok=True)
         with sync_playwright() as pw:

@@ -24,11 +24,13 @@ from .groups import GroupSummary, group_summary
 from .retention import Horizon, horizon
 
 __all__ = [
+    "CLAIM_OVERDUE_MARGIN",
     "DEFAULT_STATS_CAP",
     "AttemptsBucket",
     "EventTypeStats",
     "Stats",
     "Unclaimed",
+    "overdue_after",
     "stats",
     "unclaimed",
 ]
@@ -307,6 +309,19 @@ def unclaimed(
         raise AdminError("cap must be at least 1 (or None)")
     params = {"older_than": older_than, "cap": cap}
     return many(conn, q(table, "unclaimed"), params, _unclaimed)
+
+
+#: A running outbox claims a due message at its next claim run, one claim interval at most (at
+#: once with push). A claimable message left one interval plus this margin (a claim run's own
+#: budget, beat sending late) is overdue: no claim ran for it.
+CLAIM_OVERDUE_MARGIN = 5.0
+
+
+def overdue_after(claim_interval: float) -> float:
+    """Seconds a claimable message may wait before it is reported unclaimed: one
+    ``claim_interval`` plus :data:`CLAIM_OVERDUE_MARGIN` (``stats``' attention line, the
+    console's flags)."""
+    return claim_interval + CLAIM_OVERDUE_MARGIN
 
 
 def _unclaimed(*, event_type: str, messages: int, oldest_wait: float) -> Unclaimed:

@@ -11,7 +11,6 @@ import binascii
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import secrets
 import threading
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
+import anyio
 import jinja2
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -37,6 +37,7 @@ from ..dsn import invalid_dsn, password
 from ..errors import AdminError, first_line
 from ..flow import Limit
 from ..ops import console
+from . import display
 
 __all__ = ["Database", "create_app"]
 
@@ -58,12 +59,19 @@ class Database:
     :ivar dsn: a libpq connection string; kept out of ``repr`` and of every page and error.
     :ivar table: the outbox table (``schema.table`` allowed).
     :ivar limits: the declared limits per event type, when the app is known (``-A``).
+    :ivar handlers: the routes the app has a handler for, when it is known (``-A``): a type with
+        pending messages and none is flagged unroutable. ``None``: the console judges by what
+        the database knows (subscriptions, ready messages nobody claims).
+    :ivar claim_interval: the app's ``claim_interval`` (``None``: the default configuration's);
+        a ready message unclaimed past it and a margin is flagged.
     """
 
     name: str
     dsn: str = field(repr=False)
     table: str = "outbox"
     limits: Mapping[str, Limit] = field(default_factory=dict, repr=False)
+    handlers: frozenset[str] | None = field(default=None, repr=False)
+    claim_interval: float | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.name or not set(self.name) <= _NAME_CHARS:
@@ -130,6 +138,7 @@ def _environment() -> jinja2.Environment:
     )
     env.filters["duration"] = ops.format_duration
     env.filters["ms"] = lambda s: "-" if s is None else f"{s * 1000:,.0f} ms"
+    env.filters["short_payload"] = display.short_payload
     return env
 
 
@@ -290,6 +299,7 @@ class _Pages:
             Route("/", page(self.overview)),
             Route("/login", page(self.login, public=True), methods=["GET", "POST"]),
             Route("/db/{db}/dead", page(self.dead)),
+            Route("/db/{db}/messages", page(self.messages)),
             Route("/db/{db}/dead/confirm", page(self.confirm)),
             Route("/db/{db}/dead/bulk", page(self.bulk), methods=["POST"]),
             Route("/db/{db}/message/{id}", page(self.message)),
@@ -376,24 +386,58 @@ class _Pages:
     # -- pages --------------------------------------------------------------------------------
 
     async def overview(self, request: Request) -> Response:
-        panels = []
-        for db in self.databases:
+        # Every database at once (an unavailable one becomes its panel's error).
+        panels: list[dict[str, Any]] = [{"db": db, "error": None} for db in self.databases]
 
-            def read(conn: psycopg.Connection[Any], db: Database = db) -> dict[str, Any]:
-                return {
-                    "overview": console.overview(conn, db.table, cap=self.cap),
-                    "minutes": console.minutes(conn, db.table, minute_cap=self.minute_cap),
-                }
-
+        async def fill(panel: dict[str, Any]) -> None:
             try:
-                panels.append({"db": db, "error": None, **(await self.run(db, read))})
+                panel.update(await self.read_overview(panel["db"], minutes=True))
             except _RefusedError as exc:
-                panels.append({"db": db, "error": exc.message})
+                panel["error"] = exc.message
+
+        async with anyio.create_task_group() as group:
+            for p in panels:
+                group.start_soon(fill, p)
         for p in panels:
             if p["error"] is None:
-                p["chart"] = _chart(p["minutes"])
+                p["chart"] = display.chart(p["minutes"])
+                known: Database = p["db"]
+                p["flags"] = console.flags(
+                    p["overview"], handlers=known.handlers, claim_interval=known.claim_interval
+                )
+                p["flagged"] = {f.event_type for f in p["flags"]}
         template = "overview_live.html" if request.query_params.get("partial") else "overview.html"
         return self.render(request, template, panels=panels)
+
+    async def read_overview(self, db: Database, *, minutes: bool) -> dict[str, Any]:
+        """``{"overview": ..., "minutes": ...}`` of ``db``: the parts of the counts each on its
+        own connection of the pool, the holds (and the hour's chart) on a fourth, all at once,
+        so the page waits for its slowest read rather than their sum."""
+        got: dict[str, Any] = {}
+        refused: list[_RefusedError] = []
+
+        async def read(key: str, fn: Callable[[psycopg.Connection[Any]], Any]) -> None:
+            try:
+                got[key] = await self.run(db, fn)
+            except _RefusedError as exc:
+                refused.append(exc)
+
+        def part(name: str) -> Callable[[psycopg.Connection[Any]], console.CountPart]:
+            return lambda conn: console.count_part(conn, db.table, name, cap=self.cap)
+
+        def beside(conn: psycopg.Connection[Any]) -> tuple[console.Holds, list[console.Minute] | None]:
+            held = console.holds(conn, db.table, cap=self.cap)
+            return held, console.minutes(conn, db.table, minute_cap=self.minute_cap) if minutes else None
+
+        async with anyio.create_task_group() as group:
+            for name in console.COUNT_PARTS:
+                group.start_soon(read, name, part(name))
+            group.start_soon(read, "beside", beside)
+        if refused:
+            raise refused[0]
+        held, chart = got["beside"]
+        parts = [got[name] for name in console.COUNT_PARTS]
+        return {"overview": console.assemble(parts, held, cap=self.cap), "minutes": chart}
 
     async def dead(self, request: Request) -> Response:
         db = self.database(request)
@@ -403,14 +447,46 @@ class _Pages:
         except ValueError:
             raise _RefusedError(400, "invalid page (after)") from None
 
-        def read(conn: psycopg.Connection[Any]) -> tuple[list[console.DeadRow], tuple[int, int | None]]:
-            return console.list_dead(conn, db.table, q, after=after, limit=50), console.count_dead(
-                conn, db.table, q
-            )
-
-        rows, (count, upto) = await self.run(db, read)
+        found: console.DeadPage = await self.run(
+            db, lambda conn: console.dead_page(conn, db.table, q, after=after, limit=50)
+        )
         return self.render(
-            request, "dead.html", db=db, q=q, rows=rows, count=count, upto=upto, qs=_filter_qs(q)
+            request,
+            "dead.html",
+            db=db,
+            q=q,
+            rows=found.rows,
+            count=found.matching,
+            upto=found.upto,
+            qs=_filter_qs(q),
+        )
+
+    async def messages(self, request: Request) -> Response:
+        db = self.database(request)
+        state = request.query_params.get("state", "")
+        if state not in console.STATES:
+            raise _RefusedError(400, f"unknown state: one of {', '.join(console.STATES)}")
+        event_type = request.query_params.get("event_type", "").strip() or None
+        try:
+            after = max(0, int(request.query_params.get("after", "0")))
+        except ValueError:
+            raise _RefusedError(400, "invalid page (after)") from None
+
+        def read(conn: psycopg.Connection[Any]) -> tuple[list[console.StateRow], int]:
+            return console.list_state(conn, db.table, state, event_type=event_type, after=after, cap=self.cap)
+
+        rows, matching = await self.run(db, read)
+        qs = urlencode({k: v for k, v in (("state", state), ("event_type", event_type)) if v})
+        return self.render(
+            request,
+            "messages.html",
+            db=db,
+            state=state,
+            event_type=event_type,
+            rows=rows,
+            matching=matching,
+            cap=self.cap,
+            qs=qs,
         )
 
     async def confirm(self, request: Request) -> Response:
@@ -444,14 +520,21 @@ class _Pages:
         if row is None:
             raise _RefusedError(404, f"no message {outbox_id}")
         tasks = console.task_ids(db.table, outbox_id, int(row["lease_version"]))
+        skipped = ops.was_skipped(row["status"], row["last_error"])
+        heading, now = display.error_heading(
+            row["status"], int(row["attempts"]), row["last_error"], skipped=skipped
+        )
         return self.render(
             request,
             "message.html",
             db=db,
             m=row,
-            payload=json.dumps(row["payload"], indent=2, ensure_ascii=False, sort_keys=True),
+            payload=display.payload(row["payload"]),
             tasks=tasks,
-            skipped=ops.was_skipped(row["status"], row["last_error"]),
+            skipped=skipped,
+            error_heading=heading,
+            error_now=now,
+            errors=display.error_history(row["last_error"]),
         )
 
     async def message_action(self, request: Request) -> Response:
@@ -471,10 +554,7 @@ class _Pages:
     async def flow(self, request: Request) -> Response:
         db = self.database(request)
 
-        def read(conn: psycopg.Connection[Any]) -> console.Overview:
-            return console.overview(conn, db.table, cap=self.cap)
-
-        ov = await self.run(db, read)
+        ov: console.Overview = (await self.read_overview(db, minutes=False))["overview"]
         types = sorted(
             {e.event_type for e in ov.event_types} | {p.event_type for p in ov.paused} | set(db.limits)
         )
@@ -550,33 +630,3 @@ def _positive(text: str) -> int:
     if value < 1:
         raise _RefusedError(404, "no such message")
     return value
-
-
-def _chart(minutes: Sequence[console.Minute]) -> dict[str, Any]:
-    """The hour as SVG coordinates: bars of done per minute, lines of p50 and p99 latency."""
-    width, height = 600, 120
-    step = width / max(1, len(minutes))
-    top = max([m.done for m in minutes] + [1])
-    slowest = max([m.p99 or 0.0 for m in minutes] + [0.001])
-    bars = []
-    p50, p99 = [], []
-    for i, m in enumerate(minutes):
-        h = height * m.done / top
-        bars.append({"x": round(i * step, 1), "y": round(height - h, 1), "h": round(h, 1), "m": m})
-        x = round(i * step + step / 2, 1)
-        if m.p50 is not None:
-            p50.append(f"{x},{round(height - height * m.p50 / slowest, 1)}")
-        if m.p99 is not None:
-            p99.append(f"{x},{round(height - height * m.p99 / slowest, 1)}")
-    return {
-        "width": width,
-        "height": height,
-        "step": round(step - 1, 1),
-        "bars": bars,
-        "p50": " ".join(p50),
-        "p99": " ".join(p99),
-        "top": top,
-        "slowest": slowest,
-        "done": sum(m.done for m in minutes),
-        "capped": any(m.capped for m in minutes),
-    }

@@ -20,13 +20,18 @@ _NAMED = re.compile(r"^([A-Za-z0-9_.-]+)=((?:postgres|postgresql)://.*)$", re.DO
 
 def databases_from(values: Sequence[str], *, table: str, outbox: Any = None) -> list[Database]:
     """``[NAME=]DSN`` values as :class:`Database` objects; unnamed ones take their database name.
+    With ``outbox`` (``-A``), each knows the app's limits, handlers and claim interval.
 
     ``NAME=`` is recognised before a ``postgresql://`` URL only (a key=value DSN has ``=`` in it).
     Raises :class:`ValueError` with a message that never quotes the DSN.
     """
     limits: dict[str, Any] = {}
+    handlers: frozenset[str] | None = None
+    claim_interval: float | None = None
     if outbox is not None:
         limits = {et: spec.limit for et, spec in outbox.handlers.items() if getattr(spec, "limit", None)}
+        handlers = frozenset(outbox.handlers)
+        claim_interval = outbox.config.claim_interval
     out: list[Database] = []
     for i, value in enumerate(values, 1):
         m = _NAMED.match(value)
@@ -39,7 +44,7 @@ def databases_from(values: Sequence[str], *, table: str, outbox: Any = None) -> 
             name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(name))
         if any(d.name == name for d in out):
             name = f"{name}-{i}"
-        out.append(Database(name, dsn, table, limits))
+        out.append(Database(name, dsn, table, limits, handlers, claim_interval))
     return out
 
 

@@ -7,8 +7,13 @@ untrusted text renders as text; no DSN or password reaches a page or an error.
 
 from __future__ import annotations
 
+import html
 import re
+import uuid
 from collections.abc import Iterator
+from dataclasses import replace
+from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -20,6 +25,7 @@ from starlette.testclient import TestClient
 from outbox_celery import Event, enqueue_many, ops
 from outbox_celery.cli import cli
 from outbox_celery.db.migrations import migrate
+from outbox_celery.ops import console, subscriptions
 from outbox_celery.web import Database, create_app
 
 TOKEN = "s3cret-token"
@@ -97,7 +103,9 @@ def test_a_count_past_the_cap_reads_as_a_lower_bound(migrated_dsn: str, seeded: 
     with TestClient(create_app([Database("main", migrated_dsn)], cap=3)) as c:
         page = c.get("/").text
     assert re.search(
-        r'<tr class="total"><td>all</td>.*?<td class="n">3\+</td><td class="n">[^<]*</td></tr>', page, re.S
+        r'<tr class="total"><td>all</td>.*?<td class="n"><a [^>]*>3\+</a></td><td class="n">[^<]*</td></tr>',
+        page,
+        re.S,
     ), page
 
 
@@ -119,6 +127,187 @@ def test_dead_letters_filter_by_type_key_error_and_payload(
     assert ids("error=%25") == []  # LIKE's wildcards are plain text
 
 
+def test_the_payload_filter_finds_every_subscriptions_row_through_its_owner(
+    client: TestClient, conn: psycopg.Connection[Any]
+) -> None:
+    # Invariant 28: only the first subscription's row keeps the payload; the others read it
+    # through payload_of. The list, the count and "replay all" by that filter take all three.
+    for name in ("receipt", "search", "warehouse"):
+        subscriptions.add(conn, "outbox", "order.paid", name)
+    with conn.transaction():
+        enqueue_many(
+            conn,
+            [
+                Event("order.paid", {"partner": "partner-z"}, "order", "1"),
+                Event("order.paid", {"partner": "partner-y"}, "order", "2"),
+            ],
+        )
+    fanned = [int(r[0]) for r in conn.execute("SELECT id FROM outbox ORDER BY id")]
+    assert len(fanned) == 6
+    _dead(conn, fanned, "HTTP 503")
+    z = [
+        int(r[0])
+        for r in conn.execute(
+            "SELECT o.id FROM outbox AS o JOIN outbox AS w ON w.id = coalesce(o.payload_of, o.id)"
+            " WHERE w.payload::text LIKE '%%partner-z%%' ORDER BY o.id"
+        )
+    ]
+    assert len(z) == 3
+
+    page = client.get("/db/main/dead?payload=PARTNER-Z")
+    assert [int(i) for i in re.findall(r'<a href="/db/main/message/(\d+)">', page.text)] == z
+    assert re.search(r'id="count"><strong>3</strong>', page.text), page.text
+    fields = _form(client, "/db/main/dead/confirm?action=requeue&payload=partner-z")
+    assert fields["upto"] == str(z[-1])
+    done = client.post("/db/main/dead/bulk", data=fields)
+    assert re.search(r'id="result"><strong>3</strong>', done.text), done.text
+    after = _statuses(conn)
+    assert [after[i] for i in z] == ["pending"] * 3
+    assert sorted(i for i in fanned if after[i] == "dead") == sorted(set(fanned) - set(z))
+
+
+def _flagged(page: str, db: str = "main") -> dict[str, list[str]]:
+    """The red attention lines of ``db``'s panel, by event type (kind: text)."""
+    panel = re.search(rf'data-db="{db}">(.*?)</section>', page, re.S)
+    assert panel is not None, page
+    out: dict[str, list[str]] = {}
+    for kind, event_type, text in re.findall(
+        r'<li data-kind="([a-z]+)"><strong>(.*?)</strong>: (.*?)</li>', panel.group(1)
+    ):
+        out.setdefault(event_type, []).append(f"{kind}: {text}")
+    return out
+
+
+def test_a_typod_or_stuck_event_type_is_flagged_in_red_as_stats_does(
+    migrated_dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    subscriptions.add(conn, "outbox", "order.paid", "receipt")
+    subscriptions.add(conn, "outbox", "order.paid", "gone")
+    with conn.transaction():
+        enqueue_many(
+            conn,
+            [
+                Event("webhook.sent", {}, "hook", "1"),
+                Event("webhok.sent", {}, "hook", "2"),  # the typo: no handler takes it
+                Event("order.paid", {}, "order", "3"),
+                Event("mail.sent", {}, "mail", "4"),
+            ],
+        )
+    subscriptions.remove(conn, "outbox", "order.paid", "gone")
+    # A message claimed twice whose task no worker started (a queue without a consumer).
+    conn.execute("UPDATE outbox SET lease_version = 2 WHERE event_type = 'mail.sent'")
+    # With the app (-A): its handlers decide at once.
+    app = create_app(
+        [
+            Database(
+                "main", migrated_dsn, handlers=frozenset({"webhook.sent", "order.paid@receipt", "mail.sent"})
+            )
+        ]
+    )
+    with TestClient(app) as c:
+        page = c.get("/").text
+    assert _flagged(page) == {
+        "order.paid@gone": [
+            "unroutable: no handler in the app: its messages are never delivered (unroutable)"
+        ],
+        "webhok.sent": ["unroutable: no handler in the app: its messages are never delivered (unroutable)"],
+        "mail.sent": [
+            "unstarted: 1 message(s) claimed without a worker starting them: does its queue have a consumer?"
+        ],
+    }
+    assert '<tr class="bad flagged" data-type="webhok.sent">' in page
+    assert '<tr data-type="webhook.sent">' in page
+
+    # Without the app: what the database knows. The removed subscription's route at once; the
+    # typo once it has waited past a claim interval and a margin with nobody claiming it.
+    with TestClient(create_app([Database("main", migrated_dsn)])) as c:
+        page = c.get("/").text
+        assert set(_flagged(page)) == {"order.paid@gone", "mail.sent"}
+        assert _flagged(page)["order.paid@gone"] == [
+            "unroutable: subscription removed: no handler takes its rows (skip or purge them)"
+        ]
+        conn.execute("UPDATE outbox SET available_at = now() - interval '2 minutes'")
+        ops.pause(conn, "outbox", "webhook.sent")  # paused: unclaimed on purpose, not flagged
+        page = c.get("/").text
+    flagged = _flagged(page)
+    assert set(flagged) == {"order.paid@gone", "mail.sent", "webhok.sent", "order.paid@receipt"}
+    assert flagged["webhok.sent"] == [
+        "unclaimed: ready for 2m, unclaimed: no claim worker running (a worker consuming the claim "
+        "queue, and beat), or no handler for it in the app that claims"
+    ]
+
+
+def test_every_count_links_to_a_page_of_the_rows_behind_it(
+    client: TestClient, conn: psycopg.Connection[Any]
+) -> None:
+    with conn.transaction():
+        ids = enqueue_many(conn, [Event("webhook.sent", {"n": i}, "hook", str(i)) for i in range(8)])
+        ordered = enqueue_many(
+            conn, [Event("mail.sent", {"n": i}, "mail", "m", ordering_key="k") for i in range(3)]
+        )
+    ready, flight, retrying, scheduled, dead = ids[:2], ids[2:3], ids[3:5], ids[5:7], ids[7:]
+    conn.execute(
+        "UPDATE outbox SET status = 'processing', lease_until = now() + interval '1 minute',"
+        " lease_version = 1 WHERE id = ANY(%s)",
+        [flight],
+    )
+    conn.execute(
+        "UPDATE outbox SET available_at = now() + interval '1 hour', attempts = 1 WHERE id = ANY(%s)",
+        [retrying],
+    )
+    conn.execute("UPDATE outbox SET available_at = now() + interval '1 hour' WHERE id = ANY(%s)", [scheduled])
+    _dead(conn, dead, "HTTP 500")
+    page = client.get("/").text
+    row = re.search(r'<tr data-type="webhook.sent">(.*?)</tr>', page, re.S)
+    assert row is not None, page
+    links = dict(
+        (html.unescape(url), int(n)) for url, n in re.findall(r'<a href="([^"]+)">(\d+)</a>', row.group(1))
+    )
+    assert links == {
+        "/db/main/messages?state=ready&event_type=webhook.sent": 2,
+        "/db/main/messages?state=in_flight&event_type=webhook.sent": 1,
+        "/db/main/messages?state=retrying&event_type=webhook.sent": 2,
+        "/db/main/messages?state=scheduled&event_type=webhook.sent": 2,
+        "/db/main/dead?event_type=webhook.sent": 1,
+    }
+    expected = {
+        "ready": ready,
+        "in_flight": flight,
+        "retrying": retrying,
+        "scheduled": scheduled,
+    }
+    for url, n in links.items():
+        listed = client.get(url)
+        assert listed.status_code == 200, listed.text
+        shown = [int(i) for i in re.findall(r'<a href="/db/main/message/(\d+)">', listed.text)]
+        state = url.partition("state=")[2].partition("&")[0]
+        assert shown == expected.get(state, dead), url
+        if state:
+            assert re.search(rf'id="count"><strong>{n}</strong>', listed.text), listed.text
+    # The totals link too, and the ordered messages waiting behind their key's head.
+    behind = client.get("/db/main/messages?state=behind_key").text
+    assert [int(i) for i in re.findall(r'<a href="/db/main/message/(\d+)">', behind)] == ordered[1:]
+    assert client.get("/db/main/messages?state=nope").status_code == 400
+
+
+def test_the_dead_page_reads_what_the_list_and_the_count_read_in_one_statement(
+    conn: psycopg.Connection[Any], seeded: dict[str, list[int]]
+) -> None:
+    queries = [
+        console.DeadQuery(),
+        console.DeadQuery(error="partner-a"),
+        console.DeadQuery(payload="pwned", event_type="mail.sent"),
+        console.DeadQuery(key="nothing"),
+    ]
+    for q in queries:
+        for after in (0, seeded["hooks"][1]):
+            found = console.dead_page(conn, "outbox", q, after=after, limit=2)
+            listed = console.list_dead(conn, "outbox", q, after=after, limit=2)
+            # age is read against each statement's now()
+            assert [replace(r, age=0) for r in found.rows] == [replace(r, age=0) for r in listed], (q, after)
+            assert (found.matching, found.upto) == console.count_dead(conn, "outbox", q), q
+
+
 def test_untrusted_text_renders_as_text(client: TestClient, seeded: dict[str, list[int]]) -> None:
     mail = seeded["mails"][0]
     for url in ("/db/main/dead", f"/db/main/message/{mail}", "/db/main/dead?payload=pwned"):
@@ -128,6 +317,33 @@ def test_untrusted_text_renders_as_text(client: TestClient, seeded: dict[str, li
         assert "&lt;script&gt;window.pwned = 1&lt;/script&gt;" in page.text, url
     # And a script that got in anyway would not run: only the page's own nonce'd script may.
     assert "script-src 'nonce-" in page.headers["content-security-policy"]
+
+
+def test_a_payload_shows_as_its_handler_receives_it_not_as_kombus_envelope(
+    client: TestClient, conn: psycopg.Connection[Any]
+) -> None:
+    order = uuid.UUID("1b4e28ba-2fa1-11d2-883f-0016d3cca427")
+    body = {
+        "order": order,
+        "total": Decimal("12.50"),
+        "at": datetime(2024, 5, 1, 12, tzinfo=UTC),
+        "n": SCRIPT,
+    }
+    [dead] = enqueue_many(conn, [Event("order.paid", body, "order", "1")], allow_autocommit=True)
+    _dead(conn, [dead], "HTTP 500")
+    page = client.get(f"/db/main/message/{dead}").text
+    shown = re.search(r'<pre id="payload">(.*?)</pre>', page, re.S)
+    assert shown is not None, page
+    assert "__type__" not in shown.group(1)
+    assert "UUID 1b4e28ba-2fa1-11d2-883f-0016d3cca427" in shown.group(1)
+    assert "Decimal 12.50" in shown.group(1)
+    assert "datetime 2024-05-01 12:00:00+00:00" in shown.group(1)
+    assert "&#34;n&#34;: &#34;&lt;script&gt;window.pwned = 1&lt;/script&gt;&#34;" in shown.group(1)
+    # The dead-letter list shows it on one line, decoded too; a UUID in its usual form finds
+    # the payload, which kombu stores as hex.
+    listed = client.get(f"/db/main/dead?payload={order}").text
+    assert f'href="/db/main/message/{dead}"' in listed
+    assert "UUID 1b4e28ba-2fa1-11d2-883f-0016d3cca427" in listed and "__type__" not in listed
 
 
 def test_a_bulk_replay_by_filter_moves_exactly_the_matching_rows(
@@ -165,6 +381,65 @@ def test_replay_and_skip_one_message(
     # A second replay of a message no longer dead is refused with a clear status.
     again = client.post(f"/db/main/message/{first}/requeue", data=fields)
     assert again.status_code == 409 and "cannot requeue" in again.text
+
+
+def test_a_replayed_message_delivered_since_labels_its_error_as_an_earlier_attempts(
+    client: TestClient, conn: psycopg.Connection[Any], seeded: dict[str, list[int]]
+) -> None:
+    dead = seeded["hooks"][0]
+    page = client.get(f"/db/main/message/{dead}").text
+    assert re.search(r'<h3 id="error-heading">Last error <span class="muted">\(why it is dead\)', page)
+    fields = _form(client, f"/db/main/message/{dead}")
+    assert client.post(f"/db/main/message/{dead}/requeue", data=fields).status_code == 200
+    page = client.get(f"/db/main/message/{dead}").text
+    assert re.search(
+        r'id="error-heading">Error of an earlier attempt <span class="muted">\(requeued since', page
+    )
+    # Then a worker delivers it: the error stays in the row, as history.
+    conn.execute("UPDATE outbox SET status = 'done', done_at = now(), attempts = 1 WHERE id = %s", [dead])
+    page = client.get(f"/db/main/message/{dead}").text
+    assert re.search(
+        r'id="error-heading">Error of an earlier attempt <span class="muted">\(delivered since', page
+    ), page
+    assert "HTTP 410 gone from partner-a" in page
+
+
+def test_the_message_page_lists_each_error_the_row_keeps_the_latest_first(
+    client: TestClient, seeded: dict[str, list[int]]
+) -> None:
+    dead = seeded["hooks"][0]
+    fields = _form(client, f"/db/main/message/{dead}")
+    assert client.post(f"/db/main/message/{dead}/requeue", data=fields).status_code == 200
+    skip = {**fields, "reason": "obsolete"}
+    assert client.post(f"/db/main/message/{dead}/skip", data=skip).status_code == 200
+    page = client.get(f"/db/main/message/{dead}").text
+    listed = re.search(r'<ol id="errors">(.*?)</ol>', page, re.S)
+    assert listed is not None, page
+    entries = re.findall(r"<li><pre>(.*?)</pre></li>", listed.group(1), re.S)
+    assert [e.split(" (")[0] for e in entries] == [
+        "skipped by operator: obsolete",
+        "requeued by operator: replayed from the console",
+        "HTTP 410 gone from partner-a",
+    ]
+
+
+def test_a_table_never_vacuumed_reads_never_and_the_hours_chart_has_axes_and_a_legend(
+    client: TestClient, conn: psycopg.Connection[Any], seeded: dict[str, list[int]]
+) -> None:
+    conn.execute(
+        "UPDATE outbox SET status = 'done', done_at = now() - interval '2 minutes' WHERE id = %s",
+        [seeded["mails"][1]],
+    )
+    page = client.get("/").text
+    assert "last vacuum never" in page and "- ago" not in page
+    svg = re.search(r'<svg class="chart".*?</svg>', page, re.S)
+    assert svg is not None, page
+    texts = re.findall(r"<text[^>]*>(.*?)</text>", svg.group(0))
+    assert "done per minute (bars, left axis)" in texts
+    assert "enqueue &#8594; done latency (lines, right axis)" in texts
+    assert "now" in texts and any(re.fullmatch(r"\d\d:\d\d", t) for t in texts)
+    assert "1" in texts  # the done axis' top: one message done in the hour
+    assert re.search(r'<p class="legend">.*p50-key.*p99-key', page, re.S)
 
 
 def test_pause_and_resume_a_type_and_a_limit_key(client: TestClient, conn: psycopg.Connection[Any]) -> None:

@@ -35,3 +35,16 @@ def test_a_database_never_shows_its_dsn() -> None:
     assert "hunter2" not in repr(db) and "db1" not in repr(db)
     with pytest.raises(ValueError, match="invalid console database name"):
         Database("a b", "postgresql://x")
+
+
+def test_with_the_app_each_database_knows_its_handlers_and_claim_interval() -> None:
+    class App:
+        handlers = {"order.paid@receipt": object(), "mail.sent": object()}
+
+        class config:  # noqa: N801 - the Outbox's attribute
+            claim_interval = 2.5
+
+    [db] = databases_from(["postgresql://app@db1/shop"], table="outbox", outbox=App())
+    assert db.handlers == frozenset({"order.paid@receipt", "mail.sent"}) and db.claim_interval == 2.5
+    [bare] = databases_from(["postgresql://app@db1/shop"], table="outbox")
+    assert bare.handlers is None and bare.claim_interval is None
