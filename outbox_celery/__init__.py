@@ -11,7 +11,7 @@ from . import _moved
 from .app.outbox import Outbox
 from .backoff import Backoff
 from .claim.executor import Claimed
-from .config import OutboxConfig, TableName
+from .config import OutboxConfig
 from .db.migrations import migrate
 from .db.store import Store
 from .errors import (
@@ -35,6 +35,7 @@ from .produce.enqueue import (
     enqueue_many_async,
     group,
 )
+from .table import TableName
 
 __all__ = [
     "Backoff",

@@ -50,6 +50,7 @@ MOVED = {
     "outbox_celery.console": "outbox_celery.ops.console",
     "outbox_celery.health": "outbox_celery.ops.health",
     "outbox_celery.discovery": "outbox_celery.cli.discovery",
+    "outbox_celery.web.serve": "outbox_celery.cli.web",
 }
 
 

@@ -15,19 +15,17 @@ import dataclasses
 import difflib
 import enum
 import os
-import re
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from ._seconds import seconds
 from .dsn import DSN_ENV, invalid_dsn
-from .errors import ConfigurationError
+from .errors import ConfigurationError, seconds
+from .table import TableName
 
 __all__ = ["UNSET", "OutboxConfig", "TableName", "Unset", "check_setting_names", "given_settings", "resolve"]
 
@@ -44,64 +42,6 @@ class Unset(enum.Enum):
 #: Deprecated: a setting left out of ``Outbox(...)`` comes from the Celery configuration
 #: (``outbox_<name>``), then from the default; passing ``UNSET`` for it warns and does the same.
 UNSET = Unset.UNSET
-
-# Leaves room under PostgreSQL's 63-byte identifier limit for the index-name suffixes. The
-# limit is in bytes (PostgreSQL silently truncates longer identifiers), so it is checked on
-# the UTF-8 encoding, not on the number of characters.
-_MAX_TABLE_NAME = 40
-_PART = re.compile(r"[^\x00\"]{1," + str(_MAX_TABLE_NAME) + r"}")
-
-
-def _valid_part(part: str) -> bool:
-    return _PART.fullmatch(part) is not None and len(part.encode("utf-8")) <= _MAX_TABLE_NAME
-
-
-@dataclass(frozen=True, slots=True)
-class TableName:
-    """A validated, optionally schema-qualified table name.
-
-    ``"outbox"`` or ``"events.outbox"``. Both parts are always quoted as identifiers, never
-    spliced into SQL text. A dot separates schema from name, so names themselves cannot contain
-    one.
-    """
-
-    name: str
-    schema: str | None = None
-
-    @classmethod
-    def parse(cls, value: str | TableName) -> TableName:
-        """Parse ``"name"`` or ``"schema.name"``; raise :class:`ConfigurationError` if invalid."""
-        if isinstance(value, TableName):
-            return value
-        if not isinstance(value, str):
-            raise ConfigurationError(f"table must be a string, got {type(value).__name__}")
-        parts = value.split(".")
-        if len(parts) > 2 or not all(_valid_part(p) for p in parts):
-            raise ConfigurationError(
-                f"invalid table name {value!r}: use 'name' or 'schema.name', each 1-"
-                f"{_MAX_TABLE_NAME} bytes in UTF-8, no quotes or NUL"
-            )
-        if len(parts) == 2:
-            return cls(name=parts[1], schema=parts[0])
-        return cls(name=parts[0])
-
-    @property
-    def qualified(self) -> str:
-        """The name as the user wrote it (used in logs and task ids)."""
-        return f"{self.schema}.{self.name}" if self.schema else self.name
-
-    def identifier(self, suffix: str = "") -> sql.Identifier:
-        """The table (or a sibling object named ``<name><suffix>``) as a quoted identifier."""
-        if self.schema:
-            return sql.Identifier(self.schema, self.name + suffix)
-        return sql.Identifier(self.name + suffix)
-
-    def index_name(self, suffix: str) -> sql.Identifier:
-        """An index name (never schema-qualified in CREATE INDEX)."""
-        return sql.Identifier(self.name + suffix)
-
-    def __str__(self) -> str:
-        return self.qualified
 
 
 def _positive_int(value: Any, name: str) -> int:

@@ -8,7 +8,7 @@ from urllib.parse import quote
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ._text import first_line
+from .errors import first_line
 
 __all__ = ["DSN_ENV", "error_line", "invalid_dsn", "password", "redact"]
 

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from ._seconds import seconds
-from .errors import ConfigurationError
+from .errors import ConfigurationError, seconds
 from .flow import Limit
 from .message import ROUTE_SEPARATOR, Message, route, split_route
 from .transactional import TransactionKind, transaction_kind

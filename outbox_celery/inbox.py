@@ -34,13 +34,13 @@ from typing import Any
 import psycopg
 from psycopg import pq, sql
 
-from .config import TableName
 from .db import migrations
 from .db import statements as _sql
 from .errors import InboxError as InboxError
 from .produce.connections import sync_view
 from .produce.enqueue import check_transaction, checked_text
 from .produce.writes import Statement
+from .table import TableName
 
 __all__ = ["DEFAULT_TABLE", "INBOX", "apply_once", "first_time", "migrate_inbox", "purge_inbox"]
 

@@ -38,10 +38,10 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import psycopg
 
-from ..config import TableName
 from ..db import rows as _rows
 from ..db.completer import Lease
 from ..flow import Limit
+from ..table import TableName
 from . import plan
 from .marks import ScanMarks
 from .plan import FillRow, FlowRead, FlowRow, KeyedRow, KeyWalk, Seen

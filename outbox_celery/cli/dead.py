@@ -6,7 +6,8 @@ import json
 
 import click
 
-from .. import ops
+from ..ops import dead as letters
+from ..ops import durations
 from .main import Group, cli
 from .options import duration, message_ids, pass_target
 from .output import echo_json, excerpt, printable, printable_lines, text_table
@@ -47,7 +48,7 @@ def dead_list(
     as_json: bool,
 ) -> None:
     """Dead messages, oldest id first, with their last error."""
-    filters: ops.DeadFilters = {
+    filters: letters.DeadFilters = {
         "event_type": event_type,
         "aggregate_type": aggregate_type,
         "aggregate_id": aggregate_id,
@@ -55,8 +56,8 @@ def dead_list(
         "newer_than": newer_than,
     }
     with target.connect() as conn:
-        rows = ops.list_dead(conn, target.table, after=after, limit=limit, **filters)
-        total = ops.count_dead(conn, target.table, **filters)
+        rows = letters.list_dead(conn, target.table, after=after, limit=limit, **filters)
+        total = letters.count_dead(conn, target.table, **filters)
     next_after = rows[-1].id if rows and len(rows) == limit else None
     if as_json:
         echo_json({"total": total, "messages": [r.as_dict() for r in rows], "next_after": next_after})
@@ -78,7 +79,7 @@ def dead_list(
                     r.event_type,
                     printable(f"{r.aggregate_type}:{r.aggregate_id}"),
                     r.attempts,
-                    ops.format_duration(r.age),
+                    durations.format_duration(r.age),
                     r.waiting_behind if r.ordering_key is not None else "-",
                     excerpt(r.last_error),
                 )
@@ -101,13 +102,13 @@ def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
     Payload, attempts, lease, last error and, for an ordered message, its key's head.
     """
     with target.connect() as conn:
-        row = ops.get_message(conn, target.table, outbox_id)
+        row = letters.get_message(conn, target.table, outbox_id)
     if row is None:
         raise click.ClickException(f"no message with id {outbox_id} in {target.table.qualified}")
     if as_json:
         echo_json(row)
         return
-    fd = ops.format_duration
+    fd = durations.format_duration
     status = row["status"]
     lines = [
         ("id", row["id"]),
@@ -188,10 +189,10 @@ def dead_requeue(
         raise click.ClickException("--event-type filters --all; with ids it is not needed")
     with target.connect() as conn:
         if all_:
-            n = ops.requeue_all(conn, target.table, event_type=event_type, reason=reason)
+            n = letters.requeue_all(conn, target.table, event_type=event_type, reason=reason)
             changed: list[int] | None = None
         else:
-            changed = ops.requeue(conn, target.table, ids, reason=reason)
+            changed = letters.requeue(conn, target.table, ids, reason=reason)
             n = len(changed)
     if as_json:
         echo_json({"requeued": n, "ids": changed})
@@ -217,7 +218,7 @@ def dead_skip(target: Target, ids: tuple[int, ...], reason: str | None, as_json:
     if reason is None or not reason.strip():
         raise click.ClickException("skip needs --reason TEXT (it is recorded in last_error)")
     with target.connect() as conn:
-        changed = ops.skip(conn, target.table, ids, reason=reason)
+        changed = letters.skip(conn, target.table, ids, reason=reason)
     if as_json:
         echo_json({"skipped": len(changed), "ids": changed})
         return

@@ -8,8 +8,8 @@ from collections.abc import Collection, Sequence
 
 import click
 
-from .. import ops
 from ..message import split_route
+from ..ops import flow as flows
 from .main import cli
 from .options import pass_target
 from .output import echo_json, printable
@@ -87,8 +87,8 @@ def pause(target: Target, event_type: str, limit_key: str | None, as_json: bool)
     """
     _require_handler(target, event_type)
     with target.connect() as conn:
-        changed = ops.pause(conn, target.table, event_type, limit_key=limit_key)
-        routes = ops.flow_targets(conn, target.table, event_type)[1:]
+        changed = flows.pause(conn, target.table, event_type, limit_key=limit_key)
+        routes = flows.flow_targets(conn, target.table, event_type)[1:]
     what = _flow_what(event_type, limit_key, routes)
     if as_json:
         _echo_flow_json(event_type, limit_key, routes, paused=True, changed=changed)
@@ -112,14 +112,16 @@ def resume(target: Target, event_type: str, limit_key: str | None, as_json: bool
     for is refused (exit 1).
     """
     with target.connect() as conn:
-        changed = ops.resume(conn, target.table, event_type, limit_key=limit_key)
-        routes = ops.flow_targets(conn, target.table, event_type)[1:]
+        changed = flows.resume(conn, target.table, event_type, limit_key=limit_key)
+        routes = flows.flow_targets(conn, target.table, event_type)[1:]
         held: list[str] = []
         if not changed:
             if limit_key is None:
-                held = [f.event_type for f in ops.flow_states(conn, target.table)]
+                held = [f.event_type for f in flows.flow_states(conn, target.table)]
             else:
-                held = [k.limit_key for k in ops.key_states(conn, target.table) if k.event_type == event_type]
+                held = [
+                    k.limit_key for k in flows.key_states(conn, target.table) if k.event_type == event_type
+                ]
     what = _flow_what(event_type, limit_key, routes)
     close = None
     if not changed:

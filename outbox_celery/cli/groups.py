@@ -9,7 +9,8 @@ from typing import Any
 
 import click
 
-from .. import ops
+from ..ops import durations
+from ..ops import groups as group_ops
 from .main import Group, cli
 from .options import pass_target
 from .output import echo_json, printable, text_table
@@ -23,8 +24,8 @@ def groups_() -> None:
     """Groups with a callback: list, show, finish, cancel (DESIGN invariant 29)."""
 
 
-def _group_rows(found: Sequence[ops.GroupInfo]) -> list[tuple[Any, ...]]:
-    fd = ops.format_duration
+def _group_rows(found: Sequence[group_ops.GroupInfo]) -> list[tuple[Any, ...]]:
+    fd = durations.format_duration
     return [
         (g.id, g.state, g.progress, g.dead, printable(g.event_type), fd(g.age), g.callback_id or "-")
         for g in found
@@ -44,7 +45,9 @@ def _group_rows(found: Sequence[ops.GroupInfo]) -> list[tuple[Any, ...]]:
 def groups_list(target: Target, state: str, limit: int, as_json: bool) -> None:
     """Groups and their progress (members final, of all), the newest first."""
     with target.connect() as conn:
-        found = ops.list_groups(conn, target.table, state=None if state == "any" else state, limit=limit)
+        found = group_ops.list_groups(
+            conn, target.table, state=None if state == "any" else state, limit=limit
+        )
     if as_json:
         echo_json([dataclasses.asdict(g) for g in found])
         return
@@ -59,8 +62,8 @@ def groups_list(target: Target, state: str, limit: int, as_json: bool) -> None:
 def groups_show(target: Target, group_id: int, as_json: bool) -> None:
     """One group, and its dead members with their last errors (the first 100)."""
     with target.connect() as conn:
-        g = ops.get_group(conn, target.table, group_id)
-        dead = ops.group_outcomes(conn, target.table, group_id, limit=100)
+        g = group_ops.get_group(conn, target.table, group_id)
+        dead = group_ops.group_outcomes(conn, target.table, group_id, limit=100)
     if as_json:
         echo_json({**dataclasses.asdict(g), "dead_members": [dataclasses.asdict(d) for d in dead]})
         return
@@ -84,7 +87,7 @@ def groups_show(target: Target, group_id: int, as_json: bool) -> None:
 def groups_finish(target: Target, group_id: int, reason: str) -> None:
     """Close an open group now and enqueue its callback with the outcomes so far."""
     with target.connect() as conn:
-        callback = ops.finish_group(conn, target.table, group_id, reason=reason)
+        callback = group_ops.finish_group(conn, target.table, group_id, reason=reason)
     click.echo(f"group {group_id} finished by hand; its callback is outbox id {callback}")
 
 
@@ -95,5 +98,5 @@ def groups_finish(target: Target, group_id: int, reason: str) -> None:
 def groups_cancel(target: Target, group_id: int, reason: str) -> None:
     """Close an open group for good: its callback is never enqueued."""
     with target.connect() as conn:
-        ops.cancel_group(conn, target.table, group_id, reason=reason)
+        group_ops.cancel_group(conn, target.table, group_id, reason=reason)
     click.echo(f"group {group_id} cancelled; no callback will be enqueued")

@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
-from .. import ops
 from ..errors import first_line
+from ..ops import durations
 from ..ops import health as health_checks
 from .main import cli
 from .options import duration, pass_target
@@ -46,7 +46,7 @@ BROKER_CHECK = "broker"
     metavar="DURATION",
     callback=duration,
     help="The outbox's claim_interval (default: the -A Outbox's, else "
-    f"{ops.format_duration(DEFAULT_CLAIM_INTERVAL)}).",
+    f"{durations.format_duration(DEFAULT_CLAIM_INTERVAL)}).",
 )
 @click.option(
     "--timeout",

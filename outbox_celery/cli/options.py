@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from .. import ops
+from ..ops import durations
 from .target import Target
 
 __all__ = ["duration", "message_ids", "pass_target", "pass_target_object"]
@@ -19,7 +19,7 @@ def duration(ctx: click.Context, param: click.Parameter, value: str | None) -> f
     if value is None:
         return None
     try:
-        return ops.parse_duration(value)
+        return durations.parse_duration(value)
     except ValueError as exc:
         raise click.ClickException(f"{param.opts[0]}: {exc}") from None
 

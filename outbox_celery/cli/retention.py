@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .. import ops
+from ..ops import durations, heads, retention
 from .main import cli
 from .options import duration, pass_target
 from .output import echo_json
@@ -33,12 +33,12 @@ __all__ = ["purge", "repair_heads"]
 @pass_target
 def purge(target: Target, older_than: float, batch_size: int, dry_run: bool, as_json: bool) -> None:
     """Delete old done rows, in short batches (never any other status)."""
-    age = ops.format_duration(older_than)
+    age = durations.format_duration(older_than)
     with target.connect() as conn:
         if dry_run:
-            n = ops.count_purgeable(conn, target.table, older_than=older_than)
+            n = retention.count_purgeable(conn, target.table, older_than=older_than)
         else:
-            n = ops.purge_done(conn, target.table, older_than=older_than, batch_size=batch_size)
+            n = retention.purge_done(conn, target.table, older_than=older_than, batch_size=batch_size)
     if as_json:
         echo_json(
             {
@@ -67,7 +67,7 @@ def repair_heads(target: Target, batch_size: int, as_json: bool) -> None:
     workers run (it takes the producers' key locks); a second run mends nothing.
     """
     with target.connect() as conn:
-        keys = ops.repair_heads(conn, target.table, batch_size=batch_size)
+        keys = heads.repair_heads(conn, target.table, batch_size=batch_size)
     if as_json:
         echo_json({"repaired": len(keys), "keys": keys})
     else:

@@ -8,17 +8,18 @@ from typing import Any
 
 import click
 
-from .. import ops
 from ..operated import OperatedOutbox
+from ..ops import durations, snapshot
+from ..ops.durations import CLAIM_OVERDUE_MARGIN, overdue_after
 from .main import cli
 from .options import duration, pass_target
 from .output import echo_json, printable, text_table
 from .target import DEFAULT_CLAIM_INTERVAL, Target
 
-__all__ = ["CLAIM_OVERDUE_MARGIN", "HORIZON_ATTENTION_SECONDS", "attention", "stats"]
+__all__ = ["HORIZON_ATTENTION_SECONDS", "attention", "stats"]
 
 
-def _unstarted_line(e: ops.EventTypeStats, outbox: OperatedOutbox | None) -> str:
+def _unstarted_line(e: snapshot.EventTypeStats, outbox: OperatedOutbox | None) -> str:
     """A queue with no consumer shows as claims nobody starts (DESIGN invariants 10, 16)."""
     queue = "its queue"
     if outbox is not None and e.event_type in outbox.handlers:
@@ -29,19 +30,13 @@ def _unstarted_line(e: ops.EventTypeStats, outbox: OperatedOutbox | None) -> str
     )
 
 
-# A running outbox claims a due message at its next claim run, one claim interval at most (at
-# once with push). A claimable message left one interval plus this margin (a claim run's own
-# budget, beat sending late) is overdue: no claim ran for it.
-CLAIM_OVERDUE_MARGIN = 5.0
-
-
 def _unclaimed_after(target: Target) -> float:
-    """``stats``' default threshold: one claim interval of the loaded Outbox (or the default)
-    plus :data:`CLAIM_OVERDUE_MARGIN`: a claim is overdue from then on."""
-    return target.claim_interval + CLAIM_OVERDUE_MARGIN
+    """``stats``' default threshold: the loaded Outbox's claim interval (or the default) and the
+    margin of :func:`~outbox_celery.durations.overdue_after`."""
+    return overdue_after(target.claim_interval)
 
 
-def _unclaimed_line(u: ops.Unclaimed, outbox: OperatedOutbox | None, processing: int) -> str:
+def _unclaimed_line(u: snapshot.Unclaimed, outbox: OperatedOutbox | None, processing: int) -> str:
     """Ready messages nobody claims: the first sign of a stopped claim worker or a missing handler."""
     if outbox is not None:
         # Its event type has a handler here (those without one are reported as unroutable).
@@ -54,12 +49,12 @@ def _unclaimed_line(u: ops.Unclaimed, outbox: OperatedOutbox | None, processing:
     bound = f" (or the in-flight bound is full: {processing} processing)" if processing else ""
     return (
         f"event type {u.event_type!r}: {u.messages} ready message(s) unclaimed for "
-        f"{ops.format_duration(u.oldest_wait)}: {cause}{bound}"
+        f"{durations.format_duration(u.oldest_wait)}: {cause}{bound}"
     )
 
 
 def attention(
-    s: ops.Stats, outbox: OperatedOutbox | None = None, unclaimed: Sequence[ops.Unclaimed] = ()
+    s: snapshot.Stats, outbox: OperatedOutbox | None = None, unclaimed: Sequence[snapshot.Unclaimed] = ()
 ) -> list[str]:
     """What needs a human now, as short phrases (the figures that should be zero)."""
     items = []
@@ -102,7 +97,7 @@ def _done_note(outbox: OperatedOutbox | None) -> str:
     retention = outbox.config.retention
     if retention is None:
         return "delivered or skipped, kept (retention is off)"
-    after = ops.format_duration(retention)
+    after = durations.format_duration(retention)
     return f"delivered or skipped, deleted by retention {after} after they finish"
 
 
@@ -112,14 +107,14 @@ def _done_note(outbox: OperatedOutbox | None) -> str:
     metavar="DURATION",
     callback=duration,
     help="Report ready messages left unclaimed this long (default: a claim interval of the -A "
-    f"Outbox plus {ops.format_duration(CLAIM_OVERDUE_MARGIN)}, else "
-    f"{ops.format_duration(DEFAULT_CLAIM_INTERVAL + CLAIM_OVERDUE_MARGIN)}).",
+    f"Outbox plus {durations.format_duration(CLAIM_OVERDUE_MARGIN)}, else "
+    f"{durations.format_duration(DEFAULT_CLAIM_INTERVAL + CLAIM_OVERDUE_MARGIN)}).",
 )
 @click.option(
     "--exact",
     is_flag=True,
     help=f"Count every row (the cost grows with the table) instead of reading each status up to "
-    f"{ops.DEFAULT_STATS_CAP:,} index entries.",
+    f"{snapshot.DEFAULT_STATS_CAP:,} index entries.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_target
@@ -157,16 +152,18 @@ def stats(target: Target, unclaimed_after: float | None, exact: bool, as_json: b
     _echo_unroutable(s)
 
 
-def _read_stats(target: Target, threshold: float, exact: bool) -> tuple[ops.Stats, list[ops.Unclaimed]]:
+def _read_stats(
+    target: Target, threshold: float, exact: bool
+) -> tuple[snapshot.Stats, list[snapshot.Unclaimed]]:
     """``stats``' reads: the capped (or, with --exact, full) counts and the unclaimed event types."""
-    cap = None if exact else ops.DEFAULT_STATS_CAP
+    cap = None if exact else snapshot.DEFAULT_STATS_CAP
     with target.connect() as conn:
-        s = ops.stats(conn, target.table, handlers=target.handlers, cap=cap)
-        waiting = ops.unclaimed(conn, target.table, older_than=threshold, cap=cap)
+        s = snapshot.stats(conn, target.table, handlers=target.handlers, cap=cap)
+        waiting = snapshot.unclaimed(conn, target.table, older_than=threshold, cap=cap)
     return s, waiting
 
 
-def _echo_status_counts(s: ops.Stats, outbox: OperatedOutbox | None) -> None:
+def _echo_status_counts(s: snapshot.Stats, outbox: OperatedOutbox | None) -> None:
     """The table of messages per status, each with what its figure means."""
     in_order = s.counts["pending"] - s.ready - s.scheduled
     notes = {
@@ -191,15 +188,15 @@ def _echo_status_counts(s: ops.Stats, outbox: OperatedOutbox | None) -> None:
     click.echo("")
 
 
-def _echo_facts(s: ops.Stats) -> None:
+def _echo_facts(s: snapshot.Stats) -> None:
     """Ages, leases, ordered keys, groups and the xmin horizon, one labelled line each."""
     for label, value in _age_facts(s) + _group_facts(s) + _horizon_facts(s):
         click.echo(f"{label + ':':<46}{value}")
     click.echo("")
 
 
-def _age_facts(s: ops.Stats) -> list[tuple[str, Any]]:
-    fd = ops.format_duration
+def _age_facts(s: snapshot.Stats) -> list[tuple[str, Any]]:
+    fd = durations.format_duration
     return [
         ("oldest pending (since created)", fd(s.oldest_pending_age)),
         ("oldest ready wait (claimable, not claimed)", fd(s.oldest_ready_wait)),
@@ -213,22 +210,22 @@ def _age_facts(s: ops.Stats) -> list[tuple[str, Any]]:
     ]
 
 
-def _group_facts(s: ops.Stats) -> list[tuple[str, Any]]:
+def _group_facts(s: snapshot.Stats) -> list[tuple[str, Any]]:
     g = s.groups
     return [
         (
             "open groups (oldest)",
-            f"{g.open}{'+' if g.capped else ''} ({ops.format_duration(g.oldest_open_age)}), "
+            f"{g.open}{'+' if g.capped else ''} ({durations.format_duration(g.oldest_open_age)}), "
             f"{g.blocked} blocked by a dead member",
         ),
     ]
 
 
-def _horizon_facts(s: ops.Stats) -> list[tuple[str, Any]]:
+def _horizon_facts(s: snapshot.Stats) -> list[tuple[str, Any]]:
     h = s.horizon
     if h is None:
         return []
-    fd = ops.format_duration
+    fd = durations.format_duration
     return [
         ("xmin horizon held by", printable(h.holder())),
         (
@@ -239,7 +236,7 @@ def _horizon_facts(s: ops.Stats) -> list[tuple[str, Any]]:
     ]
 
 
-def _echo_attempts(s: ops.Stats) -> None:
+def _echo_attempts(s: snapshot.Stats) -> None:
     if not s.attempts:
         return
     click.echo("attempts histogram (live messages)")
@@ -253,12 +250,12 @@ def _echo_attempts(s: ops.Stats) -> None:
     click.echo("")
 
 
-def _echo_event_types(s: ops.Stats, handlers: Collection[str] | None) -> None:
+def _echo_event_types(s: snapshot.Stats, handlers: Collection[str] | None) -> None:
     """Live messages per event type (with -A, whether a handler takes it)."""
     if not s.event_types:
         click.echo("no live messages (nothing pending, processing or dead)")
         return
-    fd = ops.format_duration
+    fd = durations.format_duration
     headers = ["event type", "pending", "ready", "processing", "dead", "unstarted", "oldest pending"]
     if handlers is not None:
         headers.append("handler")
@@ -280,9 +277,9 @@ def _echo_event_types(s: ops.Stats, handlers: Collection[str] | None) -> None:
     click.echo("")
 
 
-def _echo_flow(s: ops.Stats) -> None:
+def _echo_flow(s: snapshot.Stats) -> None:
     """Paused and held event types and limit keys: left unclaimed on purpose."""
-    fd = ops.format_duration
+    fd = durations.format_duration
     paused = [printable(f.event_type) for f in s.flow if f.paused]
     held = [
         f"{printable(f.event_type)} ({fd(f.held_for)} left)" for f in s.flow if not f.paused and f.held_for
@@ -300,7 +297,7 @@ def _echo_flow(s: ops.Stats) -> None:
         click.echo(f"limit keys claimed by nobody: {', '.join(shown)}")
 
 
-def _echo_unroutable(s: ops.Stats) -> None:
+def _echo_unroutable(s: snapshot.Stats) -> None:
     if s.unroutable is None:
         click.echo("unroutable: unknown (pass -A module:outbox to check event types against the handlers)")
     elif s.unroutable:

@@ -10,10 +10,9 @@ from typing import Any
 import click
 import psycopg
 
-from .. import ops
-from ..config import TableName
 from ..message import route as route_of
-from ..ops import retention, subscriptions
+from ..ops import durations, retention, subscriptions
+from ..table import TableName
 from .main import Group, cli
 from .options import pass_target
 from .output import echo_json, printable, text_table
@@ -57,7 +56,7 @@ def declared_lines(found: list[subscriptions.Declared]) -> list[str]:
 def _since(conn: psycopg.Connection[Any], table: TableName, text: str) -> datetime:
     """A duration back from the database's now() (``7d``) or an ISO time (``2026-12-01T00:00Z``)."""
     try:
-        back = ops.parse_duration(text)
+        back = durations.parse_duration(text)
     except ValueError:
         try:
             return datetime.fromisoformat(text)

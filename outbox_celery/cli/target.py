@@ -10,10 +10,11 @@ import click
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from ..config import OutboxConfig, TableName
+from ..config import OutboxConfig
 from ..dsn import invalid_dsn, password, redact
 from ..errors import first_line
 from ..operated import OperatedOutbox
+from ..table import TableName
 from .discovery import resolve_outbox
 
 __all__ = ["DEFAULT_CLAIM_INTERVAL", "Target"]

@@ -40,9 +40,9 @@ import psycopg.adapt
 from psycopg.rows import RowFactory
 
 from .. import outcomes
-from ..config import TableName
 from ..message import Message, Status
 from ..outcomes import Outcome, Step
+from ..table import TableName
 from . import rows as _rows
 
 __all__ = ["INLINE_BYTES", "LOST", "Completer", "Finalized", "FinalizedMany", "Finish", "Lease", "Step"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 
-from ..config import TableName
+from ..table import TableName
 
 __all__ = ["FOLLOW_UPS", "FollowUps", "Noted"]
 

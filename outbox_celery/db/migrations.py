@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg import sql
 
-from ..config import TableName
 from ..errors import MigrationError as MigrationError
+from ..table import TableName
 from . import rows as _rows
 from . import statements as _sql
 

@@ -22,8 +22,8 @@ from types import MappingProxyType
 
 from psycopg import sql
 
-from ..config import TableName
 from ..outcomes import NOT_FINAL, STEPS
+from ..table import TableName
 
 # "-- name: x" starts a named statement, "-- fragment: x" a piece of the file's statements.
 _ENTRY = re.compile(r"^--\s*(name|fragment):\s*(\w+)\s*$", re.MULTILINE)

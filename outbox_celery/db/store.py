@@ -33,8 +33,8 @@ import psycopg
 from psycopg import pq, sql
 
 from .. import codec
-from ..config import TableName
 from ..message import KEY_SEPARATOR, Message, idempotency_key, split_route
+from ..table import TableName
 from . import rows as _rows
 from . import statements as _sql
 from .completer import LOST, Completer, Finalized, FinalizedMany, Finish, Lease, Step

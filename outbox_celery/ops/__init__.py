@@ -60,7 +60,8 @@ from .groups import (
     purge_groups,
 )
 from .heads import repair_heads
-from .retention import Horizon, count_purgeable, horizon, purge_done
+from .horizon import Horizon, horizon
+from .retention import count_purgeable, purge_done
 from .snapshot import DEFAULT_STATS_CAP, AttemptsBucket, EventTypeStats, Stats, Unclaimed, stats, unclaimed
 
 __all__ = [

@@ -17,11 +17,23 @@ import psycopg
 from psycopg import pq, sql
 from psycopg.rows import RowMaker, kwargs_row
 
-from ..config import TableName
 from ..db import statements as _sql
 from ..errors import AdminError
+from ..message import split_route
+from ..table import TableName
 
-__all__ = ["many", "one", "outside_transaction", "q", "regclass", "value", "values"]
+__all__ = [
+    "many",
+    "one",
+    "outside_transaction",
+    "q",
+    "ready",
+    "regclass",
+    "routes",
+    "subscription_statement",
+    "value",
+    "values",
+]
 
 T = TypeVar("T")
 Params = Mapping[str, Any] | None
@@ -93,3 +105,32 @@ def values(conn: psycopg.Connection[Any], query: sql.Composed, params: Params = 
     """The one column of every row of ``query``."""
     with conn.cursor(row_factory=_single_column) as cur:
         return cur.execute(query, params).fetchall()
+
+
+# -- the routes of a type's subscriptions (DESIGN invariant 28) --------------------------------
+
+
+@functools.cache
+def _subscription_queries(table: TableName) -> dict[str, sql.Composed]:
+    return {**_sql.queries("queries.sql", table), **_sql.queries("subscriptions.sql", table)}
+
+
+def subscription_statement(table: str | TableName, name: str) -> sql.Composed:
+    """The named statement ``name`` of the subscriptions' files, bound to ``table``."""
+    return _subscription_queries(TableName.parse(table))[name]
+
+
+def ready(conn: psycopg.Connection[Any], table: str | TableName) -> bool:
+    """Whether ``table`` has its subscription table (migration 0011)."""
+    t = TableName.parse(table)
+    name = t.identifier(_sql.SUBSCRIPTION_SUFFIX).as_string(conn)
+    return bool(value(conn, subscription_statement(t, "exists"), {"subscription_table": name}))
+
+
+def routes(conn: psycopg.Connection[Any], table: str | TableName, event_type: str) -> list[str]:
+    """The routes of ``event_type``'s subscriptions, removed ones too, by name: what pausing or
+    resuming the type reaches (:func:`outbox_celery.ops.flow.pause`). Empty for a route, for
+    a type without subscriptions and for a table not migrated to 0011."""
+    if split_route(event_type)[1] is not None or not ready(conn, table):
+        return []
+    return [str(r) for r in values(conn, subscription_statement(table, "routes"), {"event_type": event_type})]

@@ -19,15 +19,15 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg import sql
 
-from ..config import OutboxConfig, TableName
+from ..config import OutboxConfig
 from ..db import statements as _sql
 from ..errors import AdminError
+from ..table import TableName
 from ._queries import many, one, value, values
 from .dead import SKIPPED_BY_OPERATOR, requeue, skip
-from .durations import format_duration
+from .durations import format_duration, overdue_after
 from .flow import FlowState, KeyFlowState, flow_states, key_states
-from .retention import Horizon, horizon
-from .snapshot import overdue_after
+from .horizon import Horizon, horizon
 
 __all__ = [
     "COUNT_PARTS",
@@ -338,7 +338,7 @@ def flags(
         handler is unroutable. ``None`` (no app): what the database knows decides, a route
         whose subscription was removed or never existed, a plain type whose subscriptions took
         over (a type has one handler or subscriptions, never both), and a ready message nobody
-        claimed past :func:`~outbox_celery.ops.snapshot.overdue_after` the claim interval.
+        claimed past :func:`~outbox_celery.ops.durations.overdue_after` the claim interval.
     :param claim_interval: the app's ``claim_interval`` (default: the default configuration's).
     """
     interval = OutboxConfig().claim_interval if claim_interval is None else claim_interval

@@ -18,8 +18,8 @@ from typing import Any, NamedTuple, TypedDict, Unpack
 import psycopg
 from psycopg.rows import dict_row
 
-from ..config import TableName
 from ..errors import AdminError
+from ..table import TableName
 from ._queries import many, outside_transaction, q, regclass, value, values
 from .durations import format_duration
 

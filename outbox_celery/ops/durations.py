@@ -1,11 +1,12 @@
-"""Durations as operators type and read them: ``7d``, ``12h``, ``1h30m`` in, ``3d 4h`` out."""
+"""Durations as operators type and read them (``7d``, ``12h``, ``1h30m`` in, ``3d 4h`` out), and
+the bound past which a claimable message is overdue."""
 
 from __future__ import annotations
 
 import math
 import re
 
-__all__ = ["format_duration", "parse_duration"]
+__all__ = ["CLAIM_OVERDUE_MARGIN", "format_duration", "overdue_after", "parse_duration"]
 
 _UNITS = {"w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 _DURATION = re.compile(r"(?:\d+(?:\.\d+)?[wdhms])+")
@@ -40,3 +41,16 @@ def format_duration(seconds: float | None) -> str:
             rest = s % size // sub_size
             return f"{s // size}{unit} {rest}{sub_unit}" if rest else f"{s // size}{unit}"
     return f"{s}s"
+
+
+#: A running outbox claims a due message at its next claim run, one claim interval at most (at
+#: once with push). A claimable message left one interval plus this margin (a claim run's own
+#: budget, beat sending late) is overdue: no claim ran for it.
+CLAIM_OVERDUE_MARGIN = 5.0
+
+
+def overdue_after(claim_interval: float) -> float:
+    """Seconds a claimable message may wait before it is reported unclaimed: one
+    ``claim_interval`` plus :data:`CLAIM_OVERDUE_MARGIN` (``stats``' attention line, the
+    console's flags)."""
+    return claim_interval + CLAIM_OVERDUE_MARGIN

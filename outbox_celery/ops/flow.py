@@ -13,11 +13,11 @@ from typing import Any, NamedTuple
 
 import psycopg
 
-from ..config import TableName
 from ..db import statements as _sql
 from ..errors import AdminError
-from . import subscriptions
+from ..table import TableName
 from ._queries import many, one, outside_transaction, q, regclass, value
+from ._queries import routes as subscription_routes
 
 __all__ = [
     "FlowState",
@@ -185,7 +185,7 @@ def flow_targets(conn: psycopg.Connection[Any], table: str | TableName, event_ty
     subscriptions (removed ones too: a worker with the handler still claims their rows); a
     route (``order.paid@receipt``) or a type without subscriptions is itself alone (DESIGN
     invariants 23 and 28)."""
-    return [_event_type(event_type), *subscriptions.routes(conn, table, event_type)]
+    return [_event_type(event_type), *subscription_routes(conn, table, event_type)]
 
 
 def prune_flow_keys(

@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 
 import psycopg
 
-from ..config import TableName
 from ..db import statements as _sql
 from ..errors import AdminError
+from ..table import TableName
 from ._queries import many, one, q, regclass, value
 
 __all__ = [

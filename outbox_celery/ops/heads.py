@@ -12,9 +12,9 @@ from typing import Any, NamedTuple
 
 import psycopg
 
-from ..config import TableName
 from ..errors import AdminError
 from ..message import KEY_SEPARATOR
+from ..table import TableName
 from ._queries import many, outside_transaction, q, regclass, values
 
 __all__ = ["repair_heads"]

@@ -12,7 +12,7 @@
   left out (waiting on purpose), and, with the handlers known (``-A``), event types no handler
   claims;
 * **horizon** (a warning, never a failure): what holds the xmin horizon back
-  (:func:`~outbox_celery.ops.retention.horizon`) when a session, prepared transaction or slot
+  (:func:`~outbox_celery.ops.horizon.horizon`) when a session, prepared transaction or slot
   has held it for a minute.
 
 With the app known (``-A``), ``outbox-celery health`` adds a **broker** check: the app's Celery
@@ -32,13 +32,13 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from ..config import TableName
 from ..db import migrations
 from ..dsn import error_line, invalid_dsn, redact
 from ..errors import first_line
+from ..table import TableName
 from .durations import format_duration
 from .flow import flow_states
-from .retention import horizon
+from .horizon import horizon
 from .snapshot import unclaimed
 
 __all__ = ["CHECKS", "DEFAULT_INTERVALS", "HORIZON_WARNING_SECONDS", "Health", "check"]

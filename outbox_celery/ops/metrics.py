@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from ..config import TableName
 from ..dsn import error_line
 from ..operated import OperatedOutbox
+from ..table import TableName
 from .snapshot import Stats, stats
 
 if TYPE_CHECKING:

@@ -15,13 +15,14 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from .._seconds import seconds
-from ..config import TableName
-from ..errors import AdminError
+from ..errors import AdminError, seconds
+from ..table import TableName
 from ._queries import many, q, regclass
+from .durations import CLAIM_OVERDUE_MARGIN as CLAIM_OVERDUE_MARGIN
+from .durations import overdue_after as overdue_after
 from .flow import FlowState, KeyFlowState, flow_states, key_states
 from .groups import GroupSummary, group_summary
-from .retention import Horizon, horizon
+from .horizon import Horizon, horizon
 
 __all__ = [
     "CLAIM_OVERDUE_MARGIN",
@@ -309,19 +310,6 @@ def unclaimed(
         raise AdminError("cap must be at least 1 (or None)")
     params = {"older_than": older_than, "cap": cap}
     return many(conn, q(table, "unclaimed"), params, _unclaimed)
-
-
-#: A running outbox claims a due message at its next claim run, one claim interval at most (at
-#: once with push). A claimable message left one interval plus this margin (a claim run's own
-#: budget, beat sending late) is overdue: no claim ran for it.
-CLAIM_OVERDUE_MARGIN = 5.0
-
-
-def overdue_after(claim_interval: float) -> float:
-    """Seconds a claimable message may wait before it is reported unclaimed: one
-    ``claim_interval`` plus :data:`CLAIM_OVERDUE_MARGIN` (``stats``' attention line, the
-    console's flags)."""
-    return claim_interval + CLAIM_OVERDUE_MARGIN
 
 
 def _unclaimed(*, event_type: str, messages: int, oldest_wait: float) -> Unclaimed:

@@ -9,7 +9,6 @@ remove them (``outbox-celery subscriptions``). SQL in ``sql/subscriptions.sql``.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -17,14 +16,13 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 import psycopg
-from psycopg import sql
 
-from ..config import TableName
-from ..db import statements as _sql
 from ..errors import AdminError
 from ..handlers import subscription_route
 from ..message import route, split_route
-from ._queries import many, regclass, value, values
+from ..table import TableName
+from ._queries import many, ready, regclass, routes, value, values
+from ._queries import subscription_statement as statement
 
 __all__ = [
     "REPLAY_BATCH",
@@ -72,15 +70,6 @@ class Subscription:
         return d
 
 
-@functools.cache
-def _queries(table: TableName) -> dict[str, sql.Composed]:
-    return {**_sql.queries("queries.sql", table), **_sql.queries("subscriptions.sql", table)}
-
-
-def _q(table: str | TableName, name: str) -> sql.Composed:
-    return _queries(TableName.parse(table))[name]
-
-
 class Declared(NamedTuple):
     """A subscription an app declares (a handler with ``name=``), and what the table holds of it.
 
@@ -122,12 +111,6 @@ class _Fact(NamedTuple):
     k: str | None
 
 
-def _ready(conn: psycopg.Connection[Any], table: str | TableName) -> bool:
-    t = TableName.parse(table)
-    name = t.identifier(_sql.SUBSCRIPTION_SUFFIX).as_string(conn)
-    return bool(value(conn, _q(t, "exists"), {"subscription_table": name}))
-
-
 def _named(routes: Iterable[str]) -> dict[str, list[str]]:
     """The routes' event types and names (routes without a name left out), sorted: the
     parameters of ``register`` and ``declared``."""
@@ -146,21 +129,25 @@ def declare(conn: psycopg.Connection[Any], table: str | TableName, routes: Itera
     params = _named(routes)
     if not params["names"]:
         return []
-    if not _ready(conn, table):
+    if not ready(conn, table):
         raise AdminError(f"outbox table {table} has no subscription table: run outbox-celery migrate")
-    return [Declared(r.what, r.event_type, r.name) for r in many(conn, _q(table, "register"), params, _Row)]
+    return [
+        Declared(r.what, r.event_type, r.name) for r in many(conn, statement(table, "register"), params, _Row)
+    ]
 
 
 def declared(conn: psycopg.Connection[Any], table: str | TableName, routes: Iterable[str]) -> list[Declared]:
     """What :func:`declare` would find, changing nothing: each declared subscription ``exists``,
     is ``removed`` or is ``missing`` (all of them on a table not migrated to 0011)."""
     params = _named(routes)
-    if not _ready(conn, table):
+    if not ready(conn, table):
         pairs = zip(params["event_types"], params["names"], strict=True)
         return [Declared("missing", t, n) for t, n in pairs]
     if not params["names"]:
         return []
-    return [Declared(r.what, r.event_type, r.name) for r in many(conn, _q(table, "declared"), params, _Row)]
+    return [
+        Declared(r.what, r.event_type, r.name) for r in many(conn, statement(table, "declared"), params, _Row)
+    ]
 
 
 def register(conn: psycopg.Connection[Any], table: str | TableName, routes: Iterable[str]) -> list[str]:
@@ -198,18 +185,9 @@ def list_subscriptions(
     cap: int = 10_000,
 ) -> list[Subscription]:
     """Every subscription (removed ones too), with its unfinished rows counted up to ``cap``."""
-    if not _ready(conn, table):
+    if not ready(conn, table):
         return []
-    return many(conn, _q(table, "list"), {"event_type": event_type, "cap": cap}, Subscription)
-
-
-def routes(conn: psycopg.Connection[Any], table: str | TableName, event_type: str) -> list[str]:
-    """The routes of ``event_type``'s subscriptions, removed ones too, by name: what pausing or
-    resuming the type reaches (:func:`outbox_celery.ops.flow.pause`). Empty for a route, for
-    a type without subscriptions and for a table not migrated to 0011."""
-    if split_route(event_type)[1] is not None or not _ready(conn, table):
-        return []
-    return [str(r) for r in values(conn, _q(table, "routes"), {"event_type": event_type})]
+    return many(conn, statement(table, "list"), {"event_type": event_type, "cap": cap}, Subscription)
 
 
 def remove(conn: psycopg.Connection[Any], table: str | TableName, event_type: str, name: str) -> bool:
@@ -220,7 +198,7 @@ def remove(conn: psycopg.Connection[Any], table: str | TableName, event_type: st
     them deliberately. Returns whether it was live.
     """
     _check(event_type, name)
-    return bool(values(conn, _q(table, "remove"), {"event_type": event_type, "name": name}))
+    return bool(values(conn, statement(table, "remove"), {"event_type": event_type, "name": name}))
 
 
 def _check(event_type: str, name: str) -> None:
@@ -253,13 +231,13 @@ def add(
     after the live ones. ``conn`` must then not be inside a transaction.
     """
     _check(event_type, name)
-    if not _ready(conn, table):
+    if not ready(conn, table):
         raise AdminError(f"outbox table {table} has no subscription table: run outbox-celery migrate")
     replayed = 0
     if replay_since is not None:
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             raise AdminError("a replay runs its own transactions: call it outside a transaction")
-        bound = int(value(conn, _q(table, "replay_until")) or 0)
+        bound = int(value(conn, statement(table, "replay_until")) or 0)
         replayed, last = _replay(conn, table, event_type, name, replay_since, 0, bound, batch_size)
         with conn.transaction():
             added = _add_row(conn, table, event_type, name)
@@ -271,7 +249,7 @@ def add(
 
 def _add_row(conn: psycopg.Connection[Any], table: str | TableName, event_type: str, name: str) -> bool:
     """Add the subscription's row, or bring it back; false when it was live already."""
-    return bool(values(conn, _q(table, "add"), {"event_type": event_type, "name": name}))
+    return bool(values(conn, statement(table, "add"), {"event_type": event_type, "name": name}))
 
 
 def _replay(
@@ -300,14 +278,14 @@ def _replay(
             "limit": limit,
         }
         with conn.transaction():
-            facts = many(conn, _q(t, "replay_facts"), params, _Fact)
+            facts = many(conn, statement(t, "replay_facts"), params, _Fact)
             if not facts:
                 return total, after
             keys = sorted({f.k for f in facts if f.k})
             if keys:
-                conn.execute(_q(t, "lock_keys"), {"table": table_regclass, "keys": keys})
+                conn.execute(statement(t, "lock_keys"), {"table": table_regclass, "keys": keys})
             ids = [int(f.id) for f in facts]
-            total += len(values(conn, _q(t, "replay_insert"), {**params, "ids": ids}))
+            total += len(values(conn, statement(t, "replay_insert"), {**params, "ids": ids}))
             after = ids[-1]
         if batch_size is None or len(facts) < limit:
             return total, after

@@ -22,10 +22,10 @@ from typing import Any
 
 import psycopg
 
-from ..config import TableName
 from ..db import rows as _rows
 from ..db.follow_ups import FOLLOW_UPS, FollowUps, Noted
 from ..errors import ProducerError
+from ..table import TableName
 from .writes import Statement, WritePlan
 
 __all__ = [

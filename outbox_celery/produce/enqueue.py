@@ -18,11 +18,10 @@ from datetime import timedelta
 from typing import Any
 
 from .. import codec
-from .._seconds import seconds
-from ..config import TableName
 from ..db.store import Store
-from ..errors import ProducerError, first_line
+from ..errors import ProducerError, first_line, seconds
 from ..message import KEY_SEPARATOR, ROUTE_SEPARATOR
+from ..table import TableName
 from ..tracing import capture
 from .connections import IDLE, INERROR, _View, async_view, drive, drive_async, note_follow_ups, sync_view
 from .writes import ProducerWrites, WritePlan

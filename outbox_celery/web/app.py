@@ -1,6 +1,6 @@
 """The console's routes, its authentication and CSRF checks, and its database pools.
 
-Reads are bounded (:mod:`outbox_celery.ops.console`); actions reuse :mod:`outbox_celery.ops`.
+Reads are bounded (:mod:`outbox_celery.console`); actions reuse :mod:`outbox_celery.ops`.
 Every refusal happens before any database call, so a refused request changes nothing.
 """
 
@@ -31,12 +31,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .. import ops
-from ..config import TableName
 from ..dsn import invalid_dsn, password
 from ..errors import AdminError, first_line
 from ..flow import Limit
-from ..ops import console
+from ..ops import console, durations
+from ..ops import dead as letters
+from ..ops import flow as flows
+from ..table import TableName
 from . import display
 
 __all__ = ["Database", "create_app"]
@@ -136,7 +137,7 @@ def _environment() -> jinja2.Environment:
         autoescape=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.filters["duration"] = ops.format_duration
+    env.filters["duration"] = durations.format_duration
     env.filters["ms"] = lambda s: "-" if s is None else f"{s * 1000:,.0f} ms"
     env.filters["short_payload"] = display.short_payload
     return env
@@ -516,11 +517,11 @@ class _Pages:
     async def message(self, request: Request) -> Response:
         db = self.database(request)
         outbox_id = _positive(request.path_params["id"])
-        row = await self.run(db, lambda conn: ops.get_message(conn, db.table, outbox_id))
+        row = await self.run(db, lambda conn: letters.get_message(conn, db.table, outbox_id))
         if row is None:
             raise _RefusedError(404, f"no message {outbox_id}")
         tasks = console.task_ids(db.table, outbox_id, int(row["lease_version"]))
-        skipped = ops.was_skipped(row["status"], row["last_error"])
+        skipped = letters.was_skipped(row["status"], row["last_error"])
         heading, now = display.error_heading(
             row["status"], int(row["attempts"]), row["last_error"], skipped=skipped
         )
@@ -544,9 +545,9 @@ class _Pages:
         action = request.path_params["action"]
         reason = form.get("reason", "").strip() or f"{action} from the console"
         if action == "requeue":
-            await self.run(db, lambda conn: ops.requeue(conn, db.table, [outbox_id], reason=reason))
+            await self.run(db, lambda conn: letters.requeue(conn, db.table, [outbox_id], reason=reason))
         elif action == "skip":
-            await self.run(db, lambda conn: ops.skip(conn, db.table, [outbox_id], reason=reason))
+            await self.run(db, lambda conn: letters.skip(conn, db.table, [outbox_id], reason=reason))
         else:
             raise _RefusedError(404, "unknown action")
         return RedirectResponse(f"{request.scope.get('root_path', '')}/db/{db.name}/message/{outbox_id}", 303)
@@ -571,9 +572,9 @@ class _Pages:
         event_type = form.get("event_type", "").strip()
         limit_key = form.get("limit_key", "").strip() or None
         if action == "pause":
-            await self.run(db, lambda conn: ops.pause(conn, db.table, event_type, limit_key=limit_key))
+            await self.run(db, lambda conn: flows.pause(conn, db.table, event_type, limit_key=limit_key))
         elif action == "resume":
-            await self.run(db, lambda conn: ops.resume(conn, db.table, event_type, limit_key=limit_key))
+            await self.run(db, lambda conn: flows.resume(conn, db.table, event_type, limit_key=limit_key))
         else:
             raise _RefusedError(404, "unknown action")
         return RedirectResponse(f"{request.scope.get('root_path', '')}/db/{db.name}/flow", 303)

@@ -13,10 +13,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .. import codec, ops
-from ..ops import console
+from .. import codec
+from ..ops.durations import format_duration
+
+if TYPE_CHECKING:
+    from ..ops import console
 
 __all__ = ["Payload", "chart", "error_heading", "error_history", "payload", "short_payload"]
 
@@ -183,7 +186,7 @@ def chart(minutes: Sequence[console.Minute]) -> dict[str, Any]:
 def _latency(seconds: float) -> str:
     if seconds == 0:
         return "0"
-    return f"{seconds * 1000:,.0f} ms" if seconds < 10 else ops.format_duration(seconds)
+    return f"{seconds * 1000:,.0f} ms" if seconds < 10 else format_duration(seconds)
 
 
 def _clock(minute: datetime) -> str:

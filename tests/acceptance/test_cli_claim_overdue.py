@@ -14,8 +14,8 @@ from typing import Any
 import psycopg
 
 from acceptance.test_cli import add, ok, run, update
-from outbox_celery.cli.stats import CLAIM_OVERDUE_MARGIN
 from outbox_celery.cli.target import DEFAULT_CLAIM_INTERVAL
+from outbox_celery.ops.durations import CLAIM_OVERDUE_MARGIN
 
 # Without -A: the default claim interval (5 s) plus the margin (5 s).
 OVERDUE_AFTER = DEFAULT_CLAIM_INTERVAL + CLAIM_OVERDUE_MARGIN

@@ -23,6 +23,7 @@ from .helpers import add
 
 pytest.importorskip("prometheus_client")
 
+from outbox_celery.ops import snapshot
 from outbox_celery.ops.metrics import DEFAULT_METRICS_CAP, OutboxCollector
 
 
@@ -157,7 +158,7 @@ def test_the_stats_command_shows_lower_bounds_and_exact_counts_on_request(
     assert exact["cap"] is None and exact["counts"]["done"] == 3 and exact["done_last_minute"] == 3
     assert not any(exact["capped"].values())
 
-    monkeypatch.setattr(ops, "DEFAULT_STATS_CAP", 2)  # what the command passes when not --exact
+    monkeypatch.setattr(snapshot, "DEFAULT_STATS_CAP", 2)  # what the command passes when not --exact
     text = runner.invoke(cli, args, catch_exceptions=False).output
     assert re.search(r"^pending +2\+ ", text, re.M), text
     assert re.search(r"^done +~\d+ +2\+ in the last minute; estimated", text, re.M), text

@@ -18,6 +18,7 @@ from psycopg import sql
 from support import steps
 
 from outbox_celery import Event, Store, TableName, enqueue, enqueue_many
+from outbox_celery.db import statements
 from outbox_celery.errors import ProducerError
 from outbox_celery.ops import console, flow_states, pause, purge_done, resume, retention, stats, subscriptions
 from outbox_celery.produce.writes import ProducerWrites
@@ -297,7 +298,7 @@ def test_invariant_28_a_worker_role_without_insert_registers_what_a_deploy_step_
     # Workers register their subscriptions at start; one whose role may only read the
     # subscription table starts once the deploy step (migrate -A, subscriptions sync) added them.
     role = sql.Identifier("outbox_worker_0011")
-    subscription_table = TableName.parse(table).identifier(subscriptions._sql.SUBSCRIPTION_SUFFIX)
+    subscription_table = TableName.parse(table).identifier(statements.SUBSCRIPTION_SUFFIX)
     routes = ["order.paid@a", "order.paid@b", "order.created"]
     conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(role))
     conn.execute(sql.SQL("CREATE ROLE {}").format(role))
@@ -329,7 +330,7 @@ def test_invariant_28_routes_are_refused_where_a_fact_is_expected(
         enqueue(conn, payload=1, table=table, event_type="order.paid@x", aggregate_type="o", aggregate_id="1")
     with pytest.raises(ProducerError, match="unit separator"):
         enqueue(conn, payload=1, table=table, ordering_key="a\x1fb", **PAID)
-    t = TableName.parse(table).identifier(subscriptions._sql.SUBSCRIPTION_SUFFIX)
+    t = TableName.parse(table).identifier(statements.SUBSCRIPTION_SUFFIX)
     with pytest.raises(psycopg.errors.CheckViolation):
         conn.execute(sql.SQL("INSERT INTO {} (event_type, name) VALUES ('a', 'b@c')").format(t))
 

@@ -185,6 +185,7 @@ SQL_MODULES = {
     "inbox",
     "db.migrations",
     "config",
+    "table",
     "testing",
 }
 
@@ -278,7 +279,7 @@ def _room_of(module: str) -> str | None:
 def _runtime_imports(path: Path) -> set[str]:
     """The package modules ``path`` imports when it runs: module level and inside functions,
     not under ``if TYPE_CHECKING``."""
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
 
@@ -362,7 +363,10 @@ def _floors(graph: dict[str, set[str]]) -> dict[str, int]:
 
 
 def test_the_package_has_at_most_ten_floors() -> None:
+    """Floors: the modules on the longest chain of imports (lazy ones included, type-only ones
+    not), ``__main__`` left out as ``python -m``'s shim. The flat package had 16."""
     floors = _floors(_graph())
+    floors.pop(f"{PACKAGE.name}.__main__", None)
     top = max(floors.values())
     chain = sorted(floors.items(), key=lambda kv: kv[1])
     assert top <= MAX_FLOORS, chain[-MAX_FLOORS - 2 :]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from outbox_celery.cli.web import databases_from
 from outbox_celery.web import Database
-from outbox_celery.web.serve import databases_from
 
 
 def test_names_come_from_the_option_or_the_database() -> None:

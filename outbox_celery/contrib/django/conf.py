@@ -15,9 +15,9 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS
 from psycopg.conninfo import make_conninfo
 
-from ...config import TableName
 from ...errors import ConfigurationError
 from ...produce.enqueue import DEFAULT_MAX_PAYLOAD_BYTES
+from ...table import TableName
 
 __all__ = ["database_dsn", "max_payload_bytes", "outbox_database", "outbox_dsn", "outbox_table"]
 
