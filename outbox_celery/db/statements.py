@@ -138,7 +138,12 @@ def fill(text: str, fragments: Mapping[str, str] = FRAGMENTS) -> str:
 #: the operator's requeue and skip (admin.sql) run it as well; the key locks of an ordered done
 #: are an operator's skip's too (invariant 9).
 SHARED: Mapping[str, str] = MappingProxyType(
-    {"group_settle": "queries.sql", "group_callback": "queries.sql", "lock_keys_of_rows": "queries.sql"}
+    {
+        "group_settle": "queries.sql",
+        "group_callback": "queries.sql",
+        "group_callback_subs": "queries.sql",
+        "lock_keys_of_rows": "queries.sql",
+    }
 )
 
 

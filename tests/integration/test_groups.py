@@ -555,3 +555,29 @@ def test_invariant_29_a_member_fanned_out_to_subscriptions_counts_each_subscript
     assert steps.done(store, conn, *pairs[3])
     [cb] = callbacks(conn, table)
     assert cb["payload"]["outbox_group"]["done"] == 4
+
+
+def test_invariant_29_a_callback_of_a_subscribed_type_is_fanned_out_to_every_subscription(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    """Invariant 28 for callbacks: the callback's type has two subscriptions, so the group's
+    completion writes one row per subscription, the first holding the payload, the second
+    reading it; neither is a bare row nobody claims."""
+    from outbox_celery.ops import subscriptions
+
+    for name in ("audit", "mail"):
+        subscriptions.add(conn, table, "report.ready", name)
+    gid, _ = make(conn, table, 2)
+    for p in start_all(store, conn):
+        assert steps.done(store, conn, *p)
+    assert grp(conn, table, gid)["state"] == "fired"
+    assert callbacks(conn, table) == []  # no bare row
+    audit, mail = callbacks(conn, table, "report.ready@audit"), callbacks(conn, table, "report.ready@mail")
+    assert len(audit) == len(mail) == 1
+    assert audit[0]["id"] == grp(conn, table, gid)["callback_id"]
+    assert mail[0]["payload"] is None and mail[0]["payload_of"] == audit[0]["id"]
+    assert audit[0]["payload"]["outbox_group"]["state"] == "fired"
+    # Both are claimable by their routes' handlers.
+    routes = ["report.ready@audit", "report.ready@mail"]
+    got = steps.claim(store, conn, limit=10, lease=LONG, owner="t", max_attempts=5, event_types=routes)
+    assert sorted(c.event_type for c in got.claimed) == routes

@@ -616,7 +616,8 @@ WITH gs_new AS (
     WHERE g.id = %(id)s AND g.state = 'open'
     RETURNING g.*
 ),
-gs_fired AS ({group_callback})
+gs_fired AS ({group_callback}),
+gs_fired_subs AS ({group_callback_subs})
 SELECT id, callback_id FROM gs_new;
 
 -- name: group_purge

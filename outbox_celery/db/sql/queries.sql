@@ -1202,17 +1202,25 @@ gs_new AS (
     WHERE g.id = s.id
     RETURNING g.*
 ),
-gs_fired AS ({group_callback})
+gs_fired AS ({group_callback}),
+gs_fired_subs AS ({group_callback_subs})
 
 -- fragment: group_callback
 -- The callback's event of every group the statement's "gs_new" closed with a callback id (a
 -- group's row as updated, RETURNING g.*): the declared payload object with "outbox_group" added
 -- (the counts, the first dead members and whether there were more), due after its delay; it
--- wakes the table's listeners at commit. Written once for group_settle and an operator's finish.
+-- wakes the table's listeners at commit. A callback of a type with subscriptions is fanned out
+-- as a producer's event is (invariant 28): this row is its first subscription's and holds the
+-- payload, the other subscriptions' rows (group_callback_subs) read it. Written once for
+-- group_settle and an operator's finish.
 INSERT INTO {table} (id, event_type, aggregate_type, aggregate_id, payload, available_at,
                      trace_context, limit_key)
 OVERRIDING SYSTEM VALUE
-SELECT n.callback_id, n.event_type, n.aggregate_type, n.aggregate_id,
+SELECT n.callback_id,
+       coalesce(n.event_type || '@' || (SELECT min(s.name) FROM {subscription_table} AS s
+                                        WHERE s.event_type = n.event_type AND s.removed_at IS NULL),
+                n.event_type),
+       n.aggregate_type, n.aggregate_id,
        (left(rtrim(n.payload::text), -1)
         || CASE WHEN (SELECT count(*) FROM json_object_keys(n.payload)) = 0 THEN '' ELSE ', ' END
         || '"outbox_group": '
@@ -1223,4 +1231,19 @@ SELECT n.callback_id, n.event_type, n.aggregate_type, n.aggregate_id,
        now() + make_interval(secs => n.delay), n.trace_context, n.limit_key
 FROM gs_new AS n
 WHERE n.callback_id IS NOT NULL
-RETURNING id, pg_notify({notify_channel}, '') IS NULL AS woke
+RETURNING id, pg_notify({notify_channel}, '') IS NULL AS woke, event_type, aggregate_type,
+          aggregate_id, available_at, trace_context, limit_key
+
+-- fragment: group_callback_subs
+-- The rows of a fanned-out callback's other subscriptions (group_callback): one per live
+-- subscription of its type after the first, each reading the first's payload.
+INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, payload_of, available_at,
+                     trace_context, limit_key)
+SELECT s.event_type || '@' || s.name, f.aggregate_type, f.aggregate_id, NULL, f.id,
+       f.available_at, f.trace_context, f.limit_key
+FROM gs_fired AS f
+JOIN {subscription_table} AS s
+  ON s.event_type = split_part(f.event_type, '@', 1) AND s.removed_at IS NULL
+ AND s.name > split_part(f.event_type, '@', 2) AND strpos(f.event_type, '@') > 0
+ORDER BY f.id, s.name
+RETURNING id
