@@ -43,6 +43,7 @@ from ..db.completer import Lease
 from ..flow import Limit
 from ..table import TableName
 from . import plan
+from .fan_out import fan_out_bare
 from .marks import ScanMarks
 from .plan import FillRow, FlowRead, FlowRow, KeyedRow, KeyWalk, Seen
 
@@ -67,6 +68,8 @@ class Store(Protocol):
         """The named queries, bound to the store's table."""
 
     def flow_ready(self, conn: psycopg.Connection[Any]) -> bool: ...
+
+    def subscriptions_ready(self, conn: psycopg.Connection[Any]) -> bool: ...
 
     def _count(self, key: str, n: int = 1) -> None: ...
 
@@ -566,9 +569,13 @@ def claim(
         event_types=list(event_types) if event_types is not None else None,
     )
     now_mono = time.monotonic()
-    if marks is not None:
-        marks.begin(now_mono)
+    full = marks.begin(now_mono) if marks is not None else True
     with conn.transaction():
+        if full or (marks is not None and marks.bare):
+            # Before claiming: a fanned-out row is claimable in this same claim (invariant 28).
+            bare = fan_out_bare(store, conn)
+            if marks is not None:
+                marks.bare = bare
         seen = run.settings()
         run.db_now = seen.now
         if marks is not None and seen.now is not None:

@@ -43,6 +43,7 @@ class ScanMarks:
     """
 
     __slots__ = (
+        "bare",
         "db_now",
         "excluded",
         "expired",
@@ -77,6 +78,8 @@ class ScanMarks:
         self.keyed: frozenset[str] = frozenset()
         #: The database's now() of the previous claim.
         self.db_now: datetime | None = None
+        #: The previous claim's fan-out of bare rows found a full batch: the next one goes on.
+        self.bare = False
 
     def begin(self, monotonic_now: float) -> bool:
         """Start a claim: forget the marks when a full pass is due; return whether it is."""

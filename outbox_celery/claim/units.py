@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ..handlers import HandlerSpec
-from .executor import Claimed
+
+if TYPE_CHECKING:
+    from .executor import Claimed
 
 __all__ = ["publish_units"]
 

@@ -174,6 +174,7 @@ class Store:
         self._canonical: str | None = None
         self._instance: str | None = None
         self._flow_ready = False
+        self._subscriptions_ready = False
         self._flow_warned = False
         #: The fenced transitions of this table: start, finalize, lease extension.
         self.completer = Completer(self)
@@ -325,6 +326,14 @@ class Store:
             [row] = self._read(conn, ReadyRow, "flow_exists", params)
             self._flow_ready = bool(row.ready)
         return self._flow_ready
+
+    def subscriptions_ready(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether the subscription table (migration 0011) exists; cached once it does."""
+        if not self._subscriptions_ready:
+            name = self.table.identifier(_sql.SUBSCRIPTION_SUFFIX).as_string(conn)
+            [row] = self._read(conn, ReadyRow, "subscriptions_exist", {"subscription_table": name})
+            self._subscriptions_ready = bool(row.ready)
+        return self._subscriptions_ready
 
     def capped(self, conn: psycopg.Connection[Any], event_types: Sequence[str]) -> frozenset[str]:
         """The types among ``event_types`` the last claim left at their concurrency limit

@@ -64,6 +64,33 @@ def test_invariant_28_three_subscriptions_on_three_queues_each_get_every_event_i
     assert sum(r["payload"] is not None for r in rows) == len(ordered) + len(free) == 16
 
 
+def test_invariant_28_events_written_before_any_worker_registered_reach_every_subscription(
+    harness: Harness,
+) -> None:
+    """Nothing depends on who started first: events written while the table knew no
+    subscription (no worker had started yet) are bare rows; the first worker registers the
+    subscriptions at start, and its first claim fans the bare rows out, in order per key."""
+    _three(harness)
+    assert subscriptions.list_subscriptions(harness.conn, harness.table) == []
+    slow = {"mode": "sleep", "seconds": 0.02}
+    ordered = harness.enqueue(6, event_type=PAID, ordering_key="order:1", payload=slow)
+    free = harness.enqueue(6, event_type=PAID)
+    assert {r["event_type"] for r in harness.rows()} == {PAID}  # bare rows, before registration
+    harness.worker(concurrency=2)
+    harness.beat()
+    harness.wait_finished(3 * 12)
+    rows = harness.rows()
+    assert {r["event_type"] for r in rows} == {f"{PAID}@{n}" for n in NAMES}
+    assert sum(r["payload"] is not None for r in rows) == len(ordered) + len(free)
+    for name in NAMES:
+        runs = _runs(harness, f"{PAID}@{name}")
+        assert len(runs) == 12 and {c["attempts"] for c in runs} == {1}
+        keyed = [c for c in runs if '"sleep"' in c["payload_json"]]
+        assert [int(c["payload_json"].split('"i": ')[1].rstrip("}")) for c in keyed] == list(range(6))
+        for before, after in itertools.pairwise(keyed):
+            assert after["started_at"] >= before["finished_at"], "two messages of one key overlapped"
+
+
 def test_invariant_28_one_subscription_dead_lettering_or_paused_does_not_touch_the_others(
     harness: Harness,
 ) -> None:

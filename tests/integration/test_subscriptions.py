@@ -528,3 +528,54 @@ def test_invariant_28_the_consoles_key_filter_finds_a_producers_key_on_every_sub
     # A subscription's stored key finds that subscription's row alone.
     one = console.list_dead(conn, table, console.DeadQuery(key="tenant_1\x1forder.paid@b"))
     assert [r.event_type for r in one] == ["order.paid@b"]
+
+
+def test_invariant_28_a_claim_fans_out_bare_rows_of_a_subscribed_type_once(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    """Rows written while the type had no subscription (or by SQL, or by an older producer)
+    are fanned out by the claim, in its transaction, as the producer's insert would have:
+    the row keeps its id and payload as the first subscription's, the others read it; an
+    ordered key gets one head per route; a group member's group grows by the new rows; a
+    second claim finds nothing more to do."""
+    from outbox_celery import group
+
+    store = Store(table)
+    free = enqueue(conn, payload={"n": 1}, table=table, allow_autocommit=True, **PAID)
+    with conn.transaction():
+        keyed = enqueue_many(
+            conn,
+            [Event("order.paid", {"n": i}, "order", "7", ordering_key="o:7") for i in (2, 3)],
+            table=table,
+        )
+        g = group(
+            conn, [Event("order.paid", {"n": 4}, "order", "8")], then=Event("x.done", {}, "x", 1), table=table
+        )
+    assert {r["event_type"] for r in _rows(conn, table)} == {"order.paid"}
+    _subscribe(conn, table, "a", "b")
+    first = steps.claim(store, conn, limit=0, lease=LONG, owner="t", max_attempts=5)
+    assert first.claimed == []  # the fan-out runs even when nothing is claimed
+    rows = {r["id"]: r for r in _rows(conn, table)}
+    owners = [free, *keyed, *g.member_ids]
+    assert [rows[i]["event_type"] for i in owners] == ["order.paid@a"] * 4
+    assert [rows[i]["payload"]["n"] for i in owners] == [1, 2, 3, 4]
+    others = [r for r in rows.values() if r["payload_of"] is not None]
+    assert sorted((r["payload_of"], r["event_type"]) for r in others) == [(i, "order.paid@b") for i in owners]
+    # One head per route key, the earliest message's.
+    heads = {(r["ordering_key"], r["id"]) for r in rows.values() if r["head"]}
+    b_first = next(r["id"] for r in others if r["payload_of"] == keyed[0])
+    assert heads == {("o:7\x1forder.paid@a", keyed[0]), ("o:7\x1forder.paid@b", b_first)}
+    # The group counts its two rows.
+    total = conn.execute(
+        sql.SQL("SELECT total FROM {} WHERE id = %s").format(TableName.parse(table).identifier("_group")),
+        [g.id],
+    ).fetchone()
+    assert total is not None and total[0] == 2
+    assert store.get_stats()["fanned_out"] == 4
+    # Once: a second claim finds no bare row.
+    steps.claim(store, conn, limit=0, lease=LONG, owner="t", max_attempts=5)
+    assert len(_rows(conn, table)) == 8 and store.get_stats()["fanned_out"] == 4
+    # Both routes deliver every event, each key in order.
+    for route in ("order.paid@a", "order.paid@b"):
+        got = [m.payload["n"] for m in _deliver_all(store, conn, route)]
+        assert sorted(got) == [1, 2, 3, 4] and got.index(2) < got.index(3)

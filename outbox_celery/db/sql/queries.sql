@@ -1247,3 +1247,86 @@ JOIN {subscription_table} AS s
  AND s.name > split_part(f.event_type, '@', 2) AND strpos(f.event_type, '@') > 0
 ORDER BY f.id, s.name
 RETURNING id
+
+-- name: subscribed_types
+-- The event types with a live subscription: those whose bare rows the claim fans out. None
+-- before migration 0011 (no subscription table yet).
+SELECT DISTINCT event_type FROM {subscription_table} WHERE removed_at IS NULL ORDER BY event_type;
+
+-- name: subscriptions_exist
+-- Whether the subscription table (migration 0011) is there.
+SELECT to_regclass(%(subscription_table)s) IS NOT NULL AS ready;
+
+-- name: fan_out_bare
+-- The safety net of invariant 28: a pending row of a type with subscriptions but no route (written
+-- before the subscriptions were registered, by SQL, by a producer of an older release) becomes
+-- what the producer's insert would have written, in the claim's transaction, once: the row itself
+-- its first subscription's (it keeps its id, payload and dedup key; its ordering key gets the
+-- route), one new row for each other subscription reading its payload, a group's total grown by
+-- them. Unordered rows come through the pending index, ordered ones through the ordered index,
+-- key by key in id order, so each route's key gets its head as the producer would have given it.
+WITH fob_subs AS (
+    SELECT event_type, name, row_number() OVER (PARTITION BY event_type ORDER BY name) AS rank
+    FROM {subscription_table}
+    WHERE event_type = ANY(%(types)s::text[]) AND removed_at IS NULL
+),
+fob_unordered AS (
+    SELECT o.id FROM {table} AS o
+    WHERE o.status = 'pending' AND o.ordering_key IS NULL AND o.event_type = ANY(%(types)s::text[])
+    ORDER BY o.available_at, o.id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+),
+fob_ordered AS (
+    SELECT o.id FROM {table} AS o
+    WHERE o.ordering_key IS NOT NULL AND o.status = 'pending' AND o.event_type = ANY(%(types)s::text[])
+    ORDER BY o.ordering_key, o.id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+),
+fob_plan AS (
+    SELECT o.id, o.event_type || '@' || s.name AS route,
+           o.ordering_key || chr(31) || o.event_type || '@' || s.name AS k,
+           row_number() OVER (PARTITION BY o.ordering_key ORDER BY o.id) AS nth
+    FROM {table} AS o
+    JOIN fob_subs AS s ON s.event_type = o.event_type AND s.rank = 1
+    WHERE o.id IN (SELECT id FROM fob_unordered UNION ALL SELECT id FROM fob_ordered)
+),
+fob_owner AS (
+    UPDATE {table} AS o
+    SET event_type = p.route, ordering_key = p.k,
+        head = p.k IS NOT NULL AND p.nth = 1
+               AND NOT EXISTS (SELECT 1 FROM {table} AS x WHERE x.ordering_key = p.k AND x.status <> 'done')
+    FROM fob_plan AS p
+    WHERE o.id = p.id
+    RETURNING o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.ordering_key, o.available_at,
+              o.trace_context, o.limit_key, o.group_id
+),
+fob_rest AS (
+    SELECT w.id, s.event_type || '@' || s.name AS route, w.aggregate_type, w.aggregate_id,
+           split_part(w.ordering_key, chr(31), 1) || chr(31) || s.event_type || '@' || s.name AS k,
+           w.available_at, w.trace_context, w.limit_key, w.group_id, s.rank
+    FROM fob_owner AS w
+    JOIN fob_subs AS s ON s.event_type = split_part(w.event_type, '@', 1) AND s.rank > 1
+),
+fob_others AS (
+    INSERT INTO {table} (event_type, aggregate_type, aggregate_id, payload, payload_of,
+                         ordering_key, available_at, head, trace_context, limit_key, group_id)
+    SELECT r.route, r.aggregate_type, r.aggregate_id, NULL, r.id, r.k, r.available_at,
+           r.k IS NOT NULL
+           AND row_number() OVER (PARTITION BY r.k ORDER BY r.id) = 1
+           AND NOT EXISTS (SELECT 1 FROM {table} AS x WHERE x.ordering_key = r.k AND x.status <> 'done'),
+           r.trace_context, r.limit_key, r.group_id
+    FROM fob_rest AS r
+    ORDER BY r.id, r.rank
+    RETURNING id, group_id
+),
+fob_grown AS (
+    UPDATE {group_table} AS g
+    SET total = g.total + n.added
+    FROM (SELECT group_id, count(*) AS added FROM fob_others
+          WHERE group_id IS NOT NULL GROUP BY group_id) AS n
+    WHERE g.id = n.group_id
+    RETURNING g.id
+)
+SELECT (SELECT count(*) FROM fob_owner) AS fanned, (SELECT count(*) FROM fob_others) AS added;
