@@ -344,6 +344,14 @@ class OutboxConfig:
         return self.lease * 0.9
 
     @property
+    def stalled_after(self) -> float:
+        """Seconds a route's oldest claimed task may wait for a worker to start it before the
+        route counts as stalled (DESIGN invariant 16): two claim intervals or a quarter of the
+        lease, the longer. The claim then hands that route no more rows, and its waiting tasks
+        no longer take room under the in-flight bound from the other routes."""
+        return max(2 * self.claim_interval, self.lease / 4)
+
+    @property
     def connection_wait(self) -> float:
         """Seconds a pooled connection is waited for, and a new one given to connect.
 

@@ -194,6 +194,8 @@ class Claimer:
         #: Routes whose tasks the app refused to route, and until when (monotonic) this
         #: process's claims leave them out.
         self._refused: dict[str, float] = {}
+        #: The routes the last run found stalled (DESIGN invariant 16).
+        self._stalled: frozenset[str] = frozenset()
 
     def in_flight_limit(self, conn: psycopg.Connection[Any]) -> int:
         """Claimed-but-unfinished rows allowed now (DESIGN invariant 16)."""
@@ -241,6 +243,28 @@ class Claimer:
             )
         return run
 
+    def _live(self, conn: psycopg.Connection[Any]) -> tuple[int, frozenset[str]]:
+        """Live leases counted against the bound, and the stalled routes (DESIGN invariant 16):
+        a route whose oldest waiting task was claimed over ``stalled_after`` seconds ago has no
+        worker starting its tasks; they are left out of the count, and the route out of new
+        claims, so one route nobody consumes never slows another."""
+        cfg = self.config
+        routes = self.store.in_flight_by_route(conn, lease=cfg.lease, stall=cfg.stalled_after)
+        stalled = frozenset(r.event_type for r in routes if r.stalled)
+        for route in sorted(stalled - self._stalled):
+            logger.warning(
+                "outbox: no worker has started a task of %r for %.0fs (does its queue have a "
+                "consumer?): no new rows of it are claimed until one starts; the other routes go on",
+                route,
+                cfg.stalled_after,
+                extra={"outcome": "stalled", "event_type": route},
+            )
+        for route in sorted(self._stalled - stalled):
+            logger.info("outbox: tasks of %r are being started again", route, extra={"event_type": route})
+        self._stalled = stalled
+        in_flight = sum(r.live - (r.unstarted if r.event_type in stalled else 0) for r in routes)
+        return in_flight, stalled
+
     def _routes(self) -> list[str]:
         """The routes this run claims: every handler's, less those whose tasks were refused
         within the last ``unroutable_delay`` (their rows wait in ``pending``)."""
@@ -260,8 +284,9 @@ class Claimer:
         cfg = self.config
         run.in_flight_limit = limit = self.in_flight_limit(conn)
         # Counted once per run, then raised by what the run claims: an over-estimate (rows that
-        # finish meanwhile are not subtracted), so the bound holds.
-        in_flight = self.store.in_flight(conn)
+        # finish meanwhile are not subtracted), so the bound holds. A stalled route (no worker
+        # starts its tasks) gets no new rows, and its waiting tasks take no room from the others.
+        in_flight, hold = self._live(conn)
         limits = {t: spec.limit for t, spec in self.handlers.items() if spec.limit is not None}
         # Batch handlers that let a batch fill (max_wait). Capped at scan_lookback: a row
         # held back longer could fall behind the scan marks (DESIGN invariant 18).
@@ -288,6 +313,7 @@ class Claimer:
                 marks=self.marks,
                 limits=limits,
                 fill=fill,
+                hold=hold,
             )
             if result.flow_wait is not None:
                 run.flow_wait = min(run.flow_wait or result.flow_wait, result.flow_wait)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -530,8 +530,10 @@ def claim(
     marks: ScanMarks | None = None,
     limits: Mapping[str, Limit] | None = None,
     fill: Mapping[str, tuple[int, float]] | None = None,
+    hold: Collection[str] = (),
 ) -> ClaimResult:
-    """Reap and claim up to ``limit`` rows in one short transaction, then commit.
+    """Reap and claim up to ``limit`` rows in one short transaction, then commit. Routes in
+    ``hold`` get no new claim, as if paused (their expired leases come back as every route's).
 
     Order: expired leases with attempts left first (they have waited longest), then ordered
     heads and unordered pending rows share what is left, so neither starves the other. Rows
@@ -543,15 +545,10 @@ def claim(
     started (lost) and expired leases of event types not in ``event_types`` (unroutable, after
     ``unroutable_delay``) go back to ``pending`` first, no attempt spent.
 
-    Flow control (DESIGN invariants 22, 23): event types paused or held by a RateLimited outcome
-    are claimed by nobody; each type in ``limits`` is claimed by statements of its own, at most
-    its allowance (concurrency left, rate tokens), decided under its flow row's lock so that
-    concurrent claimers never hand out more than the limit together. Its re-claimed expired
-    leases count against the allowance too.
-
-    With ``marks`` (the claim loop's, one per process) the scans start a little behind where the
-    previous claim stopped and move the marks on (DESIGN invariant 18); without, every scan
-    starts at the beginning of its index.
+    Flow control (DESIGN invariants 22, 23): paused or held types are claimed by nobody; each
+    type in ``limits`` by statements of its own, at most its allowance, decided under its flow
+    row's lock. With ``marks`` (one per process) the scans start a little behind where the
+    previous claim stopped (DESIGN invariant 18); without, at the beginning of their index.
 
     ``fill`` maps a batch handler's event type to ``(batch, max_wait)`` (DESIGN invariant 21): a
     type whose due unordered rows are fewer than a batch (or than ``limit``) and whose oldest
@@ -577,6 +574,8 @@ def claim(
             if marks is not None:
                 marks.bare = bare
         seen = run.settings()
+        if hold:
+            seen = replace(seen, held=seen.held | frozenset(hold))
         run.db_now = seen.now
         if marks is not None and seen.now is not None:
             marks.check_clock(seen.now, now_mono)

@@ -93,6 +93,15 @@ class CountRow(NamedTuple):
     n: int
 
 
+class RouteFlightRow(NamedTuple):
+    """A row of ``in_flight_by_route``."""
+
+    event_type: str
+    live: int
+    unstarted: int
+    stalled: int
+
+
 class ReadyRow(NamedTuple):
     """``flow_exists``: whether the flow-control tables exist."""
 
@@ -295,6 +304,13 @@ class Store:
         """Live leases: rows ``processing`` whose lease has not run out (DESIGN invariant 16)."""
         [row] = self._read(conn, CountRow, "count_in_flight")
         return int(row.n)
+
+    def in_flight_by_route(
+        self, conn: psycopg.Connection[Any], *, lease: float, stall: float
+    ) -> list[RouteFlightRow]:
+        """Live leases per route, with those whose task has not started and those of them
+        claimed more than ``stall`` seconds ago (DESIGN invariant 16)."""
+        return self._read(conn, RouteFlightRow, "in_flight_by_route", {"lease": lease, "stall": stall})
 
     def recent_done(self, conn: psycopg.Connection[Any], *, window: float, cap: int) -> int:
         """Rows finished ``done`` in the last ``window`` seconds, counted up to ``cap``."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+import time
 from datetime import datetime
 from typing import Any
 
@@ -89,6 +90,38 @@ def test_invariant_28_events_written_before_any_worker_registered_reach_every_su
         assert [int(c["payload_json"].split('"i": ')[1].rstrip("}")) for c in keyed] == list(range(6))
         for before, after in itertools.pairwise(keyed):
             assert after["started_at"] >= before["finished_at"], "two messages of one key overlapped"
+
+
+def test_invariant_16_a_subscription_nobody_consumes_does_not_slow_its_siblings(harness: Harness) -> None:
+    """The in-flight bound is shared by every route, but a route whose tasks no worker starts
+    stops taking room from it: once its oldest task waited ``stalled_after``, the claim hands
+    it no more rows and leaves its waiting tasks out of the count."""
+    _three(harness)
+    harness.configure(lease=20.0, claim_interval=0.5, max_in_flight=40, adaptive_in_flight=False)
+    nobody = harness.q("warehouse")
+    served = [q for q in harness.queues if q != nobody]
+    harness.worker(queues=served, concurrency=2)
+    harness.beat()
+    harness.wait(
+        lambda: len(subscriptions.list_subscriptions(harness.conn, harness.table)) == 3, what="registered"
+    )
+    started = time.monotonic()
+    harness.enqueue(200, event_type=PAID)
+    harness.wait(
+        lambda: (
+            sum(r["status"] == "done" for r in harness.rows() if r["event_type"] != f"{PAID}@warehouse")
+            == 400
+        ),
+        timeout=60,
+        what="the consumed subscriptions' rows done",
+    )
+    took = time.monotonic() - started
+    # Before the lease of the first stranded tasks ran out: the unconsumed route held nobody back.
+    assert took < 20.0, took
+    stranded = [r for r in harness.rows() if r["event_type"] == f"{PAID}@warehouse"]
+    assert {r["status"] for r in stranded} <= {"pending", "processing"}
+    assert {r["attempts"] for r in stranded} == {0}
+    harness.procs.started[0].wait_for_log("no worker has started a task of 'order.paid@warehouse'")
 
 
 def test_invariant_28_one_subscription_dead_lettering_or_paused_does_not_touch_the_others(

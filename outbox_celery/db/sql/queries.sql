@@ -199,6 +199,19 @@ SELECT pg_try_advisory_xact_lock(hashtextextended(
 -- bound; the claim takes such rows back whatever the bound says.
 SELECT count(*) AS n FROM {table} WHERE status = 'processing' AND lease_until > now();
 
+-- name: in_flight_by_route
+-- Live leases per route (DESIGN invariant 16): how many, how many whose task has not started, and
+-- how many of those were claimed longer than stall seconds ago (a claim gives a lease from its
+-- now(): the claim's time is lease_until - lease). A route whose oldest task waits that long has
+-- no worker starting its tasks (its queue has no consumer, or is far behind).
+SELECT event_type, count(*) AS live,
+       count(*) FILTER (WHERE started_version < lease_version) AS unstarted,
+       count(*) FILTER (WHERE started_version < lease_version
+                          AND lease_until < now() + make_interval(secs => %(lease)s - %(stall)s)) AS stalled
+FROM {table}
+WHERE status = 'processing' AND lease_until > now()
+GROUP BY event_type;
+
 -- name: count_recent_done
 -- Rows finished in the last window, counted up to a cap so the cost stays bounded.
 SELECT count(*) AS n FROM (
