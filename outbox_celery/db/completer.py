@@ -40,6 +40,7 @@ import psycopg.adapt
 from psycopg.rows import RowFactory
 
 from .. import outcomes
+from ..errors import PayloadError
 from ..message import Message, Status
 from ..outcomes import Outcome, Step
 from ..table import TableName
@@ -283,8 +284,14 @@ class Completer:
         max_attempts: int,
         starter: str,
         resume: bool = True,
+        undecodable: dict[int, Exception] | None = None,
     ) -> list[Message]:
         """The fenced start of one claim or many; the started messages, sorted by id.
+
+        A started row whose payload this process cannot decode (a type no ``register_type`` of
+        it knows, a payload written by SQL nested deeper than the decoder goes) fails the
+        whole call, unless ``undecodable`` is given: it is then left out of the result and its
+        error put there by id, and the other rows are handed over.
 
         Each lease is fenced on its own version (invariant 3); those it does not start (stale,
         already started, no attempt left) are left out. Only when some lease found nothing:
@@ -324,10 +331,17 @@ class Completer:
         payloads = self._payloads(conn, left_out) if left_out else {}
         if len(rows) > 1:
             rows.sort(key=lambda r: r.id)
-        return [
-            store._message(conn, r.as_mapping(r.payload if r.payload_inline else payloads[r.id]))
-            for r in rows
-        ]
+        messages = []
+        for r in rows:
+            try:
+                messages.append(
+                    store._message(conn, r.as_mapping(r.payload if r.payload_inline else payloads[r.id]))
+                )
+            except (PayloadError, RecursionError) as exc:
+                if undecodable is None:
+                    raise
+                undecodable[r.id] = exc
+        return messages
 
     def _started(self, conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> list[StartedRow]:
         with self.store._single_statement(conn):

@@ -125,12 +125,18 @@ class Deliverer:
         log: dict[str, Any] = {"outbox_id": unique[0].id, "lease_version": unique[0].lease_version}
         if len(unique) > 1:
             log["batch"] = len(unique)
+        undecodable: dict[int, Exception] = {}
         try:
-            msgs = self.fence.start(unique)
+            msgs = self.fence.start(unique, undecodable=undecodable)
         except Exception as exc:
             self.fence.failed_before_handler(unique, exc, log)
             raise
-        outcomes = self._stale(unique, msgs, log)
+        outcomes = self._stale(unique, {m.id for m in msgs} | set(undecodable), log)
+        for x in unique:
+            if x.id in undecodable:
+                # Its payload, not its neighbours': the failure is its own (invariant 30).
+                self.fence.failed_before_handler([x], undecodable[x.id], log)
+                outcomes[x.id] = Outcome.ERROR
         by_route: dict[str, list[Message]] = {}
         for msg in msgs:
             by_route.setdefault(msg.route, []).append(msg)
@@ -161,8 +167,7 @@ class Deliverer:
     # -- the steps of a task ----------------------------------------------------------------------
 
     @staticmethod
-    def _stale(leases: list[Lease], msgs: list[Message], log: dict[str, Any]) -> dict[int, Outcome]:
-        started = {m.id for m in msgs}
+    def _stale(leases: list[Lease], started: set[int], log: dict[str, Any]) -> dict[int, Outcome]:
         stale = [x for x in leases if x.id not in started]
         if stale:
             more = f" (and {len(stale) - 1} more of the task's {len(leases)})" if len(stale) > 1 else ""

@@ -62,8 +62,11 @@ class FencedWrites:
         self._recover = recover
         self._backoff = Backoff(config.backoff_base, config.backoff_cap)
 
-    def start(self, leases: Sequence[Lease]) -> list[Message]:
-        """The fenced start of one lease or many: the started messages, sorted by id."""
+    def start(
+        self, leases: Sequence[Lease], *, undecodable: dict[int, Exception] | None = None
+    ) -> list[Message]:
+        """The fenced start of one lease or many: the started messages, sorted by id (a row whose
+        payload cannot be decoded goes to ``undecodable`` when given, see ``Completer.start``)."""
         cfg = self.config
         # One token for the start and its retry: a retry after a lost reply gets its own start
         # back uncounted, while any other start of these claims is refused (invariant 3).
@@ -72,7 +75,12 @@ class FencedWrites:
             "start" if len(leases) == 1 else "start_many",
             leases[0],
             lambda conn: self.store.completer.start(
-                conn, leases, lease=cfg.lease, max_attempts=cfg.max_attempts, starter=starter
+                conn,
+                leases,
+                lease=cfg.lease,
+                max_attempts=cfg.max_attempts,
+                starter=starter,
+                undecodable=undecodable,
             ),
         )
 

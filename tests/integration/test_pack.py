@@ -163,3 +163,27 @@ def test_invariant_30_a_stale_pair_of_a_pack_is_dropped(
 def test_pack_is_checked_where_it_is_declared(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
         register_handler({}, EVENT, **options)(lambda m: None)
+
+
+def test_invariant_30_a_payload_this_worker_cannot_decode_costs_only_its_own_row(
+    conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
+) -> None:
+    """A row written by SQL with a type no process registered, another nested deeper than the
+    decoder goes: each fails before its handler on its own; the rest of the pack runs."""
+    ids = add(conn, 4, table=table, payload=lambda i: {"i": i})
+    t = TableName.parse(table).identifier()
+    update = sql.SQL("UPDATE {} SET payload = %s::json WHERE id = %s").format(t)
+    conn.execute(update, ['{"__type__": "nope", "__value__": 1}', ids[1]])
+    conn.execute(update, ["[" * 900 + "]" * 900, ids[2]])
+    seen: list[int] = []
+    dispatcher = _dispatcher(pool, table, lambda m: seen.append(m.id), pack=4)
+    [unit] = claim_units(dispatcher)
+    assert [c.id for c in unit] == ids
+    counts = dispatcher.deliver_batch([c.lease for c in unit])
+    assert counts == {"done": 2, "error": 2}
+    assert seen == [ids[0], ids[3]]
+    rows = [fetch(conn, table, i) for i in ids]
+    assert [r["status"] for r in rows] == ["done", "pending", "pending", "done"]
+    assert [r["attempts"] for r in rows] == [1, 1, 1, 1]
+    assert "failed before calling the handler" in rows[1]["last_error"] and "nope" in rows[1]["last_error"]
+    assert "RecursionError" in rows[2]["last_error"]
