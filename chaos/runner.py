@@ -32,10 +32,10 @@ from outbox_celery.dsn import redact
 from outbox_celery.ops import subscriptions
 from outbox_celery.produce.enqueue import enqueue_many
 
-from .check import FaultRecord, Verdict, check, check_groups, render
+from .check import FaultRecord, Verdict, check, check_groups, check_subscribed, render
 from .procs import Child, Supervisor, child_pids
 from .services import CONTROL_APP, PgBouncer, Postgres, RedisServer, connect
-from .workload import EFFECTS_DDL, FANOUT, Producer, plan, plan_early, plan_groups
+from .workload import EFFECTS_DDL, FANOUT, SUBSCRIBED, Producer, plan, plan_early, plan_groups
 
 __all__ = ["FAULTS", "Profile", "main"]
 
@@ -652,6 +652,17 @@ class Run:
             " AND payload_of IS NULL ORDER BY id"
         )
         check_groups(verdict, [tuple(r) for r in made], [(int(i), int(g)) for i, g in callbacks])
+        fanned = self.query(
+            "SELECT id, event_type, payload_of, status, payload ->> 'n' FROM outbox"
+            " WHERE split_part(event_type, '@', 1) = ANY(%s) ORDER BY id",
+            [[f"chaos.{kind}" for kind in SUBSCRIBED]],
+        )
+        planned: dict[str, set[int]] = {kind: set() for kind in SUBSCRIBED}
+        for event in [*events, *early, *(then for _, then in groups)]:
+            kind = event.event_type.removeprefix("chaos.")
+            if kind in planned:
+                planned[kind].add(int(event.payload["n"]))
+        check_subscribed(verdict, [tuple(r) for r in fanned], planned)
         if early and self.early_fanned_in is None:
             verdict.violations.append(
                 f"bare chaos.late rows not all fanned out {FAN_OUT_WAIT:g} s after the workers were ready"
