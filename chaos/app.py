@@ -20,7 +20,7 @@ from celery import Celery
 from outbox_celery import Defer, Message, PermanentError, RetryableError
 from outbox_celery.app.outbox import Outbox
 
-from .workload import FANOUT, PERMANENT_ERROR
+from .workload import FANOUT, GROUP_FAN, LATE, PERMANENT_ERROR
 
 __all__ = ["app", "outbox", "record"]
 
@@ -191,3 +191,26 @@ def fanned_out(message: Message) -> None:
 
 for _name in FANOUT:
     outbox.handler("chaos.fanout", name=_name)(fanned_out)
+
+
+def late(message: Message) -> None:
+    """A subscription of chaos.late, a type whose first events are written before any worker
+    registered its subscriptions (DESIGN invariant 28); "notify" fails its first run."""
+    if message.subscription == "notify" and message.attempts <= 1:
+        record(message, "retry")
+        raise RetryableError("chaos: this subscription again", delay=0.3)
+    record(message, "ok")
+
+
+for _name in LATE:
+    outbox.handler("chaos.late", name=_name)(late)
+
+
+def group_fanned(message: Message) -> None:
+    """A subscription of chaos.group_fan, the callback of every other group (invariants 28 and
+    29): the group's finalize fans it out, one row per subscription."""
+    record(message, "ok")
+
+
+for _name in GROUP_FAN:
+    outbox.handler("chaos.group_fan", name=_name)(group_fanned)

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .workload import FANOUT, HEALTHY, PERMANENT_ERROR
+from .workload import HEALTHY, PERMANENT_ERROR, SUBSCRIBED
 
 # The transactional kind (#24): its effects must be exactly once, not at least once.
 TRANSACTIONAL = "tx"
 
-__all__ = ["FaultRecord", "Verdict", "check", "check_groups", "render"]
+__all__ = ["Fanned", "FaultRecord", "Verdict", "check", "check_groups", "check_subscribed", "render"]
 
 
 @dataclass
@@ -28,6 +28,25 @@ class FaultRecord:
     delivered: int | None = None  # rows that became done during the fault (and its window)
     skipped: str | None = None
     error: str | None = None
+
+
+@dataclass
+class Fanned:
+    """The rows of one subscribed kind (DESIGN invariant 28), event by event."""
+
+    subscriptions: int
+    #: Events: an event is its first subscription's row and the rows reading its payload
+    #: (``payload_of``), or a bare row (its type without a subscription's name).
+    events: int = 0
+    #: Events with exactly one row per subscription, every one done.
+    complete: int = 0
+    rows: int = 0
+    #: Bare rows left: written before the subscriptions were registered and never fanned out.
+    bare: list[int] = field(default_factory=list)
+    #: Fanned-out events without exactly one done row per subscription (by their first row's id).
+    incomplete: list[int] = field(default_factory=list)
+    #: Planned events (their payload's ``n``) without any row.
+    missing: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -52,6 +71,8 @@ class Verdict:
     groups: int = 0
     groups_not_fired: list[tuple[int, str]] = field(default_factory=list)
     callbacks_wrong: list[tuple[int, int]] = field(default_factory=list)
+    #: Subscribed kinds (DESIGN invariant 28): kind -> its events, row by row (check_subscribed).
+    subscribed: dict[str, Fanned] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
 
 
@@ -68,8 +89,10 @@ def _seen(path: Path) -> list[dict[str, Any]]:
 def check_groups(
     v: Verdict, groups: list[tuple[int, str, int | None]], callbacks: list[tuple[int, int]]
 ) -> None:
-    """Every group fired, and its callback committed exactly once: one ``chaos.group_done`` row
-    per group (by the group id its payload carries), the one the group's row names.
+    """Every group fired, and its callback committed exactly once: one callback row per group
+    (by the group id its payload carries), the one the group's row names. A callback of a
+    subscribed type (``chaos.group_fan``) is its first subscription's row, which holds the
+    payload; its other subscriptions' rows are :func:`check_subscribed`'s.
 
     :param groups: (id, state, callback_id) of every group.
     :param callbacks: (outbox id, group id in its payload) of every callback row.
@@ -86,6 +109,58 @@ def check_groups(
         v.violations.append(f"{len(v.groups_not_fired)} group(s) not fired (left open, or skipped)")
     if v.callbacks_wrong:
         v.violations.append(f"{len(v.callbacks_wrong)} group(s) whose callback is not committed exactly once")
+
+
+def check_subscribed(
+    v: Verdict,
+    rows: list[tuple[int, str, int | None, str, object]],
+    planned: dict[str, set[int]] | None = None,
+) -> None:
+    """Every event of a subscribed kind (:data:`~chaos.workload.SUBSCRIBED`) reached every
+    subscription: exactly one row per subscription, all done; no bare row left; and every
+    planned event has rows. Delivery itself is at least once: :func:`check` wants a successful
+    handler run for every done row.
+
+    :param rows: (id, event_type, payload_of, status, the payload's ``n``) of every row of a
+        subscribed type; ``n`` is set on the row that holds the payload (an event's first
+        subscription's, or a bare row), ``None`` on the rows that read it.
+    :param planned: kind -> the ``n`` of the events the run wrote (the producer may write a
+        batch twice: then both copies must be complete).
+    """
+    events: dict[str, dict[int, list[tuple[str, str]]]] = defaultdict(lambda: defaultdict(list))
+    tags: dict[str, set[str]] = defaultdict(set)
+    for row_id, event_type, payload_of, status, n in rows:
+        kind, _, name = event_type.removeprefix("chaos.").partition("@")
+        if kind not in SUBSCRIBED:
+            continue
+        sub = v.subscribed.setdefault(kind, Fanned(len(SUBSCRIBED[kind])))
+        sub.rows += 1
+        if n is not None:
+            tags[kind].add(str(n))
+        if not name:
+            sub.bare.append(row_id)
+            continue
+        events[kind][payload_of if payload_of is not None else row_id].append((name, status))
+    for kind, sub in v.subscribed.items():
+        want = sorted(SUBSCRIBED[kind])
+        for root, got in sorted(events[kind].items()):
+            if sorted(name for name, _ in got) == want and all(s == "done" for _, s in got):
+                sub.complete += 1
+            else:
+                sub.incomplete.append(root)
+        sub.events = len(events[kind]) + len(sub.bare)
+    for kind, ns in (planned or {}).items():
+        sub = v.subscribed.setdefault(kind, Fanned(len(SUBSCRIBED[kind])))
+        sub.missing = sorted({str(n) for n in ns} - tags[kind], key=lambda t: (len(t), t))
+    for kind, sub in sorted(v.subscribed.items()):
+        if sub.bare:
+            v.violations.append(f"{len(sub.bare)} bare chaos.{kind} row(s) left (never fanned out)")
+        if sub.incomplete:
+            v.violations.append(
+                f"{len(sub.incomplete)} chaos.{kind} event(s) without exactly one done row per subscription"
+            )
+        if sub.missing:
+            v.violations.append(f"{len(sub.missing)} planned chaos.{kind} event(s) without a row")
 
 
 def check(
@@ -164,11 +239,14 @@ def check(
 
 
 def _fanned_out_short(routes: Counter[str]) -> list[str]:
-    """Every subscription of chaos.fanout has a row for every event: none fanned out short."""
-    fanned = {f"fanout@{name}": routes[f"fanout@{name}"] for name in FANOUT}
-    if any(fanned.values()) and len(set(fanned.values())) != 1:
-        return [f"subscriptions with different numbers of rows: {fanned}"]
-    return []
+    """Every subscription of a subscribed kind has as many rows as its siblings: none fanned
+    out short (the event by event check is :func:`check_subscribed`)."""
+    out = []
+    for kind, names in SUBSCRIBED.items():
+        fanned = {f"{kind}@{name}": routes[f"{kind}@{name}"] for name in names}
+        if any(fanned.values()) and len(set(fanned.values())) != 1:
+            out.append(f"subscriptions with different numbers of rows: {fanned}")
+    return out
 
 
 def render(
@@ -202,6 +280,18 @@ def render(
     lines.append(f"  handler runs {v.handler_runs}")
     lines.append(f"  duplicates   {v.duplicates} extra successful run(s) over {v.duplicated_ids} message(s)")
     lines.append(f"  inversions   {v.inversions}")
+    for kind, sub in sorted(v.subscribed.items()):
+        lines.append(
+            f"  subscribed   chaos.{kind}: {sub.complete} of {sub.events} event(s) with one done row "
+            f"in each of {sub.subscriptions} subscriptions ({sub.rows} rows), {len(sub.bare)} bare left"
+            + (f", {len(sub.missing)} planned missing" if sub.missing else "")
+        )
+        if sub.incomplete:
+            lines.append(f"  incomplete   chaos.{kind} {sub.incomplete[:20]}")
+        if sub.bare:
+            lines.append(f"  bare left    chaos.{kind} {sub.bare[:20]}")
+        if sub.missing:
+            lines.append(f"  missing      chaos.{kind} n={sub.missing[:20]}")
     if v.effects_checked:
         lines.append(
             f"  tx effects   {v.effects_checked - len(v.effects_wrong)} of {v.effects_checked} "

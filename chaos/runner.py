@@ -30,11 +30,12 @@ from outbox_celery.config import OutboxConfig
 from outbox_celery.db.migrations import migrate
 from outbox_celery.dsn import redact
 from outbox_celery.ops import subscriptions
+from outbox_celery.produce.enqueue import enqueue_many
 
-from .check import FaultRecord, Verdict, check, check_groups, render
+from .check import FaultRecord, Verdict, check, check_groups, check_subscribed, render
 from .procs import Child, Supervisor, child_pids
 from .services import CONTROL_APP, PgBouncer, Postgres, RedisServer, connect
-from .workload import EFFECTS_DDL, FANOUT, Producer, plan, plan_groups
+from .workload import EFFECTS_DDL, FANOUT, SUBSCRIBED, Producer, plan, plan_early, plan_groups
 
 __all__ = ["FAULTS", "Profile", "main"]
 
@@ -61,6 +62,7 @@ class Profile:
     groups: int = 0  # groups with a callback (DESIGN invariant 29)
     group_size: int = 0
     kill_every: float = 0.0  # SIGKILL a delivery worker's child every this many seconds (0: never)
+    early: int = 0  # chaos.late events written before any worker registered their subscriptions
 
 
 FULL = Profile(
@@ -78,6 +80,8 @@ FULL = Profile(
     pin_leases=20,
     groups=200,
     group_size=50,
+    # More unordered ones than a claim's fan-out batch (1000): the claims after the first go on.
+    early=1600,
 )
 SHORT = Profile(
     messages=2000,
@@ -94,6 +98,7 @@ SHORT = Profile(
     pin_leases=16,
     groups=20,
     group_size=10,
+    early=150,
 )
 
 # Every fault, in the order a run injects them.
@@ -110,6 +115,12 @@ FAULTS = (
     "clock_behind",
     "pgbouncer",
 )
+
+# Seconds the first claims have to fan out the bare chaos.late rows once the workers are up.
+FAN_OUT_WAIT = 30.0
+
+# What a claim logs when it fans bare rows out (outbox_celery/claim/fan_out.py).
+FANNED_LOG = re.compile(r"outbox: (\d+) row\(s\) of a subscribed type had no route")
 
 # Faults that run the workers differently for a window; consecutive ones chain their restarts.
 WINDOW_FAULTS = ("clock_ahead", "clock_behind", "pgbouncer")
@@ -162,6 +173,10 @@ class Run:
         self.autovacuum = "?"
         self.periodic_kills = 0
         self._stop_kills = threading.Event()
+        # The chaos.late events written before any worker: how many were bare, and how long
+        # after the workers were up the claims took to fan them all out (None: not in time).
+        self.early_bare = 0
+        self.early_fanned_in: float | None = None
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -257,13 +272,13 @@ class Run:
 
     # -- database ----------------------------------------------------------------------------
 
-    def query(self, text: str) -> list[tuple[Any, ...]]:
+    def query(self, text: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
         """Run a read-only query of the run's own, retried while PostgreSQL is away."""
         deadline = time.monotonic() + 60
         while True:
             try:
                 with connect(self.pg.dsn) as conn:
-                    return conn.execute(text).fetchall()
+                    return conn.execute(text, params).fetchall()
             except psycopg.OperationalError:
                 if time.monotonic() > deadline:
                     raise
@@ -490,6 +505,45 @@ class Run:
             self.bouncer.stop()
             self.bouncer = None
 
+    def write_early(self, events: list[Any]) -> None:
+        """Write ``events`` (``chaos.late``) before any worker started: the table has no
+        subscription of their type yet, so each is one bare row (DESIGN invariant 28)."""
+        with connect(self.pg.dsn) as conn:
+            live = subscriptions.list_subscriptions(conn, "outbox", event_type="chaos.late")
+            if live:
+                raise RuntimeError(f"chaos.late has subscriptions before any worker started: {live}")
+            with conn.transaction():
+                enqueue_many(conn, events)
+        self.early_bare = self.bare_late()
+        if self.early_bare != len(events):
+            raise RuntimeError(f"{len(events)} early chaos.late events written, {self.early_bare} bare rows")
+
+    def bare_late(self) -> int:
+        """Rows of ``chaos.late`` without a subscription's name (bare)."""
+        return int(self.query("SELECT count(*) FROM outbox WHERE event_type = 'chaos.late'")[0][0])
+
+    def wait_fanned_out(self, began: float) -> None:
+        """Wait until the first claims fanned the bare ``chaos.late`` rows out, at most
+        FAN_OUT_WAIT seconds from now (every worker ready); the time is counted from ``began``,
+        when the workers were started."""
+        deadline = time.monotonic() + FAN_OUT_WAIT
+        while True:
+            if self.bare_late() == 0:
+                self.early_fanned_in = time.monotonic() - began
+                return
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+
+    def fanned_logged(self) -> tuple[int, int]:
+        """(claims that fanned bare rows out, rows they fanned out), from every process's log."""
+        found = [
+            int(n)
+            for log in sorted(self.logs.glob("*.log"))
+            for n in FANNED_LOG.findall(log.read_text(errors="replace"))
+        ]
+        return len(found), sum(found)
+
     def claim_runs(self, last: int = 40) -> str:
         """What stopped the last claim runs, from the claim worker's log.
 
@@ -532,9 +586,15 @@ class Run:
             # The subscriptions of chaos.fanout exist before the first event (invariant 28),
             # as a deploy's migrate step would add them; the workers add them too at start-up.
             subscriptions.register(conn, "outbox", [f"chaos.fanout@{name}" for name in FANOUT])
+        # Those of chaos.late are not: its first events are written before any worker (which
+        # registers them at start-up) and are bare rows until a claim fans them out.
+        early = plan_early(self.p.early, self.p.keys, self.p.messages)
+        self.write_early(early)
         self.autovacuum = self.ensure_autovacuum()
         self.start_beat()
+        began = time.monotonic()
         self.start_workers(("claim", *DELIVERY_WORKERS))
+        self.wait_fanned_out(began)
         seconds = self.planned_seconds(faults)
         events = plan(self.p.messages, self.p.keys, self.seed, self.p.slow_max)
         groups = plan_groups(self.p.groups, self.p.group_size)
@@ -585,18 +645,36 @@ class Run:
         effects = self.query("SELECT outbox_id, count(*) FROM chaos_effects GROUP BY outbox_id")
         verdict = check([tuple(r) for r in rows], self.seen, effects={int(i): int(n) for i, n in effects})
         made = self.query("SELECT id, state, callback_id FROM outbox_group ORDER BY id")
+        # A callback's row holds its payload; a fanned-out one's other rows read it (payload_of).
         callbacks = self.query(
             "SELECT id, (payload -> 'outbox_group' ->> 'id')::bigint FROM outbox"
-            " WHERE event_type = 'chaos.group_done' ORDER BY id"
+            " WHERE split_part(event_type, '@', 1) IN ('chaos.group_done', 'chaos.group_fan')"
+            " AND payload_of IS NULL ORDER BY id"
         )
         check_groups(verdict, [tuple(r) for r in made], [(int(i), int(g)) for i, g in callbacks])
+        fanned = self.query(
+            "SELECT id, event_type, payload_of, status, payload ->> 'n' FROM outbox"
+            " WHERE split_part(event_type, '@', 1) = ANY(%s) ORDER BY id",
+            [[f"chaos.{kind}" for kind in SUBSCRIBED]],
+        )
+        planned: dict[str, set[int]] = {kind: set() for kind in SUBSCRIBED}
+        for event in [*events, *early, *(then for _, then in groups)]:
+            kind = event.event_type.removeprefix("chaos.")
+            if kind in planned:
+                planned[kind].add(int(event.payload["n"]))
+        check_subscribed(verdict, [tuple(r) for r in fanned], planned)
+        if early and self.early_fanned_in is None:
+            verdict.violations.append(
+                f"bare chaos.late rows not all fanned out {FAN_OUT_WAIT:g} s after the workers were ready"
+            )
         for f in self.faults:
             if f.error:
                 verdict.violations.append(f"fault {f.name}: {f.error}")
         facts = [
             (
                 "messages",
-                f"{verdict.rows} rows ({len(events)} planned, {producer.failures} producer retries)",
+                f"{verdict.rows} rows ({len(events)} planned, {len(early)} before the workers, "
+                f"{producer.failures} producer retries)",
             ),
             (
                 "profile",
@@ -624,6 +702,17 @@ class Run:
                 f"{len(verdict.groups_not_fired)} not fired, "
                 f"{len(verdict.callbacks_wrong)} callbacks not once",
             ),
+            (
+                "late events",
+                f"{len(early)} chaos.late written before any worker registered its subscriptions "
+                f"({self.early_bare} bare rows), fanned out "
+                + (
+                    f"within {self.early_fanned_in:.1f} s of the workers' start"
+                    if self.early_fanned_in is not None
+                    else f"NOT ALL, {FAN_OUT_WAIT:g} s after the workers were ready"
+                )
+                + "; claims logged {} fan-out(s) of {} row(s)".format(*self.fanned_logged()),
+            ),
             ("last claim runs", self.claim_runs()),
             ("logs", str(self.logs)),
         ]
@@ -639,6 +728,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--messages", type=int, default=None, help="override the profile's message count")
     p.add_argument(
         "--groups", type=int, default=None, help="override the profile's groups with a callback (0: none)"
+    )
+    p.add_argument(
+        "--early",
+        type=int,
+        default=None,
+        help="override the profile's chaos.late events written before any worker (0: none)",
     )
     p.add_argument(
         "--faults", default=",".join(FAULTS), help=f"comma-separated subset of: {', '.join(FAULTS)}"
@@ -675,6 +770,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = replace(profile, groups=args.groups)
     if args.kill_every is not None:
         profile = replace(profile, kill_every=args.kill_every)
+    if args.early is not None:
+        profile = replace(profile, early=args.early)
     faults = [f for f in FAULTS if f in args.faults.split(",")]
     state_dir = Path(args.state_dir).resolve()
     run_dir = state_dir / "run"

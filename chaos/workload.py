@@ -14,7 +14,20 @@ from outbox_celery.produce.enqueue import enqueue_group, enqueue_many
 
 from .services import connect
 
-__all__ = ["EFFECTS_DDL", "FANOUT", "HEALTHY", "KINDS", "PERMANENT_ERROR", "Producer", "plan", "plan_groups"]
+__all__ = [
+    "EFFECTS_DDL",
+    "FANOUT",
+    "GROUP_FAN",
+    "HEALTHY",
+    "KINDS",
+    "LATE",
+    "PERMANENT_ERROR",
+    "SUBSCRIBED",
+    "Producer",
+    "plan",
+    "plan_early",
+    "plan_groups",
+]
 
 # The text a permanent message's handler raises; the end check looks for it in last_error.
 PERMANENT_ERROR = "chaos: permanent failure"
@@ -31,7 +44,7 @@ CREATE TABLE IF NOT EXISTS chaos_effects (
 
 # kind -> share of the messages. Every kind but "permanent" must end done.
 KINDS: dict[str, float] = {
-    "ok": 0.50,
+    "ok": 0.47,
     "batch": 0.06,
     "tx": 0.06,
     "retry": 0.10,
@@ -42,28 +55,65 @@ KINDS: dict[str, float] = {
     # Subscriptions (DESIGN invariant 28): one event, three named handlers (FANOUT), half of
     # them ordered per key; "flaky" fails retryably on its first run.
     "fanout": 0.04,
+    # Subscriptions registered late (DESIGN invariant 28, "who started first does not matter"):
+    # the runner writes a batch of chaos.late events before any worker registered its
+    # subscriptions (bare rows, fanned out by the first claim, plan_early); these, written
+    # during the run, are fanned out at write. Half are ordered per key.
+    "late": 0.03,
 }
 #: The subscriptions of chaos.fanout; the end check wants every one to have a row per event.
 FANOUT = ("audit", "flaky", "mail")
-# Groups with a callback (DESIGN invariant 29): members ("member") and callbacks ("group_done")
-# are written apart from the mix, one group per transaction; both must end done.
-HEALTHY = frozenset(KINDS) - {"permanent"} | {"member", "group_done"}
+#: The subscriptions of chaos.late, registered by the workers only (never before the first
+#: events); "notify" fails retryably on its first run.
+LATE = ("archive", "index", "notify")
+#: The subscriptions of chaos.group_fan, the callback type of every other group (invariant 29):
+#: its finalize fans the callback out to both.
+GROUP_FAN = ("ledger", "notify")
+#: kind -> its subscriptions: the end check wants, for every event of the kind, exactly one row
+#: per subscription, all done, and no bare row (an event_type without "@") left.
+SUBSCRIBED: dict[str, tuple[str, ...]] = {"fanout": FANOUT, "late": LATE, "group_fan": GROUP_FAN}
+# Groups with a callback (DESIGN invariant 29): members ("member") and callbacks ("group_done",
+# "group_fan") are written apart from the mix, one group per transaction; all must end done.
+HEALTHY = frozenset(KINDS) - {"permanent"} | {"member", "group_done", "group_fan"}
 
 #: A group of the run: its members and its callback.
 Group = tuple[list[Event], Event]
 
 
 def plan_groups(groups: int, size: int) -> list[Group]:
-    """``groups`` groups of ``size`` members, each with its callback (``chaos.group_done``)."""
+    """``groups`` groups of ``size`` members, each with its callback: ``chaos.group_done`` for
+    even groups, ``chaos.group_fan`` (two subscriptions, :data:`GROUP_FAN`) for odd ones, whose
+    payload's ``n`` is the group's number."""
     return [
         (
             [
                 Event("chaos.member", {"kind": "member", "group": g, "i": i}, "chaos", f"g{g}:{i}")
                 for i in range(size)
             ],
-            Event("chaos.group_done", {"kind": "group_done", "group": g}, "chaos", f"g{g}"),
+            Event("chaos.group_done", {"kind": "group_done", "group": g}, "chaos", f"g{g}")
+            if g % 2 == 0
+            else Event("chaos.group_fan", {"kind": "group_fan", "group": g, "n": g}, "chaos", f"g{g}"),
         )
         for g in range(groups)
+    ]
+
+
+def plan_early(count: int, keys: int, first: int) -> list[Event]:
+    """``count`` ``chaos.late`` events the runner writes before any worker registered the
+    type's subscriptions: bare rows until a claim fans them out. Their ``n`` follow the mix's
+    (from ``first``); a third are ordered, on keys of their own (``early-key-*``), so no event of
+    the run shares a key with them (a bare event fanned out after its subscription already had
+    later events of its key is delivered after them: a known limit, not what is checked)."""
+    rng = random.Random(first)
+    return [
+        Event(
+            "chaos.late",
+            {"kind": "late", "n": first + i, "early": True},
+            "chaos",
+            f"early-{i}",
+            ordering_key=f"early-key-{rng.randrange(keys)}" if rng.random() < 1 / 3 else None,
+        )
+        for i in range(count)
     ]
 
 
@@ -90,6 +140,8 @@ def plan(count: int, keys: int, seed: int, slow_max: float) -> list[Event]:
             key = f"key-{rng.randrange(keys)}"
         elif kind == "fanout" and rng.random() < 0.5:
             key = f"fan-key-{rng.randrange(keys)}"
+        elif kind == "late" and rng.random() < 0.5:
+            key = f"late-key-{rng.randrange(keys)}"
         elif kind == "batch":
             # Batch handlers (#22): some items fail retryably on their first run, a third are
             # ordered (at most one per key per batch), the batch sleeps so kills land mid-batch.

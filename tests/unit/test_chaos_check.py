@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from chaos.check import FaultRecord, check, check_groups, render
-from chaos.workload import PERMANENT_ERROR
+from chaos.check import FaultRecord, check, check_groups, check_subscribed, render
+from chaos.workload import GROUP_FAN, LATE, PERMANENT_ERROR
 
 
 def _seen(path: Path, *runs: tuple[int, str, str | None]) -> Path:
@@ -128,3 +128,67 @@ def test_invariant_29_groups_not_fired_or_with_a_callback_not_exactly_once_are_v
         v = check(rows, seen)
         check_groups(v, groups, callbacks)
         assert v.violations, (groups, callbacks)
+
+
+def _event(first: int, kind: str, names: tuple[str, ...], n: int, status: str = "done") -> list[tuple]:
+    """One fanned-out event: its first subscription's row holds the payload (``n``), the others
+    read it (payload_of)."""
+    return [
+        (first + i, f"chaos.{kind}@{name}", None if i == 0 else first, status, n if i == 0 else None)
+        for i, name in enumerate(sorted(names))
+    ]
+
+
+def test_invariant_28_late_events_and_fanned_callbacks_reaching_every_subscription_pass() -> None:
+    fanned = [
+        *_event(10, "late", LATE, 5),
+        *_event(20, "late", LATE, 6),
+        *_event(30, "group_fan", GROUP_FAN, 1),
+    ]
+    v = check([], Path("/nonexistent"))
+    check_subscribed(v, fanned, {"late": {5, 6}, "group_fan": {1}})
+    assert v.violations == []
+    assert (v.subscribed["late"].events, v.subscribed["late"].complete, v.subscribed["late"].rows) == (
+        2,
+        2,
+        6,
+    )
+    assert v.subscribed["group_fan"].complete == 1
+    text = render(v, [], [])
+    assert (
+        "chaos.late: 2 of 2 event(s) with one done row in each of 3 subscriptions (6 rows), 0 bare left"
+        in text
+    )
+    assert "chaos.group_fan: 1 of 1 event(s) with one done row in each of 2 subscriptions" in text
+    assert "VERDICT: PASS" in text
+
+
+def test_invariant_28_a_bare_row_left_a_short_or_unfinished_fan_out_and_a_lost_event_are_violations() -> None:
+    complete = _event(10, "late", LATE, 5)
+    cases = {
+        "bare": [*complete, (20, "chaos.late", None, "pending", 6)],
+        "short": [*complete, *_event(20, "late", LATE, 6)[:2]],  # one subscription without a row
+        "twice": [*complete, *_event(20, "late", LATE, 6), (30, "chaos.late@index", 20, "done", None)],
+        "not done": [*complete, *_event(20, "late", LATE, 6, status="processing")],
+        "a callback short": [*complete, *_event(40, "group_fan", GROUP_FAN, 6)[:1]],
+    }
+    for what, fanned in cases.items():
+        v = check([], Path("/nonexistent"))
+        check_subscribed(v, fanned)
+        assert v.violations, what
+        assert "VERDICT: FAIL" in render(v, [], []), what
+    v = check([], Path("/nonexistent"))
+    check_subscribed(v, [*complete, (20, "chaos.late", None, "pending", 6)])
+    assert v.subscribed["late"].bare == [20]
+    assert any("bare chaos.late" in x for x in v.violations)
+    # Every planned event has rows: one that vanished is missing, whatever the others.
+    lost = check([], Path("/nonexistent"))
+    check_subscribed(lost, complete, {"late": {5, 7}})
+    assert lost.subscribed["late"].missing == ["7"]
+    assert lost.violations == ["1 planned chaos.late event(s) without a row"]
+
+
+def test_a_late_subscription_with_fewer_rows_than_its_siblings_is_fanned_out_short(tmp_path: Path) -> None:
+    rows = [(i, t, "done", None, None) for i, t in enumerate(["chaos.late@archive", "chaos.late@index"], 1)]
+    v = check(rows, _seen(tmp_path / "s", (1, "ok", None), (2, "ok", None)))
+    assert any("different numbers of rows" in x for x in v.violations)
