@@ -25,8 +25,9 @@ def main() -> None:
     version = metadata.version("outbox-celery")
     assert outbox_celery.__version__ == version, (outbox_celery.__version__, version)
 
-    sql = resources.files("outbox_celery") / "sql"
-    for name in ("schema.sql", "queries.sql", "admin.sql", "inbox/schema.sql", "inbox/queries.sql"):
+    sql = resources.files("outbox_celery") / "db" / "sql"
+    names = ("schema.sql", "queries.sql", "admin.sql", "console.sql", "subscriptions.sql")
+    for name in (*names, "inbox/schema.sql", "inbox/queries.sql"):
         assert (sql / name).is_file(), f"sql/{name} is missing from the wheel"
     migrations = sorted(p.name for p in (sql / "migrations").iterdir() if p.name.endswith(".sql"))
     assert migrations and migrations[0].startswith("0001_"), migrations
@@ -48,6 +49,7 @@ def main() -> None:
     import psycopg.sql
 
     from outbox_celery import Event, Store, enqueue_many, migrate
+    from outbox_celery.claim.executor import claim
 
     # A schema of its own (the table, its flow tables and the migrations ledger), dropped after.
     schema = f"outbox_smoke_{uuid.uuid4().hex[:8]}"
@@ -60,7 +62,8 @@ def main() -> None:
             subprocess.run([script, "migrate"], env=env, capture_output=True, text=True, check=True)
             with conn.transaction():
                 enqueue_many(conn, [Event("smoke.checked", {"n": 1}, "smoke", "1")], table=table)
-            claimed = Store(table).claim(conn, limit=10, lease=30, owner="smoke", max_attempts=3).claimed
+            run = claim(Store(table), conn, limit=10, lease=30, owner="smoke", max_attempts=3)
+            claimed = run.claimed
             assert [c.event_type for c in claimed] == ["smoke.checked"], claimed
             assert migrate(conn, table) == []  # up to date: nothing left to apply
         finally:

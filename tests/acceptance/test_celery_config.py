@@ -353,7 +353,7 @@ def test_a_worker_without_the_handler_postpones_with_the_attempt_refunded(
     with conn.transaction():
         i = enqueue(conn, event_type="order.created", payload={}, aggregate_type="order", aggregate_id=1)
     try:
-        run = claimer.dispatcher.claim_and_publish(lambda claims: published.extend(claims) or len(claims))
+        run = claimer.claimer.run(lambda claims: published.extend(claims) or len(claims))
         assert run.claimed == 1
         outcome = worker.deliver(i, published[0].lease_version)
     finally:
