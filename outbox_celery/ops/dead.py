@@ -28,7 +28,9 @@ __all__ = [
     "SKIPPED_BY_OPERATOR",
     "DeadFilters",
     "DeadMessage",
+    "FailedAttempt",
     "count_dead",
+    "failed_attempts",
     "get_message",
     "list_dead",
     "requeue",
@@ -144,11 +146,40 @@ def count_dead(
     return int(value(conn, q(table, "dead_count"), _dead_params(filters)) or 0)
 
 
+@dataclass(frozen=True, slots=True)
+class FailedAttempt:
+    """One entry of a message's ``errors`` (DESIGN invariant 32): a failed attempt.
+
+    :ivar attempt: the row's ``attempts`` when it failed (the attempt's number since the last
+        requeue).
+    :ivar at: when it was recorded, by the database's clock.
+    :ivar error: its error, cut to 1,000 characters (a lease that ran out after the start:
+        ``lease expired without a result (worker lost or timed out)``).
+    """
+
+    attempt: int
+    at: datetime
+    error: str
+
+
+def failed_attempts(errors: Sequence[Any] | None) -> list[FailedAttempt]:
+    """A message's ``errors`` column (as :func:`get_message` returns it, oldest first) as
+    :class:`FailedAttempt` entries, the latest first; empty when it never failed."""
+    entries = [
+        FailedAttempt(int(e["attempt"]), datetime.fromisoformat(str(e["at"])), str(e["error"]))
+        for e in errors or ()
+    ]
+    return entries[::-1]
+
+
 def get_message(
     conn: psycopg.Connection[Any], table: str | TableName, outbox_id: int
 ) -> dict[str, Any] | None:
     """Every column of one message (any status) plus what explains its state, or ``None``.
 
+    ``errors`` is the column as stored: a list of ``{"attempt", "at", "error"}``, oldest
+    first, the last 20 failed attempts (``None`` while it never failed; read it with
+    :func:`failed_attempts`).
     Extra keys: ``now``, ``age`` (seconds since created), ``available_in`` and
     ``lease_expires_in`` (seconds from now, negative when past), ``key_head`` (the id of its
     ordering key's head, the unfinished message flagged ``head``; ``None`` when it has none) and

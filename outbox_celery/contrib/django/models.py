@@ -72,6 +72,9 @@ class OutboxMessage(models.Model):
     #: A subscription's row reads the payload of this row (migration 0011, DESIGN invariant 28).
     payload_of: models.BigIntegerField[int | None, int | None] = models.BigIntegerField(null=True, blank=True)
     last_error: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
+    #: One entry per failed attempt, the last 20 (``attempt``, ``at``, ``error``; migration 0013,
+    #: DESIGN invariant 32); ``None`` while the message never failed.
+    errors: models.JSONField[Any, Any] = models.JSONField(null=True, blank=True)
     done_at: models.DateTimeField[datetime | None, datetime | None] = models.DateTimeField(
         null=True, blank=True
     )

@@ -214,6 +214,8 @@ SELECT o.id, o.status, o.event_type, o.aggregate_type, o.aggregate_id, o.orderin
        coalesce(o.payload, (SELECT w.payload FROM {table} AS w WHERE w.id = o.payload_of)) AS payload,
        o.attempts, o.created_at, o.available_at, o.lease_owner, o.lease_until,
        o.lease_version, o.last_error, o.done_at,
+       -- Every failed attempt's error, the last 20, oldest first (DESIGN invariant 32).
+       o.errors,
        o.lease_version - o.started_version AS unstarted_claims,
        now() AS now,
        extract(epoch FROM now() - o.created_at)::float8 AS age,
@@ -298,7 +300,8 @@ SELECT id FROM requeued;
 -- What an operator's requeue writes (requeue_ids, requeue_batch) to the rows it updates, "o":
 -- pending, claimable now, attempts reset, the previous error kept behind a prefix.
 -- lease_version is never reset (the fencing token only ever grows); started_version catches up
--- with it, so the count of claims that never started starts again from zero.
+-- with it, so the count of claims that never started starts again from zero. errors is left as
+-- it is: the failed attempts before the requeue stay its history (DESIGN invariant 32).
 SET status = 'pending',
     attempts = 0,
     available_at = now(),
@@ -318,7 +321,8 @@ SET status = 'pending',
 -- Done on purpose (never delivered): unblocks an ordered key. The reason is recorded behind
 -- skip_mark (admin.SKIPPED_BY_OPERATOR), which is how a skipped row is told from a delivered one. In SET,
 -- "status" still reads the old value. A processing row whose lease expired may be skipped too
--- (DESIGN invariant 10); a live lease never (a worker may be running it).
+-- (DESIGN invariant 10); a live lease never (a worker may be running it). errors is kept as
+-- it is, the history of its failed attempts (DESIGN invariant 32).
 -- A member of an open group counts as done there, and no longer as dead (group_settle, DESIGN
 -- invariant 29); the last one enqueues the group's callback.
 WITH was AS (

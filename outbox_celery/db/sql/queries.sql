@@ -317,8 +317,12 @@ SET status = 'pending',
         WHEN decided.routable OR o.last_error LIKE 'unroutable:%%' THEN o.last_error
         ELSE left('unroutable: no handler for event type ' || quote_literal(o.event_type)
                   || ' in the claiming app; lease expired'
-                  || coalesce('; last error: ' || o.last_error, ''), 8000) END
-FROM decided
+                  || coalesce('; last error: ' || o.last_error, ''), 8000) END,
+    -- A started claim (of a type the claimer has no handler for) ended its attempt without a
+    -- result: recorded (DESIGN invariant 32); a claim that never started spent no attempt.
+    errors = CASE WHEN o.started_version = o.lease_version THEN {errors_appended}
+                  ELSE o.errors END
+FROM decided, {lease_lost}
 WHERE o.id = decided.id
 RETURNING o.id, o.lease_version, o.event_type, decided.routable,
           o.lease_version - o.started_version AS unstarted_claims;
@@ -341,8 +345,12 @@ SET status = 'dead',
     lease_until = NULL,
     last_error = 'attempts exhausted: lease expired after attempt ' || o.attempts
                  || ' of ' || %(max_attempts)s::int || ' without a result (worker lost or timed out)'
-                 || coalesce('; last error: ' || o.last_error, '')
-FROM doomed
+                 || coalesce('; last error: ' || o.last_error, ''),
+    -- The last attempt, if this claim started it, ended without a result (DESIGN invariant
+    -- 32); a claim that never started spent no attempt and records nothing.
+    errors = CASE WHEN o.started_version = o.lease_version THEN {errors_appended}
+                  ELSE o.errors END
+FROM doomed, {lease_lost}
 WHERE o.id = doomed.id
 RETURNING o.id, o.lease_version, o.event_type, o.group_id, o.last_error
 ),
@@ -358,13 +366,17 @@ SELECT id, lease_version, event_type FROM reaped;
 -- The tail of every claim statement (claim_expired, claim_pending, claim_heads and their
 -- _limited forms), written once: the rows the statement's "picked" chose are processing under a
 -- new lease and a new fencing token, and come back as the claim reads them (Claimed, ScanMarks).
--- An expired lease's row is processing already; setting it again changes nothing.
+-- An expired lease's row is processing already; setting it again changes nothing. Its claim
+-- was started (claim_expired takes no other): that attempt ended without a result and is
+-- recorded (DESIGN invariant 32); a pending row's claim records nothing.
 UPDATE {table} AS o
 SET status = 'processing',
     lease_owner = %(owner)s,
     lease_until = now() + make_interval(secs => %(lease)s),
-    lease_version = o.lease_version + 1
-FROM picked
+    lease_version = o.lease_version + 1,
+    errors = CASE WHEN o.status = 'processing' AND o.started_version = o.lease_version
+                  THEN {errors_appended} ELSE o.errors END
+FROM picked, {lease_lost}
 WHERE o.id = picked.id
 RETURNING o.id, o.lease_version, o.event_type, o.lease_until, o.available_at, o.attempts;
 
@@ -520,7 +532,8 @@ WHERE o.id = ANY(%(ids)s::bigint[]) ORDER BY o.id;
 -- A claim that never started and whose row has no attempt left (max_attempts lowered since,
 -- for one). A claim that did start is not judged here: its run may still be going (a
 -- redelivered task) or its start's reply was lost (resume); the reap decides once its lease
--- has run out (DESIGN invariant 5).
+-- has run out (DESIGN invariant 5). No attempt ends here (this claim never started one), so
+-- errors gains no entry: each attempt before it recorded its own (DESIGN invariant 32).
 WITH exhausted AS (
 UPDATE {table}
 SET status = 'dead',
@@ -635,14 +648,47 @@ SET status = CASE
         THEN CASE f.outcome WHEN 'defer' THEN 'deferred' ELSE 'rate limited' END
              || CASE WHEN {past_max_defer_age} THEN ' past max_defer_age: ' ELSE ': ' END
              || f.error
-        ELSE f.error END
+        ELSE f.error END,
+    -- Every failed attempt is recorded (DESIGN invariant 32): retry, error and dead end an
+    -- attempt the start counted, with the error given (going dead once attempts are spent
+    -- included). done, release, hand_back and postpone are no failure; a defer or RateLimited
+    -- refunds its attempt, so it is none either, even when it goes dead past max_defer_age.
+    errors = CASE WHEN f.outcome IN ('retry', 'error', 'dead') THEN {errors_appended}
+                  ELSE o.errors END
 FROM {commit_mode},
      {wake_listeners} AS woke,
-     {finishes} AS f(id, lease_version, outcome, delay, error)
+     {finishes} AS f(id, lease_version, outcome, delay, error),
+     LATERAL (VALUES (f.error)) AS failure(error)
 WHERE o.id = f.id AND o.lease_version = f.lease_version AND {fenced_processing}
   AND f.outcome IN ({steps})
   AND (f.outcome <> 'done' OR o.ordering_key IS NULL OR %(keys_locked)s::bool)
   AND (f.outcome <> 'release' OR o.started_version < o.lease_version)
+
+-- fragment: errors_cap
+-- The entries a row's errors keep (DESIGN invariant 32): the last 20 failed attempts, so that
+-- a row retried for days stays small (20 entries of at most 1,000 characters of error each).
+20
+
+-- fragment: errors_appended
+-- The row's errors with one more entry, written once for every failed attempt (DESIGN
+-- invariant 32): the attempt (o.attempts, counted at its start), the database's now() and the
+-- error of the statement's row source "failure", cut to 1,000 characters; the oldest entries
+-- beyond errors_cap dropped. NULL (never failed) starts an empty list.
+(SELECT jsonb_agg(kept.e ORDER BY kept.n)
+ FROM (SELECT a.e, a.n
+       FROM jsonb_array_elements(
+                coalesce(o.errors, '[]'::jsonb)
+                || jsonb_build_array(jsonb_build_object('attempt', o.attempts, 'at', now(),
+                                                        'error', left(failure.error, 1000))))
+            WITH ORDINALITY AS a(e, n)
+       ORDER BY a.n DESC
+       LIMIT {errors_cap}) AS kept)
+
+-- fragment: lease_lost
+-- The error an attempt records when its lease ran out after its start with no outcome written
+-- (its worker died or hung mid-handler; DESIGN invariant 32): the row source "failure" of
+-- errors_appended in claim_expired, reap, release_expired and release_keyed_expired.
+(VALUES ('lease expired without a result (worker lost or timed out)'::text)) AS failure(error)
 
 -- fragment: attempts_spent
 -- A retry or a failed attempt at the limit goes dead (finish).
@@ -978,8 +1024,10 @@ WITH picked AS (
     FOR UPDATE SKIP LOCKED
 )
 UPDATE {table} AS o
-SET status = 'pending', lease_until = NULL
-FROM picked
+SET status = 'pending', lease_until = NULL,
+    -- The started attempt ended without a result: recorded (DESIGN invariant 32).
+    errors = {errors_appended}
+FROM picked, {lease_lost}
 WHERE o.id = picked.id
 RETURNING o.id;
 

@@ -31,6 +31,9 @@ CREATE TABLE {table} (
     payload_of    bigint,
     -- The group this row is a member of (migration 0012, DESIGN invariant 29).
     group_id      bigint,
+    -- A JSON array, one object per failed attempt (attempt, at, error), the last 20 (migration
+    -- 0013, DESIGN invariant 32); NULL while the row never failed.
+    errors        jsonb,
     CHECK (payload IS NOT NULL OR payload_of IS NOT NULL)
 ) WITH (
     autovacuum_vacuum_scale_factor = 0.01,
