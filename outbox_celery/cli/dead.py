@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 
 import click
 
@@ -150,6 +151,12 @@ def dead_show(target: Target, outbox_id: int, as_json: bool) -> None:
     click.echo(printable_lines(json.dumps(row["payload"], indent=2, ensure_ascii=False)))
     click.echo("last error:")
     click.echo(printable_lines(row["last_error"] or "-"))
+    # Every failed attempt's own error, the last 20 (DESIGN invariant 32).
+    attempts = letters.failed_attempts(row["errors"])
+    click.echo("failed attempts (the latest first):" if attempts else "failed attempts: none recorded")
+    for a in attempts:
+        click.echo(f"  attempt {a.attempt} at {a.at:%Y-%m-%d %H:%M:%S %Z}:")
+        click.echo(textwrap.indent(printable_lines(a.error), "    "))
     expired = status == "processing" and (row["lease_expires_in"] or 0) <= 0
     if status == "dead" or expired:
         click.echo("")

@@ -536,6 +536,7 @@ class _Pages:
             error_heading=heading,
             error_now=now,
             errors=display.error_history(row["last_error"]),
+            attempts=letters.failed_attempts(row["errors"]),
         )
 
     async def message_action(self, request: Request) -> Response:

@@ -21,8 +21,9 @@ import pytest
 from click.testing import CliRunner
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from starlette.testclient import TestClient
+from support import steps
 
-from outbox_celery import Event, enqueue_many, ops
+from outbox_celery import Event, Store, enqueue_many, ops
 from outbox_celery.cli import cli
 from outbox_celery.db.migrations import migrate
 from outbox_celery.ops import console, subscriptions
@@ -421,6 +422,37 @@ def test_the_message_page_lists_each_error_the_row_keeps_the_latest_first(
         "requeued by operator: replayed from the console",
         "HTTP 410 gone from partner-a",
     ]
+
+
+def test_invariant_32_the_message_page_and_dead_show_list_every_failed_attempt_the_latest_first(
+    client: TestClient, conn: psycopg.Connection[Any], migrated_dsn: str
+) -> None:
+    store = Store("outbox")
+    [i] = enqueue_many(conn, [Event("mail.sent", {}, "mail", "1")], allow_autocommit=True)
+    page = client.get(f"/db/main/message/{i}").text
+    assert '<p class="muted" id="attempts">no failed attempt recorded</p>' in page
+    for error in ("HTTP 503", f"mailer said {SCRIPT}"):
+        [c] = steps.claim(store, conn, limit=1, lease=60, owner="w", max_attempts=5).claimed
+        assert steps.start(store, conn, i, c.lease_version, lease=60, max_attempts=5) is not None
+        assert steps.retry(store, conn, i, c.lease_version, delay=0, error=error, max_attempts=5).applied
+    page = client.get(f"/db/main/message/{i}").text
+    table = re.search(r'<table class="messages" id="attempts">(.*?)</table>', page, re.S)
+    assert table is not None, page
+    shown = re.findall(
+        r'<tr><td class="n">(\d+)</td><td>([^<]+)</td><td class="err"><pre>(.*?)</pre>', table.group(1)
+    )
+    assert [(a, e) for a, _, e in shown] == [
+        ("2", "mailer said &lt;script&gt;window.pwned = 1&lt;/script&gt;"),
+        ("1", "HTTP 503"),
+    ]
+    assert all(datetime.fromisoformat(at) for _, at, _ in shown)
+    assert SCRIPT not in page
+    # The CLI's one-message view prints the same history, the latest first.
+    out = CliRunner().invoke(cli, ["--dsn", migrated_dsn, "dead", "show", str(i)])
+    assert out.exit_code == 0, out.output
+    history = out.output.split("failed attempts (the latest first):\n", 1)[1]
+    assert re.findall(r"^  attempt (\d+) at ", history, re.M) == ["2", "1"]
+    assert "    mailer said <script>" in history and "    HTTP 503" in history
 
 
 def test_a_table_never_vacuumed_reads_never_and_the_hours_chart_has_axes_and_a_legend(
