@@ -70,9 +70,9 @@ def test_invariant_23_migration_0007_from_the_previous_schema_with_rows_in_every
 
     assert migrate(conn, TABLE) == [m.version for m in available() if m.version > previous]
     assert VERSION in applied_versions(conn, TABLE)
-    # Later migrations add columns (0008: limit_key, 0011: payload_of, 0012: group_id, NULL on
-    # old rows).
-    new = ("limit_key", "payload_of", "group_id")
+    # Later migrations add columns (0008: limit_key, 0011: payload_of, 0012: group_id, 0013:
+    # errors, NULL on old rows).
+    new = ("limit_key", "payload_of", "group_id", "errors")
     assert [{k: v for k, v in r.items() if k not in new} for r in _rows(conn)] == before
     assert schema_dump(conn, TABLE) == schema_dump(conn, table)
     assert schema_dump(conn, f"{TABLE}_flow") == schema_dump(conn, f"{table}_flow")
