@@ -2,23 +2,23 @@
 
 Sections (``--only`` picks some):
 
-* ``plain``: the plain dispatcher loop (no Celery), current store beside the store before #6, and
+* ``plain``: the plain dispatcher loop (no Celery), current store beside the legacy store, and
   what the database sees per delivered message (round trips, transactions).
 * ``e2e``: end-to-end outbox messages/s beside bare Celery no-op tasks/s, same broker, pool,
   concurrency and prefetch, per broker (Redis, RabbitMQ), interleaved and repeated.
-* ``latency``: commit -> handler start percentiles on the README deployment, push (#11) beside
+* ``latency``: commit -> handler start percentiles on the README deployment, push beside
   beat-only, at 50 events/s and at half the maximum measured there, per broker; idle claim
   tasks through the broker; delayed events against their ``available_at``; what NOTIFY costs
   8 concurrent producers.
 * ``claim``: claim batch latency and rows/s with little and with much history; the ordered claim
   as the number of ordering keys grows (10 to 200,000, and most heads in flight) beside the
-  unordered claim and the claim before #10; enqueue cost of ordered beside unordered events.
-* ``wins`` (opt-in): end-to-end variants: the store before #6, prefetch 4, early acks.
+  unordered claim and the skip-scan claim; enqueue cost of ordered beside unordered events.
+* ``wins`` (opt-in): end-to-end variants: the legacy store, prefetch 4, early acks.
 * ``profile`` (opt-in): py-spy on an end-to-end run; where the time goes.
 * ``ordered`` (opt-in): end to end, ``--ordered-keys`` keys x 2 ordered events drained beside
   the same number of unordered events (Redis), with the inversions counted.
 * ``soak`` (opt-in, ``--soak N``): worker and claim-process memory over N messages.
-* ``horizon`` (opt-in, #20): on a private PostgreSQL with stock settings (autovacuum on; the
+* ``horizon`` (opt-in): on a private PostgreSQL with stock settings (autovacuum on; the
   installed PostgreSQL's initdb on a free port, else the embedded one; ``--dsn`` for another stock
   server), both of:
 
@@ -34,17 +34,17 @@ Sections (``--only`` picks some):
     readers scanning the table every 0.1 s and reports their backends' CPU.
   * ``horizon-claim``: one claim of ``--batch-size`` rows (one Store reused, median of
     ``--horizon-claims``) with 0 and ``--horizon-dead`` (100k, 500k) dead versions in front of it.
-* ``batch`` (opt-in, #22): end to end, batch handlers of ``--handler-batches`` (50, 100) beside
+* ``batch`` (opt-in): end to end, batch handlers of ``--handler-batches`` (50, 100) beside
   bare Celery's per-message rate and the outbox's one-message handler, same broker, pool,
   concurrency and prefetch, per deployment, alternated for ``--batch-rounds`` (3) rounds, medians.
-* ``flow`` (opt-in, #23): flow control with real workers (3 workers x prefork 4 and a claim
+* ``flow`` (opt-in): flow control with real workers (3 workers x prefork 4 and a claim
   worker, Redis): a concurrency limit's most handlers at once and rate (with and without the
   freed-slot wake), a rate limit's 1-s windows, the cost of limits that do not bind; the
   defaults of ``python -m benchmarks.flow_celery`` (its options there).
-* ``flow-bounds`` (opt-in, #31): ``python -m benchmarks.flow --only held cap``: one claim of 200
+* ``flow-bounds`` (opt-in): ``python -m benchmarks.flow --only held cap``: one claim of 200
   rows beside 50,000 paused or held limit keys and claim runs per second while a key sits at its
   ``key_concurrency``, each beside its baseline from the same run (DESIGN invariant 25).
-* ``transactional`` (opt-in, #24): the plain loop with a handler that inserts one effect row,
+* ``transactional`` (opt-in): the plain loop with a handler that inserts one effect row,
   transactional (effect and done in one transaction) beside plain (the effect on its own
   connection, then the done), interleaved twice.
 
@@ -53,7 +53,7 @@ Sections (``--only`` picks some):
   done one row at a time (no Celery), alternated rounds; and the last member's finalize (which
   enqueues the callback) beside another member's.
 
-* ``peer`` (opt-in, #22): the nearest peer, django-celery-outbox (installed into its own virtual
+* ``peer`` (opt-in): the nearest peer, django-celery-outbox (installed into its own virtual
   environment on first use, left out with a line saying why when it cannot be), with its relay's
   defaults and tuned (``--batch-size 500 --idle-time 0.1``), beside bare Celery and ours on both
   deployments, alternated ``--repeat`` times per broker; same handler, worker flags and producer
@@ -136,7 +136,7 @@ SECTIONS = (
 )
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 # The end-to-end deployments: a solo claim worker beside the delivery worker, and the README's
-# one worker consuming both queues (its main process claims on notifications, #11).
+# one worker consuming both queues (its main process claims on notifications).
 DEPLOYMENTS = {
     "split": "split (claim worker + delivery worker)",
     "readme": "README (one worker -Q claim,deliver)",
@@ -162,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--only", help=f"comma-separated sections among {', '.join(SECTIONS)}")
     p.add_argument(
-        "--wins", action="store_true", help="also run end-to-end variants (store before #6, prefetch 4, acks)"
+        "--wins", action="store_true", help="also run end-to-end variants (legacy store, prefetch 4, acks)"
     )
     p.add_argument(
         "--peer", action="store_true", help="also compare with django-celery-outbox (installed on first use)"
@@ -248,7 +248,7 @@ def _parser() -> argparse.ArgumentParser:
         help="heads in flight / keys of the blocked case, empty to leave it out (49000/50000)",
     )
     p.add_argument(
-        "--claim-before-batches", type=int, default=3, help="timed claims before #10 per keys case (3)"
+        "--claim-before-batches", type=int, default=3, help="timed skip-scan claims per keys case (3)"
     )
     p.add_argument(
         "--ordered-keys",
@@ -261,7 +261,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pin-seconds",
         default="120",
-        help="horizon: pinned snapshot lengths, one pinned run each, comma-separated (120; #20 also 360)",
+        help="horizon: pinned snapshot lengths, one pinned run each, comma-separated (120; 360 long)",
     )
     p.add_argument(
         "--horizon-warmup", type=float, default=60.0, help="horizon: seconds of load before the pin (60)"
@@ -382,7 +382,7 @@ class Bench:
         self.stack.close()
 
     def flow(self) -> None:
-        """Flow control with real workers (#23): ``benchmarks/flow_celery.py`` with its defaults."""
+        """Flow control with real workers: ``benchmarks/flow_celery.py`` with its defaults."""
         from .flow_celery import PARTS, parser, run_parts
 
         self.report.flush()
@@ -499,7 +499,7 @@ class Bench:
             ["figure", "value", "baseline", "ratio"],
         )
         t.row(
-            "messages/s, store of #6 vs store before #6",
+            "messages/s, store vs the legacy store",
             f"{current:,.0f}",
             f"{before:,.0f}",
             f"{current / before:.2f}x",
@@ -518,7 +518,7 @@ class Bench:
             "",
         )
         t.note(
-            "round trips by step, per message (#6 | before): "
+            "round trips by step, per message (store | legacy store): "
             + ", ".join(
                 f"{k} {cur.round_trips_by_step.get(k, 0):.3f}|{old.round_trips_by_step.get(k, 0):.3f}"
                 for k in sorted(set(cur.round_trips_by_step) | set(old.round_trips_by_step))
@@ -592,7 +592,7 @@ class Bench:
             "rate_transactional_discarded": rate(True, "discarded"),
         }
         t = self.report.table(
-            "Transactional handler (#24) vs a plain handler doing the same write on its own connection "
+            "Transactional handler vs a plain handler doing the same write on its own connection "
             "(plain loop, 1 process, no Celery)",
             ["figure", "value", "baseline", "ratio"],
         )
@@ -619,7 +619,7 @@ class Bench:
         )
 
     def batch(self) -> None:
-        """Batch handlers (#22) end to end, alternated with bare Celery and the one-message handler."""
+        """Batch handlers end to end, alternated with bare Celery and the one-message handler."""
         a = self.args
         sizes = [int(s) for s in a.handler_batches.split(",") if s.strip()]
         deployments = [d.strip() for d in a.deployments.split(",") if d.strip()]
@@ -894,9 +894,9 @@ class Bench:
         defaults = OutboxConfig()
         ms = 1000.0
         # The README deployment: one prefork worker (x concurrency) on the claim and delivery
-        # queues, plus beat, library defaults; beat-only is the library before #11.
+        # queues, plus beat, library defaults; beat-only is the library without push.
         modes: list[tuple[str, dict[str, Any], bool]] = [
-            ("beat only, 1 s (before #11)", {"listen": False, "notify": False, "claim_interval": 1.0}, False),
+            ("beat only, 1 s (no push)", {"listen": False, "notify": False, "claim_interval": 1.0}, False),
             ("push (defaults)", {"claim_interval": defaults.claim_interval}, True),
             (
                 "push, claim sent via broker",
@@ -957,7 +957,7 @@ class Bench:
             ["mode", "claim tasks idle", "per safety interval", "delayed p50", "delayed p99", "target"],
         )
         for label, mode, targeted in (
-            ("beat only, 1 s (before #11)", {"listen": False, "notify": False, "claim_interval": 1.0}, False),
+            ("beat only, 1 s (no push)", {"listen": False, "notify": False, "claim_interval": 1.0}, False),
             ("push (defaults)", {"claim_interval": defaults.claim_interval}, True),
         ):
             res = self._latency_run(url, a.latency_rate, mode, delay=a.latency_delay, idle=a.latency_idle)
@@ -1067,7 +1067,7 @@ class Bench:
             "",
         )
         t.row(
-            "store before #6 (JIT left on): claim median ms",
+            "legacy store (JIT left on): claim median ms",
             f"{old_large.median_ms:.2f}",
             f"{old_small.median_ms:.2f}",
             f"{old_large.median_ms / old_small.median_ms:.2f}x",
@@ -1081,7 +1081,7 @@ class Bench:
         self.claim_keys(large)
 
     def claim_keys(self, unordered: ClaimCost | None) -> None:
-        """The keys dimension (#10) and the enqueue cost, on one table with the large history."""
+        """The keys dimension and the enqueue cost, on one table with the large history."""
         a = self.args
         table = "bench_claim_keys"
         cases: list[tuple[str, int, int, int]] = []
@@ -1123,9 +1123,9 @@ class Bench:
                 "claim median ms",
                 "p90 ms",
                 "unordered claim median ms (baseline)",
-                "before #10 median ms",
+                "skip-scan claim median ms",
                 "heads statement: ms, buffers",
-                "before #10: ms, buffers",
+                "skip-scan claim: ms, buffers",
                 "target",
             ],
         )
@@ -1145,7 +1145,7 @@ class Bench:
         t.note(
             "in-flight keys hold only their head (processing, live lease); the other keys share the "
             "rest, ids interleaved. Claimed heads go done and hand their key on between timings "
-            f"(untimed). 'before #10': the skip-scan claim on the same rows, {a.claim_before_batches} "
+            f"(untimed). 'skip-scan claim': a recursive skip scan of the same rows, {a.claim_before_batches} "
             "timed claims. 'heads statement': the ordered claim statement alone, half a batch, "
             "EXPLAIN (ANALYZE, BUFFERS), rolled back: server time and shared buffers touched, "
             "which the machine's load does not change. With 10 keys a claim can return 10 rows only. "
@@ -1181,7 +1181,7 @@ class Bench:
             )
         t.note("enqueue call: key lock (ordered) + insert; transaction: BEGIN to COMMIT, durable commit")
 
-    # -- horizon (#20) ---------------------------------------------------------------------------
+    # -- horizon ---------------------------------------------------------------------------
 
     def _stock_server(self) -> tuple[StockServer, str]:
         """The horizon sections' server (stock settings) and a throw-away database on it."""
@@ -1195,7 +1195,7 @@ class Bench:
             self.report.text(f"horizon server: {server.describe()}")
             if server.autovacuum != "on":
                 self.report.text(
-                    "WARNING: autovacuum is off on this server: not the stock settings #20 asks for"
+                    "WARNING: autovacuum is off on this server: not the stock settings this benchmark needs"
                 )
             self.results["horizon_server"] = asdict(server) | {"dsn": redact(server.dsn)}
             self._stock = (server, dsn)
@@ -1351,7 +1351,7 @@ class Bench:
         """One claim of 200 rows with 0, 100k, 500k dead versions (made under a pin) in front of it.
 
         Twice: with the claim loop's scan marks (invariant 18) and with every scan from the index
-        start (the claim before #20), each on a table of its own, in one run.
+        start (the claim scanning every lease from the start), each on a table of its own, in one run.
         """
         a = self.args
         server, dsn = self._stock_server()
@@ -1377,7 +1377,7 @@ class Bench:
                 "n_dead_tup",
                 "marks: median ms",
                 "max",
-                "from the start (before #20): median ms",
+                "from the start: median ms",
                 "max",
                 "marks vs 0 dead",
                 "goal (<= 10 ms, flat)",
@@ -1411,7 +1411,7 @@ class Bench:
         }
 
     def ordered(self) -> None:
-        """End to end (#10): keys x 2 ordered events beside as many unordered ones, on Redis."""
+        """End to end: keys x 2 ordered events beside as many unordered ones, on Redis."""
         a = self.args
         n = 2 * a.ordered_keys
         url = self.svc.redis_url
@@ -1451,7 +1451,7 @@ class Bench:
         url = self.svc.redis_url
         plan: list[tuple[str, Callable[[], PipelineResult]]] = [
             ("outbox", lambda: self._outbox(url, a.messages)),
-            ("outbox, store before #6", lambda: self._outbox(url, a.messages, variant="legacy")),
+            ("outbox, legacy store", lambda: self._outbox(url, a.messages, variant="legacy")),
             ("outbox, prefetch 4", lambda: self._outbox(url, a.messages, prefetch=4)),
             ("outbox, acks early", lambda: self._outbox(url, a.messages, variant="acks_early")),
             ("bare", lambda: self._bare(url, a.messages)),
@@ -1469,7 +1469,7 @@ class Bench:
             ["change", "msg/s", "baseline", "baseline msg/s", "ratio"],
         )
         for name, base in (
-            ("outbox", "outbox, store before #6"),
+            ("outbox", "outbox, legacy store"),
             ("outbox, prefetch 4", "outbox"),
             ("outbox, acks early", "outbox"),
             ("bare, prefetch 4", "bare"),

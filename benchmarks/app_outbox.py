@@ -2,8 +2,8 @@
 
 Configured by the runner through ``BENCH_*`` environment variables (broker, DSN, table, queues,
 prefetch, claim interval, batch size; ``BENCH_HANDLER_BATCH`` makes the handler a batch handler
-of that size, #22; ``BENCH_LIMIT_CONCURRENCY`` and ``BENCH_LIMIT_RATE`` declare the handler's
-flow limits, ``BENCH_HANDLER_SLEEP`` makes it sleep that many seconds, #23).
+of that size; ``BENCH_LIMIT_CONCURRENCY`` and ``BENCH_LIMIT_RATE`` declare the handler's
+flow limits, ``BENCH_HANDLER_SLEEP`` makes it sleep that many seconds).
 ``BENCH_VARIANT`` selects labelled, benchmark-only variants used to measure a change against
 what it replaced in the same run (see :mod:`benchmarks.variants`).
 """
@@ -50,7 +50,7 @@ if BATCH:
 
     @outbox.handler("bench.noop", batch=BATCH)
     def noop_batch(messages: list[Message]) -> None:
-        """Do nothing with a batch (#22; records each start time in latency runs)."""
+        """Do nothing with a batch (records each start time in latency runs)."""
         for message in messages:
             hooks.record_start(message.id)
 

@@ -221,7 +221,7 @@ def measure_claim_cost(
     return result
 
 
-# -- the keys dimension (#10): ordered claims as the number of ordering keys grows ---------------
+# -- the keys dimension: ordered claims as the number of ordering keys grows ---------------
 
 
 @dataclass
@@ -237,7 +237,7 @@ class KeysCost(_Latencies):
     claimed: list[int] = field(default_factory=list)
     before_ms: list[float] = field(default_factory=list)
     # The heads statement alone, from EXPLAIN (ANALYZE, BUFFERS) in a rolled-back transaction:
-    # (server execution ms, shared buffers touched), now and before #10. Buffers do not depend
+    # (server execution ms, shared buffers touched), now and with the skip-scan claim. Buffers do not depend
     # on the machine's load: flat buffers across cases is O(batch) shown directly.
     heads_plan: tuple[float, int] = (float("nan"), 0)
     before_plan: tuple[float, int] = (float("nan"), 0)
@@ -249,7 +249,7 @@ class KeysCost(_Latencies):
 
     @property
     def before_median_ms(self) -> float:
-        """Median claim latency with the claim before #10 (skip scan over every key)."""
+        """Median claim latency with the skip-scan claim (a recursive probe of every key)."""
         return statistics.median(self.before_ms) if self.before_ms else float("nan")
 
     def as_dict(self) -> dict[str, Any]:
@@ -364,7 +364,7 @@ def measure_keys(
 ) -> KeysCost:
     """Load ``table`` (built by :func:`build_history`) with one keys case and time claims.
 
-    The current claim (:meth:`Store.claim`) is timed ``batches`` times; the claim before #10
+    The current claim (:meth:`Store.claim`) is timed ``batches`` times; the skip-scan claim
     (benchmark variant ``skip_scan``) ``before_batches`` times on the same rows, as its baseline.
     """
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -399,7 +399,7 @@ def measure_keys(
     return result
 
 
-# -- enqueue cost: ordered beside unordered (#10) ------------------------------------------------
+# -- enqueue cost: ordered beside unordered ------------------------------------------------
 
 
 @dataclass

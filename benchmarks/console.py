@@ -1,4 +1,4 @@
-"""What the operator console's pages cost, beside ``stats`` and the metrics scrape (#33).
+"""What the operator console's pages cost, beside ``stats`` and the metrics scrape.
 
 ``python -m benchmarks.console [--dsn DSN] [--done 2000000] [--unfinished 100000] [--runs 15]
 [--dead-versions 500000] [--pinned-deliveries 100000] [--interleaved] [--subscriptions 3]

@@ -1,4 +1,4 @@
-"""Flow control (#23): do the limits hold, and what do they cost the claim?
+"""Flow control: do the limits hold, and what do they cost the claim?
 
 ``python -m benchmarks.flow`` (options: ``--help``) prints, in one run on one server:
 

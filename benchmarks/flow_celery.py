@@ -1,4 +1,4 @@
-"""Flow control (#23) with real Celery workers: do the limits hold across a fleet, what do they cost?
+"""Flow control with real Celery workers: do the limits hold across a fleet, what do they cost?
 
 ``python -m benchmarks.flow_celery`` (options: ``--help``; also ``make bench BENCH_ARGS="--only
 flow"``) runs the end-to-end harness of ``benchmarks/pipeline.py`` (a producer process, a solo

@@ -35,7 +35,7 @@ def _on_postrun(sender: Any = None, args: Any = None, **kwargs: Any) -> None:
     # Deliveries only: on the README deployment claim tasks run in the same worker.
     name = str(getattr(sender, "name", ""))
     if _counter is not None and not name.endswith((".claim", ".purge")):
-        # A batch task (#22) finishes as many messages as its first argument lists.
+        # A batch task finishes as many messages as its first argument lists.
         n = len(args[0]) if name.endswith(".deliver_batch") and args else 1
         _counter.hit(time.time(), n)
 

@@ -1,4 +1,4 @@
-"""Staying fast under a pinned xmin horizon (#20): the tooling that measures it.
+"""Staying fast under a pinned xmin horizon: the tooling that measures it.
 
 A long transaction (a report, ``pg_dump``, an idle-in-transaction session, a replica with
 ``hot_standby_feedback``) holds back PostgreSQL's xmin horizon; VACUUM then removes no dead row
@@ -679,7 +679,7 @@ def summarize(
     """p99 before the pin, worst p99 over the pinned windows, unfinished rows; goals judged.
 
     Before the pin: messages committed from the end of the first window (which settles in) to
-    the pin. Goals (#20): p99 in every pinned window <= 250 ms and <= 3x the p99 before the pin;
+    the pin. Goals: p99 in every pinned window <= 250 ms and <= 3x the p99 before the pin;
     unfinished rows never above one second of production (``rate``).
     """
     pin_at = scenario.pin_at or 0.0

@@ -40,7 +40,7 @@ __all__ = ["PEER", "PEER_VERSION", "PeerRun", "peer_python"]
 
 PEER = "django-celery-outbox"
 PEER_VERSION = "0.4.3"
-# Its relay's defaults, and the settings tuned for throughput measured against it in #12/#22.
+# Its relay's defaults, and the settings tuned for throughput measured against it.
 TUNED = ("--batch-size", "500", "--idle-time", "0.1")
 TABLES = ("django_celery_outbox_celeryoutbox", "django_celery_outbox_celeryoutboxdeadletter")
 

@@ -260,7 +260,7 @@ class Pipeline:
     ) -> PipelineResult:
         """The outbox: a producer process committing events, beat, a claim worker, delivery workers.
 
-        ``handler_batch`` makes the no-op handler a batch handler of that size (#22).
+        ``handler_batch`` makes the no-op handler a batch handler of that size.
 
         ``warmup`` messages go through first, unmeasured: worker pools start, prepared statements
         are in place, and the adaptive in-flight bound has seen the workers' throughput (it
@@ -271,7 +271,7 @@ class Pipeline:
         commit -> handler start latencies (``extra["latency_s"]``, in commit order).
 
         ``single_worker`` runs the README's deployment instead: one prefork worker consuming the
-        claim and the delivery queue, plus beat. ``listen``/``notify`` switch push (#11) off on
+        claim and the delivery queue, plus beat. ``listen``/``notify`` switch push off on
         the worker/producer side; ``delay`` gives every measured event that delay (the latency
         is then measured from its ``available_at``); ``idle`` seconds are spent with no load
         before the measured run, counting the claim tasks that went through the broker.
@@ -439,7 +439,7 @@ class Pipeline:
                         ).format(TableName.parse(table).identifier())
                     ).fetchall()
                 )
-                # Ordered runs (#10): pairs of one key whose done order differs from id order.
+                # Ordered runs: pairs of one key whose done order differs from id order.
                 inversions = admin.execute(
                     sql.SQL(
                         "SELECT count(*) FROM {t} AS a JOIN {t} AS b"

@@ -1,4 +1,4 @@
-"""What NOTIFY costs producers (#11): enqueue+commit throughput of concurrent producers.
+"""What NOTIFY costs producers: enqueue+commit throughput of concurrent producers.
 
 ``producers`` processes each commit one event per transaction for ``seconds`` on one table,
 with ``notify`` on or off; a listening session drains the notifications meanwhile (as a worker's

@@ -1,4 +1,4 @@
-"""Transactional handlers (#24) beside plain handlers doing the same write, in the plain loop.
+"""Transactional handlers beside plain handlers doing the same write, in the plain loop.
 
 One process, no Celery: claim -> no-op publish -> fenced start -> handler -> done, as
 :mod:`benchmarks.plain` does, with a handler that inserts one effect row. The plain handler

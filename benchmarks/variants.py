@@ -2,31 +2,32 @@
 
 Nothing here is used by the library. A variant spec is a comma-separated list of names:
 
-* ``explicit_tx``: ``BEGIN``/``COMMIT`` around the fenced start and every finalizer (the store
-  before the round-trip change of #6).
+* ``explicit_tx``: ``BEGIN``/``COMMIT`` around the fenced start and every finalizer (as the legacy
+  store does).
 * ``durable``: the fenced start and ``done`` commit with ``synchronous_commit`` on
   (``Store(relaxed_commit=False)``).
-* ``claim_jit``: the claim transaction leaves ``jit`` at the server's setting (before #6 it
-  did; on a large table the ordered heads' query then pays for JIT compilation on every claim).
-* ``legacy``: all of the above, i.e. the store as it was before #6.
-* ``skip_scan``: the ordered claim before #10, a recursive skip scan that probes every key with
+* ``claim_jit``: the claim transaction leaves ``jit`` at the server's setting (the legacy store
+  does; on a large table the ordered heads' query then pays for JIT compilation on every claim).
+* ``legacy``: the three above: the legacy store (explicit transactions, durable commits, JIT on).
+* ``skip_scan``: the ordered claim as a recursive skip scan that probes every key with
   unfinished messages on every claim (the baseline of the claim benchmark's keys dimension).
 * ``acks_early``: the delivery task acknowledges its message when the worker receives it
   instead of after it ran (``acks_late=False``); a worker lost mid-task then leaves the row to
   come back through its lease, as it does anyway. Measured only: the library keeps acks late.
 * ``publish_each``: the claim publishes every task on its own (one Redis round trip and one
-  Redis client per task) instead of one pipelined batch per claim batch (#12), and Celery
+  Redis client per task) instead of one pipelined batch per claim batch, and Celery
   computes each task's ``argsrepr``.
-* ``bound_each_run``: every claim run recounts the adaptive in-flight bound (before #12 it did;
-  since, a bound computed within the last second is reused).
+* ``bound_each_run``: every claim run recounts the adaptive in-flight bound (the default reuses
+  one computed within the last second).
 * ``check_each``: the pool checks every connection with a round trip before handing it out
-  (before #12 it did; since, only connections idle for ``POOL_CHECK_IDLE`` seconds, and a
+  (the default checks only connections idle for ``POOL_CHECK_IDLE`` seconds, and a
   fenced write that meets a broken one is retried on a checked one).
 * ``done_each``: every ``done`` is written at once, in its own statement
-  (``done_batch_delay=0``; before #12 it was).
-* ``before-12``: all four of the above (the claim and delivery paths before #12).
+  (``done_batch_delay=0``; the default batches them).
+* ``before-12``: all four of the above (the claim and delivery
+  paths without their batching and reuse).
 * ``no_slot_wake``: a concurrency-limited event type's finish goes through the done batcher
-  and wakes nobody, as before #23's freed-slot wake: the claim finds the slot at its next
+  and wakes nobody (no freed-slot wake): the claim finds the slot at its next
   ``LIMIT_RECHECK``.
 * ``expired_each``: every claim runs its expired-lease scans (``release_expired``, ``reap``,
   ``claim_expired``) whether or not a lease ran out, each walking the lease index from the
@@ -38,7 +39,7 @@ Nothing here is used by the library. A variant spec is a comma-separated list of
 * ``index_sampler``: the horizon benchmark counts the unfinished rows as its first
   measurements did, from the whole pending and lease indexes every second (benchmark side
   only: see ``benchmarks.horizon.UnfinishedCounter``).
-* ``push_broker``: the listener (#11) sends the claim task through the broker on every wake-up
+* ``push_broker``: the listener sends the claim task through the broker on every wake-up
   instead of running the claim in the worker's main process. Measured only: the library claims
   in-process.
 """
@@ -83,7 +84,7 @@ FENCED = ("start", "resume", "start_exhausted", "finish", "extend_lease")
 # every expired scan runs from the mark, as before first_expired).
 EXPIRED_EACH_FIRST = "SELECT %(expired_since)s::timestamptz AS lease_until"
 
-# Benchmark-only: the claim_heads query as it was before #10 (it ignores the head flag).
+# Benchmark-only: the claim_heads query as a recursive skip scan (it ignores the head flag).
 SKIP_SCAN_CLAIM_HEADS = """
 WITH RECURSIVE heads AS (
     (SELECT ordering_key, id FROM {table}
@@ -114,7 +115,7 @@ picked AS (
 
 
 class ExplicitTransactionStore(Store):
-    """Benchmark-only: every fenced statement wrapped in ``BEGIN``/``COMMIT`` (before #6)."""
+    """Benchmark-only: every fenced statement wrapped in ``BEGIN``/``COMMIT`` (the legacy store)."""
 
     def _single_statement(self, conn: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[Any]:
         return conn.transaction()
@@ -170,7 +171,7 @@ def apply(outbox: Any, spec: str) -> None:
 
         @contextlib.contextmanager
         def each(producer: Any, n: int) -> Any:
-            yield False  # Benchmark-only: every task published on its own, as before #12.
+            yield False  # Benchmark-only: every task published on its own, not pipelined.
 
         publisher._publish_batch = each
         deliver = outbox.deliver_task

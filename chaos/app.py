@@ -137,7 +137,7 @@ def defer(message: Message) -> None:
 
 @outbox.handler("chaos.tx", transactional=True, pack=4)
 def tx(message: Message, conn: psycopg.Connection[object]) -> None:
-    """Transactional (#24): its effect row commits with its done, or not at all; up to 4 to a
+    """Transactional: its effect row commits with its done, or not at all; up to 4 to a
     task (a pack, DESIGN invariant 30), each in its own transaction.
 
     It sleeps inside the transaction after writing the effect, so kills, backend kills and
@@ -154,7 +154,7 @@ def tx(message: Message, conn: psycopg.Connection[object]) -> None:
 
 @outbox.handler("chaos.batch", batch=20)
 def batch(messages: list[Message]) -> dict[int, Exception] | None:
-    """A batch handler (#22): per item ok, or retryable on its first ``payload["fail"]`` runs.
+    """A batch handler: per item ok, or retryable on its first ``payload["fail"]`` runs.
 
     It sleeps once per batch (the longest of its items' ``sleep``) after recording, so kills
     often catch a batch between its handler and its finish: every row must come back.
@@ -175,7 +175,7 @@ def slow(message: Message) -> None:
     """Takes a while (well below the time limit), so kills often catch it running.
 
     Limited to 4 live deliveries across every worker and 2 per limit key (three tenants; flow
-    control, #23): kills, restarts and outages must not lose a slot for good nor a message.
+    control): kills, restarts and outages must not lose a slot for good nor a message.
     """
     time.sleep(float(message.payload["sleep"]))
     record(message, "ok")

@@ -10,7 +10,7 @@ from typing import Any
 
 from .workload import HEALTHY, PERMANENT_ERROR, SUBSCRIBED
 
-# The transactional kind (#24): its effects must be exactly once, not at least once.
+# The transactional kind: its effects must be exactly once, not at least once.
 TRANSACTIONAL = "tx"
 
 __all__ = ["Fanned", "FaultRecord", "Verdict", "check", "check_groups", "check_subscribed", "render"]

@@ -429,7 +429,7 @@ class Run:
 
     def f_pinned_horizon(self) -> None:
         # A session that took a REPEATABLE READ snapshot and sits idle in its transaction holds
-        # the xmin horizon: no vacuum removes a dead version made meanwhile (#20). Workers stay
+        # the xmin horizon: no vacuum removes a dead version made meanwhile. Workers stay
         # up, so a window with claimable rows and nothing delivered is a stall.
         with self.fault("pinned_horizon", window=True) as f:
             hold = self.p.pin_leases * self.p.lease

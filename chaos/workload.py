@@ -32,7 +32,7 @@ __all__ = [
 # The text a permanent message's handler raises; the end check looks for it in last_error.
 PERMANENT_ERROR = "chaos: permanent failure"
 
-# The effect table of the transactional kind (#24): one row per committed handler run. The end
+# The effect table of the transactional kind: one row per committed handler run. The end
 # check wants exactly one per done "tx" message, whatever the faults did.
 EFFECTS_DDL = """
 CREATE TABLE IF NOT EXISTS chaos_effects (
@@ -132,7 +132,7 @@ def plan(count: int, keys: int, seed: int, slow_max: float) -> list[Event]:
             payload["delay"] = round(rng.uniform(0.3, 1.5), 2)
         elif kind == "slow":
             payload["sleep"] = round(rng.uniform(0.2, slow_max), 2)
-            # Limits per key (#23, DESIGN invariant 24): three tenants, at most two each at once.
+            # Limits per key (DESIGN invariant 24): three tenants, at most two each at once.
             limit_key = f"tenant-{rng.randrange(3)}"
         elif kind == "tx":
             payload["sleep"] = round(rng.uniform(0.0, slow_max / 2), 2)
@@ -143,7 +143,7 @@ def plan(count: int, keys: int, seed: int, slow_max: float) -> list[Event]:
         elif kind == "late" and rng.random() < 0.5:
             key = f"late-key-{rng.randrange(keys)}"
         elif kind == "batch":
-            # Batch handlers (#22): some items fail retryably on their first run, a third are
+            # Batch handlers: some items fail retryably on their first run, a third are
             # ordered (at most one per key per batch), the batch sleeps so kills land mid-batch.
             payload["fail"] = rng.choice((0, 0, 0, 1))
             payload["sleep"] = round(rng.uniform(0.0, slow_max / 4), 2)

@@ -1,4 +1,4 @@
-"""Batch handlers in real workers (#22, DESIGN invariant 21), made to happen.
+"""Batch handlers in real workers (DESIGN invariant 21), made to happen.
 
 * A mixed batch: one task, one handler call for every message; each message's outcome (done,
   retried then done, deferred, dead) is recorded for it alone.

@@ -228,7 +228,7 @@ def test_check_worker_settings_flags_bad_settings() -> None:
 
 
 def test_invariant_2_the_redis_visibility_timeout_set_covers_the_handler_time_limit_and_a_lease() -> None:
-    # #21 item 5: with lease_heartbeat a handler may run for handler_time_limit; Redis hands
+    # With lease_heartbeat a handler may run for handler_time_limit; Redis hands
     # its unacked task to another worker after visibility_timeout. Before, the library set
     # max(3600, 4 x lease) whatever the handler's limit.
     app = make_app({}, broker="redis://127.0.0.1:1/0")

@@ -34,7 +34,7 @@ def test_beat_and_worker_deliver_500_messages_each_handler_call_seen_once(harnes
     seen = calls(harness.conn)
     assert Counter(c["outbox_id"] for c in seen) == dict.fromkeys(ids, 1)
     assert all(c["result"] == "ok" for c in seen)
-    # The table's identity (migration 0006, #21) first: distinct across databases.
+    # The table's identity (migration 0006) first: distinct across databases.
     prefix = Store(harness.table).key_prefix(harness.conn)
     assert prefix.endswith(f"/public.{harness.table}:")
     assert all(c["idempotency_key"] == f"{prefix}{c['outbox_id']}" for c in seen)

@@ -1,4 +1,4 @@
-"""Batched ``done`` writes in real prefork workers (#12, ``done_batch_delay``), made to happen.
+"""Batched ``done`` writes in real prefork workers (``done_batch_delay``), made to happen.
 
 A delivery worker process holds the ``done`` of handled unordered messages for up to
 ``done_batch_delay`` and writes them in one fenced statement. The tests widen that window so a

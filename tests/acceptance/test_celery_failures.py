@@ -161,7 +161,7 @@ def test_a_redis_outage_mid_run_loses_nothing_and_burns_no_attempt(
     """Invariant 10: the broker crashes while beat and workers run, then comes back empty."""
     with RedisServer(tmp_path / "redis", free_port()) as redis:
         h = harness_factory(redis.url)
-        # listen=False: the manual claim below must not race the worker's push listener (#11)
+        # listen=False: the manual claim below must not race the worker's push listener
         # for the rows committed during the outage.
         h.configure(lease=3.0, max_attempts=4, listen=False)
         first = h.enqueue(30)

@@ -1,4 +1,4 @@
-"""Flow control with real workers (#23, DESIGN invariants 22 and 23).
+"""Flow control with real workers (DESIGN invariants 22 and 23).
 
 Mostly on Redis: the limits live in the claim, in PostgreSQL, before a Celery message exists, so
 nothing here depends on the broker; one test runs the bound on both brokers to show it. Handler

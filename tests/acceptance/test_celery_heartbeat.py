@@ -1,4 +1,4 @@
-"""The optional lease heartbeat (``lease_heartbeat=True``) keeps a long handler's row (#9).
+"""The optional lease heartbeat (``lease_heartbeat=True``) keeps a long handler's row.
 
 Handlers sleep for three leases in a real prefork worker while beat keeps claiming every 0.3 s.
 With the heartbeat the lease never expires under them: no re-claim (``lease_version`` stays 1),

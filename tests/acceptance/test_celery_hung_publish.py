@@ -72,7 +72,7 @@ def test_a_claim_task_stuck_in_a_publish_is_ended_by_its_time_limit(
     with FreezableProxy(_target(redis_url)) as proxy:
         h = harness_factory(redis_url)
         h.configure(
-            # The claim task is what is under test: no push listener claiming first (#11).
+            # The claim task is what is under test: no push listener claiming first.
             listen=False,
             broker_timeout=600.0,
             claim_time_limit=2.0,

@@ -1,4 +1,4 @@
-"""A payload arrives in the handler as what was enqueued, through a real worker (#26, item 1).
+"""A payload arrives in the handler as what was enqueued, through a real worker.
 
 Any JSON value is a payload: an object, a list, a number, ``null``, a boolean, and a string,
 including the ``json.dumps(...)`` string many producers pass out of habit, which must come back

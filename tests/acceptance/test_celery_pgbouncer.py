@@ -1,4 +1,4 @@
-"""Through a real PgBouncer in transaction pooling mode (#9).
+"""Through a real PgBouncer in transaction pooling mode.
 
 PgBouncer hands each transaction whatever server connection is free (here rotated round robin,
 as many concurrent clients would make it), so nothing may live in a PostgreSQL session: the

@@ -1,4 +1,4 @@
-"""Pooled connections are checked before use (#9): a backend the server ended while it sat idle
+"""Pooled connections are checked before use: a backend the server ended while it sat idle
 in the pool is replaced, and the delivery that would have used it finishes with its lease.
 
 The pool's idle backends are ended with ``pg_terminate_backend`` (what a PostgreSQL restart,

@@ -1,4 +1,4 @@
-"""Claims that find nothing make no noise (#26, item 6): real worker and beat at INFO.
+"""Claims that find nothing make no noise: real worker and beat at INFO.
 
 Beat sends a claim every ``claim_interval``; most runs find nothing. Their Celery lines
 (``received``, ``succeeded``, beat's ``Sending due task``) must not fill an INFO log, and no

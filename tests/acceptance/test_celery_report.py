@@ -1,4 +1,4 @@
-"""The DSN's password stays out of ``celery report`` / ``celery inspect conf`` (#9).
+"""The DSN's password stays out of ``celery report`` / ``celery inspect conf``.
 
 Celery masks settings whose names it knows (``*PASS*``, ``*SECRET*``, ``broker_url``...), not
 ``outbox_dsn``. Every way docs/celery.md documents as safe runs the real ``celery report`` and
@@ -87,7 +87,7 @@ def test_a_password_in_outbox_dsn_is_printed_by_celery_so_the_worker_warns() -> 
 
 
 def test_invariant_19_a_password_in_outbox_listen_dsn_makes_the_worker_warn_too() -> None:
-    # #21 item 6: celery report printed outbox_listen_dsn with its password, and no warning said so.
+    # `celery report` printed outbox_listen_dsn with its password, and no warning said so.
     app = Celery("unsafe_listen", broker="redis://127.0.0.1:1/0", set_as_current=False)
     app.conf.outbox_listen_dsn = WITH_PASSWORD
     problems = Outbox(app, dsn=WITHOUT_PASSWORD).check_worker_settings(pool="prefork")
@@ -111,7 +111,7 @@ print(shop.celery.outbox.config.dsn is not None)
 
 
 def test_invariant_19_the_documented_django_setup_keeps_the_password_out_of_report_and_debug_page() -> None:
-    # #21 item 6: docs/django.md (and the shop example) put database_dsn(DATABASES[...]) in
+    # docs/django.md (and the shop example) put database_dsn(DATABASES[...]) in
     # CELERY_OUTBOX_DSN, which `celery report` and Django's debug page print, password included.
     pytest.importorskip("django")
     shop = REPO_ROOT / "examples" / "django_shop"

@@ -1,4 +1,4 @@
-"""Transactional handlers with real workers (#24, DESIGN invariant 20).
+"""Transactional handlers with real workers (DESIGN invariant 20).
 
 The handler writes its effect (a row in ``effects``) and, when asked, a follow-up event in the
 transaction whose last statement is the fenced done. Workers are SIGKILLed before the commit,

@@ -640,7 +640,7 @@ def test_stats_asks_for_attention_once_the_horizon_is_held_for_a_minute(
 def test_invariant_9_stats_shows_keys_without_a_head_and_repair_heads_mends_them(
     migrated_dsn: str, conn: psycopg.Connection[Any], table: str
 ) -> None:
-    # #21 item 4: keys an old release left without a head showed as neither ready nor blocked.
+    # Keys an old release left without a head showed as neither ready nor blocked.
     store = Store(table)
     lost = add(conn, 3, table=table, key="k")
     add(conn, 2, table=table, key="fine")
@@ -649,7 +649,7 @@ def test_invariant_9_stats_shows_keys_without_a_head_and_repair_heads_mends_them
     assert "attention: 1 ordered key(s) without a head (outbox-celery repair-heads)" in human
     assert re.search(r"^ordered keys without a head:\s+1$", human, re.M), human
     assert json.loads(ok(run("stats", "--json", dsn=migrated_dsn)))["headless_keys"] == 1
-    # show reads the head as the claim does, from the flag (#25): this key has none.
+    # Show reads the head as the claim does, from the flag: this key has none.
     shown = ok(run("dead", "show", str(lost[1]), dsn=migrated_dsn))
     assert "no message of the key is its head: none is claimed (outbox-celery repair-heads)" in shown
     assert json.loads(ok(run("repair-heads", "--json", dsn=migrated_dsn))) == {"repaired": 1, "keys": ["k"]}

@@ -1,4 +1,4 @@
-"""``outbox-celery stats`` flags what nobody claims (#26, item 4), run as an operator runs it.
+"""``outbox-celery stats`` flags what nobody claims, run as an operator runs it.
 
 A ready message that waits many claim intervals is the first sign of a stopped claim worker or
 beat, and the only sign, without ``-A``, of an event type that no claiming app has a handler for

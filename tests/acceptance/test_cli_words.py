@@ -1,4 +1,4 @@
-"""Words of the CLI that misled a new user (#26, item 9), run as ``outbox-celery`` subprocesses.
+"""Words of the CLI that misled a new user, run as ``outbox-celery`` subprocesses.
 
 ``stats``' done row read "20 purged" when the 20 rows were still there; an unparseable DSN said
 only "it could not be parsed", leaving the user to guess which part was wrong. The DSN (and any

@@ -5,7 +5,7 @@ root: ``cd`` changes the directory, ``export`` sets the variable (the test's own
 broker replace the README's values), a line ending in ``&`` starts a background process (stopped
 at the end). The only edits: the runserver port 8000 becomes a free port, and runserver starts
 a few seconds late, as on a loaded machine, so the README itself must wait for the server before
-its ``curl`` (#26). Then the admin fixes the dead event over HTTP, as the README's last section
+its ``curl``. Then the admin fixes the dead event over HTTP, as the README's last section
 says.
 """
 

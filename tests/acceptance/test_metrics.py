@@ -314,7 +314,7 @@ def test_collector_reports_what_holds_the_xmin_horizon(
 def test_invariant_9_the_collector_reports_ordered_keys_without_a_head(
     migrated_dsn: str, conn: psycopg.Connection[Any], table: str
 ) -> None:
-    # #21 item 4: a key left without a head (an old release's producer or worker after
+    # A key left without a head (an old release's producer or worker after
     # migration 0004) is never claimed; the gauge makes it visible and alertable.
     keyed = add(conn, 3, table=table, event_type="invoice.sent", key="k")
     add(conn, 1, table=table, event_type="invoice.sent", key="fine")
@@ -339,7 +339,7 @@ def _listening(port: int) -> set[str]:
 def test_the_exporter_listens_on_the_loopback_interface_unless_told_otherwise(
     migrated_dsn: str, tmp_path: Path
 ) -> None:
-    # #21 item 9: it bound 0.0.0.0 by default, with no authentication: event types and depths
+    # It bound 0.0.0.0 by default, with no authentication: event types and depths
     # readable from any host that reaches this one.
     if not Path("/proc/net/tcp").exists():
         pytest.skip("reads /proc/net/tcp (Linux)")

@@ -1,4 +1,4 @@
-"""Push (#11): producers notify at commit, the worker's listener claims at once; beat is the net.
+"""Push: producers notify at commit, the worker's listener claims at once; beat is the net.
 
 Real workers, beat and PostgreSQL. Most tests run without beat and with a listener poll of an
 hour, so a row can only move because a notification (or a due time the database reported) woke

@@ -175,7 +175,7 @@ def test_the_detail_page_shows_the_lease(client: Client, shop: dict[str, int]) -
 def test_a_key_without_a_flagged_head_is_shown_as_such_not_as_claimable(
     client: Client, shop: dict[str, int], pg: psycopg.Connection[Any]
 ) -> None:
-    # The head is the flagged message, as the claim reads it (#25, DESIGN invariant 9): a key an
+    # The head is the flagged message, as the claim reads it (DESIGN invariant 9): a key an
     # older release left without one is never claimed, and the page says so.
     pg.execute("UPDATE outbox SET head = false WHERE ordering_key IS NOT NULL")
     pg.execute("UPDATE outbox SET status = 'pending' WHERE id = %s", [shop["dead_head"]])
@@ -258,7 +258,7 @@ def test_skip_asks_for_a_reason_then_unblocks_the_key(
 def test_a_skipped_message_reads_as_skipped_not_delivered(
     client: Client, shop: dict[str, int], pg: psycopg.Connection[Any]
 ) -> None:
-    """#26: its row stays done (the state machine is unchanged); the admin says what it is."""
+    """Its row stays done (the state machine is unchanged); the admin says what it is."""
     assert "Skipped 1" in _act(client, "skip_messages", [shop["dead"]], confirm="yes", reason="refunded")
     assert status(pg, shop["dead"]) == "done"
     rows = {
@@ -386,7 +386,7 @@ def _paused(pg: psycopg.Connection[Any], event_type: str) -> bool:
 def test_pause_and_resume_the_event_types_of_a_selection(
     client: Client, shop: dict[str, int], pg: psycopg.Connection[Any]
 ) -> None:
-    """#23: the admin pauses what `outbox-celery pause` pauses, shows it, and resumes it."""
+    """The admin pauses what `outbox-celery pause` pauses, shows it, and resumes it."""
     page = _act(client, "pause_event_types", [shop["pending"], shop["dead"], shop["processing"]])
     assert "Paused invoice.sent, order.created" in page
     assert _paused(pg, "order.created") and _paused(pg, "invoice.sent")
@@ -406,7 +406,7 @@ def test_pause_and_resume_the_event_types_of_a_selection(
 
 
 def test_pause_and_resume_the_limit_keys_of_a_selection(client: Client, pg: psycopg.Connection[Any]) -> None:
-    """#23: a limit key paused from the admin, shown above the list, resumed; other keys untouched."""
+    """A limit key paused from the admin, shown above the list, resumed; other keys untouched."""
     a, b, _ = add(
         pg,
         Event("webhook.sent", {"n": 1}, "tenant", 1, limit_key="tenant-1"),

@@ -1,4 +1,4 @@
-"""The admin's message list as a browser shows it (#26, item 8): headless Chromium at 1,400 px.
+"""The admin's message list as a browser shows it: headless Chromium at 1,400 px.
 
 The page is rendered by Django (the test client, a real PostgreSQL behind it) with the admin's
 own stylesheets, then laid out and photographed by Chromium: every column, "Available at" and

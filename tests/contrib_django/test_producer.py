@@ -159,7 +159,7 @@ def test_using_writes_on_another_alias_and_needs_its_own_atomic(django_db: str) 
 
 
 def test_enqueue_before_migrate_says_to_run_migrate(django_db: str) -> None:
-    """#26: a table the migrations never made (here: another name) is named, with what to run."""
+    """A table the migrations never made (here: another name) is named, with what to run."""
     with (
         override_settings(CELERY_OUTBOX_TABLE="never_migrated"),
         pytest.raises(ProducerError, match=r"never_migrated does not exist .*`manage\.py migrate`"),

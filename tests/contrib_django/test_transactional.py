@@ -1,4 +1,4 @@
-"""``transactional="django"`` (#24, DESIGN invariant 20): the ORM's writes, the follow-up event and
+"""``transactional="django"`` (DESIGN invariant 20): the ORM's writes, the follow-up event and
 the fenced done commit in one ``transaction.atomic()`` on Django's connection.
 
 Real workers running Django transactional handlers (SIGKILL, a stale worker, a retry) are in

@@ -514,14 +514,14 @@ def _as_an_old_release(conn: psycopg.Connection[Any], table: str) -> tuple[list[
 def test_invariant_9_keys_left_without_a_head_are_counted_and_repaired_while_producers_run(
     conn: psycopg.Connection[Any], store: Store, table: str, connect: Connect
 ) -> None:
-    # #21 item 4: such keys were neither ready nor blocked in stats, never claimed, and nothing
+    # Such keys were neither ready nor blocked in stats, never claimed, and nothing
     # repaired them.
     healthy = add(conn, 2, table=table, key="healthy")
     inserted, moved = _as_an_old_release(conn, table)
     assert claim_ids(store, conn, lease=SHORT) == [healthy[0]]
     s = ops.stats(conn, table)
     assert (s.headless_keys, s.blocked_keys, s.ready) == (2, 0, 0)
-    # show names the flagged head, the claim's own definition (#25): such a key has none.
+    # Show names the flagged head, the claim's own definition: such a key has none.
     shown = ops.get_message(conn, table, inserted[1])
     assert shown is not None and shown["key_head"] is None
     # A producer of this release holds key "old-insert"'s lock while the repair runs: the repair
@@ -546,7 +546,7 @@ def test_invariant_9_keys_left_without_a_head_are_counted_and_repaired_while_pro
 def test_stats_with_a_timeout_inside_the_callers_transaction_leaves_its_statement_timeout_alone(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
-    # #21 "check also": the Django changelist runs stats(timeout=2.0) on Django's connection;
+    # The Django changelist runs stats(timeout=2.0) on Django's connection;
     # under ATOMIC_REQUESTS that is inside the request's transaction, where the statement's
     # local statement_timeout (a savepoint does not undo it) stayed for the rest of the request:
     # the list, and an admin action run in the same request, were cut at 2 s.

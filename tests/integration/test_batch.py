@@ -1,4 +1,4 @@
-"""Batch handlers (#22, DESIGN invariant 21): the batch statements and the dispatcher, in process.
+"""Batch handlers (DESIGN invariant 21): the batch statements and the dispatcher, in process.
 
 Real workers are in ``tests/acceptance/test_celery_batch.py``. Here: the batch's fenced start
 drops stale pairs, counts an attempt once per started row and resumes after a lost reply; its
@@ -376,7 +376,7 @@ def test_a_batch_finalize_wakes_the_listeners_when_asked(
     assert len(list(listener.notifies(timeout=2.0, stop_after=1))) == 1
 
 
-# -- max_wait: a batch fills briefly at low rates (#22) -----------------------------------------
+# -- max_wait: a batch fills briefly at low rates -----------------------------------------
 
 OTHER = "thing.other"
 

@@ -247,7 +247,7 @@ def test_invariant_5_a_redelivered_start_after_the_last_attempt_goes_dead_at_the
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     # The handler killed its worker; the broker redelivers the same task (acks late). The first
-    # run may as well still be going (#21, item 5), so the redelivered start calls nothing and
+    # run may as well still be going, so the redelivered start calls nothing and
     # judges nothing; once the lease has run out the reap makes the row dead (invariant 5).
     [i] = add(conn, table=table)
     [c] = steps.claim(store, conn, limit=1, lease=SHORT, owner="a", max_attempts=1).claimed
@@ -278,7 +278,7 @@ def test_invariant_5_a_claim_that_never_started_with_no_attempt_left_goes_dead_a
 def test_invariant_2_a_second_start_of_a_started_claim_is_refused_while_its_lease_runs(
     conn: psycopg.Connection[Any], store: Store, table: str, connect: Any
 ) -> None:
-    # #21 item 5: with the lease heartbeat a handler may run for handler_time_limit; a broker
+    # With the lease heartbeat a handler may run for handler_time_limit; a broker
     # that redelivers its unacked task meanwhile (Redis visibility_timeout, RabbitMQ
     # consumer_timeout) hands the same lease_version to a second worker. Its start is refused:
     # one claim never runs twice at once, and the first run's finalize still wins.

@@ -217,7 +217,7 @@ def test_invariant_9_a_batch_whose_first_ordered_row_is_a_duplicate_still_leaves
 def test_invariant_9_a_dedup_key_shared_by_two_ordering_keys_in_one_batch_leaves_both_keys_a_head(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
-    # #21 item 3: two events of one batch share a dedup key but not their ordering key, and the
+    # Two events of one batch share a dedup key but not their ordering key, and the
     # second is its key's first event in the batch. ON CONFLICT drops it; no dedup key is
     # "missing" (the first row holds it), so before the fix no head was settled and key "b"'s
     # later events were never claimed, invisibly (stats: ready=0, blocked_keys=0).

@@ -1,4 +1,4 @@
-"""Batched ``done`` writes (#12): one fenced statement for many rows (DESIGN invariant 4).
+"""Batched ``done`` writes: one fenced statement for many rows (DESIGN invariant 4).
 
 The worker-process side (kills and shutdowns inside the window) is in
 ``tests/acceptance/test_celery_done_batch.py``.
@@ -194,7 +194,7 @@ def test_only_a_done_is_ever_held_other_outcomes_are_written_at_once(
 def test_invariant_4_a_task_redelivered_inside_the_window_calls_no_handler(
     conn: psycopg.Connection[Any], table: str, pool: ConnectionPool[Any]
 ) -> None:
-    # #21 "check also": the Celery message is acknowledged when the task returns, before the
+    # The Celery message is acknowledged when the task returns, before the
     # batched done is written. Should that ack be lost (a broker connection dropped), the broker
     # hands the task to another worker while this process still holds the done. Its fenced
     # start would pass on the lease_version and the attempts left alone, and run the handler

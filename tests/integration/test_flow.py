@@ -1,4 +1,4 @@
-"""Flow control in the claim (#23): pause and resume, global limits, the RateLimited hold.
+"""Flow control in the claim: pause and resume, global limits, the RateLimited hold.
 
 DESIGN invariant 22 (what a limit bounds) and 23 (pause and RateLimited), made to happen on a
 real PostgreSQL with the Store the dispatcher uses, concurrent claimers included.

@@ -1,4 +1,4 @@
-"""Limits per key within an event type (#23, DESIGN invariant 24), made to happen in the claim on
+"""Limits per key within an event type (DESIGN invariant 24), made to happen in the claim on
 a real PostgreSQL: per-key concurrency over rows of several keys, a dead worker's key slot back
 at the end of its lease, fair share between a big and a small key, a RateLimited outcome that
 holds its key only, ordered keys in order under key limits.

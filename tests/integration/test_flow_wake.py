@@ -1,4 +1,4 @@
-"""A freed slot wakes the claim (#23): a concurrency-limited delivery's finish is written at once
+"""A freed slot wakes the claim: a concurrency-limited delivery's finish is written at once
 and notifies the table's channel (``SLOT_FREED``), so a push listener held back by the limit
 hands the slot out then, not ``LIMIT_RECHECK`` (or a held done's ``done_batch_delay``) later
 (docs/flow-control.md; the listener's side: tests/unit/test_listener.py).

@@ -183,7 +183,7 @@ def test_every_connection_kind_records_in_its_transaction(
 def test_invariant_11_a_receiver_that_stored_old_keys_skips_a_redelivery_under_the_new_key(
     inbox_conn: psycopg.Connection[Any],
 ) -> None:
-    # #21 item 2: keys gained the sending table's identity. A message applied under its old key
+    # Keys gained the sending table's identity. A message applied under its old key
     # ("public.outbox:7") and redelivered after the upgrade under the new one is skipped when the
     # receiver passes the old key as previous_key; a message new to it applies once.
     c = inbox_conn

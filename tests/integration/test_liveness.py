@@ -264,7 +264,7 @@ def test_invariant_3_a_start_whose_reply_was_lost_is_retried_without_counting_ag
 def test_invariant_11_two_databases_with_the_default_table_never_send_the_same_key(
     server_dsn: str, conn: psycopg.Connection[Any], table: str
 ) -> None:
-    # #21 item 2: two services using the default table in two databases (or clusters) sent
+    # Two services using the default table in two databases (or clusters) sent
     # "public.outbox:1" both; one receiver's inbox dropped the second service's message as a
     # duplicate. The table's identity (migration 0006) now tells them apart, and stays put.
     keys = []

@@ -1,4 +1,4 @@
-"""Migration 0006 (the table's identity, #21) applied to a table of the previous schema holding
+"""Migration 0006 (the table's identity) applied to a table of the previous schema holding
 rows in every state: pending, processing with a live and an expired lease, done, dead, ordered
 and not. Nothing of those rows changes, the dispatcher still works on them, and their messages
 get idempotency keys that carry the new identity (DESIGN invariant 11).

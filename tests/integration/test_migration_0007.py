@@ -1,4 +1,4 @@
-"""Migration 0007 (flow control, #23) applied to a table of the previous schema holding rows in
+"""Migration 0007 (flow control) applied to a table of the previous schema holding rows in
 every state: pending, processing with a live and an expired lease, done, dead, ordered and not.
 Nothing of those rows changes, the new table beside it is exactly the fresh schema's, and the
 dispatcher still works on the old rows, pauses and limits included (DESIGN invariants 22, 23).

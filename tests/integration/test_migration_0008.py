@@ -1,4 +1,4 @@
-"""Migration 0008 (limit keys, #23) applied to a table of the previous schema holding rows in
+"""Migration 0008 (limit keys) applied to a table of the previous schema holding rows in
 every state: pending, processing with a live and an expired lease, done, dead, ordered and not.
 Nothing of those rows changes (their limit key is NULL), the new indexes, column and table are
 exactly the fresh schema's, and the dispatcher still works on the old rows, with limits per key

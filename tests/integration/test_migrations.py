@@ -231,8 +231,8 @@ PAIRS = [
 def test_applying_every_migration_in_order_yields_exactly_the_fresh_schema(
     dsn: str, server_dsn: str, fresh: str, replayed: str, two_databases: bool
 ) -> None:
-    # The outbox table and the ones beside it holding its identity (migration 0006, #21) and
-    # its flow-control state (migration 0007, #23).
+    # The outbox table and the ones beside it holding its identity (migration 0006) and
+    # its flow-control state (migration 0007).
     with psycopg.connect(dsn, autocommit=True) as c1:
         assert migrate(c1, fresh) == [m.version for m in available()]
         expected = schema_dump(c1, fresh)

@@ -1,4 +1,4 @@
-"""Push (#11), producer side: what enqueue signals, on which channel, and when."""
+"""Push, producer side: what enqueue signals, on which channel, and when."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_next_due_reports_delayed_rows_in_database_seconds(conn: psycopg.Connect
 def test_invariant_13_next_due_reports_delayed_and_backed_off_ordered_heads(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
-    # #21 item 10: next_due read the unordered pending rows only, so a delayed or backed-off
+    # next_due read the unordered pending rows only, so a delayed or backed-off
     # ordered head woke the listener at listen_poll instead of when due (docs/push.md). Only a
     # head counts: the messages behind it wait for it, not for the clock.
     store = Store(table)
@@ -125,7 +125,7 @@ def test_invariant_13_next_due_reports_delayed_and_backed_off_ordered_heads(
 def test_a_held_off_listener_retries_at_a_bounded_rate_under_a_notification_storm(
     migrated_dsn: str, conn: psycopg.Connection[Any], table: str, connect: Connect
 ) -> None:
-    # DESIGN "One claim run", step 1 (no thundering herd on the claim lock); #21 "check also":
+    # DESIGN "One claim run", step 1 (no thundering herd on the claim lock);
     # while another worker's run holds the claim lock, every notification
     # made the listener try again at once: hundreds of attempts a second per worker under a
     # storm of commits. Now the wait doubles up to 0.2 s while runs are held off, whatever

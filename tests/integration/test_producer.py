@@ -438,7 +438,7 @@ def test_outbox_enqueue_applies_the_configured_table_and_max_payload_bytes(
 def test_invariant_9_a_batch_with_more_ordering_keys_than_the_lock_bound_is_refused_before_writing(
     conn: psycopg.Connection[Any], table: str
 ) -> None:
-    # #21 item 11: one key lock per distinct ordering key is held to commit; 20,000 keys
+    # One key lock per distinct ordering key is held to commit; 20,000 keys
     # exhausted a stock server's shared lock table ("out of shared memory", for every session).
     # Above MAX_ORDERING_KEYS the batch is refused with a useful message and nothing is written
     # or locked; at the bound it goes through, every key with its head.

@@ -281,7 +281,7 @@ MIGRATE_FIRST = r"outbox table outbox does not exist .*run `outbox-celery migrat
 
 @pytest.mark.parametrize("kind", SYNC_KINDS)
 def test_each_kind_says_to_migrate_when_the_table_is_missing(kind: str, dsn: str) -> None:
-    """#26: an enqueue before ``outbox-celery migrate`` says what to run, as the CLI does."""
+    """An enqueue before ``outbox-celery migrate`` says what to run, as the CLI does."""
     with SYNC_KINDS[kind](dsn) as h:
         with pytest.raises(ProducerError, match=MIGRATE_FIRST) as refused:
             enqueue(h.conn, payload={}, **ORDER)

@@ -98,7 +98,7 @@ PARAMS: dict[str, Any] = {
     "limits": [200],
     "since": [None],
     "limited": ["thing.happened"],
-    # Limits per key (#23, DESIGN invariant 24).
+    # Limits per key (DESIGN invariant 24).
     "limit_key": None,
     "keyed": ["thing.happened"],
     "n": 200,
@@ -131,14 +131,14 @@ HOT = [
     "extend_lease:one",
     "count_in_flight",
     "next_due",
-    # Flow control (#23): the limited types' own claim statements and their live-lease count.
+    # Flow control: the limited types' own claim statements and their live-lease count.
     "claim_expired_limited",
     "claim_heads_limited",
     "claim_pending_limited",
     "flow_live",
-    # Batch handlers' max_wait (#22): a batch's worth of a type's due rows.
+    # Batch handlers' max_wait: a batch's worth of a type's due rows.
     "fill_due",
-    # Limits per key (#23, DESIGN invariant 24): the keys' walk, their live leases and rows.
+    # Limits per key (DESIGN invariant 24): the keys' walk, their live leases and rows.
     "claim_keyed",
     "release_keyed_expired",
 ]

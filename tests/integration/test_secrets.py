@@ -1,5 +1,5 @@
-"""Passwords stay out of logs, reprs and the locals of a failed delivery (DESIGN invariant 19;
-#21 items 7, 8).
+"""Passwords stay out of logs, reprs and the locals of a failed delivery (DESIGN invariant
+19).
 
 The DSNs here are real ones given to the real code paths: a listener thread reconnecting, the
 Prometheus collector scraping, a delivery whose handler raises; what they log and what their
@@ -33,7 +33,7 @@ UNPARSEABLE = f"postgresql://app:{SECRET}@127.0.0.1:1/app"
 def test_invariant_19_the_listener_never_logs_a_password_it_could_not_parse(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # #21 item 7: logged on every reconnect, quoted by libpq's parse error.
+    # Logged on every reconnect, quoted by libpq's parse error.
     listener = Listener(
         dsn=UNPARSEABLE,
         store=Store("outbox"),
@@ -57,7 +57,7 @@ def test_invariant_19_the_listener_never_logs_a_password_it_could_not_parse(
 def test_invariant_19_the_metrics_collector_never_logs_a_password(
     caplog: pytest.LogCaptureFixture, migrated_dsn: str
 ) -> None:
-    # #21 item 7: logged on every scrape. Unparseable, and parseable with a wrong password
+    # Logged on every scrape. Unparseable, and parseable with a wrong password
     # (the server's refusal must not echo it either).
     pytest.importorskip("prometheus_client")
     from outbox_celery.ops.metrics import OutboxCollector
@@ -73,7 +73,7 @@ def test_invariant_19_the_metrics_collector_never_logs_a_password(
 def test_invariant_19_repr_of_the_config_and_a_failed_deliverys_locals_hold_no_password(
     migrated_dsn: str, conn: psycopg.Connection[Any], table: str
 ) -> None:
-    # #21 item 8: repr(OutboxConfig) showed dsn and listen_dsn, and a failed delivery's frames
+    # repr(OutboxConfig) showed dsn and listen_dsn, and a failed delivery's frames
     # hold the config in a local: error reporters that record locals (Sentry's default) send
     # repr() of each. The password rides in a DSN the server accepts (trust auth ignores it).
     with_secret = make_conninfo(migrated_dsn, password="s3cret-local")
@@ -106,7 +106,7 @@ def test_invariant_19_repr_of_the_config_and_a_failed_deliverys_locals_hold_no_p
 def test_invariant_19_an_unparseable_dsn_is_refused_at_configuration_without_quoting_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # #21 item 7: psycopg_pool logged libpq's parse error, quoting the password, on every
+    # psycopg_pool logged libpq's parse error, quoting the password, on every
     # connection attempt of an Outbox's pool. The configuration now refuses such a DSN before
     # anything connects, and neither the error nor its chain quotes it.
     from celery import Celery

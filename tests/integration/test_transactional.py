@@ -1,4 +1,4 @@
-"""Transactional handlers (#24, DESIGN invariant 20) through the dispatcher, without Celery.
+"""Transactional handlers (DESIGN invariant 20) through the dispatcher, without Celery.
 
 The handler's writes, the events it enqueues and the fenced done commit in one transaction; a
 superseded claim or any exception rolls them back. Real workers (SIGKILL, stale workers) are in
@@ -568,7 +568,7 @@ def test_invariant_20_an_ordered_message_is_refused_outside_read_committed(
             dispatcher.deliver(i, _claim_one(dispatcher, conn))
     assert called == []
     row = fetch(conn, table, i)
-    # The library's failure, not the handler's: retried after a backoff, said so (#21).
+    # The library's failure, not the handler's: retried after a backoff, said so.
     assert row["status"] == "pending"
     assert "handler did not run" in row["last_error"] and "repeatable read" in row["last_error"]
 

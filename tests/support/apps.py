@@ -32,12 +32,12 @@ worker serves every situation a test needs::
     {"for": {"receipt": {"mode": "permanent"}}}
                                             what the subscription "receipt"'s run does instead
 
-Event types in ``transactional`` get :func:`scripted_transactional` instead (#24): the same
+Event types in ``transactional`` get :func:`scripted_transactional` instead: the same
 modes, run inside the handler's transaction after it wrote its effect (a row in ``effects``)
 and, when the payload names one in ``follow_up``, enqueued a follow-up event; ``stall`` polls on
 the transaction's own connection (so the transaction is never idle for long).
 
-Event types in ``batches`` (#22) get :func:`scripted_batch`, a batch handler: each message of
+Event types in ``batches`` get :func:`scripted_batch`, a batch handler: each message of
 the list does what its payload says, in id order; ``retry``, ``defer`` and ``permanent`` become
 its entry in the returned mapping, ``error`` and ``kill`` end the whole batch. Its calls record
 the batch (``batch_first``, ``batch_size``).
@@ -147,7 +147,7 @@ class AppSpec:
     :ivar queries: replacement texts of named queries (``Store(queries=...)``), to make the
         library itself fail where a test needs it to.
     :ivar limits: event type -> keyword arguments of its handler's flow-control limits
-        (``{"concurrency": 2, "rate": "5/s"}``, #23), or of a batch handler's ``max_wait`` (#22).
+        (``{"concurrency": 2, "rate": "5/s"}``), or of a batch handler's ``max_wait``.
     """
 
     dsn: str
@@ -261,7 +261,7 @@ def scripted(outbox: Outbox) -> Any:
 
 
 def scripted_batch(outbox: Outbox) -> Any:
-    """The batch handler (#22): every message does what its payload says, in id order."""
+    """The batch handler: every message does what its payload says, in id order."""
 
     def handler(messages: list[Message]) -> dict[int, BaseException] | None:
         first, size = messages[0].id, len(messages)
@@ -289,7 +289,7 @@ def scripted_batch(outbox: Outbox) -> Any:
 
 
 def scripted_transactional(outbox: Outbox) -> Any:
-    """The transactional handler (#24): effect, optional follow-up, then what the payload says."""
+    """The transactional handler: effect, optional follow-up, then what the payload says."""
 
     def handler(message: Message, conn: Any) -> None:
         payload = message.payload if isinstance(message.payload, dict) else {}

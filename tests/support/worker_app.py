@@ -15,7 +15,7 @@ from support.apps import AppSpec, build_app, record_signal
 
 spec = AppSpec.from_env()
 if spec.transactional and spec.transactional_kind == "django":
-    # Django's connection on the test database, for transactional="django" handlers (#24).
+    # Django's connection on the test database, for transactional="django" handlers.
     import django
     from django.conf import settings
     from psycopg.conninfo import conninfo_to_dict

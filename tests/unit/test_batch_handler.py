@@ -1,4 +1,4 @@
-"""Batch handlers (#22): registration is checked at decoration time; how claims are grouped."""
+"""Batch handlers: registration is checked at decoration time; how claims are grouped."""
 
 from __future__ import annotations
 

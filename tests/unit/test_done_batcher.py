@@ -1,4 +1,4 @@
-"""The done batcher's timing and threading, with a recording write and no database (#12).
+"""The done batcher's timing and threading, with a recording write and no database.
 
 What it promises the dispatcher: a row's ``done`` is written within ``delay`` of the first row of
 its window, together with the window's other rows; a full batch goes out at once in the caller's

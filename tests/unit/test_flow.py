@@ -1,4 +1,4 @@
-"""Flow control's pure parts (#23): rate strings, declared limits, a claim's allowance."""
+"""Flow control's pure parts: rate strings, declared limits, a claim's allowance."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The push listener's timing and threading, with a scripted session and no database (#11).
+"""The push listener's timing and threading, with a scripted session and no database.
 
 The listener claims once on every (re)connect, again on a notification or when the database
 says a row comes due, retries a run another claim held off with a doubling wait, and reconnects
@@ -256,7 +256,7 @@ def test_a_failure_after_a_connect_resets_the_backoff(monkeypatch: pytest.Monkey
 
 
 def test_a_freed_slot_wakes_it_only_while_a_limit_holds_a_type_back(session: FakeConn) -> None:
-    # #23: a finished concurrency-limited delivery notifies SLOT_FREED. Claimed while a type
+    # A finished concurrency-limited delivery notifies SLOT_FREED. Claimed while a type
     # was at its limit (the run's flow_wait), it claims at once; held back by nothing, the
     # notification is drained and nothing runs (a limit that does not bind starts no claims).
     runs = [ClaimRun(), ClaimRun(flow_wait=HOUR), ClaimRun()]

@@ -1,4 +1,4 @@
-"""How the package is installed, and what a plain install brings (#26, items 2 and 3).
+"""How the package is installed, and what a plain install brings.
 
 README's install line installs the package from source with no extra but ``binary``; a Redis
 broker must then work, so the package's own requirements (their extras followed through the

@@ -2,7 +2,7 @@
 
 :class:`ForkSafePool` opens one pool per process, lazily and once however many threads ask, and
 never touches a pool inherited across ``fork()``. :class:`IdleCheck` checks only connections
-that sat idle long enough (#12).
+that sat idle long enough.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Push settings (#11): defaults and validation."""
+"""Push settings: defaults and validation."""
 
 from __future__ import annotations
 
