@@ -584,7 +584,7 @@ FROM (SELECT DISTINCT split_part(ordering_key, chr(31), 1) AS k FROM {table}
 --   rate_limited  'pending' after the delay, the attempt refunded; 'dead' once it would wait
 --                 past max_defer_age (a rate_limited row's hold: flow_hold, same transaction);
 --   dead          'dead' with the error;
---   error         the error kept, the row left 'processing' to return through its lease;
+--   error         a failed attempt (invariant 31): as retry, after the backoff's delay;
 --   postpone      'pending' after the delay, the attempt refunded (no handler here, unroutable);
 --   release       'pending' now, nothing spent, only while the claim never started (a publish
 --                 that failed; a worker that started the claim keeps its row, invariant 12);
