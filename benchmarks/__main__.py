@@ -461,9 +461,9 @@ class Bench:
         rows: list[PlainResult] = []
         for label, variant in (
             ("current", ""),
-            ("before-6", "legacy"),
+            ("legacy", "legacy"),
             ("current-2", ""),
-            ("before-6-2", "legacy"),
+            ("legacy-2", "legacy"),
         ):
             rows.append(
                 run_plain(
@@ -474,8 +474,8 @@ class Bench:
                     batch_size=a.batch_size,
                 )
             )
-        current = _median([r.rate for r in rows if not r.label.startswith("before")])
-        before = _median([r.rate for r in rows if r.label.startswith("before")])
+        current = _median([r.rate for r in rows if not r.label.startswith("legacy")])
+        before = _median([r.rate for r in rows if r.label.startswith("legacy")])
         traced = {
             label: run_plain(
                 self.svc.dsn,
@@ -485,7 +485,7 @@ class Bench:
                 batch_size=a.batch_size,
                 trace=True,
             )
-            for label, variant in (("current", ""), ("before-6", "legacy"))
+            for label, variant in (("current", ""), ("legacy", "legacy"))
         }
         self.results["plain"] = {
             "runs": [asdict(r) | {"rate": r.rate} for r in rows],
@@ -504,7 +504,7 @@ class Bench:
             f"{before:,.0f}",
             f"{current / before:.2f}x",
         )
-        cur, old = traced["current"], traced["before-6"]
+        cur, old = traced["current"], traced["legacy"]
         t.row(
             "DB round trips per delivered message",
             f"{cur.per_msg['round_trips']:.2f}",
@@ -1014,7 +1014,7 @@ class Bench:
             table = f"bench_claim_{size}"
             built = build_table(self.svc.dsn, table, history=size, pending=a.claim_pending)
             try:
-                for label, variant in (("current", ""), ("before-6", "legacy")):
+                for label, variant in (("current", ""), ("legacy", "legacy")):
                     results[f"{size}-{label}"] = measure_claim_cost(
                         self.svc.dsn,
                         history=size,
@@ -1029,7 +1029,7 @@ class Bench:
                 drop_table(self.svc.dsn, table)
         self.results["claim"] = {k: v.as_dict() for k, v in results.items()}
         small, large = results[f"{a.claim_small}-current"], results[f"{a.claim_large}-current"]
-        old_small, old_large = results[f"{a.claim_small}-before-6"], results[f"{a.claim_large}-before-6"]
+        old_small, old_large = results[f"{a.claim_small}-legacy"], results[f"{a.claim_large}-legacy"]
         t = self.report.table(
             f"Claim cost vs history ({a.claim_pending:,} pending; batches of {a.batch_size}; "
             f"{a.claim_batches} timed batches)",

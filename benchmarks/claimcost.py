@@ -263,11 +263,11 @@ class KeysCost(_Latencies):
             "batch_ms_median": round(self.median_ms, 3),
             "batch_ms_p90": round(self.p90_ms, 3),
             "rows_per_claim": self.rows_per_claim,
-            "before_10_ms_median": round(self.before_median_ms, 3),
+            "skip_scan_ms_median": round(self.before_median_ms, 3),
             "heads_statement_ms": round(self.heads_plan[0], 3),
             "heads_statement_buffers": self.heads_plan[1],
-            "before_10_heads_statement_ms": round(self.before_plan[0], 3),
-            "before_10_heads_statement_buffers": self.before_plan[1],
+            "skip_scan_heads_statement_ms": round(self.before_plan[0], 3),
+            "skip_scan_heads_statement_buffers": self.before_plan[1],
         }
 
 

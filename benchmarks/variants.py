@@ -24,8 +24,8 @@ Nothing here is used by the library. A variant spec is a comma-separated list of
   fenced write that meets a broken one is retried on a checked one).
 * ``done_each``: every ``done`` is written at once, in its own statement
   (``done_batch_delay=0``; the default batches them).
-* ``before-12``: all four of the above (the claim and delivery
-  paths without their batching and reuse).
+* ``unbatched`` (also spelled ``before-12``, the name recorded runs use): all four of the
+  above (the claim and delivery paths without their batching and reuse).
 * ``no_slot_wake``: a concurrency-limited event type's finish goes through the done batcher
   and wakes nobody (no freed-slot wake): the claim finds the slot at its next
   ``LIMIT_RECHECK``.
@@ -58,8 +58,9 @@ __all__ = ["ExplicitTransactionStore", "apply", "make_store", "parse"]
 
 ALIASES = {
     "legacy": ("explicit_tx", "durable", "claim_jit"),
-    "before-12": ("publish_each", "bound_each_run", "check_each", "done_each"),
+    "unbatched": ("publish_each", "bound_each_run", "check_each", "done_each"),
 }
+ALIASES["before-12"] = ALIASES["unbatched"]
 KNOWN = {
     "explicit_tx",
     "durable",
