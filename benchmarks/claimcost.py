@@ -187,6 +187,8 @@ def measure_claim_cost(
             lease=600.0,
             adaptive_in_flight=False,
             max_in_flight=10**7,
+            # One batch per run: the budget is spent after the first batch.
+            claim_budget=1e-6,
         )
 
         class _Same:
@@ -206,8 +208,6 @@ def measure_claim_cost(
 
         published: list[Claimed] = []
 
-        # One batch per run: the budget is spent after the first batch.
-        dispatcher.config = config.replace(claim_budget=1e-6)
         for _ in range(batches):
             t = time.perf_counter()
             run = dispatcher.claim_and_publish(publish, owner="bench")
@@ -273,7 +273,14 @@ class KeysCost(_Latencies):
 
 def _heads_plan(conn: psycopg.Connection[Any], store: Any, limit: int) -> tuple[float, int]:
     """Server execution ms and shared buffers of one heads claim, rolled back."""
-    params = {"lease": 600, "owner": "bench", "event_types": ["bench.noop"], "excluded": [], "limit": limit}
+    params = {
+        "lease": 600,
+        "owner": "bench",
+        "event_types": ["bench.noop"],
+        "excluded": [],
+        "limit": limit,
+        "heads_since": None,
+    }
     with conn.transaction(force_rollback=True):
         conn.execute("SET LOCAL jit = off")
         row = conn.execute(
