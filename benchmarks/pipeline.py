@@ -24,7 +24,13 @@ from kombu import Connection
 from psycopg import sql
 
 from outbox_celery import TableName, migrate
-from outbox_celery.db.statements import FLOW_KEY_SUFFIX, FLOW_SUFFIX, INSTANCE_SUFFIX, SUBSCRIPTION_SUFFIX
+from outbox_celery.db.statements import (
+    FLOW_KEY_SUFFIX,
+    FLOW_SUFFIX,
+    GROUP_SUFFIX,
+    INSTANCE_SUFFIX,
+    SUBSCRIPTION_SUFFIX,
+)
 
 from .counter import CompletionCounter
 from .measure import (
@@ -77,9 +83,8 @@ def drop_table(dsn: str, table: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(t.identifier()))
         # Its side tables (identity, migration 0006; flow control, 0007 and 0008; subscriptions,
-        # 0011), or the next
-        # migrate of the name fails.
-        for suffix in (INSTANCE_SUFFIX, FLOW_SUFFIX, FLOW_KEY_SUFFIX, SUBSCRIPTION_SUFFIX):
+        # 0011; groups, 0012), or the next migrate of the name fails.
+        for suffix in (INSTANCE_SUFFIX, FLOW_SUFFIX, FLOW_KEY_SUFFIX, SUBSCRIPTION_SUFFIX, GROUP_SUFFIX):
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(t.identifier(suffix)))
         with contextlib.suppress(psycopg.Error):
             conn.execute("DELETE FROM outbox_celery_migrations WHERE table_name = %s", [t.name])
