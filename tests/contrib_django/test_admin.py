@@ -164,6 +164,24 @@ def test_the_detail_page_explains_a_dead_message_and_edits_nothing(
     assert "claimable now" in payload
 
 
+def test_invariant_32_the_detail_page_lists_every_failed_attempt_latest_first_escaped(
+    client: Client, shop: dict[str, int], pg: psycopg.Connection[Any]
+) -> None:
+    assert "failed attempts" in client.get(_detail(shop["pending"])).content.decode().lower()
+    entries = [
+        {"attempt": 1, "at": "2026-01-02T15:04:05+00:00", "error": "TimeoutError: <b>slow</b> gateway"},
+        {"attempt": 2, "at": "2026-01-02T15:09:05+00:00", "error": "PermanentError: 410 Gone"},
+    ]
+    pg.execute(
+        "UPDATE outbox SET errors = %s WHERE id = %s", [psycopg.types.json.Jsonb(entries), shop["dead_head"]]
+    )
+    page = client.get(_detail(shop["dead_head"])).content.decode()
+    table = page.split("<th>attempt</th>")[1].split("</table>")[0]
+    assert table.index("410 Gone") < table.index("slow")  # the latest first
+    assert "TimeoutError: &lt;b&gt;slow&lt;/b&gt; gateway" in table and "<b>slow" not in table
+    assert "2026-01-02" in table and "<td>2</td>" in table and "<td>1</td>" in table
+
+
 def test_the_detail_page_shows_the_lease(client: Client, shop: dict[str, int]) -> None:
     live = client.get(_detail(shop["processing"])).content.decode()
     assert "leased to celery@web-1 for 4m" in live or "leased to celery@web-1 for 5m" in live

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
@@ -32,7 +32,6 @@ from django.db.models import Case, Count, IntegerField, OuterRef, Q, QuerySet, S
 from django.db.models.functions import Coalesce, Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
-from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
@@ -40,6 +39,7 @@ from ... import ops
 from ...errors import first_line
 from ...message import KEY_SEPARATOR
 from .conf import outbox_database, outbox_table
+from .display import attempts_table, when
 from .models import OutboxGroup, OutboxMessage, Status
 
 __all__ = ["EstimatedCountPaginator", "OutboxMessageAdmin"]
@@ -56,24 +56,11 @@ SKIPPED_COLOR = "#767676"
 MESSAGE_FIELDSETS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
     (None, ("id", "event_type", "status", "state", "aggregate_type", "aggregate_id")),
     ("Payload", ("payload_json",)),
-    ("Delivery", ("attempts", "last_error_text", "available_at", "created_at", "done_at")),
+    ("Delivery", ("attempts", "last_error_text", "failed_attempts", "available_at", "created_at", "done_at")),
     ("Lease", ("lease_owner", "lease_until", "lease_version", "started_version")),
     ("Ordering", ("ordering_key", "head", "key_position")),
     ("Producer", ("dedup_key", "trace_context")),
 )
-
-
-def _when(value: datetime | None) -> str:
-    """A time on two short lines (date, then time) in the current time zone; the full form on hover."""
-    if value is None:
-        return "-"
-    local = timezone.localtime(value) if timezone.is_aware(value) else value
-    return format_html(
-        '<span title="{}" style="white-space:nowrap">{}<br>{}</span>',
-        local.isoformat(sep=" ", timespec="seconds"),
-        local.strftime("%Y-%m-%d"),
-        local.strftime("%H:%M:%S"),
-    )
 
 
 def _psycopg(using: str) -> psycopg.Connection[Any]:
@@ -429,11 +416,11 @@ class OutboxMessageAdmin(_ModelAdmin):
 
     @admin.display(description="created")
     def created(self, obj: OutboxMessage) -> str:
-        return _when(obj.created_at)
+        return when(obj.created_at)
 
     @admin.display(description="available at")
     def available(self, obj: OutboxMessage) -> str:
-        return _when(obj.available_at)
+        return when(obj.available_at)
 
     @admin.display(description="last error")
     def error_excerpt(self, obj: OutboxMessage) -> str:
@@ -454,6 +441,10 @@ class OutboxMessageAdmin(_ModelAdmin):
         if not obj.last_error:
             return "-"
         return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', obj.last_error)
+
+    @admin.display(description="failed attempts")
+    def failed_attempts(self, obj: OutboxMessage) -> str:
+        return attempts_table(obj.errors)
 
     def _explained(self, obj: OutboxMessage) -> dict[str, Any]:
         # Kept on the instance, which lives for one request (the ModelAdmin is shared).
