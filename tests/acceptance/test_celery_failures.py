@@ -124,6 +124,8 @@ def test_invariant_31_a_plain_exception_is_a_failed_attempt_retried_after_the_ba
     assert "lease expired" not in row["last_error"]
     runs = [c for c in calls(harness.conn) if c["outbox_id"] == broken]
     assert [(c["attempts"], c["lease_version"]) for c in runs] == [(1, 1), (2, 2), (3, 3)]
+    # The third task's failure signal fires after its fenced write made the row dead: wait for it.
+    harness.wait(lambda: len(signals(harness.conn, "task_failure")) >= 3, what="three task failures")
     failures = signals(harness.conn, "task_failure")
     assert len(failures) == 3 and all("scripted unexpected error" in f["detail"] for f in failures)
 
