@@ -39,7 +39,7 @@ from ... import ops
 from ...errors import first_line
 from ...message import KEY_SEPARATOR
 from .conf import outbox_database, outbox_table
-from .display import attempts_table, when
+from .display import attempts_table, preformatted, when
 from .models import OutboxGroup, OutboxMessage, Status
 
 __all__ = ["EstimatedCountPaginator", "OutboxMessageAdmin"]
@@ -434,13 +434,13 @@ class OutboxMessageAdmin(_ModelAdmin):
     @admin.display(description="payload")
     def payload_json(self, obj: OutboxMessage) -> str:
         text = json.dumps(obj.stored_payload(), indent=2, ensure_ascii=False, sort_keys=True)
-        return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', text)
+        return preformatted(text)
 
     @admin.display(description="last error")
     def last_error_text(self, obj: OutboxMessage) -> str:
         if not obj.last_error:
             return "-"
-        return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', obj.last_error)
+        return preformatted(obj.last_error)
 
     @admin.display(description="failed attempts")
     def failed_attempts(self, obj: OutboxMessage) -> str:

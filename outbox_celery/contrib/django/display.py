@@ -11,7 +11,7 @@ from django.utils.html import format_html, format_html_join
 
 from ... import ops
 
-__all__ = ["attempts_table", "when"]
+__all__ = ["attempts_table", "preformatted", "when"]
 
 
 def when(value: datetime | None) -> str:
@@ -27,6 +27,11 @@ def when(value: datetime | None) -> str:
     )
 
 
+def preformatted(text: str) -> str:
+    """``text`` as a block that keeps its lines and wraps (a payload, an error)."""
+    return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', text)
+
+
 def attempts_table(errors: Sequence[Any] | None) -> str:
     """A message's ``errors`` column (DESIGN invariant 32) as a table, the latest attempt first;
     ``-`` while it never failed."""
@@ -35,7 +40,7 @@ def attempts_table(errors: Sequence[Any] | None) -> str:
         return "-"
     rows = format_html_join(
         "",
-        '<tr><td>{}</td><td>{}</td><td><pre style="margin:0;white-space:pre-wrap">{}</pre></td></tr>',
-        ((e.attempt, when(e.at), e.error) for e in entries),
+        "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
+        ((e.attempt, when(e.at), preformatted(e.error)) for e in entries),
     )
     return format_html("<table><tr><th>attempt</th><th>at</th><th>error</th></tr>{}</table>", rows)
