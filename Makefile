@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-pg15 lint bench chaos ci clean dist dist-check
+.PHONY: install demo test test-upstream test-pg15 lint bench chaos ci clean dist dist-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 	$(BIN)/ruff format --check outbox_celery tests examples benchmarks chaos
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## The tests that wait on an upstream fix (xfail, marker upstream): left out of make test.
+test-upstream: $(STAMP)
+	$(BIN)/python -m pytest -m upstream $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check outbox_celery tests examples benchmarks chaos

@@ -5,7 +5,8 @@ restart (celery/celery#9054, fixed by celery/kombu#2007); the package requires `
 Here a Redis server of the test's own, on a free port, is SIGKILLed while deliveries run (acks
 fail, reserved messages vanish) and started again empty: the one worker started before the
 outage should deliver everything, with no restart. With kombu 5.7.0 it still does not always
-(marked xfail, not strict, until an upstream release fixes it).
+(marked xfail, not strict, until an upstream release fixes it). It waits two minutes for deliveries
+that do not come, so ``make test`` leaves it out (marker ``upstream``): ``make test-upstream`` runs it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def test_kombu_requirement_excludes_versions_that_stop_consuming_after_a_redis_r
     assert _version_tuple(version("kombu")) >= (5, 4, 0)
 
 
+@pytest.mark.upstream
 @pytest.mark.xfail(
     strict=False,
     reason="kombu 5.7.0 still leaves the worker consuming nothing after the restart in 3 of 4 runs "
