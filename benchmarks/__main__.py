@@ -834,7 +834,15 @@ class Bench:
         )
         db = self.report.table(
             "Database cost per message, same runs (medians over the rounds; warm-up included)",
-            ["broker", "pipeline", "commits", "row versions", "WAL bytes", "PostgreSQL CPU ms"],
+            [
+                "broker",
+                "pipeline",
+                "commits",
+                "row versions",
+                "HOT updates",
+                "WAL bytes",
+                "PostgreSQL CPU ms",
+            ],
         )
         for broker, data in out.items():
             for key, rs in data["runs"].items():
@@ -842,22 +850,27 @@ class Bench:
                     continue  # bare Celery: no database
                 per = {
                     k: _median([r["db_per_msg"][k] for r in rs])
-                    for k in ("xact_commit", "row_versions", "wal_bytes")
+                    for k in ("xact_commit", "row_versions", "wal_bytes", "tup_updated")
                 }
+                # A run recorded before the HOT count was measured has none.
+                hot = _median([r["db_per_msg"].get("tup_hot_updated", float("nan")) for r in rs])
                 pg_cpu = _median([r["cpu_ms_per_msg"].get("postgres", 0.0) for r in rs])
                 db.row(
                     broker,
                     key,
                     f"{per['xact_commit']:.2f}",
                     f"{per['row_versions']:.2f}",
+                    f"{hot:.2f} of {per['tup_updated']:.2f}",
                     f"{per['wal_bytes']:,.0f}",
                     f"{pg_cpu:.3f}",
                 )
         db.note(
             "commits: pg_stat_database.xact_commit; row versions: n_tup_ins + upd + del (tup_inserted "
             "+ tup_updated + tup_deleted) of the benchmark database, from before the warm-up to after "
-            "every process exited, per message; WAL bytes: pg_current_wal_lsn() difference over the "
-            "same span, the whole cluster's (other databases' writes count on a shared server); "
+            "every process exited, per message; HOT updates: pg_stat_user_tables.n_tup_hot_upd of its "
+            "tables, of its updates (heap-only: no new index entry); WAL bytes: pg_current_wal_lsn() "
+            "difference over the same span, the whole cluster's (other databases' writes count on a "
+            "shared server); "
             "PostgreSQL CPU: utime + stime from /proc/<pid>/stat of the database's backends over the "
             "measured messages (the server is local)"
         )

@@ -75,6 +75,9 @@ def pg_counters(conn: psycopg.Connection[Any]) -> dict[str, int]:
     # count too (say so beside the figure when the server is shared).
     wal = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
     assert wal is not None
+    # Updates PostgreSQL kept on the row's page with no new index entry (HOT), every table's.
+    hot = conn.execute("SELECT coalesce(sum(n_tup_hot_upd), 0) FROM pg_stat_user_tables").fetchone()
+    assert hot is not None
     keys = (
         "xact_commit",
         "xact_rollback",
@@ -84,7 +87,10 @@ def pg_counters(conn: psycopg.Connection[Any]) -> dict[str, int]:
         "blks_hit",
         "blks_read",
     )
-    return {k: int(v) for k, v in zip(keys, row, strict=True)} | {"wal_bytes": int(wal[0])}
+    return {k: int(v) for k, v in zip(keys, row, strict=True)} | {
+        "wal_bytes": int(wal[0]),
+        "tup_hot_updated": int(hot[0]),
+    }
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

@@ -46,7 +46,17 @@ from ..outcomes import Outcome, Step
 from ..table import TableName
 from . import rows as _rows
 
-__all__ = ["INLINE_BYTES", "LOST", "Completer", "Finalized", "FinalizedMany", "Finish", "Lease", "Step"]
+__all__ = [
+    "INLINE_BYTES",
+    "LOST",
+    "START_KEEP",
+    "Completer",
+    "Finalized",
+    "FinalizedMany",
+    "Finish",
+    "Lease",
+    "Step",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +65,13 @@ T = TypeVar("T")
 #: Stored payload bytes one start result carries at most (the first row's always): the payloads
 #: of a batch beyond it are read in chunks of at most this many bytes (``payloads``).
 INLINE_BYTES = 16 * 1024 * 1024
+
+#: The share of a lease a fenced start leaves as the claim gave it (DESIGN invariant 33): with at
+#: least this much of the claim's lease left, the start keeps its ``lease_until`` (an update
+#: PostgreSQL can keep on the row's page, HOT); with less, the row gets a whole lease from now.
+#: Either way a started handler has at least ``START_KEEP * lease`` ahead of it, above its hard
+#: time limit of ``0.9 * lease``.
+START_KEEP = 0.975
 
 
 class Lease(NamedTuple):
@@ -303,6 +320,7 @@ class Completer:
         params: dict[str, Any] = {
             **self._leases(leases),
             "lease": lease,
+            "keep": START_KEEP,
             "max_attempts": max_attempts,
             "commit_mode": store._commit_mode(conn),
             "starter": starter,

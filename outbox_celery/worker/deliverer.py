@@ -18,7 +18,7 @@ from typing import Any
 
 from ..backoff import Backoff, RetryPolicy
 from ..config import OutboxConfig
-from ..db.completer import FinalizedMany, Finish, Lease, Step
+from ..db.completer import START_KEEP, FinalizedMany, Finish, Lease, Step
 from ..db.store import Store
 from ..handlers import HandlerSpec
 from ..message import Message, Outcome
@@ -119,9 +119,10 @@ class Deliverer:
         unique = list(dict.fromkeys(Lease.of(p) for p in leases))
         if not unique:
             return {}
-        # The start gives each row at least one lease from now on the database's clock; its end
-        # is tracked on this process's monotonic clock, a duration, never a wall time.
-        lease_end = time.monotonic() + self.config.lease
+        # The start leaves each row at least START_KEEP of a lease from now on the database's
+        # clock (invariant 33); its end is tracked on this process's monotonic clock, a
+        # duration, never a wall time.
+        lease_end = time.monotonic() + self.config.lease * START_KEEP
         log: dict[str, Any] = {"outbox_id": unique[0].id, "lease_version": unique[0].lease_version}
         if len(unique) > 1:
             log["batch"] = len(unique)

@@ -136,6 +136,55 @@ def test_invariant_3_start_extends_the_lease_and_returns_the_message(
     assert fetch(conn, table, i)["lease_in"] > 110
 
 
+def _hot_updates(connect: Connect, table: str) -> int:
+    """The table's heap-only updates so far, as the statistics say (every backend flushed)."""
+    other = connect()
+    other.execute("SELECT pg_stat_clear_snapshot()")
+    row = other.execute(
+        "SELECT n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = %s::regclass", [table]
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _flush_stats(conn: psycopg.Connection[Any]) -> None:
+    """Have this session's statistics reach the shared ones (PostgreSQL 15+, at its next idle)."""
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    conn.execute("SELECT 1")
+    time.sleep(0.1)
+
+
+def test_invariant_33_a_start_soon_after_its_claim_keeps_the_claims_lease_and_changes_no_index(
+    conn: psycopg.Connection[Any], store: Store, table: str, connect: Connect
+) -> None:
+    ids = add(conn, table=table, n=20)
+    claimed = steps.claim(store, conn, limit=20, lease=LONG, owner="a", max_attempts=5).claimed
+    leases = {c.id: c.lease_until for c in claimed}
+    _flush_stats(conn)
+    hot_before = _hot_updates(connect, table)
+    for c in claimed:
+        assert steps.start(store, conn, c.id, c.lease_version, lease=LONG, max_attempts=5) is not None
+    _flush_stats(conn)
+    # Started within 2.5% of a lease after the claim: lease_until as the claim gave it.
+    assert {i: fetch(conn, table, i)["lease_until"] for i in ids} == leases
+    assert all(fetch(conn, table, i)["attempts"] == 1 for i in ids)
+    # No indexed column changed: PostgreSQL kept every start on its row's page (HOT) where
+    # the page had room, and the claim leaves room on a page it rewrote (at least half here).
+    assert _hot_updates(connect, table) - hot_before >= len(ids) // 2
+
+
+def test_invariant_33_a_start_late_in_its_claims_lease_gets_a_whole_lease_from_now(
+    conn: psycopg.Connection[Any], store: Store, table: str
+) -> None:
+    [i] = add(conn, table=table)
+    [c] = steps.claim(store, conn, limit=1, lease=2.0, owner="a", max_attempts=5).claimed
+    time.sleep(0.2)  # 10% of the lease gone: less than START_KEEP of it is left
+    assert steps.start(store, conn, i, c.lease_version, lease=2.0, max_attempts=5) is not None
+    row = fetch(conn, table, i)
+    assert row["lease_until"] > c.lease_until
+    assert 1.9 < row["lease_in"] <= 2.0
+
+
 def test_invariant_4_a_stale_owner_changes_nothing_and_says_so(
     conn: psycopg.Connection[Any],
     store: Store,

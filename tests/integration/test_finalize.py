@@ -267,6 +267,7 @@ def test_relaxed_commit_applies_to_start_and_done_only_when_the_store_owns_the_t
             "ids": [i],
             "lease_versions": [c.lease_version],
             "lease": LONG,
+            "keep": 0.975,
             "max_attempts": 5,
             "starter": "w",
             "inline_share": 1,

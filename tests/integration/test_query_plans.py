@@ -55,6 +55,7 @@ WHERE o.id = h.id;
 LIVE_ID = 50_100
 PARAMS: dict[str, Any] = {
     "lease": 60.0,
+    "keep": 0.975,
     "owner": "worker-1",
     "starter": "worker-1:1:abc",
     "max_attempts": 12,

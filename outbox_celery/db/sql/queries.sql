@@ -453,11 +453,19 @@ WITH picked AS (
 -- commit_mode 'off' relaxes synchronous_commit for this statement's own transaction (NULL keeps
 -- the current setting): see Store's relaxed_commit for why losing it costs at most a redelivery.
 -- inline_payload: one result carries a bounded number of stored payload bytes.
+-- The lease (DESIGN invariant 33): the claim's lease_until stays when at least keep (the
+-- completer's START_KEEP) of a lease is left (a task started soon after its claim, the common
+-- case), else it becomes a whole lease from now. No indexed column changes then, so PostgreSQL can write the new
+-- version as a heap-only tuple on the same page (HOT): no entry in the primary key or the
+-- live leases' index, and under a pinned horizon one dead lease_idx entry per claim, not two.
 UPDATE {table}
 SET attempts = attempts + 1,
     started_version = lease_version,
     lease_owner = %(starter)s,
-    lease_until = greatest(lease_until, now() + make_interval(secs => %(lease)s))
+    lease_until = CASE WHEN lease_until
+                            >= now() + make_interval(secs => %(lease)s::float8 * %(keep)s::float8)
+                       THEN lease_until
+                       ELSE now() + make_interval(secs => %(lease)s) END
 FROM {commit_mode}, {leases} AS s(claim_id, claim_version)
 WHERE id = s.claim_id AND lease_version = s.claim_version AND {fenced_processing}
   AND started_version < lease_version AND attempts < %(max_attempts)s
