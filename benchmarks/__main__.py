@@ -74,6 +74,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import sys
@@ -357,6 +358,18 @@ def _brokers(args: argparse.Namespace, svc: Services) -> list[tuple[str, str]]:
 
 #: Roles of a pipeline that are worker-side processes (CPU per message tables).
 _WORKER_ROLES = ("worker", "relay", "deliver", "claim", "beat")
+
+
+def _keep_logs(workdir: Path, section: str) -> Path | None:
+    """Copy the processes' logs of a failed section out of the run's temporary directory."""
+    logs = sorted(workdir.rglob("*.log"))
+    if not logs:
+        return None
+    dest = RESULTS / f"failed-{section}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    dest.mkdir(parents=True, exist_ok=True)
+    for log in logs:
+        shutil.copy2(log, dest / "_".join(log.relative_to(workdir).parts))
+    return dest
 
 
 def _median(values: Sequence[float]) -> float:
@@ -1666,6 +1679,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     failures += 1
                     report.text(f"section {name} FAILED: {type(exc).__name__}: {exc}")
                     bench.results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                    kept = _keep_logs(Path(tmp), name)
+                    if kept is not None:
+                        report.text(f"its processes' logs: {kept}")
                 meta.setdefault("section_seconds", {})[name] = round(time.monotonic() - t0, 1)
         finally:
             bench.close()
