@@ -360,9 +360,10 @@ def _brokers(args: argparse.Namespace, svc: Services) -> list[tuple[str, str]]:
 _WORKER_ROLES = ("worker", "relay", "deliver", "claim", "beat")
 
 
-def _keep_logs(workdir: Path, section: str) -> Path | None:
-    """Copy the processes' logs of a failed section out of the run's temporary directory."""
-    logs = sorted(workdir.rglob("*.log"))
+def _keep_logs(workdir: Path, section: str, since: float) -> Path | None:
+    """Copy the processes' logs of a failed section (those written since it began, at ``since``
+    on the wall clock) out of the run's temporary directory."""
+    logs = sorted(p for p in workdir.rglob("*.log") if p.stat().st_mtime >= since)
     if not logs:
         return None
     dest = RESULTS / f"failed-{section}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
@@ -1672,14 +1673,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         failures = 0
         try:
             for name in chosen:
-                t0 = time.monotonic()
+                t0, began = time.monotonic(), time.time()
                 try:
                     steps[name]()
                 except Exception as exc:  # report and go on: one broken section must not hide the rest
                     failures += 1
                     report.text(f"section {name} FAILED: {type(exc).__name__}: {exc}")
                     bench.results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-                    kept = _keep_logs(Path(tmp), name)
+                    kept = _keep_logs(Path(tmp), name, began)
                     if kept is not None:
                         report.text(f"its processes' logs: {kept}")
                 meta.setdefault("section_seconds", {})[name] = round(time.monotonic() - t0, 1)

@@ -11,6 +11,7 @@ from psycopg import sql
 from support import steps
 
 from outbox_celery import Claimed, Store
+from outbox_celery.db.completer import START_KEEP
 
 from .helpers import LONG, PAST_SHORT, SHORT, add, claim_ids, fetch
 
@@ -267,7 +268,7 @@ def test_relaxed_commit_applies_to_start_and_done_only_when_the_store_owns_the_t
             "ids": [i],
             "lease_versions": [c.lease_version],
             "lease": LONG,
-            "keep": 0.975,
+            "keep": START_KEEP,
             "max_attempts": 5,
             "starter": "w",
             "inline_share": 1,

@@ -24,6 +24,7 @@ import pytest
 from psycopg import sql
 
 from outbox_celery import Store, migrate
+from outbox_celery.db.completer import START_KEEP
 from outbox_celery.testing import temporary_database
 
 TABLE = "events.Out Box"
@@ -55,7 +56,7 @@ WHERE o.id = h.id;
 LIVE_ID = 50_100
 PARAMS: dict[str, Any] = {
     "lease": 60.0,
-    "keep": 0.975,
+    "keep": START_KEEP,
     "owner": "worker-1",
     "starter": "worker-1:1:abc",
     "max_attempts": 12,

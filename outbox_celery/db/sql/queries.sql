@@ -455,9 +455,10 @@ WITH picked AS (
 -- inline_payload: one result carries a bounded number of stored payload bytes.
 -- The lease (DESIGN invariant 33): the claim's lease_until stays when at least keep (the
 -- completer's START_KEEP) of a lease is left (a task started soon after its claim, the common
--- case), else it becomes a whole lease from now. No indexed column changes then, so PostgreSQL can write the new
--- version as a heap-only tuple on the same page (HOT): no entry in the primary key or the
--- live leases' index, and under a pinned horizon one dead lease_idx entry per claim, not two.
+-- case), else it becomes a whole lease from now. No indexed column changes then, so where the
+-- row's page has room PostgreSQL writes the new version there as a heap-only tuple (HOT): no
+-- entry in the primary key or the live leases' index, and under a pinned horizon no second
+-- dead lease_idx entry for the claim.
 UPDATE {table}
 SET attempts = attempts + 1,
     started_version = lease_version,
