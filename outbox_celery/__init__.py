@@ -12,6 +12,7 @@ from .app.outbox import Outbox
 from .backoff import Backoff
 from .claim.executor import Claimed
 from .config import OutboxConfig
+from .databases import Database
 from .db.migrations import migrate
 from .db.store import Store
 from .errors import (
@@ -22,6 +23,7 @@ from .errors import (
     ProducerError,
     RateLimited,
     RetryableError,
+    UnknownDatabase,
 )
 from .message import Message, Outcome, Status
 from .produce.enqueue import (
@@ -41,6 +43,7 @@ __all__ = [
     "Backoff",
     "Claimed",
     "ConfigurationError",
+    "Database",
     "Defer",
     "Event",
     "Group",
@@ -56,6 +59,7 @@ __all__ = [
     "Status",
     "Store",
     "TableName",
+    "UnknownDatabase",
     "enqueue",
     "enqueue_async",
     "enqueue_group",

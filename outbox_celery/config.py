@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from .databases import database_map
 from .dsn import DSN_ENV, invalid_dsn
 from .errors import ConfigurationError, seconds
 from .table import TableName
@@ -55,6 +56,9 @@ def _positive_int(value: Any, name: str) -> int:
 MIN_LEASE = 2.0
 
 _SECONDS_FIELDS = (
+    "idle_sweep",
+    "database_idle_close",
+    "databases_refresh",
     "lease",
     "claim_interval",
     "claim_budget",
@@ -192,6 +196,19 @@ class OutboxConfig:
         migrated, the handlers' subscriptions registered. Past it the worker refuses to start
         (one line on stderr, exit code 1) instead of running and failing every task it takes.
         Default 0: it refuses at once.
+    :ivar databases: several databases served by this outbox, by name, instead of one ``dsn``:
+        a mapping of names to DSNs or :class:`~outbox_celery.databases.Database` values, a list
+        of :class:`~outbox_celery.databases.Database`, or a callable returning either (called
+        again every ``databases_refresh`` seconds: tenants added at run time). Each database
+        has its own table, migrations, claims and LISTEN; one beat entry and one claim queue
+        serve them all (docs/databases.md, DESIGN invariant 34). Default ``None``: ``dsn``.
+    :ivar idle_sweep: with ``databases``, seconds between the claims of a database whose last
+        claim found nothing to do, in each process that claims; a notification (push) or a
+        due row claims it at once. Default 30.
+    :ivar database_idle_close: with ``databases``, seconds a worker process keeps the
+        connections of a database it has not used; then they are closed. Default 60.
+    :ivar databases_refresh: with a callable ``databases``, seconds between its calls.
+        Default 10.
     """
 
     # Left out of repr: error reporters that record locals (Sentry) send repr(config).
@@ -231,6 +248,10 @@ class OutboxConfig:
     full_scan_interval: float = 60.0
     unreachable_exit_after: float | None = None
     wait_for_database: float = 0.0
+    databases: Any = field(default=None, repr=False)
+    idle_sweep: float = 30.0
+    database_idle_close: float = 60.0
+    databases_refresh: float = 10.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -290,6 +311,16 @@ class OutboxConfig:
                 f"{self.done_batch_delay:g} s: a done held longer could outlive its lease"
             )
         self._check_strings()
+        if self.databases is not None:
+            if self.dsn is not None:
+                raise ConfigurationError(
+                    "give either dsn (one database) or databases (several by name), not both"
+                )
+            if not callable(self.databases) or isinstance(self.databases, Mapping):
+                # Its errors now, not at the first claim.
+                for db in database_map(self.databases).values():
+                    if db.table is not None:
+                        TableName.parse(db.table)
 
     def _check_strings(self) -> None:
         """The connection strings parse, the queue names are non-empty strings."""
@@ -458,7 +489,7 @@ def resolve(
                 "put these in the OutboxConfig (or pass them as keywords), or leave config= out"
             )
         config = base.replace(**settings)
-    if config.dsn is None and os.environ.get(DSN_ENV):
+    if config.dsn is None and config.databases is None and os.environ.get(DSN_ENV):
         # Read from the environment, the DSN never enters app.conf, which `celery report` and
         # `celery inspect conf` print (Celery masks only names it knows).
         config = config.replace(dsn=os.environ[DSN_ENV])

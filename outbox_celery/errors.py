@@ -33,6 +33,7 @@ __all__ = [
     "ProducerError",
     "RateLimited",
     "RetryableError",
+    "UnknownDatabase",
     "first_line",
     "seconds",
 ]
@@ -85,6 +86,14 @@ class OutboxError(Exception):
 
 class ConfigurationError(OutboxError, ValueError):
     """A setting has an invalid value or settings contradict each other."""
+
+
+class UnknownDatabase(ConfigurationError):  # noqa: N818 - named after what it reports
+    """A task or a command names a database its Outbox does not serve (``databases=``).
+
+    A delivery task that raises it never started its row: the row is claimable again when its
+    lease ends, with no attempt spent (DESIGN invariant 34).
+    """
 
 
 class AdminError(OutboxError, ValueError):

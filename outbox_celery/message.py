@@ -72,6 +72,8 @@ class Message:
     :ivar subscription: the name of the subscription this delivery belongs to
         (``@outbox.handler("order.paid", name="receipt")``), ``None`` for a handler without a
         name. ``event_type`` is the event's own (``"order.paid"``) either way.
+    :ivar database: the name of the database the message lives in when its Outbox serves
+        several (``Outbox(databases=...)``, docs/databases.md); ``None`` with one ``dsn``.
     """
 
     id: int
@@ -92,6 +94,9 @@ class Message:
     subscription: str | None = None
     #: The group this message is a member of (DESIGN invariant 29), or ``None``.
     group_id: int | None = field(default=None, compare=False)
+    #: The name of the database the message lives in, when its Outbox serves several
+    #: (``Outbox(databases=...)``, docs/databases.md); ``None`` with one ``dsn``.
+    database: str | None = None
 
     @property
     def route(self) -> str:

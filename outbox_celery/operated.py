@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 
 from .config import OutboxConfig
+from .databases import Database
 from .handlers import HandlerSpec
 
 __all__ = ["OperatedOutbox"]
@@ -44,6 +45,12 @@ class OperatedOutbox(abc.ABC):
     def queue_for(self, event_type: str) -> str:
         """The queue the delivery tasks of ``event_type`` are routed to."""
 
+    @property
+    def databases(self) -> Mapping[str, Database]:
+        """The databases it serves by name when it serves several (``databases=``); empty
+        with one ``dsn``."""
+        return {}
+
     @abc.abstractmethod
-    def connection(self) -> AbstractContextManager[psycopg.Connection[Any]]:
-        """A connection to its database (from its pool)."""
+    def connection(self, database: str | None = None) -> AbstractContextManager[psycopg.Connection[Any]]:
+        """A connection to its database, or to ``database`` when it serves several (from its pool)."""

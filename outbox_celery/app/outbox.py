@@ -27,11 +27,12 @@ from ..claim.claimer import Claimer, ClaimRun, Published, default_owner
 from ..claim.executor import Claimed
 from ..claim.listener import Listener
 from ..config import OutboxConfig, given_settings, resolve
+from ..databases import Database
 from ..db import migrations
 from ..db.pool import ForkSafePool, IdleCheck
 from ..db.store import Store
 from ..dsn import DSN_ENV, error_line
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, UnknownDatabase
 from ..handlers import MAX_BATCH, MAX_WAIT, HandlerSpec, register_handler
 from ..message import Outcome, split_route
 from ..operated import OperatedOutbox
@@ -40,6 +41,7 @@ from ..produce import enqueue as producer
 from ..produce.enqueue import Event
 from ..worker.deliverer import Deliverer, tally
 from .celery_config import configure_app, dsn_exposed, loaded_conf
+from .lanes import POOL_CHECK_IDLE, Lane, Lanes, open_pool
 from .publisher import TaskPublisher
 from .push import install_listener_step
 from .signals import connect_worker_signals
@@ -55,8 +57,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # Retention: at most this many batches of ``retention_batch_size`` per beat-triggered run.
 PURGE_MAX_BATCHES_PER_RUN = 20
-# Seconds a pooled connection may sit idle and still be handed out without a check (IdleCheck).
-POOL_CHECK_IDLE = 2.0
 
 
 class _QuietClaims(logging.Filter):
@@ -163,8 +163,12 @@ class Outbox(OperatedOutbox):
         self._claimer: Claimer | None = None
         self._deliverer: Deliverer | None = None
         self._publisher: TaskPublisher | None = None
-        #: The push listener running in this worker process, if any (docs/push.md).
+        self._lanes: Lanes | None = None
+        #: The push listener running in this worker process, if any (docs/push.md); with
+        #: several databases, one per database in :attr:`listeners`.
         self.listener: Listener | None = None
+        #: The push listeners of this worker process by database (``databases=``).
+        self.listeners: dict[str, Listener] = {}
         # Through a lambda, not the bound method: a wrapper set on the instance's ``claim``
         # (or ``publish``) sees the claim task's runs.
         self._claim_task_body = CoalescedClaims(lambda: self.claim(), lambda: self.config.claim_interval)
@@ -173,7 +177,7 @@ class Outbox(OperatedOutbox):
         _quiet_claim_logs(f"{name}.claim")  # the name, not the task: reading it would load the config
         connect_worker_signals(
             app,
-            after_fork=self._pool.after_fork,
+            after_fork=self._after_fork,
             shutdown=self.close,
             check=self.check_worker_settings,
             start=self.start_worker,
@@ -204,6 +208,44 @@ class Outbox(OperatedOutbox):
         if self._store is None:
             self._store = Store(self.config.table, relaxed_commit=self.config.relaxed_commit)
         return self._store
+
+    @property
+    def lanes(self) -> Lanes | None:
+        """This process's databases when the outbox serves several (``databases=``), else ``None``."""
+        if self._lanes is None and self.config.databases is not None:
+            self._lanes = Lanes(
+                self.config.databases, self.config, self._handlers, outbox_name=self.name, retry=self._retry
+            )
+        return self._lanes
+
+    @property
+    def databases(self) -> dict[str, Database]:
+        """The databases this outbox serves, by name (``databases=``); empty with one ``dsn``."""
+        lanes = self.lanes
+        return {} if lanes is None else lanes.databases
+
+    def database(self, name: str) -> Lane:
+        """Database ``name`` in this process: its settings, store, pool, claimer and deliverer.
+
+        :raises UnknownDatabase: the outbox serves no database of that name (or only ``dsn``).
+        """
+        lanes = self.lanes
+        if lanes is None:
+            raise UnknownDatabase(f"outbox {self.name} serves one database (dsn), not several: no {name!r}")
+        return lanes.get(name)
+
+    def deliverer_for(self, database: str | None) -> Deliverer:
+        """The deliverer of a delivery task that names ``database`` (``None``: the one ``dsn``).
+
+        :raises UnknownDatabase: the name is not served here, or missing where the outbox
+            serves several; the task's row was not started and comes back after its lease
+            with no attempt spent (DESIGN invariant 34).
+        """
+        if database is None:
+            if self.lanes is not None:
+                raise UnknownDatabase(f"outbox {self.name} serves several databases and the task names none")
+            return self.deliverer
+        return self.database(database).deliverer
 
     @property
     def claimer(self) -> Claimer:
@@ -334,18 +376,27 @@ class Outbox(OperatedOutbox):
         """Add the subscriptions this outbox's handlers declare (``name=``) to its table, where
         the producers read them (DESIGN invariant 28); returns the routes added (an existing one
         is left as it is). Every worker runs it at start-up (:meth:`start_worker`); one removed
-        by an operator stays removed (logged)."""
-        with self._start_connection() as conn:
-            return subscriptions.register(conn, self.config.table, self._handlers)
+        by an operator stays removed (logged). With several databases, in each of them."""
+        added: list[str] = []
+        for cfg in self._database_configs():
+            with self._start_connection(cfg) as conn:
+                added += subscriptions.register(conn, cfg.table, self._handlers)
+        return list(dict.fromkeys(added))
 
-    def _start_connection(self) -> psycopg.Connection[Any]:
+    def _database_configs(self) -> list[OutboxConfig]:
+        """The settings of each database served: the outbox's own, or one per ``databases``."""
+        lanes = self.lanes
+        return [self.config] if lanes is None else [lane.config for lane in lanes.lanes()]
+
+    def _start_connection(self, config: OutboxConfig | None = None) -> psycopg.Connection[Any]:
         # A connection of its own, not the pool: at worker_init the pool processes are not
         # forked yet, and the parent keeps no connection it does not use.
+        cfg = config or self.config
         extra: dict[str, Any] = {}
-        if "connect_timeout" not in conninfo_to_dict(self.config.dsn or ""):
-            extra["connect_timeout"] = max(2, math.ceil(self.config.connection_wait))
+        if "connect_timeout" not in conninfo_to_dict(cfg.dsn or ""):
+            extra["connect_timeout"] = max(2, math.ceil(cfg.connection_wait))
         return psycopg.connect(
-            self.config.dsn or "",
+            cfg.dsn or "",
             autocommit=True,
             application_name=f"outbox-celery:{self.name}:start",
             **extra,
@@ -399,9 +450,35 @@ class Outbox(OperatedOutbox):
         )
 
     def _ready_to_serve(self) -> None:
-        """One try of :meth:`start_worker`: the table migrated, the subscriptions registered."""
-        table = self.config.table
-        with self._start_connection() as conn:
+        """One try of :meth:`start_worker`: the table migrated, the subscriptions registered.
+
+        With several databases, the worker starts once one of them is ready: the others are
+        logged, and their rows wait until they are (DESIGN invariant 34).
+        """
+        lanes = self.lanes
+        if lanes is None:
+            self._database_ready(self.config)
+            return
+        ready, why = 0, ""
+        for lane in lanes.lanes():
+            try:
+                self._database_ready(lane.config)
+                ready += 1
+            except (psycopg.Error, ConfigurationError) as exc:
+                why = error_line(exc, lane.config.dsn) if isinstance(exc, psycopg.Error) else str(exc)
+                logger.warning(
+                    "outbox %s: database %s is not ready (%s); its rows wait until it is",
+                    self.name,
+                    lane.name,
+                    why,
+                    extra={"outcome": "database_failed", "database": lane.name},
+                )
+        if not ready:
+            raise ConfigurationError(f"none of the {len(lanes.lanes())} databases is ready (last: {why})")
+
+    def _database_ready(self, cfg: OutboxConfig) -> None:
+        table = cfg.table
+        with self._start_connection(cfg) as conn:
             if not migrations.applied_versions(conn, table):
                 raise ConfigurationError(f"table {table} was never migrated: run `outbox-celery migrate`")
             todo = migrations.pending(conn, table)
@@ -422,43 +499,25 @@ class Outbox(OperatedOutbox):
         return self._pool.get()
 
     def _open_pool(self) -> ConnectionPool[Any]:
+        if self.config.databases is not None:
+            raise ConfigurationError(
+                f"outbox {self.name} serves several databases: name one "
+                "(outbox.connection(database=...), outbox.database(name).pool)"
+            )
         # No local holds the DSN: error reporters that record frame locals would send it.
         if not self.config.dsn:
             raise ConfigurationError(
                 f"no DSN: set {DSN_ENV}, pass Outbox(app, dsn=...) or set outbox_dsn in the Celery config"
             )
-        kwargs: dict[str, Any] = {
-            "autocommit": True,
-            "application_name": f"outbox-celery:{self.name}",
-            # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
-            "prepare_threshold": self.config.prepare_threshold,
-        }
-        wait = self.config.connection_wait
-        if "connect_timeout" not in conninfo_to_dict(self.config.dsn):
-            # libpq's own is unbounded: a host that does not answer would hold a new
-            # connection for the kernel's SYN retries, minutes.
-            kwargs["connect_timeout"] = max(2, math.ceil(wait))
-        return ConnectionPool(
-            self.config.dsn,
-            min_size=1,
-            max_size=self.config.pool_max_size,
-            kwargs=kwargs,
-            # Bounded by the lease (connection_wait): after the server dropped the pool's
-            # connections, a delivery or a claim that cannot get one fails fast and its row
-            # comes back after its lease, instead of waiting out psycopg_pool's 30 s.
-            timeout=wait,
-            name=f"outbox-{self.name}",
-            # A connection the server closed while it sat idle (restart, failover,
-            # pg_terminate_backend) is replaced before use, not handed to a delivery whose
-            # fenced write would then fail. Only idle ones: a round trip per checkout cost as
-            # much as the fenced writes themselves; the rest are covered by the retry.
-            check=self._idle_check,
-            open=True,
-        )
+        return open_pool(self.config, name=self.name, check=self._idle_check)
 
     @contextmanager
-    def connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled autocommit connection."""
+    def connection(self, database: str | None = None) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled autocommit connection (with several databases: to ``database``)."""
+        if database is not None or self.config.databases is not None:
+            with self.database(database or "").connection() as conn:
+                yield conn
+            return
         with self.pool.connection() as conn:
             try:
                 yield conn
@@ -473,12 +532,19 @@ class Outbox(OperatedOutbox):
         """
         self.pool.check()
 
+    def _after_fork(self) -> None:
+        self._pool.after_fork()
+        if self._lanes is not None:
+            self._lanes.after_fork()
+
     def close(self) -> None:
-        """Write the batched ``done`` still held, then close this process's pool and publishing
+        """Write the batched ``done`` still held, then close this process's pools and publishing
         connection (idempotent)."""
         if self._deliverer is not None:
             self._deliverer.flush()
         self._pool.close()
+        if self._lanes is not None:
+            self._lanes.close()
         if self._publisher is not None:
             self._publisher.close()
 
@@ -499,85 +565,134 @@ class Outbox(OperatedOutbox):
             )
         return self._publisher
 
-    def task_id(self, claim: Claimed) -> str:
-        """Deterministic Celery task id of a claimed row: ``<table>:<id>:v<version>``
+    def task_id(self, claim: Claimed, database: str | None = None) -> str:
+        """Deterministic Celery task id of a claimed row: ``<table>:<id>:v<version>``, after
+        ``<database>/`` with several databases
         (:meth:`TaskPublisher.task_id <outbox_celery.app.publisher.TaskPublisher.task_id>`)."""
-        return self.publisher.task_id(claim)
+        return self.publisher.task_id(claim, database)
 
-    def batch_task_id(self, unit: Sequence[Claimed]) -> str:
+    def batch_task_id(self, unit: Sequence[Claimed], database: str | None = None) -> str:
         """Deterministic Celery task id of a batch or pack task: its first claim's, then ``+<size>``
         (:meth:`~outbox_celery.app.publisher.TaskPublisher.batch_task_id`)."""
-        return self.publisher.batch_task_id(unit)
+        return self.publisher.batch_task_id(unit, database)
 
-    def publish(self, claims: Sequence[Claimed]) -> Published:
+    def publish(self, claims: Sequence[Claimed], database: str | None = None) -> Published:
         """Send one delivery task per claim (per group, for batch handlers and packs); what was
-        sent and which routes the app refused. Delegates to :attr:`publisher`
+        sent and which routes the app refused. The tasks name ``database`` when the outbox
+        serves several. Delegates to :attr:`publisher`
         (:class:`~outbox_celery.app.publisher.TaskPublisher`).
         """
-        return self.publisher(claims)
+        return self.publisher(claims, database=database)
 
     def claim(self) -> ClaimRun:
-        """Run one claim (what the beat-triggered task does); usable without Celery workers."""
+        """Run one claim (what the beat-triggered task does); usable without Celery workers.
+
+        With several databases, one claim run on each that may have work, in turn
+        (:meth:`Lanes.claim <outbox_celery.app.lanes.Lanes.claim>`, DESIGN invariant 34).
+        """
         # Through the method, not the publisher itself: a wrapper set on the instance's
         # ``publish`` (benchmarks/hooks.py times publishes so) sees every claim run's publishes.
+        lanes = self.lanes
+        if lanes is not None:
+            return lanes.claim(self.publish, owner=default_owner(), sweep_idle=self.config.listen)
         return self.claimer.run(self.publish, owner=default_owner())
 
-    def enqueue(self, conn: Any, **event: Any) -> int:
+    def claim_database(self, database: str) -> ClaimRun:
+        """One claim run on ``database`` alone (what its push listener runs)."""
+        lanes = self.lanes
+        if lanes is None:
+            raise UnknownDatabase(f"outbox {self.name} serves one database (dsn), not several")
+        return lanes.claim_one(lanes.get(database), self.publish, owner=default_owner())
+
+    def enqueue(self, conn: Any, *, database: str | None = None, **event: Any) -> int:
         """:func:`~outbox_celery.enqueue` into this outbox's ``table``, within ``max_payload_bytes``.
 
         ``event`` takes :func:`~outbox_celery.enqueue`'s keywords (``event_type``, ``payload``,
-        ``aggregate_type``, ``aggregate_id``, ...); ``conn`` is any connection it accepts.
+        ``aggregate_type``, ``aggregate_id``, ...); ``conn`` is any connection it accepts. With
+        several databases, ``conn`` is one to ``database``, whose table is written.
         """
-        return producer.enqueue(conn, **self._producer_defaults(event))
+        return producer.enqueue(conn, **self._producer_defaults(event, database))
 
     def enqueue_many(
-        self, conn: Any, messages: Iterable[Event | Mapping[str, Any]], **options: Any
+        self,
+        conn: Any,
+        messages: Iterable[Event | Mapping[str, Any]],
+        *,
+        database: str | None = None,
+        **options: Any,
     ) -> list[int]:
-        """:func:`~outbox_celery.enqueue_many` with this outbox's ``table`` and ``max_payload_bytes``."""
-        return producer.enqueue_many(conn, messages, **self._producer_defaults(options))
+        """:func:`~outbox_celery.enqueue_many` with this outbox's ``table`` and
+        ``max_payload_bytes`` (with several databases, ``database``'s table)."""
+        return producer.enqueue_many(conn, messages, **self._producer_defaults(options, database))
 
-    def _producer_defaults(self, options: dict[str, Any]) -> dict[str, Any]:
-        return {"table": self.config.table, "max_payload_bytes": self.config.max_payload_bytes, **options}
+    def _producer_defaults(self, options: dict[str, Any], database: str | None = None) -> dict[str, Any]:
+        table = self.config.table if database is None else self.database(database).config.table
+        return {"table": table, "max_payload_bytes": self.config.max_payload_bytes, **options}
 
-    def pause(self, event_type: str, *, limit_key: str | None = None) -> bool:
+    def _each_database(self, database: str | None) -> list[tuple[str | None, OutboxConfig]]:
+        """``(name, settings)`` of ``database``, or of every database served when ``None``."""
+        lanes = self.lanes
+        if lanes is None or database is not None:
+            return [(database, self.config if database is None else self.database(database).config)]
+        return [(lane.name, lane.config) for lane in lanes.lanes()]
+
+    def pause(self, event_type: str, *, limit_key: str | None = None, database: str | None = None) -> bool:
         """Pause ``event_type`` (or only its ``limit_key``) in this outbox's table: no claim
         hands out its messages until :meth:`resume` (docs/flow-control.md, DESIGN invariants 23,
         24). Deliveries already running finish. A type with subscriptions is paused with every
         route of it (DESIGN invariant 28); a route alone pauses that subscription. Returns
-        whether it was running before (``False``: already paused).
+        whether it was running before (``False``: already paused). With several databases, in
+        ``database``, or in every one when ``None``.
         """
-        with self.connection() as conn:
-            return flow.pause(conn, self.config.table, event_type, limit_key=limit_key)
+        was = False
+        for name, cfg in self._each_database(database):
+            with self.connection(name) as conn:
+                was = flow.pause(conn, cfg.table, event_type, limit_key=limit_key) or was
+        return was
 
-    def resume(self, event_type: str, *, limit_key: str | None = None) -> bool:
+    def resume(self, event_type: str, *, limit_key: str | None = None, database: str | None = None) -> bool:
         """Resume ``event_type`` (or only its ``limit_key``): it is claimable at once (the push
         listeners are woken), and a RateLimited hold on it ends too; a type with subscriptions
-        is resumed with every route of it. Returns whether it was paused or held.
+        is resumed with every route of it. Returns whether it was paused or held. With several
+        databases, in ``database``, or in every one when ``None``.
         """
-        with self.connection() as conn:
-            return flow.resume(conn, self.config.table, event_type, limit_key=limit_key)
+        was = False
+        for name, cfg in self._each_database(database):
+            with self.connection(name) as conn:
+                was = flow.resume(conn, cfg.table, event_type, limit_key=limit_key) or was
+        return was
 
-    def deliver(self, outbox_id: int, lease_version: int) -> Outcome:
+    def deliver(self, outbox_id: int, lease_version: int, database: str | None = None) -> Outcome:
         """Deliver one row in this process (what the delivery task does)."""
-        return self.deliverer.deliver([(outbox_id, lease_version)])[outbox_id]
+        return self.deliverer_for(database).deliver([(outbox_id, lease_version)])[outbox_id]
 
-    def deliver_batch(self, pairs: Sequence[tuple[int, int]]) -> dict[str, int]:
+    def deliver_batch(self, pairs: Sequence[tuple[int, int]], database: str | None = None) -> dict[str, int]:
         """Deliver ``(id, lease_version)`` pairs of a batch handler, or a pack, in this process
         (what the batch task does); returns how many rows ended in each outcome (docs/batch.md)."""
-        return tally(self.deliverer.deliver(pairs, batch_done=True))
+        return tally(self.deliverer_for(database).deliver(pairs, batch_done=True))
 
     def purge(self) -> int:
         """Delete old ``done`` rows per ``retention``; returns rows deleted."""
-        cfg = self.config
-        if cfg.retention is None:
+        if self.config.retention is None:
             return 0
-        with self.connection() as conn:
-            # Bounded per run: the purge shares the claim queue and must not hold it for long;
-            # the next run (every few minutes) continues where this one stopped.
-            return retention.purge_done(
-                conn,
-                cfg.table,
-                older_than=cfg.retention,
-                batch_size=cfg.retention_batch_size,
-                max_batches=PURGE_MAX_BATCHES_PER_RUN,
-            )
+        deleted = 0
+        for name, cfg in self._each_database(None):
+            try:
+                with self.connection(name) as conn:
+                    # Bounded per run: the purge shares the claim queue and must not hold it for
+                    # long; the next run (every few minutes) continues where this one stopped.
+                    deleted += retention.purge_done(
+                        conn,
+                        cfg.table,
+                        older_than=cfg.retention or 0.0,
+                        batch_size=cfg.retention_batch_size,
+                        max_batches=PURGE_MAX_BATCHES_PER_RUN,
+                    )
+            except psycopg.Error as exc:
+                if name is None:
+                    raise
+                # One database down keeps the others' purge going.
+                logger.warning(
+                    "outbox %s: purge on database %s failed: %s", self.name, name, error_line(exc, cfg.dsn)
+                )
+        return deleted

@@ -35,15 +35,17 @@ __all__ = ["TaskPublisher"]
 logger = logging.getLogger("outbox_celery.app.outbox")
 
 
-def _reprs(claim: Claimed) -> dict[str, Any]:
+def _reprs(claim: Claimed, database: str | None) -> dict[str, Any]:
     """A delivery task's ``argsrepr``/``kwargsrepr``, given rather than derived by Celery."""
-    return {"argsrepr": f"({claim.id}, {claim.lease_version})", "kwargsrepr": "{}"}
+    db = "" if database is None else f", {database!r}"
+    return {"argsrepr": f"({claim.id}, {claim.lease_version}{db})", "kwargsrepr": "{}"}
 
 
-def _batch_reprs(unit: Sequence[Claimed]) -> dict[str, Any]:
+def _batch_reprs(unit: Sequence[Claimed], database: str | None) -> dict[str, Any]:
     """A batch task's ``argsrepr``: its size and id range, not two arrays of up to MAX_BATCH."""
     ids = [c.id for c in unit]
-    return {"argsrepr": f"({len(unit)} rows, ids {min(ids)}..{max(ids)})", "kwargsrepr": "{}"}
+    db = "" if database is None else f", {database!r}"
+    return {"argsrepr": f"({len(unit)} rows, ids {min(ids)}..{max(ids)}{db})", "kwargsrepr": "{}"}
 
 
 @contextmanager
@@ -98,6 +100,9 @@ class TaskPublisher:
         self._deliver = deliver
         self._deliver_batch = deliver_batch
         self._lock = threading.Lock()
+        # One publish at a time on the process's connection: with several databases, their
+        # push listeners publish from a thread each (kombu's connections are not thread-safe).
+        self._publishing = threading.Lock()
         self._conn: Any = None
         self._conn_pid: int | None = None
 
@@ -106,15 +111,17 @@ class TaskPublisher:
         spec = self._handlers.get(event_type)
         return (spec.queue if spec and spec.queue else None) or self.config.default_queue
 
-    def task_id(self, claim: Claimed) -> str:
-        """Deterministic Celery task id of a claimed row: ``<table>:<id>:v<version>``."""
-        return f"{self.config.table.qualified}:{claim.id}:v{claim.lease_version}"
+    def task_id(self, claim: Claimed, database: str | None = None) -> str:
+        """Deterministic Celery task id of a claimed row: ``<table>:<id>:v<version>``, after
+        ``<database>/`` when the outbox serves several."""
+        db = "" if database is None else f"{database}/"
+        return f"{db}{self.config.table.qualified}:{claim.id}:v{claim.lease_version}"
 
-    def batch_task_id(self, unit: Sequence[Claimed]) -> str:
+    def batch_task_id(self, unit: Sequence[Claimed], database: str | None = None) -> str:
         """Deterministic Celery task id of a batch task: its first claim's, then ``+<size>``."""
-        return f"{self.task_id(unit[0])}+{len(unit)}"
+        return f"{self.task_id(unit[0], database)}+{len(unit)}"
 
-    def __call__(self, claims: Sequence[Claimed]) -> Published:
+    def __call__(self, claims: Sequence[Claimed], database: str | None = None) -> Published:
         """Send one delivery task per claim (per group, for batch handlers and packs) over one
         connection; never raises.
 
@@ -123,7 +130,12 @@ class TaskPublisher:
         in :attr:`Published.refused`; the other routes are published. A broker failure stops
         the publish: the claims after it are in neither list. Claims are grouped by
         :func:`~outbox_celery.claim.units.publish_units`; the claim loop orders them that way.
+        With several databases, ``database`` names the claims' database in every task.
         """
+        with self._publishing:
+            return self._publish(claims, database)
+
+    def _publish(self, claims: Sequence[Claimed], database: str | None) -> Published:
         sent: list[Claimed] = []
         refused: dict[str, str] = {}
         skew = timedelta(seconds=self.config.max_clock_skew)
@@ -138,7 +150,7 @@ class TaskPublisher:
                         if route in refused:
                             continue
                         try:
-                            self._send(unit, options, skew)
+                            self._send(unit, options, skew, database)
                         except QueueNotFound as exc:
                             refused[route] = f"{type(exc).__name__}: {exc}"
                             continue
@@ -180,9 +192,15 @@ class TaskPublisher:
             },
         }
 
-    def _send(self, unit: Sequence[Claimed], options: dict[str, Any], skew: timedelta) -> None:
+    def _send(
+        self, unit: Sequence[Claimed], options: dict[str, Any], skew: timedelta, database: str | None
+    ) -> None:
         """Publish the task of one unit (a claim, a batch handler's group or a pack)."""
         c = unit[0]
+        # With several databases the task names its database: an argument, and in the name
+        # Flower shows.
+        where = "" if database is None else f"[{database}]"
+        extra = () if database is None else (database,)
         spec = self._handlers.get(c.event_type)
         batch = spec is not None and spec.batch is not None
         if batch or len(unit) > 1:
@@ -190,28 +208,28 @@ class TaskPublisher:
             # shows in the task's name.
             task = "deliver_batch" if batch else "deliver"
             self._deliver_batch.apply_async(
-                ([u.id for u in unit], [u.lease_version for u in unit]),
-                task_id=self.batch_task_id(unit),
+                ([u.id for u in unit], [u.lease_version for u in unit], *extra),
+                task_id=self.batch_task_id(unit, database),
                 queue=self.queue_for(c.event_type),
                 expires=min(u.lease_until for u in unit) + skew,
-                shadow=f"{self.name}.{task}[{c.event_type}][{len(unit)}]",
+                shadow=f"{self.name}.{task}{where}[{c.event_type}][{len(unit)}]",
                 headers=task_headers({"outbox_event_type": c.event_type}),
-                **_batch_reprs(unit),
+                **_batch_reprs(unit, database),
                 **options,
             )
             return
         self._deliver.apply_async(
-            (c.id, c.lease_version),
-            task_id=self.task_id(c),
+            (c.id, c.lease_version, *extra),
+            task_id=self.task_id(c, database),
             queue=self.queue_for(c.event_type),
             # The fence decides staleness; ``expires`` only saves work, and since the worker
             # checks it on its own clock it needs the skew allowance.
             expires=c.lease_until + skew,
-            shadow=f"{self.name}.deliver[{c.event_type}]",
+            shadow=f"{self.name}.deliver{where}[{c.event_type}]",
             headers=task_headers({"outbox_event_type": c.event_type}),
             # Given, not derived: Celery's safe repr of the arguments costs more than the rest
             # of the message body.
-            **_reprs(c),
+            **_reprs(c, database),
             **options,
         )
 

@@ -10,8 +10,9 @@ and no wait for a free pool process behind deliveries (docs/push.md has the meas
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Celery, bootsteps
 from celery.platforms import EX_FAILURE
@@ -23,7 +24,10 @@ from ..config import OutboxConfig
 from ..db.store import Store
 from ..handlers import HandlerSpec
 
-__all__ = ["ListenedOutbox", "install_listener_step", "listener_for"]
+if TYPE_CHECKING:
+    from .lanes import Lane, Lanes
+
+__all__ = ["DatabaseListeners", "ListenedOutbox", "install_listener_step", "listener_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +43,16 @@ class ListenedOutbox(Protocol):
     name: str
     #: The listener running in this worker process, set and cleared by the step.
     listener: Listener | None
+    #: With several databases: the listeners running in this worker process, by database.
+    listeners: dict[str, Listener]
 
     @property
     def config(self) -> OutboxConfig: ...
+
+    @property
+    def lanes(self) -> Lanes | None: ...
+
+    def claim_database(self, database: str) -> ClaimRun: ...
 
     @property
     def store(self) -> Store: ...
@@ -78,6 +89,84 @@ def listener_for(outbox: ListenedOutbox) -> Listener:
     )
 
 
+def lane_listener(outbox: ListenedOutbox, lane: Lane) -> Listener:
+    """A :class:`Listener` that claims ``lane``'s database for ``outbox`` in this process.
+
+    A database that does not answer never stops the worker (``unreachable_exit_after`` is for
+    one database): it is retried with backoff while the others are served (DESIGN invariant 34).
+    """
+    cfg = lane.config
+    dsn = cfg.listen_dsn or cfg.dsn
+    assert dsn is not None
+    name = lane.name
+    return Listener(
+        dsn=dsn,
+        store=lane.store,
+        claim=lambda: outbox.claim_database(name),
+        event_types=lambda: sorted(outbox.handlers),
+        poll=cfg.listen_poll,
+        idle_poll=cfg.idle_sweep,
+        name=f"{outbox.name}:{name}",
+        prepare_threshold=cfg.prepare_threshold,
+    )
+
+
+class DatabaseListeners:
+    """The push listeners of an outbox that serves several databases: one per database.
+
+    A thread of its own starts them, then reads the declared databases again every
+    ``databases_refresh`` seconds (a ``databases`` callable): a new database gets its
+    listener, a removed one's stops.
+    """
+
+    def __init__(self, outbox: ListenedOutbox) -> None:
+        self.outbox = outbox
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the listeners (returns at once)."""
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._run, name=f"outbox-listeners-{self.outbox.name}", daemon=True
+        )
+        self._thread.start()
+
+    def sync(self) -> None:
+        """Start a listener for each database without one, stop those of removed databases."""
+        lanes = self.outbox.lanes
+        if lanes is None:
+            return
+        lanes.refresh()
+        current = {lane.name: lane for lane in lanes.lanes()}
+        listeners = self.outbox.listeners
+        for name in [n for n in listeners if n not in current]:
+            listeners.pop(name).stop()
+        for name, lane in current.items():
+            if name not in listeners and not self._stop.is_set():
+                listeners[name] = lane_listener(self.outbox, lane)
+                listeners[name].start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync()
+            except Exception as exc:  # a databases callable that fails: the last ones go on
+                logger.error("outbox %s: listeners not updated: %s", self.outbox.name, exc)
+            self._stop.wait(self.outbox.config.databases_refresh)
+
+    def stop(self) -> None:
+        """Stop every listener (each finishes its claim run first)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(5.0)
+        listeners = self.outbox.listeners
+        while listeners:
+            _, listener = listeners.popitem()
+            listener.stop()
+
+
 def _stop_worker() -> None:
     """A warm shutdown with exit code 1, as Celery's own SIGTERM handler starts one: the worker's
     loop reads the flag and raises ``WorkerShutdown`` (the listener's thread cannot)."""
@@ -97,12 +186,20 @@ def install_listener_step(outbox: ListenedOutbox) -> None:
         def __init__(self, parent: Any, **kwargs: Any) -> None:
             super().__init__(parent, **kwargs)
             self.listener: Listener | None = None
+            self.databases: DatabaseListeners | None = None
 
         def start(self, parent: Any) -> None:
             if getattr(parent, "app", outbox.app) is not outbox.app:
                 return
             cfg = outbox.config
             if not cfg.listen or not _consumes(outbox, parent):
+                return
+            if cfg.databases is not None:
+                if not outbox.handlers:
+                    logger.warning("outbox listener %s not started: no handlers", outbox.name)
+                    return
+                self.databases = DatabaseListeners(outbox)
+                self.databases.start()
                 return
             if not outbox.handlers or not (cfg.listen_dsn or cfg.dsn):
                 logger.warning("outbox listener %s not started: no handlers or no DSN", outbox.name)
@@ -112,6 +209,9 @@ def install_listener_step(outbox: ListenedOutbox) -> None:
             self.listener.start()
 
         def stop(self, parent: Any) -> None:
+            databases, self.databases = self.databases, None
+            if databases is not None:
+                databases.stop()
             listener, self.listener = self.listener, None
             if listener is not None:
                 listener.stop()

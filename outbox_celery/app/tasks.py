@@ -31,8 +31,7 @@ class TaskedOutbox(Protocol):
     app: Celery
     name: str
 
-    @property
-    def deliverer(self) -> Deliverer: ...
+    def deliverer_for(self, database: str | None) -> Deliverer: ...
 
     def purge(self) -> int: ...
 
@@ -99,16 +98,18 @@ def register_tasks(outbox: TaskedOutbox, claim: Callable[[], ClaimRun]) -> Outbo
     }
 
     @app.task(name=f"{name}.deliver", **delivery)
-    def deliver(outbox_id: int, lease_version: int) -> str:
-        """Deliver one outbox row (fenced start, handler, fenced finalize)."""
+    def deliver(outbox_id: int, lease_version: int, database: str | None = None) -> str:
+        """Deliver one outbox row (fenced start, handler, fenced finalize); ``database`` names
+        its database when the outbox serves several (DESIGN invariant 34)."""
         outbox_id = int(outbox_id)
-        return outbox.deliverer.deliver([(outbox_id, int(lease_version))], batch_done=True)[outbox_id]
+        deliverer = outbox.deliverer_for(database)
+        return deliverer.deliver([(outbox_id, int(lease_version))], batch_done=True)[outbox_id]
 
     @app.task(name=f"{name}.deliver_batch", **delivery)
-    def deliver_batch(ids: list[int], versions: list[int]) -> dict[str, int]:
+    def deliver_batch(ids: list[int], versions: list[int], database: str | None = None) -> dict[str, int]:
         """Deliver a batch handler's rows or a pack (one fenced start, then the handlers)."""
         pairs = [(int(i), int(v)) for i, v in zip(ids, versions, strict=True)]
-        return tally(outbox.deliverer.deliver(pairs, batch_done=True))
+        return tally(outbox.deliverer_for(database).deliver(pairs, batch_done=True))
 
     @app.task(name=f"{name}.purge", ignore_result=True, shared=False)
     def purge() -> int:

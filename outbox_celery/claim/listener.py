@@ -63,6 +63,12 @@ class Listener:
     :param on_unreachable: what giving up does (the Celery step stops the worker, exit code 1).
     :param prepare_threshold: psycopg's ``prepare_threshold`` for its connection, as for the
         pool's (``None`` behind a transaction-mode pooler: its statements run many times).
+    :param idle_poll: seconds it waits at most when nothing wakes it, once its claim runs have
+        found nothing to do (nothing claimed, reaped or released, nothing held by a limit) for
+        that long; ``None``: always ``poll``. A message that waits for no notification (an
+        ordered follower whose head just finished) is claimed within ``poll`` while the
+        database was busy lately. An Outbox of several databases sets ``idle_sweep`` here, so an idle
+        database costs its LISTEN and one claim per sweep (DESIGN invariant 34).
     """
 
     def __init__(
@@ -78,8 +84,12 @@ class Listener:
         exit_after: float | None = None,
         on_unreachable: Callable[[], None] | None = None,
         prepare_threshold: int | None = 5,
+        idle_poll: float | None = None,
     ) -> None:
         self.dsn = dsn
+        self.idle_poll = idle_poll
+        # When a claim run last did something (monotonic).
+        self._active_at = time.monotonic()
         self.prepare_threshold = prepare_threshold
         self.store = store
         self.claim = claim
@@ -263,12 +273,22 @@ class Listener:
             if run is not None and run.stopped_by == StoppedBy.BUDGET:
                 continue  # a backlog: keep claiming
             break
-        due = self.store.next_due(conn, self.event_types(), within=self.poll)
+        poll = self.poll
+        if run is not None and _did_something(run):
+            self._active_at = time.monotonic()
+        elif self.idle_poll is not None and time.monotonic() - self._active_at >= self.idle_poll:
+            poll = self.idle_poll
+        due = self.store.next_due(conn, self.event_types(), within=poll)
         self._held = run is not None and run.flow_wait is not None
         if run is not None and run.flow_wait is not None:
             # An event type held back by its limit or a RateLimited outcome: a finished
             # delivery, a refilled rate bucket or a hold's end sends no notification.
             due = run.flow_wait if due is None else min(due, run.flow_wait)
         if due is None:
-            return self.poll
-        return min(self.poll, max(_MIN_WAIT, due))
+            return poll
+        return min(poll, max(_MIN_WAIT, due))
+
+
+def _did_something(run: ClaimRun) -> bool:
+    """Whether a claim run changed rows or left a type held back by a limit."""
+    return bool(run.claimed or run.reaped or run.released or run.lost or run.flow_wait is not None)

@@ -53,6 +53,12 @@ _TARGET_OPTIONS = [
         metavar="NAME",
         help="Outbox table, 'name' or 'schema.name' (env OUTBOX_TABLE). Default: the Outbox's, or outbox.",
     ),
+    click.option(
+        "--database",
+        envvar="OUTBOX_DATABASE",
+        metavar="NAME",
+        help="Which database of an Outbox that serves several (env OUTBOX_DATABASE; docs/databases.md).",
+    ),
 ]
 
 
@@ -75,10 +81,17 @@ def _target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("-v", "--verbose", is_flag=True, help="Show the library's log records on stderr.")
 @click.version_option(package_name="outbox-celery", prog_name="outbox-celery")
 @click.pass_context
-def cli(ctx: click.Context, dsn: str | None, table: str | None, app_spec: str | None, verbose: bool) -> None:
+def cli(
+    ctx: click.Context,
+    dsn: str | None,
+    table: str | None,
+    database: str | None,
+    app_spec: str | None,
+    verbose: bool,
+) -> None:
     """See, steer and maintain a transactional outbox (PostgreSQL + Celery)."""
     _setup_logging(verbose)
-    ctx.obj = Target(dsn=dsn, table=table, app_spec=app_spec)
+    ctx.obj = Target(dsn=dsn, table=table, app_spec=app_spec, database=database)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -106,10 +119,14 @@ def _setup_logging(verbose: bool) -> None:
     "--outbox", "outbox_name", metavar="NAME", help="Which Outbox of the app (by name) when it has several."
 )
 @click.pass_context
-def celery_outbox(ctx: click.Context, dsn: str | None, table: str | None, outbox_name: str | None) -> None:
+def celery_outbox(
+    ctx: click.Context, dsn: str | None, table: str | None, database: str | None, outbox_name: str | None
+) -> None:
     """Operate the app's transactional outbox (same commands as outbox-celery)."""
     _setup_logging(False)
-    ctx.obj = Target(dsn=dsn, table=table, outbox_finder=celery_outbox_finder(ctx, outbox_name))
+    ctx.obj = Target(
+        dsn=dsn, table=table, outbox_finder=celery_outbox_finder(ctx, outbox_name), database=database
+    )
 
 
 # One command table for both entry points: a command defined on ``cli`` anywhere, before or after

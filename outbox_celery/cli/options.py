@@ -69,7 +69,11 @@ def pass_target(fn: Callable[..., Any]) -> Callable[..., Any]:
         callback=_override_target,
         help="Load an Outbox (e.g. proj.tasks:outbox); same as the option before the command.",
     )(fn)
-    for name, what in (("--table", "Outbox table"), ("--dsn", "PostgreSQL connection string")):
+    for name, what in (
+        ("--database", "Which database of an Outbox that serves several"),
+        ("--table", "Outbox table"),
+        ("--dsn", "PostgreSQL connection string"),
+    ):
         fn = click.option(
             name,
             metavar=name.lstrip("-").upper() if name == "--dsn" else "NAME",

@@ -26,12 +26,45 @@ def migrate(target: Target, check: bool, as_json: bool) -> None:
 
     With -A, also add the subscriptions the app's handlers declare and say, for each, whether
     it was added or existed (as `subscriptions sync`): a deploy step run before the producers.
-    With --check, exit 1 as well when one of them is missing.
+    With --check, exit 1 as well when one of them is missing. An Outbox that serves several
+    databases has each migrated in turn, unless --database names one.
+    """
+    names = target.database_names if target.database is None else []
+    if not names:
+        failed = _migrate_one(target, check, as_json)
+    else:
+        # An Outbox of several databases: each one, in turn (DESIGN invariant 34).
+        results: list[dict[str, Any]] = []
+        failed = False
+        for name in names:
+            target.override(database=name)
+            if not as_json:
+                click.echo(f"database {name}:")
+            failed = _migrate_one(target, check, as_json, into=results) or failed
+        if as_json:
+            echo_json({"databases": results})
+    if failed:
+        raise SystemExit(1)
+
+
+def _migrate_one(
+    target: Target, check: bool, as_json: bool, into: list[dict[str, Any]] | None = None
+) -> bool:
+    """Migrate (or check) the target's database; whether ``--check`` found something to do.
+
+    With ``into``, the JSON result is appended there (with the database's name) instead of printed.
     """
     table = target.table
     outbox = target.outbox
     routes = list(outbox.handlers) if outbox is not None else None
     declared: list[subscriptions.Declared] | None = None
+
+    def emit(result: dict[str, Any]) -> None:
+        if into is None:
+            echo_json(result)
+        else:
+            into.append({"database": target.database, **result})
+
     with target.connect() as conn:
         if check:
             todo = migrations.pending(conn, table)
@@ -40,7 +73,7 @@ def migrate(target: Target, check: bool, as_json: bool) -> None:
                 declared = subscriptions.declared(conn, table, routes)
             missing = [d for d in declared or [] if d.state == "missing"]
             if as_json:
-                echo_json(
+                emit(
                     {
                         "table": table.qualified,
                         "up_to_date": not todo,
@@ -56,18 +89,16 @@ def migrate(target: Target, check: bool, as_json: bool) -> None:
                 else:
                     click.echo(f"schema of {table.qualified} is up to date (version {max(current)})")
                 _echo_declared(declared)
-            if todo or missing:
-                raise SystemExit(1)
-            return
+            return bool(todo or missing)
         applied = migrations.migrate(conn, table)
         current = migrations.applied_versions(conn, table)
         if routes is not None:
             declared = subscriptions.declare(conn, table, routes)
     if as_json:
-        echo_json(
+        emit(
             {"table": table.qualified, "applied_now": applied, "applied": current, **_declared_json(declared)}
         )
-        return
+        return False
     if applied:
         click.echo(
             f"migrated {table.qualified}: applied version(s) {', '.join(map(str, applied))}; "
@@ -76,6 +107,7 @@ def migrate(target: Target, check: bool, as_json: bool) -> None:
     else:
         click.echo(f"{table.qualified} is already up to date (version {max(current)})")
     _echo_declared(declared)
+    return False
 
 
 def _declared_json(declared: list[subscriptions.Declared] | None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from ..config import OutboxConfig
+from ..databases import Database
 from ..dsn import invalid_dsn, password, redact
 from ..errors import first_line
 from ..operated import OperatedOutbox
@@ -33,18 +34,28 @@ class Target:
         table: str | None,
         app_spec: str | None = None,
         outbox_finder: Callable[[], OperatedOutbox | None] | None = None,
+        database: str | None = None,
     ) -> None:
         self._dsn = dsn
         self._table = table
+        self._database = database
         self._app_spec = app_spec
         self._finder = outbox_finder
         self._outbox: OperatedOutbox | None = None
         self._loaded = False
 
     def override(
-        self, *, dsn: str | None = None, table: str | None = None, app_spec: str | None = None
+        self,
+        *,
+        dsn: str | None = None,
+        table: str | None = None,
+        app_spec: str | None = None,
+        database: str | None = None,
     ) -> None:
-        """Replace the DSN, the table or the Outbox's spec (options given after the command)."""
+        """Replace the DSN, the table, the Outbox's spec or the database (options given after
+        the command)."""
+        if database is not None:
+            self._database = database
         if dsn is not None:
             self._dsn = dsn
         if table is not None:
@@ -65,9 +76,50 @@ class Target:
         return self._outbox
 
     @property
+    def database_names(self) -> list[str]:
+        """The databases of the loaded Outbox when it serves several and no ``--dsn`` is given
+        (what ``migrate`` goes through); otherwise empty."""
+        if self._dsn or self.outbox is None:
+            return []
+        return sorted(self.outbox.databases)
+
+    @property
+    def database(self) -> str | None:
+        """``--database``/``OUTBOX_DATABASE``: which database of the Outbox, when it serves several."""
+        return self._database
+
+    def _declared(self) -> Database | None:
+        """The loaded Outbox's database named by ``--database`` (``None``: one ``dsn``).
+
+        A one-line error when the Outbox serves several and none (or an unknown one) is named.
+        """
+        outbox = self.outbox
+        declared = outbox.databases if outbox is not None else {}
+        if not declared:
+            if self._database is not None and not self._dsn:
+                raise click.ClickException(
+                    f"--database {self._database}: the outbox serves one database (its dsn), not several"
+                )
+            return None
+        if self._database is None:
+            raise click.ClickException(
+                f"the outbox serves several databases ({', '.join(sorted(declared))}): pass --database NAME"
+            )
+        db = declared.get(self._database)
+        if db is None:
+            raise click.ClickException(
+                f"the outbox serves no database {self._database!r} (it serves: {', '.join(sorted(declared))})"
+            )
+        return db
+
+    @property
     def dsn(self) -> str:
-        """``--dsn``/``OUTBOX_DSN``, else the Outbox's; a one-line error when there is none."""
-        dsn = self._dsn or (self.outbox.config.dsn if self.outbox is not None else None)
+        """``--dsn``/``OUTBOX_DSN``, else the Outbox's (its ``--database``'s); a one-line error
+        when there is none."""
+        dsn = self._dsn
+        if not dsn and self.outbox is not None:
+            db = self._declared()
+            dsn = db.dsn if db is not None else self.outbox.config.dsn
         if not dsn:
             raise click.ClickException(
                 "no database: pass --dsn or set OUTBOX_DSN (or -A module:outbox with a dsn)"
@@ -80,6 +132,9 @@ class Target:
         if self._table:
             return TableName.parse(self._table)
         if self.outbox is not None:
+            db = None if self._dsn else self._declared()
+            if db is not None and db.table:
+                return TableName.parse(db.table)
             return self.outbox.config.table
         return TableName("outbox")
 
@@ -95,20 +150,23 @@ class Target:
 
     @property
     def where(self) -> str:
-        """``table on <dsn without password>``, safe to print."""
-        return f"table {self.table.qualified} on {redact(self.dsn)}"
+        """``table on <dsn without password>``, safe to print (after ``database <name>:``
+        when the Outbox serves several)."""
+        named = f"database {self._database}: " if self._database and not self._dsn else ""
+        return f"{named}table {self.table.qualified} on {redact(self.dsn)}"
 
     def scrub(self, text: str) -> str:
         """``text`` with the DSN's password (if any) masked."""
-        dsn = self._dsn
-        if not dsn and self._outbox is not None:
-            dsn = self._outbox.config.dsn
-        try:
-            secret = password(dsn) if dsn else None
-        except psycopg.Error:
-            secret = None
-        if secret:
-            text = text.replace(secret, "***")
+        dsns = [self._dsn]
+        if self._outbox is not None:
+            dsns += [self._outbox.config.dsn, *(db.dsn for db in self._outbox.databases.values())]
+        for dsn in dsns:
+            try:
+                secret = password(dsn) if dsn else None
+            except psycopg.Error:
+                secret = None
+            if secret:
+                text = text.replace(secret, "***")
         return text
 
     @contextlib.contextmanager

@@ -46,6 +46,11 @@ class ForkSafePool:
                     self._pid = pid
         return self._pool
 
+    @property
+    def opened(self) -> bool:
+        """Whether the calling process holds an open pool."""
+        return self._pool is not None and self._pid == os.getpid()
+
     def close(self) -> None:
         """Close the pool if this process opened it (idempotent)."""
         with self._lock:

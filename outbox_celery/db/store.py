@@ -164,9 +164,14 @@ class Store:
         *,
         relaxed_commit: bool = True,
         queries: Mapping[str, str] | None = None,
+        database: str | None = None,
     ) -> None:
         self.table = TableName.parse(table)
         self.relaxed_commit = relaxed_commit
+        #: The name of the database this table lives in, when an Outbox serves several
+        #: (DESIGN invariant 34); ``None`` for the one ``dsn``. Handlers read it as
+        #: :attr:`Message.database <outbox_celery.message.Message.database>`.
+        self.database = database
         self._q: Mapping[str, sql.Composed] = _sql.queries("queries.sql", self.table)
         unknown = set(queries or {}) - set(self._q)
         if unknown:
@@ -382,6 +387,7 @@ class Store:
             trace_context=row.get("trace_context"),
             legacy_idempotency_key=idempotency_key(self.canonical_name(conn), int(row["id"])),
             group_id=row.get("group_id"),
+            database=self.database,
         )
 
     def follow_ups_at_commit(self, conn: psycopg.Connection[Any], ids: Sequence[int]) -> int:

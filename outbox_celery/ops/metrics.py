@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +96,9 @@ class OutboxCollector:
     :param cap: index entries each of the stats reads takes at most (default
         :data:`DEFAULT_METRICS_CAP`); past it a count is a lower bound. ``None``: exact counts,
         reading every row (a scrape then costs the table's size).
+    :param databases: several databases, by name: each a connection factory and its table
+        (``source`` and ``table`` are then left out of the reads). Every series then carries a
+        ``database`` label first (:meth:`from_outbox` of an Outbox that serves several).
     """
 
     def __init__(
@@ -108,8 +111,10 @@ class OutboxCollector:
         timeout: float = 10.0,
         connect_timeout: float = 5.0,
         cap: int | None = DEFAULT_METRICS_CAP,
+        databases: Mapping[str, tuple[ConnectionFactory, TableName]] | None = None,
     ) -> None:
         require_prometheus()
+        self.databases = dict(databases) if databases else None
         tables = [table] if isinstance(table, str | TableName) else list(table)
         self.tables = [TableName.parse(t) for t in tables]
         if not self.tables:
@@ -139,6 +144,16 @@ class OutboxCollector:
     def from_outbox(cls, outbox: OperatedOutbox, **kwargs: Any) -> OutboxCollector:
         """A collector over ``outbox``'s table, pool and handlers (keyword arguments pass on)."""
         kwargs.setdefault("handlers", set(outbox.handlers))
+        declared = outbox.databases
+        if declared:
+
+            def connect(name: str) -> ConnectionFactory:
+                return lambda: outbox.connection(name)
+
+            kwargs["databases"] = {
+                name: (connect(name), TableName.parse(db.table) if db.table else outbox.config.table)
+                for name, db in declared.items()
+            }
         return cls(outbox.connection, outbox.config.table, **kwargs)
 
     # -- the families --------------------------------------------------------------------------
@@ -146,7 +161,15 @@ class OutboxCollector:
     def _families(self) -> dict[str, GaugeMetricFamily]:
         core = require_prometheus()
         ns = self.namespace
-        g = core.GaugeMetricFamily
+        g: _Gauge = core.GaugeMetricFamily
+        if self.databases is not None:
+
+            def g(name: str, documentation: str, *, labels: Sequence[str]) -> GaugeMetricFamily:
+                family: GaugeMetricFamily = core.GaugeMetricFamily(
+                    name, documentation, labels=["database", *labels]
+                )
+                return family
+
         fams: dict[str, GaugeMetricFamily] = {
             **_status_families(g, ns),
             **_age_families(g, ns),
@@ -171,28 +194,39 @@ class OutboxCollector:
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """Query each table and yield its gauges."""
         fams = self._families()
-        for table in self.tables:
-            name = table.qualified
-            started = time.monotonic()
-            try:
-                with self._connect() as conn:
-                    s = stats(conn, table, handlers=self.handlers, timeout=self.timeout, cap=self.cap)
-            except Exception as exc:
-                logger.warning(
-                    "outbox metrics: stats of %s failed: %s",
-                    name,
-                    error_line(exc, self._dsn) or type(exc).__name__,
-                    extra={"outbox_table": name},
-                )
-                fams["up"].add_metric([name], 0)
-                continue
-            fams["up"].add_metric([name], 1)
-            fams["duration"].add_metric([name], time.monotonic() - started)
-            self._add(fams, name, s)
+        if self.databases is not None:
+            for database, (connect, table) in sorted(self.databases.items()):
+                self._collect(_Labelled(fams, database), table, connect, database)
+        else:
+            for table in self.tables:
+                self._collect(fams, table, self._connect, None)
         yield from fams.values()
 
+    def _collect(
+        self, fams: Mapping[str, Any], table: TableName, connect: ConnectionFactory, database: str | None
+    ) -> None:
+        """Read one table's stats into ``fams``."""
+        name = table.qualified
+        started = time.monotonic()
+        try:
+            with connect() as conn:
+                s = stats(conn, table, handlers=self.handlers, timeout=self.timeout, cap=self.cap)
+        except Exception as exc:
+            logger.warning(
+                "outbox metrics: stats of %s%s failed: %s",
+                name,
+                "" if database is None else f" in database {database}",
+                error_line(exc, self._dsn) or type(exc).__name__,
+                extra={"outbox_table": name},
+            )
+            fams["up"].add_metric([name], 0)
+            return
+        fams["up"].add_metric([name], 1)
+        fams["duration"].add_metric([name], time.monotonic() - started)
+        self._add(fams, name, s)
+
     @staticmethod
-    def _add(fams: dict[str, GaugeMetricFamily], name: str, s: Stats) -> None:
+    def _add(fams: Mapping[str, Any], name: str, s: Stats) -> None:
         for status in _STATUSES:
             fams["messages"].add_metric([name, status], s.counts[status])
             fams["capped"].add_metric([name, status], 1 if s.capped.get(status) else 0)
@@ -248,6 +282,29 @@ class OutboxCollector:
             fams["dead_versions"].add_metric([name], h.dead_row_versions)
             if h.last_vacuum_age is not None:
                 fams["vacuum_age"].add_metric([name], h.last_vacuum_age)
+
+
+class _Labelled(Mapping[str, Any]):
+    """The families, each adding ``database`` as its first label value."""
+
+    class _Family:
+        def __init__(self, family: GaugeMetricFamily, database: str) -> None:
+            self._family, self._database = family, database
+
+        def add_metric(self, labels: Sequence[str], value: float) -> None:
+            self._family.add_metric([self._database, *labels], value)
+
+    def __init__(self, fams: Mapping[str, GaugeMetricFamily], database: str) -> None:
+        self._fams, self._database = fams, database
+
+    def __getitem__(self, key: str) -> Any:
+        return self._Family(self._fams[key], self._database)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fams)
+
+    def __len__(self) -> int:
+        return len(self._fams)
 
 
 # -- the families, one function per group (the order is the exposition order) ----------------------
