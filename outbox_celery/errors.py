@@ -91,8 +91,9 @@ class ConfigurationError(OutboxError, ValueError):
 class UnknownDatabase(ConfigurationError):  # noqa: N818 - named after what it reports
     """A task or a command names a database its Outbox does not serve (``databases=``).
 
-    A delivery task that raises it never started its row: the row is claimable again when its
-    lease ends, with no attempt spent (DESIGN invariant 34).
+    A delivery task that raises it never started its row: once its lease ends, the next claim
+    gives it back to pending after a delay, with no attempt spent, as any claimed row whose task
+    never started (DESIGN invariant 34).
     """
 
 

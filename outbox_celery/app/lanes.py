@@ -20,15 +20,16 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+from billiard.exceptions import SoftTimeLimitExceeded
 from psycopg.conninfo import conninfo_to_dict
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolClosed
 
 from ..backoff import RetryPolicy
 from ..claim.claimer import Claimer, ClaimRun, Published, StoppedBy
 from ..claim.executor import Claimed
 from ..config import OutboxConfig
 from ..databases import Database, database_map
-from ..db.pool import ForkSafePool, IdleCheck
+from ..db.pool import DatabaseUnavailable, ForkSafePool, IdleCheck
 from ..db.store import Store
 from ..dsn import error_line
 from ..errors import ConfigurationError, UnknownDatabase
@@ -36,7 +37,7 @@ from ..handlers import HandlerSpec
 from ..table import TableName
 from ..worker.deliverer import Deliverer
 
-__all__ = ["POOL_CHECK_IDLE", "Lane", "Lanes", "merge_runs", "open_pool"]
+__all__ = ["LANE_CONNECTION_WAIT", "POOL_CHECK_IDLE", "Lane", "Lanes", "merge_runs", "open_pool"]
 
 logger = logging.getLogger("outbox_celery.app.outbox")
 
@@ -45,6 +46,14 @@ POOL_CHECK_IDLE = 2.0
 # A claim that failed on a database (down, dropped, not migrated) is tried again after this many
 # seconds, doubling per failure up to ``idle_sweep``: the other databases' claims do not wait.
 _FAILED_RETRY = 0.5
+# A database that gave no connection is not asked again by this process for this many seconds,
+# doubling per failure up to ``connection_wait``: meanwhile its tasks and claims fail at once
+# instead of each holding a process for ``connection_wait``.
+_DOWN_RETRY = 0.25
+# Seconds a lane waits for a pooled connection (at most connection_wait): a database that
+# refuses connections is found out in this long, not the lease's quarter. A lane's pool serves
+# one delivery at a time per process, so a healthy one hands out or connects well within it.
+LANE_CONNECTION_WAIT = 2.0
 
 
 def open_pool(
@@ -54,8 +63,10 @@ def open_pool(
     check: IdleCheck,
     min_size: int = 1,
     max_idle: float | None = None,
+    timeout: float | None = None,
 ) -> ConnectionPool[Any]:
-    """A psycopg pool of autocommit connections to ``config.dsn`` for one outbox database."""
+    """A psycopg pool of autocommit connections to ``config.dsn`` for one outbox database;
+    ``timeout``: seconds a connection is waited for (default ``connection_wait``)."""
     # No local holds the DSN: error reporters that record frame locals would send it.
     if not config.dsn:
         raise ConfigurationError(
@@ -81,7 +92,7 @@ def open_pool(
         # Bounded by the lease (connection_wait): after the server dropped the pool's
         # connections, a delivery or a claim that cannot get one fails fast and its row comes
         # back after its lease, instead of waiting out psycopg_pool's 30 s.
-        timeout=wait,
+        timeout=wait if timeout is None else timeout,
         name=f"outbox-{name}",
         # A connection the server closed while it sat idle (restart, failover,
         # pg_terminate_backend) is replaced before use, not handed to a delivery whose fenced
@@ -154,9 +165,10 @@ class Lane:
         self._pool = ForkSafePool(self._open_pool)
         self._claimer: Claimer | None = None
         self._deliverer: Deliverer | None = None
-        #: When this process last used the database (monotonic); its pool closes after
-        #: ``database_idle_close`` seconds without use.
-        self.used = time.monotonic()
+        #: When this process last used the database (monotonic: a delivery, or a claim that
+        #: did something; never yet: -inf); its pool closes after ``database_idle_close``
+        #: seconds without use.
+        self.used = float("-inf")
         #: The beat-triggered claim leaves this database out until then (monotonic): it found
         #: nothing to do, or its database failed.
         self.quiet_until = 0.0
@@ -164,6 +176,15 @@ class Lane:
         #: nothing leaves the database idle at once).
         self.active_at = float("-inf")
         self.failures = 0
+        # Connection failures in a row (0: the database answers), the monotonic time before
+        # which it is not asked again, and the last failure's first line.
+        self._down = 0
+        self._down_until = 0.0
+        self._down_error = ""
+        self._probing = threading.Lock()
+        # Connections of this lane handed out and not yet returned.
+        self._in_use = 0
+        self._in_use_lock = threading.Lock()
 
     def _open_pool(self) -> ConnectionPool[Any]:
         # min_size 0 and max_idle: psycopg_pool closes the connections nobody used for
@@ -174,6 +195,7 @@ class Lane:
             check=self._idle_check,
             min_size=0,
             max_idle=self.config.database_idle_close,
+            timeout=min(self.config.connection_wait, LANE_CONNECTION_WAIT),
         )
 
     @property
@@ -188,14 +210,113 @@ class Lane:
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled autocommit connection to the database."""
-        self.used = time.monotonic()
-        with self.pool.connection() as conn:
+        """A pooled autocommit connection to the database.
+
+        :raises DatabaseUnavailable: the database gave no connection moments ago (DESIGN
+            invariant 34): it is asked again after a pause that doubles per failure up to
+            ``connection_wait``, by one direct connection attempt, which fails at once where
+            the server refuses; until then every caller fails at once.
+        """
+        with self._claim_connection() as conn:
+            self.used = time.monotonic()
             try:
                 yield conn
             finally:
-                self._idle_check.returned(conn)
                 self.used = time.monotonic()
+
+    @contextmanager
+    def _claim_connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A connection that does not count as a use of the database: a claim run that finds
+        nothing (an idle database's sweep) leaves its pool to close (``database_idle_close``);
+        one that does something counts (:meth:`Lanes.claim_one`)."""
+        self._admit()
+        got = False
+        with self._in_use_lock:
+            self._in_use += 1
+        try:
+            with self.pool.connection() as conn:
+                got = True
+                try:
+                    yield conn
+                finally:
+                    self._idle_check.returned(conn)
+        except psycopg.OperationalError as exc:
+            # PoolClosed: another thread closed the pool under a waiting caller (this lane
+            # found the database unavailable, or closed it idle): nothing new about the server.
+            if not got and not isinstance(exc, DatabaseUnavailable | PoolClosed):
+                self._unavailable(exc)
+            raise
+        finally:
+            with self._in_use_lock:
+                self._in_use -= 1
+
+    @property
+    def in_use(self) -> bool:
+        """Whether a connection of this lane is handed out in this process."""
+        return self._in_use > 0
+
+    @property
+    def unavailable(self) -> bool:
+        """Whether this process found the database unreachable at its last attempt."""
+        return self._down > 0
+
+    def _admit(self) -> None:
+        """Fail at once while the database is known to be unreachable; after the pause, one
+        caller tries a direct connection (the others still fail at once)."""
+        if not self._down:
+            return
+        now = time.monotonic()
+        if now < self._down_until or not self._probing.acquire(blocking=False):
+            raise DatabaseUnavailable(
+                f"database {self.name} gave no connection ({self._down_error}); "
+                f"asked again in {max(0.0, self._down_until - now):.1f}s"
+            )
+        try:
+            self._down_until = now + self._pause()
+            try:
+                psycopg.connect(
+                    self.config.dsn or "",
+                    autocommit=True,
+                    connect_timeout=max(2, math.ceil(self.config.connection_wait)),
+                    application_name=f"outbox-celery:{self.outbox_name}:{self.name}",
+                ).close()
+            except psycopg.Error as exc:
+                self._unavailable(exc)
+                raise DatabaseUnavailable(
+                    f"database {self.name} gave no connection ({self._down_error})"
+                ) from None
+            logger.info(
+                "outbox %s: database %s answers again",
+                self.outbox_name,
+                self.name,
+                extra={"database": self.name},
+            )
+            self._down = 0
+            self._down_until = 0.0
+        finally:
+            self._probing.release()
+
+    def _pause(self) -> float:
+        return min(self.config.connection_wait, _DOWN_RETRY * 2.0 ** min(self._down, 10))
+
+    def _unavailable(self, exc: BaseException) -> None:
+        """The database gave no connection: pause asking it, and drop this process's pool,
+        whose own reconnection attempts back off for minutes (the next use after the pause
+        opens a fresh one)."""
+        first = not self._down
+        self._down += 1
+        self._down_until = time.monotonic() + self._pause()
+        self._down_error = error_line(exc, self.config.dsn)
+        self._pool.close(timeout=1.0)
+        if first:
+            logger.warning(
+                "outbox %s: database %s gave no connection (%s); its tasks and claims in this "
+                "process fail at once until it answers, its rows wait, the other databases go on",
+                self.outbox_name,
+                self.name,
+                self._down_error,
+                extra={"outcome": "database_unavailable", "database": self.name},
+            )
 
     def check(self) -> None:
         """Test every idle connection of the pool (before a fenced write is retried)."""
@@ -205,7 +326,7 @@ class Lane:
     def claimer(self) -> Claimer:
         """Claim runs on this database."""
         if self._claimer is None:
-            self._claimer = Claimer(self.config, self.connection, self.handlers, store=self.store)
+            self._claimer = Claimer(self.config, self._claim_connection, self.handlers, store=self.store)
         return self._claimer
 
     @property
@@ -353,7 +474,7 @@ class Lanes:
         with self._lock:
             lanes = list(self._lanes.values())
         for lane in lanes:
-            if lane.is_open and now - lane.used >= self.config.database_idle_close:
+            if lane.is_open and not lane.in_use and now - lane.used >= self.config.database_idle_close:
                 lane.close()
                 closed.append(lane.name)
         return closed
@@ -397,15 +518,24 @@ class Lanes:
         if not lanes:
             return ClaimRun(stopped_by=StoppedBy.NO_HANDLERS)
         start = self._turn % len(lanes)
-        self._turn += 1
+        self._turn = start + 1
+        # No database is started past half the claim task's soft time limit (each run is
+        # bounded by claim_budget): the next run starts where this one stopped.
+        cfg = self.config
+        deadline = time.monotonic() + max(cfg.effective_claim_budget, cfg.claim_time_limits[0] / 2)
         runs: list[ClaimRun] = []
         failed: list[str] = []
-        for lane in lanes[start:] + lanes[:start]:
+        for visited, lane in enumerate(lanes[start:] + lanes[:start]):
             now = time.monotonic()
+            if now >= deadline and visited:
+                self._turn = start + visited
+                break
             if lane.quiet_until > now:
                 continue
             try:
                 run = self.claim_one(lane, publish, owner=owner)
+            except SoftTimeLimitExceeded:
+                raise
             except Exception as exc:
                 self._failed(lane, exc)
                 failed.append(f"{lane.name}: {type(exc).__name__}")
@@ -426,12 +556,18 @@ class Lanes:
         name = lane.name
         run = lane.claimer.run(lambda claims: publish(claims, name), owner=owner)
         lane.failures = 0
+        if run.claimed or run.reaped or run.released or run.lost or run.stopped_by == StoppedBy.BUDGET:
+            lane.used = time.monotonic()  # a sweep that found nothing leaves the pool to close
         return run
 
     def _failed(self, lane: Lane, exc: BaseException) -> None:
         lane.failures += 1
-        pause = min(self.config.idle_sweep, _FAILED_RETRY * 2 ** min(lane.failures, 10))
-        lane.quiet_until = time.monotonic() + pause
+        pause = min(self.config.idle_sweep, _FAILED_RETRY * 2.0 ** min(lane.failures - 1, 10))
+        now = time.monotonic()
+        lane.quiet_until = now + pause
+        # Not idle once it answers again: its listener may still be reconnecting, so its next
+        # runs here claim it on every tick until it has been quiet for idle_sweep.
+        lane.active_at = now
         logger.warning(
             "outbox %s: claim on database %s failed (%s); its rows wait, the other databases are "
             "claimed; trying it again in %.1fs",

@@ -106,6 +106,9 @@ def lane_listener(outbox: ListenedOutbox, lane: Lane) -> Listener:
         event_types=lambda: sorted(outbox.handlers),
         poll=cfg.listen_poll,
         idle_poll=cfg.idle_sweep,
+        # The beat-triggered claim leaves a quiet database to its listener (idle_sweep): one
+        # that lost its connection reconnects within a claim interval, as beat would claim it.
+        max_backoff=min(10.0, max(1.0, cfg.claim_interval)),
         name=f"{outbox.name}:{name}",
         prepare_threshold=cfg.prepare_threshold,
     )
@@ -123,6 +126,8 @@ class DatabaseListeners:
         self.outbox = outbox
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The lane each listener was started for.
+        self._lanes: dict[str, Lane] = {}
 
     def start(self) -> None:
         """Start the listeners (returns at once)."""
@@ -133,18 +138,21 @@ class DatabaseListeners:
         self._thread.start()
 
     def sync(self) -> None:
-        """Start a listener for each database without one, stop those of removed databases."""
+        """Start a listener for each database without one, stop those of removed databases and
+        start again those whose declaration changed (a new DSN or table gives a new lane)."""
         lanes = self.outbox.lanes
         if lanes is None:
             return
         lanes.refresh()
         current = {lane.name: lane for lane in lanes.lanes()}
         listeners = self.outbox.listeners
-        for name in [n for n in listeners if n not in current]:
+        for name in [n for n in listeners if current.get(n) is not self._lanes.get(n)]:
             listeners.pop(name).stop()
+            self._lanes.pop(name, None)
         for name, lane in current.items():
             if name not in listeners and not self._stop.is_set():
                 listeners[name] = lane_listener(self.outbox, lane)
+                self._lanes[name] = lane
                 listeners[name].start()
 
     def _run(self) -> None:

@@ -215,9 +215,17 @@ class Claimer:
         routes = self._routes()
         if not routes:
             if self.handlers:
-                logger.warning("outbox claim: every route's tasks were refused lately, nothing to claim")
+                logger.warning(
+                    "outbox claim%s: every route's tasks were refused lately, nothing to claim",
+                    self.store.on,
+                    extra=self.store.log_fields,
+                )
             else:
-                logger.warning("outbox claim: no handlers registered, nothing to claim")
+                logger.warning(
+                    "outbox claim%s: no handlers registered, nothing to claim",
+                    self.store.on,
+                    extra=self.store.log_fields,
+                )
             run.stopped_by = StoppedBy.NO_HANDLERS
             return run
         # The claim lock lives in a transaction held open on a connection of its own for the
@@ -233,13 +241,14 @@ class Claimer:
         run.seconds = time.monotonic() - started
         if run.claimed or run.reaped or run.released or run.lost or run.unroutable:
             logger.info(
-                "outbox claim run: claimed=%s published=%s released=%s reaped=%s in %.3fs",
+                "outbox claim run%s: claimed=%s published=%s released=%s reaped=%s in %.3fs",
+                self.store.on,
                 run.claimed,
                 run.published,
                 run.released,
                 run.reaped,
                 run.seconds,
-                extra={"outcome": "claim_run", **run.as_dict()},
+                extra={"outcome": "claim_run", **run.as_dict(), **self.store.log_fields},
             )
         return run
 
@@ -253,14 +262,20 @@ class Claimer:
         stalled = frozenset(r.event_type for r in routes if r.stalled)
         for route in sorted(stalled - self._stalled):
             logger.warning(
-                "outbox: no worker has started a task of %r for %.0fs (does its queue have a "
+                "outbox%s: no worker has started a task of %r for %.0fs (does its queue have a "
                 "consumer?): no new rows of it are claimed until one starts; the other routes go on",
+                self.store.on,
                 route,
                 cfg.stalled_after,
-                extra={"outcome": "stalled", "event_type": route},
+                extra={"outcome": "stalled", "event_type": route, **self.store.log_fields},
             )
         for route in sorted(self._stalled - stalled):
-            logger.info("outbox: tasks of %r are being started again", route, extra={"event_type": route})
+            logger.info(
+                "outbox%s: tasks of %r are being started again",
+                self.store.on,
+                route,
+                extra={"event_type": route, **self.store.log_fields},
+            )
         self._stalled = stalled
         in_flight = sum(r.live - (r.unstarted if r.event_type in stalled else 0) for r in routes)
         return in_flight, stalled
@@ -361,9 +376,10 @@ class Claimer:
         if failed:
             run.stopped_by = StoppedBy.PUBLISH_FAILED
             logger.error(
-                "outbox publish failed: %s claimed row(s) given back to pending",
+                "outbox publish failed%s: %s claimed row(s) given back to pending",
+                self.store.on,
                 len(failed),
-                extra={"outcome": "released", "released": len(failed)},
+                extra={"outcome": "released", "released": len(failed), **self.store.log_fields},
             )
         if refused or failed:
             run.released += self.store.release(conn, [c.lease for c in refused + failed])
@@ -376,10 +392,16 @@ class Claimer:
         for route in sorted({c.event_type for c in claims}):
             self._refused[route] = time.monotonic() + delay
             logger.error(
-                "outbox: the app refused to route the tasks of %r (%s); its rows go back to pending "
+                "outbox%s: the app refused to route the tasks of %r (%s); its rows go back to pending "
                 "and are not claimed by this process for %.0fs, the other routes are published",
+                self.store.on,
                 route,
                 why[route],
                 delay,
-                extra={"outcome": "refused", "event_type": route, "refused": why[route]},
+                extra={
+                    "outcome": "refused",
+                    "event_type": route,
+                    "refused": why[route],
+                    **self.store.log_fields,
+                },
             )

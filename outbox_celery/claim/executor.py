@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -43,6 +42,7 @@ from ..db.completer import Lease
 from ..flow import Limit
 from ..table import TableName
 from . import plan
+from .expired import ReapedRow, ReleasedRow, log_reaped, log_released
 from .fan_out import fan_out_bare
 from .marks import ScanMarks
 from .plan import FillRow, FlowRead, FlowRow, KeyedRow, KeyWalk, Seen
@@ -62,6 +62,8 @@ class Store(Protocol):
 
     table: TableName
     _flow_warned: bool
+    on: str
+    log_fields: dict[str, str]
 
     @property
     def _q(self) -> Mapping[str, Any]:
@@ -107,24 +109,6 @@ class ClaimedRow(NamedTuple):
     def claimed(self) -> Claimed:
         """What the delivery task carries."""
         return Claimed(self.id, self.lease_version, self.event_type, self.lease_until, self.attempts)
-
-
-class ReleasedRow(NamedTuple):
-    """A row ``release_expired`` gave back to pending."""
-
-    id: int
-    lease_version: int
-    event_type: str
-    routable: bool
-    unstarted_claims: int
-
-
-class ReapedRow(NamedTuple):
-    """A row ``reap`` made dead."""
-
-    id: int
-    lease_version: int
-    event_type: str
 
 
 class FirstExpiredRow(NamedTuple):
@@ -327,10 +311,10 @@ class _Run:
             return Maintenance(0, 0, 0, False, expired=False)
         more = {"limit": EXPIRED_BATCH, "lease": lease, "unroutable_delay": unroutable_delay}
         released = self.rows(ReleasedRow, "release_expired", self.params.sql(**more))
-        lost, unroutable = _log_released(released, self.store.table.qualified)
+        lost, unroutable = log_released(released, self.store)
         table = self.store.table.identifier().as_string(None)
         reaped = self.rows(ReapedRow, "reap", self.params.sql(limit=EXPIRED_BATCH, table=table))
-        _log_reaped(reaped, self.store.table.qualified)
+        log_reaped(reaped, self.store)
         full = len(released) >= EXPIRED_BATCH or len(reaped) >= EXPIRED_BATCH
         if keyed:
             # Their expired started leases go back to pending, then through claim_keyed.
@@ -453,52 +437,6 @@ class _Run:
         if writes.at_cap:
             types, flags = zip(*writes.at_cap, strict=True)
             self.run("flow_at_cap", {"types": list(types), "flags": list(flags)})
-
-
-def _log_released(rows: Sequence[ReleasedRow], table: str) -> tuple[int, int]:
-    """Log the lost and unroutable leases ``release_expired`` gave back; their counts."""
-    lost: Counter[str] = Counter(r.event_type for r in rows if r.routable)
-    unroutable: Counter[str] = Counter(r.event_type for r in rows if not r.routable)
-    for event_type, n in sorted(lost.items()):
-        most = max(r.unstarted_claims for r in rows if r.event_type == event_type and r.routable)
-        logger.warning(
-            "outbox: %s claim(s) of %r expired without a worker starting them (up to %s in a "
-            "row); back to pending after a delay, no attempt spent. Does its queue have a consumer?",
-            n,
-            event_type,
-            most,
-            extra={
-                "event_type": event_type,
-                "outcome": "lost_task",
-                "released": n,
-                "unstarted_claims": most,
-                "outbox_table": table,
-            },
-        )
-    for event_type, n in sorted(unroutable.items()):
-        logger.warning(
-            "outbox: %s expired lease(s) of %r, which has no handler here: back to pending as "
-            "unroutable, no attempt spent",
-            n,
-            event_type,
-            extra={"event_type": event_type, "outcome": "unroutable", "released": n, "outbox_table": table},
-        )
-    return sum(lost.values()), sum(unroutable.values())
-
-
-def _log_reaped(rows: Sequence[ReapedRow], table: str) -> None:
-    for row in rows:
-        logger.warning(
-            "outbox id %s went dead: attempts exhausted and lease expired",
-            row.id,
-            extra={
-                "outbox_id": row.id,
-                "lease_version": row.lease_version,
-                "event_type": row.event_type,
-                "outcome": "dead",
-                "outbox_table": table,
-            },
-        )
 
 
 def _warn_flow_missing(store: Store) -> None:

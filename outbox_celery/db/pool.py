@@ -13,13 +13,27 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from psycopg_pool import ConnectionPool
+import psycopg
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
-__all__ = ["ForkSafePool", "IdleCheck"]
+__all__ = ["DatabaseUnavailable", "ForkSafePool", "IdleCheck", "no_connection"]
 
 # Pools inherited across fork() are never touched (closing them would talk on the parent's
 # sockets) nor garbage collected (their finalizer would wait on threads that did not survive).
 _ORPHANED_POOLS: list[ConnectionPool[Any]] = []
+
+
+class DatabaseUnavailable(psycopg.OperationalError):
+    """A database of an Outbox that serves several failed to give a connection moments ago and
+    is not tried again until its pause ends (DESIGN invariant 34): the caller fails at once
+    instead of waiting ``connection_wait`` for it again."""
+
+
+def no_connection(exc: BaseException) -> bool:
+    """Whether ``exc`` says no connection could be had at all (the pool's wait ran out, the
+    database is known to be unreachable, the pool was closed under the caller), as opposed to
+    one that broke in use: trying again at once would only wait again."""
+    return isinstance(exc, PoolTimeout | PoolClosed | DatabaseUnavailable)
 
 
 class ForkSafePool:
@@ -51,12 +65,13 @@ class ForkSafePool:
         """Whether the calling process holds an open pool."""
         return self._pool is not None and self._pid == os.getpid()
 
-    def close(self) -> None:
-        """Close the pool if this process opened it (idempotent)."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the pool if this process opened it (idempotent); ``timeout``: seconds its
+        threads are waited for."""
         with self._lock:
             pool, self._pool = self._pool, None
             if pool is not None and self._pid == os.getpid():
-                pool.close()
+                pool.close(timeout=timeout)
             self._pid = None
 
     def after_fork(self) -> None:

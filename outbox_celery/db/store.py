@@ -172,6 +172,10 @@ class Store:
         #: (DESIGN invariant 34); ``None`` for the one ``dsn``. Handlers read it as
         #: :attr:`Message.database <outbox_celery.message.Message.database>`.
         self.database = database
+        #: `` on database <name>`` for log lines when it has one, else empty.
+        self.on = f" on database {database}" if database else ""
+        #: The ``database`` field of log records when it has one.
+        self.log_fields: dict[str, str] = {"database": database} if database else {}
         self._q: Mapping[str, sql.Composed] = _sql.queries("queries.sql", self.table)
         unknown = set(queries or {}) - set(self._q)
         if unknown:

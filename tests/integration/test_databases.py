@@ -9,9 +9,9 @@ sent, and each recorded task is delivered as the worker's task would deliver it
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -101,7 +101,8 @@ def _outbox_sessions(dsn: str) -> int:
     name = conninfo_to_dict(dsn)["dbname"]
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND application_name LIKE 'outbox-celery:%%'",
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = %s AND application_name LIKE 'outbox-celery:%%'",
             (name,),
         ).fetchone()
     return int(row[0]) if row else 0

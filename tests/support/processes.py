@@ -134,9 +134,13 @@ class CeleryProcesses:
 
     :param log_dir: where log files (and beat's schedule and pid files) go.
     :param env: environment of every process (on top of this process's), e.g. an app spec.
+    :param app_module: the ``celery -A`` module (default: the acceptance tests' app).
     """
 
-    def __init__(self, log_dir: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, log_dir: Path, env: Mapping[str, str] | None = None, *, app_module: str = APP_MODULE
+    ) -> None:
+        self.app_module = app_module
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = dict(env or {})
@@ -163,7 +167,7 @@ class CeleryProcesses:
         self._n += 1
         log_path = self.log_dir / f"{self._n:02d}-{kind}-{name}.log"
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed by CeleryProcess
-        cmd = [sys.executable, "-m", "celery", "-A", APP_MODULE, *args]
+        cmd = [sys.executable, "-m", "celery", "-A", self.app_module, *args]
         popen = subprocess.Popen(
             cmd,
             cwd=REPO_ROOT,

@@ -22,7 +22,7 @@ class FakePool:
         self.n = n
         self.closed = False
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         self.closed = True
 
 
