@@ -91,7 +91,14 @@ def cli(
 ) -> None:
     """See, steer and maintain a transactional outbox (PostgreSQL + Celery)."""
     _setup_logging(verbose)
-    ctx.obj = Target(dsn=dsn, table=table, app_spec=app_spec, database=database)
+    ctx.obj = Target(
+        dsn=dsn, table=table, app_spec=app_spec, database=database, dsn_from_env=_from_env(ctx, "dsn")
+    )
+
+
+def _from_env(ctx: click.Context, name: str) -> bool:
+    """Whether option ``name`` was read from its environment variable."""
+    return ctx.get_parameter_source(name) == click.core.ParameterSource.ENVIRONMENT
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -125,7 +132,11 @@ def celery_outbox(
     """Operate the app's transactional outbox (same commands as outbox-celery)."""
     _setup_logging(False)
     ctx.obj = Target(
-        dsn=dsn, table=table, outbox_finder=celery_outbox_finder(ctx, outbox_name), database=database
+        dsn=dsn,
+        table=table,
+        outbox_finder=celery_outbox_finder(ctx, outbox_name),
+        database=database,
+        dsn_from_env=_from_env(ctx, "dsn"),
     )
 
 

@@ -35,8 +35,11 @@ class Target:
         app_spec: str | None = None,
         outbox_finder: Callable[[], OperatedOutbox | None] | None = None,
         database: str | None = None,
+        dsn_from_env: bool = False,
     ) -> None:
         self._dsn = dsn
+        # OUTBOX_DSN rather than --dsn: it names no database of an Outbox that serves several.
+        self._dsn_from_env = dsn_from_env and dsn is not None
         self._table = table
         self._database = database
         self._app_spec = app_spec
@@ -57,7 +60,7 @@ class Target:
         if database is not None:
             self._database = database
         if dsn is not None:
-            self._dsn = dsn
+            self._dsn, self._dsn_from_env = dsn, False
         if table is not None:
             self._table = table
         if app_spec is not None:
@@ -76,10 +79,18 @@ class Target:
         return self._outbox
 
     @property
+    def _given(self) -> str | None:
+        """``--dsn``, or ``OUTBOX_DSN`` unless the loaded Outbox serves several databases (an
+        environment set for one database does not silently replace ``--database``)."""
+        if self._dsn_from_env and self.outbox is not None and self.outbox.databases:
+            return None
+        return self._dsn
+
+    @property
     def database_names(self) -> list[str]:
         """The databases of the loaded Outbox when it serves several and no ``--dsn`` is given
         (what ``migrate`` goes through); otherwise empty."""
-        if self._dsn or self.outbox is None:
+        if self._given or self.outbox is None:
             return []
         return sorted(self.outbox.databases)
 
@@ -96,7 +107,7 @@ class Target:
         outbox = self.outbox
         declared = outbox.databases if outbox is not None else {}
         if not declared:
-            if self._database is not None and not self._dsn:
+            if self._database is not None and not self._given:
                 raise click.ClickException(
                     f"--database {self._database}: the outbox serves one database (its dsn), not several"
                 )
@@ -115,8 +126,8 @@ class Target:
     @property
     def dsn(self) -> str:
         """``--dsn``/``OUTBOX_DSN``, else the Outbox's (its ``--database``'s); a one-line error
-        when there is none."""
-        dsn = self._dsn
+        when there is none. ``OUTBOX_DSN`` is not read for an Outbox that serves several."""
+        dsn = self._given
         if not dsn and self.outbox is not None:
             db = self._declared()
             dsn = db.dsn if db is not None else self.outbox.config.dsn
@@ -132,7 +143,7 @@ class Target:
         if self._table:
             return TableName.parse(self._table)
         if self.outbox is not None:
-            db = None if self._dsn else self._declared()
+            db = None if self._given else self._declared()
             if db is not None and db.table:
                 return TableName.parse(db.table)
             return self.outbox.config.table
@@ -152,7 +163,7 @@ class Target:
     def where(self) -> str:
         """``table on <dsn without password>``, safe to print (after ``database <name>:``
         when the Outbox serves several)."""
-        named = f"database {self._database}: " if self._database and not self._dsn else ""
+        named = f"database {self._database}: " if self._database and not self._given else ""
         return f"{named}table {self.table.qualified} on {redact(self.dsn)}"
 
     def scrub(self, text: str) -> str:

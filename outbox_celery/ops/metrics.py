@@ -64,6 +64,8 @@ DEFAULT_METRICS_CAP = 1_000
 METRIC_KEYS = 10
 
 ConnectionFactory = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
+#: Several databases by name: each a connection factory and its table.
+_Databases = Mapping[str, tuple[ConnectionFactory, TableName]]
 
 _STATUSES = ("pending", "processing", "done", "dead")
 _LIVE = ("pending", "processing", "dead")
@@ -97,8 +99,9 @@ class OutboxCollector:
         :data:`DEFAULT_METRICS_CAP`); past it a count is a lower bound. ``None``: exact counts,
         reading every row (a scrape then costs the table's size).
     :param databases: several databases, by name: each a connection factory and its table
-        (``source`` and ``table`` are then left out of the reads). Every series then carries a
-        ``database`` label first (:meth:`from_outbox` of an Outbox that serves several).
+        (``source`` and ``table`` are then left out of the reads), or a callable returning them,
+        called at each scrape. Every series then carries a ``database`` label first
+        (:meth:`from_outbox` of an Outbox that serves several).
     """
 
     def __init__(
@@ -111,10 +114,15 @@ class OutboxCollector:
         timeout: float = 10.0,
         connect_timeout: float = 5.0,
         cap: int | None = DEFAULT_METRICS_CAP,
-        databases: Mapping[str, tuple[ConnectionFactory, TableName]] | None = None,
+        databases: _Databases | Callable[[], _Databases] | None = None,
     ) -> None:
         require_prometheus()
-        self.databases = dict(databases) if databases else None
+        self._databases: Callable[[], _Databases] | None = None
+        if callable(databases):
+            self._databases = databases
+        elif databases:
+            fixed = dict(databases)
+            self._databases = lambda: fixed
         tables = [table] if isinstance(table, str | TableName) else list(table)
         self.tables = [TableName.parse(t) for t in tables]
         if not self.tables:
@@ -144,17 +152,26 @@ class OutboxCollector:
     def from_outbox(cls, outbox: OperatedOutbox, **kwargs: Any) -> OutboxCollector:
         """A collector over ``outbox``'s table, pool and handlers (keyword arguments pass on)."""
         kwargs.setdefault("handlers", set(outbox.handlers))
-        declared = outbox.databases
-        if declared:
+        if outbox.config.databases is not None:
 
             def connect(name: str) -> ConnectionFactory:
                 return lambda: outbox.connection(name)
 
-            kwargs["databases"] = {
-                name: (connect(name), TableName.parse(db.table) if db.table else outbox.config.table)
-                for name, db in declared.items()
-            }
+            def databases() -> _Databases:
+                # Read at each scrape: a database added to (or dropped from) a ``databases``
+                # callable is scraped from the Outbox's next refresh on, as it is claimed.
+                return {
+                    name: (connect(name), TableName.parse(db.table) if db.table else outbox.config.table)
+                    for name, db in outbox.databases.items()
+                }
+
+            kwargs["databases"] = databases
         return cls(outbox.connection, outbox.config.table, **kwargs)
+
+    @property
+    def databases(self) -> dict[str, tuple[ConnectionFactory, TableName]] | None:
+        """The databases a scrape reads now, by name (``None``: ``source`` and ``table``)."""
+        return None if self._databases is None else dict(self._databases())
 
     # -- the families --------------------------------------------------------------------------
 
@@ -162,7 +179,7 @@ class OutboxCollector:
         core = require_prometheus()
         ns = self.namespace
         g: _Gauge = core.GaugeMetricFamily
-        if self.databases is not None:
+        if self._databases is not None:
 
             def g(name: str, documentation: str, *, labels: Sequence[str]) -> GaugeMetricFamily:
                 family: GaugeMetricFamily = core.GaugeMetricFamily(
@@ -194,8 +211,9 @@ class OutboxCollector:
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """Query each table and yield its gauges."""
         fams = self._families()
-        if self.databases is not None:
-            for database, (connect, table) in sorted(self.databases.items()):
+        databases = self.databases
+        if databases is not None:
+            for database, (connect, table) in sorted(databases.items()):
                 self._collect(_Labelled(fams, database), table, connect, database)
         else:
             for table in self.tables:

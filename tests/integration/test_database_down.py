@@ -20,7 +20,8 @@ from psycopg.conninfo import conninfo_to_dict
 
 from outbox_celery.db.pool import DatabaseUnavailable
 
-from .test_databases import Recorded, _enqueue, _outbox_sessions, _statuses, three  # noqa: F401 - fixture
+from .test_databases import Recorded, _enqueue, _outbox_sessions, _statuses
+from .test_databases import three as three
 
 LEASE = 6.0  # connection_wait: a quarter of it, 1.5 s
 
