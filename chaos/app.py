@@ -1,10 +1,13 @@
 """The Celery app the chaos run's ``celery worker`` and ``celery beat`` processes load.
 
 ``celery -A chaos.app worker|beat``, configured by the runner through ``CHAOS_*`` environment
-variables. One handler per message kind; each appends what it saw (row id, lease version,
-attempt, outcome, ordering key, pid) as one JSON line to ``CHAOS_SEEN``, which the end check
-compares with the table. A line is written with one ``O_APPEND`` write, so lines from many
-processes never interleave and the file's order is the order in which handlers ran.
+variables. One Outbox serves two databases on the same server (``databases=``): ``one``
+(``CHAOS_DSN``) and ``two`` (``CHAOS_DSN_TWO``), each with its own outbox table. One handler per
+message kind; each appends what it saw (database, row id, lease version, attempt, outcome,
+ordering key, pid, and the database its payload says it was written to) as one JSON line to
+``CHAOS_SEEN``, which the end check compares with each database's table. A line is written with
+one ``O_APPEND`` write, so lines from many processes never interleave and the file's order is
+the order in which handlers ran.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from celery import Celery
 from outbox_celery import Defer, Message, PermanentError, RetryableError
 from outbox_celery.app.outbox import Outbox
 
-from .workload import FANOUT, GROUP_FAN, LATE, PERMANENT_ERROR
+from .workload import DSN_ENV, FANOUT, GROUP_FAN, LATE, PERMANENT_ERROR
 
 __all__ = ["app", "outbox", "record"]
 
@@ -38,7 +41,8 @@ app.conf.update(
 outbox = Outbox(
     app,
     name="chaos",
-    dsn=os.environ.get("CHAOS_DSN"),
+    # None when not run by the runner (importing the module, `celery inspect`).
+    databases={db: os.environ[env] for db, env in DSN_ENV.items() if os.environ.get(env)} or None,
     claim_queue="chaos.claim",
     default_queue="chaos.deliver",
     lease=float(os.environ.get("CHAOS_LEASE", "3")),
@@ -57,8 +61,13 @@ outbox = Outbox(
 
 def record(message: Message, outcome: str) -> None:
     """Append one line saying this handler run saw ``message`` and what it decided."""
+    payload = message.payload if isinstance(message.payload, dict) else {}
     line = json.dumps(
         {
+            # Row ids, ordering keys and effects are each database's own.
+            "db": message.database,
+            # Where the producer wrote the event: the end check wants it equal to "db".
+            "w": payload.get("db"),
             "id": message.id,
             "v": message.lease_version,
             "a": message.attempts,
@@ -127,7 +136,7 @@ def defer(message: Message) -> None:
 
     A deferral refunds the attempt, so ``attempts`` cannot tell the first run from the next.
     """
-    marker = Path(os.environ["CHAOS_MARKERS"]) / str(message.id)
+    marker = Path(os.environ["CHAOS_MARKERS"]) / f"{message.database}-{message.id}"
     if not marker.exists():
         marker.touch()
         record(message, "defer")
@@ -144,6 +153,7 @@ def tx(message: Message, conn: psycopg.Connection[object]) -> None:
     restarts often catch it between the effect and the commit; the end check wants exactly one
     effect per done message.
     """
+    # conn is the transaction of the message's own database: so is the effect table.
     conn.execute(
         "INSERT INTO chaos_effects (outbox_id, lease_version) VALUES (%s, %s)",
         [message.id, message.lease_version],

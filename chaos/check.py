@@ -1,4 +1,11 @@
-"""The end check: the outbox table against what the handlers recorded, and the summary table."""
+"""The end check: each database's outbox table against what the handlers recorded in it, and the
+summary table.
+
+Row ids, ordering keys, effect rows and groups are each database's own, so every invariant is
+checked per database (:func:`check`, :func:`check_groups`, :func:`check_subscribed` on one
+database's rows and handler runs); :class:`Report` holds the verdicts of both, and the runs
+recorded in another database than the one their event was written to.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +20,18 @@ from .workload import HEALTHY, PERMANENT_ERROR, SUBSCRIBED
 # The transactional kind: its effects must be exactly once, not at least once.
 TRANSACTIONAL = "tx"
 
-__all__ = ["Fanned", "FaultRecord", "Verdict", "check", "check_groups", "check_subscribed", "render"]
+__all__ = [
+    "Fanned",
+    "FaultRecord",
+    "Report",
+    "Verdict",
+    "check",
+    "check_groups",
+    "check_subscribed",
+    "load_seen",
+    "render",
+    "split_seen",
+]
 
 
 @dataclass
@@ -26,6 +44,7 @@ class FaultRecord:
     detail: str = ""
     seconds: float = 0.0  # how long the fault lasted
     delivered: int | None = None  # rows that became done during the fault (and its window)
+    by_database: dict[str, int] = field(default_factory=dict)  # the same, per database
     skipped: str | None = None
     error: str | None = None
 
@@ -76,7 +95,33 @@ class Verdict:
     violations: list[str] = field(default_factory=list)
 
 
-def _seen(path: Path) -> list[dict[str, Any]]:
+@dataclass
+class Report:
+    """The verdicts of every database, and what only the whole run shows.
+
+    ``violations`` (see :meth:`all_violations`) empty in every database and here means the run
+    passed.
+    """
+
+    databases: dict[str, Verdict] = field(default_factory=dict)
+    #: Handler runs, every database.
+    handler_runs: int = 0
+    #: Handler runs whose ``message.database`` is not the database their event was written to
+    #: (the payload's ``db``), or names no database of the run.
+    misplaced: list[dict[str, Any]] = field(default_factory=list)
+    #: Violations of the whole run (faults, misplaced runs); each database's are in its verdict.
+    violations: list[str] = field(default_factory=list)
+
+    def all_violations(self) -> list[str]:
+        """The run's violations, then each database's (prefixed with its name)."""
+        out = list(self.violations)
+        for name, v in self.databases.items():
+            out += [f"database {name}: {text}" for text in v.violations]
+        return out
+
+
+def load_seen(path: Path) -> list[dict[str, Any]]:
+    """Every handler run ``seen.jsonl`` recorded, in the order they ran."""
     if not path.exists():
         return []
     out = []
@@ -84,6 +129,23 @@ def _seen(path: Path) -> list[dict[str, Any]]:
         if line.strip():
             out.append(json.loads(line))
     return out
+
+
+def split_seen(
+    sightings: list[dict[str, Any]], databases: tuple[str, ...]
+) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
+    """The handler runs of each database (by the ``message.database`` each recorded), and the
+    misplaced ones: recorded in another database than the payload's ``db`` says its event was
+    written to, or in none of ``databases``."""
+    by_db: dict[str, list[dict[str, Any]]] = {db: [] for db in databases}
+    misplaced: list[dict[str, Any]] = []
+    for s in sightings:
+        db = s.get("db")
+        if db not in by_db or s.get("w") != db:
+            misplaced.append(s)
+        if db in by_db:
+            by_db[db].append(s)
+    return by_db, misplaced
 
 
 def check_groups(
@@ -165,17 +227,20 @@ def check_subscribed(
 
 def check(
     rows: list[tuple[int, str, str, str | None, str | None]],
-    seen_path: Path,
+    sightings: list[dict[str, Any]] | Path,
     *,
     effects: dict[int, int] | None = None,
 ) -> Verdict:
-    """Judge the run from ``rows`` (id, event_type, status, ordering_key, last_error).
+    """Judge one database from its ``rows`` (id, event_type, status, ordering_key, last_error)
+    and the handler runs recorded in it (``sightings``, in the order they ran; or the path of a
+    ``seen.jsonl`` whose runs are all this database's).
 
-    :param effects: outbox id -> effect rows of the transactional kind (``chaos_effects``):
-        exactly one for every done ``tx`` message, none for the others.
+    :param effects: outbox id -> effect rows of the transactional kind (that database's
+        ``chaos_effects``): exactly one for every done ``tx`` message, none for the others.
     """
     v = Verdict(rows=len(rows))
-    sightings = _seen(seen_path)
+    if isinstance(sightings, Path):
+        sightings = load_seen(sightings)
     v.handler_runs = len(sightings)
     delivered: Counter[int] = Counter(s["id"] for s in sightings if s["o"] == "ok")
     v.duplicates = sum(n - 1 for n in delivered.values() if n > 1)
@@ -249,37 +314,19 @@ def _fanned_out_short(routes: Counter[str]) -> list[str]:
     return out
 
 
-def render(
-    v: Verdict,
-    faults: list[FaultRecord],
-    facts: list[tuple[str, str]],
-) -> str:
-    """The summary printed at the end of a run."""
-    lines: list[str] = []
-    width = max(len(k) for k, _ in facts) if facts else 10
-    lines.append("== chaos run ==")
-    for k, val in facts:
-        lines.append(f"  {k:<{width}}  {val}")
-    lines.append("")
-    lines.append("== faults ==")
-    lines.append(f"  {'t+s':>6}  {'utc':<8}  {'fault':<16}  {'lasted':>7}  {'delivered':>9}  detail")
-    for f in faults:
-        if f.skipped:
-            lines.append(
-                f"  {f.at:>6.1f}  {f.clock:<8}  {f.name:<16}  {'-':>7}  {'-':>9}  SKIPPED: {f.skipped}"
-            )
-            continue
-        got = "-" if f.delivered is None else str(f.delivered)
-        text = f.detail + (f"  ERROR: {f.error}" if f.error else "")
-        lines.append(f"  {f.at:>6.1f}  {f.clock:<8}  {f.name:<16}  {f.seconds:>6.1f}s  {got:>9}  {text}")
-    lines.append("")
-    lines.append("== outcome ==")
-    lines.append(f"  rows {v.rows}: " + ", ".join(f"{s} {n}" for s, n in sorted(v.by_status.items())))
+def _outcome(v: Verdict) -> list[str]:
+    """One database's outcome: rows by status and kind, runs, and what its checks found."""
+    lines = [f"  rows {v.rows}: " + ", ".join(f"{s} {n}" for s, n in sorted(v.by_status.items()))]
     for kind, counts in sorted(v.by_kind.items()):
         lines.append(f"    {kind:<10} " + ", ".join(f"{s} {n}" for s, n in sorted(counts.items())))
     lines.append(f"  handler runs {v.handler_runs}")
     lines.append(f"  duplicates   {v.duplicates} extra successful run(s) over {v.duplicated_ids} message(s)")
     lines.append(f"  inversions   {v.inversions}")
+    if v.groups:
+        lines.append(
+            f"  groups       {v.groups}, {len(v.groups_not_fired)} not fired, "
+            f"{len(v.callbacks_wrong)} callbacks not once"
+        )
     for kind, sub in sorted(v.subscribed.items()):
         lines.append(
             f"  subscribed   chaos.{kind}: {sub.complete} of {sub.events} event(s) with one done row "
@@ -307,10 +354,71 @@ def render(
         lines.append(f"  permanent    {row_id} {status}: {error}")
     if v.never_seen:
         lines.append(f"  never seen   {v.never_seen[:20]}")
+    return lines
+
+
+def render(
+    v: Verdict | Report,
+    faults: list[FaultRecord],
+    facts: list[tuple[str, str]],
+) -> str:
+    """The summary printed at the end of a run: for a :class:`Report`, each database's outcome,
+    then the run's; a lone :class:`Verdict` is shown as one database."""
+    report = v if isinstance(v, Report) else Report(databases={"": v}, handler_runs=v.handler_runs)
+    names = [name for name in report.databases if name]
+    lines: list[str] = []
+    width = max(len(k) for k, _ in facts) if facts else 10
+    lines.append("== chaos run ==")
+    for k, val in facts:
+        lines.append(f"  {k:<{width}}  {val}")
     lines.append("")
-    if v.violations:
+    lines.append("== faults ==")
+    split = "/".join(names) if names else ""
+    lines.append(
+        f"  {'t+s':>6}  {'utc':<8}  {'fault':<16}  {'lasted':>7}  {'delivered':>9}"
+        + (f"  {split:>9}" if names else "")
+        + "  detail"
+    )
+    for f in faults:
+        each = ""
+        if names:
+            each = "/".join(str(f.by_database.get(n, 0)) for n in names) if f.by_database else "-"
+            each = f"  {each:>9}"
+        if f.skipped:
+            lines.append(
+                f"  {f.at:>6.1f}  {f.clock:<8}  {f.name:<16}  {'-':>7}  {'-':>9}"
+                + (f"  {'-':>9}" if names else "")
+                + f"  SKIPPED: {f.skipped}"
+            )
+            continue
+        got = "-" if f.delivered is None else str(f.delivered)
+        text = f.detail + (f"  ERROR: {f.error}" if f.error else "")
+        lines.append(
+            f"  {f.at:>6.1f}  {f.clock:<8}  {f.name:<16}  {f.seconds:>6.1f}s  {got:>9}{each}  {text}"
+        )
+    for name, verdict in report.databases.items():
+        lines.append("")
+        lines.append(f"== outcome: database {name} ==" if name else "== outcome ==")
+        lines += _outcome(verdict)
+    if names:
+        lines.append("")
+        lines.append("== outcome: the run ==")
+        rows = sum(verdict.rows for verdict in report.databases.values())
+        lines.append(f"  rows         {rows} in {len(names)} databases")
+        lines.append(f"  handler runs {report.handler_runs}")
+        lines.append(
+            f"  misplaced    {len(report.misplaced)} handler run(s) in another database than the one "
+            "their event was written to"
+        )
+        for s in report.misplaced[:10]:
+            lines.append(
+                f"  misplaced    id {s.get('id')} {s.get('t')}: ran in {s.get('db')}, written to {s.get('w')}"
+            )
+    lines.append("")
+    violations = report.all_violations() if names else v.violations
+    if violations:
         lines.append("VERDICT: FAIL")
-        lines.extend(f"  - {text}" for text in v.violations)
+        lines.extend(f"  - {text}" for text in violations)
     else:
         lines.append("VERDICT: PASS")
     return "\n".join(lines)

@@ -1,8 +1,10 @@
 """A chaos run: real beat and workers over a mixed workload, faults injected while it flows.
 
-The run owns every process it starts (Celery beat, a claim worker, two delivery workers, a
-Redis server without persistence, pgbouncer, an embedded PostgreSQL unless ``--dsn`` is given)
-and stops them all on the way out, whatever happens. See docs/chaos.md.
+One Outbox serves two databases on the same server (``one`` and ``two``); the workload is spread
+over both and every invariant is checked in each. The run owns every process it starts (Celery
+beat, a claim worker, two delivery workers, a Redis server without persistence, pgbouncer, an
+embedded PostgreSQL unless ``--dsn`` is given) and stops them all on the way out, whatever
+happens. See docs/chaos.md.
 """
 
 from __future__ import annotations
@@ -32,15 +34,37 @@ from outbox_celery.dsn import redact
 from outbox_celery.ops import subscriptions
 from outbox_celery.produce.enqueue import enqueue_many
 
-from .check import FaultRecord, Verdict, check, check_groups, check_subscribed, render
+from .check import (
+    FaultRecord,
+    Report,
+    check,
+    check_groups,
+    check_subscribed,
+    load_seen,
+    render,
+    split_seen,
+)
 from .procs import Child, Supervisor, child_pids
 from .services import CONTROL_APP, PgBouncer, Postgres, RedisServer, connect
-from .workload import EFFECTS_DDL, FANOUT, SUBSCRIBED, Producer, plan, plan_early, plan_groups
+from .workload import (
+    DATABASES,
+    DSN_ENV,
+    EFFECTS_DDL,
+    FANOUT,
+    SUBSCRIBED,
+    Producer,
+    for_database,
+    plan,
+    plan_early,
+    plan_groups,
+)
 
 __all__ = ["FAULTS", "Profile", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
 DELIVERY_WORKERS = ("w1", "w2")
+# The database the database_outage fault takes away; the others must keep delivering.
+OUTAGE_DATABASE = DATABASES[-1]
 
 
 @dataclass(frozen=True)
@@ -51,7 +75,7 @@ class Profile:
     lease: float
     claim_interval: float
     settle: float  # seconds between faults
-    outage_leases: float  # deploy outage length, in leases
+    outage_leases: float  # deploy outage and database outage length, in leases
     window_leases: float  # clock-skew and pgbouncer windows, in leases
     drain_timeout: float
     slow_max: float
@@ -81,7 +105,9 @@ FULL = Profile(
     groups=200,
     group_size=50,
     # More unordered ones than a claim's fan-out batch (1000): the claims after the first go on.
-    early=1600,
+    # Alternating between the two databases: 1,600 each, so each database alone has more than
+    # a claim fans out at a time.
+    early=3200,
 )
 SHORT = Profile(
     messages=2000,
@@ -109,12 +135,17 @@ FAULTS = (
     "broker_flush",
     "deploy_outage",
     "backend_kills",
+    "database_outage",
     "pinned_horizon",
     "pg_restart",
     "clock_ahead",
     "clock_behind",
     "pgbouncer",
 )
+
+# Seconds the database_outage fault waits for the first delivery in the database once it is
+# back (only reported: the end check wants every row delivered).
+RESUME_WAIT = 20.0
 
 # Seconds the first claims have to fan out the bare chaos.late rows once the workers are up.
 FAN_OUT_WAIT = 30.0
@@ -180,34 +211,32 @@ class Run:
 
     # -- processes ---------------------------------------------------------------------------
 
-    def _env(self, dsn: str | None = None) -> dict[str, str]:
+    def _env(self, dsns: dict[str, str] | None = None) -> dict[str, str]:
         return {
+            **{DSN_ENV[db]: dsn for db, dsn in (dsns or self.pg.dsns).items()},
             "CHAOS_BROKER_URL": self.redis.url,
-            "CHAOS_DSN": dsn or self.pg.dsn,
             "CHAOS_LEASE": str(self.p.lease),
             "CHAOS_CLAIM_INTERVAL": str(self.p.claim_interval),
             "CHAOS_SEEN": str(self.seen),
             "CHAOS_MARKERS": str(self.markers),
         }
 
-    def start_worker(
-        self, name: str, *, dsn: str | None = None, skew: str | None = None, settings: str | None = None
-    ) -> Child:
+    def start_worker(self, name: str) -> Child:
         """Start worker ``name`` (``claim`` or a delivery worker) and wait until it consumes."""
-        return self.start_workers((name,), dsn=dsn, skew=skew, settings=settings)[0]
+        return self.start_workers((name,))[0]
 
     def start_workers(
         self,
         names: tuple[str, ...],
         *,
-        dsn: str | None = None,
+        dsns: dict[str, str] | None = None,
         skew: str | None = None,
         settings: str | None = None,
     ) -> list[Child]:
         """Start workers ``names`` side by side, then wait until every one consumes.
 
-        ``dsn``, ``skew`` (a faketime offset such as ``+5s``) and ``settings`` (JSON of extra
-        Outbox settings) replace the normal ones.
+        ``dsns`` (database -> DSN), ``skew`` (a faketime offset such as ``+5s``) and ``settings``
+        (JSON of extra Outbox settings) replace the normal ones.
         """
         started: list[tuple[Child, int]] = []
         for name in names:
@@ -217,7 +246,7 @@ class Run:
                 celery += ["-Q", "chaos.claim", "-P", "solo", "-c", "1"]
             else:
                 celery += ["-Q", "chaos.deliver", "-P", "prefork", "-c", "2"]
-            env = self._env(dsn)
+            env = self._env(dsns)
             if settings:
                 env["CHAOS_OUTBOX_SETTINGS"] = settings
             if skew:
@@ -262,40 +291,47 @@ class Run:
         self,
         names: tuple[str, ...],
         *,
-        dsn: str | None = None,
+        dsns: dict[str, str] | None = None,
         skew: str | None = None,
         settings: str | None = None,
     ) -> None:
-        """Warm-restart ``names`` with another DSN or a shifted clock (``None``: the normal ones)."""
+        """Warm-restart ``names`` with other DSNs or a shifted clock (``None``: the normal ones)."""
         self.stop_workers(names)
-        self.start_workers(names, dsn=dsn, skew=skew, settings=settings)
+        self.start_workers(names, dsns=dsns, skew=skew, settings=settings)
 
     # -- database ----------------------------------------------------------------------------
 
-    def query(self, text: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
-        """Run a read-only query of the run's own, retried while PostgreSQL is away."""
+    def query(
+        self, text: str, params: list[Any] | None = None, *, database: str = DATABASES[0]
+    ) -> list[tuple[Any, ...]]:
+        """Run a read-only query of the run's own in ``database``, retried while it is away."""
         deadline = time.monotonic() + 60
         while True:
             try:
-                with connect(self.pg.dsn) as conn:
+                with connect(self.pg.dsns[database]) as conn:
                     return conn.execute(text, params).fetchall()
             except psycopg.OperationalError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
 
-    def counts(self) -> dict[str, int]:
-        """Rows per status."""
-        return {s: int(n) for s, n in self.query("SELECT status, count(*) FROM outbox GROUP BY 1")}
+    def counts(self, database: str) -> dict[str, int]:
+        """Rows per status in ``database``."""
+        rows = self.query("SELECT status, count(*) FROM outbox GROUP BY 1", database=database)
+        return {s: int(n) for s, n in rows}
 
-    def claimable(self) -> int:
-        """Pending rows a claim could take right now (not waiting out a backoff or a delay)."""
-        rows = self.query("SELECT count(*) FROM outbox WHERE status = 'pending' AND available_at <= now()")
+    def claimable(self, database: str) -> int:
+        """Pending rows of ``database`` a claim could take right now (not waiting out a backoff or
+        a delay)."""
+        rows = self.query(
+            "SELECT count(*) FROM outbox WHERE status = 'pending' AND available_at <= now()",
+            database=database,
+        )
         return int(rows[0][0])
 
-    def done(self) -> int:
-        """Rows done so far."""
-        return self.counts().get("done", 0)
+    def done(self, database: str) -> int:
+        """Rows of ``database`` done so far."""
+        return self.counts(database).get("done", 0)
 
     def ensure_autovacuum(self) -> str:
         """Autovacuum on, as on any production server (the pinned horizon fault needs it).
@@ -320,13 +356,13 @@ class Run:
     def fault(self, name: str, *, window: bool = False) -> Iterator[FaultRecord]:
         """Record fault ``name``: its start, length and the rows delivered meanwhile.
 
-        With ``window`` the workers stay up throughout, so nothing delivered while rows were
-        claimable at its start (pending, not waiting out a backoff or delay) is a stall and a
-        violation.
+        With ``window`` the workers stay up throughout, so a database where nothing was delivered
+        while rows were claimable at its start (pending, not waiting out a backoff or delay) is
+        stalled: a violation.
         """
         record = FaultRecord(name, time.monotonic() - self.start, time.strftime("%H:%M:%S", time.gmtime()))
-        before = self.counts()
-        claimable = self.claimable() if window else 0
+        before = {db: self.done(db) for db in DATABASES}
+        claimable = {db: self.claimable(db) if window else 0 for db in DATABASES}
         _log(self.start, f"fault {name} ...")
         began = time.monotonic()
         try:
@@ -334,10 +370,20 @@ class Run:
         except (OSError, RuntimeError, TimeoutError, psycopg.Error) as exc:
             record.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         record.seconds = time.monotonic() - began
-        record.delivered = self.done() - before.get("done", 0)
-        if window and record.delivered == 0 and claimable > 0:
-            record.error = (record.error or "") + f"stalled: 0 delivered with {claimable} claimable"
-        _log(self.start, f"fault {name}: {record.detail} delivered={record.delivered} {record.error or ''}")
+        record.by_database = {db: self.done(db) - before[db] for db in DATABASES}
+        record.delivered = sum(record.by_database.values())
+        stalled = [
+            f"database {db} stalled: 0 delivered with {claimable[db]} claimable"
+            for db in DATABASES
+            if window and record.by_database[db] == 0 and claimable[db] > 0
+        ]
+        if stalled:
+            record.error = "; ".join([*([record.error] if record.error else []), *stalled])
+        _log(
+            self.start,
+            f"fault {name}: {record.detail} delivered={record.delivered} {record.by_database} "
+            f"{record.error or ''}",
+        )
         self.faults.append(record)
 
     def skip(self, name: str, reason: str) -> None:
@@ -414,14 +460,61 @@ class Run:
             f.detail = f"pg_terminate_backend of the workers' sessions: {'+'.join(map(str, killed))}"
             time.sleep(self.p.settle)
 
-    def dead_tuples(self) -> int:
-        """The outbox table's dead tuples (``pg_stat_user_tables.n_dead_tup``)."""
-        rows = self.query("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'outbox'::regclass")
+    def f_database_outage(self) -> None:
+        """One database refuses every connection for a while (``ALLOW_CONNECTIONS false``), its
+        sessions terminated, then is allowed again. Its rows wait; the other database must keep
+        delivering meanwhile (a database that is down delays only its own rows, DESIGN invariant
+        34), and the end check wants every row of both delivered."""
+        down = OUTAGE_DATABASE
+        others = [db for db in DATABASES if db != down]
+        with self.fault("database_outage") as f:
+            seconds = self.p.outage_leases * self.p.lease
+            before = {db: self.done(db) for db in others}
+            claimable = {db: self.claimable(db) for db in others}
+            self.pg.allow_connections(down, False)
+            try:
+                killed = self.pg.terminate_database(down)
+                time.sleep(seconds)
+                during = {db: self.done(db) - before[db] for db in others}
+            finally:
+                self.pg.allow_connections(down, True)
+            back = time.monotonic()
+            at_back = {db: self.done(db) for db in [*others, down]}
+            resumed: float | None = None
+            while time.monotonic() - back < RESUME_WAIT:
+                if self.done(down) > at_back[down]:
+                    resumed = time.monotonic() - back
+                    break
+                time.sleep(0.2)
+            # As long again after the outage (and at least the settle time): what the others
+            # deliver with every database up, beside what they delivered while one was away.
+            time.sleep(max(0.0, max(seconds, self.p.settle * 2) - (time.monotonic() - back)))
+            after = {db: self.done(db) - at_back[db] for db in others}
+            f.detail = (
+                f"database {down} refused connections {seconds:.0f} s ({self.p.outage_leases:g} leases), "
+                f"{killed} sessions terminated; meanwhile "
+                + ", ".join(f"{db} delivered {n} ({after[db]} in as long after)" for db, n in during.items())
+                + f"; {down} delivering again "
+                + (f"{resumed:.1f} s after" if resumed is not None else f"NOT within {RESUME_WAIT:g} s")
+            )
+            stalled = [
+                f"database {db} stalled while {down} was down: 0 delivered with {claimable[db]} claimable"
+                for db in others
+                if during[db] == 0 and claimable[db] > 0
+            ]
+            if stalled:
+                f.error = "; ".join(stalled)
+
+    def dead_tuples(self, database: str) -> int:
+        """The outbox table's dead tuples in ``database`` (``pg_stat_user_tables.n_dead_tup``)."""
+        rows = self.query(
+            "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'outbox'::regclass", database=database
+        )
         return int(rows[0][0]) if rows else 0
 
     def holds_xmin(self, pid: int) -> bool:
         """Whether backend ``pid`` holds back the xmin horizon (``backend_xmin`` set)."""
-        with connect(self.pg.dsn) as conn:
+        with connect(self.pg.admin_dsn) as conn:
             row = conn.execute(
                 "SELECT backend_xmin IS NOT NULL FROM pg_stat_activity WHERE pid = %s", [pid]
             ).fetchone()
@@ -429,29 +522,44 @@ class Run:
 
     def f_pinned_horizon(self) -> None:
         # A session that took a REPEATABLE READ snapshot and sits idle in its transaction holds
-        # the xmin horizon: no vacuum removes a dead version made meanwhile. Workers stay
-        # up, so a window with claimable rows and nothing delivered is a stall.
+        # the xmin horizon of its database (another database's vacuum ignores it): one such
+        # session in each. Workers stay up, so a window with claimable rows and nothing
+        # delivered is a stall.
         with self.fault("pinned_horizon", window=True) as f:
             hold = self.p.pin_leases * self.p.lease
-            dead_before = self.dead_tuples()
-            pin = psycopg.connect(self.pg.dsn, application_name=CONTROL_APP, connect_timeout=5)
+            dead_before = {db: self.dead_tuples(db) for db in DATABASES}
+            pins: list[psycopg.Connection[Any]] = []
             try:
-                pin.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-                pin.execute("SELECT pg_current_snapshot()")
-                if not self.holds_xmin(pin.info.backend_pid):
-                    raise RuntimeError("the pinned transaction holds no backend_xmin")
+                for db in DATABASES:
+                    pin = psycopg.connect(self.pg.dsns[db], application_name=CONTROL_APP, connect_timeout=5)
+                    pins.append(pin)
+                    pin.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+                    pin.execute("SELECT pg_current_snapshot()")
+                    if not self.holds_xmin(pin.info.backend_pid):
+                        raise RuntimeError(f"the pinned transaction in {db} holds no backend_xmin")
                 time.sleep(hold)
-                if not self.holds_xmin(pin.info.backend_pid):
-                    raise RuntimeError("the pinned transaction lost its backend_xmin before the end")
-                dead_pinned = self.dead_tuples()
-                unfinished = sum(v for k, v in self.counts().items() if k in ("pending", "processing"))
+                for db, pin in zip(DATABASES, pins, strict=True):
+                    if not self.holds_xmin(pin.info.backend_pid):
+                        raise RuntimeError(
+                            f"the pinned transaction in {db} lost its backend_xmin before the end"
+                        )
+                dead_pinned = {db: self.dead_tuples(db) for db in DATABASES}
+                unfinished = sum(
+                    v
+                    for db in DATABASES
+                    for k, v in self.counts(db).items()
+                    if k in ("pending", "processing")
+                )
             finally:
-                with contextlib.suppress(psycopg.Error):
-                    pin.rollback()
-                pin.close()
+                for pin in pins:
+                    with contextlib.suppress(psycopg.Error):
+                        pin.rollback()
+                    pin.close()
             f.detail = (
-                f"REPEATABLE READ snapshot held {hold:.0f} s ({self.p.pin_leases:g} leases); outbox dead "
-                f"tuples {dead_before:,} -> {dead_pinned:,}, {unfinished} unfinished at its end"
+                f"REPEATABLE READ snapshot held {hold:.0f} s ({self.p.pin_leases:g} leases) in each "
+                "database; outbox dead tuples "
+                + ", ".join(f"{db} {dead_before[db]:,} -> {dead_pinned[db]:,}" for db in DATABASES)
+                + f"; {unfinished} unfinished at its end"
             )
             time.sleep(self.p.settle * 2)
 
@@ -487,9 +595,11 @@ class Run:
         if PgBouncer.available() is None:
             self.skip("pgbouncer", "pgbouncer not installed (Debian package pgbouncer)")
             return
-        self.bouncer = PgBouncer(self.procs, self.state_dir / "pgbouncer", self.pg.dsn)
+        self.bouncer = PgBouncer(self.procs, self.state_dir / "pgbouncer", self.pg.dsns)
         self.bouncer.start()
-        self.restart_workers(("claim", *DELIVERY_WORKERS), dsn=self.bouncer.dsn, settings=PGBOUNCER_SETTINGS)
+        self.restart_workers(
+            ("claim", *DELIVERY_WORKERS), dsns=self.bouncer.dsns, settings=PGBOUNCER_SETTINGS
+        )
         self.altered = True
         with self.fault("pgbouncer", window=True) as f:
             time.sleep(self.p.window_leases * self.p.lease)
@@ -506,21 +616,28 @@ class Run:
             self.bouncer = None
 
     def write_early(self, events: list[Any]) -> None:
-        """Write ``events`` (``chaos.late``) before any worker started: the table has no
-        subscription of their type yet, so each is one bare row (DESIGN invariant 28)."""
-        with connect(self.pg.dsn) as conn:
-            live = subscriptions.list_subscriptions(conn, "outbox", event_type="chaos.late")
-            if live:
-                raise RuntimeError(f"chaos.late has subscriptions before any worker started: {live}")
-            with conn.transaction():
-                enqueue_many(conn, events)
+        """Write ``events`` (``chaos.late``), each into the database its payload names, before
+        any worker started: no table has a subscription of their type yet, so each is one bare
+        row (DESIGN invariant 28)."""
+        for db in DATABASES:
+            with connect(self.pg.dsns[db]) as conn:
+                live = subscriptions.list_subscriptions(conn, "outbox", event_type="chaos.late")
+                if live:
+                    raise RuntimeError(
+                        f"chaos.late has subscriptions in {db} before any worker started: {live}"
+                    )
+                with conn.transaction():
+                    enqueue_many(conn, for_database(events, db))
         self.early_bare = self.bare_late()
         if self.early_bare != len(events):
             raise RuntimeError(f"{len(events)} early chaos.late events written, {self.early_bare} bare rows")
 
     def bare_late(self) -> int:
-        """Rows of ``chaos.late`` without a subscription's name (bare)."""
-        return int(self.query("SELECT count(*) FROM outbox WHERE event_type = 'chaos.late'")[0][0])
+        """Rows of ``chaos.late`` without a subscription's name (bare), every database."""
+        return sum(
+            int(self.query("SELECT count(*) FROM outbox WHERE event_type = 'chaos.late'", database=db)[0][0])
+            for db in DATABASES
+        )
 
     def wait_fanned_out(self, began: float) -> None:
         """Wait until the first claims fanned the bare ``chaos.late`` rows out, at most
@@ -569,6 +686,7 @@ class Run:
             "broker_flush": p.settle,
             "deploy_outage": p.outage_leases * p.lease + 6 + p.settle * 2,
             "backend_kills": p.backend_kills + p.settle,
+            "database_outage": p.outage_leases * p.lease + max(p.outage_leases * p.lease, p.settle * 2) + 1,
             "pinned_horizon": p.pin_leases * p.lease + p.settle * 2,
             "pg_restart": 5 + p.settle * 2,
             "clock_ahead": p.window_leases * p.lease + 8,
@@ -577,15 +695,16 @@ class Run:
         }
         return 5 + sum(cost[f] for f in faults)
 
-    def execute(self, faults: list[str]) -> tuple[Verdict, list[tuple[str, str]]]:
-        """Start everything, inject ``faults`` while messages flow, drain, check."""
+    def execute(self, faults: list[str]) -> tuple[Report, list[tuple[str, str]]]:
+        """Start everything, inject ``faults`` while messages flow, drain, check each database."""
         self.redis.start()
-        with connect(self.pg.dsn) as conn:
-            migrate(conn)
-            conn.execute(EFFECTS_DDL)
-            # The subscriptions of chaos.fanout exist before the first event (invariant 28),
-            # as a deploy's migrate step would add them; the workers add them too at start-up.
-            subscriptions.register(conn, "outbox", [f"chaos.fanout@{name}" for name in FANOUT])
+        for db in DATABASES:
+            with connect(self.pg.dsns[db]) as conn:
+                migrate(conn)
+                conn.execute(EFFECTS_DDL)
+                # The subscriptions of chaos.fanout exist before the first event (invariant 28),
+                # as a deploy's migrate step would add them; the workers add them too at start-up.
+                subscriptions.register(conn, "outbox", [f"chaos.fanout@{name}" for name in FANOUT])
         # Those of chaos.late are not: its first events are written before any worker (which
         # registers them at start-up) and are bare rows until a claim fans them out.
         early = plan_early(self.p.early, self.p.keys, self.p.messages)
@@ -598,13 +717,26 @@ class Run:
         seconds = self.planned_seconds(faults)
         events = plan(self.p.messages, self.p.keys, self.seed, self.p.slow_max)
         groups = plan_groups(self.p.groups, self.p.group_size)
-        producer = Producer(self.pg.dsn, events, seconds * 0.9, groups=groups)
+        # One producer per database, each writing its share over the same time: a database that
+        # is down holds back its own producer only.
+        producers = [
+            Producer(
+                db,
+                self.pg.dsns[db],
+                for_database(events, db),
+                seconds * 0.9,
+                groups=[g for g in groups if g[1].payload["db"] == db],
+            )
+            for db in DATABASES
+        ]
         self.start = time.monotonic()
         _log(
             self.start,
-            f"producing {len(events)} messages over ~{seconds * 0.9:.0f} s; faults: {', '.join(faults)}",
+            f"producing {len(events)} messages into {len(DATABASES)} databases over ~{seconds * 0.9:.0f} s; "
+            f"faults: {', '.join(faults)}",
         )
-        producer.start()
+        for producer in producers:
+            producer.start()
         killer = threading.Thread(target=self._kill_periodically, name="periodic-kills", daemon=True)
         if self.p.kill_every > 0:
             killer.start()
@@ -622,15 +754,15 @@ class Run:
                     self.faults.append(FaultRecord(name, time.monotonic() - self.start, clock, error=text))
                     _log(self.start, f"fault {name} FAILED: {text}")
             self.ensure_normal()
-            while not producer.done:
+            while not all(producer.done for producer in producers):
                 time.sleep(0.5)
             drain_start = time.monotonic()
             _log(self.start, "all produced and injected; draining")
             drained: float | None = None
             last = 0.0
             while time.monotonic() - drain_start < self.p.drain_timeout:
-                counts = self.counts()
-                if counts.get("pending", 0) + counts.get("processing", 0) == 0:
+                counts = {db: self.counts(db) for db in DATABASES}
+                if all(c.get("pending", 0) + c.get("processing", 0) == 0 for c in counts.values()):
                     drained = time.monotonic() - drain_start
                     break
                 if time.monotonic() - last > 10:
@@ -639,48 +771,35 @@ class Run:
                 time.sleep(1.0)
         finally:
             self._stop_kills.set()
-            producer.stop()
+            for producer in producers:
+                producer.stop()
         total = time.monotonic() - self.start
-        rows = self.query("SELECT id, event_type, status, ordering_key, last_error FROM outbox ORDER BY id")
-        effects = self.query("SELECT outbox_id, count(*) FROM chaos_effects GROUP BY outbox_id")
-        verdict = check([tuple(r) for r in rows], self.seen, effects={int(i): int(n) for i, n in effects})
-        made = self.query("SELECT id, state, callback_id FROM outbox_group ORDER BY id")
-        # A callback's row holds its payload; a fanned-out one's other rows read it (payload_of).
-        callbacks = self.query(
-            "SELECT id, (payload -> 'outbox_group' ->> 'id')::bigint FROM outbox"
-            " WHERE split_part(event_type, '@', 1) IN ('chaos.group_done', 'chaos.group_fan')"
-            " AND payload_of IS NULL ORDER BY id"
-        )
-        check_groups(verdict, [tuple(r) for r in made], [(int(i), int(g)) for i, g in callbacks])
-        fanned = self.query(
-            "SELECT id, event_type, payload_of, status, payload ->> 'n' FROM outbox"
-            " WHERE split_part(event_type, '@', 1) = ANY(%s) ORDER BY id",
-            [[f"chaos.{kind}" for kind in SUBSCRIBED]],
-        )
-        planned: dict[str, set[int]] = {kind: set() for kind in SUBSCRIBED}
-        for event in [*events, *early, *(then for _, then in groups)]:
-            kind = event.event_type.removeprefix("chaos.")
-            if kind in planned:
-                planned[kind].add(int(event.payload["n"]))
-        check_subscribed(verdict, [tuple(r) for r in fanned], planned)
+        report = self.judge(events, early, groups)
         if early and self.early_fanned_in is None:
-            verdict.violations.append(
+            report.violations.append(
                 f"bare chaos.late rows not all fanned out {FAN_OUT_WAIT:g} s after the workers were ready"
             )
         for f in self.faults:
             if f.error:
-                verdict.violations.append(f"fault {f.name}: {f.error}")
+                report.violations.append(f"fault {f.name}: {f.error}")
+        rows = {db: v.rows for db, v in report.databases.items()}
         facts = [
             (
                 "messages",
-                f"{verdict.rows} rows ({len(events)} planned, {len(early)} before the workers, "
-                f"{producer.failures} producer retries)",
+                f"{sum(rows.values())} rows ("
+                + ", ".join(f"{db} {n}" for db, n in rows.items())
+                + f"; {len(events)} planned, {len(early)} before the workers, "
+                + f"{sum(p.failures for p in producers)} producer retries)",
             ),
             (
                 "profile",
                 f"lease {self.p.lease:g} s, claim every {self.p.claim_interval:g} s, seed {self.seed}",
             ),
-            ("database", redact(self.pg.dsn) + ("" if self.pg.restartable else " (external)")),
+            (
+                "databases",
+                "; ".join(f"{db}: {redact(dsn)}" for db, dsn in self.pg.dsns.items())
+                + ("" if self.pg.restartable else " (external)"),
+            ),
             ("run time", f"{total:.0f} s"),
             (
                 "drain time",
@@ -695,17 +814,25 @@ class Run:
                 if self.p.kill_every > 0
                 else "off (--kill-every)",
             ),
-            ("duplicates", f"{verdict.duplicates}"),
+            (
+                "duplicates",
+                ", ".join(f"{db} {v.duplicates}" for db, v in report.databases.items()),
+            ),
             (
                 "groups",
-                f"{verdict.groups} ({len(groups)} planned x {self.p.group_size}), "
-                f"{len(verdict.groups_not_fired)} not fired, "
-                f"{len(verdict.callbacks_wrong)} callbacks not once",
+                f"{len(groups)} planned x {self.p.group_size}: "
+                + "; ".join(
+                    f"{db} {v.groups}, {len(v.groups_not_fired)} not fired, "
+                    f"{len(v.callbacks_wrong)} callbacks not once"
+                    for db, v in report.databases.items()
+                ),
             ),
             (
                 "late events",
                 f"{len(early)} chaos.late written before any worker registered its subscriptions "
-                f"({self.early_bare} bare rows), fanned out "
+                f"({self.early_bare} bare rows, "
+                + ", ".join(f"{db} {len(for_database(early, db))}" for db in DATABASES)
+                + "), fanned out "
                 + (
                     f"within {self.early_fanned_in:.1f} s of the workers' start"
                     if self.early_fanned_in is not None
@@ -716,7 +843,59 @@ class Run:
             ("last claim runs", self.claim_runs()),
             ("logs", str(self.logs)),
         ]
-        return verdict, facts
+        return report, facts
+
+    def judge(self, events: list[Any], early: list[Any], groups: list[Any]) -> Report:
+        """Every check, database by database: its rows against the handler runs recorded in it,
+        and the runs recorded in another database than their event's."""
+        sightings = load_seen(self.seen)
+        by_db, misplaced = split_seen(sightings, DATABASES)
+        report = Report(handler_runs=len(sightings), misplaced=misplaced)
+        if misplaced:
+            report.violations.append(
+                f"{len(misplaced)} handler run(s) in another database than their event was written to"
+            )
+        for db in DATABASES:
+            rows = self.query(
+                "SELECT id, event_type, status, ordering_key, last_error FROM outbox ORDER BY id", database=db
+            )
+            effects = self.query(
+                "SELECT outbox_id, count(*) FROM chaos_effects GROUP BY outbox_id", database=db
+            )
+            verdict = check([tuple(r) for r in rows], by_db[db], effects={int(i): int(n) for i, n in effects})
+            made = self.query("SELECT id, state, callback_id FROM outbox_group ORDER BY id", database=db)
+            # A callback's row holds its payload; a fanned-out one's other rows read it (payload_of).
+            callbacks = self.query(
+                "SELECT id, (payload -> 'outbox_group' ->> 'id')::bigint FROM outbox"
+                " WHERE split_part(event_type, '@', 1) IN ('chaos.group_done', 'chaos.group_fan')"
+                " AND payload_of IS NULL ORDER BY id",
+                database=db,
+            )
+            check_groups(verdict, [tuple(r) for r in made], [(int(i), int(g)) for i, g in callbacks])
+            fanned = self.query(
+                "SELECT id, event_type, payload_of, status, payload ->> 'n' FROM outbox"
+                " WHERE split_part(event_type, '@', 1) = ANY(%s) ORDER BY id",
+                [[f"chaos.{kind}" for kind in SUBSCRIBED]],
+                database=db,
+            )
+            planned: dict[str, set[int]] = {kind: set() for kind in SUBSCRIBED}
+            for event in for_database([*events, *early, *(then for _, then in groups)], db):
+                kind = event.event_type.removeprefix("chaos.")
+                if kind in planned:
+                    planned[kind].add(int(event.payload["n"]))
+            check_subscribed(verdict, [tuple(r) for r in fanned], planned)
+            # Every row holds the database its producer wrote it to (a fanned-out row reads its
+            # event's payload): a row of another database's event is one in the wrong table.
+            strays = self.query(
+                "SELECT count(*) FROM outbox o LEFT JOIN outbox p ON p.id = o.payload_of"
+                " WHERE coalesce(p.payload, o.payload) ->> 'db' IS DISTINCT FROM %s",
+                [db],
+                database=db,
+            )
+            if int(strays[0][0]):
+                verdict.violations.append(f"{strays[0][0]} row(s) of another database's events")
+            report.databases[db] = verdict
+        return report
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -780,16 +959,16 @@ def main(argv: list[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _on_signal)
     dsn: str | None = args.dsn or None
-    verdict: Verdict | None = None
+    report: Report | None = None
     try:
-        with Postgres.open(dsn, state_dir) as pg:
+        with Postgres.open(dsn, state_dir, DATABASES) as pg:
             run = Run(profile, pg, run_dir, args.seed)
             try:
-                verdict, facts = run.execute(faults)
+                report, facts = run.execute(faults)
             finally:
                 run.procs.stop_all()
             print()
-            print(render(verdict, run.faults, facts), flush=True)
+            print(render(report, run.faults, facts), flush=True)
     except (KeyboardInterrupt, Interrupted):
         print("interrupted: every process was stopped", file=sys.stderr)
         return 130
@@ -797,4 +976,4 @@ def main(argv: list[str] | None = None) -> int:
         # Setting up (PostgreSQL, Redis, the first workers) failed: nothing to judge.
         print(f"chaos: the run could not start: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    return 1 if verdict is None or verdict.violations else 0
+    return 1 if report is None or report.all_violations() else 0

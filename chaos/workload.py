@@ -15,6 +15,8 @@ from outbox_celery.produce.enqueue import enqueue_group, enqueue_many
 from .services import connect
 
 __all__ = [
+    "DATABASES",
+    "DSN_ENV",
     "EFFECTS_DDL",
     "FANOUT",
     "GROUP_FAN",
@@ -24,10 +26,19 @@ __all__ = [
     "PERMANENT_ERROR",
     "SUBSCRIBED",
     "Producer",
+    "for_database",
+    "group_database",
     "plan",
     "plan_early",
     "plan_groups",
 ]
+
+#: The databases of the run, by the name the Outbox serves them under (``databases=``): two on
+#: the same server. Every event's payload names the one it is written to (``db``), so the end
+#: check can tell each handler run's ``message.database`` from where its event was written.
+DATABASES = ("one", "two")
+#: database -> the environment variable that gives the workers its DSN (chaos/app.py).
+DSN_ENV = dict(zip(DATABASES, ("CHAOS_DSN", "CHAOS_DSN_TWO"), strict=True))
 
 # The text a permanent message's handler raises; the end check looks for it in last_error.
 PERMANENT_ERROR = "chaos: permanent failure"
@@ -80,22 +91,33 @@ HEALTHY = frozenset(KINDS) - {"permanent"} | {"member", "group_done", "group_fan
 Group = tuple[list[Event], Event]
 
 
+def group_database(g: int) -> str:
+    """The database of group ``g``: pairs of groups alternate, so each database has groups of
+    both callback types (``chaos.group_done`` for even groups, ``chaos.group_fan`` for odd)."""
+    return DATABASES[(g // 2) % len(DATABASES)]
+
+
 def plan_groups(groups: int, size: int) -> list[Group]:
     """``groups`` groups of ``size`` members, each with its callback: ``chaos.group_done`` for
     even groups, ``chaos.group_fan`` (two subscriptions, :data:`GROUP_FAN`) for odd ones, whose
-    payload's ``n`` is the group's number."""
-    return [
-        (
-            [
-                Event("chaos.member", {"kind": "member", "group": g, "i": i}, "chaos", f"g{g}:{i}")
-                for i in range(size)
-            ],
-            Event("chaos.group_done", {"kind": "group_done", "group": g}, "chaos", f"g{g}")
+    payload's ``n`` is the group's number. Each group lives in one database
+    (:func:`group_database`), named by every payload's ``db``."""
+    out: list[Group] = []
+    for g in range(groups):
+        db = group_database(g)
+        members = [
+            Event("chaos.member", {"kind": "member", "group": g, "i": i, "db": db}, "chaos", f"g{g}:{i}")
+            for i in range(size)
+        ]
+        then = (
+            Event("chaos.group_done", {"kind": "group_done", "group": g, "db": db}, "chaos", f"g{g}")
             if g % 2 == 0
-            else Event("chaos.group_fan", {"kind": "group_fan", "group": g, "n": g}, "chaos", f"g{g}"),
+            else Event(
+                "chaos.group_fan", {"kind": "group_fan", "group": g, "n": g, "db": db}, "chaos", f"g{g}"
+            )
         )
-        for g in range(groups)
-    ]
+        out.append((members, then))
+    return out
 
 
 def plan_early(count: int, keys: int, first: int) -> list[Event]:
@@ -103,12 +125,13 @@ def plan_early(count: int, keys: int, first: int) -> list[Event]:
     type's subscriptions: bare rows until a claim fans them out. Their ``n`` follow the mix's
     (from ``first``); a third are ordered, on keys of their own (``early-key-*``), so no event of
     the run shares a key with them (a bare event fanned out after its subscription already had
-    later events of its key is delivered after them: a known limit, not what is checked)."""
+    later events of its key is delivered after them: a known limit, not what is checked).
+    They alternate between the databases (``db``)."""
     rng = random.Random(first)
     return [
         Event(
             "chaos.late",
-            {"kind": "late", "n": first + i, "early": True},
+            {"kind": "late", "n": first + i, "early": True, "db": DATABASES[i % len(DATABASES)]},
             "chaos",
             f"early-{i}",
             ordering_key=f"early-key-{rng.randrange(keys)}" if rng.random() < 1 / 3 else None,
@@ -117,13 +140,17 @@ def plan_early(count: int, keys: int, first: int) -> list[Event]:
     ]
 
 
-def plan(count: int, keys: int, seed: int, slow_max: float) -> list[Event]:
-    """``count`` events in a shuffled, reproducible mix of :data:`KINDS`."""
+def plan(count: int, keys: int, seed: int, slow_max: float, batch: int = 25) -> list[Event]:
+    """``count`` events in a shuffled, reproducible mix of :data:`KINDS`, spread over the
+    databases a ``batch`` (the producer's transaction) at a time: events ``0..batch-1`` in the
+    first, the next ``batch`` in the second, and so on (``db`` in each payload). Every kind and
+    ordering key thus has events in both databases; each database orders its own."""
     rng = random.Random(seed)
     kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=count)
     events: list[Event] = []
     for n, kind in enumerate(kinds):
-        payload: dict[str, object] = {"kind": kind, "n": n}
+        db = DATABASES[(n // batch) % len(DATABASES)]
+        payload: dict[str, object] = {"kind": kind, "n": n, "db": db}
         key: str | None = None
         limit_key: str | None = None
         if kind == "retry":
@@ -153,15 +180,22 @@ def plan(count: int, keys: int, seed: int, slow_max: float) -> list[Event]:
     return events
 
 
+def for_database(events: list[Event], database: str) -> list[Event]:
+    """The events of ``events`` written to ``database`` (by their payload's ``db``)."""
+    return [e for e in events if e.payload["db"] == database]
+
+
 @dataclass
 class Producer:
-    """Enqueues ``events`` in batches at a steady rate from a thread, through every fault.
+    """Enqueues ``events`` into ``database`` in batches at a steady rate from a thread, through
+    every fault. One producer per database: a database that is down holds back its own only.
 
     A batch whose commit fails is retried on a new connection. If the commit did land before the
     connection broke, the batch is written twice: harmless, the end check judges whatever rows
     the table holds (and says how many there are).
     """
 
+    database: str
     dsn: str
     events: list[Event]
     seconds: float
@@ -174,7 +208,7 @@ class Producer:
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chaos-producer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"chaos-producer-{self.database}", daemon=True)
 
     def start(self) -> None:
         """Start producing."""
