@@ -53,6 +53,13 @@ Sections (``--only`` picks some):
   done one row at a time (no Celery), alternated rounds; and the last member's finalize (which
   enqueues the callback) beside another member's.
 
+* ``databases`` (opt-in, DESIGN invariant 34): ``python -m benchmarks.databases`` with its defaults
+  (``--quick``: its ``--short``): one Outbox over 100 databases of a private stock PostgreSQL, 20
+  producing 10 msg/s each, on the README deployment: per-database p99 commit -> handler start,
+  the idle databases' claims and the worker's connections; one database unavailable for 60 s
+  (the others' p99 during it, the stopped one's rows all delivered); one database at 500 msg/s
+  beside 19 at 5 msg/s. Each beside one database alone (``dsn=``) at the same rate.
+
 * ``peer`` (opt-in): the nearest peer, django-celery-outbox (installed into its own virtual
   environment on first use, left out with a line saying why when it cannot be), with its relay's
   defaults and tuned (``--batch-size 500 --idle-time 0.1``), beside bare Celery and ours on both
@@ -134,6 +141,7 @@ SECTIONS = (
     "flow-bounds",
     "subscriptions",
     "groups",
+    "databases",
 )
 DEFAULT_SECTIONS = ("plain", "e2e", "latency", "claim")
 # The end-to-end deployments: a solo claim worker beside the delivery worker, and the README's
@@ -542,6 +550,15 @@ class Bench:
             f"{a.plain_messages} messages per run, batch_size {a.batch_size}, runs interleaved twice; "
             "the traced runs (1000 messages) count round trips from libpq's protocol trace"
         )
+
+    def databases(self) -> None:
+        """Several databases, one Outbox: ``benchmarks/databases.py`` with its defaults (its
+        ``--short`` with ``--quick``), on its own private stock server unless ``--dsn``."""
+        from .databases import parser, run
+
+        self.report.flush()
+        args = parser().parse_args(["--short"] if self.args.quick else [])
+        self.results["databases"] = run(args, self.args.dsn, self.svc.redis_url, self.workdir, self.report)
 
     def groups(self) -> None:
         from .groups import measure
@@ -1644,10 +1661,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             + " ".join(f"{x:.2f}" for x in os.getloadavg())
             + f", sections: {', '.join(chosen)}"
         )
-        if any(c.startswith("horizon") for c in chosen) and not args.dsn:
+        if any(c.startswith("horizon") or c == "databases" for c in chosen) and not args.dsn:
             report.text(
-                "horizon sections: on a private PostgreSQL with stock settings they start themselves "
-                "(the server above may run with autovacuum off)"
+                "horizon and databases sections: on a private PostgreSQL with stock settings they start "
+                "themselves (the server above may run with autovacuum off)"
             )
         bench = Bench(args, svc, Path(tmp), report)
         steps: dict[str, Callable[[], None]] = {
@@ -1669,6 +1686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "flow-bounds": bench.flow_bounds,
             "subscriptions": bench.subscriptions,
             "groups": bench.groups,
+            "databases": bench.databases,
         }
         failures = 0
         try:

@@ -93,8 +93,11 @@ def _server_facts(dsn: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def _private_cluster() -> Iterator[tuple[str, str]]:
-    """initdb + pg_ctl of the installed PostgreSQL on a free port; yields (DSN, description)."""
+def _private_cluster(settings: Sequence[str] = ()) -> Iterator[tuple[str, str]]:
+    """initdb + pg_ctl of the installed PostgreSQL on a free port; yields (DSN, description).
+
+    ``settings``: ``name=value`` server settings given on its command line (``-c``).
+    """
     out = subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True, check=True, timeout=30)
     bindir = Path(out.stdout.strip())
     user = None
@@ -123,13 +126,15 @@ def _private_cluster() -> Iterator[tuple[str, str]]:
             "--no-sync",
         )
         port = free_port()
-        options = f"-p {port} -c listen_addresses=127.0.0.1 -k {tmp}"
+        options = f"-p {port} -c listen_addresses=127.0.0.1 -k {tmp}" + "".join(f" -c {x}" for x in settings)
         pg_ctl = str(bindir / "pg_ctl")
         run(pg_ctl, "-D", str(data), "-l", str(tmp / "server.log"), "-w", "-o", options, "start")
         try:
             yield (
                 f"postgresql://postgres@127.0.0.1:{port}/postgres",
-                f"private cluster (initdb of {bindir}, stock settings) on 127.0.0.1:{port}",
+                f"private cluster (initdb of {bindir}, stock settings"
+                + (f" but {', '.join(settings)}" if settings else "")
+                + f") on 127.0.0.1:{port}",
             )
         finally:
             with contextlib.suppress(subprocess.SubprocessError, OSError):
@@ -139,11 +144,13 @@ def _private_cluster() -> Iterator[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def stock_server(dsn: str | None, workdir: Path) -> Iterator[StockServer]:
+def stock_server(dsn: str | None, workdir: Path, *, settings: Sequence[str] = ()) -> Iterator[StockServer]:
     """The server of the horizon sections: ``dsn``, else a private cluster, else embedded.
 
     The private cluster (or the embedded server) is stopped on exit. A ``dsn`` server whose
-    autovacuum is off is used as asked, and the report says so.
+    autovacuum is off is used as asked, and the report says so. ``settings`` (``name=value``)
+    are given to a private cluster only (the databases benchmark raises ``max_connections``
+    and loads ``pg_stat_statements``); the caller reads back what it got.
     """
     if dsn:
         version, av = _server_facts(dsn)
@@ -152,7 +159,7 @@ def stock_server(dsn: str | None, workdir: Path) -> Iterator[StockServer]:
     reason = ""
     with contextlib.ExitStack() as stack:
         try:
-            server_dsn, origin = stack.enter_context(_private_cluster())
+            server_dsn, origin = stack.enter_context(_private_cluster(settings))
         except (OSError, KeyError, subprocess.SubprocessError) as exc:
             detail = (
                 exc.stderr.decode(errors="replace").strip()

@@ -6,6 +6,12 @@
   :func:`~outbox_celery.enqueue_many` in transactions of ``BENCH_PRODUCER_BATCH``, as fast as it
   can; or, with ``BENCH_RATE`` set, one event per transaction at that steady rate for
   ``BENCH_DURATION`` seconds, noting each commit time in ``BENCH_LATENCY_DIR``.
+* ``databases``: the producers of ``python -m benchmarks.databases``: for each database of
+  ``BENCH_PRODUCE`` (JSON, name -> ``{"dsn", "rate"}``) one event per transaction at its steady
+  rate (a thread per 100 events/s, each with its connection), from ``BENCH_T0`` (``time.time()``)
+  until the file ``BENCH_STOP`` appears, noting ``"<id> <time>"`` per commit in
+  ``BENCH_LATENCY_DIR/commits-<name>.txt``. A commit that fails (its database refuses
+  connections) is counted and the connection opened again at the next due time.
 
 Each prints one JSON line: when it started and finished sending (``time.time()``).
 """
@@ -118,9 +124,94 @@ def _produce_paced(conn: Any, table: str, rate: float, duration: float) -> dict[
     }
 
 
+#: Events per second one producer thread (one connection) is asked for at most.
+PER_THREAD = 100.0
+
+
+def _produce_databases() -> dict[str, Any]:
+    import math
+    import threading
+
+    plan: dict[str, dict[str, Any]] = json.loads(os.environ["BENCH_PRODUCE"])
+    t0 = float(os.environ["BENCH_T0"])
+    stop_file = Path(os.environ["BENCH_STOP"])
+    out = Path(os.environ["BENCH_LATENCY_DIR"])
+    stop = threading.Event()
+    results: dict[str, dict[str, Any]] = {}
+    lock = threading.Lock()
+
+    def watch() -> None:
+        while not stop.wait(0.05):
+            if stop_file.exists():
+                stop.set()
+
+    def produce(name: str, dsn: str, rate: float, offset: float) -> None:
+        import psycopg
+
+        from outbox_celery import enqueue
+
+        lines: list[str] = []
+        sent = failed = late = 0
+        conn: Any = None
+        k = 0
+        while not stop.is_set():
+            wait = t0 + offset + k / rate - time.time()
+            if wait > 0:
+                stop.wait(wait)
+                if stop.is_set():
+                    break
+            elif wait < -0.01:
+                late += 1
+            k += 1
+            try:
+                if conn is None:
+                    conn = psycopg.connect(dsn, autocommit=True, connect_timeout=2)
+                with conn.transaction():
+                    outbox_id = enqueue(
+                        conn,
+                        event_type="bench.noop",
+                        payload={"k": k},
+                        aggregate_type="bench",
+                        aggregate_id=k,
+                    )
+                lines.append(f"{outbox_id} {time.time():.6f}\n")
+                sent += 1
+            except psycopg.Error:
+                failed += 1
+                if conn is not None:
+                    conn.close()
+                conn = None
+        if conn is not None:
+            conn.close()
+        with lock:
+            r = results.setdefault(name, {"sent": 0, "failed": 0, "late": 0, "lines": []})
+            r["sent"] += sent
+            r["failed"] += failed
+            r["late"] += late
+            r["lines"] += lines
+
+    threads = [threading.Thread(target=watch, daemon=True)]
+    for name, spec in plan.items():
+        rate = float(spec["rate"])
+        n = max(1, math.ceil(rate / PER_THREAD))
+        for j in range(n):
+            threads.append(
+                threading.Thread(target=produce, args=(name, spec["dsn"], rate / n, j / rate), daemon=True)
+            )
+    started, cpu = time.time(), time.process_time()
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join()
+    finished = time.time()
+    for name, r in results.items():
+        (out / f"commits-{name}.txt").write_text("".join(r.pop("lines")))
+    return {"started": started, "finished": finished, "databases": results, "cpu": time.process_time() - cpu}
+
+
 def main(argv: list[str]) -> int:
     """Run the role named in ``argv[0]`` and print its JSON summary."""
-    roles = {"publish": _publish, "produce": _produce}
+    roles = {"publish": _publish, "produce": _produce, "databases": _produce_databases}
     if len(argv) != 1 or argv[0] not in roles:
         print(f"usage: python -m benchmarks.roles {{{'|'.join(roles)}}}", file=sys.stderr)
         return 2
