@@ -404,7 +404,6 @@ def test_invariant_34_dsn_names_the_database_itself(three: dict[str, str], app: 
     assert "database " not in ok("-A", spec, "migrate", "--dsn", three["c"])
 
 
-
 def test_invariant_34_outbox_dsn_in_the_environment_does_not_replace_database(
     three: dict[str, str], app: App
 ) -> None:
