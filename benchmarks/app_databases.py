@@ -26,21 +26,14 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from celery import Celery, signals
+from celery import signals
 
 from outbox_celery import Message
 from outbox_celery.app.outbox import Outbox
 
 from . import hooks
 
-app = Celery("bench_databases", broker=os.environ.get("BENCH_BROKER_URL", "memory://"))
-app.conf.update(
-    worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH", "1")),
-    task_ignore_result=True,
-    worker_send_task_events=False,
-    broker_connection_retry_on_startup=True,
-    beat_schedule={},
-)
+app = hooks.celery_app("bench_databases")
 
 DATABASES: dict[str, str] = json.loads(os.environ.get("BENCH_DATABASES") or "{}")
 _where: dict[str, Any] = {"databases": DATABASES} if DATABASES else {"dsn": os.environ.get("BENCH_DSN")}

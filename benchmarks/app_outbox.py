@@ -13,21 +13,12 @@ from __future__ import annotations
 import os
 import time
 
-from celery import Celery
-
 from outbox_celery import Message
 from outbox_celery.app.outbox import Outbox
 
 from . import hooks, variants
 
-app = Celery("bench_outbox", broker=os.environ.get("BENCH_BROKER_URL", "memory://"))
-app.conf.update(
-    worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH", "1")),
-    task_ignore_result=True,
-    worker_send_task_events=False,
-    broker_connection_retry_on_startup=True,
-    beat_schedule={},
-)
+app = hooks.celery_app("bench_outbox")
 
 TABLE = os.environ.get("BENCH_TABLE", "outbox")
 outbox = Outbox(

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from celery import signals
+from celery import Celery, signals
 
 from .counter import CompletionCounter
 
-__all__ = ["install", "record_published", "record_span", "record_start", "time_publish"]
+__all__ = ["celery_app", "install", "record_published", "record_span", "record_start", "time_publish"]
 
 _counter: CompletionCounter | None = None
 _latency_file: IO[str] | None = None
@@ -52,6 +52,20 @@ def _on_ready(**kwargs: Any) -> None:
     ready = os.environ.get("BENCH_READY")
     if ready:
         Path(ready).write_text(str(os.getpid()))
+
+
+def celery_app(name: str) -> Celery:
+    """The benchmarks' outbox worker app: ``BENCH_BROKER_URL``, prefetch ``BENCH_PREFETCH`` (1),
+    no results, no task events, no beat schedule of Celery's own (the Outbox adds its entries)."""
+    app = Celery(name, broker=os.environ.get("BENCH_BROKER_URL", "memory://"))
+    app.conf.update(
+        worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH", "1")),
+        task_ignore_result=True,
+        worker_send_task_events=False,
+        broker_connection_retry_on_startup=True,
+        beat_schedule={},
+    )
+    return app
 
 
 def install() -> None:

@@ -37,7 +37,15 @@ from ..handlers import HandlerSpec
 from ..table import TableName
 from ..worker.deliverer import Deliverer
 
-__all__ = ["LANE_CONNECTION_WAIT", "POOL_CHECK_IDLE", "Lane", "Lanes", "merge_runs", "open_pool"]
+__all__ = [
+    "LANE_CONNECTION_WAIT",
+    "POOL_CHECK_IDLE",
+    "Lane",
+    "Lanes",
+    "connect_timeout",
+    "merge_runs",
+    "open_pool",
+]
 
 logger = logging.getLogger("outbox_celery.app.outbox")
 
@@ -54,6 +62,15 @@ _DOWN_RETRY = 0.25
 # refuses connections is found out in this long, not the lease's quarter. A lane's pool serves
 # one delivery at a time per process, so a healthy one hands out or connects well within it.
 LANE_CONNECTION_WAIT = 2.0
+
+
+def connect_timeout(config: OutboxConfig) -> dict[str, Any]:
+    """``connect_timeout`` for a new connection to ``config.dsn``, unless the DSN sets its own:
+    libpq's is unbounded, and a host that does not answer would hold a new connection for the
+    kernel's SYN retries, minutes."""
+    if "connect_timeout" in conninfo_to_dict(config.dsn or ""):
+        return {}
+    return {"connect_timeout": max(2, math.ceil(config.connection_wait))}
 
 
 def open_pool(
@@ -77,12 +94,9 @@ def open_pool(
         "application_name": f"outbox-celery:{name}",
         # None behind PgBouncer < 1.21 in transaction pooling (docs/celery.md).
         "prepare_threshold": config.prepare_threshold,
+        **connect_timeout(config),
     }
     wait = config.connection_wait
-    if "connect_timeout" not in conninfo_to_dict(config.dsn):
-        # libpq's own is unbounded: a host that does not answer would hold a new connection
-        # for the kernel's SYN retries, minutes.
-        kwargs["connect_timeout"] = max(2, math.ceil(wait))
     extra: dict[str, Any] = {} if max_idle is None else {"max_idle": max_idle}
     return ConnectionPool(
         config.dsn,
@@ -102,6 +116,12 @@ def open_pool(
         open=True,
         **extra,
     )
+
+
+def _worked(run: ClaimRun) -> bool:
+    """Whether a claim run found work on its database: rows claimed, reaped or given back, or
+    more left than its budget took."""
+    return bool(run.claimed or run.reaped or run.released or run.lost or run.stopped_by == StoppedBy.BUDGET)
 
 
 def merge_runs(runs: Sequence[ClaimRun]) -> ClaimRun:
@@ -255,11 +275,6 @@ class Lane:
         """Whether a connection of this lane is handed out in this process."""
         return self._in_use > 0
 
-    @property
-    def unavailable(self) -> bool:
-        """Whether this process found the database unreachable at its last attempt."""
-        return self._down > 0
-
     def _admit(self) -> None:
         """Fail at once while the database is known to be unreachable; after the pause, one
         caller tries a direct connection (the others still fail at once)."""
@@ -277,8 +292,8 @@ class Lane:
                 psycopg.connect(
                     self.config.dsn or "",
                     autocommit=True,
-                    connect_timeout=max(2, math.ceil(self.config.connection_wait)),
                     application_name=f"outbox-celery:{self.outbox_name}:{self.name}",
+                    **connect_timeout(self.config),
                 ).close()
             except psycopg.Error as exc:
                 self._unavailable(exc)
@@ -540,7 +555,7 @@ class Lanes:
                 self._failed(lane, exc)
                 failed.append(f"{lane.name}: {type(exc).__name__}")
                 continue
-            if run.claimed or run.reaped or run.released or run.lost or run.stopped_by == StoppedBy.BUDGET:
+            if _worked(run):
                 lane.active_at = now
             idle = sweep_idle and now - lane.active_at >= self.config.idle_sweep
             lane.quiet_until = now + self.config.idle_sweep if idle else 0.0
@@ -556,7 +571,7 @@ class Lanes:
         name = lane.name
         run = lane.claimer.run(lambda claims: publish(claims, name), owner=owner)
         lane.failures = 0
-        if run.claimed or run.reaped or run.released or run.lost or run.stopped_by == StoppedBy.BUDGET:
+        if _worked(run):
             lane.used = time.monotonic()  # a sweep that found nothing leaves the pool to close
         return run
 

@@ -10,7 +10,6 @@ and closes it at shutdown (:mod:`outbox_celery.app.signals`). Its settings are t
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -19,7 +18,6 @@ from typing import Any, TypeVar
 
 import psycopg
 from celery import Celery
-from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from ..backoff import RetryPolicy
@@ -41,7 +39,7 @@ from ..produce import enqueue as producer
 from ..produce.enqueue import Event
 from ..worker.deliverer import Deliverer, tally
 from .celery_config import configure_app, dsn_exposed, loaded_conf
-from .lanes import POOL_CHECK_IDLE, Lane, Lanes, open_pool
+from .lanes import POOL_CHECK_IDLE, Lane, Lanes, connect_timeout, open_pool
 from .publisher import TaskPublisher
 from .push import install_listener_step
 from .signals import connect_worker_signals
@@ -392,14 +390,11 @@ class Outbox(OperatedOutbox):
         # A connection of its own, not the pool: at worker_init the pool processes are not
         # forked yet, and the parent keeps no connection it does not use.
         cfg = config or self.config
-        extra: dict[str, Any] = {}
-        if "connect_timeout" not in conninfo_to_dict(cfg.dsn or ""):
-            extra["connect_timeout"] = max(2, math.ceil(cfg.connection_wait))
         return psycopg.connect(
             cfg.dsn or "",
             autocommit=True,
             application_name=f"outbox-celery:{self.name}:start",
-            **extra,
+            **connect_timeout(cfg),
         )
 
     def start_worker(self, queues: Collection[str] | None = None) -> None:

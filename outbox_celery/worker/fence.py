@@ -134,8 +134,6 @@ class FencedWrites:
         handler. When no connection could be had for the start, or even that write fails, the
         rows come back through their lease.
         """
-        error = f"{PRE_HANDLER_FAILURE}: {error_text(exc)}"[:4000]
-        retry = [Finish(x, Step.RETRY, self._backoff.delay(1), error) for x in leases]
         if no_connection(exc):
             # No connection to write it on either: waiting for one again would hold this
             # process for another connection_wait, and a task's time limit may kill it first.
@@ -148,6 +146,8 @@ class FencedWrites:
                 extra={**log, "outcome": "error"},
             )
             return
+        error = f"{PRE_HANDLER_FAILURE}: {error_text(exc)}"[:4000]
+        retry = [Finish(x, Step.RETRY, self._backoff.delay(1), error) for x in leases]
         try:
             self.finish(retry)
         except Exception:
