@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
-from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
+from psycopg_pool import ConnectionPool
 
-__all__ = ["DatabaseUnavailable", "ForkSafePool", "IdleCheck", "no_connection"]
+__all__ = ["DatabaseUnavailable", "ForkSafePool", "IdleCheck"]
 
 # Pools inherited across fork() are never touched (closing them would talk on the parent's
 # sockets) nor garbage collected (their finalizer would wait on threads that did not survive).
@@ -26,14 +26,8 @@ _ORPHANED_POOLS: list[ConnectionPool[Any]] = []
 class DatabaseUnavailable(psycopg.OperationalError):
     """A database of an Outbox that serves several failed to give a connection moments ago and
     is not tried again until its pause ends (DESIGN invariant 34): the caller fails at once
-    instead of waiting ``connection_wait`` for it again."""
-
-
-def no_connection(exc: BaseException) -> bool:
-    """Whether ``exc`` says no connection could be had at all (the pool's wait ran out, the
-    database is known to be unreachable, the pool was closed under the caller), as opposed to
-    one that broke in use: trying again at once would only wait again."""
-    return isinstance(exc, PoolTimeout | PoolClosed | DatabaseUnavailable)
+    instead of waiting ``connection_wait`` for it again. A fenced write is not retried on it,
+    and nothing is written about it: there is nothing to write on."""
 
 
 class ForkSafePool:

@@ -20,7 +20,7 @@ from .. import outcomes
 from ..backoff import Backoff
 from ..config import OutboxConfig
 from ..db.completer import FinalizedMany, Finish, Lease, Step
-from ..db.pool import no_connection
+from ..db.pool import DatabaseUnavailable
 from ..db.store import Store, starter_token
 from ..errors import first_line
 from ..message import Message
@@ -131,12 +131,12 @@ class FencedWrites:
         ``last_error``. Instead the failure is written now, fenced, as a retryable one: back to
         ``pending`` after a short backoff with the attempt kept (the start may have counted
         it), ``dead`` once attempts are exhausted, ``last_error`` naming the library, not the
-        handler. When no connection could be had for the start, or even that write fails, the
-        rows come back through their lease.
+        handler. When the database is known to be unreachable (:class:`DatabaseUnavailable`),
+        or even that write fails, the rows come back through their lease.
         """
-        if no_connection(exc):
-            # No connection to write it on either: waiting for one again would hold this
-            # process for another connection_wait, and a task's time limit may kill it first.
+        if isinstance(exc, DatabaseUnavailable):
+            # Its lane fails every caller at once until the database answers: nothing to
+            # write it on.
             logger.error(
                 "outbox: %s row(s) from id %s: no connection to the database (%s); the handler did "
                 "not run, the rows come back through their lease with no attempt spent",
@@ -170,15 +170,15 @@ class FencedWrites:
         (IdleCheck). Retrying is safe: the write is fenced on the claim's ``lease_version`` and
         status, so whichever run lands first wins and a second changes nothing (DESIGN
         invariant 4); a start whose reply was lost after its commit is found again by its token
-        and counts nothing more. When no connection could be had at all (the pool's
-        ``connection_wait`` ran out), it is not retried: the rows come back through their lease.
+        and counts nothing more. A database known to be unreachable (:class:`DatabaseUnavailable`)
+        is not retried: the rows come back through their lease.
         """
         try:
             with self.connection() as conn:
                 return write(conn)
         except psycopg.OperationalError as exc:
-            if no_connection(exc):
-                raise  # none could be had: a retry would wait as long again
+            if isinstance(exc, DatabaseUnavailable):
+                raise  # its lane refuses every caller until the database answers
             logger.warning(
                 "outbox id %s: %s failed on a broken connection (%s); retrying once on a fresh one",
                 first.id,
