@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -27,6 +28,7 @@ from psycopg_pool import ConnectionPool, PoolClosed
 from ..backoff import RetryPolicy
 from ..claim.claimer import Claimer, ClaimRun, Published, StoppedBy
 from ..claim.executor import Claimed
+from ..claim.gate import ClaimGate, until_slot
 from ..config import OutboxConfig
 from ..databases import Database, database_map
 from ..db.pool import DatabaseUnavailable, ForkSafePool, IdleCheck
@@ -192,6 +194,10 @@ class Lane:
         #: The beat-triggered claim leaves this database out until then (monotonic): it found
         #: nothing to do, or its database failed.
         self.quiet_until = 0.0
+        #: Where in each ``idle_sweep`` beat's claim in this process sweeps the database while
+        #: it is idle (monotonic clock, chosen at random): idle databases are swept one after
+        #: another through the sweep, not all in one claim task.
+        self.phase = random.uniform(0.0, config.idle_sweep)
         #: When a claim here last did something (monotonic; never yet: a first run that finds
         #: nothing leaves the database idle at once).
         self.active_at = float("-inf")
@@ -400,6 +406,8 @@ class Lanes:
         self._forced: float = 0.0
         self._idle_checked = 0.0
         self._turn = 0
+        #: The push listeners' claim runs of this process, one at a time (DESIGN invariant 35).
+        self.gate = ClaimGate()
 
     # -- the declared databases ------------------------------------------------------------------
 
@@ -502,7 +510,8 @@ class Lanes:
             lane.close()
 
     def after_fork(self) -> None:
-        """In a forked child: leave the parent's pools alone."""
+        """In a forked child: leave the parent's pools alone (and its listeners' gate)."""
+        self.gate = ClaimGate()
         with self._lock:
             lanes = list(self._lanes.values())
         for lane in lanes:
@@ -523,8 +532,9 @@ class Lanes:
         claim run, bounded by ``claim_budget`` as a single database's is, so a busy database
         never keeps a quiet one from its turn. With ``sweep_idle`` (the push listeners claim on
         notifications), a database none of whose runs here did anything for ``idle_sweep``
-        seconds is left out for that long (an ordered follower whose head just finished sends
-        no notification, hence the wait before it counts as idle). A database that fails (down,
+        seconds is left out until its own moment in the next sweep, half a sweep to a sweep and a
+        half later (DESIGN invariant 35; an ordered follower whose head just finished sends no
+        notification, hence the wait before it counts as idle). A database that fails (down,
         dropped, not migrated) is logged and tried again after a backoff; the others are
         claimed as usual.
         """
@@ -558,7 +568,7 @@ class Lanes:
             if _worked(run):
                 lane.active_at = now
             idle = sweep_idle and now - lane.active_at >= self.config.idle_sweep
-            lane.quiet_until = now + self.config.idle_sweep if idle else 0.0
+            lane.quiet_until = now + until_slot(now, self.config.idle_sweep, lane.phase) if idle else 0.0
             runs.append(run)
         total = merge_runs(runs)
         total.errors += failed
@@ -569,7 +579,8 @@ class Lanes:
     ) -> ClaimRun:
         """One claim run on ``lane``'s database (the push listener of that database runs it)."""
         name = lane.name
-        run = lane.claimer.run(lambda claims: publish(claims, name), owner=owner)
+        with self.gate.turn():
+            run = lane.claimer.run(lambda claims: publish(claims, name), owner=owner)
         lane.failures = 0
         if _worked(run):
             lane.used = time.monotonic()  # a sweep that found nothing leaves the pool to close

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +34,7 @@ from psycopg.conninfo import conninfo_to_dict
 from ..db.store import SLOT_FREED, Store
 from ..dsn import error_line
 from .claimer import ClaimRun, StoppedBy
+from .gate import until_slot
 
 __all__ = ["Listener"]
 
@@ -43,7 +46,8 @@ _BUSY_RETRY = (0.005, 0.2)
 # Shortest wait before a due row is claimed: the clocks compared are both the database's, but a
 # row due "now" may still lose its race with the claim's own now().
 _MIN_WAIT = 0.002
-# The thread checks for stop() at least this often while it waits.
+# The thread checks for stop() at least this often while it holds off (between notifications
+# it waits on its wake pipe instead).
 _STOP_CHECK = 0.5
 
 
@@ -68,7 +72,8 @@ class Listener:
         that long; ``None``: always ``poll``. A message that waits for no notification (an
         ordered follower whose head just finished) is claimed within ``poll`` while the
         database was busy lately. An Outbox of several databases sets ``idle_sweep`` here, so an idle
-        database costs its LISTEN and one claim per sweep (DESIGN invariant 34).
+        database costs its LISTEN and one claim per sweep, at a moment of its own in the sweep
+        (DESIGN invariants 34, 35).
     """
 
     def __init__(
@@ -88,6 +93,9 @@ class Listener:
     ) -> None:
         self.dsn = dsn
         self.idle_poll = idle_poll
+        # Where in each idle_poll this listener's idle claims fall (monotonic clock), chosen at
+        # random: idle databases' listeners started together do not all claim at once.
+        self._phase = random.uniform(0.0, idle_poll or 0.0)
         # When a claim run last did something (monotonic).
         self._active_at = time.monotonic()
         self.prepare_threshold = prepare_threshold
@@ -106,6 +114,9 @@ class Listener:
         self.connected = threading.Event()
         # Whether the last claim run left a type held back by a limit: freed slots then matter.
         self._held = False
+        # A pipe stop() writes to: the thread waits on it beside its connection (read end,
+        # write end), so a waiting listener wakes for a notification, a due row or stop() only.
+        self._wake: tuple[int, int] | None = None
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
@@ -123,17 +134,27 @@ class Listener:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
+        if self._wake is None:
+            self._wake = os.pipe()
         self._thread = threading.Thread(target=self._run, name=f"outbox-listener-{self.name}", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ask the thread to stop and wait for it (a claim run in progress finishes first)."""
         self._stop.set()
+        wake = self._wake
+        if wake is not None:
+            os.write(wake[1], b"x")
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
             if thread.is_alive():
                 logger.warning("outbox listener %s did not stop within %.1fs", self.name, timeout)
+                return  # it may still wait on the pipe: left open
+        if wake is not None and (thread is None or not thread.is_alive()):
+            self._wake = None
+            os.close(wake[0])
+            os.close(wake[1])
 
     @property
     def running(self) -> bool:
@@ -222,23 +243,39 @@ class Listener:
                     if left <= 0:
                         wake = True  # something comes due, or the poll period is over
                         break
-                    if self._wait_notification(conn, min(left, _STOP_CHECK)):
+                    if self._wait_notification(conn, left):
                         wake = True
                         break
 
     def _wait_notification(self, conn: psycopg.Connection[Any], timeout: float) -> bool:
-        """Wait up to ``timeout`` for a notification; drain the ones already there.
+        """Wait up to ``timeout`` for a notification (or stop()); drain the ones already there.
 
         True when one calls for a claim: any but a freed slot's (:data:`SLOT_FREED`), which
         only matters while the last run left a type held back by a limit; otherwise
         every finished delivery of a limit that does not bind would start a claim run.
+
+        The wait is one ``poll`` of the connection and the wake pipe, the interpreter lock
+        released throughout. ``conn.notifies(timeout=...)`` wakes every 0.1 s to look for
+        signals: a hundred idle listeners took the lock a thousand times a second from Celery's
+        consumer in the same process (DESIGN invariant 35).
         """
-        got = list(conn.notifies(timeout=timeout, stop_after=1))
+        # Every notification received meanwhile is answered by the same claim (coalesced),
+        # those psycopg kept while the connection ran a statement included.
+        got = list(conn.notifies(timeout=0.0))
+        if not got and self._readable(conn, timeout):
+            got = list(conn.notifies(timeout=0.0))
         if got:
-            # Coalesce: every notification received meanwhile is answered by the same claim.
-            got += list(conn.notifies(timeout=0.0))
             self._count("notifications", len(got))
         return any(n.payload != SLOT_FREED for n in got) or (self._held and bool(got))
+
+    def _readable(self, conn: psycopg.Connection[Any], timeout: float) -> bool:
+        """Wait up to ``timeout`` for the connection to have data; False on stop() or timeout."""
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
+        if self._wake is not None:
+            poller.register(self._wake[0], select.POLLIN)
+        ready = poller.poll(max(0, math.ceil(timeout * 1000)))
+        return any(fd == conn.fileno() for fd, _ in ready)
 
     def _hold_off(self, conn: psycopg.Connection[Any], seconds: float) -> None:
         """Wait ``seconds`` (or until stopped), draining every notification that arrives."""
@@ -277,7 +314,7 @@ class Listener:
         if run is not None and _did_something(run):
             self._active_at = time.monotonic()
         elif self.idle_poll is not None and time.monotonic() - self._active_at >= self.idle_poll:
-            poll = self.idle_poll
+            poll = until_slot(time.monotonic(), self.idle_poll, self._phase)
         due = self.store.next_due(conn, self.event_types(), within=poll)
         self._held = run is not None and run.flow_wait is not None
         if run is not None and run.flow_wait is not None:

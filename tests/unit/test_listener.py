@@ -8,7 +8,9 @@ and the connection are stand-ins, so each of those decisions shows in millisecon
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -32,13 +34,36 @@ class Notification:
     payload: str
 
 
-class FakeConn:
-    """A LISTEN session: ``notifies`` yields the payloads the test puts in ``inbox``."""
+class Inbox(queue.Queue[str]):
+    """The payloads of a session, each also a byte on a pipe: the session's socket."""
 
     def __init__(self) -> None:
-        self.inbox: queue.Queue[str] = queue.Queue()
+        super().__init__()
+        self.pipe = os.pipe()
+        os.set_blocking(self.pipe[0], False)
+
+    def put(self, item: str, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        os.write(self.pipe[1], b"n")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.pipe[0], 4096):
+                pass
+
+
+class FakeConn:
+    """A LISTEN session: ``notifies`` yields the payloads the test puts in ``inbox``; its
+    ``fileno`` is readable while a payload waits, as a socket is."""
+
+    def __init__(self) -> None:
+        self.inbox = Inbox()
+
+    def fileno(self) -> int:
+        return self.inbox.pipe[0]
 
     def notifies(self, *, timeout: float, stop_after: int | None = None) -> Iterator[Notification]:
+        self.inbox.drain()
         got = 0
         deadline = time.monotonic() + timeout
         while stop_after is None or got < stop_after:
