@@ -201,6 +201,9 @@ class Lane:
         #: When a claim here last did something (monotonic; never yet: a first run that finds
         #: nothing leaves the database idle at once).
         self.active_at = float("-inf")
+        #: Whether ``quiet_until`` is an idle sweep's moment: the sweep then asks :meth:`probe`
+        #: before it claims (DESIGN invariant 36).
+        self.sweeping = False
         self.failures = 0
         # Connection failures in a row (0: the database answers), the monotonic time before
         # which it is not asked again, and the last failure's first line.
@@ -338,6 +341,34 @@ class Lane:
                 self._down_error,
                 extra={"outcome": "database_unavailable", "database": self.name},
             )
+
+    def probe(self) -> bool:
+        """Whether a claim run on the database would find anything to do now (DESIGN invariant
+        36): one statement (:meth:`Store.claim_probe <outbox_celery.db.store.Store.claim_probe>`)
+        on one connection, the pool's while this process holds it open, else one of its own,
+        closed after: an idle database's pool is closed (``database_idle_close``), and opening it
+        for one statement would start its threads and leave it open. Neither counts as a use.
+
+        :raises DatabaseUnavailable: as :meth:`connection`.
+        """
+        routes = sorted(self.handlers)
+        if self.is_open:
+            with self._claim_connection() as conn:
+                return self.store.claim_probe(conn, routes, within=0.0)[0]
+        self._admit()
+        try:
+            conn = psycopg.connect(
+                self.config.dsn or "",
+                autocommit=True,
+                application_name=f"outbox-celery:{self.outbox_name}:{self.name}",
+                prepare_threshold=None,
+                **connect_timeout(self.config),
+            )
+        except psycopg.OperationalError as exc:
+            self._unavailable(exc)
+            raise
+        with conn:
+            return self.store.claim_probe(conn, routes, within=0.0)[0]
 
     def check(self) -> None:
         """Test every idle connection of the pool (before a fenced write is retried)."""
@@ -558,7 +589,11 @@ class Lanes:
             if lane.quiet_until > now:
                 continue
             try:
-                run = self.claim_one(lane, publish, owner=owner)
+                # An idle sweep claims only what its one question finds (DESIGN invariant 36).
+                if not lane.sweeping or lane.probe():
+                    run = self.claim_one(lane, publish, owner=owner)
+                else:
+                    run = ClaimRun(stopped_by=StoppedBy.DRAINED)
             except SoftTimeLimitExceeded:
                 raise
             except Exception as exc:
@@ -568,6 +603,7 @@ class Lanes:
             if _worked(run):
                 lane.active_at = now
             idle = sweep_idle and now - lane.active_at >= self.config.idle_sweep
+            lane.sweeping = idle
             lane.quiet_until = now + until_slot(now, self.config.idle_sweep, lane.phase) if idle else 0.0
             runs.append(run)
         total = merge_runs(runs)
@@ -588,6 +624,7 @@ class Lanes:
 
     def _failed(self, lane: Lane, exc: BaseException) -> None:
         lane.failures += 1
+        lane.sweeping = False
         pause = min(self.config.idle_sweep, _FAILED_RETRY * 2.0 ** min(lane.failures - 1, 10))
         now = time.monotonic()
         lane.quiet_until = now + pause

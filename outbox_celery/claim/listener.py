@@ -72,8 +72,10 @@ class Listener:
         that long; ``None``: always ``poll``. A message that waits for no notification (an
         ordered follower whose head just finished) is claimed within ``poll`` while the
         database was busy lately. An Outbox of several databases sets ``idle_sweep`` here, so an idle
-        database costs its LISTEN and one claim per sweep, at a moment of its own in the sweep
-        (DESIGN invariants 34, 35).
+        database costs its LISTEN and one sweep per ``idle_sweep``, at a moment of its own in the
+        sweep (DESIGN invariants 34, 35): one statement on this session
+        (:meth:`~outbox_celery.db.store.Store.claim_probe`), and a claim run only when it finds
+        something to do (DESIGN invariant 36).
     """
 
     def __init__(
@@ -109,7 +111,13 @@ class Listener:
         self.on_unreachable = on_unreachable
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._stats: dict[str, int] = {"notifications": 0, "claims": 0, "connects": 0, "errors": 0}
+        self._stats: dict[str, int] = {
+            "notifications": 0,
+            "claims": 0,
+            "probes": 0,
+            "connects": 0,
+            "errors": 0,
+        }
         self._stats_lock = threading.Lock()
         self.connected = threading.Event()
         # Whether the last claim run left a type held back by a limit: freed slots then matter.
@@ -117,13 +125,16 @@ class Listener:
         # A pipe stop() writes to: the thread waits on it beside its connection (read end,
         # write end), so a waiting listener wakes for a notification, a due row or stop() only.
         self._wake: tuple[int, int] | None = None
+        # Whether the current wait ends in an idle sweep (nothing comes due before it): the
+        # sweep then asks one question before it claims (DESIGN invariant 36).
+        self._sweeping = False
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
             self._stats[key] += n
 
     def get_stats(self) -> dict[str, int]:
-        """Counters: notifications received, claim runs, connects, errors."""
+        """Counters: notifications received, claim runs, idle sweeps' probes, connects, errors."""
         with self._stats_lock:
             return dict(self._stats)
 
@@ -232,16 +243,21 @@ class Listener:
             # Whatever was committed while nobody listened: claim once on every (re)connect.
             wake = True
             wait = 0.0
+            sweep = False
             while not self._stop.is_set():
-                if wake:
+                if sweep:
+                    wait = self._sweep(conn)
+                elif wake:
                     wait = self._claim_until_quiet(conn)
                 woke_at = time.monotonic()
                 deadline = woke_at + wait
-                wake = False
+                wake = sweep = False
                 while not self._stop.is_set():
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        wake = True  # something comes due, or the poll period is over
+                        # Something comes due, or the poll period is over (an idle sweep's).
+                        wake = True
+                        sweep = self._sweeping
                         break
                     if self._wait_notification(conn, left):
                         wake = True
@@ -289,6 +305,18 @@ class Listener:
         if got:
             self._count("notifications", got)
 
+    def _sweep(self, conn: psycopg.Connection[Any]) -> float:
+        """An idle sweep (DESIGN invariant 36): one statement on this session asks whether a
+        claim would find anything to do; only then does it claim. Returns the next wait."""
+        assert self.idle_poll is not None
+        poll = until_slot(time.monotonic(), self.idle_poll, self._phase)
+        due, seconds = self.store.claim_probe(conn, self.event_types(), within=poll)
+        self._count("probes")
+        if due:
+            return self._claim_until_quiet(conn)
+        self._sweeping = seconds is None
+        return poll if seconds is None else min(poll, max(_MIN_WAIT, seconds))
+
     def _claim_until_quiet(self, conn: psycopg.Connection[Any]) -> float:
         """Claim until a run was not held off by another one; return how long to wait next."""
         busy_wait = _BUSY_RETRY[0]
@@ -311,16 +339,20 @@ class Listener:
                 continue  # a backlog: keep claiming
             break
         poll = self.poll
+        idle = False
         if run is not None and _did_something(run):
             self._active_at = time.monotonic()
         elif self.idle_poll is not None and time.monotonic() - self._active_at >= self.idle_poll:
             poll = until_slot(time.monotonic(), self.idle_poll, self._phase)
+            idle = True
         due = self.store.next_due(conn, self.event_types(), within=poll)
         self._held = run is not None and run.flow_wait is not None
         if run is not None and run.flow_wait is not None:
             # An event type held back by its limit or a RateLimited outcome: a finished
             # delivery, a refilled rate bucket or a hold's end sends no notification.
             due = run.flow_wait if due is None else min(due, run.flow_wait)
+        # Only a wait that ends at the sweep's own moment is an idle sweep: a due row is claimed.
+        self._sweeping = idle and due is None
         if due is None:
             return poll
         return min(poll, max(_MIN_WAIT, due))

@@ -130,8 +130,10 @@ class ChannelRow(NamedTuple):
 
 
 class DueRow(NamedTuple):
-    """``next_due``: seconds until something comes due (``None``: nothing in the window)."""
+    """``next_due``: whether a claim would find work now (asked by an idle sweep only), and
+    seconds until something comes due (``None``: nothing in the window)."""
 
+    due: bool
     seconds: float | None
 
 
@@ -450,6 +452,23 @@ class Store:
         listener asks for its poll period, so the probe steps over that window's dead index
         entries only (DESIGN invariant 18).
         """
-        params = {"event_types": list(event_types) if event_types is not None else None, "within": within}
+        return self._due(conn, event_types, within=within, probe=False)[1]
+
+    def claim_probe(
+        self, conn: psycopg.Connection[Any], event_types: Sequence[str] | None, *, within: float = 3600.0
+    ) -> tuple[bool, float | None]:
+        """An idle sweep's one statement (DESIGN invariant 36): whether a claim run would find
+        anything to do now (a due row or ordered head of any type, a lease that ran out), and
+        :meth:`next_due`'s seconds. A yes may be false (a paused type's due rows), a no is not."""
+        return self._due(conn, event_types, within=within, probe=True)
+
+    def _due(
+        self, conn: psycopg.Connection[Any], event_types: Sequence[str] | None, *, within: float, probe: bool
+    ) -> tuple[bool, float | None]:
+        params = {
+            "event_types": list(event_types) if event_types is not None else None,
+            "within": within,
+            "probe": probe,
+        }
         [row] = self._read(conn, DueRow, "next_due", params)
-        return None if row.seconds is None else float(row.seconds)
+        return bool(row.due), None if row.seconds is None else float(row.seconds)

@@ -217,17 +217,63 @@ def test_invariant_34_an_idle_database_is_claimed_once_per_idle_sweep(three: dic
     # half after the last (DESIGN invariant 35): after that long, every one is due.
     now = time.monotonic()
     assert all(lane.quiet_until - before >= 1.5 and lane.quiet_until - now <= 4.5 for lane in lanes.lanes())
+    probes: list[str] = []
+    for lane in lanes.lanes():
+        probe = lane.probe
+
+        def probed(probe: Any = probe, name: str = lane.name) -> bool:
+            probes.append(name)
+            return bool(probe())
+
+        lane.probe = probed  # type: ignore[method-assign]
     _enqueue(three["b"], 1)
     time.sleep(4.55)
     runs.clear()
+    r.outbox.close()  # the sweep finds every pool closed, as an idle database's is
     r.outbox.claim()
-    assert sorted(runs) == ["a", "b", "c"]
+    # Each sweep asks its one question (DESIGN invariant 36); only b, which has a row, is claimed.
+    assert sorted(probes) == ["a", "b", "c"]
+    assert runs == ["b"]
     assert [d for d, _ in r.tasks] == ["b"]
-    # b did something: it is claimed at every run until it has been idle a whole sweep.
+    # The quiet ones' questions left no connection open behind them.
+    assert [_outbox_sessions(three[d]) for d in "ac"] == [0, 0]
+    # b did something: it is claimed at every run, without asking, until idle a whole sweep.
     runs.clear()
+    probes.clear()
     r.outbox.claim()
     r.outbox.claim()
-    assert runs == ["b", "b"]
+    assert runs == ["b", "b"] and probes == []
+    r.outbox.close()
+
+
+def test_invariant_36_an_idle_sweep_finds_a_lease_that_ran_out_and_claims_it(three: dict[str, str]) -> None:
+    # No notification announces a lease that ran out: the idle sweep's question must find it.
+    r = Recorded(three, idle_sweep=0.5, claim_interval=0.1, lease=2.0)
+    _enqueue(three["a"], 1)
+    r.outbox.claim()
+    assert [d for d, _ in r.tasks] == ["a"]  # claimed; its task is lost (never delivered)
+    r.tasks.clear()
+    lanes = r.outbox.lanes
+    assert lanes is not None
+    lane = lanes.get("a")
+    answers: list[bool] = []
+    probe = lane.probe
+
+    def probed() -> bool:
+        answers.append(probe())
+        return answers[-1]
+
+    lane.probe = probed  # type: ignore[method-assign]
+    # Back to pending a lease after it ran out (a lost task waits one lease), then claimed.
+    deadline = time.monotonic() + 20.0
+    while not r.tasks:
+        assert time.monotonic() < deadline, "the lost task's row never came back"
+        r.outbox.claim()
+        time.sleep(0.05)
+    assert [d for d, _ in r.tasks] == ["a"]
+    # Idle sweeps asked while the lease was live (no), then found it run out (yes).
+    assert False in answers and answers[-1] is True, answers
+    assert r.deliver_all() == {"a": ["done"]}
 
 
 def test_invariant_34_a_process_connects_only_to_the_databases_it_delivers_for_and_closes_idle_ones(

@@ -96,6 +96,7 @@ PARAMS: dict[str, Any] = {
     "heads_since": None,
     "expired_since": None,
     "within": 1.0,
+    "probe": True,
     "types": ["thing.happened"],
     "limits": [200],
     "since": [None],

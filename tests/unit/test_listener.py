@@ -81,11 +81,14 @@ class FakeConn:
 
 
 class FakeStore:
-    """``listen`` and ``next_due``: the due time the test sets, None (nothing due) by default."""
+    """``listen``, ``next_due`` and ``claim_probe``: the due time the test sets, None (nothing
+    due) by default, and whether a claim would find work (no, by default)."""
 
     def __init__(self) -> None:
         self.due: float | None = None
         self.asked: list[float] = []
+        self.work = False
+        self.probed: list[float] = []
 
     def listen(self, conn: Any) -> str:
         return "outbox_celery_1"
@@ -93,6 +96,11 @@ class FakeStore:
     def next_due(self, conn: Any, event_types: Any, *, within: float) -> float | None:
         self.asked.append(within)
         return self.due
+
+    def claim_probe(self, conn: Any, event_types: Any, *, within: float) -> tuple[bool, float | None]:
+        """An idle sweep's question: ``work`` says whether a claim would find something."""
+        self.probed.append(within)
+        return self.work, self.due
 
 
 class Claims:
@@ -152,7 +160,13 @@ def test_it_claims_on_connect_then_on_each_notification_and_nothing_in_between(s
             time.sleep(0.002)
         time.sleep(0.2)
         assert claim.calls == 2
-        assert listener.get_stats() == {"notifications": 3, "claims": 2, "connects": 1, "errors": 0}
+        assert listener.get_stats() == {
+            "notifications": 3,
+            "claims": 2,
+            "probes": 0,
+            "connects": 1,
+            "errors": 0,
+        }
     finally:
         listener.stop(timeout=SETTLE)
     assert not listener.running
@@ -313,3 +327,56 @@ def test_a_freed_slot_wakes_it_only_while_a_limit_holds_a_type_back(session: Fak
             time.sleep(0.002)
     finally:
         listener.stop()
+
+
+def _probes(listener: Listener, n: int) -> None:
+    deadline = time.monotonic() + SETTLE
+    while listener.get_stats()["probes"] < n:
+        assert time.monotonic() < deadline, f"{n} probe(s) expected, got {listener.get_stats()}"
+        time.sleep(0.002)
+
+
+def test_invariant_36_an_idle_sweep_asks_one_question_and_claims_only_when_it_finds_work(
+    session: FakeConn,
+) -> None:
+    # idle_poll 0.2 s: idle since it started, each sweep falls 0.1-0.3 s after the last. A sweep
+    # that finds nothing claims nothing; one that finds work claims once, and a notification
+    # claims at once without asking.
+    claim = Claims()
+    store = FakeStore()
+    listener = _listener(claim, store, poll=0.05, idle_poll=0.2)
+    listener._active_at -= 1.0  # idle for longer than a sweep
+    listener.start()
+    try:
+        claim.wait(1)  # on connect, whatever the database says
+        _probes(listener, 4)
+        assert claim.calls == 1
+        assert all(0.09 <= w <= 0.31 for w in store.probed), store.probed
+        store.work = True  # a lease ran out, or a row came due that no notification announced
+        claim.wait(2)
+        store.work = False
+        session.inbox.put("commit")
+        claim.wait(3)
+    finally:
+        listener.stop(timeout=SETTLE)
+
+
+def test_invariant_36_a_sweep_that_finds_something_coming_due_claims_then_without_asking() -> None:
+    store = FakeStore()
+    claim = Claims()
+    listener = _listener(claim, store, poll=0.05, idle_poll=0.2)
+    listener._active_at -= 1.0  # idle for longer than a sweep
+    conn = FakeConn()
+    wait = listener._claim_until_quiet(conn)  # type: ignore[arg-type]
+    assert listener._sweeping and 0.09 <= wait <= 0.31
+    store.due = 0.03  # the probe finds a delayed row due in 30 ms
+    assert listener._sweep(conn) == pytest.approx(0.03)  # type: ignore[arg-type]
+    assert not listener._sweeping and claim.calls == 1  # that wake claims, it does not ask
+    store.due = None
+    store.work = True
+    listener._sweeping = True
+    listener._sweep(conn)  # type: ignore[arg-type]
+    assert claim.calls == 2 and listener.get_stats()["probes"] == 2
+    # A listener that was busy lately (or has no idle_poll) never sweeps: it claims every poll.
+    busy = _listener(Claims(), FakeStore(), poll=0.05, idle_poll=0.2)
+    assert busy._claim_until_quiet(conn) == 0.05 and not busy._sweeping  # type: ignore[arg-type]

@@ -840,7 +840,21 @@ SELECT pg_notify({notify_channel}, %(payload)s);
 -- index ordered by that time, bounded to the window: the leases of the last lease period
 -- (finished ones too, while a pinned xmin horizon keeps their dead versions) lie between now()
 -- and the next live lease end, and only a window's worth of them is stepped over (invariant 18).
-SELECT extract(epoch FROM least(
+-- With %(probe)s (an idle sweep, DESIGN invariant 36), "due" also says whether a claim run would
+-- find anything to do now; without, it is false and its probes do not run (a false AND is not
+-- evaluated further). "Anything" is broad: a due pending row or ordered head of any type
+-- (unroutable, a subscribed type's bare rows, a type paused or held by a limit) or a lease that
+-- ran out (lost, unroutable, exhausted, a worker that died). A false yes costs the claim run
+-- every sweep made before; a false no would strand a row, so these probes have no lower bound:
+-- each reads the first live entry of its partial index (the earliest due row, head or lease
+-- end), stepping over the dead entries before it, as a claim's full pass does.
+SELECT %(probe)s::boolean AND coalesce(least(
+    (SELECT available_at FROM {table}
+     WHERE status = 'pending' AND ordering_key IS NULL ORDER BY available_at, id LIMIT 1),
+    (SELECT available_at FROM {table} WHERE status = 'pending' AND head ORDER BY available_at, id LIMIT 1),
+    (SELECT lease_until FROM {table} WHERE status = 'processing' ORDER BY lease_until LIMIT 1)
+) <= now(), false) AS due,
+extract(epoch FROM least(
     (SELECT available_at FROM {table}
      WHERE status = 'pending' AND ordering_key IS NULL AND available_at > now()
        AND available_at <= now() + make_interval(secs => %(within)s)
