@@ -201,9 +201,10 @@ class Lane:
         #: When a claim here last did something (monotonic; never yet: a first run that finds
         #: nothing leaves the database idle at once).
         self.active_at = float("-inf")
-        #: Whether ``quiet_until`` is an idle sweep's moment: the sweep then asks :meth:`probe`
-        #: before it claims (DESIGN invariant 36).
-        self.sweeping = False
+        #: Whether the next visit of beat's claim is an idle sweep, which asks :meth:`probe`
+        #: before it claims (DESIGN invariant 36): so is the first, for a database this process
+        #: has not claimed yet, while the push listeners claim on notifications.
+        self.sweeping = True
         self.failures = 0
         # Connection failures in a row (0: the database answers), the monotonic time before
         # which it is not asked again, and the last failure's first line.
@@ -590,7 +591,7 @@ class Lanes:
                 continue
             try:
                 # An idle sweep claims only what its one question finds (DESIGN invariant 36).
-                if not lane.sweeping or lane.probe():
+                if not (sweep_idle and lane.sweeping) or lane.probe():
                     run = self.claim_one(lane, publish, owner=owner)
                 else:
                     run = ClaimRun(stopped_by=StoppedBy.DRAINED)

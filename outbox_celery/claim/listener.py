@@ -240,10 +240,11 @@ class Listener:
             self._count("connects")
             self.connected.set()
             logger.info("outbox listener %s: listening on %s", self.name, channel)
-            # Whatever was committed while nobody listened: claim once on every (re)connect.
+            # Whatever was committed while nobody listened: claim once on every (re)connect, or,
+            # with idle_poll, ask first as an idle sweep does (DESIGN invariant 36).
             wake = True
             wait = 0.0
-            sweep = False
+            sweep = self.idle_poll is not None
             while not self._stop.is_set():
                 if sweep:
                     wait = self._sweep(conn)

@@ -209,14 +209,6 @@ def test_invariant_34_an_idle_database_is_claimed_once_per_idle_sweep(three: dic
         return claim_one(lane, publish, owner=owner)
 
     lanes.claim_one = counted  # type: ignore[method-assign]
-    before = time.monotonic()
-    for _ in range(10):
-        r.outbox.claim()
-    assert sorted(runs) == ["a", "b", "c"]  # one claim each, then none until the sweep
-    # Each database's next sweep comes at its own moment, from half a sweep to a sweep and a
-    # half after the last (DESIGN invariant 35): after that long, every one is due.
-    now = time.monotonic()
-    assert all(lane.quiet_until - before >= 1.5 and lane.quiet_until - now <= 4.5 for lane in lanes.lanes())
     probes: list[str] = []
     for lane in lanes.lanes():
         probe = lane.probe
@@ -226,12 +218,24 @@ def test_invariant_34_an_idle_database_is_claimed_once_per_idle_sweep(three: dic
             return bool(probe())
 
         lane.probe = probed  # type: ignore[method-assign]
+    before = time.monotonic()
+    for _ in range(10):
+        r.outbox.claim()
+    # A database this process has not claimed yet is swept first (DESIGN invariant 36): each is
+    # asked once, none has work, none is claimed, and none is asked again until its sweep.
+    assert sorted(probes) == ["a", "b", "c"]
+    assert runs == []
+    # Each database's next sweep comes at its own moment, from half a sweep to a sweep and a
+    # half after the last (DESIGN invariant 35): after that long, every one is due.
+    now = time.monotonic()
+    assert all(lane.quiet_until - before >= 1.5 and lane.quiet_until - now <= 4.5 for lane in lanes.lanes())
     _enqueue(three["b"], 1)
     time.sleep(4.55)
     runs.clear()
+    probes.clear()
     r.outbox.close()  # the sweep finds every pool closed, as an idle database's is
     r.outbox.claim()
-    # Each sweep asks its one question (DESIGN invariant 36); only b, which has a row, is claimed.
+    # Each sweep asks its one question; only b, which has a row now, is claimed.
     assert sorted(probes) == ["a", "b", "c"]
     assert runs == ["b"]
     assert [d for d, _ in r.tasks] == ["b"]

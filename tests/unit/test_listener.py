@@ -339,17 +339,20 @@ def _probes(listener: Listener, n: int) -> None:
 def test_invariant_36_an_idle_sweep_asks_one_question_and_claims_only_when_it_finds_work(
     session: FakeConn,
 ) -> None:
-    # idle_poll 0.2 s: idle since it started, each sweep falls 0.1-0.3 s after the last. A sweep
+    # idle_poll 0.2 s: it asks on connect, then each sweep falls 0.1-0.3 s after the last. A sweep
     # that finds nothing claims nothing; one that finds work claims once, and a notification
     # claims at once without asking.
     claim = Claims()
     store = FakeStore()
     listener = _listener(claim, store, poll=0.05, idle_poll=0.2)
-    listener._active_at -= 1.0  # idle for longer than a sweep
     listener.start()
     try:
-        claim.wait(1)  # on connect, whatever the database says
-        _probes(listener, 4)
+        _probes(listener, 4)  # the first on connect: whatever was committed meanwhile is due
+        assert claim.calls == 0
+        store.work = True
+        claim.wait(1)
+        store.work = False
+        _probes(listener, listener.get_stats()["probes"] + 2)
         assert claim.calls == 1
         assert all(0.09 <= w <= 0.31 for w in store.probed), store.probed
         store.work = True  # a lease ran out, or a row came due that no notification announced
