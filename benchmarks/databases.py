@@ -50,9 +50,9 @@ has opened what it opens at its first claims; the baseline's 2 s), then produces
 
 Goals printed beside the figures: p99 <= 50 ms on every active database (1, and the quiet ones
 of 3); an idle database costs at most one statement per sweep per claiming process (its probe,
-DESIGN invariant 36); connections within the bound. A short run on a shared machine: the load average is printed with each run.
-``--logs DIR`` keeps every run's worker, beat and producer logs (the outage's warnings are also
-counted under its table).
+DESIGN invariant 36); connections within the bound. A short run on a shared machine: the load
+average is printed with each run. ``--logs DIR`` keeps every run's worker, beat and producer
+logs (the outage's warnings are also counted under its table).
 """
 
 from __future__ import annotations

@@ -281,6 +281,13 @@ class Lane:
                 self._in_use -= 1
 
     @property
+    def connect_timeout(self) -> int | None:
+        """libpq's ``connect_timeout`` for a new connection to the database (``None``: its DSN
+        sets one): ``connection_wait`` rounded up, at least 2 s."""
+        timeout: int | None = connect_timeout(self.config).get("connect_timeout")
+        return timeout
+
+    @property
     def in_use(self) -> bool:
         """Whether a connection of this lane is handed out in this process."""
         return self._in_use > 0

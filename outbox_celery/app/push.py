@@ -111,6 +111,9 @@ def lane_listener(outbox: ListenedOutbox, lane: Lane) -> Listener:
         max_backoff=min(10.0, max(1.0, cfg.claim_interval)),
         name=f"{outbox.name}:{name}",
         prepare_threshold=cfg.prepare_threshold,
+        # A database host that does not answer holds its listener for connection_wait at most,
+        # not for the kernel's SYN retries.
+        connect_timeout=lane.connect_timeout,
     )
 
 

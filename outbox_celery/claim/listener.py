@@ -67,6 +67,8 @@ class Listener:
     :param on_unreachable: what giving up does (the Celery step stops the worker, exit code 1).
     :param prepare_threshold: psycopg's ``prepare_threshold`` for its connection, as for the
         pool's (``None`` behind a transaction-mode pooler: its statements run many times).
+    :param connect_timeout: libpq's ``connect_timeout`` for its session when neither the DSN
+        nor ``exit_after`` sets one (``None``: libpq's, unbounded).
     :param idle_poll: seconds it waits at most when nothing wakes it, once its claim runs have
         found nothing to do (nothing claimed, reaped or released, nothing held by a limit) for
         that long; ``None``: always ``poll``. A message that waits for no notification (an
@@ -92,8 +94,10 @@ class Listener:
         on_unreachable: Callable[[], None] | None = None,
         prepare_threshold: int | None = 5,
         idle_poll: float | None = None,
+        connect_timeout: int | None = None,
     ) -> None:
         self.dsn = dsn
+        self.connect_timeout = connect_timeout
         self.idle_poll = idle_poll
         # Where in each idle_poll this listener's idle claims fall (monotonic clock), chosen at
         # random: idle databases' listeners started together do not all claim at once.
@@ -225,10 +229,13 @@ class Listener:
 
     def _session(self) -> None:
         extra: dict[str, Any] = {}
-        if self.exit_after is not None and "connect_timeout" not in conninfo_to_dict(self.dsn):
+        if "connect_timeout" not in conninfo_to_dict(self.dsn):
             # A host that does not answer must fail within the bound, not after the kernel's
             # SYN retries (minutes).
-            extra["connect_timeout"] = max(2, math.ceil(min(self.exit_after, 10.0)))
+            if self.exit_after is not None:
+                extra["connect_timeout"] = max(2, math.ceil(min(self.exit_after, 10.0)))
+            elif self.connect_timeout is not None:
+                extra["connect_timeout"] = self.connect_timeout
         with psycopg.connect(
             self.dsn,
             autocommit=True,

@@ -383,3 +383,36 @@ def test_invariant_36_a_sweep_that_finds_something_coming_due_claims_then_withou
     # A listener that was busy lately (or has no idle_poll) never sweeps: it claims every poll.
     busy = _listener(Claims(), FakeStore(), poll=0.05, idle_poll=0.2)
     assert busy._claim_until_quiet(conn) == 0.05 and not busy._sweeping  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("dsn", "kw", "expected"),
+    [
+        ("postgresql://db.example/app", {"connect_timeout": 3}, 3),
+        ("postgresql://db.example/app?connect_timeout=7", {"connect_timeout": 3}, None),
+        ("postgresql://db.example/app", {"connect_timeout": 3, "exit_after": 30.0}, 10),
+        ("postgresql://db.example/app", {}, None),
+    ],
+)
+def test_a_session_to_a_host_that_does_not_answer_gives_up_within_its_connect_timeout(
+    monkeypatch: pytest.MonkeyPatch, dsn: str, kw: dict[str, Any], expected: int | None
+) -> None:
+    # A lane's listener (several databases) passes connection_wait's timeout: a host that does
+    # not answer holds it that long, not the kernel's SYN retries; the DSN's own wins.
+    seen: list[dict[str, Any]] = []
+
+    def connect(*a: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs)
+        raise OSError("no route")
+
+    monkeypatch.setattr(listener_module.psycopg, "connect", connect)
+    listener = Listener(
+        dsn=dsn,
+        store=FakeStore(),
+        claim=Claims(),
+        event_types=lambda: [],
+        **kw,  # type: ignore[arg-type]
+    )
+    with pytest.raises(OSError):
+        listener._session()
+    assert seen[0].get("connect_timeout") == expected
