@@ -202,9 +202,10 @@ class OutboxConfig:
         again every ``databases_refresh`` seconds: tenants added at run time). Each database
         has its own table, migrations, claims and LISTEN; one beat entry and one claim queue
         serve them all (docs/databases.md, DESIGN invariant 34). Default ``None``: ``dsn``.
-    :ivar idle_sweep: with ``databases``, seconds between the claims of a database whose last
-        claim found nothing to do, in each process that claims; a notification (push) or a
-        due row claims it at once. Default 30.
+    :ivar idle_sweep: with ``databases``, seconds between the sweeps of a database whose last
+        claim found nothing to do, in each process that claims: a sweep asks one statement and
+        claims only when it finds something to do (DESIGN invariant 36); a notification (push)
+        or a due row claims it at once. Default 30.
     :ivar database_idle_close: with ``databases``, seconds a worker process keeps the
         connections of a database it has not used; then they are closed. Default 60.
     :ivar databases_refresh: with a callable ``databases``, seconds between its calls.
