@@ -306,12 +306,7 @@ class Lane:
         try:
             self._down_until = now + self._pause()
             try:
-                psycopg.connect(
-                    self.config.dsn or "",
-                    autocommit=True,
-                    application_name=f"outbox-celery:{self.outbox_name}:{self.name}",
-                    **connect_timeout(self.config),
-                ).close()
+                self._direct().close()
             except psycopg.Error as exc:
                 self._unavailable(exc)
                 raise DatabaseUnavailable(
@@ -327,6 +322,18 @@ class Lane:
             self._down_until = 0.0
         finally:
             self._probing.release()
+
+    def _direct(self) -> psycopg.Connection[Any]:
+        """A connection of its own to the database, not the pool's: a server that refuses
+        connections says so at once, where the pool's reconnection attempts would keep the
+        caller waiting for a connection until its timeout."""
+        return psycopg.connect(
+            self.config.dsn or "",
+            autocommit=True,
+            application_name=f"outbox-celery:{self.outbox_name}:{self.name}",
+            prepare_threshold=None,
+            **connect_timeout(self.config),
+        )
 
     def _pause(self) -> float:
         return min(self.config.connection_wait, _DOWN_RETRY * 2.0 ** min(self._down, 10))
@@ -365,13 +372,7 @@ class Lane:
                 return self.store.claim_probe(conn, routes, within=0.0)[0]
         self._admit()
         try:
-            conn = psycopg.connect(
-                self.config.dsn or "",
-                autocommit=True,
-                application_name=f"outbox-celery:{self.outbox_name}:{self.name}",
-                prepare_threshold=None,
-                **connect_timeout(self.config),
-            )
+            conn = self._direct()
         except psycopg.OperationalError as exc:
             self._unavailable(exc)
             raise
@@ -379,7 +380,19 @@ class Lane:
             return self.store.claim_probe(conn, routes, within=0.0)[0]
 
     def check(self) -> None:
-        """Test every idle connection of the pool (before a fenced write is retried)."""
+        """Before a fenced write is retried on a broken connection: one connection of its own
+        first, so that a database that stopped taking connections is known at once
+        (:class:`DatabaseUnavailable`, and every caller in this process fails at once after it)
+        instead of after ``LANE_CONNECTION_WAIT`` of the pool's reconnection attempts; then every
+        idle pooled connection is tested."""
+        self._admit()
+        try:
+            self._direct().close()
+        except psycopg.OperationalError as exc:
+            self._unavailable(exc)
+            raise DatabaseUnavailable(
+                f"database {self.name} gave no connection ({self._down_error})"
+            ) from None
         self.pool.check()
 
     @property
