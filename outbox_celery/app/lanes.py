@@ -305,13 +305,7 @@ class Lane:
             )
         try:
             self._down_until = now + self._pause()
-            try:
-                self._direct().close()
-            except psycopg.Error as exc:
-                self._unavailable(exc)
-                raise DatabaseUnavailable(
-                    f"database {self.name} gave no connection ({self._down_error})"
-                ) from None
+            self._reach()
             logger.info(
                 "outbox %s: database %s answers again",
                 self.outbox_name,
@@ -334,6 +328,17 @@ class Lane:
             prepare_threshold=None,
             **connect_timeout(self.config),
         )
+
+    def _reach(self) -> None:
+        """One connection of its own, closed at once; one the server refuses pauses the database
+        in this process (:meth:`_unavailable`) and raises :class:`DatabaseUnavailable`."""
+        try:
+            self._direct().close()
+        except psycopg.Error as exc:
+            self._unavailable(exc)
+            raise DatabaseUnavailable(
+                f"database {self.name} gave no connection ({self._down_error})"
+            ) from None
 
     def _pause(self) -> float:
         return min(self.config.connection_wait, _DOWN_RETRY * 2.0 ** min(self._down, 10))
@@ -386,13 +391,7 @@ class Lane:
         instead of after ``LANE_CONNECTION_WAIT`` of the pool's reconnection attempts; then every
         idle pooled connection is tested."""
         self._admit()
-        try:
-            self._direct().close()
-        except psycopg.OperationalError as exc:
-            self._unavailable(exc)
-            raise DatabaseUnavailable(
-                f"database {self.name} gave no connection ({self._down_error})"
-            ) from None
+        self._reach()
         self.pool.check()
 
     @property
