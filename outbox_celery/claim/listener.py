@@ -75,9 +75,10 @@ class Listener:
         ordered follower whose head just finished) is claimed within ``poll`` while the
         database was busy lately. An Outbox of several databases sets ``idle_sweep`` here, so an idle
         database costs its LISTEN and one sweep per ``idle_sweep``, at a moment of its own in the
-        sweep (DESIGN invariants 34, 35): one statement on this session
-        (:meth:`~outbox_celery.db.store.Store.claim_probe`), and a claim run only when it finds
-        something to do (DESIGN invariant 36).
+        sweep (DESIGN invariants 34, 35). With ``idle_poll`` set, every wake at the poll period or
+        the sweep (not a notification, nor a row the database said comes due) is one statement on
+        this session (:meth:`~outbox_celery.db.store.Store.claim_probe`), and a claim run only
+        when it finds something to do (DESIGN invariant 36).
     """
 
     def __init__(
@@ -129,8 +130,9 @@ class Listener:
         # A pipe stop() writes to: the thread waits on it beside its connection (read end,
         # write end), so a waiting listener wakes for a notification, a due row or stop() only.
         self._wake: tuple[int, int] | None = None
-        # Whether the current wait ends in an idle sweep (nothing comes due before it): the
-        # sweep then asks one question before it claims (DESIGN invariant 36).
+        # Whether the current wait ends at the poll period or the idle sweep's moment (nothing
+        # comes due before it) of a listener with idle_poll: it then asks one question before it
+        # claims (DESIGN invariant 36).
         self._sweeping = False
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -314,16 +316,23 @@ class Listener:
             self._count("notifications", got)
 
     def _sweep(self, conn: psycopg.Connection[Any]) -> float:
-        """An idle sweep (DESIGN invariant 36): one statement on this session asks whether a
-        claim would find anything to do; only then does it claim. Returns the next wait."""
-        assert self.idle_poll is not None
-        poll = until_slot(time.monotonic(), self.idle_poll, self._phase)
+        """A wake at the poll period, or at the idle sweep's moment (DESIGN invariant 36): one
+        statement on this session asks whether a claim would find anything to do; only then does
+        it claim. Returns the next wait."""
+        poll = self._poll()
         due, seconds = self.store.claim_probe(conn, self.event_types(), within=poll)
         self._count("probes")
         if due:
             return self._claim_until_quiet(conn)
         self._sweeping = seconds is None
         return poll if seconds is None else min(poll, max(_MIN_WAIT, seconds))
+
+    def _poll(self) -> float:
+        """The longest wait now: ``poll`` while a claim did something within ``idle_poll``, else
+        until this listener's moment in the next idle sweep."""
+        if self.idle_poll is not None and time.monotonic() - self._active_at >= self.idle_poll:
+            return until_slot(time.monotonic(), self.idle_poll, self._phase)
+        return self.poll
 
     def _claim_until_quiet(self, conn: psycopg.Connection[Any]) -> float:
         """Claim until a run was not held off by another one; return how long to wait next."""
@@ -346,21 +355,18 @@ class Listener:
             if run is not None and run.stopped_by == StoppedBy.BUDGET:
                 continue  # a backlog: keep claiming
             break
-        poll = self.poll
-        idle = False
         if run is not None and _did_something(run):
             self._active_at = time.monotonic()
-        elif self.idle_poll is not None and time.monotonic() - self._active_at >= self.idle_poll:
-            poll = until_slot(time.monotonic(), self.idle_poll, self._phase)
-            idle = True
+        poll = self._poll()
         due = self.store.next_due(conn, self.event_types(), within=poll)
         self._held = run is not None and run.flow_wait is not None
         if run is not None and run.flow_wait is not None:
             # An event type held back by its limit or a RateLimited outcome: a finished
             # delivery, a refilled rate bucket or a hold's end sends no notification.
             due = run.flow_wait if due is None else min(due, run.flow_wait)
-        # Only a wait that ends at the sweep's own moment is an idle sweep: a due row is claimed.
-        self._sweeping = idle and due is None
+        # With idle_poll (several databases), a wait that ends at the poll period or the idle
+        # sweep's moment asks first (invariant 36); one that ends when a row comes due claims.
+        self._sweeping = self.idle_poll is not None and due is None
         if due is None:
             return poll
         return min(poll, max(_MIN_WAIT, due))

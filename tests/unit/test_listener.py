@@ -339,12 +339,13 @@ def _probes(listener: Listener, n: int) -> None:
 def test_invariant_36_an_idle_sweep_asks_one_question_and_claims_only_when_it_finds_work(
     session: FakeConn,
 ) -> None:
-    # idle_poll 0.2 s: it asks on connect, then each sweep falls 0.1-0.3 s after the last. A sweep
+    # idle_poll 0.2 s, idle: it asks on connect, then each sweep falls 0.1-0.3 s after the last. A sweep
     # that finds nothing claims nothing; one that finds work claims once, and a notification
     # claims at once without asking.
     claim = Claims()
     store = FakeStore()
     listener = _listener(claim, store, poll=0.05, idle_poll=0.2)
+    listener._active_at -= 1.0  # no claim did anything for longer than a sweep
     listener.start()
     try:
         _probes(listener, 4)  # the first on connect: whatever was committed meanwhile is due
@@ -380,9 +381,32 @@ def test_invariant_36_a_sweep_that_finds_something_coming_due_claims_then_withou
     listener._sweeping = True
     listener._sweep(conn)  # type: ignore[arg-type]
     assert claim.calls == 2 and listener.get_stats()["probes"] == 2
-    # A listener that was busy lately (or has no idle_poll) never sweeps: it claims every poll.
+    # A listener that was busy lately wakes every poll, and asks then too; one without idle_poll
+    # (one database) claims every poll without asking.
     busy = _listener(Claims(), FakeStore(), poll=0.05, idle_poll=0.2)
-    assert busy._claim_until_quiet(conn) == 0.05 and not busy._sweeping  # type: ignore[arg-type]
+    assert busy._claim_until_quiet(conn) == 0.05 and busy._sweeping  # type: ignore[arg-type]
+    plain = _listener(Claims(), FakeStore(), poll=0.05)
+    assert plain._claim_until_quiet(conn) == 0.05 and not plain._sweeping  # type: ignore[arg-type]
+
+
+def test_invariant_36_a_listener_busy_lately_asks_at_every_poll_and_claims_what_comes_due(
+    session: FakeConn,
+) -> None:
+    # Started (or reconnected) with a claim that did something less than idle_poll ago: it asks
+    # at every poll (an ordered follower whose head just finished is announced by nothing), and
+    # claims only when the answer is yes.
+    claim = Claims()
+    store = FakeStore()
+    listener = _listener(claim, store, poll=0.02, idle_poll=HOUR)
+    listener.start()
+    try:
+        _probes(listener, 5)
+        assert claim.calls == 0
+        assert set(store.probed) == {0.02}
+        store.work = True  # the follower is its key's head now
+        claim.wait(1)
+    finally:
+        listener.stop(timeout=SETTLE)
 
 
 @pytest.mark.parametrize(
