@@ -305,7 +305,7 @@ class Lane:
             )
         try:
             self._down_until = now + self._pause()
-            self._reach()
+            self._reach().close()
             logger.info(
                 "outbox %s: database %s answers again",
                 self.outbox_name,
@@ -329,11 +329,11 @@ class Lane:
             **connect_timeout(self.config),
         )
 
-    def _reach(self) -> None:
-        """One connection of its own, closed at once; one the server refuses pauses the database
-        in this process (:meth:`_unavailable`) and raises :class:`DatabaseUnavailable`."""
+    def _reach(self) -> psycopg.Connection[Any]:
+        """:meth:`_direct`; a connection the server refuses pauses the database in this process
+        (:meth:`_unavailable`) and raises :class:`DatabaseUnavailable`."""
         try:
-            self._direct().close()
+            return self._direct()
         except psycopg.Error as exc:
             self._unavailable(exc)
             raise DatabaseUnavailable(
@@ -376,12 +376,7 @@ class Lane:
             with self._claim_connection() as conn:
                 return self.store.claim_probe(conn, routes, within=0.0)[0]
         self._admit()
-        try:
-            conn = self._direct()
-        except psycopg.OperationalError as exc:
-            self._unavailable(exc)
-            raise
-        with conn:
+        with self._reach() as conn:
             return self.store.claim_probe(conn, routes, within=0.0)[0]
 
     def check(self) -> None:
@@ -389,9 +384,12 @@ class Lane:
         first, so that a database that stopped taking connections is known at once
         (:class:`DatabaseUnavailable`, and every caller in this process fails at once after it)
         instead of after ``LANE_CONNECTION_WAIT`` of the pool's reconnection attempts; then every
-        idle pooled connection is tested."""
-        self._admit()
-        self._reach()
+        idle pooled connection is tested. A database paused already is asked by
+        :meth:`_admit` alone (at once it fails, after its pause it reaches)."""
+        if self._down:
+            self._admit()
+        else:
+            self._reach().close()
         self.pool.check()
 
     @property
