@@ -56,7 +56,14 @@ def peer_python(cache: Path | None = None) -> tuple[Path | None, str]:
         return python, f"{PEER} {PEER_VERSION} (celery {celery})"
     root.mkdir(parents=True, exist_ok=True)
     venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
-    wanted = [f"{PEER}=={PEER_VERSION}", f"celery[redis]=={celery}", "psycopg[binary]>=3.1", "psutil"]
+    # sentry-sdk 3 dropped start_span(op=...), which the peer's send_task calls on every task.
+    wanted = [
+        f"{PEER}=={PEER_VERSION}",
+        f"celery[redis]=={celery}",
+        "psycopg[binary]>=3.1",
+        "psutil",
+        "sentry-sdk<3",
+    ]
     done = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *wanted],
         capture_output=True,
