@@ -60,6 +60,13 @@ _FAILED_RETRY = 0.5
 # doubling per failure up to ``connection_wait``: meanwhile its tasks and claims fail at once
 # instead of each holding a process for ``connection_wait``.
 _DOWN_RETRY = 0.25
+# A server that refused the direct attempt within _REFUSED_WITHIN (stopped, restarting, taking
+# no connections, dropped) is asked again at least every _REFUSED_PAUSE: such an attempt costs
+# next to nothing, and a task that fails in the pause after the database returned waits its
+# lease. Only a host that does not answer (the attempt waits for ``connect_timeout``) is left for
+# up to ``connection_wait``.
+_REFUSED_WITHIN = 0.5
+_REFUSED_PAUSE = 1.0
 # Seconds a lane waits for a pooled connection (at most connection_wait): a database that
 # refuses connections is found out in this long, not the lease's quarter. A lane's pool serves
 # one delivery at a time per process, so a healthy one hands out or connects well within it.
@@ -207,10 +214,12 @@ class Lane:
         self.sweeping = True
         self.failures = 0
         # Connection failures in a row (0: the database answers), the monotonic time before
-        # which it is not asked again, and the last failure's first line.
+        # which it is not asked again, the last failure's first line, and whether the server
+        # refused that attempt at once.
         self._down = 0
         self._down_until = 0.0
         self._down_error = ""
+        self._refused = False
         self._probing = threading.Lock()
         # Connections of this lane handed out and not yet returned.
         self._in_use = 0
@@ -332,23 +341,26 @@ class Lane:
     def _reach(self) -> psycopg.Connection[Any]:
         """:meth:`_direct`; a connection the server refuses pauses the database in this process
         (:meth:`_unavailable`) and raises :class:`DatabaseUnavailable`."""
+        started = time.monotonic()
         try:
             return self._direct()
         except psycopg.Error as exc:
-            self._unavailable(exc)
+            self._unavailable(exc, refused=time.monotonic() - started < _REFUSED_WITHIN)
             raise DatabaseUnavailable(
                 f"database {self.name} gave no connection ({self._down_error})"
             ) from None
 
     def _pause(self) -> float:
-        return min(self.config.connection_wait, _DOWN_RETRY * 2.0 ** min(self._down, 10))
+        cap = _REFUSED_PAUSE if self._refused else self.config.connection_wait
+        return min(cap, _DOWN_RETRY * 2.0 ** min(self._down, 10))
 
-    def _unavailable(self, exc: BaseException) -> None:
-        """The database gave no connection: pause asking it, and drop this process's pool,
-        whose own reconnection attempts back off for minutes (the next use after the pause
-        opens a fresh one)."""
+    def _unavailable(self, exc: BaseException, *, refused: bool = False) -> None:
+        """The database gave no connection: pause asking it (``refused``: it said so at once,
+        and the pause stays short), and drop this process's pool, whose own reconnection
+        attempts back off for minutes (the next use after the pause opens a fresh one)."""
         first = not self._down
         self._down += 1
+        self._refused = refused
         self._down_until = time.monotonic() + self._pause()
         self._down_error = error_line(exc, self.config.dsn)
         self._pool.close(timeout=1.0)

@@ -49,7 +49,8 @@ def log_released(rows: Sequence[ReleasedRow], store: Store) -> tuple[int, int]:
         most = max(r.unstarted_claims for r in rows if r.event_type == event_type and r.routable)
         logger.warning(
             "outbox%s: %s claim(s) of %r expired without a worker starting them (up to %s in a "
-            "row); back to pending after a delay, no attempt spent. Does its queue have a consumer?",
+            "row); back to pending, no attempt spent (after a delay once it repeats). Does its queue "
+            "have a consumer?",
             store.on,
             n,
             event_type,

@@ -111,3 +111,33 @@ def test_invariant_34_a_sweep_that_finds_nothing_leaves_no_connection_open(three
     assert [_outbox_sessions(three[d]) for d in "abc"] == [2, 0, 0]
     assert [lane.name for lane in lanes.lanes() if lane.is_open] == ["a"]
     r.outbox.close()
+
+
+def test_invariant_34_a_database_that_refused_connections_is_asked_again_within_a_second(
+    three: dict[str, str], server_dsn: str
+) -> None:
+    # A lease of 60 s: connection_wait is 15 s. Failures in a row would double the pause up to
+    # it, and a task claimed as the database returns, failing in that pause, would wait its
+    # lease. A server that refuses at once is asked again at least every second.
+    _enqueue(three["b"], 1)
+    r = Recorded(three, lease=60.0)
+    assert r.outbox.claim().claimed == 1
+    [(_, c)] = r.tasks
+    with _unreachable(server_dsn, three["b"]):
+        deadline = time.monotonic() + 6.0
+        while time.monotonic() < deadline:
+            with pytest.raises(DatabaseUnavailable):
+                r.outbox.deliver(c.id, c.lease_version, "b")
+            time.sleep(0.05)
+        lane = r.outbox.database("b")
+        assert lane._down >= 5, lane._down  # asked again and refused, time after time
+    returned = time.monotonic()
+    while True:
+        try:
+            assert r.outbox.deliver(c.id, c.lease_version, "b") == "done"
+            break
+        except DatabaseUnavailable:
+            assert time.monotonic() - returned < 1.2, "b was not asked again within a second"
+            time.sleep(0.05)
+    r.outbox.close()
+    assert _statuses(three["b"]) == {"done": 1}

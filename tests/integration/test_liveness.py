@@ -58,7 +58,7 @@ def test_invariant_16_expired_leases_come_back_even_when_no_new_claim_is_allowed
     assert fetch(conn, table, fresh)["status"] == "pending"
 
 
-def test_invariant_10_a_lost_claim_goes_back_to_pending_and_a_started_one_is_reclaimed_at_once(
+def test_invariant_10_a_lost_claim_comes_back_unspent_and_a_started_one_with_its_attempt(
     conn: psycopg.Connection[Any], store: Store, table: str
 ) -> None:
     [crashed, lost] = add(conn, 2, table=table)
@@ -66,17 +66,19 @@ def test_invariant_10_a_lost_claim_goes_back_to_pending_and_a_started_one_is_rec
     # The worker starts "crashed" and dies mid-handler; "lost"'s task never reaches a worker.
     assert steps.start(store, conn, crashed, claims[crashed].lease_version, lease=SHORT, max_attempts=3)
     time.sleep(PAST_SHORT)
+    # Both are claimed again when their lease ends: "lost" given back first, a first loss
+    # (invariant 16), with no attempt spent.
     result = _claim(store, conn, lease=LONG)
-    assert [(c.id, c.lease_version) for c in result.claimed] == [(crashed, 2)]
+    assert sorted((c.id, c.lease_version) for c in result.claimed) == [(crashed, 2), (lost, 2)]
     assert (result.lost, result.unroutable) == (1, 0)
     row = fetch(conn, table, lost)
     assert (row["status"], row["attempts"], row["lease_version"], row["started_version"]) == (
-        "pending",
+        "processing",
         0,
-        1,
+        2,
         0,
     )
-    assert 0 < row["available_in"] <= LONG
+    assert fetch(conn, table, crashed)["attempts"] == 1
     assert store.get_stats()["lost_tasks"] == 1
 
 
@@ -85,6 +87,12 @@ def test_invariant_9_a_lost_ordered_head_keeps_its_place_and_its_successor_waits
 ) -> None:
     a = add(conn, 2, table=table, key="A")
     assert claim_ids(store, conn, lease=SHORT) == [a[0]]
+    time.sleep(PAST_SHORT)
+    # A first loss: given back and claimed again by the same run, still the key's head.
+    result = _claim(store, conn)
+    assert (result.lost, [c.id for c in result.claimed]) == (1, [a[0]])
+    assert fetch(conn, table, a[1])["lease_version"] == 0
+    # A second one waits a lease (invariant 16), and its successor waits behind it.
     time.sleep(PAST_SHORT)
     assert _claim(store, conn).lost == 1
     assert claim_ids(store, conn) == []

@@ -312,8 +312,9 @@ def test_migration_3_started_version_from_the_previous_schema_with_rows_in_every
     conn: psycopg.Connection[Any],
 ) -> None:
     # Invariants 10, 16: after the upgrade a processing claim with no attempt yet counts as lost
-    # (its task never started), any other row as started, so expired leases behave as before
-    # except that certainly-lost claims wait out a delay instead of being re-claimed at once.
+    # (its task never started), any other row as started: an expired lease is re-claimed, and a
+    # certainly-lost claim is given back unspent (a first loss is claimed again at once; repeats
+    # wait out a delay).
     _replay_up_to(conn, "events.upgraded", 2)
     t = TableName.parse("events.upgraded")
     insert = sql.SQL(
@@ -360,11 +361,11 @@ def test_migration_3_started_version_from_the_previous_schema_with_rows_in_every
     }
     result = steps.claim(Store("events.upgraded"), conn, limit=10, lease=60.0, owner="w", max_attempts=5)
     assert sorted(c.id for c in result.claimed) == sorted(
-        [ids["expired_started"], ids["pending"], ids["pending_ordered"]]
+        [ids["expired_started"], ids["expired_unstarted"], ids["pending"], ids["pending_ordered"]]
     )
     assert result.lost == 1
     after = started_versions()
-    assert after["expired_unstarted"] == ("pending", 4, 3)
+    assert after["expired_unstarted"] == ("processing", 5, 3)
     assert after["live_unstarted"] == ("processing", 1, 0)
     assert after["done"][0] == "done" and after["dead"][0] == "dead"
 

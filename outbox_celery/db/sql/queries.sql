@@ -285,9 +285,11 @@ LIMIT 1;
 -- Expired leases that must not be re-claimed at once (DESIGN invariants 10, 16), back to
 -- pending with no attempt spent:
 -- * a claim whose task never started (lease_version > started_version: lost in the broker,
---   expired in a queue, or sent to a queue with no consumer) waits one lease, then two, four...
---   up to 16 leases as such claims repeat, so a queue nobody consumes takes a shrinking share of
---   the in-flight bound, while a one-off loss (a flushed broker, a deploy) costs one lease;
+--   expired in a queue, or sent to a queue with no consumer) is claimable again at once the
+--   first time: its lease was the wait, so a one-off loss (a flushed broker, a deploy, a task
+--   that found its database down) costs one lease. As such claims repeat it waits one lease,
+--   then two, four... up to 16, so a queue nobody consumes takes a shrinking share of the
+--   in-flight bound;
 -- * an event type the claimer has no handler for (removed by a deploy) waits unroutable_delay,
 --   marked unroutable, instead of staying processing for good.
 -- A started claim of a known event type is left to claim_expired (its worker died mid-handler).
@@ -311,7 +313,8 @@ SET status = 'pending',
     lease_until = NULL,
     available_at = now() + make_interval(secs => CASE
         WHEN decided.routable
-        THEN %(lease)s * power(2, least(greatest(o.lease_version - o.started_version - 1, 0), 4))
+        THEN CASE WHEN o.lease_version - o.started_version <= 1 THEN 0
+                  ELSE %(lease)s * power(2, least(o.lease_version - o.started_version - 2, 4)) END
         ELSE %(unroutable_delay)s END),
     last_error = CASE
         WHEN decided.routable OR o.last_error LIKE 'unroutable:%%' THEN o.last_error
