@@ -604,7 +604,10 @@ class Outbox(OperatedOutbox):
 
         ``event`` takes :func:`~outbox_celery.enqueue`'s keywords (``event_type``, ``payload``,
         ``aggregate_type``, ``aggregate_id``, ...); ``conn`` is any connection it accepts. With
-        several databases, ``conn`` is one to ``database``, whose table is written.
+        several databases, ``conn`` is one to ``database``, whose table is written; ``database``
+        may be left out only while every database uses the Outbox's ``table``.
+
+        :raises ConfigurationError: as explained for ``database`` above.
         """
         return producer.enqueue(conn, **self._producer_defaults(event, database))
 
@@ -621,7 +624,24 @@ class Outbox(OperatedOutbox):
         return producer.enqueue_many(conn, messages, **self._producer_defaults(options, database))
 
     def _producer_defaults(self, options: dict[str, Any], database: str | None = None) -> dict[str, Any]:
-        table = self.config.table if database is None else self.database(database).config.table
+        """``table`` and ``max_payload_bytes`` for a producer call.
+
+        :raises ConfigurationError: with several databases, no ``database`` named while some
+            database has a table of its own (a schema per tenant): the Outbox's ``table`` is not
+            theirs, and a row written there would be claimed by nobody.
+        """
+        if database is not None:
+            table = self.database(database).config.table
+        else:
+            table = self.config.table
+            lanes = self.lanes
+            if lanes is not None and "table" not in options:
+                own = [lane.name for lane in lanes.lanes() if lane.config.table != table]
+                if own:
+                    raise ConfigurationError(
+                        f"outbox {self.name} serves several databases and {', '.join(own)} have "
+                        f"tables of their own, not {table.qualified}: name one with database="
+                    )
         return {"table": table, "max_payload_bytes": self.config.max_payload_bytes, **options}
 
     def _each_database(self, database: str | None) -> list[tuple[str | None, OutboxConfig]]:
