@@ -115,7 +115,9 @@ class OutboxConfig:
         (capped by ``max_in_flight``).
     :ivar adaptive_in_flight: when true (default) the bound follows measured throughput:
         ``finished in the last lease / 2`` clamped to ``[min_in_flight, max_in_flight]``, so
-        that whatever is handed to Celery can start within half a lease.
+        that whatever is handed to Celery can start within half a lease. With several
+        databases, a database whose claims are pushed (``listen``) keeps about two seconds of
+        its throughput instead (DESIGN invariant 37): they share the delivery queue.
     :ivar backoff_base: seconds; full-jitter window after attempt ``n`` is
         ``min(backoff_cap, backoff_base * 2**n)``. Default 1.0.
     :ivar backoff_cap: seconds; upper bound of the backoff window. Default 300.

@@ -408,7 +408,9 @@ class Lane:
     def claimer(self) -> Claimer:
         """Claim runs on this database."""
         if self._claimer is None:
-            self._claimer = Claimer(self.config, self._claim_connection, self.handlers, store=self.store)
+            self._claimer = Claimer(
+                self.config, self._claim_connection, self.handlers, store=self.store, shared=True
+            )
         return self._claimer
 
     @property

@@ -36,6 +36,12 @@ logger = logging.getLogger(__name__)
 # follows throughput over a whole lease, so recounting it for every run adds statements, not
 # precision. Only the bound is reused; the rows in flight are counted on every run.
 BOUND_REFRESH = 1.0
+# With several databases, a pushed database's in-flight bound is what it can start within
+# SHARED_AHEAD seconds at the throughput of the last SHARED_MEASURE seconds (DESIGN invariant
+# 37): every database's tasks share the delivery queue, and what one keeps there the others'
+# next tasks wait behind.
+SHARED_AHEAD = 2.0
+SHARED_MEASURE = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,11 +143,21 @@ def default_owner() -> str:
 class InFlightBound:
     """The in-flight bound of a process's claim runs (DESIGN invariant 16), computed at most
     every :data:`BOUND_REFRESH` seconds: rows finished in the last lease, halved, clamped to
-    ``[min_in_flight, max_in_flight]``; ``max_in_flight`` when ``adaptive_in_flight`` is off."""
+    ``[min_in_flight, max_in_flight]``; ``max_in_flight`` when ``adaptive_in_flight`` is off.
 
-    def __init__(self, config: OutboxConfig, store: Store) -> None:
+    ``shared``: the table is one of several databases whose tasks share the delivery queue.
+    While its claims are pushed (``listen``), its bound is what it finished in the last
+    :data:`SHARED_MEASURE` seconds, scaled to :data:`SHARED_AHEAD` (DESIGN invariant 37).
+    """
+
+    def __init__(self, config: OutboxConfig, store: Store, *, shared: bool = False) -> None:
         self.config = config
         self.store = store
+        # Finished rows counted over this many seconds, and the share of them allowed in flight.
+        if shared and config.listen:
+            self._window, self._share = SHARED_MEASURE, SHARED_AHEAD / SHARED_MEASURE
+        else:
+            self._window, self._share = config.lease, 0.5
         # The bound and when (monotonic) it was computed.
         self._bound: tuple[float, int] | None = None
 
@@ -158,9 +174,10 @@ class InFlightBound:
             return cached[1]
         floor = cfg.effective_min_in_flight
         # Rows finished in the last lease, halved: what was handed out can start within half a
-        # lease at the throughput the workers just showed.
-        recent = self.store.recent_done(conn, window=cfg.lease, cap=2 * cfg.max_in_flight)
-        limit = max(floor, min(cfg.max_in_flight, recent // 2))
+        # lease at the throughput the workers just showed (shared: within SHARED_AHEAD).
+        cap = int(cfg.max_in_flight / self._share) + 1
+        recent = self.store.recent_done(conn, window=self._window, cap=cap)
+        limit = max(floor, min(cfg.max_in_flight, int(recent * self._share)))
         self._bound = (now, limit)
         return limit
 
@@ -174,6 +191,7 @@ class Claimer:
     :param handlers: route -> :class:`~outbox_celery.handlers.HandlerSpec`; the claim takes
         only routes that have a handler here (others stay pending, counted unroutable).
     :param store: the table's statements (default: a :class:`~outbox_celery.db.store.Store`).
+    :param shared: the table is one of several databases' (:class:`InFlightBound`).
     """
 
     def __init__(
@@ -183,12 +201,13 @@ class Claimer:
         handlers: Mapping[str, HandlerSpec],
         *,
         store: Store | None = None,
+        shared: bool = False,
     ) -> None:
         self.config = config
         self.connection = connection
         self.handlers = handlers
         self.store = store or Store(config.table, relaxed_commit=config.relaxed_commit)
-        self._in_flight = InFlightBound(config, self.store)
+        self._in_flight = InFlightBound(config, self.store, shared=shared)
         #: Where this process's claims start their index scans (DESIGN invariant 18).
         self.marks = ScanMarks(lookback=config.scan_lookback, full_every=config.full_scan_interval)
         #: Routes whose tasks the app refused to route, and until when (monotonic) this
