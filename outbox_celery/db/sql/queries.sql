@@ -282,8 +282,8 @@ ORDER BY lease_until
 LIMIT 1;
 
 -- name: release_expired
--- Expired leases that must not be re-claimed at once (DESIGN invariants 10, 16), back to
--- pending with no attempt spent:
+-- Expired leases that are not re-claimed as started ones are (claim_expired, DESIGN invariants
+-- 10, 16): back to pending with no attempt spent:
 -- * a claim whose task never started (lease_version > started_version: lost in the broker,
 --   expired in a queue, or sent to a queue with no consumer) is claimable again at once the
 --   first time: its lease was the wait, so a one-off loss (a flushed broker, a deploy, a task
