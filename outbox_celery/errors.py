@@ -92,8 +92,8 @@ class UnknownDatabase(ConfigurationError):  # noqa: N818 - named after what it r
     """A task or a command names a database its Outbox does not serve (``databases=``).
 
     A delivery task that raises it never started its row: once its lease ends, the next claim
-    gives it back to pending after a delay, with no attempt spent, as any claimed row whose task
-    never started (DESIGN invariant 34).
+    gives it back to pending with no attempt spent, as any claimed row whose task never started
+    (claimable at once the first time, after a delay as it repeats: DESIGN invariants 16, 34).
     """
 
 
