@@ -42,6 +42,7 @@ from .celery_config import configure_app, dsn_exposed, loaded_conf
 from .lanes import POOL_CHECK_IDLE, Lane, Lanes, connect_timeout, open_pool
 from .publisher import TaskPublisher
 from .push import install_listener_step
+from .quiet_logs import quiet_claim_logs
 from .signals import connect_worker_signals
 from .tasks import CoalescedClaims, register_tasks
 from .worker_settings import check_worker_settings
@@ -55,52 +56,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # Retention: at most this many batches of ``retention_batch_size`` per beat-triggered run.
 PURGE_MAX_BATCHES_PER_RUN = 20
-
-
-class _QuietClaims(logging.Filter):
-    """Celery's per-task INFO lines about claim tasks, moved to DEBUG.
-
-    Beat sends a claim every ``claim_interval`` and most runs find nothing: Celery's own
-    ``Task outbox.claim[...] received`` / ``succeeded`` lines (and beat's ``Sending due task``)
-    would fill an INFO log, while a run that did something logs its own INFO line (``outbox
-    claim run: claimed=...``). A matching record is dropped unless its logger is enabled for
-    DEBUG (``--loglevel DEBUG``), where it shows as a DEBUG record. Failures are untouched.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tasks: set[str] = set()
-
-    def _task(self, record: logging.LogRecord) -> str | None:
-        args = record.args
-        if isinstance(args, Mapping):  # celery.app.trace, celery.worker.strategy: a context dict
-            name = args.get("name")
-            return name if isinstance(name, str) else None
-        if isinstance(args, tuple) and len(args) == 2 and isinstance(args[1], str):  # celery.beat
-            return args[1]
-        return None
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.INFO or self._task(record) not in self.tasks:
-            return True
-        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
-            return False
-        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
-        return True
-
-
-_quiet_claims = _QuietClaims()
-# Where Celery logs a task's receipt and success, and beat each task it sends.
-_TASK_LOGGERS = ("celery.app.trace", "celery.worker.strategy", "celery.beat")
-
-
-def _quiet_claim_logs(task_name: str) -> None:
-    """Keep ``task_name``'s routine receipt/success/sent lines out of INFO logs (idempotent)."""
-    _quiet_claims.tasks.add(task_name)
-    for name in _TASK_LOGGERS:
-        target = logging.getLogger(name)
-        if _quiet_claims not in target.filters:
-            target.addFilter(_quiet_claims)
 
 
 class Outbox(OperatedOutbox):
@@ -172,7 +127,7 @@ class Outbox(OperatedOutbox):
         self._claim_task_body = CoalescedClaims(lambda: self.claim(), lambda: self.config.claim_interval)
         tasks = register_tasks(self, self._claim_task_body)
         self.claim_task, self.deliver_task, self.deliver_batch_task, self.purge_task = tasks
-        _quiet_claim_logs(f"{name}.claim")  # the name, not the task: reading it would load the config
+        quiet_claim_logs(f"{name}.claim")  # the name, not the task: reading it would load the config
         connect_worker_signals(
             app,
             after_fork=self._after_fork,
