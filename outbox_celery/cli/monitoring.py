@@ -168,16 +168,27 @@ def broker_problem(app: Any, timeout: float) -> str | None:
 def metrics(
     target: Target, port: int, addr: str, timeout: float, cap: int, worker_metrics_dir: str | None
 ) -> None:
-    """Prometheus exporter: serve http://ADDR:PORT/metrics until stopped."""
+    """Prometheus exporter: serve http://ADDR:PORT/metrics until stopped.
+
+    With -A naming an Outbox that serves several databases and no --database, every database
+    is served, each series labelled database=NAME first.
+    """
     try:
         from ..ops.metrics import OutboxCollector, start_exporter
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise click.ClickException(first_line(exc)) from None
     if worker_metrics_dir is not None and not os.path.isdir(worker_metrics_dir):
         raise click.ClickException(f"--worker-metrics-dir {worker_metrics_dir!r} is not a directory")
-    dsn, table, handlers = target.dsn, target.table, target.handlers
+    outbox, every = target.outbox, target.database is None and bool(target.database_names)
     try:
-        collector = OutboxCollector(dsn, table, handlers=handlers, timeout=timeout, cap=cap)
+        if outbox is not None and every:
+            # A connection of its own per database and scrape: none held between scrapes.
+            collector = OutboxCollector.from_outbox(outbox, pooled=False, timeout=timeout, cap=cap)
+            where = f"the databases of outbox {outbox.name} ({', '.join(target.database_names)})"
+        else:
+            dsn, table, handlers = target.dsn, target.table, target.handlers
+            collector = OutboxCollector(dsn, table, handlers=handlers, timeout=timeout, cap=cap)
+            where = target.where
     except ImportError as exc:
         raise click.ClickException(first_line(exc)) from None
     try:
@@ -193,7 +204,7 @@ def metrics(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop)
-    click.echo(f"serving metrics of {target.where} on http://{addr}:{server.server_port}/metrics", err=True)
+    click.echo(f"serving metrics of {where} on http://{addr}:{server.server_port}/metrics", err=True)
     try:
         while not stop.wait(3600):
             pass

@@ -133,40 +133,59 @@ class OutboxCollector:
         self.cap = cap
         # Only to scrub it from logged errors (dsn.error_line); never logged itself.
         self._dsn: str | None = source if isinstance(source, str) else None
-        if isinstance(source, str):
-            dsn = source
+        # The same for each of several databases (from_outbox knows their DSNs).
+        self._dsn_of: Callable[[str], str | None] = lambda _database: None
+        self._connect_timeout = connect_timeout
+        self._connect = self._connector(source) if isinstance(source, str) else source
 
-            def connect() -> AbstractContextManager[psycopg.Connection[Any]]:
-                return psycopg.connect(
-                    dsn,
-                    autocommit=True,
-                    connect_timeout=max(1, int(connect_timeout)),
-                    application_name="outbox-celery-metrics",
-                )
+    def _connector(self, dsn: str) -> ConnectionFactory:
+        """A connection of its own to ``dsn`` per call (closed when its block ends)."""
 
-            self._connect: ConnectionFactory = connect
-        else:
-            self._connect = source
+        def connect() -> AbstractContextManager[psycopg.Connection[Any]]:
+            return psycopg.connect(
+                dsn,
+                autocommit=True,
+                connect_timeout=max(1, int(self._connect_timeout)),
+                application_name="outbox-celery-metrics",
+            )
+
+        return connect
 
     @classmethod
-    def from_outbox(cls, outbox: OperatedOutbox, **kwargs: Any) -> OutboxCollector:
-        """A collector over ``outbox``'s table, pool and handlers (keyword arguments pass on)."""
+    def from_outbox(cls, outbox: OperatedOutbox, *, pooled: bool = True, **kwargs: Any) -> OutboxCollector:
+        """A collector over ``outbox``'s table (each of its databases') and handlers (keyword
+        arguments pass on).
+
+        :param pooled: read through the Outbox's pools, in a process that has them open (a
+            worker). ``False`` opens a connection of its own for each database at each scrape
+            and closes it after its read: an exporter process then holds at most one connection,
+            and none between scrapes, however many databases the Outbox serves.
+        """
         kwargs.setdefault("handlers", set(outbox.handlers))
-        if outbox.config.databases is not None:
+        dsn = outbox.config.dsn
+        if outbox.config.databases is None:
+            return cls(outbox.connection if pooled or dsn is None else dsn, outbox.config.table, **kwargs)
+        collector: OutboxCollector
 
-            def connect(name: str) -> ConnectionFactory:
-                return lambda: outbox.connection(name)
+        def connect(name: str, dsn: str) -> ConnectionFactory:
+            return (lambda: outbox.connection(name)) if pooled else collector._connector(dsn)
 
-            def databases() -> _Databases:
-                # Read at each scrape: a database added to (or dropped from) a ``databases``
-                # callable is scraped from the Outbox's next refresh on, as it is claimed.
-                return {
-                    name: (connect(name), TableName.parse(db.table) if db.table else outbox.config.table)
-                    for name, db in outbox.databases.items()
-                }
+        def databases() -> _Databases:
+            # Read at each scrape: a database added to (or dropped from) a ``databases``
+            # callable is scraped from the Outbox's next refresh on, as it is claimed.
+            return {
+                name: (connect(name, db.dsn), TableName.parse(db.table) if db.table else outbox.config.table)
+                for name, db in outbox.databases.items()
+            }
 
-            kwargs["databases"] = databases
-        return cls(outbox.connection, outbox.config.table, **kwargs)
+        def dsn_of(name: str) -> str | None:
+            db = outbox.databases.get(name)
+            return None if db is None else db.dsn
+
+        kwargs["databases"] = databases
+        collector = cls(outbox.connection, outbox.config.table, **kwargs)
+        collector._dsn_of = dsn_of
+        return collector
 
     @property
     def databases(self) -> dict[str, tuple[ConnectionFactory, TableName]] | None:
@@ -234,7 +253,8 @@ class OutboxCollector:
                 "outbox metrics: stats of %s%s failed: %s",
                 name,
                 "" if database is None else f" in database {database}",
-                error_line(exc, self._dsn) or type(exc).__name__,
+                error_line(exc, self._dsn if database is None else self._dsn_of(database))
+                or type(exc).__name__,
                 extra={"outbox_table": name},
             )
             fams["up"].add_metric([name], 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +24,16 @@ from celery import Celery
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 from outbox_celery import Event, TableName, enqueue_many, migrate
 from outbox_celery.app.outbox import Outbox
 from outbox_celery.ops.metrics import OutboxCollector
-from outbox_celery.testing import free_port
+from outbox_celery.testing import free_port, temporary_database
 
 SETTLE = 60.0  # seconds; bounds waiting for the exporter, never asserts speed
+#: The exporter with the library's log records on stderr.
+EXPORTER = [sys.executable, "-m", "outbox_celery", "--verbose", "metrics"]
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -172,6 +177,72 @@ def test_exporter_metrics_page_matches_the_table(
     assert proc.wait(timeout=SETTLE) == 0
     assert "serving metrics of table" in log.read_text()
     assert "password" not in log.read_text() or "password=***" in log.read_text()
+
+
+def test_invariant_34_the_exporter_serves_every_database_of_an_outbox_and_holds_no_connection(
+    server_dsn: str, tmp_path: Path
+) -> None:
+    """``metrics -A`` of an Outbox over several databases, without ``--database``: every database,
+    labelled; one that refuses connections is down alone, its DSN's password never printed; and
+    between scrapes the exporter holds no connection (one of its own per database and scrape)."""
+    secret = "s3cret-of-c"
+    with ExitStack() as stack:
+        dsns = {d: stack.enter_context(temporary_database(server_dsn, prefix=f"outbox_m_{d}")) for d in "ab"}
+        for d, n in (("a", 3), ("b", 1)):
+            with psycopg.connect(dsns[d], autocommit=True) as conn:
+                migrate(conn, "outbox")
+                add(conn, n, table="outbox", event_type="thing.happened")
+        dsns["c"] = f"postgresql://postgres:{secret}@127.0.0.1:1/gone"  # nothing listens on port 1
+        env = {
+            **_env(None),
+            "OUTBOX_TEST_DATABASES": json.dumps(dsns),
+            "OUTBOX_TEST_BROKER": "memory://",
+            "OUTBOX_TEST_RECORD": server_dsn,
+            "OUTBOX_TEST_TOKEN": "metrics",
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+        }
+        port, log = free_port(), tmp_path / "exporter.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [*EXPORTER, "-A", "support.databases_app:outbox", "--port", str(port)],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            samples = parse(scrape(port, proc, log))
+            pending = {
+                d: value(samples, "outbox_messages", database=d, table="outbox", status="pending")
+                for d in "ab"
+            }
+            assert pending == {"a": 3, "b": 1}
+            assert {d: value(samples, "outbox_up", database=d, table="outbox") for d in "abc"} == {
+                "a": 1,
+                "b": 1,
+                "c": 0,
+            }
+            # Read after the page was served: every connection of the scrape was closed by then
+            # (a backend may take a moment to end after its client said goodbye).
+            deadline = time.monotonic() + SETTLE
+            with psycopg.connect(server_dsn, autocommit=True) as admin:
+                while True:
+                    held = admin.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'outbox-celery%%'"
+                        " AND datname = ANY(%s)",
+                        [[conninfo_to_dict(dsns[d])["dbname"] for d in "ab"]],
+                    ).fetchone()
+                    if held == (0,) or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
+            assert held == (0,), "the exporter holds connections between scrapes"
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = log.read_text()
+    assert "serving metrics of the databases of outbox outbox (a, b, c)" in text, text
+    assert "in database c failed" in text, text
+    assert secret not in text
 
 
 def test_exporter_refuses_a_busy_port_with_one_line(migrated_dsn: str) -> None:

@@ -335,7 +335,6 @@ COMMANDS_OF_ONE_DATABASE: Sequence[tuple[str, ...]] = (
     ("pause", EVENT),
     ("resume", EVENT),
     ("health",),
-    ("metrics", "--port", "0"),
 )
 
 
@@ -356,6 +355,15 @@ def test_invariant_34_a_command_of_one_database_asks_which_and_never_prints_a_ds
     before = refused("--database", "nope", "-A", spec, *command)
     assert before == unknown
     assert SECRET not in which + unknown + before
+
+
+def test_invariant_34_the_exporter_refuses_an_unknown_database_and_never_prints_a_dsn(app: App) -> None:
+    """``metrics`` serves every database without ``--database`` (tests/acceptance/test_metrics.py);
+    one it does not serve is refused before anything listens."""
+    spec = app({"eu": f"postgresql://postgres:{SECRET}@127.0.0.1:5432/x"})
+    unknown = refused("-A", spec, "metrics", "--port", "0", "--database", "nope")
+    assert unknown == "Error: the outbox serves no database 'nope' (it serves: eu)"
+    assert SECRET not in unknown
 
 
 def test_invariant_34_migrate_of_an_unknown_database_changes_nothing(bare: dict[str, str], app: App) -> None:
