@@ -93,6 +93,9 @@ from .services import LOCAL_REDIS, redact_url
 
 __all__ = ["PARTS", "main", "parser", "run"]
 
+#: The deployment's description with ``--claim-worker``.
+CLAIM_WORKER = " and a claim worker of its own, solo"
+
 PARTS = ("load", "outage", "fairness")
 APP = "benchmarks.app_databases:app"
 GOAL_P99 = 0.050
@@ -215,6 +218,8 @@ class RunData:
     #: When a claim run published each row (its first publish), and which process published it.
     published: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
     worker_pid: int = 0
+    #: The claim worker's (``--claim-worker``), whose publishes count as the main process's.
+    claim_pid: int = 0
     #: (time, {kind: connections}) every second.
     connections: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     statements: tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]] | None = None
@@ -365,9 +370,12 @@ def _sleep_until(t: float, watch: Sequence[Proc]) -> None:
         time.sleep(min(left, 0.5))
 
 
-def _cpu(worker: Proc, admin: psycopg.Connection[Any]) -> dict[str, float | None]:
-    """CPU seconds so far: the worker's main process, its pool processes, and the server's
-    processes (the postmaster's children, when the server runs on this machine)."""
+def _cpu(
+    worker: Proc, admin: psycopg.Connection[Any], claimer: Proc | None = None
+) -> dict[str, float | None]:
+    """CPU seconds so far: the worker's main process, its pool processes, the claim worker (when
+    there is one) and the server's processes (the postmaster's children, when the server runs on
+    this machine)."""
     tree = worker.tree()
     server: float | None = None
     row = admin.execute("SELECT pg_backend_pid()").fetchone()
@@ -375,7 +383,10 @@ def _cpu(worker: Proc, admin: psycopg.Connection[Any]) -> dict[str, float | None
         postmaster = psutil.Process(int(row[0]) if row else 0).parent()
         if postmaster is not None:
             server = cpu_seconds([postmaster, *postmaster.children(recursive=True)])
-    return {"main": cpu_seconds(tree[:1]), "pool": cpu_seconds(tree[1:]), "server": server}
+    out = {"main": cpu_seconds(tree[:1]), "pool": cpu_seconds(tree[1:]), "server": server}
+    if claimer is not None:
+        out["claim"] = cpu_seconds(claimer.tree())
+    return out
 
 
 def _delta(before: float | None, after: float | None) -> float | None:
@@ -440,6 +451,9 @@ class Runner:
     use_statements: bool
     #: Where each run's process logs are copied (``None``: they go with the temporary directory).
     logs: Path | None = None
+    #: The claims in a worker of their own (``-Q <claim queue> -P solo -c 1``, docs/celery.md),
+    #: the delivery worker consuming the delivery queue only.
+    claim_worker: bool = False
 
     def run(self, plan: Plan, datnames: dict[str, str]) -> RunData:
         """One run: truncate, start the worker and beat, produce, measure, stop."""
@@ -475,7 +489,7 @@ class Runner:
                 args = [
                     "worker",
                     "-Q",
-                    f"{claim_queue},{queue}",
+                    queue if self.claim_worker else f"{claim_queue},{queue}",
                     "-P",
                     "prefork",
                     "-c",
@@ -490,11 +504,33 @@ class Runner:
                 )
                 wait_for(folder / "ready", [worker], 180)
                 data.worker_pid = worker.pid
+                watch = [worker]
+                if self.claim_worker:
+                    claimer = procs.start(
+                        "claimer",
+                        celery_command(
+                            APP,
+                            "worker",
+                            "-Q",
+                            claim_queue,
+                            "-P",
+                            "solo",
+                            "-c",
+                            "1",
+                            "-n",
+                            f"{tag}-claim@%h",
+                            *WORKER_FLAGS,
+                        ),
+                        {**worker_env, "BENCH_READY": str(folder / "claim-ready")},
+                    )
+                    wait_for(folder / "claim-ready", [claimer], 180)
+                    data.claim_pid = claimer.pid
+                    watch.append(claimer)
                 beat = procs.start(
                     "beat", celery_command(APP, "beat", "-s", str(folder / "beat"), "-l", "WARNING"), env
                 )
                 sampler = Sampler(self.server_dsn, datnames, active)
-                watch = [worker, beat]
+                watch.append(beat)
                 _sleep_until(time.time() + plan.settle, watch)
                 t0 = time.time() + 1.0
                 producer = procs.start(
@@ -519,12 +555,12 @@ class Runner:
                 s0 = _statements(admin) if self.use_statements else None
                 q0 = _queries(admin) if self.use_statements else None
                 x0 = _xacts(admin)
-                cpu0 = _cpu(worker, admin)
+                cpu0 = _cpu(worker, admin, claimer if self.claim_worker else None)
                 sleep_until(start + plan.seconds)
                 s1 = _statements(admin) if self.use_statements else None
                 q1 = _queries(admin) if self.use_statements else None
                 x1 = _xacts(admin)
-                cpu1 = _cpu(worker, admin)
+                cpu1 = _cpu(worker, admin, claimer if self.claim_worker else None)
                 data.cpu = {k: _delta(cpu0[k], cpu1.get(k)) for k in cpu0}
                 with contextlib.suppress(psutil.Error):
                     data.main_threads = psutil.Process(worker.pid).num_threads()
@@ -668,7 +704,7 @@ def legs(data: RunData, names: Sequence[str], lo: float, hi: float) -> Legs:
                 claim.append(t - c)
                 if i in starts:
                     hop.append(min(starts[i]) - t)
-                if pid == data.worker_pid:
+                if pid in (data.worker_pid, data.claim_pid):
                     mine += 1
                 else:
                     theirs += 1
@@ -774,7 +810,8 @@ class Bench:
         t = self.report.table(
             f"1. {a.databases} databases, {a.active} producing {a.rate:g} msg/s each for {a.seconds:g} s, "
             f"{a.databases - a.active} idle: commit -> handler start, ms (README deployment, "
-            f"prefork x{a.concurrency}, Redis; load average {data.load[0]:.2f} -> {data.load[1]:.2f})",
+            f"prefork x{a.concurrency}{CLAIM_WORKER if a.claim_worker else ''}, Redis; "
+            f"load average {data.load[0]:.2f} -> {data.load[1]:.2f})",
             ["figure", "value", f"baseline: one database (dsn=), {a.rate:g} msg/s", "goal"],
         )
         t.row("p50, median of the active databases", _ms(_med([x.p50 for x in per.values()])), _ms(b.p50), "")
@@ -1234,6 +1271,8 @@ def _cpu_rows(data: RunData, base: RunData) -> list[tuple[str, str, str]]:
         "pool": "CPU, worker pool processes",
         "server": "CPU, PostgreSQL server processes",
     }
+    if "claim" in data.cpu:
+        names["claim"] = "CPU, claim worker (solo: listeners and beat's claim task)"
     return [
         (label, _share(data.cpu.get(k), seconds), _share(base.cpu.get(k), base.window[1] - base.window[0]))
         for k, label in names.items()
@@ -1292,6 +1331,12 @@ def parser() -> argparse.ArgumentParser:
         "--warmup", type=float, default=10.0, help="seconds of load before the window, every run (10)"
     )
     p.add_argument("--concurrency", type=int, default=2, help="prefork processes of the worker (2)")
+    p.add_argument(
+        "--claim-worker",
+        action="store_true",
+        help="run the claims in a worker of their own (-Q <claim queue> -P solo -c 1, as docs/celery.md "
+        "shows), the prefork worker consuming the delivery queue only; the baseline too",
+    )
     p.add_argument("--json", type=Path, help="also write the figures here as JSON")
     p.add_argument("--logs", type=Path, help="copy each run's worker, beat and producer logs here")
     return p
@@ -1370,6 +1415,7 @@ def run(
             config.lease,
             use_statements,
             getattr(a, "logs", None),
+            a.claim_worker,
         )
         bench = Bench(a, flt, runner, report, config)
         bench.results["server"] = server.describe()
