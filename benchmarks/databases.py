@@ -505,6 +505,7 @@ class Runner:
                 wait_for(folder / "ready", [worker], 180)
                 data.worker_pid = worker.pid
                 watch = [worker]
+                claimer: Proc | None = None
                 if self.claim_worker:
                     claimer = procs.start(
                         "claimer",
@@ -555,12 +556,12 @@ class Runner:
                 s0 = _statements(admin) if self.use_statements else None
                 q0 = _queries(admin) if self.use_statements else None
                 x0 = _xacts(admin)
-                cpu0 = _cpu(worker, admin, claimer if self.claim_worker else None)
+                cpu0 = _cpu(worker, admin, claimer)
                 sleep_until(start + plan.seconds)
                 s1 = _statements(admin) if self.use_statements else None
                 q1 = _queries(admin) if self.use_statements else None
                 x1 = _xacts(admin)
-                cpu1 = _cpu(worker, admin, claimer if self.claim_worker else None)
+                cpu1 = _cpu(worker, admin, claimer)
                 data.cpu = {k: _delta(cpu0[k], cpu1.get(k)) for k in cpu0}
                 with contextlib.suppress(psutil.Error):
                     data.main_threads = psutil.Process(worker.pid).num_threads()

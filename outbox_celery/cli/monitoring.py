@@ -179,12 +179,12 @@ def metrics(
         raise click.ClickException(first_line(exc)) from None
     if worker_metrics_dir is not None and not os.path.isdir(worker_metrics_dir):
         raise click.ClickException(f"--worker-metrics-dir {worker_metrics_dir!r} is not a directory")
-    outbox, every = target.outbox, target.database is None and bool(target.database_names)
+    outbox, every = target.outbox, target.database_names if target.database is None else []
     try:
         if outbox is not None and every:
             # A connection of its own per database and scrape: none held between scrapes.
             collector = OutboxCollector.from_outbox(outbox, pooled=False, timeout=timeout, cap=cap)
-            where = f"the databases of outbox {outbox.name} ({', '.join(target.database_names)})"
+            where = f"the databases of outbox {outbox.name} ({', '.join(every)})"
         else:
             dsn, table, handlers = target.dsn, target.table, target.handlers
             collector = OutboxCollector(dsn, table, handlers=handlers, timeout=timeout, cap=cap)
