@@ -100,7 +100,8 @@ PARTS = ("load", "outage", "fairness")
 APP = "benchmarks.app_databases:app"
 GOAL_P99 = 0.050
 GOAL_OUTAGE_RATIO = 1.2
-# The claim lock statement (queries.sql, try_claim_lock) starts every claim run, once.
+# The claim lock (queries.sql, claim_lock in claim_settings) is taken by the first statement of
+# each claim transaction: once per claim run, unless the run claims several full batches.
 _CLAIM_LOCK = "%pg_try_advisory_xact_lock(hashtextextended(%"
 
 #: Option -> (full run, --short) defaults.

@@ -284,8 +284,8 @@ class OutboxConfig:
                 "is 0.9 * lease, so that the lease outlives the handler"
             )
         if self.pool_max_size < 2:
-            # A claim run holds two: one keeps the claim lock's transaction open, the other
-            # commits the claims.
+            # A transactional handler holds one for its transaction while its fenced start,
+            # finish and lease heartbeat take another (docs/transactional.md).
             raise ConfigurationError(f"pool_max_size must be at least 2, got {self.pool_max_size}")
         if self.prepare_threshold is not None and (
             isinstance(self.prepare_threshold, bool)

@@ -1,10 +1,11 @@
 """The Claimer: one claim run of a table, from the claim lock to the published tasks.
 
-A run takes the table's claim lock, computes the in-flight bound (DESIGN invariant 16), claims
-batches through the executor (:mod:`outbox_celery.claim.executor`) while they come back full,
-and hands each batch to a ``publish`` callable, cut into the tasks that carry it
-(:func:`~outbox_celery.claim.units.publish_units`); rows the broker did not take go back to
-``pending`` at once (invariant 12). No Celery here: the Outbox passes its publisher in.
+A run claims batches through the executor (:mod:`outbox_celery.claim.executor`) while they come
+back full, each in a transaction that takes the table's claim lock first and then counts what
+is in flight against the bound (DESIGN invariant 16), and hands each batch to a ``publish``
+callable, cut into the tasks that carry it (:func:`~outbox_celery.claim.units.publish_units`);
+rows the broker did not take go back to ``pending`` at once (invariant 12). No Celery here: the
+Outbox passes its publisher in.
 """
 
 from __future__ import annotations
@@ -247,16 +248,10 @@ class Claimer:
                 )
             run.stopped_by = StoppedBy.NO_HANDLERS
             return run
-        # The claim lock lives in a transaction held open on a connection of its own for the
-        # whole run (the claims commit on the other); its end releases the lock. Taken first, so
-        # a run that loses the race never holds a second pooled connection.
-        with self.connection() as lock_conn, lock_conn.transaction():
-            if not self.store.try_claim_lock(lock_conn):
-                run.skipped = True
-                run.stopped_by = StoppedBy.ANOTHER_CLAIM_RUNNING
-                return run
-            with self.connection() as conn:
-                self._loop(conn, publish, run, owner, routes, deadline)
+        with self.connection() as conn:
+            self._loop(conn, publish, run, owner, routes, deadline)
+        if run.skipped:
+            return run
         run.seconds = time.monotonic() - started
         if run.claimed or run.reaped or run.released or run.lost or run.unroutable:
             logger.info(
@@ -317,10 +312,18 @@ class Claimer:
     ) -> None:
         cfg = self.config
         run.in_flight_limit = limit = self.in_flight_limit(conn)
-        # Counted once per run, then raised by what the run claims: an over-estimate (rows that
-        # finish meanwhile are not subtracted), so the bound holds. A stalled route (no worker
-        # starts its tasks) gets no new rows, and its waiting tasks take no room from the others.
-        in_flight, hold = self._live(conn)
+        asked = [0]
+
+        def room(claiming: psycopg.Connection[Any]) -> tuple[int, frozenset[str]]:
+            # In each claim transaction, after its claim lock: every claim committed before it
+            # is counted, so the bound holds across runs and processes. A stalled route (no
+            # worker starts its tasks) gets no new rows, and its waiting tasks take no room from
+            # the others. A full bound stops new claims only: the reap and the re-claim of
+            # expired leases run anyway, or lost tasks would hold the outbox still.
+            in_flight, hold = self._live(claiming)
+            asked[0] = max(0, min(cfg.batch_size, limit - in_flight))
+            return asked[0], hold
+
         limits = {t: spec.limit for t, spec in self.handlers.items() if spec.limit is not None}
         # Batch handlers that let a batch fill (max_wait). Capped at scan_lookback: a row
         # held back longer could fall behind the scan marks (DESIGN invariant 18).
@@ -330,14 +333,10 @@ class Claimer:
             if spec.batch and spec.max_wait > 0
         }
         while True:
-            room = limit - in_flight
-            # A full bound stops new claims only: the reap and the re-claim of expired leases
-            # run anyway, or lost tasks would hold the outbox still (DESIGN invariant 16).
-            want = max(0, min(cfg.batch_size, room))
             result = executor.claim(
                 self.store,
                 conn,
-                limit=want,
+                limit=0,
                 lease=cfg.lease,
                 owner=owner,
                 max_attempts=cfg.max_attempts,
@@ -347,11 +346,17 @@ class Claimer:
                 marks=self.marks,
                 limits=limits,
                 fill=fill,
-                hold=hold,
+                lock=True,
+                room=room,
             )
+            if not result.locked:
+                # Another run's claim transaction holds the lock: it claims what is due.
+                run.skipped = not run.batches
+                run.stopped_by = StoppedBy.ANOTHER_CLAIM_RUNNING
+                return
+            want = asked[0]
             if result.flow_wait is not None:
                 run.flow_wait = min(run.flow_wait or result.flow_wait, result.flow_wait)
-            in_flight += len(result.claimed)
             run.batches += 1
             run.reaped += result.reaped
             run.lost += result.lost

@@ -2,7 +2,9 @@
 
 One claim (:func:`claim`, on a :class:`~outbox_celery.db.store.Store`'s statements)::
 
-    settings + now()           claim_settings_flow: held types, held keys (no lock)
+    settings + now()           claim_settings_flow: held types, held keys, a claim run's
+      |                          claim lock (no row lock)
+    room                         a claim run's in-flight count, after its claim lock
       |
     plan_flow -----------------> flow_add, flow_lock, flow_keys_clear, flow_live
       |                          (none when no limit is declared and nothing is held)
@@ -57,6 +59,12 @@ EXPIRED_BATCH = 1000
 _R = TypeVar("_R")
 
 
+class Room(Protocol):
+    """A claim run's limit and held routes, counted in its claim transaction after the lock."""
+
+    def __call__(self, conn: psycopg.Connection[Any], /) -> tuple[int, Collection[str]]: ...
+
+
 class Store(Protocol):
     """What the executor uses of :class:`~outbox_celery.db.store.Store` (which passes itself)."""
 
@@ -74,6 +82,8 @@ class Store(Protocol):
     def subscriptions_ready(self, conn: psycopg.Connection[Any]) -> bool: ...
 
     def _count(self, key: str, n: int = 1) -> None: ...
+
+    def _regclass(self, conn: psycopg.Connection[Any] | None) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +139,8 @@ class SettingsRow(NamedTuple):
 
     jit: str | None
     now: datetime | None
+    #: Whether this transaction holds the table's claim lock; None: it was not asked for.
+    locked: bool | None = None
     known: Sequence[str] = ()
     held: Sequence[str] = ()
     held_for: float | None = None
@@ -169,6 +181,9 @@ class ClaimResult:
     #: DESIGN invariant 21); ``flow_wait`` is then at most when the oldest of them has waited
     #: ``max_wait``.
     filling: tuple[str, ...] = ()
+    #: False: the claim asked for the table's claim lock and another transaction held it; the
+    #: claim did nothing.
+    locked: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,14 +263,17 @@ class _Run:
 
     # -- settings and flow --
 
-    def settings(self) -> Seen:
+    def settings(self, *, lock: bool = False) -> tuple[Seen, bool]:
         """The claim's first statement (DESIGN invariant 25: the one flow read of a claim with no
-        limit declared and nothing paused or held)."""
+        limit declared and nothing paused or held), and whether it got the claim lock when
+        ``lock`` asks for it (DESIGN invariant 16); True when it does not."""
+        params = {"claim_lock": lock, "table": self.store._regclass(self.conn)}
         if not self.store.flow_ready(self.conn):
-            [row] = self.rows(SettingsRow, "claim_settings", {})
-            return row.seen()
-        [row] = self.rows(SettingsRow, "claim_settings_flow", {"event_types": self.params.event_types})
-        return row.seen()
+            [row] = self.rows(SettingsRow, "claim_settings", params)
+        else:
+            params["event_types"] = self.params.event_types
+            [row] = self.rows(SettingsRow, "claim_settings_flow", params)
+        return row.seen(), row.locked is not False
 
     def read_flow(self, limits: Mapping[str, Limit], seen: Seen) -> tuple[plan.FlowPlan, FlowRead | None]:
         """Lock and read the flow rows the planner names; the allowance of every limited type
@@ -469,9 +487,16 @@ def claim(
     limits: Mapping[str, Limit] | None = None,
     fill: Mapping[str, tuple[int, float]] | None = None,
     hold: Collection[str] = (),
+    lock: bool = False,
+    room: Room | None = None,
 ) -> ClaimResult:
     """Reap and claim up to ``limit`` rows in one short transaction, then commit. Routes in
     ``hold`` get no new claim, as if paused (their expired leases come back as every route's).
+
+    A claim run's claims (DESIGN invariant 16): ``lock`` takes the table's claim lock in the
+    transaction's first statement; when another transaction holds it the claim does nothing and
+    its result is not ``locked``. ``room``, called on ``conn`` right after that statement (in
+    the transaction, after the lock), returns the ``limit`` and ``hold`` to claim with.
 
     Order: expired leases with attempts left first (they have waited longest), then ordered
     heads and unordered pending rows share what is left, so neither starves the other. Rows
@@ -493,8 +518,6 @@ def claim(
     due row has been due for less than ``max_wait`` seconds (database clock) is left out of the
     pending statement of this claim; ``flow_wait`` then says when to claim again.
     """
-    limit = max(0, limit)
-    expired_limit = limit if expired_limit is None else max(0, expired_limit)
     limits = {t: lim for t, lim in (limits or {}).items() if event_types is None or t in event_types}
     run = _Run(store, conn, marks)
     run.params = ClaimParams(
@@ -503,15 +526,21 @@ def claim(
         max_attempts=max_attempts,
         event_types=list(event_types) if event_types is not None else None,
     )
-    now_mono = time.monotonic()
-    full = marks.begin(now_mono) if marks is not None else True
     with conn.transaction():
+        seen, locked = run.settings(lock=lock)
+        if not locked:
+            return ClaimResult([], 0, locked=False)
+        now_mono = time.monotonic()
+        full = marks.begin(now_mono) if marks is not None else True
+        if room is not None:
+            limit, hold = room(conn)
+        limit = max(0, limit)
+        expired_limit = limit if expired_limit is None else max(0, expired_limit)
         if full or (marks is not None and marks.bare):
             # Before claiming: a fanned-out row is claimable in this same claim (invariant 28).
             bare = fan_out_bare(store, conn)
             if marks is not None:
                 marks.bare = bare
-        seen = run.settings()
         if hold:
             seen = replace(seen, held=seen.held | frozenset(hold))
         run.db_now = seen.now

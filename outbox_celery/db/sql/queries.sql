@@ -187,11 +187,16 @@ SELECT count({key_lock}) AS locked, current_setting('transaction_isolation') AS 
 FROM (SELECT DISTINCT k FROM unnest(%(keys)s::text[]) AS u(k) ORDER BY k) AS sorted_keys;
 
 -- name: try_claim_lock
--- One claim run per table at a time: keeps the in-flight bound exact. Transaction-scoped: the
--- caller holds the transaction open for the run and its end releases the lock, so no session
--- state is involved (PgBouncer's transaction pooling may move sessions between transactions).
-SELECT pg_try_advisory_xact_lock(hashtextextended(
-    'outbox_celery:claim:' || %(table)s::regclass::oid::text, 0)) AS locked;
+-- The table's claim lock, alone: one claim transaction per table at a time. A claim run takes it
+-- in its claim transaction's first statement (claim_settings: claim_lock); this one is for
+-- whoever holds it on a connection of its own. Transaction-scoped: its end releases the lock, so
+-- no session state is involved (PgBouncer's transaction pooling may move sessions between
+-- transactions).
+SELECT {claim_lock_taken} AS locked;
+
+-- fragment: claim_lock_taken
+-- The table's claim lock, named by the table's oid: "outbox" and "public.outbox" share it.
+pg_try_advisory_xact_lock(hashtextextended('outbox_celery:claim:' || %(table)s::regclass::oid::text, 0))
 
 -- name: count_in_flight
 -- Live leases only (DESIGN invariant 16): a row whose lease ran out holds no worker, so a lost
@@ -224,8 +229,17 @@ SELECT count(*) AS n FROM (
 -- First statement of every claim transaction: JIT off for the claim. Once a churned table's
 -- statistics price the claim's queries above jit_above_cost, JIT compilation costs every claim
 -- many times its few milliseconds of work, and these short queries never profit from it.
--- Also returns the transaction's now(): where the claim's scan marks move to (ScanMarks).
-SELECT set_config('jit', 'off', true) AS jit, now() AS now;
+-- Also returns the transaction's now(): where the claim's scan marks move to (ScanMarks), and,
+-- for a claim run, the table's claim lock (claim_lock).
+SELECT set_config('jit', 'off', true) AS jit, now() AS now, {claim_lock} AS locked;
+
+-- fragment: claim_lock
+-- A claim run's claim transactions take the table's claim lock here, in their first statement
+-- (DESIGN invariant 16): one at a time per table, so the in-flight count that follows, in a
+-- statement of its own and so with a snapshot taken after the lock, sees every claim committed
+-- before it. A claim whose transaction does not get it claims nothing. NULL: no lock asked
+-- (a claim called on its own). pg_try_advisory_xact_lock is volatile, never folded in a plan.
+CASE WHEN %(claim_lock)s::bool THEN {claim_lock_taken} END
 
 -- name: claim_settings_flow
 -- claim_settings of a table with its flow-control tables (migrations 0007 to 0009): the
@@ -252,7 +266,7 @@ WITH RECURSIVE kt AS (
             ORDER BY f.event_type, f.limit_key LIMIT 1)
     FROM kt WHERE kt.event_type IS NOT NULL
 )
-SELECT set_config('jit', 'off', true) AS jit, now() AS now,
+SELECT set_config('jit', 'off', true) AS jit, now() AS now, {claim_lock} AS locked,
        (SELECT coalesce(array_agg(event_type ORDER BY event_type), ARRAY[]::text[]) FROM {flow_table}) AS known,
        (SELECT coalesce(array_agg(event_type ORDER BY event_type), ARRAY[]::text[]) FROM {flow_table}
         WHERE paused OR paused_until > now()) AS held,
