@@ -178,8 +178,9 @@ def test_a_redis_outage_mid_run_loses_nothing_and_burns_no_attempt(
         during = h.enqueue(5)  # producers keep writing
 
         def a_run_of_its_own() -> ClaimRun | None:
-            # Beat's own claim run may hold the claim lock, waiting on the dead broker: this
-            # one then stops at once (another_claim_running) and is asked again.
+            # A worker's claim run (beat's claim task) may be in its claim transaction, which
+            # holds the claim lock: this one then stops at once (another_claim_running) and is
+            # asked again.
             run = h.outbox.claim()
             return None if run.stopped_by is StoppedBy.ANOTHER_CLAIM_RUNNING else run
 
