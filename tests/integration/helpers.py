@@ -110,6 +110,27 @@ def claim_ids(
 T = TypeVar("T")
 
 
+def in_threads(n: int, body: Callable[[threading.Barrier], None], *, timeout: float = 120.0) -> None:
+    """Run ``body`` in ``n`` threads at once, each given the barrier they share; an exception in
+    one aborts the barrier (the others stop waiting) and fails the caller."""
+    barrier = threading.Barrier(n)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            body(barrier)
+        except BaseException as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+
+
 def claim_together(
     connect: Connect,
     table: str,
@@ -122,36 +143,23 @@ def claim_together(
     """``claimers`` threads, each on its own connection, claim at the same moment ``rounds``
     times; after each claim (all of them done) every thread records ``observe(conn)``, then
     finishes what it took so the next round claims again. Returns what was observed."""
-    barrier = threading.Barrier(claimers)
-    errors: list[BaseException] = []
     seen: list[T] = []
     lock = threading.Lock()
 
-    def run() -> None:
-        try:
-            c = connect()
-            s = Store(table)
-            for _ in range(rounds):
-                barrier.wait(10)
-                got = steps.claim(
-                    s, c, limit=50, lease=LONG, owner="t", max_attempts=5, limits=limits
-                ).claimed
-                barrier.wait(10)
-                with lock:
-                    seen.append(observe(c))
-                barrier.wait(10)
-                for g in got:
-                    assert steps.done(s, c, g.id, g.lease_version)
-        except BaseException as exc:  # pragma: no cover - surfaced below
-            errors.append(exc)
-            barrier.abort()
+    def run(barrier: threading.Barrier) -> None:
+        c = connect()
+        s = Store(table)
+        for _ in range(rounds):
+            barrier.wait(10)
+            got = steps.claim(s, c, limit=50, lease=LONG, owner="t", max_attempts=5, limits=limits).claimed
+            barrier.wait(10)
+            with lock:
+                seen.append(observe(c))
+            barrier.wait(10)
+            for g in got:
+                assert steps.done(s, c, g.id, g.lease_version)
 
-    threads = [threading.Thread(target=run) for _ in range(claimers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    in_threads(claimers, run)
     assert len(seen) == claimers * rounds
     return seen
 

@@ -20,7 +20,7 @@ from outbox_celery.claim.claimer import Claimer, StoppedBy
 from outbox_celery.claim.executor import Claimed
 from outbox_celery.handlers import HandlerSpec
 
-from .helpers import Connect, add, count
+from .helpers import Connect, add, count, in_threads
 
 TYPE = "thing.happened"
 HANDLERS = {TYPE: HandlerSpec(TYPE, lambda message: None, "q")}
@@ -51,30 +51,19 @@ def test_invariant_16_racing_claim_runs_never_put_more_than_the_bound_in_flight(
     config = OutboxConfig(
         table=table, lease=60.0, batch_size=7, adaptive_in_flight=False, max_in_flight=bound
     )
-    barrier = threading.Barrier(claimers)
     taken: list[int] = []
-    errors: list[BaseException] = []
     guard = threading.Lock()
 
-    def race() -> None:
-        try:
-            # One process each: its own connection, scan marks and store.
-            claimer = Claimer(config, _Checkouts(connect()), HANDLERS, store=Store(table))
-            barrier.wait(10)
-            for _ in range(runs):
-                run = claimer.run(_publish_all, owner="racer")
-                with guard:
-                    taken.append(run.claimed)
-        except BaseException as exc:  # pragma: no cover - surfaced below
-            errors.append(exc)
-            barrier.abort()
+    def race(barrier: threading.Barrier) -> None:
+        # One process each: its own connection, scan marks and store.
+        claimer = Claimer(config, _Checkouts(connect()), HANDLERS, store=Store(table))
+        barrier.wait(10)
+        for _ in range(runs):
+            run = claimer.run(_publish_all, owner="racer")
+            with guard:
+                taken.append(run.claimed)
 
-    threads = [threading.Thread(target=race) for _ in range(claimers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    in_threads(claimers, race, timeout=60.0)
     assert sum(taken) == bound
     assert count(conn, table, "status = 'processing'") == bound
 
