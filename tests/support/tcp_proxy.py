@@ -24,6 +24,9 @@ class FreezableProxy:
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self._listener = socket.create_server(("127.0.0.1", 0))
+        # Set here, not in the accept thread: a proxy closed before that thread first ran
+        # would have it set a timeout on a closed socket.
+        self._listener.settimeout(0.2)
         self.port: int = self._listener.getsockname()[1]
         self._forwarding = threading.Event()
         self._forwarding.set()
@@ -88,7 +91,6 @@ class FreezableProxy:
         return socket.create_connection(self.target, timeout=5)
 
     def _accept_loop(self) -> None:
-        self._listener.settimeout(0.2)
         while not self._closed.is_set():
             try:
                 client, _ = self._listener.accept()
