@@ -312,7 +312,6 @@ class Claimer:
     ) -> None:
         cfg = self.config
         run.in_flight_limit = limit = self.in_flight_limit(conn)
-        asked = [0]
 
         def room(claiming: psycopg.Connection[Any]) -> tuple[int, frozenset[str]]:
             # In each claim transaction, after its claim lock: every claim committed before it
@@ -321,8 +320,7 @@ class Claimer:
             # the others. A full bound stops new claims only: the reap and the re-claim of
             # expired leases run anyway, or lost tasks would hold the outbox still.
             in_flight, hold = self._live(claiming)
-            asked[0] = max(0, min(cfg.batch_size, limit - in_flight))
-            return asked[0], hold
+            return max(0, min(cfg.batch_size, limit - in_flight)), hold
 
         limits = {t: spec.limit for t, spec in self.handlers.items() if spec.limit is not None}
         # Batch handlers that let a batch fill (max_wait). Capped at scan_lookback: a row
@@ -354,7 +352,7 @@ class Claimer:
                 run.skipped = not run.batches
                 run.stopped_by = StoppedBy.ANOTHER_CLAIM_RUNNING
                 return
-            want = asked[0]
+            want = result.limit
             if result.flow_wait is not None:
                 run.flow_wait = min(run.flow_wait or result.flow_wait, result.flow_wait)
             run.batches += 1

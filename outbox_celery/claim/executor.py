@@ -184,6 +184,8 @@ class ClaimResult:
     #: False: the claim asked for the table's claim lock and another transaction held it; the
     #: claim did nothing.
     locked: bool = True
+    #: The most new rows the claim asked for: its ``limit``, or what its ``room`` returned.
+    limit: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +332,7 @@ class _Run:
         more = {"limit": EXPIRED_BATCH, "lease": lease, "unroutable_delay": unroutable_delay}
         released = self.rows(ReleasedRow, "release_expired", self.params.sql(**more))
         lost, unroutable = log_released(released, self.store)
-        table = self.store.table.identifier().as_string(None)
+        table = self.store._regclass(None)
         reaped = self.rows(ReapedRow, "reap", self.params.sql(limit=EXPIRED_BATCH, table=table))
         log_reaped(reaped, self.store)
         full = len(released) >= EXPIRED_BATCH or len(reaped) >= EXPIRED_BATCH
@@ -571,6 +573,7 @@ def claim(
         flow_wait=wait,
         held=tuple(sorted(flow.held)) if flow else (),
         filling=tuple(sorted(filling)),
+        limit=limit,
     )
 
 
