@@ -187,6 +187,25 @@ def compose(text: str, table: TableName) -> sql.Composed:
     return sql.SQL(text).format(**used)
 
 
+# A line that holds nothing but a comment. The files explain each statement there; a server
+# running it needs none of that text.
+_COMMENT_LINE = re.compile(r"^[ \t]*--[^\n]*(?:\n|\Z)", re.MULTILINE)
+
+
+def bind(text: str, table: TableName, name: str) -> sql.Composed:
+    """A named statement as it is run: ``text`` bound to ``table`` (:func:`compose`), its
+    comment lines left out and a one-line tag in their place (``/* outbox-celery <name> */``,
+    what ``pg_stat_statements`` and ``pg_stat_activity`` show), rendered once.
+
+    A statement of identifiers composed with ``psycopg.sql`` is rendered again, each identifier
+    quoted, on every execution; rendered here, an execution only encodes its text. Without the
+    comments the statements stay under psycopg's cache of converted queries (texts of at most
+    4,096 bytes), so their placeholders are not parsed again on every execution either.
+    """
+    body = _COMMENT_LINE.sub("", text)
+    return sql.Composed([sql.SQL(f"/* outbox-celery {name} */ " + compose(body, table).as_string(None))])
+
+
 #: Row sources of many rows (a fragment taking arrays) and their one-row forms (scalar
 #: parameters). PostgreSQL cannot know an array parameter's length when it plans a prepared
 #: statement once for all calls, so it plans a statement of arrays again for every call; the
@@ -214,7 +233,7 @@ def one_row_queries(
     texts = {**named(filename), **(replaced or {})}
     return MappingProxyType(
         {
-            name: compose(one, table)
+            name: bind(one, table, name)
             for name, text in texts.items()
             if (one := one_row(filename, text)) is not None
         }
@@ -224,4 +243,4 @@ def one_row_queries(
 @functools.cache
 def queries(filename: str, table: TableName) -> Mapping[str, sql.Composed]:
     """The named statements of ``sql/<filename>``, fragments filled, bound to ``table`` (cached)."""
-    return MappingProxyType({name: compose(text, table) for name, text in named(filename).items()})
+    return MappingProxyType({name: bind(text, table, name) for name, text in named(filename).items()})

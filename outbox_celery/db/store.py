@@ -186,12 +186,14 @@ class Store:
             name: _sql.fill(text, _sql.fragments("queries.sql")) for name, text in (queries or {}).items()
         }
         if filled:
-            self._q = {**self._q, **{name: _sql.compose(text, self.table) for name, text in filled.items()}}
+            bound = {name: _sql.bind(text, self.table, name) for name, text in filled.items()}
+            self._q = {**self._q, **bound}
         #: The one-row forms of the fenced statements (the completer's calls with one row).
         self._one: Mapping[str, sql.Composed] = _sql.one_row_queries("queries.sql", self.table, filled)
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._canonical: str | None = None
+        self._quoted: str | None = None
         self._instance: str | None = None
         self._flow_ready = False
         self._subscriptions_ready = False
@@ -235,8 +237,11 @@ class Store:
 
     def _regclass(self, conn: psycopg.Connection[Any] | None) -> str:
         # The quoted name, resolved to the table's oid in SQL: lock names then do not depend on
-        # how the table was spelled ("outbox" or "public.outbox").
-        return self.table.identifier().as_string(conn)
+        # how the table was spelled ("outbox" or "public.outbox"). Quoting an identifier needs
+        # no connection, so it is formatted once per Store.
+        if self._quoted is None:
+            self._quoted = self.table.identifier().as_string(None)
+        return self._quoted
 
     def canonical_name(self, conn: psycopg.Connection[Any]) -> str:
         """``schema.name`` of the table as PostgreSQL resolves it, e.g. ``public.outbox``.

@@ -96,3 +96,33 @@ def test_every_claim_statement_ends_with_the_one_claim_tail() -> None:
 def test_fill_leaves_identifiers_and_unknown_braces_for_compose() -> None:
     assert _sql.fill("SELECT 1 FROM {table}", {"x": "y"}) == "SELECT 1 FROM {table}"
     assert _sql.fill("{a} {b}", {"a": "[{b}]", "b": "B"}) == "[B] B"
+
+
+@pytest.mark.parametrize("filename", FILES)
+def test_a_statement_is_sent_without_its_comment_lines_and_tagged_with_its_name(filename: str) -> None:
+    t = TableName.parse("billing.outbox_events")
+    for name, query in _sql.queries(filename, t).items():
+        text = query.as_string(None)
+        assert text.startswith(f"/* outbox-celery {name} */ "), name
+        assert not [line for line in text.splitlines() if line.lstrip().startswith("--")], name
+        # What is left is the file's SQL, its identifiers bound once.
+        kept = [
+            line for line in _sql.named(filename)[name].splitlines() if not line.lstrip().startswith("--")
+        ]
+        assert text.removeprefix(f"/* outbox-celery {name} */ ") == _sql.compose(
+            "\n".join(kept), t
+        ).as_string(None), name
+
+
+def test_the_one_message_path_s_statements_fit_psycopg_s_cache_of_converted_queries() -> None:
+    # psycopg parses the placeholders of a text above 4,096 bytes again on every execution; the
+    # fenced start and finish of one row, the done batch and a claim's statements stay below.
+    from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
+
+    t = TableName.parse("billing.outbox_events")
+    queries = _sql.queries("queries.sql", t)
+    one = _sql.one_row_queries("queries.sql", t)
+    hot = [one["start"], one["finish"], queries["finish"], queries["start"]]
+    hot += [queries[n] for n in ("claim_settings_flow", "in_flight_by_route", "claim_pending", "insert_many")]
+    for query in hot:
+        assert len(query.as_bytes(None)) <= MAX_CACHED_STATEMENT_LENGTH
