@@ -178,6 +178,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--profile", action="store_true", help="also profile an end-to-end run with py-spy")
     p.add_argument(
+        "--profile-pack",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile section: the handler declared with pack=N (DESIGN invariant 30; default 0: none)",
+    )
+    p.add_argument(
         "--soak", type=int, metavar="N", help="also run N messages end to end and watch memory (100000)"
     )
     p.add_argument(
@@ -1533,7 +1540,10 @@ class Bench:
             return
         # The first deployment of --deployments (readme: the worker's main process claims too).
         readme = [d.strip() for d in a.deployments.split(",") if d.strip()][:1] == ["readme"]
-        r = self._outbox(self.svc.redis_url, a.messages, attach=profiler.attach, single_worker=readme)
+        env = {"BENCH_HANDLER_PACK": str(a.profile_pack)} if a.profile_pack else None
+        r = self._outbox(
+            self.svc.redis_url, a.messages, attach=profiler.attach, single_worker=readme, extra_env=env
+        )
         summaries = profiler.stop()
         self.results["profile"] = {"rate_under_profiler": r.rate, "roles": [s.as_dict() for s in summaries]}
         for s in summaries:
