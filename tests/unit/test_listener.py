@@ -46,6 +46,12 @@ class Inbox(queue.Queue[str]):
         super().put(item, block, timeout)
         os.write(self.pipe[1], b"n")
 
+    def put_burst(self, items: list[str]) -> None:
+        """Several payloads that reach the socket together: all wait before it is readable."""
+        for item in items:
+            super().put(item)
+        os.write(self.pipe[1], b"n" * len(items))
+
     def drain(self) -> None:
         with contextlib.suppress(BlockingIOError):
             while os.read(self.pipe[0], 4096):
@@ -151,8 +157,7 @@ def test_it_claims_on_connect_then_on_each_notification_and_nothing_in_between(s
         claim.wait(1)  # whatever was committed while nobody listened
         time.sleep(0.3)
         assert claim.calls == 1  # no notification, nothing due, an hour's poll: it sleeps
-        for _ in range(3):  # a burst arrives together: one claim answers all of it
-            session.inbox.put("commit")
+        session.inbox.put_burst(["commit"] * 3)  # a burst arrives together: one claim answers it
         claim.wait(2)
         deadline = time.monotonic() + SETTLE
         while listener.get_stats()["notifications"] < 3:
