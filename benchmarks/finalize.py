@@ -12,6 +12,11 @@ microseconds per delivery (start + finalize): wall time, the client process's CP
 when the server runs on this host, its backend's CPU time (``/proc``), which a shared, busy
 machine disturbs far less than the wall time.
 
+Then ``--rows`` claim runs of one row each (``claim run``: the claimer's whole run, as a push
+listener runs it per notification at a low rate: the claim lock, the in-flight count, the claim
+and its commit, a no-op publish), each row inserted before and delivered after the run on
+another connection, outside the figures.
+
 Every delivery's lease is claimed before the first start, so ``--rows`` leases are live while
 they run. With ``--stale-stats`` the table is analyzed after its rows are written and before
 they are claimed: the statistics then say that no lease is live (a table analyzed between two
@@ -88,6 +93,49 @@ def child(dsn: str, rows: int, *, stale_stats: bool = False) -> dict[str, float]
             finish = complete.Finish(complete.Lease(i, v), complete.Step.RETRY, 60.0, "503", **grouped)
             assert store.completer.finish(conn, [finish], max_attempts=MAX_ATTEMPTS, max_age=0.0).of(i)
 
+    def claim_runs(db: str, conn: psycopg.Connection[Any], backend: int, n: int) -> dict[str, float]:
+        """``n`` claim runs of one row each on ``conn`` (what a push listener runs per
+        notification at a low rate: claim lock, in-flight count, claim), each row inserted
+        before and delivered after on a connection of its own, outside the measurement."""
+        import contextlib
+
+        from outbox_celery import OutboxConfig, TableName
+        from outbox_celery.claim.claimer import Claimer
+        from outbox_celery.handlers import HandlerSpec
+
+        migrate(conn, "bench_claim_run")
+        store = Store("bench_claim_run")
+        handlers = {"bench.noop": HandlerSpec("bench.noop", lambda message: None, "bench")}
+        config = OutboxConfig(dsn=db, table=TableName.parse("bench_claim_run"), lease=LEASE)
+        claimer = Claimer(config, lambda: contextlib.nullcontext(conn), handlers, store=store)
+        claimed: list[Any] = []
+
+        def publish(claims: Any) -> int:
+            claimed.extend(claims)
+            return len(claims)
+
+        wall = cpu = 0.0
+        server: float | None = None
+        with psycopg.connect(db, autocommit=True) as other:
+            for k in range(n + 20):  # the first 20 warm up, as above
+                if k == 20:
+                    # Only the claim runs use this backend: its CPU over the loop is theirs.
+                    server = _backend_cpu(backend)
+                fill_pending(other, "bench_claim_run", 1)
+                claimed.clear()
+                w, c = time.perf_counter(), time.process_time()
+                claimer.run(publish)
+                if k >= 20:
+                    wall += time.perf_counter() - w
+                    cpu += time.process_time() - c
+                for x in claimed:
+                    deliver(other, store, "done", x.id, x.lease_version)
+        figures = {"claim run": wall / n * 1e6, "claim run client cpu": cpu / n * 1e6}
+        after = _backend_cpu(backend)
+        if server is not None and after is not None:
+            figures["claim run server cpu"] = (after - server) / n * 1e6
+        return figures
+
     out: dict[str, float] = {}
     with temporary_database(dsn, prefix="outbox_bench") as db, psycopg.connect(db, autocommit=True) as conn:
         migrate(conn, "bench_finalize")
@@ -109,6 +157,7 @@ def child(dsn: str, rows: int, *, stale_stats: bool = False) -> dict[str, float]
             after = _backend_cpu(backend)
             if server is not None and after is not None:
                 out[f"{outcome} server cpu"] = (after - server) / rows * 1e6
+        out.update(claim_runs(db, conn, backend, rows))
     return out
 
 
@@ -167,7 +216,8 @@ def main() -> None:
                 for outcome, us in _run(roots[name], args.dsn, args.rows, args.stale_stats).items():
                     samples[name].setdefault(outcome, []).append(us)
     print(
-        f"one-row start + finalize, us per delivery (median of {args.rounds} alternated rounds of "
+        f"one-row start + finalize, us per delivery, and claim runs of one row (median of {args.rounds} "
+        f"alternated rounds of "
         f"{args.rows}, {args.rows + 20} live leases); PostgreSQL {row[0] if row else '?'}; baseline "
         f"{args.baseline}{'; statistics analyzed before the claim' if args.stale_stats else ''}"
     )
