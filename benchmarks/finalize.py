@@ -64,7 +64,7 @@ def child(dsn: str, rows: int, *, stale_stats: bool = False) -> dict[str, float]
     from outbox_celery.db.store import Store, starter_token
     from outbox_celery.testing import temporary_database
 
-    from .plain import fill_pending
+    from .plain import _noop, fill_pending
 
     def claim(conn: psycopg.Connection[Any], store: Store, n: int) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
@@ -105,7 +105,7 @@ def child(dsn: str, rows: int, *, stale_stats: bool = False) -> dict[str, float]
 
         migrate(conn, "bench_claim_run")
         store = Store("bench_claim_run")
-        handlers = {"bench.noop": HandlerSpec("bench.noop", lambda message: None, "bench")}
+        handlers = {"bench.noop": HandlerSpec("bench.noop", _noop, "bench")}
         config = OutboxConfig(dsn=db, table=TableName.parse("bench_claim_run"), lease=LEASE)
         claimer = Claimer(config, lambda: contextlib.nullcontext(conn), handlers, store=store)
         claimed: list[Any] = []

@@ -83,7 +83,8 @@ class Store(Protocol):
 
     def _count(self, key: str, n: int = 1) -> None: ...
 
-    def _regclass(self, conn: psycopg.Connection[Any] | None) -> str: ...
+    #: The table's name, quoted, for the statements that resolve it to its oid in SQL.
+    quoted: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +270,7 @@ class _Run:
         """The claim's first statement (DESIGN invariant 25: the one flow read of a claim with no
         limit declared and nothing paused or held), and whether it got the claim lock when
         ``lock`` asks for it (DESIGN invariant 16); True when it does not."""
-        params = {"claim_lock": lock, "table": self.store._regclass(self.conn)}
+        params = {"claim_lock": lock, "table": self.store.quoted}
         if not self.store.flow_ready(self.conn):
             [row] = self.rows(SettingsRow, "claim_settings", params)
         else:
@@ -332,7 +333,7 @@ class _Run:
         more = {"limit": EXPIRED_BATCH, "lease": lease, "unroutable_delay": unroutable_delay}
         released = self.rows(ReleasedRow, "release_expired", self.params.sql(**more))
         lost, unroutable = log_released(released, self.store)
-        table = self.store._regclass(None)
+        table = self.store.quoted
         reaped = self.rows(ReapedRow, "reap", self.params.sql(limit=EXPIRED_BATCH, table=table))
         log_reaped(reaped, self.store)
         full = len(released) >= EXPIRED_BATCH or len(reaped) >= EXPIRED_BATCH

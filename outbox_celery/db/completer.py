@@ -269,7 +269,8 @@ class Statements(Protocol):
 
     def _commit_mode(self, conn: psycopg.Connection[Any]) -> str | None: ...
 
-    def _regclass(self, conn: psycopg.Connection[Any] | None) -> str: ...
+    #: The table's name, quoted, for the statements that resolve it to its oid in SQL.
+    quoted: str
 
     def _message(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> Message: ...
 
@@ -287,8 +288,6 @@ class Completer:
             raise ValueError("inline_bytes must be >= 1")
         self.store = store
         self.inline_bytes = inline_bytes
-        # The table's quoted name, for the statements that resolve it to its oid in SQL.
-        self._table = store._regclass(None)
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -325,7 +324,7 @@ class Completer:
             "commit_mode": store._commit_mode(conn),
             "starter": starter,
             # The table, for a group's callback that a dead start completes (invariant 29).
-            "table": self._table,
+            "table": self.store.quoted,
             # Each row's share of the stored payload bytes one result may carry.
             "inline_share": self.inline_bytes // max(1, len(leases)),
         }
@@ -461,7 +460,7 @@ class Completer:
             "keys_locked": bool(locks),
             "commit_mode": store._commit_mode(conn) if steps == {Step.DONE} else None,
             "notify": notify,
-            "table": self._table,
+            "table": self.store.quoted,
         }
         scope: AbstractContextManager[Any]
         if joined:

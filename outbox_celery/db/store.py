@@ -193,11 +193,14 @@ class Store:
         self._stats: Counter[str] = Counter()
         self._stats_lock = threading.Lock()
         self._canonical: str | None = None
-        self._quoted: str | None = None
         self._instance: str | None = None
         self._flow_ready = False
         self._subscriptions_ready = False
         self._flow_warned = False
+        #: The table's name, quoted: the ``table`` parameter of the statements that resolve it to
+        #: its oid in SQL, so that lock names do not depend on how the table was spelled
+        #: ("outbox" or "public.outbox"). Quoting needs no connection: formatted once.
+        self.quoted: str = self.table.identifier().as_string(None)
         #: The fenced transitions of this table: start, finalize, lease extension.
         self.completer = Completer(self)
 
@@ -235,14 +238,6 @@ class Store:
 
     # -- identity ------------------------------------------------------------------------------
 
-    def _regclass(self, conn: psycopg.Connection[Any] | None) -> str:
-        # The quoted name, resolved to the table's oid in SQL: lock names then do not depend on
-        # how the table was spelled ("outbox" or "public.outbox"). Quoting an identifier needs
-        # no connection, so it is formatted once per Store.
-        if self._quoted is None:
-            self._quoted = self.table.identifier().as_string(None)
-        return self._quoted
-
     def canonical_name(self, conn: psycopg.Connection[Any]) -> str:
         """``schema.name`` of the table as PostgreSQL resolves it, e.g. ``public.outbox``.
 
@@ -251,7 +246,7 @@ class Store:
         Store, then cached.
         """
         if self._canonical is None:
-            [row] = self._read(conn, NameRow, "canonical_name", {"table": self._regclass(conn)})
+            [row] = self._read(conn, NameRow, "canonical_name", {"table": self.quoted})
             self._canonical = f"{row.schema_name}.{row.table_name}"
         return self._canonical
 
@@ -313,7 +308,7 @@ class Store:
         """
         if conn.info.transaction_status != pq.TransactionStatus.INTRANS:
             raise RuntimeError("try_claim_lock needs an open transaction (conn.transaction())")
-        [row] = self._read(conn, ClaimLockRow, "try_claim_lock", {"table": self._regclass(conn)})
+        [row] = self._read(conn, ClaimLockRow, "try_claim_lock", {"table": self.quoted})
         return bool(row.locked)
 
     def in_flight(self, conn: psycopg.Connection[Any]) -> int:
@@ -434,13 +429,13 @@ class Store:
 
     def notify_channel(self, conn: psycopg.Connection[Any]) -> str:
         """The channel :meth:`notify` signals on (``outbox_celery_<table oid>``)."""
-        [row] = self._read(conn, ChannelRow, "notify_channel", {"table": self._regclass(conn)})
+        [row] = self._read(conn, ChannelRow, "notify_channel", {"table": self.quoted})
         return row.channel
 
     def notify(self, conn: psycopg.Connection[Any], payload: str = "") -> None:
         """Signal this table's channel (:meth:`notify_channel`) with ``payload``: the push
         listeners claim again (:data:`SLOT_FREED`: only while a limit holds a type back)."""
-        conn.execute(self._q["notify"], {"table": self._regclass(conn), "payload": payload})
+        conn.execute(self._q["notify"], {"table": self.quoted, "payload": payload})
 
     def listen(self, conn: psycopg.Connection[Any]) -> str:
         """``LISTEN`` on this table's channel (a session-level setting); return the channel."""

@@ -103,7 +103,7 @@ class ProducerWrites:
         :raises ProducerError: the transaction is not ``READ COMMITTED`` (see
             :meth:`_check_isolation`). Refused before anything is written.
         """
-        params = {"table": self.store._regclass(conn), "keys": list(keys)}
+        params = {"table": self.store.quoted, "keys": list(keys)}
         with conn.cursor(row_factory=_rows.factory(LockedRow)) as cur:
             self._check_isolation(cur.execute(self.store._q["lock_keys"], params).fetchall())
 
@@ -198,9 +198,9 @@ class ProducerWrites:
                 f"split the events into transactions of at most {MAX_ORDERING_KEYS} keys each"
             )
         if keys and lock:
-            lock_params = {"table": self.store._regclass(None), "keys": keys}
+            lock_params = {"table": self.store.quoted, "keys": keys}
             self._check_isolation((yield Statement(self.store._q["lock_keys"], lock_params, LockedRow)))
-        wake = {"notify": notify, "table": self.store._regclass(None)}
+        wake = {"notify": notify, "table": self.store.quoted}
         group_id: int | None = None
         if group is not None:
             params = {**self._many_params(rows), **wake, **self._group_params(group)}
