@@ -81,9 +81,10 @@ KNOWN = {
 #: The fenced statements whose status test ``fenced_status`` writes as before.
 FENCED = ("start", "resume", "start_exhausted", "finish", "extend_lease")
 
-# Benchmark-only: first_expired as if a lease always ran out at the mark (NULL on a full pass:
-# every expired scan runs from the mark, as before first_expired).
-EXPIRED_EACH_FIRST = "SELECT %(expired_since)s::timestamptz AS lease_until"
+# Benchmark-only: first_expired (and the first statement's probe of it) as if a lease always ran
+# out at the mark (the epoch on a full pass: every expired scan runs from the mark or from the
+# start of the lease index, as before first_expired).
+EXPIRED_EACH_FIRST = "coalesce(%(expired_since)s::timestamptz, 'epoch'::timestamptz)"
 
 # Benchmark-only: the claim_heads query as a recursive skip scan (it ignores the head flag).
 SKIP_SCAN_CLAIM_HEADS = """
@@ -147,7 +148,12 @@ def make_store(table: str | TableName, spec: str) -> Store:
     if "skip_scan" in names:
         queries["claim_heads"] = SKIP_SCAN_CLAIM_HEADS
     if "expired_each" in names:
-        queries["first_expired"] = EXPIRED_EACH_FIRST
+        queries["first_expired"] = f"SELECT {EXPIRED_EACH_FIRST} AS lease_until"
+        fragments = _sql.fragments("queries.sql")
+        probe = "(" + _sql.fill(fragments["first_expired_scan"], fragments) + ")"
+        for name in ("claim_settings", "claim_settings_flow"):
+            text = queries.get(name, _sql.named("queries.sql")[name])
+            queries[name] = text.replace(probe, EXPIRED_EACH_FIRST)
     if "fenced_status" in names:
         named = _sql.named("queries.sql")
         for name in FENCED:

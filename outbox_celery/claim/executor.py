@@ -3,7 +3,8 @@
 One claim (:func:`claim`, on a :class:`~outbox_celery.db.store.Store`'s statements)::
 
     settings + now()           claim_settings_flow: held types, held keys, a claim run's
-      |                          claim lock (no row lock)
+      |                          claim lock (no row lock); the probes of the expired
+      |                          and heads ranges (claim_probes)
     room                         a claim run's in-flight count, after its claim lock
       |
     plan_flow -----------------> flow_add, flow_lock, flow_keys_clear, flow_live
@@ -12,12 +13,14 @@ One claim (:func:`claim`, on a :class:`~outbox_celery.db.store.Store`'s statemen
       |
     fill_asks -----------------> fill_due -> filling            (batch max_wait)
       |
-    maintenance                  first_expired; release_expired, reap, release_keyed_expired
+    maintenance                  first_expired (probed already unless the marks moved);
+                                 release_expired, reap, release_keyed_expired
                                  (none when no lease ran out since the expired mark)
       |
     expired_asks --------------> claim_expired_limited, claim_expired
       |
     fresh_rooms ---------------> claim_keyed, claim_heads/pending(_limited)
+                                 (claim_heads not when the probe found no head due)
     more_rooms ----------------> the limited types' second round
       |
     flow_writes, flow_wait ----> flow_key_cursor, flow_spend, flow_at_cap; ClaimResult
@@ -44,7 +47,8 @@ from ..db.completer import Lease
 from ..flow import Limit
 from ..table import TableName
 from . import plan
-from .expired import ReapedRow, ReleasedRow, log_reaped, log_released
+from .expired import FirstExpiredRow, Maintenance, ReapedRow, ReleasedRow, log_reaped, log_released
+from .fan_out import BATCH as FAN_OUT_BATCH
 from .fan_out import fan_out_bare
 from .marks import ScanMarks
 from .plan import FillRow, FlowRead, FlowRow, KeyedRow, KeyWalk, Seen
@@ -122,12 +126,6 @@ class ClaimedRow(NamedTuple):
         return Claimed(self.id, self.lease_version, self.event_type, self.lease_until, self.attempts)
 
 
-class FirstExpiredRow(NamedTuple):
-    """The earliest lease that ran out since the expired mark (``first_expired``)."""
-
-    lease_until: datetime
-
-
 class LiveRow(NamedTuple):
     """Live deliveries of one limited type (``flow_live``)."""
 
@@ -147,6 +145,10 @@ class SettingsRow(NamedTuple):
     held_for: float | None = None
     key_types: Sequence[str] = ()
     key_held_for: float | None = None
+    #: ``first_expired``'s answer, from the marks the claim expected (``claim_probes``).
+    first_expired: datetime | None = None
+    #: A pending head is due; None: not probed (a statement replaced without the probes).
+    heads_due: bool | None = None
 
     def seen(self) -> Seen:
         """The planner's view of it."""
@@ -158,6 +160,18 @@ class SettingsRow(NamedTuple):
             key_types=tuple(self.key_types),
             key_held_for=self.key_held_for,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Probes:
+    """What a claim's first statement read ahead (``claim_probes``), from which scan bounds."""
+
+    expired_since: datetime | None
+    heads_since: datetime | None
+    #: The earliest lease that ran out from ``expired_since``; None: none did.
+    first_expired: datetime | None
+    #: A pending head of the claimer's types is due from ``heads_since``.
+    heads_due: bool
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -187,23 +201,6 @@ class ClaimResult:
     locked: bool = True
     #: The most new rows the claim asked for: its ``limit``, or what its ``room`` returned.
     limit: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Maintenance:
-    """What a claim's maintenance step did before it claimed."""
-
-    #: Expired claims whose task never started, back to pending.
-    lost: int
-    #: Expired leases of types without a handler here, back to pending as unroutable.
-    unroutable: int
-    #: Expired leases with no attempt left, now dead.
-    reaped: int
-    #: A statement filled its batch: more expired leases may wait (the expired mark stays).
-    full: bool
-    #: A lease ran out since the expired mark (``first_expired``); when none did, no expired
-    #: scan runs, ``claim_expired`` included.
-    expired: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +251,8 @@ class _Run:
         self.q = store._q
         self.db_now: datetime | None = None
         self.params = ClaimParams(lease=0.0, owner="", max_attempts=0, event_types=None)
+        #: What the first statement probed; None: not probed.
+        self.probes: Probes | None = None
 
     def rows(self, cls: type[_R], query: str, params: Mapping[str, Any]) -> list[_R]:
         """Run named query ``query``; its rows as ``cls``, by column name (:mod:`outbox_celery.db.rows`)."""
@@ -269,13 +268,14 @@ class _Run:
     def settings(self, *, lock: bool = False) -> tuple[Seen, bool]:
         """The claim's first statement (DESIGN invariant 25: the one flow read of a claim with no
         limit declared and nothing paused or held), and whether it got the claim lock when
-        ``lock`` asks for it (DESIGN invariant 16); True when it does not."""
-        params = {"claim_lock": lock, "table": self.store.quoted}
-        if not self.store.flow_ready(self.conn):
-            [row] = self.rows(SettingsRow, "claim_settings", params)
-        else:
-            params["event_types"] = self.params.event_types
-            [row] = self.rows(SettingsRow, "claim_settings_flow", params)
+        ``lock`` asks for it (DESIGN invariant 16); True when it does not. It probes the
+        expired and heads ranges from the scan bounds in :attr:`params` (``claim_probes``)."""
+        params = self.params.sql(claim_lock=lock, table=self.store.quoted)
+        query = "claim_settings_flow" if self.store.flow_ready(self.conn) else "claim_settings"
+        [row] = self.rows(SettingsRow, query, params)
+        if row.heads_due is not None:
+            p = self.params
+            self.probes = Probes(p.expired_since, p.heads_since, row.first_expired, row.heads_due)
         return row.seen(), row.locked is not False
 
     def read_flow(self, limits: Mapping[str, Limit], seen: Seen) -> tuple[plan.FlowPlan, FlowRead | None]:
@@ -318,12 +318,29 @@ class _Run:
     def first_expired(self) -> bool:
         """Whether a lease ran out since the expired mark; if one did, the expired scans start
         at the earliest (``first_expired``): one walk of the lease index's range for the four
-        statements that read it (DESIGN invariant 18)."""
-        rows = self.rows(FirstExpiredRow, "first_expired", self.params.sql())
-        if not rows:
+        statements that read it (DESIGN invariant 18). The first statement's probe answers it
+        when the expired scan's bound is still the one it probed from; else the statement runs."""
+        probes = self.probes
+        if probes is not None and probes.expired_since == self.params.expired_since:
+            first = probes.first_expired
+        else:
+            rows = self.rows(FirstExpiredRow, "first_expired", self.params.sql())
+            first = rows[0].lease_until if rows else None
+        if first is None:
             return False
-        self.params = replace(self.params, expired_since=rows[0].lease_until)
+        self.params = replace(self.params, expired_since=first)
         return True
+
+    def made_due(self) -> None:
+        """Rows made pending in this transaction (given back, fanned out): a head may be due."""
+        if self.probes is not None:
+            self.probes = replace(self.probes, heads_due=True)
+
+    def heads_due(self) -> bool:
+        """Whether ``claim_heads`` can take a row: False only when the first statement probed the
+        heads' range from this claim's bound and found no head due (``claim_probes``)."""
+        probes = self.probes
+        return probes is None or probes.heads_since != self.params.heads_since or probes.heads_due
 
     def maintenance(self, *, lease: float, unroutable_delay: float, keyed: bool) -> Maintenance:
         """Lost and unroutable expired leases back to pending (no attempt spent), exhausted ones
@@ -337,10 +354,13 @@ class _Run:
         reaped = self.rows(ReapedRow, "reap", self.params.sql(limit=EXPIRED_BATCH, table=table))
         log_reaped(reaped, self.store)
         full = len(released) >= EXPIRED_BATCH or len(reaped) >= EXPIRED_BATCH
+        n = 0
         if keyed:
             # Their expired started leases go back to pending, then through claim_keyed.
             n = self.run("release_keyed_expired", self.params.sql(limit=EXPIRED_BATCH))
             full = full or n >= EXPIRED_BATCH
+        if released or n:
+            self.made_due()
         return Maintenance(lost, unroutable, len(reaped), full)
 
     # -- claiming statements --
@@ -402,7 +422,11 @@ class _Run:
         heads_short = False
         if room > 0:
             share = plan.half(room)
-            heads = self.claim_rows("claim_heads", share, "heads")
+            heads: list[Claimed] = []
+            if self.heads_due():
+                heads = self.claim_rows("claim_heads", share, "heads")
+            elif self.marks is not None and self.db_now is not None:
+                self.marks.heads = self.db_now  # as if the statement ran and took none
             # Fewer heads than asked: no other head is claimable now, do not ask again.
             heads_short = len(heads) < share
             claimed += heads
@@ -529,11 +553,15 @@ def claim(
         max_attempts=max_attempts,
         event_types=list(event_types) if event_types is not None else None,
     )
+    now_mono = time.monotonic()
+    if marks is not None:
+        # The bounds this claim expects to scan from, probed by its first statement.
+        expired_since, heads_since = marks.ahead(now_mono)
+        run.params = replace(run.params, expired_since=expired_since, heads_since=heads_since)
     with conn.transaction():
         seen, locked = run.settings(lock=lock)
         if not locked:
             return ClaimResult([], 0, locked=False)
-        now_mono = time.monotonic()
         full = marks.begin(now_mono) if marks is not None else True
         if room is not None:
             limit, hold = room(conn)
@@ -541,9 +569,11 @@ def claim(
         expired_limit = limit if expired_limit is None else max(0, expired_limit)
         if full or (marks is not None and marks.bare):
             # Before claiming: a fanned-out row is claimable in this same claim (invariant 28).
-            bare = fan_out_bare(store, conn)
+            fanned = fan_out_bare(store, conn)
             if marks is not None:
-                marks.bare = bare
+                marks.bare = fanned >= FAN_OUT_BATCH
+            if fanned:
+                run.made_due()
         if hold:
             seen = replace(seen, held=seen.held | frozenset(hold))
         run.db_now = seen.now

@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import NamedTuple, Protocol
 
 from ..table import TableName
 
-__all__ = ["ReapedRow", "ReleasedRow", "log_reaped", "log_released"]
+__all__ = ["FirstExpiredRow", "Maintenance", "ReapedRow", "ReleasedRow", "log_reaped", "log_released"]
 
 logger = logging.getLogger("outbox_celery.claim.executor")
 
@@ -21,6 +23,12 @@ class Store(Protocol):
     table: TableName
     on: str
     log_fields: dict[str, str]
+
+
+class FirstExpiredRow(NamedTuple):
+    """The earliest lease that ran out since the expired mark (``first_expired``)."""
+
+    lease_until: datetime
 
 
 class ReleasedRow(NamedTuple):
@@ -39,6 +47,23 @@ class ReapedRow(NamedTuple):
     id: int
     lease_version: int
     event_type: str
+
+
+@dataclass(frozen=True, slots=True)
+class Maintenance:
+    """What a claim's maintenance step did before it claimed."""
+
+    #: Expired claims whose task never started, back to pending.
+    lost: int
+    #: Expired leases of types without a handler here, back to pending as unroutable.
+    unroutable: int
+    #: Expired leases with no attempt left, now dead.
+    reaped: int
+    #: A statement filled its batch: more expired leases may wait (the expired mark stays).
+    full: bool
+    #: A lease ran out since the expired mark (``first_expired``); when none did, no expired
+    #: scan runs, ``claim_expired`` included.
+    expired: bool = True
 
 
 def log_released(rows: Sequence[ReleasedRow], store: Store) -> tuple[int, int]:

@@ -48,14 +48,15 @@ class _Fanned(NamedTuple):
     added: int
 
 
-def fan_out_bare(store: Store, conn: psycopg.Connection[Any], *, limit: int = BATCH) -> bool:
+def fan_out_bare(store: Store, conn: psycopg.Connection[Any], *, limit: int = BATCH) -> int:
     """Fan out up to ``limit`` unordered and ``limit`` ordered bare rows of subscribed types;
-    whether a full batch was found (more may remain). Runs inside the claim's transaction."""
+    how many were fanned out (``limit`` or more: more may remain). Runs inside the claim's
+    transaction."""
     if not store.subscriptions_ready(conn):
-        return False
+        return 0
     types = [r.event_type for r in rows.read(conn, _Type, store._q["subscribed_types"], {})]
     if not types:
-        return False
+        return 0
     [done] = rows.read(conn, _Fanned, store._q["fan_out_bare"], {"types": types, "limit": limit})
     if done.fanned:
         store._count("fanned_out", done.fanned)
@@ -67,4 +68,4 @@ def fan_out_bare(store: Store, conn: psycopg.Connection[Any], *, limit: int = BA
             done.added,
             extra={"outcome": "fanned_out", "fanned": done.fanned, "added": done.added},
         )
-    return done.fanned >= limit
+    return int(done.fanned)

@@ -81,9 +81,21 @@ class ScanMarks:
         #: The previous claim's fan-out of bare rows found a full batch: the next one goes on.
         self.bare = False
 
+    def full_due(self, monotonic_now: float) -> bool:
+        """Whether a claim that begins at ``monotonic_now`` is a full pass (:meth:`begin`)."""
+        return self.full_at is None or not 0 <= monotonic_now - self.full_at < self.full_every
+
+    def ahead(self, monotonic_now: float) -> tuple[datetime | None, datetime | None]:
+        """The expired and heads scans' lower bounds of a claim that begins at ``monotonic_now``,
+        read before it begins (its first statement probes both ranges); a clock check or a type
+        readmitted can still make the claim a full pass, whose bounds are both None."""
+        if self.full_due(monotonic_now):
+            return None, None
+        return self.since(self.expired), self.since(self.heads)
+
     def begin(self, monotonic_now: float) -> bool:
         """Start a claim: forget the marks when a full pass is due; return whether it is."""
-        if self.full_at is None or not 0 <= monotonic_now - self.full_at < self.full_every:
+        if self.full_due(monotonic_now):
             self.forget(monotonic_now)
             return True
         return False

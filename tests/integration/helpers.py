@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -198,3 +199,20 @@ def lock_waiters(conn: psycopg.Connection[Any]) -> int:
         " WHERE datname = current_database() AND wait_event_type = 'Lock'"
     ).fetchone()
     return int(row[0]) if row else 0
+
+
+class Recording(psycopg.Cursor[Any]):
+    """A cursor that records every statement it runs (the test's psycopg trace); a connection
+    made with ``cursor_factory=Recording`` runs every statement through it."""
+
+    seen: list[str] = []
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        text = query if isinstance(query, str) else query.as_string(self.connection)
+        Recording.seen.append(text)
+        return super().execute(query, params, **kwargs)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The library's statements seen, by the name each carries (``/* outbox-celery x */``)."""
+        return [m.group(1) for q in cls.seen if (m := re.match(r"/\* outbox-celery (\S+) \*/", q))]

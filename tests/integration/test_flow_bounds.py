@@ -25,7 +25,7 @@ from outbox_celery.claim.executor import ScanMarks
 from outbox_celery.errors import MigrationError
 from outbox_celery.flow import CAP_RECHECK, Limit
 
-from .helpers import LONG, Connect, add, claim, fetch, lock_waiters
+from .helpers import LONG, Connect, Recording, add, claim, fetch, lock_waiters
 
 A, B = "webhook.a", "webhook.b"
 
@@ -215,42 +215,31 @@ def test_invariant_25_a_key_at_its_key_concurrency_waits_for_a_finish_not_a_time
     assert held.flow_wait is not None and held.flow_wait >= CAP_RECHECK
 
 
-class _Recording(psycopg.Cursor[Any]):
-    """A cursor that records every statement it runs (the test's psycopg trace)."""
-
-    seen: list[str] = []
-
-    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
-        text = query if isinstance(query, str) else query.as_string(self.connection)
-        _Recording.seen.append(text)
-        return super().execute(query, params, **kwargs)
-
-
 def test_invariant_25_a_claim_with_no_limit_declared_runs_no_flow_statement(
     migrated_dsn: str, table: str
 ) -> None:
     store = Store(table)
-    with psycopg.connect(migrated_dsn, autocommit=True, cursor_factory=_Recording) as c:
+    with psycopg.connect(migrated_dsn, autocommit=True, cursor_factory=Recording) as c:
         add(c, 3, event_type=A)
         steps.claim(store, c, limit=10, lease=LONG, owner="t", max_attempts=5)  # flow_ready, cached
-        _Recording.seen.clear()
+        Recording.seen.clear()
         add(c, 3, event_type=A)
-        _Recording.seen.clear()
+        Recording.seen.clear()
         got = steps.claim(store, c, limit=10, lease=LONG, owner="t", max_attempts=5)
         assert len(got.claimed) == 3
         flow = re.compile(rf'"?{re.escape(table)}_flow')
-        touching = [q for q in _Recording.seen if flow.search(q)]
+        touching = [q for q in Recording.seen if flow.search(q)]
         # Only the claim's first statement (its settings and now()) reads the flow tables, in
         # the same statement and without a lock: no lock, no count, no key walk, no write. (A
         # claim without scan marks reads the subscribed types first: the fan-out, invariant 28.)
-        claiming = [q for q in _Recording.seen if "subscription" not in q]
+        claiming = [q for q in Recording.seen if "subscription" not in q]
         assert len(touching) == 1 and touching[0] is claiming[0], touching
         assert "FOR UPDATE" not in touching[0] and "UPDATE" not in touching[0].replace("FOR UPDATE", "")
         # With a type paused, still none: the paused type is left out as that statement read it.
         ops.pause(c, table, B)
-        _Recording.seen.clear()
+        Recording.seen.clear()
         steps.claim(store, c, limit=10, lease=LONG, owner="t", max_attempts=5)
-        assert len([q for q in _Recording.seen if flow.search(q)]) == 1
+        assert len([q for q in Recording.seen if flow.search(q)]) == 1
 
 
 def test_invariant_25_the_database_clock_stepping_back_stalls_neither_marks_nor_buckets(

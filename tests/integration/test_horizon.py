@@ -19,7 +19,7 @@ from support import steps
 from outbox_celery import Event, Store, enqueue, enqueue_many, ops
 from outbox_celery.claim.executor import ScanMarks
 
-from .helpers import LONG, PAST_SHORT, SHORT, Connect, add, fetch
+from .helpers import LONG, PAST_SHORT, SHORT, Connect, Recording, add, fetch
 
 CLAIM = {"lease": LONG, "owner": "test", "max_attempts": 5}
 
@@ -255,6 +255,57 @@ def test_invariant_18_leases_that_run_out_after_the_mark_come_back(
     assert sorted(c.id for c in result.claimed) == sorted([started, unstarted])
     assert result.lost == 1
     assert marks.full_passes == 1
+
+
+def _lost_lease_and_a_head(conn: psycopg.Connection[Any], store: Store) -> list[int]:
+    """A started claim whose lease ran out (its worker died) and a due ordered head: each only a
+    scan the claim's first statement probed for can take."""
+    [late] = add(conn, 1, table=store.table.name)
+    [c] = steps.claim(store, conn, limit=10, **{**CLAIM, "lease": SHORT}).claimed
+    assert c.id == late and steps.start(store, conn, c.id, c.lease_version, lease=SHORT, max_attempts=5)
+    [head] = add(conn, 1, table=store.table.name, key="k")
+    time.sleep(PAST_SHORT)
+    return sorted([late, head])
+
+
+def test_invariant_18_the_first_statement_probes_the_expired_and_heads_ranges(
+    migrated_dsn: str, store: Store
+) -> None:
+    with psycopg.connect(migrated_dsn, autocommit=True, cursor_factory=Recording) as c:
+        marks = ScanMarks()
+        for _ in ("a full pass", "a claim from the marks"):
+            fresh = add(c, 3, table=store.table.name)
+            Recording.seen.clear()
+            got = steps.claim(store, c, limit=10, marks=marks, **CLAIM).claimed
+            assert sorted(r.id for r in got) == fresh
+            names = Recording.names()
+            # No lease ran out and no head is due: the first statement said so, neither ran.
+            assert {"claim_settings_flow", "claim_pending"} <= set(names), names
+            assert not {"first_expired", "claim_heads", "claim_expired"} & set(names), names
+        # A lease that ran out and a head due: their statements run and take them.
+        expected = _lost_lease_and_a_head(c, store)
+        Recording.seen.clear()
+        assert sorted(r.id for r in steps.claim(store, c, limit=10, marks=marks, **CLAIM).claimed) == expected
+        names = Recording.names()
+        assert {"claim_expired", "claim_heads"} <= set(names) and "first_expired" not in names, names
+
+
+def test_invariant_18_marks_forgotten_after_the_probe_are_scanned_from_the_start(
+    migrated_dsn: str, store: Store
+) -> None:
+    with psycopg.connect(migrated_dsn, autocommit=True, cursor_factory=Recording) as c:
+        marks = ScanMarks(lookback=0.05, full_every=3600.0)
+        assert steps.claim(store, c, limit=10, marks=marks, **CLAIM).claimed == []  # the first, full pass
+        expected = _lost_lease_and_a_head(c, store)
+        # As if the previous claims ran on a host whose clock was an hour ahead (a failover to a
+        # lagging one since): the probe reads from marks an hour ahead and finds nothing, then
+        # the clock check forgets the marks (invariant 25) and the scans run from the start.
+        row = c.execute("SELECT now() + interval '1 hour'").fetchone()
+        assert row is not None
+        marks.pending = marks.heads = marks.expired = marks.db_now = row[0]
+        Recording.seen.clear()
+        assert sorted(r.id for r in steps.claim(store, c, limit=10, marks=marks, **CLAIM).claimed) == expected
+        assert {"first_expired", "claim_expired", "claim_heads"} <= set(Recording.names())
 
 
 def test_invariant_18_events_queued_during_a_pin_and_after_it_are_all_claimed(

@@ -97,6 +97,7 @@ PARAMS: dict[str, Any] = {
     "expired_since": None,
     "within": 1.0,
     "probe": True,
+    "claim_lock": False,
     "types": ["thing.happened"],
     "limits": [200],
     "since": [None],
@@ -114,6 +115,10 @@ PARAMS: dict[str, Any] = {
 }
 
 HOT = [
+    # A claim's first statement probes the expired and heads ranges (claim_probes).
+    "claim_settings",
+    "claim_settings_flow",
+    "first_expired",
     "claim_pending",
     "claim_expired",
     "claim_heads",

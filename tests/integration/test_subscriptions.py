@@ -18,6 +18,7 @@ from psycopg import sql
 from support import steps
 
 from outbox_celery import Event, Store, TableName, enqueue, enqueue_many
+from outbox_celery.claim.marks import ScanMarks
 from outbox_celery.db import statements
 from outbox_celery.errors import ProducerError
 from outbox_celery.ops import console, flow_states, pause, purge_done, resume, retention, stats, subscriptions
@@ -579,3 +580,21 @@ def test_invariant_28_a_claim_fans_out_bare_rows_of_a_subscribed_type_once(
     for route in ("order.paid@a", "order.paid@b"):
         got = [m.payload["n"] for m in _deliver_all(store, conn, route)]
         assert sorted(got) == [1, 2, 3, 4] and got.index(2) < got.index(3)
+
+
+def test_invariant_28_the_heads_a_claim_fans_out_are_claimable_in_that_claim(
+    conn: psycopg.Connection[Any], table: str
+) -> None:
+    """The claim's first statement found no head of its routes due (the rows had no route
+    yet); the fan-out that follows in its transaction makes one per route, and the same claim
+    takes them."""
+    store = Store(table)
+    events = [Event("order.paid", {"n": i}, "order", "7", ordering_key="o:7") for i in (1, 2)]
+    with conn.transaction():
+        keyed = enqueue_many(conn, events, table=table)
+    _subscribe(conn, table, "a", "b")
+    routes = ["order.paid@a", "order.paid@b"]
+    claim = {"lease": LONG, "owner": "t", "max_attempts": 5, "event_types": routes}
+    claimed = steps.claim(store, conn, limit=10, marks=ScanMarks(), **claim).claimed
+    assert sorted(c.event_type for c in claimed) == routes
+    assert keyed[0] in {c.id for c in claimed}

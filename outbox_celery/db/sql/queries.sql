@@ -229,9 +229,10 @@ SELECT count(*) AS n FROM (
 -- First statement of every claim transaction: JIT off for the claim. Once a churned table's
 -- statistics price the claim's queries above jit_above_cost, JIT compilation costs every claim
 -- many times its few milliseconds of work, and these short queries never profit from it.
--- Also returns the transaction's now(): where the claim's scan marks move to (ScanMarks), and,
--- for a claim run, the table's claim lock (claim_lock).
-SELECT set_config('jit', 'off', true) AS jit, now() AS now, {claim_lock} AS locked;
+-- Also returns the transaction's now(): where the claim's scan marks move to (ScanMarks), for a
+-- claim run the table's claim lock (claim_lock), and the two probes (claim_probes) that spare a
+-- claim the statements with nothing to do.
+SELECT set_config('jit', 'off', true) AS jit, now() AS now, {claim_lock} AS locked, {claim_probes};
 
 -- fragment: claim_lock
 -- A claim run's claim transactions take the table's claim lock here, in their first statement
@@ -240,6 +241,24 @@ SELECT set_config('jit', 'off', true) AS jit, now() AS now, {claim_lock} AS lock
 -- before it. A claim whose transaction does not get it claims nothing. NULL: no lock asked
 -- (a claim called on its own). pg_try_advisory_xact_lock is volatile, never folded in a plan.
 CASE WHEN %(claim_lock)s::bool THEN {claim_lock_taken} END
+
+-- fragment: claim_probes
+-- The claim's two probes, read in its first statement with the marks the claim expects to use
+-- (DESIGN invariant 18); the claim runs the statement again (first_expired) or the heads claim
+-- when its marks moved in between (a full pass):
+--   first_expired: first_expired's answer, NULL when no lease ran out since expired_since. Its
+--          snapshot is taken before the claim lock, which changes nothing: it holds every lease
+--          that ran out before this transaction's now() but one written longer than a lease ago
+--          (first_expired), and a lease another claim took back since is skipped by the scans;
+--   heads_due: a pending head of this claimer's types is due from heads_since (any of them, held
+--          or limited ones included). False: claim_heads is not run and its mark moves to now(),
+--          as if it took none; a head due later is the next claim's, as one committed after the
+--          heads statement would be.
+({first_expired_scan}) AS first_expired,
+EXISTS (SELECT 1 FROM {table}
+        WHERE status = 'pending' AND head AND available_at <= now()
+          AND available_at >= coalesce(%(heads_since)s::timestamptz, '-infinity')
+          AND (%(event_types)s::text[] IS NULL OR event_type = ANY(%(event_types)s::text[]))) AS heads_due
 
 -- name: claim_settings_flow
 -- claim_settings of a table with its flow-control tables (migrations 0007 to 0009): the
@@ -277,7 +296,8 @@ SELECT set_config('jit', 'off', true) AS jit, now() AS now, {claim_lock} AS lock
        (SELECT extract(epoch FROM f.paused_until - now())::float8 FROM {flow_key_table} AS f
         WHERE f.paused_until > now()
           AND (%(event_types)s::text[] IS NULL OR f.event_type = ANY(%(event_types)s::text[]))
-        ORDER BY f.paused_until LIMIT 1) AS key_held_for;
+        ORDER BY f.paused_until LIMIT 1) AS key_held_for,
+       {claim_probes};
 
 -- name: first_expired
 -- The earliest lease that ran out, from expired_since (ScanMarks, DESIGN invariant 18): where
@@ -288,12 +308,16 @@ SELECT set_config('jit', 'off', true) AS jit, now() AS now, {claim_lock} AS lock
 -- The four read the same range with one more condition each, and no transaction makes a lease
 -- that ran out before this claim's now() appear after this read (a lease end is written in the
 -- future) but one that ran longer than a lease: the next full pass takes it, as a row skipped
--- locked.
+-- locked. A claim reads it in its first statement (claim_probes) and runs it only when its
+-- expired mark moved after that.
+{first_expired_scan};
+
+-- fragment: first_expired_scan
 SELECT lease_until FROM {table}
 WHERE status = 'processing' AND lease_until <= now()
   AND lease_until >= coalesce(%(expired_since)s::timestamptz, '-infinity')
 ORDER BY lease_until
-LIMIT 1;
+LIMIT 1
 
 -- name: release_expired
 -- Expired leases that are not re-claimed as started ones are (claim_expired, DESIGN invariants
