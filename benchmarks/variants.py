@@ -139,12 +139,13 @@ def make_store(table: str | TableName, spec: str) -> Store:
     """A store with the variants of ``spec`` applied."""
     names = parse(spec)
     cls = ExplicitTransactionStore if "explicit_tx" in names else Store
-    queries = {}
+    named = _sql.named("queries.sql")
+    queries: dict[str, str] = {}
     if "claim_jit" in names:
-        # Benchmark-only: the claim transaction's first statement no longer turns JIT off.
-        queries["claim_settings"] = "SELECT NULL AS jit, now() AS now"
-        flow_read = _sql.named("queries.sql")["claim_settings_flow"]
-        queries["claim_settings_flow"] = flow_read.replace("set_config('jit', 'off', true)", "NULL")
+        # Benchmark-only: the claim transaction's first statement no longer turns JIT off (its
+        # claim lock and probes stay).
+        for name in ("claim_settings", "claim_settings_flow"):
+            queries[name] = named[name].replace("set_config('jit', 'off', true)", "NULL")
     if "skip_scan" in names:
         queries["claim_heads"] = SKIP_SCAN_CLAIM_HEADS
     if "expired_each" in names:
@@ -152,10 +153,8 @@ def make_store(table: str | TableName, spec: str) -> Store:
         fragments = _sql.fragments("queries.sql")
         probe = "(" + _sql.fill(fragments["first_expired_scan"], fragments) + ")"
         for name in ("claim_settings", "claim_settings_flow"):
-            text = queries.get(name, _sql.named("queries.sql")[name])
-            queries[name] = text.replace(probe, EXPIRED_EACH_FIRST)
+            queries[name] = queries.get(name, named[name]).replace(probe, EXPIRED_EACH_FIRST)
     if "fenced_status" in names:
-        named = _sql.named("queries.sql")
         for name in FENCED:
             queries[name] = named[name].replace(
                 "status IS NOT DISTINCT FROM 'processing'", "status = 'processing'"
